@@ -1,0 +1,71 @@
+//! The `{code, message}` error body shared by the lifecycle server and execd.
+
+use serde::{Deserialize, Serialize};
+
+/// Every non-2xx response carries this body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: String,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { code: code.into(), message: message.into() }
+    }
+}
+
+/// Error codes Warren's lifecycle server emits. Strings follow the reference server's `AREA::NAME` form
+/// where the SDKs or users may match on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    MissingApiKey,
+    InvalidApiKey,
+    InvalidParameter,
+    InvalidMetadataLabel,
+    InvalidMetadataFormat,
+    InvalidExpiration,
+    ImageNotFound,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxNotPaused,
+    InvalidState,
+    ApiNotSupported,
+    BodyTooLarge,
+    InvalidRequestBody,
+    ProxyUnavailable,
+    InvalidAccessToken,
+    HostPathNotAllowed,
+    Unknown,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MissingApiKey => "MISSING_API_KEY",
+            Self::InvalidApiKey => "INVALID_API_KEY",
+            Self::InvalidParameter => "SANDBOX::INVALID_PARAMETER",
+            Self::InvalidMetadataLabel => "SANDBOX::INVALID_METADATA_LABEL",
+            Self::InvalidMetadataFormat => "INVALID_METADATA_FORMAT",
+            Self::InvalidExpiration => "SANDBOX::INVALID_EXPIRATION",
+            Self::ImageNotFound => "SANDBOX::IMAGE_NOT_FOUND",
+            Self::SandboxNotFound => "SANDBOX::NOT_FOUND",
+            Self::SandboxNotRunning => "SANDBOX::NOT_RUNNING",
+            Self::SandboxNotPaused => "SANDBOX::NOT_PAUSED",
+            Self::InvalidState => "SANDBOX::INVALID_STATE",
+            Self::ApiNotSupported => "SANDBOX::API_NOT_SUPPORTED",
+            Self::BodyTooLarge => "REQUEST::BODY_TOO_LARGE",
+            Self::InvalidRequestBody => "REQUEST::INVALID_BODY",
+            Self::ProxyUnavailable => "PROXY::UPSTREAM_UNAVAILABLE",
+            Self::InvalidAccessToken => "PROXY::INVALID_ACCESS_TOKEN",
+            Self::HostPathNotAllowed => "VOLUME::HOST_PATH_NOT_ALLOWED",
+            Self::Unknown => "GENERAL::UNKNOWN_ERROR",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

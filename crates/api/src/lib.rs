@@ -1,0 +1,24 @@
+//! Wire types of the OpenSandbox Sandbox Protocol as Warren speaks it.
+//!
+//! This crate depends on serde only, so clients (SDK, CLI, MCP) never pull in the server or a runtime.
+//! Field names are camelCase on the lifecycle API and snake_case on execd, exactly as the official SDKs
+//! expect; see `shared/reference/opensandbox-protocol.md`.
+
+pub mod error;
+pub mod execd;
+pub mod lifecycle;
+
+pub use error::{ErrorBody, ErrorCode};
+
+/// Header carrying the lifecycle API key.
+pub const API_KEY_HEADER: &str = "OPEN-SANDBOX-API-KEY";
+/// Header carrying the per-sandbox endpoint token on proxied requests.
+pub const ACCESS_TOKEN_HEADER: &str = "X-Warren-Sandbox-Token";
+/// Request id header, generated when the client sends none.
+pub const REQUEST_ID_HEADER: &str = "X-Request-ID";
+/// The execd port inside every sandbox.
+pub const EXECD_PORT: u16 = 44772;
+/// The egress policy surface port.
+pub const EGRESS_PORT: u16 = 18080;
+/// The Jupyter port the code-interpreter SDK health-checks.
+pub const JUPYTER_PORT: u16 = 44771;

@@ -1,0 +1,212 @@
+//! Lifecycle API types (`/v1/sandboxes…`), camelCase on the wire.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `image` in a create request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageSpec {
+    pub uri: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<ImageAuth>,
+}
+
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageAuth {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for ImageAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageAuth").field("username", &self.username).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Platform {
+    pub os: String,
+    pub arch: String,
+}
+
+/// `POST /sandboxes` body. Unknown fields are accepted (newer SDKs send more) but the ones Warren does
+/// not implement are rejected explicitly by the server rather than silently dropped.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreateSandboxRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<Vec<String>>,
+    /// Seconds; `None` (absent or JSON null) means manual cleanup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_limits: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_requests: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_proxy: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_access: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extensions: Option<BTreeMap<String, String>>,
+}
+
+/// Lifecycle states; clients must tolerate values they do not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SandboxState {
+    Pending,
+    Running,
+    Pausing,
+    Paused,
+    Resuming,
+    Stopping,
+    Terminated,
+    Failed,
+}
+
+impl SandboxState {
+    pub const ALL: [SandboxState; 8] = [
+        Self::Pending,
+        Self::Running,
+        Self::Pausing,
+        Self::Paused,
+        Self::Resuming,
+        Self::Stopping,
+        Self::Terminated,
+        Self::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Running => "Running",
+            Self::Pausing => "Pausing",
+            Self::Paused => "Paused",
+            Self::Resuming => "Resuming",
+            Self::Stopping => "Stopping",
+            Self::Terminated => "Terminated",
+            Self::Failed => "Failed",
+        }
+    }
+
+    /// Parses a state name case-insensitively (the CLI and query strings are lenient).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|st| st.as_str().eq_ignore_ascii_case(s))
+    }
+
+    /// Terminal states: the sandbox's processes are gone and only its record remains.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Terminated | Self::Failed)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxStatus {
+    pub state: SandboxState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_at: Option<String>,
+}
+
+/// `GET /sandboxes/{id}`, list items, and the create response (which omits `image`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    pub id: String,
+    pub status: SandboxStatus,
+    pub created_at: String,
+    pub entrypoint: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub extensions: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pagination {
+    pub page: u32,
+    pub page_size: u32,
+    pub total_items: u64,
+    pub total_pages: u32,
+    pub has_next_page: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListSandboxesResponse {
+    pub items: Vec<Sandbox>,
+    pub pagination: Pagination,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RenewExpirationRequest {
+    pub expires_at: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RenewExpirationResponse {
+    pub expires_at: String,
+}
+
+/// `GET /sandboxes/{id}/endpoints/{port}`: no scheme in `endpoint`; clients send every header in `headers`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    pub endpoint: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// `POST /metrics/events`, sent fire-and-forget by the SDK after each create.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MetricsEvent {
+    pub event_type: String,
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+    #[serde(default)]
+    pub image: Option<String>,
+    #[serde(default)]
+    pub create_duration_ms: Option<i64>,
+    #[serde(default)]
+    pub success: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Health {
+    pub status: String,
+}
