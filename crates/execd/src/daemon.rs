@@ -1,0 +1,119 @@
+//! Wiring of the whole daemon: reaper, listeners, the sandbox entrypoint and signals.
+//!
+//! Docker semantics: the sandbox ends with its main process, so when an entrypoint is given execd exits
+//! with the entrypoint's exit code; SIGTERM/SIGINT to execd are forwarded to the entrypoint first.
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::reaper::{self, Exit, Reaper};
+use crate::{router, AppState};
+
+/// How long the entrypoint gets to stop after a forwarded SIGTERM before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub sockets: Vec<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub workdir: PathBuf,
+    pub entrypoint: Vec<String>,
+}
+
+/// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
+pub async fn run(config: Config) -> anyhow::Result<i32> {
+    if let Err(e) = reaper::become_subreaper() {
+        tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
+    }
+    let reaper = Reaper::new();
+    tokio::spawn({
+        let reaper = reaper.clone();
+        async move {
+            if let Err(e) = reaper.run().await {
+                tracing::error!(error = %e, "reaper stopped");
+            }
+        }
+    });
+    let state = Arc::new(AppState::new(reaper.clone(), config.workdir.clone()));
+    let app = router(state.clone());
+
+    let mut servers = tokio::task::JoinSet::new();
+    for path in &config.sockets {
+        // A stale socket from a previous run would make bind fail.
+        let _ = std::fs::remove_file(path);
+        let listener = tokio::net::UnixListener::bind(path).with_context(|| format!("binding unix socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "listening");
+        servers.spawn(axum::serve(listener, app.clone()).into_future());
+    }
+    if let Some(addr) = config.listen {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        tracing::info!(addr = %listener.local_addr().unwrap_or(addr), "listening");
+        servers.spawn(axum::serve(listener, app.clone()).into_future());
+    }
+
+    let mut entry_pid = None;
+    let entry_exit = if config.entrypoint.is_empty() {
+        None
+    } else {
+        let (first, rest) = config.entrypoint.split_first().context("empty entrypoint")?;
+        let mut cmd = Command::new(first);
+        cmd.args(rest).current_dir(&config.workdir);
+        let spawned = reaper.spawn(&mut cmd).with_context(|| format!("starting entrypoint {first}"))?;
+        tracing::info!(pid = spawned.child.id(), entrypoint = ?config.entrypoint, "entrypoint started");
+        entry_pid = i32::try_from(spawned.child.id()).ok();
+        Some(spawned.exit)
+    };
+    let entry_wait = async {
+        match entry_exit {
+            Some(rx) => rx.await.unwrap_or(Exit::Code(1)),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(entry_wait);
+
+    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let code = tokio::select! {
+        exit = &mut entry_wait => {
+            tracing::info!(?exit, "entrypoint exited");
+            exit.shell_code()
+        }
+        Some(res) = servers.join_next() => {
+            state.shutdown();
+            let res = res.context("server task panicked")?;
+            res.context("server failed")?;
+            anyhow::bail!("server stopped unexpectedly");
+        }
+        _ = async { tokio::select! { _ = sigterm.recv() => {}, _ = sigint.recv() => {} } } => {
+            tracing::info!("stop signal received");
+            match entry_pid {
+                Some(pid) => {
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+                    match tokio::time::timeout(STOP_GRACE, &mut entry_wait).await {
+                        Ok(exit) => exit.shell_code(),
+                        Err(_) => {
+                            tracing::warn!(pid, "entrypoint ignored SIGTERM, killing it");
+                            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                            entry_wait.await.shell_code()
+                        }
+                    }
+                }
+                None => 0,
+            }
+        }
+    };
+    state.shutdown();
+    for path in &config.sockets {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(code)
+}

@@ -1,0 +1,96 @@
+//! warren-execd: the daemon inside every sandbox (usually PID 1). It serves the OpenSandbox execd HTTP API
+//! — commands, shell sessions, files, metrics and a port proxy — on Unix sockets and/or TCP, runs the
+//! sandbox's entrypoint, and reaps every process of the sandbox.
+
+pub mod command;
+pub mod daemon;
+pub mod download;
+pub mod error;
+pub mod files;
+pub mod ids;
+pub mod logbuf;
+pub mod metrics;
+pub mod process;
+pub mod proxy;
+pub mod query;
+pub mod reaper;
+pub mod session;
+pub mod sse;
+pub mod upload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::{any, get, post};
+use axum::Router;
+
+use crate::error::{code, ApiError};
+use crate::reaper::Reaper;
+
+/// Shared by every handler.
+pub struct AppState {
+    pub reaper: Reaper,
+    /// Relative paths and commands without `cwd` start here.
+    pub workdir: PathBuf,
+    pub commands: command::Commands,
+    pub sessions: session::Sessions,
+    pub metrics: metrics::Sources,
+}
+
+impl AppState {
+    pub fn new(reaper: Reaper, workdir: PathBuf) -> Self {
+        Self {
+            reaper,
+            workdir,
+            commands: Default::default(),
+            sessions: Default::default(),
+            metrics: Default::default(),
+        }
+    }
+
+    /// Absolute paths are taken as they are; anything else is relative to the workdir.
+    pub fn resolve(&self, p: &str) -> PathBuf {
+        let path = Path::new(p);
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else if p.is_empty() {
+            self.workdir.clone()
+        } else {
+            self.workdir.join(path)
+        }
+    }
+
+    /// Kills everything execd started (used when execd itself stops).
+    pub fn shutdown(&self) {
+        self.commands.kill_all();
+        self.sessions.kill_all();
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/ping", get(|| async { StatusCode::OK }))
+        .route("/command", post(command::run).delete(command::interrupt))
+        .route("/command/status/{id}", get(command::status))
+        .route("/command/{id}/logs", get(command::logs))
+        .route("/session", post(session::create))
+        .route("/session/{id}", axum::routing::delete(session::delete))
+        .route("/session/{id}/run", post(session::run))
+        .route("/files", axum::routing::delete(files::delete_files))
+        .route("/files/info", get(files::info))
+        .route("/files/permissions", post(files::permissions))
+        .route("/files/mv", post(files::mv))
+        .route("/files/search", get(files::search))
+        .route("/files/replace", post(files::replace))
+        .route("/files/upload", post(upload::upload))
+        .route("/files/download", get(download::download))
+        .route("/directories", post(files::mkdir).delete(files::rmdir))
+        .route("/directories/list", get(files::list))
+        .route("/metrics", get(metrics::metrics))
+        .route("/metrics/watch", get(metrics::watch))
+        .route("/proxy/{port}", any(proxy::proxy))
+        .route("/proxy/{port}/{*path}", any(proxy::proxy))
+        .fallback(|| async { ApiError::not_found(code::NOT_SUPPORTED, "no such route") })
+        .with_state(state)
+}

@@ -1,0 +1,58 @@
+//! `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR] [-- ENTRYPOINT ARGV...]`
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use warren_execd::daemon::{self, Config};
+
+#[derive(Debug, Parser)]
+#[command(name = "warren-execd", version, about = "Warren's in-sandbox daemon (OpenSandbox execd API)")]
+struct Args {
+    /// Serve the API on this Unix socket (repeatable).
+    #[arg(long = "socket", value_name = "PATH")]
+    sockets: Vec<PathBuf>,
+    /// Serve the API on this TCP address. Defaults to 0.0.0.0:44772 when no socket is given either.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Working directory for the entrypoint, commands and relative paths.
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    workdir: PathBuf,
+    /// The sandbox's main process; execd exits with its exit code.
+    #[arg(last = true, value_name = "ENTRYPOINT")]
+    entrypoint: Vec<String>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let listen = match (&args.listen, args.sockets.is_empty()) {
+        (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
+        (l, _) => *l,
+    };
+    let config = Config { sockets: args.sockets, listen, workdir: args.workdir, entrypoint: args.entrypoint };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("warren-execd: cannot start runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match runtime.block_on(daemon::run(config)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("warren-execd: {e:#}");
+            1
+        }
+    };
+    // Do not wait for lingering streams or blocking tasks: the sandbox's main process is gone.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    std::process::exit(code);
+}

@@ -1,0 +1,294 @@
+//! Building and spawning user processes: the shell, the environment (execd's own + the `EXECD_ENVS` file +
+//! per-request vars), the working directory, uid/gid, a process group of their own, and turning the pipes
+//! into non-blocking tokio readers. Everything goes through the [`Reaper`].
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc;
+
+use crate::ids::Ids;
+use crate::reaper::{Exit, Reaper, Spawned};
+
+/// Environment variable naming the env file loaded for every command.
+pub const EXECD_ENVS_VAR: &str = "EXECD_ENVS";
+/// Where the env file lives when `EXECD_ENVS` is unset.
+pub const DEFAULT_ENVS_FILE: &str = "/opt/opensandbox/.env";
+
+/// What to run, already validated.
+#[derive(Debug, Clone)]
+pub struct ProcessSpec {
+    pub program: Program,
+    pub cwd: PathBuf,
+    pub envs: BTreeMap<String, String>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Program {
+    /// Run through the shell with `-c`.
+    Shell(String),
+    /// Exec directly.
+    Argv(Vec<String>),
+}
+
+/// The shell used for `command` strings: bash when the image has it, else POSIX sh.
+pub fn shell() -> &'static str {
+    if Path::new("/bin/bash").exists() {
+        "/bin/bash"
+    } else {
+        "/bin/sh"
+    }
+}
+
+/// Parses `KEY=VALUE` lines; blank lines, `#` comments and an optional `export ` prefix are tolerated,
+/// and one level of matching quotes around the value is removed.
+pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                return None;
+            }
+            let line = line.strip_prefix("export ").unwrap_or(line);
+            let (key, value) = line.split_once('=')?;
+            let key = key.trim();
+            if key.is_empty() {
+                return None;
+            }
+            let value = value.trim();
+            let value = ['"', '\'']
+                .iter()
+                .find_map(|q| value.strip_prefix(*q).and_then(|v| v.strip_suffix(*q)))
+                .unwrap_or(value);
+            Some((key.to_string(), value.to_string()))
+        })
+        .collect()
+}
+
+/// The environment of a new command: execd's, then the env file (re-read every time: the SDK's
+/// `set_env` appends to it with a shell command), then the request's own vars.
+pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = std::env::vars().collect();
+    let file = std::env::var(EXECD_ENVS_VAR).unwrap_or_else(|_| DEFAULT_ENVS_FILE.to_string());
+    if let Ok(text) = std::fs::read_to_string(&file) {
+        env.extend(parse_env_file(&text));
+    }
+    env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("working directory {0} does not exist or is not a directory")]
+    BadCwd(PathBuf),
+    #[error("empty command")]
+    Empty,
+    #[error("failed to start {program}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("failed to set up pipes")]
+    Pipe(#[source] std::io::Error),
+}
+
+impl SpawnError {
+    /// The message shown to the user: the error and its cause in one line.
+    pub fn full_message(&self) -> String {
+        let mut msg = self.to_string();
+        let mut src = std::error::Error::source(self);
+        while let Some(s) = src {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            src = s.source();
+        }
+        msg
+    }
+}
+
+/// A running child with its pipes.
+pub struct Running {
+    pub pid: i32,
+    pub exit: tokio::sync::oneshot::Receiver<Exit>,
+    pub stdout: Option<pipe::Receiver>,
+    pub stderr: Option<pipe::Receiver>,
+    pub stdin: Option<pipe::Sender>,
+}
+
+/// How the child's stdin is wired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StdinMode {
+    Null,
+    Piped,
+}
+
+/// Spawns `spec` in a new process group (pgid == pid) with piped stdout/stderr.
+pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Running, SpawnError> {
+    if !spec.cwd.is_dir() {
+        return Err(SpawnError::BadCwd(spec.cwd.clone()));
+    }
+    let mut cmd = match &spec.program {
+        Program::Shell(script) => {
+            let mut c = Command::new(shell());
+            c.arg("-c").arg(script);
+            c
+        }
+        Program::Argv(argv) => {
+            let (first, rest) = argv.split_first().ok_or(SpawnError::Empty)?;
+            let mut c = Command::new(first);
+            c.args(rest);
+            c
+        }
+    };
+    cmd.current_dir(&spec.cwd)
+        .env_clear()
+        .envs(command_env(&spec.envs))
+        .stdin(match stdin {
+            StdinMode::Null => Stdio::null(),
+            StdinMode::Piped => Stdio::piped(),
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if let Some(uid) = spec.uid {
+        // Without an explicit gid, drop to the user's primary group rather than keeping root's.
+        let gid = spec.gid.or_else(|| Ids::load().primary_gid(uid));
+        if let Some(gid) = gid {
+            cmd.gid(gid);
+        }
+        cmd.uid(uid);
+    }
+    let program = match &spec.program {
+        Program::Shell(_) => shell().to_string(),
+        Program::Argv(argv) => argv.first().cloned().unwrap_or_default(),
+    };
+    let Spawned { mut child, exit } =
+        reaper.spawn(&mut cmd).map_err(|source| SpawnError::Spawn { program, source })?;
+    let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
+    let stdout = child.stdout.take().map(|p| pipe::Receiver::from_owned_fd(p.into())).transpose();
+    let stderr = child.stderr.take().map(|p| pipe::Receiver::from_owned_fd(p.into())).transpose();
+    let stdin = child.stdin.take().map(|p| pipe::Sender::from_owned_fd(p.into())).transpose();
+    match (stdout, stderr, stdin) {
+        (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running { pid, exit, stdout, stderr, stdin }),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            kill_group(pid, Signal::SIGKILL);
+            Err(SpawnError::Pipe(e))
+        }
+    }
+}
+
+/// Signals the whole process group led by `pgid`; a group that is already gone is not an error.
+pub fn kill_group(pgid: i32, sig: Signal) {
+    if pgid <= 1 {
+        return;
+    }
+    if let Err(e) = killpg(Pid::from_raw(pgid), sig) {
+        if e != nix::errno::Errno::ESRCH {
+            tracing::warn!(pgid, error = %e, "killpg failed");
+        }
+    }
+}
+
+/// Accumulates bytes and releases only complete UTF-8, so a multi-byte character split across two reads
+/// is not turned into replacement characters.
+#[derive(Default)]
+pub struct Utf8Carry {
+    pending: Vec<u8>,
+}
+
+impl Utf8Carry {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let valid_up_to = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            // Truly invalid bytes: emit lossily rather than holding them forever.
+            Err(_) => self.pending.len(),
+        };
+        let rest = self.pending.split_off(valid_up_to);
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending = rest;
+        out
+    }
+
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}
+
+/// Which stream a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Reads `pipe` to EOF, sending decoded text chunks. Stops early if the receiver is gone.
+pub async fn pump(mut pipe: pipe::Receiver, stream: Stream, tx: mpsc::Sender<(Stream, String)>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut carry = Utf8Carry::default();
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => {
+                let text = carry.push(&buf[..n]);
+                if !text.is_empty() && tx.send((stream, text)).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        }
+    }
+    let rest = carry.finish();
+    if !rest.is_empty() {
+        let _ = tx.send((stream, rest)).await;
+    }
+}
+
+/// How long output is still collected after the main process exited: a background grandchild may hold the
+/// pipe open forever, and the response must end when the command ends.
+pub const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_file_parsing() {
+        let parsed = parse_env_file("# c\n\nA=1\nexport B=two words\nC=\"q\"\nD='x=y'\n=bad\nnoequals\n");
+        assert_eq!(
+            parsed,
+            vec![
+                ("A".into(), "1".into()),
+                ("B".into(), "two words".into()),
+                ("C".into(), "q".into()),
+                ("D".into(), "x=y".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn utf8_carry_keeps_split_chars() {
+        let bytes = "héllo€".as_bytes();
+        let mut carry = Utf8Carry::default();
+        let mut out = String::new();
+        for b in bytes {
+            out.push_str(&carry.push(std::slice::from_ref(b)));
+        }
+        out.push_str(&carry.finish());
+        assert_eq!(out, "héllo€");
+    }
+}

@@ -1,0 +1,387 @@
+//! Persistent shell sessions (`POST /session`, `POST /session/{id}/run`, `DELETE /session/{id}`).
+//!
+//! A session is one long-lived bash reading a script from a pipe, so `cd`, exported variables and
+//! functions survive between runs. Each run writes the command (single-quoted, run through `eval` so a
+//! syntax error cannot desynchronise the shell) followed by two markers carrying a random token: one on
+//! stdout with the exit code, one on stderr. A run ends when both markers have been read, which also
+//! guarantees its output never leaks into the next run.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, State};
+use axum::response::Response;
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use warren_api::execd::EventKind;
+
+use crate::error::{code, ApiError, ApiJson, ApiResult, OptionalJson};
+use crate::process::{self, kill_group, shell, ProcessSpec, Program, StdinMode, Utf8Carry};
+use crate::reaper::Exit;
+use crate::sse;
+use crate::AppState;
+
+#[derive(Debug, Default, Deserialize)]
+pub struct CreateSessionRequest {
+    #[serde(default)]
+    pub cwd: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CreateSessionResponse {
+    pub session_id: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct RunInSessionRequest {
+    pub command: String,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Milliseconds.
+    #[serde(default)]
+    pub timeout: Option<u64>,
+}
+
+struct SessionIo {
+    stdin: pipe::Sender,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+}
+
+pub struct Session {
+    pgid: i32,
+    io: tokio::sync::Mutex<SessionIo>,
+    dead: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<String, Arc<Session>>>,
+}
+
+impl Sessions {
+    fn map(&self) -> MutexGuard<'_, HashMap<String, Arc<Session>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<Session>> {
+        self.map().get(id).cloned()
+    }
+
+    /// Kills every session shell (execd shutting down).
+    pub fn kill_all(&self) {
+        for (_, s) in self.map().drain() {
+            kill_group(s.pgid, Signal::SIGKILL);
+        }
+    }
+}
+
+pub async fn create(
+    State(app): State<Arc<AppState>>,
+    OptionalJson(req): OptionalJson<CreateSessionRequest>,
+) -> ApiResult<axum::Json<CreateSessionResponse>> {
+    let mut argv = vec![shell().to_string()];
+    if argv[0].ends_with("bash") {
+        argv.extend(["--noprofile".to_string(), "--norc".to_string()]);
+    }
+    let spec = ProcessSpec {
+        program: Program::Argv(argv),
+        cwd: app.resolve(req.cwd.as_deref().unwrap_or("")),
+        envs: Default::default(),
+        uid: None,
+        gid: None,
+    };
+    let running = process::spawn(&app.reaper, &spec, StdinMode::Piped)
+        .map_err(|e| ApiError::runtime(e.full_message()))?;
+    let (Some(stdin), Some(stdout), Some(stderr)) = (running.stdin, running.stdout, running.stderr) else {
+        kill_group(running.pid, Signal::SIGKILL);
+        return Err(ApiError::runtime("session shell has no pipes"));
+    };
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let dead = Arc::new(AtomicBool::new(false));
+    let session = Arc::new(Session {
+        pgid: running.pid,
+        io: tokio::sync::Mutex::new(SessionIo { stdin, stdout, stderr }),
+        dead: dead.clone(),
+    });
+    let exit = running.exit;
+    let sid = id.clone();
+    tokio::spawn(async move {
+        let status = exit.await;
+        dead.store(true, Ordering::SeqCst);
+        tracing::info!(session = %sid, ?status, "session shell exited");
+    });
+    app.sessions.map().insert(id.clone(), session);
+    tracing::info!(session = %id, pid = running.pid, "session created");
+    Ok(axum::Json(CreateSessionResponse { session_id: id }))
+}
+
+pub async fn delete(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<()> {
+    let session = app.sessions.map().remove(&id).ok_or_else(|| not_found(&id))?;
+    kill_group(session.pgid, Signal::SIGKILL);
+    tracing::info!(session = %id, "session deleted");
+    Ok(())
+}
+
+pub async fn run(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<RunInSessionRequest>,
+) -> ApiResult<Response> {
+    let session = app.sessions.get(&id).ok_or_else(|| not_found(&id))?;
+    if session.dead.load(Ordering::SeqCst) {
+        app.sessions.map().remove(&id);
+        return Err(ApiError::not_found(code::CONTEXT_NOT_FOUND, format!("session {id} has exited")));
+    }
+    if req.command.trim().is_empty() {
+        return Err(ApiError::bad_body("command must not be empty"));
+    }
+    if req.timeout == Some(0) {
+        return Err(ApiError::bad_body("timeout must be at least 1 ms"));
+    }
+    let cwd = req.cwd.as_deref().filter(|c| !c.is_empty()).map(|c| app.resolve(c));
+    let (stream, response) = sse::channel();
+    let app2 = app.clone();
+    tokio::spawn(async move {
+        let dead = run_in_session(&session, &id, &req.command, cwd.as_deref(), req.timeout, stream).await;
+        if dead {
+            kill_group(session.pgid, Signal::SIGKILL);
+            app2.sessions.map().remove(&id);
+        }
+    });
+    Ok(response)
+}
+
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The script one run writes to the shell.
+fn script(command: &str, cwd: Option<&std::path::Path>, token: &str) -> String {
+    let cd = cwd.map(|c| format!("cd {} && ", quote(&c.to_string_lossy()))).unwrap_or_default();
+    format!(
+        "{cd}{{ eval {cmd}\n}} </dev/null\nprintf '{out}%d__\\n' \"$?\"\nprintf '{err}\\n' >&2\n",
+        cmd = quote(command),
+        out = out_marker(token),
+        err = err_marker(token),
+    )
+}
+
+fn out_marker(token: &str) -> String {
+    format!("__WARREN_END_{token}_")
+}
+
+fn err_marker(token: &str) -> String {
+    format!("__WARREN_END_{token}__")
+}
+
+/// How much of `buf` can be emitted without possibly cutting a marker that is still arriving.
+fn safe_len(buf: &[u8], marker: &[u8]) -> usize {
+    let max = marker.len().saturating_sub(1).min(buf.len());
+    for k in (1..=max).rev() {
+        if buf.ends_with(&marker[..k]) {
+            return buf.len() - k;
+        }
+    }
+    buf.len()
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Parses `<digits>__\n` after the stdout marker. `None` while incomplete.
+fn parse_rc(rest: &[u8]) -> Option<Result<i32, ()>> {
+    let end = find(rest, b"__\n")?;
+    Some(std::str::from_utf8(&rest[..end]).ok().and_then(|s| s.parse().ok()).ok_or(()))
+}
+
+/// Per-stream state of one run.
+struct Side {
+    buf: Vec<u8>,
+    carry: Utf8Carry,
+    done: bool,
+    kind: EventKind,
+}
+
+impl Side {
+    fn new(kind: EventKind) -> Self {
+        Self { buf: Vec::new(), carry: Utf8Carry::default(), done: false, kind }
+    }
+
+    async fn emit(&mut self, upto: usize, tx: &tokio::sync::mpsc::Sender<warren_api::execd::StreamEvent>) {
+        let rest = self.buf.split_off(upto);
+        let chunk = std::mem::replace(&mut self.buf, rest);
+        let text = self.carry.push(&chunk);
+        if !text.is_empty() {
+            // The client may be gone; the run still has to reach its markers to keep the shell in sync.
+            let _ = tx.send(sse::event(self.kind, Some(text))).await;
+        }
+    }
+}
+
+/// Runs one command; returns whether the session is now unusable.
+async fn run_in_session(
+    session: &Session,
+    id: &str,
+    command: &str,
+    cwd: Option<&std::path::Path>,
+    timeout: Option<u64>,
+    stream: sse::EventStream,
+) -> bool {
+    let tx = stream.tx.clone();
+    let mut io = session.io.lock().await;
+    let started = Instant::now();
+    let _ = tx.send(sse::init(id)).await;
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    if let Err(e) = io.stdin.write_all(script(command, cwd, &token).as_bytes()).await {
+        let _ = tx.send(sse::error(format!("session shell is gone: {e}"), vec![e.to_string()])).await;
+        return true;
+    }
+    let out_m = out_marker(&token).into_bytes();
+    let err_m = err_marker(&token).into_bytes();
+    let mut out = Side::new(EventKind::Stdout);
+    let mut err = Side::new(EventKind::Stderr);
+    let mut rc: Option<i32> = None;
+    let deadline = async {
+        match timeout {
+            Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline);
+    let mut interrupted_at: Option<Instant> = None;
+    let mut timed_out = false;
+    let mut obuf = vec![0u8; 64 * 1024];
+    let mut ebuf = vec![0u8; 64 * 1024];
+    let SessionIo { stdout, stderr, .. } = &mut *io;
+    while !(out.done && err.done) {
+        let give_up = async {
+            match interrupted_at {
+                Some(t) => tokio::time::sleep_until((t + Duration::from_secs(2)).into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = stdout.read(&mut obuf), if !out.done => match r {
+                Ok(0) | Err(_) => {
+                    // The shell itself exited (e.g. the command ran `exit`).
+                    let n = out.buf.len();
+                    out.emit(n, &tx).await;
+                    let _ = tx.send(sse::error("-1", vec!["session shell exited".to_string()])).await;
+                    return true;
+                }
+                Ok(n) => {
+                    out.buf.extend_from_slice(&obuf[..n]);
+                    if let Some(pos) = find(&out.buf, &out_m) {
+                        match parse_rc(&out.buf[pos + out_m.len()..]) {
+                            Some(parsed) => {
+                                rc = Some(parsed.unwrap_or(-1));
+                                out.emit(pos, &tx).await;
+                                out.done = true;
+                            }
+                            None => out.emit(pos, &tx).await,
+                        }
+                    } else {
+                        let upto = safe_len(&out.buf, &out_m);
+                        out.emit(upto, &tx).await;
+                    }
+                }
+            },
+            r = stderr.read(&mut ebuf), if !err.done => match r {
+                Ok(0) | Err(_) => err.done = true,
+                Ok(n) => {
+                    err.buf.extend_from_slice(&ebuf[..n]);
+                    if let Some(pos) = find(&err.buf, &err_m) {
+                        err.emit(pos, &tx).await;
+                        err.done = true;
+                    } else {
+                        let upto = safe_len(&err.buf, &err_m);
+                        err.emit(upto, &tx).await;
+                    }
+                }
+            },
+            _ = &mut deadline, if interrupted_at.is_none() => {
+                tracing::info!(session = %id, "session command timed out");
+                timed_out = true;
+                kill_descendants(session.pgid);
+                interrupted_at = Some(Instant::now());
+            }
+            _ = stream.cancelled.cancelled(), if interrupted_at.is_none() => {
+                tracing::info!(session = %id, "client went away, killing the session command");
+                kill_descendants(session.pgid);
+                interrupted_at = Some(Instant::now());
+            }
+            _ = give_up => {
+                tracing::warn!(session = %id, "session did not recover after kill, dropping it");
+                let _ = tx.send(sse::error("-1", vec!["session killed".to_string()])).await;
+                return true;
+            }
+        }
+    }
+    let elapsed = i64::try_from(started.elapsed().as_millis()).unwrap_or(i64::MAX);
+    let rc = rc.unwrap_or(-1);
+    let mut ev = crate::command::terminal_event(Exit::Code(rc), false, None, elapsed);
+    if timed_out {
+        if let Some(e) = ev.error.as_mut() {
+            e.traceback.push(format!("command timed out after {} ms", timeout.unwrap_or(0)));
+        }
+    }
+    let _ = tx.send(ev).await;
+    false
+}
+
+/// Kills every descendant of the session shell but not the shell, so the session survives a timeout.
+fn kill_descendants(shell_pid: i32) {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return };
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // The command name may contain spaces and parentheses; fields resume after the last ')'.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
+        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|s| s.parse::<i32>().ok()) {
+            children.entry(ppid).or_default().push(pid);
+        }
+    }
+    let mut stack = children.get(&shell_pid).cloned().unwrap_or_default();
+    while let Some(pid) = stack.pop() {
+        if let Some(c) = children.get(&pid) {
+            stack.extend(c);
+        }
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(code::CONTEXT_NOT_FOUND, format!("session {id} not found"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting_survives_single_quotes() {
+        assert_eq!(quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn holds_back_partial_marker() {
+        let m = b"__WARREN_END_abc_";
+        assert_eq!(safe_len(b"hello __WAR", m), 6);
+        assert_eq!(safe_len(b"hello", m), 5);
+        assert_eq!(safe_len(b"", m), 0);
+    }
+
+    #[test]
+    fn parses_exit_code() {
+        assert_eq!(parse_rc(b"17__\nrest"), Some(Ok(17)));
+        assert_eq!(parse_rc(b"17_"), None);
+        assert_eq!(parse_rc(b"x__\n"), Some(Err(())));
+    }
+}
