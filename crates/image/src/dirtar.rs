@@ -1,0 +1,275 @@
+//! A deterministic tar stream of a rootfs folder, so a folder import is content-addressed exactly like a
+//! tarball: the stream is hashed and unpacked by the same code. Entries come in byte order of their
+//! names, with owner, mode, mtime (seconds), symlinks, hardlinks (by inode) and xattrs (pax
+//! `SCHILY.xattr.*`); no user or group names, no atime. Devices, fifos and sockets are left out, as the
+//! unpacker would skip them anyway.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use tar::{EntryType, Header};
+
+use crate::unpack::{unpack_layer, Unpacked};
+use crate::ImageError;
+
+/// Unpacks the folder `src` into `dest` through its deterministic tar stream (written by a thread into
+/// a pipe), so the layer digest is that of the stream.
+pub(crate) fn unpack_dir(src: &Path, dest: &Path) -> Result<Unpacked, ImageError> {
+    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
+        op: "create pipe",
+        path: src.to_path_buf(),
+        source: e.into(),
+    })?;
+    let src_owned = src.to_path_buf();
+    let writer = std::thread::Builder::new()
+        .name("warren-image-dirtar".into())
+        .spawn(move || {
+            let out = io::BufWriter::with_capacity(256 * 1024, File::from(write_end));
+            write_dir_tar(&src_owned, out)
+        })
+        .map_err(ImageError::io("spawn folder tar writer", src))?;
+    // Taking the read end by value closes it as soon as unpacking stops, which ends the writer
+    // (EPIPE) if unpacking failed early.
+    let unpacked = unpack_layer(io::BufReader::with_capacity(256 * 1024, File::from(read_end)), dest, src);
+    let written = writer
+        .join()
+        .map_err(|_| ImageError::source(src, "folder tar writer panicked"))?;
+    match (unpacked, written) {
+        (Ok(u), Ok(())) => Ok(u),
+        (Ok(_), Err(w)) => Err(w),
+        (Err(u), Ok(())) => Err(u),
+        // The writer only sees a broken pipe when unpacking stopped first; otherwise its error
+        // (an unreadable file, say) explains the truncated stream and wins.
+        (Err(u), Err(ImageError::Io { source, .. })) if source.kind() == io::ErrorKind::BrokenPipe => Err(u),
+        (Err(_), Err(w)) => Err(w),
+    }
+}
+
+/// Writes the tar of `src`'s contents (not `src` itself) to `out`.
+pub(crate) fn write_dir_tar<W: Write>(src: &Path, out: W) -> Result<(), ImageError> {
+    let mut writer = DirTar {
+        src: src.to_path_buf(),
+        builder: tar::Builder::new(out),
+        links: HashMap::new(),
+    };
+    writer.walk(Path::new(""))?;
+    let mut out = writer
+        .builder
+        .into_inner()
+        .map_err(ImageError::io("write folder tar", src))?;
+    out.flush().map_err(ImageError::io("write folder tar", src))
+}
+
+struct DirTar<W: Write> {
+    src: PathBuf,
+    builder: tar::Builder<W>,
+    /// First path seen for each multiply-linked inode.
+    links: HashMap<(u64, u64), PathBuf>,
+}
+
+impl<W: Write> DirTar<W> {
+    fn walk(&mut self, rel: &Path) -> Result<(), ImageError> {
+        let dir = self.src.join(rel);
+        let mut names = fs::read_dir(&dir)
+            .and_then(|it| it.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<OsString>>>())
+            .map_err(ImageError::io("read dir", &dir))?;
+        names.sort();
+        for name in names {
+            let rel_child = rel.join(&name);
+            let path = dir.join(&name);
+            let meta = fs::symlink_metadata(&path).map_err(ImageError::io("stat", &path))?;
+            let file_type = meta.file_type();
+            let mut header = Header::new_gnu();
+            header.set_mode(meta.mode() & 0o7777);
+            header.set_uid(u64::from(meta.uid()));
+            header.set_gid(u64::from(meta.gid()));
+            header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
+            header.set_size(0);
+            let write_err = ImageError::io("write folder tar", &path);
+            if file_type.is_dir() {
+                self.xattrs(&path)?;
+                header.set_entry_type(EntryType::Directory);
+                self.builder
+                    .append_data(&mut header, &rel_child, io::empty())
+                    .map_err(write_err)?;
+                self.walk(&rel_child)?;
+            } else if file_type.is_file() {
+                if meta.nlink() > 1 {
+                    let key = (meta.dev(), meta.ino());
+                    if let Some(first) = self.links.get(&key) {
+                        header.set_entry_type(EntryType::Link);
+                        self.builder
+                            .append_link(&mut header, &rel_child, first)
+                            .map_err(write_err)?;
+                        continue;
+                    }
+                    self.links.insert(key, rel_child.clone());
+                }
+                self.xattrs(&path)?;
+                let file = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(&path)
+                    .map_err(ImageError::io("open", &path))?;
+                header.set_entry_type(EntryType::Regular);
+                header.set_size(meta.len());
+                let exact = ExactReader {
+                    inner: file,
+                    remaining: meta.len(),
+                };
+                self.builder
+                    .append_data(&mut header, &rel_child, exact)
+                    .map_err(write_err)?;
+            } else if file_type.is_symlink() {
+                let target = fs::read_link(&path).map_err(ImageError::io("read symlink", &path))?;
+                header.set_entry_type(EntryType::Symlink);
+                self.builder
+                    .append_link(&mut header, &rel_child, &target)
+                    .map_err(write_err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Emits a pax header carrying the xattrs of `path` (if any) for the entry that follows.
+    fn xattrs(&mut self, path: &Path) -> Result<(), ImageError> {
+        // A filesystem without xattr support simply has none.
+        let Ok(names) = xattr::list(path) else {
+            return Ok(());
+        };
+        let mut names: Vec<OsString> = names.collect();
+        if names.is_empty() {
+            return Ok(());
+        }
+        names.sort();
+        let mut records = Vec::new();
+        for name in names {
+            let Some(name_str) = name.to_str() else { continue };
+            if name_str.starts_with("trusted.overlay.") {
+                continue;
+            }
+            if let Ok(Some(value)) = xattr::get(path, &name) {
+                pax_record(&mut records, &format!("SCHILY.xattr.{name_str}"), &value);
+            }
+        }
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut header = Header::new_ustar();
+        header.set_entry_type(EntryType::XHeader);
+        header.set_mode(0o644);
+        header.set_size(records.len() as u64);
+        header
+            .set_path("PaxHeader")
+            .map_err(ImageError::io("write folder tar", path))?;
+        header.set_cksum();
+        self.builder
+            .append(&header, records.as_slice())
+            .map_err(ImageError::io("write folder tar", path))
+    }
+}
+
+/// One pax record: `"<len> <key>=<value>\n"` where `<len>` counts the whole record, itself included.
+fn pax_record(out: &mut Vec<u8>, key: &str, value: &[u8]) {
+    let base = key.len() + value.len() + 3;
+    let mut len = base + base.to_string().len();
+    if len.to_string().len() != base.to_string().len() {
+        len = base + len.to_string().len();
+    }
+    out.extend_from_slice(format!("{len} {key}=").as_bytes());
+    out.extend_from_slice(value);
+    out.push(b'\n');
+}
+
+/// Yields exactly `remaining` bytes or fails: a file that changes size while being read must not
+/// produce a corrupt archive.
+struct ExactReader {
+    inner: File,
+    remaining: u64,
+}
+
+impl Read for ExactReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.remaining == 0 {
+            return Ok(0);
+        }
+        let want = buf.len().min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "file shrank while being read",
+            ));
+        }
+        self.remaining -= n as u64;
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn pax_record_lengths_count_themselves() {
+        for (key, value_len) in [("k", 0usize), ("SCHILY.xattr.user.a", 1), ("k", 5), ("x", 94), ("x", 95), ("x", 996)] {
+            let mut out = Vec::new();
+            pax_record(&mut out, key, &vec![b'v'; value_len]);
+            let text = String::from_utf8(out.clone()).expect("utf8");
+            let (len, _) = text.split_once(' ').expect("space");
+            assert_eq!(len.parse::<usize>().expect("len"), out.len(), "{key} {value_len}");
+        }
+    }
+
+    #[test]
+    fn same_tree_gives_same_stream() {
+        let make = || {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let root = dir.path();
+            fs::create_dir_all(root.join("b/c")).expect("mkdir");
+            fs::write(root.join("b/c/f"), b"data").expect("write");
+            fs::write(root.join("a"), b"first").expect("write");
+            fs::hard_link(root.join("a"), root.join("z")).expect("link");
+            std::os::unix::fs::symlink("b/c/f", root.join("s")).expect("symlink");
+            xattr::set(root.join("a"), "user.test", b"1").expect("xattr");
+            for p in ["a", "b", "b/c", "b/c/f", "s", "z", ""] {
+                let p = root.join(p);
+                if !fs::symlink_metadata(&p).expect("stat").file_type().is_symlink() {
+                    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).expect("chmod");
+                }
+                let t = nix::sys::time::TimeSpec::new(1_000, 0);
+                nix::sys::stat::utimensat(None, &p, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink)
+                    .expect("utimes");
+            }
+            dir
+        };
+        let (d1, d2) = (make(), make());
+        let mut t1 = Vec::new();
+        let mut t2 = Vec::new();
+        write_dir_tar(d1.path(), &mut t1).expect("tar 1");
+        write_dir_tar(d2.path(), &mut t2).expect("tar 2");
+        assert_eq!(t1, t2);
+
+        let mut archive = tar::Archive::new(t1.as_slice());
+        let mut seen = Vec::new();
+        for e in archive.entries().expect("entries") {
+            let mut e = e.expect("entry");
+            let xattr = e
+                .pax_extensions()
+                .expect("pax")
+                .map(|p| p.filter_map(Result::ok).map(|x| x.key().unwrap_or("").to_owned()).collect::<Vec<_>>())
+                .unwrap_or_default();
+            seen.push((e.path().expect("path").display().to_string(), e.header().entry_type(), xattr));
+        }
+        let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
+        assert_eq!(names, ["a", "b", "b/c", "b/c/f", "s", "z"]);
+        assert_eq!(seen[0].2, ["SCHILY.xattr.user.test"]);
+        assert_eq!(seen[4].1, EntryType::Symlink);
+        assert_eq!(seen[5].1, EntryType::Link);
+    }
+}

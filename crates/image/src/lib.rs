@@ -1,0 +1,761 @@
+//! The local, content-addressed image store the native runtime stacks with overlayfs.
+//!
+//! Layout under `<data_dir>/images`:
+//!
+//! ```text
+//! lock                   flock: exclusive for every change, shared for reads
+//! names.json             {"names": {"python:3.11": "sha256:<id>"}}, replaced atomically
+//! images/<id-hex>.json   layers (lowest first), config, size, created_at
+//! layers/<diff-id-hex>/  one extracted layer, overlayfs whiteout format, shared between images
+//! leases/<holder>.json   layers a sandbox is using: kept until released
+//! tmp/                   staging (import-*, unzip-*, gc-*, meta-*), all named with the owner's pid
+//! ```
+//!
+//! Layers are named by the sha256 of their uncompressed tar (for a folder, of a deterministic tar of
+//! it). Imports unpack into `tmp/` without holding the lock and take it only to move layers in and
+//! publish the name, so a long import never blocks a server resolving or leasing images; garbage
+//! collection runs under the same lock, so it never sees half an import.
+
+mod dirtar;
+mod error;
+mod reference;
+mod source;
+mod unpack;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub use error::{BoxError, ImageError};
+pub use reference::{Reference, HOST_IMAGE};
+
+use source::{hex_digest, ImagePlan, Plan};
+use unpack::{unpack_layer, HashingReader, Unpacked};
+
+/// The store's id for the built-in `host` image (it has no content to hash).
+pub const HOST_IMAGE_ID: &str = "host";
+const MAX_HOLDER_LEN: usize = 128;
+
+/// Process configuration of an image (from its OCI/Docker config; empty for a rootfs import).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageConfig {
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub entrypoint: Vec<String>,
+    #[serde(default)]
+    pub cmd: Vec<String>,
+    #[serde(default)]
+    pub working_dir: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// One named image as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRecord {
+    /// Normalised reference (`debian:latest`).
+    pub name: String,
+    /// `sha256:<hex>`: the config blob digest for docker/OCI imports, a digest of layers and config for
+    /// rootfs imports; [`HOST_IMAGE_ID`] for the built-in image.
+    pub id: String,
+    /// Layer digests (`sha256:<hex>` of the uncompressed tar), lowest first.
+    pub layers: Vec<String>,
+    /// Sum of the apparent sizes of the layers' files (hardlinks counted once per layer).
+    pub size_bytes: u64,
+    /// RFC 3339, when the image (by id) was first imported.
+    pub created_at: String,
+    pub builtin: bool,
+}
+
+/// What the runtime needs to build a sandbox's root filesystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolvedImage {
+    /// The built-in `host` image; the runtime builds its view of the host.
+    Host,
+    Layers {
+        name: String,
+        id: String,
+        /// Extracted layer dirs, lowest first, each at most once (ready for overlayfs `lowerdir`,
+        /// which wants them in the reverse order).
+        layers: Vec<PathBuf>,
+        config: ImageConfig,
+    },
+}
+
+/// `images/<id-hex>.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ImageMeta {
+    id: String,
+    layers: Vec<String>,
+    config: ImageConfig,
+    size_bytes: u64,
+    created_at: String,
+}
+
+/// `names.json`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Names {
+    names: BTreeMap<String, String>,
+}
+
+/// `leases/<holder>.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Lease {
+    image: String,
+    layers: Vec<String>,
+}
+
+/// A layer of an import in progress.
+struct Prepared {
+    hex: String,
+    /// Where it was unpacked, if it was (a layer already in the store is not unpacked again).
+    staged: Option<PathBuf>,
+    size: u64,
+}
+
+pub struct ImageStore {
+    root: PathBuf,
+}
+
+impl ImageStore {
+    /// Opens (creating if needed) the store at `<data_dir>/images`, and removes staging left behind by
+    /// processes that died mid-import.
+    pub fn open(data_dir: &Path) -> Result<Self, ImageError> {
+        let store = ImageStore {
+            root: data_dir.join("images"),
+        };
+        for dir in [
+            store.root.clone(),
+            store.layers_dir(),
+            store.images_dir(),
+            store.leases_dir(),
+            store.tmp_dir(),
+        ] {
+            fs::create_dir_all(&dir).map_err(ImageError::io("create dir", &dir))?;
+        }
+        let lock = store.lock_path();
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&lock)
+            .map_err(ImageError::io("create lock file", &lock))?;
+        store.clean_stale_tmp()?;
+        Ok(store)
+    }
+
+    /// The store's root directory (`<data_dir>/images`).
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Imports `source` (rootfs folder, rootfs tarball, docker-save archive or OCI layout, as a folder or
+    /// a tar, gzipped or not) under `name`, replacing whatever that name pointed to.
+    pub fn import(&self, name: &str, source: &Path) -> Result<ImageRecord, ImageError> {
+        let reference = Reference::parse(name)?;
+        if reference.is_host() {
+            return Err(ImageError::InvalidName {
+                name: name.to_owned(),
+                reason: "the name host is reserved for the built-in image",
+            });
+        }
+        if reference.digest.is_some() {
+            return Err(ImageError::InvalidName {
+                name: name.to_owned(),
+                reason: "an imported image is named by tag, not digest",
+            });
+        }
+        let name = reference.to_string();
+        // First try reuses layers already in the store; should one vanish (a concurrent remove) before
+        // we publish, the second try unpacks every layer itself.
+        for reuse in [true, false] {
+            let staging = tempfile::Builder::new()
+                .prefix(&format!("import-{}-", std::process::id()))
+                .tempdir_in(self.tmp_dir())
+                .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
+            let (id, config, layers) = self.prepare(&reference, source, staging.path(), reuse)?;
+            if let Some(record) = self.commit(&name, id, config, &layers)? {
+                return Ok(record);
+            }
+        }
+        Err(ImageError::source(source, "store changed during import"))
+    }
+
+    /// All named images, the built-in `host` first, then by name.
+    pub fn list(&self) -> Result<Vec<ImageRecord>, ImageError> {
+        let _lock = self.lock(false)?;
+        let names = self.read_names()?;
+        let mut metas: HashMap<String, ImageMeta> = HashMap::new();
+        let mut out = vec![host_record()];
+        for (name, id) in names.names {
+            if !metas.contains_key(&id) {
+                let Some(meta) = self.read_image(&id)? else { continue };
+                metas.insert(id.clone(), meta);
+            }
+            if let Some(meta) = metas.get(&id) {
+                out.push(record(name, meta));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes the name; the image and its layers go once nothing (name or lease) refers to them.
+    pub fn remove(&self, name: &str) -> Result<(), ImageError> {
+        let reference = Reference::parse(name)?;
+        if reference.is_host() {
+            return Err(ImageError::InvalidName {
+                name: name.to_owned(),
+                reason: "the built-in host image cannot be removed",
+            });
+        }
+        let name = reference.to_string();
+        let trash = {
+            let _lock = self.lock(true)?;
+            let mut names = self.read_names()?;
+            if names.names.remove(&name).is_none() {
+                return Err(ImageError::NotFound { name });
+            }
+            self.write_names(&names)?;
+            self.gc_locked()?
+        };
+        empty_trash(trash);
+        Ok(())
+    }
+
+    /// Resolves a name (or an image id `sha256:<hex>`) to its layers and config.
+    pub fn resolve(&self, name: &str) -> Result<ResolvedImage, ImageError> {
+        let (name, id) = if let Some(hex) = hex_digest(name) {
+            (name.to_owned(), format!("sha256:{hex}"))
+        } else {
+            let reference = Reference::parse(name)?;
+            if reference.is_host() {
+                return Ok(ResolvedImage::Host);
+            }
+            let name = reference.to_string();
+            let _lock = self.lock(false)?;
+            let id = self
+                .read_names()?
+                .names
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
+            (name, id)
+        };
+        let _lock = self.lock(false)?;
+        let meta = self
+            .read_image(&id)?
+            .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
+        let layers = dedup_keep_last(&meta.layers)
+            .into_iter()
+            .map(|d| self.layers_dir().join(d.trim_start_matches("sha256:")))
+            .collect();
+        Ok(ResolvedImage::Layers {
+            name,
+            id: meta.id,
+            layers,
+            config: meta.config,
+        })
+    }
+
+    /// Records that `holder` (a sandbox) uses the image's layers, so they survive removal of the image
+    /// until [`release`](Self::release). Re-leasing the same layers is a no-op; a holder can hold one
+    /// image only. The `host` image has nothing to hold.
+    pub fn lease(&self, holder: &str, image: &ResolvedImage) -> Result<(), ImageError> {
+        validate_holder(holder)?;
+        let ResolvedImage::Layers { name, layers, .. } = image else {
+            return Ok(());
+        };
+        let layers_dir = self.layers_dir();
+        let mut digests = Vec::with_capacity(layers.len());
+        for path in layers {
+            let hex = path
+                .strip_prefix(&layers_dir)
+                .ok()
+                .and_then(|p| p.to_str())
+                .filter(|h| hex_digest(&format!("sha256:{h}")).is_some())
+                .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
+            digests.push(format!("sha256:{hex}"));
+        }
+        let _lock = self.lock(true)?;
+        // Resolve and lease are separate calls: the image may have been removed in between.
+        if layers.iter().any(|p| !p.is_dir()) {
+            return Err(ImageError::NotFound { name: name.clone() });
+        }
+        let path = self.lease_path(holder);
+        if let Some(existing) = read_json::<Lease>(&path)? {
+            if existing.layers == digests {
+                return Ok(());
+            }
+            return Err(ImageError::InUse {
+                holder: holder.to_owned(),
+            });
+        }
+        self.write_json(
+            &path,
+            &Lease {
+                image: name.clone(),
+                layers: digests,
+            },
+        )
+    }
+
+    /// Drops `holder`'s lease (if any) and collects what it alone kept alive.
+    pub fn release(&self, holder: &str) -> Result<(), ImageError> {
+        validate_holder(holder)?;
+        let trash = {
+            let _lock = self.lock(true)?;
+            let path = self.lease_path(holder);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(ImageError::io("remove lease", &path)(e)),
+            }
+            self.gc_locked()?
+        };
+        empty_trash(trash);
+        Ok(())
+    }
+
+    // ---- import ----
+
+    /// Unpacks what is not in the store yet into `staging`.
+    fn prepare(
+        &self,
+        reference: &Reference,
+        source: &Path,
+        staging: &Path,
+        reuse: bool,
+    ) -> Result<(String, ImageConfig, Vec<Prepared>), ImageError> {
+        match source::plan(source, &self.tmp_dir(), reference)? {
+            Plan::RootfsDir(dir) => {
+                let dest = make_stage_dir(staging, 0)?;
+                let unpacked = dirtar::unpack_dir(&dir, &dest)?;
+                Ok(rootfs_image(staged(unpacked, dest)?))
+            }
+            Plan::RootfsTar(path) => {
+                let dest = make_stage_dir(staging, 0)?;
+                let file = File::open(&path).map_err(ImageError::io("open source", &path))?;
+                let reader = source::decompressed(BufReader::with_capacity(256 * 1024, file), &path)?;
+                let unpacked = unpack_layer(reader, &dest, &path)?;
+                if unpacked.entries == 0 {
+                    return Err(ImageError::source(&path, "empty archive"));
+                }
+                Ok(rootfs_image(staged(unpacked, dest)?))
+            }
+            Plan::Image(plan) => {
+                let layers = self.prepare_layers(&plan, staging, reuse)?;
+                Ok((plan.id, plan.config, layers))
+            }
+        }
+    }
+
+    fn prepare_layers(
+        &self,
+        plan: &ImagePlan,
+        staging: &Path,
+        reuse: bool,
+    ) -> Result<Vec<Prepared>, ImageError> {
+        let mut out: Vec<Prepared> = Vec::with_capacity(plan.layers.len());
+        for (i, layer) in plan.layers.iter().enumerate() {
+            if let Some(diff_id) = &layer.diff_id {
+                let done = out.iter().find(|p| &p.hex == diff_id).map(|p| p.size);
+                let existing = self.layers_dir().join(diff_id);
+                let size = match done {
+                    Some(size) => Some(size),
+                    None if reuse && existing.is_dir() => Some(dir_size(&existing)?),
+                    None => None,
+                };
+                if let Some(size) = size {
+                    out.push(Prepared {
+                        hex: diff_id.clone(),
+                        staged: None,
+                        size,
+                    });
+                    continue;
+                }
+            }
+            let label = plan.bundle.member_label(&layer.member);
+            let dest = make_stage_dir(staging, i)?;
+            let mut raw = HashingReader::new(plan.bundle.open(&layer.member)?);
+            let unpacked = {
+                let buffered = BufReader::with_capacity(256 * 1024, &mut raw);
+                unpack_layer(source::decompressed(buffered, &label)?, &dest, &label)?
+            };
+            raw.drain()
+                .map_err(|e| ImageError::source_with(&label, "read layer", e))?;
+            if let Some(blob) = &layer.blob_digest {
+                if raw.hex_digest() != *blob {
+                    return Err(ImageError::source(&label, "layer blob digest mismatch"));
+                }
+            }
+            if let Some(diff_id) = &layer.diff_id {
+                if unpacked.digest != *diff_id {
+                    return Err(ImageError::source(&label, "layer diff_id mismatch"));
+                }
+            }
+            out.push(staged(unpacked, dest)?);
+        }
+        Ok(out)
+    }
+
+    /// Moves new layers in and publishes the image under `name`, all under the lock. `None` if a layer
+    /// we meant to reuse is gone.
+    fn commit(
+        &self,
+        name: &str,
+        id: String,
+        config: ImageConfig,
+        layers: &[Prepared],
+    ) -> Result<Option<ImageRecord>, ImageError> {
+        let (meta, trash) = {
+            let _lock = self.lock(true)?;
+            for layer in layers {
+                let dest = self.layers_dir().join(&layer.hex);
+                if dest.is_dir() {
+                    continue;
+                }
+                let Some(staged) = &layer.staged else {
+                    return Ok(None);
+                };
+                fs::rename(staged, &dest).map_err(ImageError::io("store layer", &dest))?;
+            }
+            let meta = match self.read_image(&id)? {
+                Some(meta) => meta,
+                None => {
+                    let meta = ImageMeta {
+                        id: id.clone(),
+                        layers: layers.iter().map(|l| format!("sha256:{}", l.hex)).collect(),
+                        config,
+                        size_bytes: layers.iter().map(|l| l.size).sum(),
+                        created_at: chrono::Utc::now()
+                            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    };
+                    self.write_json(&self.image_path(&id)?, &meta)?;
+                    meta
+                }
+            };
+            let mut names = self.read_names()?;
+            let previous = names.names.insert(name.to_owned(), id);
+            self.write_names(&names)?;
+            // Retagging may have orphaned the previous image.
+            let trash = if previous.is_some() {
+                self.gc_locked()?
+            } else {
+                Vec::new()
+            };
+            (meta, trash)
+        };
+        empty_trash(trash);
+        Ok(Some(record(name.to_owned(), &meta)))
+    }
+
+    // ---- garbage collection ----
+
+    /// Deletes image metadata no name refers to and moves unreferenced layers to `tmp/` (returned, to
+    /// be deleted once the lock is released). If any metadata cannot be read, no layer is touched.
+    fn gc_locked(&self) -> Result<Vec<PathBuf>, ImageError> {
+        let names = self.read_names()?;
+        let named: HashSet<&String> = names.names.values().collect();
+        let mut keep: HashSet<String> = HashSet::new();
+        let mut complete = true;
+
+        let images_dir = self.images_dir();
+        for entry in read_dir_names(&images_dir)? {
+            let Some(hex) = entry.strip_suffix(".json") else { continue };
+            let id = format!("sha256:{hex}");
+            if hex_digest(&id).is_none() {
+                continue;
+            }
+            if !named.contains(&id) {
+                let path = images_dir.join(&entry);
+                fs::remove_file(&path).map_err(ImageError::io("remove image", &path))?;
+                continue;
+            }
+            match self.read_image(&id) {
+                Ok(Some(meta)) => keep.extend(meta.layers),
+                _ => complete = false,
+            }
+        }
+        let leases_dir = self.leases_dir();
+        for entry in read_dir_names(&leases_dir)? {
+            if !entry.ends_with(".json") {
+                continue;
+            }
+            match read_json::<Lease>(&leases_dir.join(&entry)) {
+                Ok(Some(lease)) => keep.extend(lease.layers),
+                Ok(None) => {}
+                Err(_) => complete = false,
+            }
+        }
+        if !complete {
+            return Ok(Vec::new());
+        }
+
+        let mut trash = Vec::new();
+        let layers_dir = self.layers_dir();
+        for entry in read_dir_names(&layers_dir)? {
+            let digest = format!("sha256:{entry}");
+            if hex_digest(&digest).is_none() || keep.contains(&digest) {
+                continue;
+            }
+            let doomed = tempfile::Builder::new()
+                .prefix(&format!("gc-{}-", std::process::id()))
+                .tempdir_in(self.tmp_dir())
+                .map_err(ImageError::io("create dir", self.tmp_dir()))?
+                .keep();
+            let from = layers_dir.join(&entry);
+            let to = doomed.join("layer");
+            fs::rename(&from, &to).map_err(ImageError::io("remove layer", &from))?;
+            trash.push(doomed);
+        }
+        Ok(trash)
+    }
+
+    /// Removes `tmp/` entries whose owning process is gone.
+    fn clean_stale_tmp(&self) -> Result<(), ImageError> {
+        let tmp = self.tmp_dir();
+        let me = std::process::id();
+        for entry in read_dir_names(&tmp)? {
+            let pid = entry
+                .split('-')
+                .nth(1)
+                .and_then(|p| p.parse::<i32>().ok());
+            let Some(pid) = pid else { continue };
+            if pid as u32 == me || process_alive(pid) {
+                continue;
+            }
+            let path = tmp.join(&entry);
+            let _ = fs::remove_dir_all(&path).or_else(|_| fs::remove_file(&path));
+        }
+        Ok(())
+    }
+
+    // ---- files ----
+
+    fn layers_dir(&self) -> PathBuf {
+        self.root.join("layers")
+    }
+    fn images_dir(&self) -> PathBuf {
+        self.root.join("images")
+    }
+    fn leases_dir(&self) -> PathBuf {
+        self.root.join("leases")
+    }
+    fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+    fn lock_path(&self) -> PathBuf {
+        self.root.join("lock")
+    }
+    fn names_path(&self) -> PathBuf {
+        self.root.join("names.json")
+    }
+    fn lease_path(&self, holder: &str) -> PathBuf {
+        self.leases_dir().join(format!("{holder}.json"))
+    }
+    fn image_path(&self, id: &str) -> Result<PathBuf, ImageError> {
+        let hex = hex_digest(id).ok_or_else(|| ImageError::NotFound { name: id.to_owned() })?;
+        Ok(self.images_dir().join(format!("{hex}.json")))
+    }
+
+    fn lock(&self, exclusive: bool) -> Result<Flock<File>, ImageError> {
+        let path = self.lock_path();
+        let arg = if exclusive {
+            FlockArg::LockExclusive
+        } else {
+            FlockArg::LockShared
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .open(&path)
+            .map_err(ImageError::io("open lock", &path))?;
+        loop {
+            match Flock::lock(file, arg) {
+                Ok(lock) => return Ok(lock),
+                Err((f, nix::errno::Errno::EINTR)) => file = f,
+                Err((_, e)) => return Err(ImageError::io("lock", &path)(e.into())),
+            }
+        }
+    }
+
+    fn read_names(&self) -> Result<Names, ImageError> {
+        Ok(read_json(&self.names_path())?.unwrap_or_default())
+    }
+
+    fn write_names(&self, names: &Names) -> Result<(), ImageError> {
+        self.write_json(&self.names_path(), names)
+    }
+
+    fn read_image(&self, id: &str) -> Result<Option<ImageMeta>, ImageError> {
+        read_json(&self.image_path(id)?)
+    }
+
+    /// Write to a temp file, fsync, rename over: readers see the old or the new file, never half.
+    fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), ImageError> {
+        let mut data = serde_json::to_vec_pretty(value).map_err(|e| ImageError::Corrupt {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        data.push(b'\n');
+        let tmp = self.tmp_dir();
+        let mut file = tempfile::Builder::new()
+            .prefix(&format!("meta-{}-", std::process::id()))
+            .tempfile_in(&tmp)
+            .map_err(ImageError::io("create temp file", &tmp))?;
+        file.write_all(&data)
+            .and_then(|()| file.as_file().sync_all())
+            .map_err(ImageError::io("write", file.path()))?;
+        file.persist(path)
+            .map_err(|e| ImageError::io("replace", path)(e.error))?;
+        Ok(())
+    }
+}
+
+fn host_record() -> ImageRecord {
+    ImageRecord {
+        name: HOST_IMAGE.to_owned(),
+        id: HOST_IMAGE_ID.to_owned(),
+        layers: Vec::new(),
+        size_bytes: 0,
+        created_at: "1970-01-01T00:00:00Z".to_owned(),
+        builtin: true,
+    }
+}
+
+fn record(name: String, meta: &ImageMeta) -> ImageRecord {
+    ImageRecord {
+        name,
+        id: meta.id.clone(),
+        layers: meta.layers.clone(),
+        size_bytes: meta.size_bytes,
+        created_at: meta.created_at.clone(),
+        builtin: false,
+    }
+}
+
+/// A rootfs import: one layer, empty config, id derived from both.
+fn rootfs_image(layer: Prepared) -> (String, ImageConfig, Vec<Prepared>) {
+    let config = ImageConfig::default();
+    let id = rootfs_id(&layer.hex, &config);
+    (id, config, vec![layer])
+}
+
+fn rootfs_id(layer_hex: &str, config: &ImageConfig) -> String {
+    let doc = serde_json::json!({ "layers": [format!("sha256:{layer_hex}")], "config": config });
+    format!("sha256:{}", hex::encode(Sha256::digest(doc.to_string().as_bytes())))
+}
+
+fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<Prepared, ImageError> {
+    let size = dir_size(&dest)?;
+    Ok(Prepared {
+        hex: unpacked.digest,
+        staged: Some(dest),
+        size,
+    })
+}
+
+fn make_stage_dir(staging: &Path, index: usize) -> Result<PathBuf, ImageError> {
+    let dir = staging.join(index.to_string());
+    fs::create_dir(&dir).map_err(ImageError::io("create staging dir", &dir))?;
+    Ok(dir)
+}
+
+/// Apparent size of the regular files under `root`, each inode counted once.
+fn dir_size(root: &Path) -> Result<u64, ImageError> {
+    let mut seen = HashSet::new();
+    let mut total = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries = fs::read_dir(&dir).map_err(ImageError::io("read dir", &dir))?;
+        for entry in entries {
+            let entry = entry.map_err(ImageError::io("read dir", &dir))?;
+            let meta = entry
+                .metadata()
+                .map_err(ImageError::io("stat", entry.path()))?;
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else if meta.is_file() && (meta.nlink() == 1 || seen.insert((meta.dev(), meta.ino()))) {
+                total += meta.len();
+            }
+        }
+    }
+    Ok(total)
+}
+
+fn dedup_keep_last(layers: &[String]) -> Vec<&str> {
+    let mut seen = HashSet::new();
+    let mut out: Vec<&str> = layers
+        .iter()
+        .rev()
+        .filter(|l| seen.insert(l.as_str()))
+        .map(String::as_str)
+        .collect();
+    out.reverse();
+    out
+}
+
+fn validate_holder(holder: &str) -> Result<(), ImageError> {
+    let ok = !holder.is_empty()
+        && holder.len() <= MAX_HOLDER_LEN
+        && !holder.starts_with('.')
+        && holder
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ImageError::InvalidHolder {
+            holder: holder.to_owned(),
+        })
+    }
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Option<T>, ImageError> {
+    let mut data = Vec::new();
+    match File::open(path) {
+        Ok(mut f) => f
+            .read_to_end(&mut data)
+            .map_err(ImageError::io("read", path))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(ImageError::io("read", path)(e)),
+    };
+    serde_json::from_slice(&data)
+        .map(Some)
+        .map_err(|source| ImageError::Corrupt {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+fn read_dir_names(dir: &Path) -> Result<Vec<String>, ImageError> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(dir).map_err(ImageError::io("read dir", dir))? {
+        let entry = entry.map_err(ImageError::io("read dir", dir))?;
+        if let Ok(name) = entry.file_name().into_string() {
+            out.push(name);
+        }
+    }
+    Ok(out)
+}
+
+fn empty_trash(trash: Vec<PathBuf>) {
+    for dir in trash {
+        // Already unreachable from the store; a leftover is retried by the next `open`.
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
+
+fn process_alive(pid: i32) -> bool {
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) => true,
+        Err(nix::errno::Errno::ESRCH) => false,
+        Err(_) => true,
+    }
+}
