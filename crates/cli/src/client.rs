@@ -1,0 +1,108 @@
+//! A small HTTP client for the lifecycle API and execd, enough for `warren run`. (The full Rust SDK is
+//! a separate crate to come.)
+
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use warren_api::execd::{EventKind, RunCommandRequest, StreamEvent};
+use warren_api::lifecycle::{CreateSandboxRequest, Endpoint, Sandbox};
+use warren_api::{ErrorBody, API_KEY_HEADER, EXECD_PORT};
+
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    api_key: Option<String>,
+}
+
+async fn check(resp: reqwest::Response, what: &str) -> anyhow::Result<reqwest::Response> {
+    if resp.status().is_success() {
+        return Ok(resp);
+    }
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    match serde_json::from_str::<ErrorBody>(&text) {
+        Ok(e) => bail!("{what}: {} ({}): {}", status.as_u16(), e.code, e.message),
+        Err(_) => bail!("{what}: HTTP {}: {}", status.as_u16(), text.trim()),
+    }
+}
+
+impl Client {
+    pub fn new(domain: &str, api_key: Option<String>) -> Self {
+        let base = if domain.starts_with("http://") || domain.starts_with("https://") {
+            domain.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", domain.trim_end_matches('/'))
+        };
+        Self { http: reqwest::Client::new(), base, api_key }
+    }
+
+    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let mut r = self.http.request(method, format!("{}/v1{path}", self.base));
+        if let Some(k) = &self.api_key {
+            r = r.header(API_KEY_HEADER, k);
+        }
+        r
+    }
+
+    pub async fn health(&self) -> bool {
+        matches!(self.http.get(format!("{}/health", self.base)).send().await, Ok(r) if r.status().is_success())
+    }
+
+    pub async fn create(&self, req: &CreateSandboxRequest) -> anyhow::Result<Sandbox> {
+        let resp = self.req(reqwest::Method::POST, "/sandboxes").json(req).send().await.context("contacting the Warren server")?;
+        Ok(check(resp, "creating the sandbox").await?.json().await?)
+    }
+
+    pub async fn delete(&self, id: &str) -> anyhow::Result<()> {
+        let resp = self.req(reqwest::Method::DELETE, &format!("/sandboxes/{id}")).send().await?;
+        check(resp, "deleting the sandbox").await?;
+        Ok(())
+    }
+
+    pub async fn endpoint(&self, id: &str, port: u16) -> anyhow::Result<Endpoint> {
+        let resp = self.req(reqwest::Method::GET, &format!("/sandboxes/{id}/endpoints/{port}")).send().await?;
+        Ok(check(resp, "resolving the endpoint").await?.json().await?)
+    }
+
+    /// Runs a foreground command, calling `on_event` for each event; returns the exit code.
+    pub async fn run_command(&self, id: &str, cmd: RunCommandRequest, mut on_event: impl FnMut(&StreamEvent)) -> anyhow::Result<i32> {
+        let ep = self.endpoint(id, EXECD_PORT).await?;
+        let mut r = self.http.post(format!("http://{}/command", ep.endpoint)).json(&cmd);
+        for (k, v) in &ep.headers {
+            r = r.header(k, v);
+        }
+        let resp = check(r.send().await.context("starting the command")?, "running the command").await?;
+        let mut stream = resp.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut code = None;
+        while let Some(chunk) = stream.next().await {
+            buf.extend_from_slice(&chunk.context("reading the command's output")?);
+            while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=pos).collect();
+                let line = String::from_utf8_lossy(&line);
+                let line = line.trim().trim_start_matches("data:").trim();
+                if line.is_empty() {
+                    continue;
+                }
+                let Ok(ev) = serde_json::from_str::<StreamEvent>(line) else { continue };
+                match ev.kind {
+                    EventKind::ExecutionComplete => code = Some(0),
+                    EventKind::Error => {
+                        code = Some(ev.error.as_ref().and_then(|e| e.evalue.parse().ok()).unwrap_or(1));
+                    }
+                    _ => {}
+                }
+                on_event(&ev);
+            }
+        }
+        code.context("the command's output ended without a result")
+    }
+}
+
+pub fn env_map(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    pairs
+        .iter()
+        .map(|p| p.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).with_context(|| format!("--env {p:?} is not KEY=VALUE")))
+        .collect()
+}

@@ -1,0 +1,156 @@
+//! The `warren` binary: argument parsing and wiring only; behaviour lives in the library crates.
+
+mod client;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use warren_server::config::{self, EnvSource, ProcessEnv};
+
+#[derive(Parser)]
+#[command(name = "warren", version, about = "Self-hosted sandboxes for AI agents (OpenSandbox protocol)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start the lifecycle server.
+    Serve {
+        /// Address to listen on [env: WARREN_LISTEN] [default: 127.0.0.1:8080]
+        #[arg(long)]
+        listen: Option<String>,
+        /// State, images and sandboxes [env: WARREN_DATA_DIR] [default: /var/lib/warren as root]
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// TOML configuration file [env: WARREN_CONFIG]
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Serve without an API key (loopback addresses only).
+        #[arg(long)]
+        insecure_no_auth: bool,
+    },
+    /// Create a sandbox, run one command in it, stream its output, delete it; exits with its code.
+    Run(run::RunArgs),
+    /// Manage the local image store.
+    Image {
+        #[command(subcommand)]
+        command: ImageCommand,
+        /// State, images and sandboxes [env: WARREN_DATA_DIR]
+        #[arg(long, global = true)]
+        data_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ImageCommand {
+    /// Import a rootfs folder, a rootfs tarball, a `docker save` tarball or an OCI layout as NAME.
+    Import { name: String, path: PathBuf },
+    /// List images.
+    Ls {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove an image name (its layers go once nothing uses them).
+    Rm { names: Vec<String> },
+}
+
+fn main() -> ExitCode {
+    // The sandbox setup helper must run before any thread exists: dispatch before parsing or starting
+    // a runtime.
+    if std::env::args().nth(1).as_deref() == Some(warren_runtime_native::INIT_SUBCOMMAND) {
+        warren_runtime_native::init::main();
+    }
+    let filter = ProcessEnv.get(config::env::LOG).unwrap_or_else(|| "warren=info,warren_server=info,warn".into());
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).init();
+    let cli = Cli::parse();
+    match real_main(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("warren: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve { listen, data_dir, config: config_file, insecure_no_auth } => {
+            let overrides = config::Overrides { listen, data_dir, config: config_file, insecure_no_auth };
+            let cfg = warren_server::ServerConfig::load(&overrides, &ProcessEnv)?;
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(serve(cfg))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run(args) => {
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(run::run(args))
+        }
+        Command::Image { command, data_dir } => {
+            let data_dir = data_dir
+                .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
+                .unwrap_or_else(|| config::default_data_dir(&ProcessEnv));
+            let store = warren_image::ImageStore::open(&data_dir).with_context(|| format!("opening the image store in {}", data_dir.display()))?;
+            match command {
+                ImageCommand::Import { name, path } => {
+                    let rec = store.import(&name, &path).with_context(|| format!("importing {} as {name}", path.display()))?;
+                    println!("{} {} ({} layers, {})", rec.name, rec.id, rec.layers.len(), human_bytes(rec.size_bytes));
+                }
+                ImageCommand::Ls { json } => {
+                    let images = store.list()?;
+                    if json {
+                        let rows: Vec<_> = images
+                            .iter()
+                            .map(|i| serde_json::json!({"name": i.name, "id": i.id, "layers": i.layers.len(), "size": i.size_bytes, "createdAt": i.created_at, "builtin": i.builtin}))
+                            .collect();
+                        println!("{}", serde_json::to_string_pretty(&rows)?);
+                    } else {
+                        println!("{:<40} {:<20} {:>7} {:>10}", "NAME", "ID", "LAYERS", "SIZE");
+                        for i in images {
+                            let id: String = i.id.trim_start_matches("sha256:").chars().take(12).collect();
+                            println!("{:<40} {:<20} {:>7} {:>10}", i.name, if i.builtin { "builtin".into() } else { id }, i.layers.len(), human_bytes(i.size_bytes));
+                        }
+                    }
+                }
+                ImageCommand::Rm { names } => {
+                    for n in names {
+                        store.remove(&n).with_context(|| format!("removing {n}"))?;
+                        println!("removed {n}");
+                    }
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
+    let server = warren_server::Server::bind(cfg).await?;
+    eprintln!("warren: listening on http://{} (runtime {})", server.local_addr(), server.state.sandboxes.runtime().name());
+    server
+        .run(async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = term.recv() => {},
+            }
+            eprintln!("warren: shutting down; sandboxes keep running and are re-adopted at the next start");
+        })
+        .await
+}
+
+fn human_bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < units.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", units[u]) }
+}

@@ -1,0 +1,162 @@
+//! `warren run`: the shortest path from nothing to output. Uses a running server when one is
+//! configured or answering on the default address; otherwise starts one in-process for the duration
+//! of the command (so a fresh machine needs no daemon).
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use warren_api::execd::{EventKind, RunCommandRequest};
+use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
+use warren_server::config::{self, EnvSource, ProcessEnv};
+
+use crate::client::{env_map, Client};
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Image to run (an imported name, or the built-in `host`).
+    #[arg(long, default_value = "host")]
+    image: String,
+    /// Environment variables, KEY=VALUE (repeatable).
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+    /// Working directory inside the sandbox.
+    #[arg(long)]
+    workdir: Option<String>,
+    /// Resource limits, e.g. --cpu 0.5 --memory 512Mi.
+    #[arg(long)]
+    cpu: Option<String>,
+    #[arg(long)]
+    memory: Option<String>,
+    /// Server address (host:port) [env: OPEN_SANDBOX_DOMAIN]; without it, a local server is used or
+    /// started in-process.
+    #[arg(long)]
+    domain: Option<String>,
+    /// API key [env: OPEN_SANDBOX_API_KEY, WARREN_API_KEY]
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Data dir for the in-process server [env: WARREN_DATA_DIR]
+    #[arg(long)]
+    data_dir: Option<std::path::PathBuf>,
+    /// The command; one argument is run by the shell, several are quoted and joined.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let env = ProcessEnv;
+    let api_key = args.api_key.clone().or_else(|| env.get("OPEN_SANDBOX_API_KEY")).or_else(|| env.get(config::env::API_KEY));
+    let domain = args.domain.clone().or_else(|| env.get("OPEN_SANDBOX_DOMAIN"));
+    let data_dir = args.data_dir.clone().or_else(|| env.get(config::env::DATA_DIR).map(Into::into)).unwrap_or_else(|| config::default_data_dir(&env));
+
+    let mut embedded = None;
+    let client = match domain {
+        Some(d) => Client::new(&d, api_key.or_else(|| stored_key(&data_dir))),
+        None => {
+            let probe = Client::new(config::DEFAULT_LISTEN, None);
+            if probe.health().await && (api_key.is_some() || stored_key(&data_dir).is_some()) {
+                Client::new(config::DEFAULT_LISTEN, api_key.or_else(|| stored_key(&data_dir)))
+            } else {
+                let overrides = config::Overrides { listen: Some("127.0.0.1:0".into()), data_dir: Some(data_dir.clone()), config: None, insecure_no_auth: false };
+                let mut cfg = warren_server::ServerConfig::load(&overrides, &env)?;
+                cfg.api_key = Some(random_key());
+                let key = cfg.api_key.clone();
+                let server = warren_server::Server::bind(cfg).await.context("starting an in-process Warren server")?;
+                let addr = server.local_addr();
+                let sandboxes = server.state.sandboxes.clone();
+                let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+                let handle = tokio::spawn(server.run(async move {
+                    let _ = stop_rx.await;
+                }));
+                embedded = Some((stop_tx, handle, sandboxes));
+                Client::new(&addr.to_string(), key)
+            }
+        }
+    };
+
+    let mut limits = std::collections::BTreeMap::new();
+    if let Some(c) = &args.cpu {
+        limits.insert("cpu".to_string(), c.clone());
+    }
+    if let Some(m) = &args.memory {
+        limits.insert("memory".to_string(), m.clone());
+    }
+    let req = CreateSandboxRequest {
+        image: Some(ImageSpec { uri: args.image.clone(), auth: None }),
+        timeout: Some(3600),
+        resource_limits: (!limits.is_empty()).then_some(limits),
+        env: Some(env_map(&args.env)?),
+        ..Default::default()
+    };
+    let result = async {
+        let sb = client.create(&req).await?;
+        let command = if args.command.len() == 1 { args.command[0].clone() } else { shell_join(&args.command) };
+        let cmd = RunCommandRequest { command: Some(command), cwd: args.workdir.clone(), ..Default::default() };
+        let outcome = client
+            .run_command(&sb.id, cmd, |ev| match ev.kind {
+                EventKind::Stdout => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
+                    let _ = out.flush();
+                }
+                EventKind::Stderr => {
+                    let mut err = std::io::stderr().lock();
+                    let _ = err.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
+                }
+                EventKind::Error if ev.error.as_ref().is_some_and(|e| e.evalue.parse::<i32>().is_err()) => {
+                    eprintln!("warren: {}", ev.error.as_ref().map(|e| e.evalue.as_str()).unwrap_or_default());
+                }
+                _ => {}
+            })
+            .await;
+        let deleted = client.delete(&sb.id).await;
+        let code = outcome?;
+        deleted?;
+        anyhow::Ok(code)
+    }
+    .await;
+    if let Some((stop, handle, sandboxes)) = embedded {
+        sandboxes.delete_all().await;
+        let _ = stop.send(());
+        let _ = handle.await;
+    }
+    let code = result?;
+    Ok(ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1)))
+}
+
+fn stored_key(data_dir: &std::path::Path) -> Option<String> {
+    std::fs::read_to_string(warren_server::auth::key_file(data_dir)).ok().map(|k| k.trim().to_string()).filter(|k| !k.is_empty())
+}
+
+fn random_key() -> String {
+    let mut bytes = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut bytes);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// POSIX-shell quoting so `warren run -- echo "a b"` means what it says.
+fn shell_join(args: &[String]) -> String {
+    args.iter()
+        .map(|a| {
+            if !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b)) {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_join;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_join(&["echo".into(), "a b".into(), "it's".into()]), "echo 'a b' 'it'\\''s'");
+        assert_eq!(shell_join(&["ls".into(), "-la".into(), "/tmp".into()]), "ls -la /tmp");
+    }
+}

@@ -1,0 +1,99 @@
+//! Kubernetes-style resource quantities as the protocol carries them in `resourceLimits`
+//! (`cpu: "500m"`, `memory: "512Mi"`). Parsed strictly: a typo must be a 400, not a surprise limit.
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid {resource} quantity {value:?}: {why}")]
+pub struct QuantityError {
+    pub resource: &'static str,
+    pub value: String,
+    pub why: &'static str,
+}
+
+/// Splits "1.5Gi" into ("1.5", "Gi").
+fn split_number(s: &str) -> (&str, &str) {
+    let end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    s.split_at(end)
+}
+
+fn parse_decimal(num: &str) -> Option<f64> {
+    if num.is_empty() || num.starts_with('.') || num.ends_with('.') || num.matches('.').count() > 1 {
+        return None;
+    }
+    num.parse::<f64>().ok().filter(|v| v.is_finite())
+}
+
+/// CPU in millicores: "1" → 1000, "500m" → 500, "0.25" → 250.
+pub fn parse_cpu_millis(value: &str) -> Result<u64, QuantityError> {
+    let err = |why| QuantityError { resource: "cpu", value: value.to_string(), why };
+    let (num, suffix) = split_number(value.trim());
+    let n = parse_decimal(num).ok_or_else(|| err("expected a number like \"1\", \"0.5\" or \"500m\""))?;
+    let millis = match suffix {
+        "" => n * 1000.0,
+        "m" => n,
+        _ => return Err(err("unknown suffix (use \"m\" for millicores)")),
+    };
+    if millis < 1.0 {
+        return Err(err("must be at least 1m"));
+    }
+    if millis > 1024.0 * 1000.0 {
+        return Err(err("more than 1024 cores"));
+    }
+    Ok(millis.round() as u64)
+}
+
+/// Memory in bytes: "512Mi", "2Gi", "1G", "1048576".
+pub fn parse_memory_bytes(value: &str) -> Result<u64, QuantityError> {
+    let err = |why| QuantityError { resource: "memory", value: value.to_string(), why };
+    let (num, suffix) = split_number(value.trim());
+    let n = parse_decimal(num).ok_or_else(|| err("expected a number with an optional unit like \"512Mi\""))?;
+    let mult: f64 = match suffix {
+        "" => 1.0,
+        "k" | "K" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0 * 1024.0,
+        "Gi" => 1024.0 * 1024.0 * 1024.0,
+        "Ti" => 1024.0f64.powi(4),
+        _ => return Err(err("unknown unit (use Ki, Mi, Gi, Ti, k, M, G or T)")),
+    };
+    let bytes = n * mult;
+    // Below a few MiB nothing starts (execd alone needs ~2 MiB); refuse rather than create a sandbox that
+    // dies at once.
+    if bytes < 8.0 * 1024.0 * 1024.0 {
+        return Err(err("must be at least 8Mi"));
+    }
+    if bytes > 16.0 * 1024f64.powi(4) {
+        return Err(err("more than 16Ti"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_quantities() {
+        assert_eq!(parse_cpu_millis("1"), Ok(1000));
+        assert_eq!(parse_cpu_millis("500m"), Ok(500));
+        assert_eq!(parse_cpu_millis("0.25"), Ok(250));
+        assert_eq!(parse_cpu_millis("2.5"), Ok(2500));
+        for bad in ["", "m", "abc", "1x", "-1", "0", "0.0001", "1..2", ".5", "1e3"] {
+            assert!(parse_cpu_millis(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn memory_quantities() {
+        assert_eq!(parse_memory_bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_memory_bytes("2Gi"), Ok(2 << 30));
+        assert_eq!(parse_memory_bytes("1G"), Ok(1_000_000_000));
+        assert_eq!(parse_memory_bytes("1.5Gi"), Ok(3 << 29));
+        assert_eq!(parse_memory_bytes("104857600"), Ok(104_857_600));
+        for bad in ["lots", "", "1Zi", "1mi", "-5Mi", "1Mi", "Gi"] {
+            assert!(parse_memory_bytes(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+}

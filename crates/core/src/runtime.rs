@@ -1,0 +1,101 @@
+//! The backend trait. A runtime turns a `SandboxSpec` into running isolation with execd as its first
+//! process, and reports what it made as an opaque `RuntimeState` that the server persists and hands back
+//! after a restart, so a backend can re-attach without the server knowing its internals.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use futures::future::BoxFuture;
+use warren_image::ResolvedImage;
+
+/// Limits always applied; the server fills defaults for what the request leaves out.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResourceLimits {
+    pub cpu_millis: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub pids: u64,
+}
+
+/// Everything a runtime needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: String,
+    pub image: ResolvedImage,
+    pub entrypoint: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub limits: ResourceLimits,
+}
+
+/// Backend-specific facts about a live sandbox (pids, paths, container ids), persisted by the server.
+pub type RuntimeState = serde_json::Value;
+
+/// How a sandbox's main process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// Exit code, or `None` when it was killed by a signal or the status could not be collected
+    /// (e.g. after a server restart the sandbox is no longer our child).
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+/// What a runtime finds when asked about a sandbox it created earlier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    Running,
+    Paused,
+    Gone,
+}
+
+/// Error kinds the server maps onto statuses; backend detail stays in the message and source.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{0}")]
+    Exhausted(String),
+    #[error("{message}")]
+    Backend {
+        message: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl RuntimeError {
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self::Backend { message: message.into(), source: None }
+    }
+
+    pub fn backend_with(message: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Backend { message: message.into(), source: Some(Box::new(source)) }
+    }
+}
+
+#[async_trait::async_trait]
+pub trait Runtime: Send + Sync + 'static {
+    /// Short name for logs and `/health` ("native/embedded", "native/runsc", …).
+    fn name(&self) -> String;
+
+    /// Creates and starts the sandbox; returns once execd's socket accepts connections. On error nothing
+    /// of the sandbox is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError>;
+
+    /// The host path of the Unix socket execd serves on.
+    fn execd_socket(&self, id: &str) -> PathBuf;
+
+    /// Resolves when the sandbox's main process has ended (or at once if it already has).
+    fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo>;
+
+    async fn pause(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
+    async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
+
+    /// Kills everything and removes every host resource the sandbox held. Idempotent.
+    async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
+
+    /// After a server restart: is this sandbox still there?
+    async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
+}

@@ -1,0 +1,301 @@
+//! Per-sandbox cgroups on both layouts Warren meets: cgroup v2 (unified, what most users run) and
+//! cgroup v1 with one hierarchy per controller (this project's CI machines). The sandbox's cgroup is
+//! also its freezer (pause/resume) and the source of execd's `/metrics`.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use warren_core::ResourceLimits;
+
+/// Controllers Warren uses on cgroup v1; each lives in its own hierarchy (or a co-mounted one).
+const V1_CONTROLLERS: [&str; 5] = ["cpu", "cpuacct", "memory", "pids", "freezer"];
+const CFS_PERIOD_US: u64 = 100_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no usable cgroup hierarchy under {0}")]
+    NoHierarchy(PathBuf),
+    #[error("cgroup controller {0} is not available")]
+    MissingController(&'static str),
+    #[error("cgroup file {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io { path: path.to_path_buf(), source }
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    fs::write(path, value).map_err(io_err(path))
+}
+
+/// Which layout the host uses, found once at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layout {
+    /// Unified hierarchy at `root` (e.g. `/sys/fs/cgroup`).
+    V2 { root: PathBuf },
+    /// Controller name → hierarchy mount point (e.g. `memory` → `/sys/fs/cgroup/memory`).
+    V1 { hierarchies: Vec<(String, PathBuf)> },
+}
+
+impl Layout {
+    /// Detects the layout under `base` (normally `/sys/fs/cgroup`). A cgroup2 mount with no controllers
+    /// (the hybrid layout) does not count as v2.
+    pub fn detect(base: &Path) -> Result<Self, CgroupError> {
+        let controllers = base.join("cgroup.controllers");
+        if let Ok(list) = fs::read_to_string(&controllers) {
+            if list.split_whitespace().any(|c| c == "memory") {
+                return Ok(Layout::V2 { root: base.to_path_buf() });
+            }
+        }
+        let mut hierarchies = Vec::new();
+        for ctrl in V1_CONTROLLERS {
+            let dir = base.join(ctrl);
+            if dir.join("cgroup.procs").exists() {
+                // Co-mounted controllers (`cpu` and `cpuacct` → `cpu,cpuacct`) share one real directory.
+                let real = fs::canonicalize(&dir).unwrap_or(dir);
+                hierarchies.push((ctrl.to_string(), real));
+            }
+        }
+        if hierarchies.iter().any(|(c, _)| c == "memory") {
+            Ok(Layout::V1 { hierarchies })
+        } else {
+            Err(CgroupError::NoHierarchy(base.to_path_buf()))
+        }
+    }
+
+    fn v1_dir(&self, ctrl: &'static str) -> Option<&Path> {
+        match self {
+            Layout::V1 { hierarchies } => hierarchies.iter().find(|(c, _)| c == ctrl).map(|(_, p)| p.as_path()),
+            Layout::V2 { .. } => None,
+        }
+    }
+}
+
+/// The cgroup(s) of one sandbox: `<hierarchy>/<parent>/<id>` for each hierarchy.
+#[derive(Debug, Clone)]
+pub struct Cgroup {
+    layout: Layout,
+    /// One directory per hierarchy (a single one on v2); deduplicated for co-mounted controllers.
+    dirs: Vec<PathBuf>,
+}
+
+impl Cgroup {
+    /// Names the sandbox's cgroup without touching the filesystem.
+    pub fn at(layout: &Layout, parent: &str, id: &str) -> Self {
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        match layout {
+            Layout::V2 { root } => dirs.push(root.join(parent).join(id)),
+            Layout::V1 { hierarchies } => {
+                for (_, h) in hierarchies {
+                    let dir = h.join(parent).join(id);
+                    if !dirs.contains(&dir) {
+                        dirs.push(dir);
+                    }
+                }
+            }
+        }
+        Self { layout: layout.clone(), dirs }
+    }
+
+    /// Creates the cgroup and applies the limits. On error, whatever was created is removed again.
+    pub fn create(layout: &Layout, parent: &str, id: &str, limits: &ResourceLimits) -> Result<Self, CgroupError> {
+        let cg = Self::at(layout, parent, id);
+        if let Layout::V2 { root } = layout {
+            enable_v2_controllers(root, &root.join(parent))?;
+        }
+        let result = (|| {
+            for dir in &cg.dirs {
+                fs::create_dir_all(dir).map_err(io_err(dir))?;
+            }
+            cg.apply(limits)
+        })();
+        if let Err(e) = result {
+            let _ = cg.remove(Duration::from_millis(200));
+            return Err(e);
+        }
+        Ok(cg)
+    }
+
+    fn apply(&self, limits: &ResourceLimits) -> Result<(), CgroupError> {
+        match &self.layout {
+            Layout::V2 { .. } => {
+                let dir = &self.dirs[0];
+                write(&dir.join("pids.max"), &limits.pids.to_string())?;
+                if let Some(mem) = limits.memory_bytes {
+                    write(&dir.join("memory.max"), &mem.to_string())?;
+                    // Without this a sandbox could push the host into swap instead of hitting its limit.
+                    let swap = dir.join("memory.swap.max");
+                    if swap.exists() {
+                        write(&swap, "0")?;
+                    }
+                }
+                if let Some(cpu) = limits.cpu_millis {
+                    write(&dir.join("cpu.max"), &format!("{} {}", cpu * CFS_PERIOD_US / 1000, CFS_PERIOD_US))?;
+                }
+            }
+            Layout::V1 { .. } => {
+                let pids = self.v1("pids").ok_or(CgroupError::MissingController("pids"))?;
+                write(&pids.join("pids.max"), &limits.pids.to_string())?;
+                if let Some(mem) = limits.memory_bytes {
+                    let dir = self.v1("memory").ok_or(CgroupError::MissingController("memory"))?;
+                    write(&dir.join("memory.limit_in_bytes"), &mem.to_string())?;
+                    let _ = fs::write(dir.join("memory.swappiness"), "0");
+                }
+                if let Some(cpu) = limits.cpu_millis {
+                    let dir = self.v1("cpu").ok_or(CgroupError::MissingController("cpu"))?;
+                    write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+                    write(&dir.join("cpu.cfs_quota_us"), &(cpu * CFS_PERIOD_US / 1000).to_string())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn v1(&self, ctrl: &'static str) -> Option<PathBuf> {
+        let base = self.layout.v1_dir(ctrl)?;
+        self.dirs.iter().find(|d| d.starts_with(base)).cloned()
+    }
+
+    /// The `cgroup.procs` files a process writes its pid into to join the sandbox's cgroup.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// Freezes (pause) or thaws (resume) every process of the sandbox.
+    pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
+        match &self.layout {
+            Layout::V2 { .. } => write(&self.dirs[0].join("cgroup.freeze"), if frozen { "1" } else { "0" }),
+            Layout::V1 { .. } => {
+                let dir = self.v1("freezer").ok_or(CgroupError::MissingController("freezer"))?;
+                write(&dir.join("freezer.state"), if frozen { "FROZEN" } else { "THAWED" })?;
+                // v1 freezing is asynchronous; report success only once it took effect.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let want = if frozen { "FROZEN" } else { "THAWED" };
+                loop {
+                    let state = fs::read_to_string(dir.join("freezer.state")).unwrap_or_default();
+                    if state.trim() == want || Instant::now() > deadline {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+        }
+    }
+
+    pub fn is_frozen(&self) -> bool {
+        match &self.layout {
+            Layout::V2 { .. } => fs::read_to_string(self.dirs[0].join("cgroup.freeze")).map(|s| s.trim() == "1").unwrap_or(false),
+            Layout::V1 { .. } => self
+                .v1("freezer")
+                .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+                .map(|s| s.trim() != "THAWED")
+                .unwrap_or(false),
+        }
+    }
+
+    /// Pids currently in the sandbox's cgroup (from the first hierarchy; every process joins all).
+    pub fn pids(&self) -> Vec<i32> {
+        let Some(dir) = self.dirs.first() else { return Vec::new() };
+        fs::read_to_string(dir.join("cgroup.procs"))
+            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Kills whatever is still inside, then removes the directories, retrying while the kernel drains
+    /// the cgroup. Missing directories are fine (idempotent).
+    pub fn remove(&self, within: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + within;
+        for dir in &self.dirs {
+            loop {
+                match fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::trace!(dir = %dir.display(), error = %e, "cgroup busy, retrying");
+                        for pid in self.pids() {
+                            // SAFETY: kill(2) with a pid read from the sandbox's own cgroup.
+                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => return Err(CgroupError::Io { path: dir.clone(), source: e }),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// On v2 a child cgroup only gets controllers its parent delegates: turn them on down the path.
+fn enable_v2_controllers(root: &Path, parent: &Path) -> Result<(), CgroupError> {
+    fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let mut dir = root.to_path_buf();
+    let rel = parent.strip_prefix(root).unwrap_or(Path::new(""));
+    let mut chain = vec![dir.clone()];
+    for comp in rel.components() {
+        dir.push(comp);
+        chain.push(dir.clone());
+    }
+    for d in chain {
+        let available = fs::read_to_string(d.join("cgroup.controllers")).unwrap_or_default();
+        let want: Vec<String> = ["cpu", "memory", "pids"]
+            .iter()
+            .filter(|c| available.split_whitespace().any(|a| a == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if !want.is_empty() {
+            write(&d.join("cgroup.subtree_control"), &want.join(" "))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_v1_and_ignores_empty_unified() {
+        let t = tempfile::tempdir().expect("tempdir");
+        fs::create_dir_all(t.path().join("unified")).expect("mkdir");
+        fs::write(t.path().join("unified/cgroup.controllers"), "").expect("write");
+        for c in ["memory", "pids", "cpu", "freezer"] {
+            fs::create_dir_all(t.path().join(c)).expect("mkdir");
+            fs::write(t.path().join(c).join("cgroup.procs"), "").expect("write");
+        }
+        let layout = Layout::detect(t.path()).expect("layout");
+        let Layout::V1 { hierarchies } = &layout else { panic!("expected v1, got {layout:?}") };
+        assert_eq!(hierarchies.len(), 4);
+        let cg = Cgroup::at(&layout, "warren", "abc");
+        assert_eq!(cg.dirs().len(), 4);
+        assert!(cg.procs_files().iter().all(|p| p.ends_with("warren/abc/cgroup.procs")));
+    }
+
+    #[test]
+    fn detects_v2_and_writes_limits() {
+        let t = tempfile::tempdir().expect("tempdir");
+        fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids").expect("write");
+        let layout = Layout::detect(t.path()).expect("layout");
+        assert!(matches!(layout, Layout::V2 { .. }));
+        let limits = ResourceLimits { cpu_millis: Some(500), memory_bytes: Some(256 << 20), pids: 512 };
+        let cg = Cgroup::create(&layout, "warren", "abc", &limits).expect("create");
+        let dir = t.path().join("warren/abc");
+        assert_eq!(fs::read_to_string(dir.join("cpu.max")).expect("cpu.max"), "50000 100000");
+        assert_eq!(fs::read_to_string(dir.join("memory.max")).expect("memory.max"), (256u64 << 20).to_string());
+        assert_eq!(fs::read_to_string(dir.join("pids.max")).expect("pids.max"), "512");
+        assert_eq!(fs::read_to_string(t.path().join("cgroup.subtree_control")).expect("subtree"), "+cpu +memory +pids");
+        cg.set_frozen(true).expect("freeze");
+        assert!(cg.is_frozen());
+    }
+}

@@ -1,0 +1,126 @@
+//! The setup helper: a fresh single-threaded process (`warren __sandbox-init`) that joins the sandbox's
+//! cgroup, unshares namespaces, forks the sandbox's PID 1, builds its root filesystem, drops privileges
+//! and execs execd. It never runs inside the multi-threaded server, so `fork` here is sound.
+//!
+//! Protocol: spec JSON on stdin, one `InitReply` JSON line on stdout. The forked child reports setup
+//! failures through a close-on-exec pipe: EOF without data means `execve` succeeded.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{fork, ForkResult};
+
+use crate::rootfs;
+use crate::security;
+use crate::spec::{InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX};
+
+/// Entry point of `warren __sandbox-init`. Never returns.
+pub fn main() -> ! {
+    let reply = match run() {
+        Ok(pid) => InitReply::Started { pid },
+        Err(error) => InitReply::Failed { error },
+    };
+    let mut out = std::io::stdout().lock();
+    let line = serde_json::to_string(&reply).unwrap_or_else(|_| "{\"Failed\":{\"error\":\"reply\"}}".into());
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+    std::process::exit(if matches!(reply, InitReply::Started { .. }) { 0 } else { 1 })
+}
+
+fn run() -> Result<i32, String> {
+    let mut input = String::new();
+    std::io::stdin().read_to_string(&mut input).map_err(|e| format!("reading spec: {e}"))?;
+    let spec: InitSpec = serde_json::from_str(&input).map_err(|e| format!("parsing spec: {e}"))?;
+
+    for procs in &spec.cgroup_procs {
+        fs::write(procs, "0").map_err(|e| format!("joining cgroup {}: {e}", procs.display()))?;
+    }
+    // Compile seccomp before unsharing so a failure costs nothing.
+    let programs = security::seccomp_programs().map_err(|e| format!("{e}"))?;
+    unshare(
+        CloneFlags::CLONE_NEWNS
+            | CloneFlags::CLONE_NEWUTS
+            | CloneFlags::CLONE_NEWIPC
+            | CloneFlags::CLONE_NEWNET
+            | CloneFlags::CLONE_NEWPID
+            | CloneFlags::CLONE_NEWCGROUP,
+    )
+    .map_err(|e| format!("unshare: {e}"))?;
+
+    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    // SAFETY: this helper process is single-threaded (it is a fresh exec of the warren binary that
+    // dispatches here before starting any runtime or thread), so the child may run arbitrary code.
+    match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
+        ForkResult::Child => {
+            drop(read_end);
+            let err = child(&spec, &programs);
+            let mut w = fs::File::from(write_end);
+            let _ = w.write_all(err.as_bytes());
+            // SAFETY: _exit in the forked child, skipping atexit handlers and buffered stdio of the parent.
+            unsafe { libc::_exit(127) }
+        }
+        ForkResult::Parent { child } => {
+            drop(write_end);
+            let mut msg = String::new();
+            let _ = fs::File::from(read_end).read_to_string(&mut msg);
+            if msg.is_empty() {
+                Ok(child.as_raw())
+            } else {
+                let _ = waitpid(child, None).map(|s| matches!(s, WaitStatus::Exited(..)));
+                Err(msg)
+            }
+        }
+    }
+}
+
+/// Runs in the sandbox's PID 1 before exec; returns the error text only when something failed.
+fn child(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> String {
+    match setup_and_exec(spec, programs) {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+enum Never {}
+
+fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Result<Never, String> {
+    nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
+    rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
+    rootfs::build(spec).map_err(|e| format!("{e}"))?;
+    std::env::set_current_dir(&spec.workdir)
+        .or_else(|_| std::env::set_current_dir("/"))
+        .map_err(|e| format!("chdir: {e}"))?;
+
+    let execd = CString::new(EXECD_IN_SANDBOX).map_err(|e| e.to_string())?;
+    let socket = format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}");
+    let mut argv: Vec<CString> = ["warren-execd", "--socket", &socket, "--workdir", &spec.workdir, "--"]
+        .iter()
+        .map(|s| CString::new(*s))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    for a in &spec.entrypoint {
+        argv.push(CString::new(a.as_str()).map_err(|_| "entrypoint contains a NUL byte".to_string())?);
+    }
+    let env: Vec<CString> = spec
+        .env
+        .iter()
+        .map(|e| CString::new(e.as_str()))
+        .collect::<Result<_, _>>()
+        .map_err(|_| "env contains a NUL byte".to_string())?;
+
+    // stdin from /dev/null; stdout/stderr stay on the sandbox log the server opened for us.
+    let null = fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    let null: OwnedFd = null.into();
+    nix::unistd::dup2(null.as_raw_fd(), 0).map_err(|e| format!("dup2: {e}"))?;
+    // Our stdout is the reply pipe to the server; holding it open would leak it into the sandbox.
+    nix::unistd::dup2(2, 1).map_err(|e| format!("dup2: {e}"))?;
+
+    security::restrict_privileges().map_err(|e| format!("{e}"))?;
+    security::install_seccomp(programs).map_err(|e| format!("{e}"))?;
+    let e = nix::unistd::execve(&execd, &argv, &env).err();
+    Err(format!("exec execd: {}", e.map(|e| e.to_string()).unwrap_or_default()))
+}

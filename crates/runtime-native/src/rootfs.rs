@@ -1,0 +1,262 @@
+//! Builds a sandbox's root filesystem inside its private mount namespace and pivots into it:
+//! overlay (or the host view), a minimal `/dev`, fresh `/proc` with Docker's masked paths, read-only
+//! `/sys` and cgroup view, execd and its socket folder under `/.warren`. Every mount lives only in the
+//! sandbox's namespace, so nothing needs unmounting on the host when the sandbox ends.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+
+use crate::spec::{InitSpec, RootSource, EXECD_SOCKET_NAME, WARREN_DIR};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    #[error("mount {what} at {target}")]
+    Mount {
+        what: String,
+        target: PathBuf,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("preparing {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("pivot_root into {0}")]
+    Pivot(PathBuf, #[source] nix::Error),
+}
+
+type Result<T> = std::result::Result<T, RootfsError>;
+
+fn mnt(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> Result<()> {
+    mount(src, target, fstype, flags, data).map_err(|source| RootfsError::Mount {
+        what: fstype.or(src).unwrap_or("bind").to_string(),
+        target: target.to_path_buf(),
+        source,
+    })
+}
+
+fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()> {
+    mount(Some(src), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>).map_err(|source| {
+        RootfsError::Mount { what: format!("bind {}", src.display()), target: target.to_path_buf(), source }
+    })?;
+    if readonly || !extra.is_empty() {
+        let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | extra;
+        if readonly {
+            flags |= MsFlags::MS_RDONLY;
+        }
+        mnt(None, target, None, flags, None)?;
+    }
+    Ok(())
+}
+
+fn io_at(path: &Path) -> impl FnOnce(io::Error) -> RootfsError + '_ {
+    move |source| RootfsError::Io { path: path.to_path_buf(), source }
+}
+
+fn mkdir(path: &Path) -> Result<()> {
+    fs::create_dir_all(path).map_err(io_at(path))
+}
+
+/// A mount point for a file bind: creates an empty file if nothing is there.
+fn touch(path: &Path) -> Result<()> {
+    if path.symlink_metadata().is_err() {
+        fs::File::create(path).map_err(io_at(path))?;
+    }
+    Ok(())
+}
+
+/// Strips the leading `/` so a host path can be joined under the new root.
+fn inside(root: &Path, abs: &Path) -> PathBuf {
+    root.join(abs.strip_prefix("/").unwrap_or(abs))
+}
+
+pub fn build(spec: &InitSpec) -> Result<()> {
+    // Nothing we mount may propagate back to the host.
+    mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    let root = spec.rootfs_dir.as_path();
+    mount_root(spec, root)?;
+    mount_proc(root)?;
+    mount_dev(root)?;
+    mount_sys(spec, root)?;
+    mount_warren(spec, root)?;
+    for dir in ["tmp", "workspace"] {
+        let d = root.join(dir);
+        if d.symlink_metadata().is_err() {
+            mkdir(&d)?;
+            if dir == "tmp" {
+                fs::set_permissions(&d, fs::Permissions::from_mode(0o1777)).map_err(io_at(&d))?;
+            }
+        }
+    }
+    pivot(root)
+}
+
+fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
+    let lowers: Vec<&Path> = match &spec.root {
+        RootSource::Layers(layers) => layers.iter().rev().map(PathBuf::as_path).collect(),
+        RootSource::Host { skeleton, .. } => vec![skeleton.as_path()],
+    };
+    let lower = lowers.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":");
+    let data = format!("lowerdir={lower},upperdir={},workdir={}", spec.upper_dir.display(), spec.work_dir.display());
+    mnt(Some("overlay"), root, Some("overlay"), MsFlags::MS_NODEV, Some(&data))?;
+
+    if let RootSource::Host { binds, masked_files, masked_dirs, .. } = &spec.root {
+        for host_dir in binds {
+            let target = inside(root, host_dir);
+            mkdir(&target)?;
+            bind(host_dir, &target, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+        }
+        for file in masked_files {
+            let target = inside(root, file);
+            if target.exists() {
+                bind(Path::new("/dev/null"), &target, true, MsFlags::empty())?;
+            }
+        }
+        for dir in masked_dirs {
+            let target = inside(root, dir);
+            if target.is_dir() {
+                mnt(Some("tmpfs"), &target, Some("tmpfs"), MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("size=4k,mode=700"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn mount_proc(root: &Path) -> Result<()> {
+    let proc_dir = root.join("proc");
+    mkdir(&proc_dir)?;
+    mnt(Some("proc"), &proc_dir, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    // Docker's masked and read-only /proc paths.
+    for f in ["kcore", "keys", "timer_list", "sched_debug", "latency_stats", "sysrq-trigger"] {
+        let p = proc_dir.join(f);
+        if p.exists() {
+            bind(Path::new("/dev/null"), &p, true, MsFlags::empty())?;
+        }
+    }
+    for d in ["acpi", "scsi"] {
+        let p = proc_dir.join(d);
+        if p.is_dir() {
+            mnt(Some("tmpfs"), &p, Some("tmpfs"), MsFlags::MS_RDONLY, Some("size=0"))?;
+        }
+    }
+    for d in ["bus", "fs", "irq", "sys"] {
+        let p = proc_dir.join(d);
+        if p.exists() {
+            bind(&p, &p, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+        }
+    }
+    Ok(())
+}
+
+fn mount_dev(root: &Path) -> Result<()> {
+    let dev = root.join("dev");
+    mkdir(&dev)?;
+    mnt(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=65536k"))?;
+    for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
+        let p = dev.join(name);
+        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)).map_err(|e| RootfsError::Io {
+            path: p.clone(),
+            source: io::Error::from(e),
+        })?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o666)).map_err(io_at(&p))?;
+    }
+    let pts = dev.join("pts");
+    mkdir(&pts)?;
+    mnt(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620,gid=5"))?;
+    let shm = dev.join("shm");
+    mkdir(&shm)?;
+    mnt(Some("shm"), &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=1777,size=65536k"))?;
+    for (link, target) in [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+        let p = dev.join(link);
+        symlink(target, &p).map_err(io_at(&p))?;
+    }
+    Ok(())
+}
+
+fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
+    let sys = root.join("sys");
+    mkdir(&sys)?;
+    let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mnt(Some("sysfs"), &sys, Some("sysfs"), flags, None)?;
+    let firmware = sys.join("firmware");
+    if firmware.is_dir() {
+        mnt(Some("tmpfs"), &firmware, Some("tmpfs"), MsFlags::MS_RDONLY, Some("size=0"))?;
+    }
+    // The sandbox sees its own cgroup as the root (cgroup namespace), read-only: execd reads its
+    // metrics there.
+    let cg = sys.join("fs/cgroup");
+    if spec.cgroup_v2 {
+        mnt(Some("cgroup2"), &cg, Some("cgroup2"), flags, None)?;
+    } else if !spec.cgroup_v1_mounts.is_empty() {
+        mnt(Some("tmpfs"), &cg, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=755,size=64k"))?;
+        for opts in &spec.cgroup_v1_mounts {
+            let joined = opts.join(",");
+            let dir = cg.join(&joined);
+            mkdir(&dir)?;
+            mnt(Some("cgroup"), &dir, Some("cgroup"), flags, Some(&joined))?;
+            for o in opts.iter().filter(|o| **o != joined) {
+                let _ = symlink(&joined, cg.join(o));
+            }
+        }
+        mnt(None, &cg, None, MsFlags::MS_REMOUNT | flags, Some("mode=755,size=64k"))?;
+    }
+    Ok(())
+}
+
+fn mount_warren(spec: &InitSpec, root: &Path) -> Result<()> {
+    let dir = root.join(WARREN_DIR);
+    mkdir(&dir)?;
+    mnt(Some("tmpfs"), &dir, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    let execd = dir.join("execd");
+    touch(&execd)?;
+    bind(&spec.execd_path, &execd, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+    let run = dir.join("run");
+    mkdir(&run)?;
+    bind(&spec.socket_dir, &run, false, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+    // Stale socket from a previous life of this folder would make execd's bind fail.
+    let _ = fs::remove_file(run.join(EXECD_SOCKET_NAME));
+    mnt(None, &dir, None, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    Ok(())
+}
+
+fn pivot(root: &Path) -> Result<()> {
+    std::env::set_current_dir(root).map_err(io_at(root))?;
+    // pivot_root(".", ".") stacks the old root on top of the new one; detaching it leaves only the new.
+    nix::unistd::pivot_root(".", ".").map_err(|e| RootfsError::Pivot(root.to_path_buf(), e))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| RootfsError::Pivot(root.to_path_buf(), e))?;
+    std::env::set_current_dir("/").map_err(io_at(Path::new("/")))?;
+    Ok(())
+}
+
+/// Brings up `lo` in the fresh network namespace (the only interface a sandbox has for now).
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: plain socket/ioctl calls on a struct we own; the fd is closed before returning.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (i, b) in b"lo\0".iter().enumerate() {
+            req.ifr_name[i] = *b as libc::c_char;
+        }
+        let mut rc = libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req);
+        if rc == 0 {
+            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+            rc = libc::ioctl(fd, libc::SIOCSIFFLAGS, &req);
+        }
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if rc != 0 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! The privilege boundary applied as the last step before execd starts: capabilities cut to a set no
+//! wider than Docker's default, `no_new_privs`, and a seccomp filter.
+//!
+//! Capabilities: Docker's default set minus `CAP_MKNOD`. Docker keeps MKNOD and relies on the devices
+//! cgroup to stop its use; Warren has no devices controller on cgroup v2 without BPF, so it drops the
+//! capability instead (a sandbox cannot create a node for a host disk). Root inside a sandbox can still
+//! chown, bind low ports, change uid/gid and so run `apt-get install`.
+//!
+//! Seccomp: a deny list mirroring what Docker's default profile blocks for a container without
+//! `CAP_SYS_ADMIN`: kernel modules, kexec, mount and namespace syscalls, keyrings, bpf, perf, clock
+//! changes, handle-based opens, userfaultfd, new user namespaces through `clone`; `clone3` answers
+//! ENOSYS so libc falls back to `clone`, where flags can be inspected.
+
+use std::collections::BTreeMap;
+
+use caps::{CapSet, Capability, CapsHashSet};
+use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+
+pub const KEPT_CAPABILITIES: [Capability; 13] = [
+    Capability::CAP_CHOWN,
+    Capability::CAP_DAC_OVERRIDE,
+    Capability::CAP_FSETID,
+    Capability::CAP_FOWNER,
+    Capability::CAP_NET_RAW,
+    Capability::CAP_SETGID,
+    Capability::CAP_SETUID,
+    Capability::CAP_SETFCAP,
+    Capability::CAP_SETPCAP,
+    Capability::CAP_NET_BIND_SERVICE,
+    Capability::CAP_SYS_CHROOT,
+    Capability::CAP_KILL,
+    Capability::CAP_AUDIT_WRITE,
+];
+
+/// Syscalls that fail with EPERM inside a sandbox.
+const DENIED_SYSCALLS: &[i64] = &[
+    libc::SYS_acct,
+    libc::SYS_add_key,
+    libc::SYS_bpf,
+    libc::SYS_clock_adjtime,
+    libc::SYS_clock_settime,
+    libc::SYS_delete_module,
+    libc::SYS_finit_module,
+    libc::SYS_fsconfig,
+    libc::SYS_fsmount,
+    libc::SYS_fsopen,
+    libc::SYS_fspick,
+    libc::SYS_init_module,
+    libc::SYS_ioperm,
+    libc::SYS_iopl,
+    libc::SYS_kcmp,
+    libc::SYS_kexec_file_load,
+    libc::SYS_kexec_load,
+    libc::SYS_keyctl,
+    libc::SYS_lookup_dcookie,
+    libc::SYS_mount,
+    libc::SYS_mount_setattr,
+    libc::SYS_move_mount,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_nfsservctl,
+    libc::SYS_open_by_handle_at,
+    libc::SYS_open_tree,
+    libc::SYS_perf_event_open,
+    libc::SYS_pivot_root,
+    libc::SYS_quotactl,
+    libc::SYS_reboot,
+    libc::SYS_request_key,
+    libc::SYS_setns,
+    libc::SYS_settimeofday,
+    libc::SYS_swapoff,
+    libc::SYS_swapon,
+    libc::SYS_syslog,
+    libc::SYS_sysfs,
+    libc::SYS__sysctl,
+    libc::SYS_umount2,
+    libc::SYS_unshare,
+    libc::SYS_uselib,
+    libc::SYS_userfaultfd,
+    libc::SYS_ustat,
+    libc::SYS_vhangup,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    #[error("capabilities: {0}")]
+    Caps(String),
+    #[error("no_new_privs")]
+    NoNewPrivs(#[source] nix::Error),
+    #[error("seccomp filter")]
+    Seccomp(#[source] seccompiler::Error),
+    #[error("seccomp filter compile")]
+    SeccompBackend(#[source] seccompiler::BackendError),
+}
+
+/// Compiles the two BPF programs (deny list → EPERM; `clone3` → ENOSYS).
+pub fn seccomp_programs() -> Result<Vec<BpfProgram>, SecurityError> {
+    let arch = TargetArch::x86_64;
+    let mut deny: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS.iter().map(|s| (*s, Vec::new())).collect();
+    let newuser = libc::CLONE_NEWUSER as u64;
+    let clone_rule = SeccompRule::new(vec![SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(newuser), newuser)
+        .map_err(SecurityError::SeccompBackend)?])
+    .map_err(SecurityError::SeccompBackend)?;
+    deny.insert(libc::SYS_clone, vec![clone_rule]);
+    let deny = SeccompFilter::new(deny, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch)
+        .map_err(SecurityError::SeccompBackend)?;
+    let clone3: BTreeMap<i64, Vec<SeccompRule>> = [(libc::SYS_clone3, Vec::new())].into_iter().collect();
+    let clone3 = SeccompFilter::new(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+        .map_err(SecurityError::SeccompBackend)?;
+    Ok(vec![deny.try_into().map_err(SecurityError::SeccompBackend)?, clone3.try_into().map_err(SecurityError::SeccompBackend)?])
+}
+
+/// Drops capabilities and sets `no_new_privs`; call after every mount is done.
+pub fn restrict_privileges() -> Result<(), SecurityError> {
+    let keep: CapsHashSet = KEPT_CAPABILITIES.into_iter().collect();
+    let all = caps::all();
+    for cap in all.difference(&keep) {
+        // Capabilities newer than the running kernel are absent from its bounding set already.
+        if caps::has_cap(None, CapSet::Bounding, *cap).unwrap_or(false) {
+            caps::drop(None, CapSet::Bounding, *cap).map_err(|e| SecurityError::Caps(e.to_string()))?;
+        }
+    }
+    caps::clear(None, CapSet::Ambient).map_err(|e| SecurityError::Caps(e.to_string()))?;
+    caps::set(None, CapSet::Inheritable, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
+    caps::set(None, CapSet::Effective, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
+    caps::set(None, CapSet::Permitted, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
+    nix::sys::prctl::set_no_new_privs().map_err(SecurityError::NoNewPrivs)?;
+    Ok(())
+}
+
+/// Installs precompiled filters; the last thing before `execve`.
+pub fn install_seccomp(programs: &[BpfProgram]) -> Result<(), SecurityError> {
+    for p in programs {
+        seccompiler::apply_filter(p).map_err(SecurityError::Seccomp)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seccomp_programs_compile() {
+        let progs = seccomp_programs().expect("compile");
+        assert_eq!(progs.len(), 2);
+        assert!(progs.iter().all(|p| !p.is_empty()));
+    }
+
+    #[test]
+    fn kept_set_is_within_docker_default() {
+        assert!(!KEPT_CAPABILITIES.contains(&Capability::CAP_SYS_ADMIN));
+        assert!(!KEPT_CAPABILITIES.contains(&Capability::CAP_MKNOD));
+        assert!(!KEPT_CAPABILITIES.contains(&Capability::CAP_NET_ADMIN));
+        assert!(!KEPT_CAPABILITIES.contains(&Capability::CAP_SYS_PTRACE));
+    }
+}

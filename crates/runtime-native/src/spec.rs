@@ -1,0 +1,49 @@
+//! What the server tells the setup helper about one sandbox. Serialized to the helper's stdin, so the
+//! helper needs nothing else from the server (no shared memory, no inherited threads).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum RootSource {
+    /// Image layer directories, lowest first, stacked read-only under the sandbox's upper dir.
+    Layers(Vec<PathBuf>),
+    /// The built-in host view: a skeleton dir under the upper dir plus read-only binds of host folders.
+    Host { skeleton: PathBuf, binds: Vec<PathBuf>, masked_files: Vec<PathBuf>, masked_dirs: Vec<PathBuf> },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InitSpec {
+    pub id: String,
+    pub hostname: String,
+    pub root: RootSource,
+    pub upper_dir: PathBuf,
+    pub work_dir: PathBuf,
+    /// Mount point for the assembled rootfs (inside the sandbox's private mount namespace only).
+    pub rootfs_dir: PathBuf,
+    /// Host folder bind-mounted at `/.warren/run`; execd's socket appears here.
+    pub socket_dir: PathBuf,
+    pub execd_path: PathBuf,
+    pub cgroup_procs: Vec<PathBuf>,
+    /// cgroup v1 option sets to mount under `/sys/fs/cgroup` (e.g. ["memory"], ["cpu","cpuacct"]);
+    /// empty on v2, where the unified hierarchy is mounted instead.
+    pub cgroup_v1_mounts: Vec<Vec<String>>,
+    pub cgroup_v2: bool,
+    pub entrypoint: Vec<String>,
+    pub env: Vec<String>,
+    pub workdir: String,
+}
+
+/// The helper's one-line answer on stdout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum InitReply {
+    Started { pid: i32 },
+    Failed { error: String },
+}
+
+/// Inside the sandbox: where execd and its socket folder are mounted.
+pub const WARREN_DIR: &str = ".warren";
+pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
+pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
+pub const EXECD_SOCKET_NAME: &str = "execd.sock";

@@ -1,0 +1,214 @@
+//! Server configuration: defaults < TOML file < `WARREN_*` environment < command-line flags.
+//! Every environment variable Warren reads is a constant here.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+pub mod env {
+    pub const LISTEN: &str = "WARREN_LISTEN";
+    pub const DATA_DIR: &str = "WARREN_DATA_DIR";
+    pub const API_KEY: &str = "WARREN_API_KEY";
+    pub const CONFIG: &str = "WARREN_CONFIG";
+    pub const EXECD_PATH: &str = "WARREN_EXECD_PATH";
+    pub const LOG: &str = "WARREN_LOG";
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const API_KEY_FILE: &str = "api-key";
+
+/// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub api_key: Option<String>,
+    /// Host (and port) put in endpoint URLs, when clients reach Warren under another name.
+    pub public_host: Option<String>,
+    /// Upper bound for `timeout` on create, in seconds.
+    pub max_sandbox_timeout_seconds: Option<i64>,
+    /// How long records of ended sandboxes stay listable, in seconds.
+    pub terminated_retention_seconds: Option<i64>,
+    #[serde(default)]
+    pub runtime: RuntimeSection,
+    #[serde(default)]
+    pub limits: LimitsSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeSection {
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// `embedded` (Warren's own namespaces code) or an OCI runtime binary: `runc`, `crun`, `runsc`.
+    #[serde(default = "default_oci")]
+    pub oci_runtime: String,
+    pub execd_path: Option<PathBuf>,
+}
+
+fn default_kind() -> String {
+    "native".into()
+}
+fn default_oci() -> String {
+    "embedded".into()
+}
+
+impl Default for RuntimeSection {
+    fn default() -> Self {
+        Self { kind: default_kind(), oci_runtime: default_oci(), execd_path: None }
+    }
+}
+
+/// Defaults applied when a create request leaves a limit out.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    #[serde(default = "default_pids")]
+    pub pids: u64,
+    pub default_memory: Option<String>,
+    pub default_cpu: Option<String>,
+}
+
+fn default_pids() -> u64 {
+    4096
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self { pids: default_pids(), default_memory: None, default_cpu: None }
+    }
+}
+
+/// Settings after every source has been applied.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub api_key: Option<String>,
+    pub insecure_no_auth: bool,
+    pub public_host: Option<String>,
+    pub max_timeout_seconds: Option<i64>,
+    pub terminated_retention_seconds: i64,
+    pub runtime: RuntimeSection,
+    pub limits: LimitsSection,
+    pub config_file: Option<PathBuf>,
+}
+
+/// Flags from the command line; `None` means "not given".
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub config: Option<PathBuf>,
+    pub insecure_no_auth: bool,
+}
+
+/// A source of environment variables, so tests pass a map instead of touching the process env.
+pub trait EnvSource {
+    fn get(&self, key: &str) -> Option<String>;
+}
+
+pub struct ProcessEnv;
+
+impl EnvSource for ProcessEnv {
+    fn get(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok().filter(|v| !v.is_empty())
+    }
+}
+
+impl<const N: usize> EnvSource for [(&str, &str); N] {
+    fn get(&self, key: &str) -> Option<String> {
+        self.iter().find(|(k, _)| *k == key).map(|(_, v)| v.to_string())
+    }
+}
+
+pub fn default_data_dir(env: &dyn EnvSource) -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/warren");
+    }
+    if let Some(x) = env.get("XDG_DATA_HOME") {
+        return Path::new(&x).join("warren");
+    }
+    env.get("HOME").map(|h| Path::new(&h).join(".local/share/warren")).unwrap_or_else(|| PathBuf::from(".warren"))
+}
+
+impl ServerConfig {
+    pub fn load(flags: &Overrides, env: &dyn EnvSource) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let config_file = flags.config.clone().or_else(|| env.get(env::CONFIG).map(PathBuf::from));
+        let file: FileConfig = match &config_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let listen = flags
+            .listen
+            .clone()
+            .or_else(|| env.get(env::LISTEN))
+            .or(file.listen.clone())
+            .unwrap_or_else(|| DEFAULT_LISTEN.to_string());
+        let listen: SocketAddr = listen.parse().with_context(|| format!("invalid listen address {listen:?}"))?;
+        let data_dir = flags
+            .data_dir
+            .clone()
+            .or_else(|| env.get(env::DATA_DIR).map(PathBuf::from))
+            .or(file.data_dir.clone())
+            .unwrap_or_else(|| default_data_dir(env));
+        let api_key = env.get(env::API_KEY).or(file.api_key.clone());
+        let mut runtime = file.runtime.clone();
+        if let Some(p) = env.get(env::EXECD_PATH) {
+            runtime.execd_path = Some(PathBuf::from(p));
+        }
+        if flags.insecure_no_auth && !listen.ip().is_loopback() {
+            anyhow::bail!("--insecure-no-auth is accepted only on a loopback address, not {listen}");
+        }
+        Ok(Self {
+            listen,
+            data_dir,
+            api_key,
+            insecure_no_auth: flags.insecure_no_auth,
+            public_host: file.public_host.clone(),
+            max_timeout_seconds: file.max_sandbox_timeout_seconds,
+            terminated_retention_seconds: file.terminated_retention_seconds.unwrap_or(3600),
+            runtime,
+            limits: file.limits.clone(),
+            config_file,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precedence_flags_over_env_over_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("warren.toml");
+        std::fs::write(&file, "listen = \"127.0.0.1:9000\"\napi_key = \"from-file\"\n[runtime]\noci_runtime = \"runsc\"\n").expect("write");
+        let flags = Overrides { config: Some(file.clone()), ..Default::default() };
+        let cfg = ServerConfig::load(&flags, &[(env::API_KEY, "from-env")]).expect("load");
+        assert_eq!(cfg.listen.port(), 9000);
+        assert_eq!(cfg.api_key.as_deref(), Some("from-env"));
+        assert_eq!(cfg.runtime.oci_runtime, "runsc");
+        let flags = Overrides { config: Some(file), listen: Some("127.0.0.1:9100".into()), ..Default::default() };
+        let cfg = ServerConfig::load(&flags, &[(env::LISTEN, "127.0.0.1:9200")]).expect("load");
+        assert_eq!(cfg.listen.port(), 9100);
+    }
+
+    #[test]
+    fn unknown_keys_and_insecure_on_public_address_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("warren.toml");
+        std::fs::write(&file, "listn = \"x\"\n").expect("write");
+        let flags = Overrides { config: Some(file), ..Default::default() };
+        assert!(ServerConfig::load(&flags, &[("X", "y")]).is_err());
+        let flags = Overrides { listen: Some("0.0.0.0:8080".into()), insecure_no_auth: true, ..Default::default() };
+        assert!(ServerConfig::load(&flags, &[("X", "y")]).is_err());
+    }
+}

@@ -1,0 +1,90 @@
+//! The one error type of the HTTP boundary: every failure leaves as `{code, message}` with the right
+//! status. Internal errors are logged in full and answered with a generic message.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use warren_api::{ErrorBody, ErrorCode};
+use warren_core::RuntimeError;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: String,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { status, code: code.as_str().to_string(), message: message.into() }
+    }
+
+    pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::bad_request(ErrorCode::InvalidParameter, message)
+    }
+
+    pub fn not_found(id: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, format!("sandbox {id} not found"))
+    }
+
+    pub fn conflict(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, code, message)
+    }
+
+    /// Logs the whole cause chain; the client gets a short message of its own.
+    pub fn internal(context: &str, err: &(dyn std::error::Error + 'static)) -> Self {
+        let mut chain = err.to_string();
+        let mut source = err.source();
+        while let Some(s) = source {
+            chain.push_str(": ");
+            chain.push_str(&s.to_string());
+            source = s.source();
+        }
+        tracing::error!(error = %chain, "{context}");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Unknown, format!("{context}: {chain}"))
+    }
+
+    pub fn from_runtime(context: &str, err: RuntimeError) -> Self {
+        match err {
+            RuntimeError::NotFound(m) => Self::new(StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, m),
+            RuntimeError::Conflict(m) => Self::conflict(ErrorCode::InvalidState, m),
+            RuntimeError::Unsupported(m) => Self::new(StatusCode::NOT_IMPLEMENTED, ErrorCode::ApiNotSupported, m),
+            RuntimeError::Exhausted(m) => Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorCode::Unknown, m),
+            e @ RuntimeError::Backend { .. } => Self::internal(context, &e),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(ErrorBody { code: self.code, message: self.message })).into_response()
+    }
+}
+
+impl From<axum::extract::rejection::JsonRejection> for ApiError {
+    fn from(r: axum::extract::rejection::JsonRejection) -> Self {
+        let status = r.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE { ErrorCode::BodyTooLarge } else { ErrorCode::InvalidRequestBody };
+        Self::new(if status.is_client_error() { status } else { StatusCode::BAD_REQUEST }, code, r.body_text())
+    }
+}
+
+/// `Json<T>` whose rejections use the `{code, message}` body.
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
+where
+    axum::Json<T>: axum::extract::FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
+        Ok(Self(v))
+    }
+}

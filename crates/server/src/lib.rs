@@ -1,0 +1,159 @@
+//! Warren's lifecycle server: the OpenSandbox `/v1` API (also served unprefixed), API-key auth, the
+//! sandbox registry with durable state and expiry, and the endpoint proxy into sandboxes.
+
+pub mod auth;
+pub mod config;
+pub mod error;
+mod proxy;
+mod routes;
+pub mod sandboxes;
+mod validate;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{any, get, patch, post};
+use axum::Router;
+use warren_api::REQUEST_ID_HEADER;
+use warren_core::Runtime;
+use warren_image::ImageStore;
+use warren_runtime_native::{NativeConfig, NativeRuntime};
+use warren_store::Store;
+
+pub use config::{Overrides, ServerConfig};
+pub use sandboxes::Sandboxes;
+
+/// Lifecycle request bodies are small JSON documents; anything larger is refused with a 413.
+const MAX_JSON_BODY: usize = 1 << 20;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<ServerConfig>,
+    pub api_key: Option<Arc<str>>,
+    pub sandboxes: Sandboxes,
+    pub local_addr: SocketAddr,
+}
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/health", get(routes::health))
+        .route("/sandboxes", post(routes::create).get(routes::list))
+        .route("/sandboxes/{id}", get(routes::get).delete(routes::delete))
+        .route("/sandboxes/{id}/pause", post(routes::pause))
+        .route("/sandboxes/{id}/resume", post(routes::resume))
+        .route("/sandboxes/{id}/renew-expiration", post(routes::renew))
+        .route("/sandboxes/{id}/metadata", patch(routes::patch_metadata))
+        .route("/sandboxes/{id}/endpoints/{port}", get(routes::endpoint))
+        .route("/metrics/events", post(routes::metrics_event))
+        .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
+    // The proxy streams bodies of any size (file uploads), so it has no body limit.
+    let proxy = Router::new()
+        .route("/sandboxes/{id}/proxy/{port}", any(proxy::proxy_root))
+        .route("/sandboxes/{id}/proxy/{port}/", any(proxy::proxy_root))
+        .route("/sandboxes/{id}/proxy/{port}/{*rest}", any(proxy::proxy_path))
+        .layer(DefaultBodyLimit::disable());
+    let both = api.merge(proxy);
+    Router::new()
+        .nest("/v1", both.clone())
+        .merge(both)
+        .fallback(routes::not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(state)
+}
+
+/// Echoes the client's `X-Request-ID` or assigns one, on every response.
+async fn request_id(req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()).unwrap_or(HeaderValue::from_static("-")));
+    let mut resp = next.run(req).await;
+    resp.headers_mut().insert(REQUEST_ID_HEADER, id);
+    resp
+}
+
+/// A bound, ready server: recover state, then `run` to serve until the future is dropped.
+pub struct Server {
+    pub state: AppState,
+    listener: tokio::net::TcpListener,
+    reaper: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    pub async fn bind(config: ServerConfig) -> anyhow::Result<Self> {
+        let api_key: Option<Arc<str>> = if config.insecure_no_auth {
+            tracing::warn!("serving WITHOUT authentication (--insecure-no-auth, loopback only)");
+            None
+        } else if let Some(k) = &config.api_key {
+            Some(Arc::from(k.as_str()))
+        } else {
+            let (key, fresh) = auth::load_or_generate_key(&config.data_dir).context("creating the API key file")?;
+            let path = auth::key_file(&config.data_dir);
+            if fresh {
+                eprintln!("warren: generated an API key; it is stored (0600) in {}", path.display());
+            } else {
+                eprintln!("warren: using the API key stored in {}", path.display());
+            }
+            Some(Arc::from(key.as_str()))
+        };
+        if api_key.is_none() && !config.listen.ip().is_loopback() {
+            anyhow::bail!("refusing to listen on {} without an API key", config.listen);
+        }
+        std::fs::create_dir_all(&config.data_dir).with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        let runtime = make_runtime(&config)?;
+        let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
+        let store = Store::open(&config.data_dir).context("opening the state store")?;
+        let sandboxes = Sandboxes::new(runtime, store, images, config.terminated_retention_seconds);
+        sandboxes.recover().await.context("recovering sandboxes")?;
+        let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+        let local_addr = listener.local_addr()?;
+        let reaper = sandboxes.spawn_reaper();
+        let state = AppState { config: Arc::new(config), api_key, sandboxes, local_addr };
+        Ok(Self { state, listener, reaper })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.state.local_addr
+    }
+
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let app = router(self.state.clone());
+        let result = axum::serve(self.listener, app).with_graceful_shutdown(shutdown).await;
+        self.reaper.abort();
+        result.context("serving HTTP")
+    }
+}
+
+fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
+    if config.runtime.kind != "native" {
+        anyhow::bail!("runtime kind {:?} is not available (supported: native)", config.runtime.kind);
+    }
+    let exe = std::env::current_exe().context("locating the warren binary")?;
+    let execd_path = match &config.runtime.execd_path {
+        Some(p) => p.clone(),
+        None => exe.with_file_name("warren-execd"),
+    };
+    // The config file may hold the API key; the host image must not show it.
+    let extra_masked_files = config.config_file.iter().filter_map(|p| std::fs::canonicalize(p).ok()).collect();
+    let native = NativeConfig {
+        data_dir: config.data_dir.clone(),
+        execd_path,
+        helper_exe: exe,
+        cgroup_parent: "warren".into(),
+        cgroup_root: "/sys/fs/cgroup".into(),
+        extra_masked_dirs: Vec::new(),
+        extra_masked_files,
+        ready_timeout: std::time::Duration::from_secs(15),
+    };
+    match config.runtime.oci_runtime.as_str() {
+        "embedded" => Ok(Arc::new(NativeRuntime::new(native)?)),
+        other => anyhow::bail!("OCI runtime {other:?} is not supported yet (supported: embedded)"),
+    }
+}

@@ -1,0 +1,111 @@
+//! The endpoint proxy: `/sandboxes/{id}/proxy/{port}/…` on Warren's own listener, forwarded to execd
+//! over the sandbox's Unix socket (execd's own routes for port 44772, its `/proxy/{port}` for the rest).
+//! Bodies stream in both directions; WebSocket and other upgrades are spliced after the 101.
+//! Credentials that opened the proxy (the endpoint token, the API key) are stripped before forwarding:
+//! no server secret ever enters a sandbox.
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::TokioIo;
+use subtle::ConstantTimeEq;
+use warren_api::lifecycle::SandboxState;
+use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
+
+use crate::error::ApiError;
+use crate::AppState;
+
+pub async fn proxy_root(state: State<AppState>, Path((id, port)): Path<(String, String)>, req: Request) -> Response {
+    forward(state, id, port, String::new(), req).await
+}
+
+pub async fn proxy_path(state: State<AppState>, Path((id, port, rest)): Path<(String, String, String)>, req: Request) -> Response {
+    forward(state, id, port, rest, req).await
+}
+
+fn authorized(app: &AppState, token: &str, req: &Request) -> bool {
+    let header_eq = |name: &str, want: &str| {
+        req.headers().get(name).is_some_and(|v| bool::from(v.as_bytes().ct_eq(want.as_bytes())))
+    };
+    header_eq(ACCESS_TOKEN_HEADER, token) || app.api_key.as_deref().is_some_and(|k| header_eq(API_KEY_HEADER, k)) || app.api_key.is_none()
+}
+
+async fn forward(State(app): State<AppState>, id: String, port: String, rest: String, mut req: Request) -> Response {
+    let Some(rec) = app.sandboxes.get(&id) else { return ApiError::not_found(&id).into_response() };
+    if !authorized(&app, &rec.token, &req) {
+        let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none() && req.headers().get(API_KEY_HEADER).is_none();
+        let msg = if missing {
+            format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{id}/endpoints/{{port}}")
+        } else {
+            "invalid sandbox access token".to_string()
+        };
+        return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg).into_response();
+    }
+    let Ok(port) = port.parse::<u16>() else { return ApiError::invalid(format!("invalid port {port:?}")).into_response() };
+    match rec.state {
+        SandboxState::Running => {}
+        SandboxState::Paused | SandboxState::Pausing => {
+            return ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is paused; resume it first")).into_response()
+        }
+        other => {
+            return ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}", other.as_str())).into_response()
+        }
+    }
+    let query = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
+    let path = if port == EXECD_PORT { format!("/{rest}{query}") } else { format!("/proxy/{port}/{rest}{query}") };
+
+    let socket = app.sandboxes.runtime().execd_socket(&id);
+    let stream = match tokio::net::UnixStream::connect(&socket).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
+            return ApiError::new(StatusCode::BAD_GATEWAY, ErrorCode::ProxyUnavailable, format!("sandbox {id} is not answering")).into_response();
+        }
+    };
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+        Ok(pair) => pair,
+        Err(e) => return ApiError::internal("connecting to execd", &e).into_response(),
+    };
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "execd connection ended");
+        }
+    });
+
+    let client_upgrade = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
+    let (mut parts, body) = req.into_parts();
+    parts.headers.remove(ACCESS_TOKEN_HEADER);
+    parts.headers.remove(API_KEY_HEADER);
+    parts.headers.insert(http::header::HOST, HeaderValue::from_static("localhost"));
+    parts.uri = match path.parse() {
+        Ok(u) => u,
+        Err(_) => return ApiError::invalid("invalid proxied path").into_response(),
+    };
+    parts.version = http::Version::HTTP_11;
+    let upstream_req = Request::from_parts(parts, body);
+    let mut resp = match sender.send_request(upstream_req).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(sandbox_id = %id, error = %e, "proxied request failed");
+            return ApiError::new(StatusCode::BAD_GATEWAY, ErrorCode::ProxyUnavailable, format!("sandbox {id} dropped the request")).into_response();
+        }
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let upstream_upgrade = hyper::upgrade::on(&mut resp);
+        if let Some(client_upgrade) = client_upgrade {
+            tokio::spawn(async move {
+                match (client_upgrade.await, upstream_upgrade.await) {
+                    (Ok(client), Ok(upstream)) => {
+                        let mut client = TokioIo::new(client);
+                        let mut upstream = TokioIo::new(upstream);
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    }
+                    (a, b) => tracing::debug!(client = a.is_ok(), upstream = b.is_ok(), "upgrade failed"),
+                }
+            });
+        }
+    }
+    let (parts, body) = resp.into_parts();
+    Response::from_parts(parts, Body::new(body))
+}

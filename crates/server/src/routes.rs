@@ -1,0 +1,197 @@
+//! Lifecycle handlers (`/v1/sandboxes…`, `/v1/metrics/events`, `/health`): translate wire types to
+//! registry calls and records back to wire types, with the exact success codes the SDKs require.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use chrono::{DateTime, SecondsFormat, Utc};
+use warren_api::lifecycle::{
+    CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent, Pagination, RenewExpirationRequest,
+    RenewExpirationResponse, Sandbox, SandboxState, SandboxStatus,
+};
+use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER};
+use warren_store::SandboxRecord;
+
+use crate::error::{ApiError, ApiJson};
+use crate::sandboxes::REASON_USER_DELETE;
+use crate::validate::{create_plan, validate_metadata};
+use crate::AppState;
+
+const MAX_PAGE_SIZE: u32 = 1000;
+
+pub fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+pub fn to_wire(r: &SandboxRecord) -> Sandbox {
+    Sandbox {
+        id: r.id.clone(),
+        status: SandboxStatus {
+            state: r.state,
+            reason: r.reason.clone(),
+            message: r.message.clone(),
+            last_transition_at: Some(rfc3339(r.last_transition_at)),
+        },
+        created_at: rfc3339(r.created_at),
+        entrypoint: r.entrypoint.clone(),
+        image: Some(ImageSpec { uri: r.image.clone(), auth: None }),
+        expires_at: r.expires_at.map(rfc3339),
+        metadata: r.metadata.clone(),
+        platform: None,
+        extensions: r.extensions.clone(),
+    }
+}
+
+pub async fn health() -> Json<Health> {
+    Json(Health { status: "healthy".into() })
+}
+
+pub async fn create(State(app): State<AppState>, ApiJson(req): ApiJson<CreateSandboxRequest>) -> Result<Response, ApiError> {
+    let plan = create_plan(req, &app.config.limits, app.config.max_timeout_seconds)?;
+    let rec = app.sandboxes.create(plan).await?;
+    let mut body = to_wire(&rec);
+    body.image = None;
+    let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
+    if let Ok(loc) = HeaderValue::from_str(&format!("/v1/sandboxes/{}", rec.id)) {
+        resp.headers_mut().insert(http::header::LOCATION, loc);
+    }
+    Ok(resp)
+}
+
+pub async fn get(State(app): State<AppState>, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
+    app.sandboxes.get(&id).map(|r| Json(to_wire(&r))).ok_or_else(|| ApiError::not_found(&id))
+}
+
+/// `GET /sandboxes?state=A&state=B&metadata=k%3Dv&page=1&pageSize=20`; repeated `state` values are
+/// ORed, filters ANDed. Parsed by hand: serde's query extractor cannot take repeated keys.
+pub async fn list(State(app): State<AppState>, RawQuery(query): RawQuery) -> Result<Json<ListSandboxesResponse>, ApiError> {
+    let mut states = Vec::new();
+    let mut metadata: Vec<(String, String)> = Vec::new();
+    let mut page: u32 = 1;
+    let mut page_size: u32 = 20;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match k.as_ref() {
+            "state" => {
+                for s in v.split(',').filter(|s| !s.is_empty()) {
+                    states.push(SandboxState::parse(s).ok_or_else(|| ApiError::invalid(format!("unknown state {s:?}")))?);
+                }
+            }
+            "metadata" => metadata.extend(parse_metadata_filter(&v)?),
+            "page" => page = v.parse().ok().filter(|p| *p >= 1).ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?,
+            "pageSize" | "page_size" => {
+                page_size = v
+                    .parse()
+                    .ok()
+                    .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
+                    .ok_or_else(|| ApiError::invalid(format!("pageSize must be an integer from 1 to {MAX_PAGE_SIZE}")))?
+            }
+            _ => {}
+        }
+    }
+    let matching: Vec<SandboxRecord> = app
+        .sandboxes
+        .all()
+        .into_iter()
+        .filter(|r| states.is_empty() || states.contains(&r.state))
+        .filter(|r| metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
+        .collect();
+    let total = matching.len() as u64;
+    let total_pages = total.div_ceil(page_size as u64) as u32;
+    let items = matching.iter().skip(((page - 1) as usize) * page_size as usize).take(page_size as usize).map(to_wire).collect();
+    Ok(Json(ListSandboxesResponse {
+        items,
+        pagination: Pagination { page, page_size, total_items: total, total_pages, has_next_page: page < total_pages },
+    }))
+}
+
+/// The metadata filter is itself a query string (`k1=v1&k2=v2`), percent-encoded once more.
+fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError> {
+    let bad = || ApiError::bad_request(ErrorCode::InvalidMetadataFormat, format!("metadata filter {value:?} must look like k1=v1&k2=v2"));
+    let mut out = Vec::new();
+    for pair in value.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').ok_or_else(bad)?;
+        let k: String = form_urlencoded::parse(format!("k={k}").as_bytes()).next().map(|(_, v)| v.into_owned()).ok_or_else(bad)?;
+        let v: String = form_urlencoded::parse(format!("v={v}").as_bytes()).next().map(|(_, v)| v.into_owned()).ok_or_else(bad)?;
+        if k.is_empty() {
+            return Err(bad());
+        }
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+pub async fn delete(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    app.sandboxes.delete(&id, REASON_USER_DELETE).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn pause(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    app.sandboxes.pause(&id).await?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+pub async fn resume(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    app.sandboxes.resume(&id).await?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+pub async fn renew(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<RenewExpirationRequest>,
+) -> Result<Json<RenewExpirationResponse>, ApiError> {
+    let at = DateTime::parse_from_rfc3339(&req.expires_at)
+        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidExpiration, format!("expiresAt {:?} is not RFC 3339: {e}", req.expires_at)))?
+        .with_timezone(&Utc);
+    let at = app.sandboxes.renew(&id, at).await?;
+    Ok(Json(RenewExpirationResponse { expires_at: rfc3339(at) }))
+}
+
+pub async fn patch_metadata(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(patch): ApiJson<BTreeMap<String, Option<String>>>,
+) -> Result<Json<Sandbox>, ApiError> {
+    validate_metadata(patch.iter().map(|(k, v)| (k.as_str(), v.as_deref())))?;
+    let rec = app.sandboxes.patch_metadata(&id, patch.into_iter().collect()).await?;
+    Ok(Json(to_wire(&rec)))
+}
+
+/// Every port is reached through Warren's own listener; the token in `headers` opens only this
+/// sandbox's proxy and is worthless elsewhere.
+pub async fn endpoint(
+    State(app): State<AppState>,
+    Path((id, port)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<Endpoint>, ApiError> {
+    let port: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
+    let rec = app.sandboxes.get(&id).ok_or_else(|| ApiError::not_found(&id))?;
+    if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
+        return Err(ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}", rec.state.as_str())));
+    }
+    let host = app
+        .config
+        .public_host
+        .clone()
+        .or_else(|| headers.get(http::header::HOST).and_then(|h| h.to_str().ok()).filter(|h| valid_host(h)).map(str::to_string))
+        .unwrap_or_else(|| app.local_addr.to_string());
+    let mut out = BTreeMap::new();
+    out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
+    Ok(Json(Endpoint { endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"), headers: out }))
+}
+
+fn valid_host(h: &str) -> bool {
+    !h.is_empty() && h.len() <= 255 && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+}
+
+pub async fn metrics_event(ApiJson(ev): ApiJson<MetricsEvent>) -> StatusCode {
+    tracing::info!(event = %ev.event_type, sandbox_id = ?ev.sandbox_id, create_ms = ?ev.create_duration_ms, success = ?ev.success, "client metrics event");
+    StatusCode::NO_CONTENT
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, ErrorCode::Unknown, "no such route")
+}

@@ -1,0 +1,386 @@
+//! The sandbox registry: the single owner of every sandbox's record. Each lifecycle verb takes the
+//! sandbox's operation lock, moves the state machine, persists the record, and drives the runtime.
+//! Background tasks watch for sandboxes whose processes end on their own and for expiry.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex as StdMutex, RwLock};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+use warren_api::lifecycle::SandboxState;
+use warren_api::ErrorCode;
+use warren_core::{Liveness, Runtime, SandboxSpec};
+use warren_image::ImageStore;
+use warren_store::{SandboxRecord, Store};
+
+use crate::error::ApiError;
+use crate::validate::CreatePlan;
+
+pub const REASON_USER_DELETE: &str = "user_delete";
+pub const REASON_TTL_EXPIRY: &str = "ttl_expiry";
+
+struct Entry {
+    /// The current record; held only for short, non-async sections.
+    record: StdMutex<SandboxRecord>,
+    /// Serialises lifecycle operations on one sandbox (create, delete, pause, …).
+    op: tokio::sync::Mutex<()>,
+}
+
+#[derive(Clone)]
+pub struct Sandboxes {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    runtime: Arc<dyn Runtime>,
+    store: Store,
+    images: ImageStore,
+    entries: RwLock<HashMap<String, Arc<Entry>>>,
+    retention: chrono::Duration,
+}
+
+fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Sandboxes {
+    pub fn new(runtime: Arc<dyn Runtime>, store: Store, images: ImageStore, retention_seconds: i64) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                runtime,
+                store,
+                images,
+                entries: RwLock::new(HashMap::new()),
+                retention: chrono::Duration::seconds(retention_seconds),
+            }),
+        }
+    }
+
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.inner.runtime
+    }
+
+    fn entry(&self, id: &str) -> Option<Arc<Entry>> {
+        self.inner.entries.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+    }
+
+    pub fn get(&self, id: &str) -> Option<SandboxRecord> {
+        self.entry(id).map(|e| lock(&e.record).clone())
+    }
+
+    pub fn all(&self) -> Vec<SandboxRecord> {
+        let entries: Vec<Arc<Entry>> = self.inner.entries.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        let mut records: Vec<SandboxRecord> = entries.iter().map(|e| lock(&e.record).clone()).collect();
+        records.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| a.id.cmp(&b.id)));
+        records
+    }
+
+    fn persist(&self, record: &SandboxRecord) {
+        if let Err(e) = self.inner.store.save(record) {
+            tracing::error!(sandbox_id = %record.id, error = %e, "persisting sandbox record failed");
+        }
+    }
+
+    fn update(&self, entry: &Entry, f: impl FnOnce(&mut SandboxRecord)) -> SandboxRecord {
+        let snapshot = {
+            let mut rec = lock(&entry.record);
+            f(&mut rec);
+            rec.clone()
+        };
+        self.persist(&snapshot);
+        snapshot
+    }
+
+    /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
+    /// lease, no runtime resource.
+    pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
+        let image = self.inner.images.resolve(&plan.image).map_err(|e| image_error(&plan.image, e))?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let now = Utc::now();
+        let mut token = [0u8; 24];
+        rand::thread_rng().fill_bytes(&mut token);
+        let record = SandboxRecord {
+            id: id.clone(),
+            image: plan.image.clone(),
+            entrypoint: plan.entrypoint.clone(),
+            env: plan.env.clone(),
+            metadata: plan.metadata,
+            extensions: plan.extensions,
+            limits: plan.limits.clone(),
+            created_at: now,
+            expires_at: plan.timeout_seconds.map(|t| now + chrono::Duration::seconds(t)),
+            state: SandboxState::Pending,
+            reason: None,
+            message: None,
+            last_transition_at: now,
+            token: hex_token(&token),
+            runtime_state: serde_json::Value::Null,
+        };
+        self.inner.images.lease(&id, &image).map_err(|e| ApiError::internal("leasing the image", &e))?;
+        let entry = Arc::new(Entry { record: StdMutex::new(record.clone()), op: tokio::sync::Mutex::new(()) });
+        let _op = entry.op.lock().await;
+        self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), entry.clone());
+        self.persist(&record);
+
+        let spec = SandboxSpec { id: id.clone(), image, entrypoint: plan.entrypoint, env: plan.env, limits: plan.limits };
+        match self.inner.runtime.create(&spec).await {
+            Ok(state) => {
+                let rec = self.update(&entry, |r| {
+                    r.runtime_state = state;
+                    r.transition(SandboxState::Running, Some("ready"), None);
+                });
+                self.watch(&rec);
+                Ok(rec)
+            }
+            Err(e) => {
+                self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                let _ = self.inner.store.remove(&id);
+                let _ = self.inner.images.release(&id);
+                Err(ApiError::from_runtime("creating the sandbox", e))
+            }
+        }
+    }
+
+    /// Watches a running sandbox: if its processes end by themselves it becomes Terminated (exit 0) or
+    /// Failed, its resources are released, and its record stays to say why.
+    fn watch(&self, rec: &SandboxRecord) {
+        let this = self.clone();
+        let id = rec.id.clone();
+        let exit = self.inner.runtime.wait_exit(&rec.id, &rec.runtime_state);
+        tokio::spawn(async move {
+            let info = exit.await;
+            let Some(entry) = this.entry(&id) else { return };
+            let _op = entry.op.lock().await;
+            let rec = lock(&entry.record).clone();
+            if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
+                return;
+            }
+            let (state, message) = match (info.code, info.signal) {
+                (Some(0), _) => (SandboxState::Terminated, "the main process exited with code 0".to_string()),
+                (Some(c), _) => (SandboxState::Failed, format!("the main process exited with code {c}")),
+                (None, Some(s)) => (SandboxState::Failed, format!("the main process was killed by signal {s}")),
+                (None, None) => (SandboxState::Failed, "the sandbox's processes ended".to_string()),
+            };
+            tracing::info!(sandbox_id = %id, %message, "sandbox ended by itself");
+            if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
+                tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
+            }
+            let _ = this.inner.images.release(&id);
+            this.update(&entry, |r| r.transition(state, Some("process_exited"), Some(message)));
+        });
+    }
+
+    fn live_entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+        self.entry(id).ok_or_else(|| ApiError::not_found(id))
+    }
+
+    /// Kills a sandbox and keeps its record as Terminated with `reason`.
+    pub async fn delete(&self, id: &str, reason: &str) -> Result<(), ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if rec.state.is_terminal() {
+            return Err(ApiError::new(http::StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, format!("sandbox {id} is already {}", rec.state.as_str())));
+        }
+        self.update(&entry, |r| r.transition(SandboxState::Stopping, Some(reason), None));
+        let result = self.inner.runtime.destroy(id, &rec.runtime_state).await;
+        let _ = self.inner.images.release(id);
+        match result {
+            Ok(()) => {
+                self.update(&entry, |r| r.transition(SandboxState::Terminated, Some(reason), None));
+                Ok(())
+            }
+            Err(e) => {
+                let err = ApiError::from_runtime("deleting the sandbox", e);
+                self.update(&entry, |r| r.transition(SandboxState::Failed, Some("delete_failed"), Some(err.message.clone())));
+                Err(err)
+            }
+        }
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if rec.state != SandboxState::Running {
+            return Err(ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}, not Running", rec.state.as_str())));
+        }
+        self.update(&entry, |r| r.transition(SandboxState::Pausing, None, None));
+        match self.inner.runtime.pause(id, &rec.runtime_state).await {
+            Ok(()) => {
+                self.update(&entry, |r| r.transition(SandboxState::Paused, Some("user_pause"), None));
+                Ok(())
+            }
+            Err(e) => {
+                self.update(&entry, |r| r.transition(SandboxState::Running, None, None));
+                Err(ApiError::from_runtime("pausing the sandbox", e))
+            }
+        }
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<(), ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if rec.state != SandboxState::Paused {
+            return Err(ApiError::conflict(ErrorCode::SandboxNotPaused, format!("sandbox {id} is {}, not Paused", rec.state.as_str())));
+        }
+        self.update(&entry, |r| r.transition(SandboxState::Resuming, None, None));
+        match self.inner.runtime.resume(id, &rec.runtime_state).await {
+            Ok(()) => {
+                self.update(&entry, |r| r.transition(SandboxState::Running, Some("user_resume"), None));
+                Ok(())
+            }
+            Err(e) => {
+                self.update(&entry, |r| r.transition(SandboxState::Paused, None, None));
+                Err(ApiError::from_runtime("resuming the sandbox", e))
+            }
+        }
+    }
+
+    pub async fn renew(&self, id: &str, expires_at: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
+            return Err(ApiError::conflict(ErrorCode::InvalidState, format!("sandbox {id} is {}", rec.state.as_str())));
+        }
+        if rec.expires_at.is_none() {
+            return Err(ApiError::conflict(ErrorCode::InvalidExpiration, format!("sandbox {id} has no expiry (manual cleanup)")));
+        }
+        if expires_at <= Utc::now() {
+            return Err(ApiError::bad_request(ErrorCode::InvalidExpiration, "expiresAt must be in the future"));
+        }
+        self.update(&entry, |r| r.expires_at = Some(expires_at));
+        Ok(expires_at)
+    }
+
+    pub async fn patch_metadata(&self, id: &str, patch: Vec<(String, Option<String>)>) -> Result<SandboxRecord, ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        if lock(&entry.record).state.is_terminal() {
+            return Err(ApiError::conflict(ErrorCode::InvalidState, format!("sandbox {id} has ended")));
+        }
+        Ok(self.update(&entry, |r| {
+            for (k, v) in patch {
+                match v {
+                    Some(v) => r.metadata.insert(k, v),
+                    None => r.metadata.remove(&k),
+                };
+            }
+        }))
+    }
+
+    /// Loads persisted records after a (re)start and re-attaches to sandboxes that still run.
+    pub async fn recover(&self) -> anyhow::Result<()> {
+        let (records, errors) = self.inner.store.load_all()?;
+        for e in errors {
+            tracing::error!(error = %e, "skipping an unreadable sandbox record");
+        }
+        for mut rec in records {
+            if !rec.state.is_terminal() {
+                let liveness = if rec.runtime_state.is_null() {
+                    Liveness::Gone
+                } else {
+                    self.inner.runtime.liveness(&rec.id, &rec.runtime_state).await
+                };
+                match (rec.state, liveness) {
+                    (_, Liveness::Gone) => {
+                        let _ = self.inner.runtime.destroy(&rec.id, &rec.runtime_state).await;
+                        let _ = self.inner.images.release(&rec.id);
+                        let was = rec.state;
+                        rec.transition(
+                            SandboxState::Failed,
+                            Some("lost"),
+                            Some(format!("the sandbox's processes ended while the server was down (it was {})", was.as_str())),
+                        );
+                        self.persist(&rec);
+                    }
+                    (SandboxState::Stopping, _) => {
+                        // A delete was in flight: finish it.
+                        let _ = self.inner.runtime.destroy(&rec.id, &rec.runtime_state).await;
+                        let _ = self.inner.images.release(&rec.id);
+                        let reason = rec.reason.clone();
+                        rec.transition(SandboxState::Terminated, reason.as_deref(), None);
+                        self.persist(&rec);
+                    }
+                    (_, Liveness::Paused) => {
+                        rec.transition(SandboxState::Paused, rec.reason.clone().as_deref(), None);
+                        self.persist(&rec);
+                    }
+                    (_, Liveness::Running) => {
+                        if rec.state != SandboxState::Running {
+                            rec.transition(SandboxState::Running, None, None);
+                            self.persist(&rec);
+                        }
+                    }
+                }
+            }
+            let watch = rec.state == SandboxState::Running || rec.state == SandboxState::Paused;
+            let entry = Arc::new(Entry { record: StdMutex::new(rec.clone()), op: tokio::sync::Mutex::new(()) });
+            self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).insert(rec.id.clone(), entry);
+            if watch {
+                self.watch(&rec);
+            }
+        }
+        Ok(())
+    }
+
+    /// Background loop: expires sandboxes on time and forgets ended ones after the retention period.
+    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let now = Utc::now();
+                for rec in this.all() {
+                    let live = !rec.state.is_terminal() && rec.state != SandboxState::Stopping && rec.state != SandboxState::Pending;
+                    if live && rec.expires_at.is_some_and(|t| t <= now) {
+                        let this = this.clone();
+                        tokio::spawn(async move {
+                            // Renew may have raced us; re-check under the operation lock inside delete.
+                            if this.get(&rec.id).and_then(|r| r.expires_at).is_some_and(|t| t <= Utc::now()) {
+                                match this.delete(&rec.id, REASON_TTL_EXPIRY).await {
+                                    Ok(()) => tracing::info!(sandbox_id = %rec.id, "sandbox expired"),
+                                    Err(e) => tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped"),
+                                }
+                            }
+                        });
+                    } else if rec.state.is_terminal() && now - rec.last_transition_at > this.inner.retention {
+                        this.inner.entries.write().unwrap_or_else(|p| p.into_inner()).remove(&rec.id);
+                        let _ = this.inner.store.remove(&rec.id);
+                    }
+                }
+            }
+        })
+    }
+
+    /// Stops every live sandbox (used by `warren run`'s embedded server and tests, not by `serve`, whose
+    /// sandboxes outlive it).
+    pub async fn delete_all(&self) {
+        for rec in self.all() {
+            if !rec.state.is_terminal() {
+                let _ = self.delete(&rec.id, REASON_USER_DELETE).await;
+            }
+        }
+    }
+}
+
+fn hex_token(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {
+    match e {
+        warren_image::ImageError::NotFound { .. } => ApiError::new(
+            http::StatusCode::NOT_FOUND,
+            ErrorCode::ImageNotFound,
+            format!("image {name:?} is not in the local store; import it with `warren image import {name} PATH` (or use the built-in \"host\" image)"),
+        ),
+        warren_image::ImageError::InvalidName { .. } => ApiError::invalid(format!("invalid image reference {name:?}")),
+        other => ApiError::internal("resolving the image", &other),
+    }
+}
