@@ -29,7 +29,7 @@ pub(crate) enum Plan {
     /// A plain rootfs tarball: one layer, the whole (possibly gzipped) file.
     RootfsTar(PathBuf),
     /// A docker-save archive or an OCI layout.
-    Image(ImagePlan),
+    Image(Box<ImagePlan>),
 }
 
 pub(crate) struct ImagePlan {
@@ -57,7 +57,7 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
     if meta.is_dir() {
         let bundle = Bundle::Dir(source.to_path_buf());
         return Ok(match image_plan(bundle, wanted)? {
-            Some(p) => Plan::Image(p),
+            Some(p) => Plan::Image(Box::new(p)),
             None => Plan::RootfsDir(source.to_path_buf()),
         });
     }
@@ -84,7 +84,7 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
         Bundle::tar(source.to_path_buf(), source.to_path_buf(), None)?
     };
     Ok(match image_plan(bundle, wanted)? {
-        Some(p) => Plan::Image(p),
+        Some(p) => Plan::Image(Box::new(p)),
         None => Plan::RootfsTar(source.to_path_buf()),
     })
 }
