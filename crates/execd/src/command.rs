@@ -66,7 +66,11 @@ impl Exec {
                 }
                 Exit::Signal(s) => {
                     st.exit_code = Some(-1);
-                    st.error = Some(if timed_out { "timeout: signal: killed".to_string() } else { signal_text(s) });
+                    st.error = Some(if timed_out {
+                        "timeout: signal: killed".to_string()
+                    } else {
+                        signal_text(s)
+                    });
                 }
             }
         }
@@ -96,7 +100,9 @@ impl Exec {
     /// Waits until the process has been reaped, at most `limit`. Returns whether it finished.
     async fn wait_done(&self, limit: Duration) -> bool {
         let mut rx = self.done.subscribe();
-        let finished = tokio::time::timeout(limit, rx.wait_for(|d| *d)).await.is_ok();
+        let finished = tokio::time::timeout(limit, rx.wait_for(|d| *d))
+            .await
+            .is_ok();
         finished
     }
 }
@@ -159,7 +165,11 @@ fn spec_from_request(app: &AppState, req: &RunCommandRequest) -> ApiResult<(Proc
     let (program, content) = match (&req.argv, &req.command) {
         (Some(argv), _) if !argv.is_empty() => (Program::Argv(argv.clone()), argv.join(" ")),
         (_, Some(cmd)) if !cmd.trim().is_empty() => (Program::Shell(cmd.clone()), cmd.clone()),
-        _ => return Err(ApiError::bad_body("command (or argv) is required and must not be empty")),
+        _ => {
+            return Err(ApiError::bad_body(
+                "command (or argv) is required and must not be empty",
+            ))
+        }
     };
     if req.gid.is_some() && req.uid.is_none() {
         return Err(ApiError::bad_body("gid requires uid"));
@@ -177,7 +187,10 @@ fn spec_from_request(app: &AppState, req: &RunCommandRequest) -> ApiResult<(Proc
     Ok((spec, content))
 }
 
-pub async fn run(State(app): State<Arc<AppState>>, ApiJson(req): ApiJson<RunCommandRequest>) -> ApiResult<Response> {
+pub async fn run(
+    State(app): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<RunCommandRequest>,
+) -> ApiResult<Response> {
     let (spec, content) = spec_from_request(&app, &req)?;
     let id = uuid::Uuid::new_v4().simple().to_string();
     let timeout = req.timeout.map(Duration::from_millis);
@@ -216,8 +229,19 @@ pub async fn run(State(app): State<Arc<AppState>>, ApiJson(req): ApiJson<RunComm
     Ok(response)
 }
 
-async fn supervise_background(exec: Arc<Exec>, running: Running, log: Arc<LogBuffer>, timeout: Option<Duration>) {
-    let Running { pid, exit, stdout, stderr, .. } = running;
+async fn supervise_background(
+    exec: Arc<Exec>,
+    running: Running,
+    log: Arc<LogBuffer>,
+    timeout: Option<Duration>,
+) {
+    let Running {
+        pid,
+        exit,
+        stdout,
+        stderr,
+        ..
+    } = running;
     let (otx, mut orx) = mpsc::channel::<(Stream, String)>(64);
     let pumps: Vec<_> = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
         .into_iter()
@@ -229,16 +253,33 @@ async fn supervise_background(exec: Arc<Exec>, running: Running, log: Arc<LogBuf
             log.append(text.as_bytes());
         }
     });
-    let (exit, timed_out) = wait_exit(pid, exit, timeout, &tokio_util::sync::CancellationToken::new()).await;
+    let (exit, timed_out) = wait_exit(
+        pid,
+        exit,
+        timeout,
+        &tokio_util::sync::CancellationToken::new(),
+    )
+    .await;
     drain(pumps).await;
     let _ = tokio::time::timeout(process::DRAIN_AFTER_EXIT, writer).await;
     tracing::info!(exec = %exec.id, ?exit, "background command finished");
     exec.finish(exit, timed_out);
 }
 
-async fn supervise_foreground(exec: Arc<Exec>, running: Running, stream: sse::EventStream, timeout: Option<Duration>) {
+async fn supervise_foreground(
+    exec: Arc<Exec>,
+    running: Running,
+    stream: sse::EventStream,
+    timeout: Option<Duration>,
+) {
     let started = Instant::now();
-    let Running { pid, exit, stdout, stderr, .. } = running;
+    let Running {
+        pid,
+        exit,
+        stdout,
+        stderr,
+        ..
+    } = running;
     let (otx, mut orx) = mpsc::channel::<(Stream, String)>(64);
     let pumps: Vec<_> = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
         .into_iter()
@@ -263,18 +304,29 @@ async fn supervise_foreground(exec: Arc<Exec>, running: Running, stream: sse::Ev
     let elapsed = i64::try_from(started.elapsed().as_millis()).unwrap_or(i64::MAX);
     tracing::info!(exec = %exec.id, ?exit, elapsed_ms = elapsed, "command finished");
     exec.finish(exit, timed_out);
-    let _ = stream.tx.send(terminal_event(exit, timed_out, timeout, elapsed)).await;
+    let _ = stream
+        .tx
+        .send(terminal_event(exit, timed_out, timeout, elapsed))
+        .await;
 }
 
 /// The last event of a stream for a process that ended with `exit`.
-pub fn terminal_event(exit: Exit, timed_out: bool, timeout: Option<Duration>, elapsed_ms: i64) -> warren_api::execd::StreamEvent {
+pub fn terminal_event(
+    exit: Exit,
+    timed_out: bool,
+    timeout: Option<Duration>,
+    elapsed_ms: i64,
+) -> warren_api::execd::StreamEvent {
     match exit {
         Exit::Code(0) => sse::complete(elapsed_ms),
         Exit::Code(c) => sse::error(c.to_string(), vec![format!("exit status {c}")]),
         Exit::Signal(s) => {
             let mut tb = vec![signal_text(s)];
             if timed_out {
-                tb.push(format!("command timed out after {} ms", timeout.map(|t| t.as_millis()).unwrap_or(0)));
+                tb.push(format!(
+                    "command timed out after {} ms",
+                    timeout.map(|t| t.as_millis()).unwrap_or(0)
+                ));
             }
             sse::error("-1", tb)
         }
@@ -310,14 +362,20 @@ async fn wait_exit(
 /// Lets the pumps finish reading what is buffered, but not wait for grandchildren holding the pipes.
 async fn drain(pumps: Vec<tokio::task::JoinHandle<()>>) {
     let aborts: Vec<_> = pumps.iter().map(|p| p.abort_handle()).collect();
-    if tokio::time::timeout(process::DRAIN_AFTER_EXIT, futures::future::join_all(pumps)).await.is_err() {
+    if tokio::time::timeout(process::DRAIN_AFTER_EXIT, futures::future::join_all(pumps))
+        .await
+        .is_err()
+    {
         for a in aborts {
             a.abort();
         }
     }
 }
 
-pub async fn status(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<axum::Json<CommandStatus>> {
+pub async fn status(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> ApiResult<axum::Json<CommandStatus>> {
     let exec = app.commands.get(&id).ok_or_else(|| unknown(&id))?;
     Ok(axum::Json(exec.status()))
 }
@@ -336,17 +394,25 @@ pub async fn logs(
     let exec = app.commands.get(&id).ok_or_else(|| unknown(&id))?;
     let cursor = match q.cursor.as_deref().map(str::trim).filter(|c| !c.is_empty()) {
         None => 0,
-        Some(c) => c
-            .parse::<usize>()
-            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, code::INVALID_REQUEST_BODY, "cursor must be a non-negative integer"))?,
+        Some(c) => c.parse::<usize>().map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                code::INVALID_REQUEST_BODY,
+                "cursor must be a non-negative integer",
+            )
+        })?,
     };
     let (text, next) = match &exec.log {
         Some(log) => log.tail(cursor),
         None => (String::new(), cursor),
     };
     let mut resp = text.into_response();
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
-    resp.headers_mut().insert(TAIL_CURSOR_HEADER, HeaderValue::from(next as u64));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp.headers_mut()
+        .insert(TAIL_CURSOR_HEADER, HeaderValue::from(next as u64));
     Ok(resp)
 }
 
@@ -356,8 +422,13 @@ pub struct InterruptQuery {
     id: Option<String>,
 }
 
-pub async fn interrupt(State(app): State<Arc<AppState>>, Query(q): Query<InterruptQuery>) -> ApiResult<StatusCode> {
-    let id = q.id.filter(|s| !s.is_empty()).ok_or_else(|| ApiError::missing_query("id"))?;
+pub async fn interrupt(
+    State(app): State<Arc<AppState>>,
+    Query(q): Query<InterruptQuery>,
+) -> ApiResult<StatusCode> {
+    let id =
+        q.id.filter(|s| !s.is_empty())
+            .ok_or_else(|| ApiError::missing_query("id"))?;
     let exec = app.commands.get(&id).ok_or_else(|| unknown(&id))?;
     if exec.running() {
         tracing::info!(exec = %id, pgid = exec.pgid, "interrupting command");

@@ -50,12 +50,15 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     for path in &config.sockets {
         // A stale socket from a previous run would make bind fail.
         let _ = std::fs::remove_file(path);
-        let listener = tokio::net::UnixListener::bind(path).with_context(|| format!("binding unix socket {}", path.display()))?;
+        let listener = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("binding unix socket {}", path.display()))?;
         tracing::info!(socket = %path.display(), "listening");
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
     if let Some(addr) = config.listen {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         tracing::info!(addr = %listener.local_addr().unwrap_or(addr), "listening");
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
@@ -64,10 +67,15 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     let entry_exit = if config.entrypoint.is_empty() {
         None
     } else {
-        let (first, rest) = config.entrypoint.split_first().context("empty entrypoint")?;
+        let (first, rest) = config
+            .entrypoint
+            .split_first()
+            .context("empty entrypoint")?;
         let mut cmd = Command::new(first);
         cmd.args(rest).current_dir(&config.workdir);
-        let spawned = reaper.spawn(&mut cmd).with_context(|| format!("starting entrypoint {first}"))?;
+        let spawned = reaper
+            .spawn(&mut cmd)
+            .with_context(|| format!("starting entrypoint {first}"))?;
         tracing::info!(pid = spawned.child.id(), entrypoint = ?config.entrypoint, "entrypoint started");
         entry_pid = i32::try_from(spawned.child.id()).ok();
         Some(spawned.exit)

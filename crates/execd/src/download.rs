@@ -26,23 +26,31 @@ pub enum RangeSpec {
 /// Parses `bytes=a-b`, `bytes=a-` and `bytes=-n` against `size`. Multiple ranges and other units are
 /// ignored (the whole file is sent), as RFC 9110 allows.
 pub fn parse_range(value: Option<&str>, size: u64) -> RangeSpec {
-    let Some(spec) = value.and_then(|v| v.trim().strip_prefix("bytes=")) else { return RangeSpec::Whole };
+    let Some(spec) = value.and_then(|v| v.trim().strip_prefix("bytes=")) else {
+        return RangeSpec::Whole;
+    };
     if spec.contains(',') {
         return RangeSpec::Whole;
     }
-    let Some((a, b)) = spec.trim().split_once('-') else { return RangeSpec::Whole };
+    let Some((a, b)) = spec.trim().split_once('-') else {
+        return RangeSpec::Whole;
+    };
     let (a, b) = (a.trim(), b.trim());
     let (start, end) = match (a.is_empty(), b.is_empty()) {
         (true, true) => return RangeSpec::Whole,
         (true, false) => {
-            let Ok(n) = b.parse::<u64>() else { return RangeSpec::Whole };
+            let Ok(n) = b.parse::<u64>() else {
+                return RangeSpec::Whole;
+            };
             if n == 0 || size == 0 {
                 return RangeSpec::Unsatisfiable;
             }
             (size.saturating_sub(n), size - 1)
         }
         (false, _) => {
-            let Ok(start) = a.parse::<u64>() else { return RangeSpec::Whole };
+            let Ok(start) = a.parse::<u64>() else {
+                return RangeSpec::Whole;
+            };
             let end = if b.is_empty() {
                 size.saturating_sub(1)
             } else {
@@ -60,13 +68,19 @@ pub fn parse_range(value: Option<&str>, size: u64) -> RangeSpec {
     RangeSpec::Part { start, end }
 }
 
-pub async fn download(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery, headers: HeaderMap) -> ApiResult<Response> {
+pub async fn download(
+    State(app): State<Arc<AppState>>,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
     let params = Params::parse(q.as_deref());
     let p = params.require("path")?.to_string();
     let offset = params.number::<u64>("offset")?;
     let limit = params.number::<u64>("limit")?;
     let path = app.resolve(&p);
-    let mut file = tokio::fs::File::open(&path).await.map_err(|e| ApiError::io(&p, e))?;
+    let mut file = tokio::fs::File::open(&path)
+        .await
+        .map_err(|e| ApiError::io(&p, e))?;
     let meta = file.metadata().await.map_err(|e| ApiError::io(&p, e))?;
     if meta.is_dir() {
         return Err(ApiError::invalid_file(format!("{p} is a directory")));
@@ -75,29 +89,50 @@ pub async fn download(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery, h
         return Ok(lines(file, offset.unwrap_or(1).max(1), limit));
     }
     let size = meta.len();
-    let name = path.file_name().map(|n| n.to_string_lossy().replace('"', "")).unwrap_or_default();
-    let range = parse_range(headers.get(header::RANGE).and_then(|v| v.to_str().ok()), size);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().replace('"', ""))
+        .unwrap_or_default();
+    let range = parse_range(
+        headers.get(header::RANGE).and_then(|v| v.to_str().ok()),
+        size,
+    );
     let mut builder = Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::ACCEPT_RANGES, "bytes")
-        .header(header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}\""));
+        .header(
+            header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{name}\""),
+        );
     let resp = match range {
         RangeSpec::Whole => builder
             .header(header::CONTENT_LENGTH, size)
-            .body(Body::from_stream(ReaderStream::with_capacity(file.take(size), 64 * 1024))),
+            .body(Body::from_stream(ReaderStream::with_capacity(
+                file.take(size),
+                64 * 1024,
+            ))),
         RangeSpec::Part { start, end } => {
-            file.seek(SeekFrom::Start(start)).await.map_err(|e| ApiError::io(&p, e))?;
+            file.seek(SeekFrom::Start(start))
+                .await
+                .map_err(|e| ApiError::io(&p, e))?;
             let len = end - start + 1;
             builder = builder
                 .status(StatusCode::PARTIAL_CONTENT)
                 .header(header::CONTENT_RANGE, format!("bytes {start}-{end}/{size}"))
                 .header(header::CONTENT_LENGTH, len);
-            builder.body(Body::from_stream(ReaderStream::with_capacity(file.take(len), 64 * 1024)))
+            builder.body(Body::from_stream(ReaderStream::with_capacity(
+                file.take(len),
+                64 * 1024,
+            )))
         }
         RangeSpec::Unsatisfiable => {
             return Ok((
                 StatusCode::RANGE_NOT_SATISFIABLE,
-                [(header::CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{size}")).map_err(|e| ApiError::runtime(e.to_string()))?)],
+                [(
+                    header::CONTENT_RANGE,
+                    HeaderValue::from_str(&format!("bytes */{size}"))
+                        .map_err(|e| ApiError::runtime(e.to_string()))?,
+                )],
             )
                 .into_response())
         }
@@ -113,7 +148,12 @@ fn lines(file: tokio::fs::File, first: u64, limit: Option<u64>) -> Response {
         first: u64,
         remaining: Option<u64>,
     }
-    let st = St { reader: BufReader::new(file), line_no: 0, first, remaining: limit };
+    let st = St {
+        reader: BufReader::new(file),
+        line_no: 0,
+        first,
+        remaining: limit,
+    };
     let stream = futures::stream::unfold(st, |mut st| async move {
         loop {
             if st.remaining == Some(0) {
@@ -135,7 +175,10 @@ fn lines(file: tokio::fs::File, first: u64, limit: Option<u64>) -> Response {
         }
     });
     let mut resp = Response::new(Body::from_stream(stream));
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     resp
 }
 
@@ -146,10 +189,22 @@ mod tests {
     #[test]
     fn ranges() {
         assert_eq!(parse_range(None, 10), RangeSpec::Whole);
-        assert_eq!(parse_range(Some("bytes=0-3"), 10), RangeSpec::Part { start: 0, end: 3 });
-        assert_eq!(parse_range(Some("bytes=5-"), 10), RangeSpec::Part { start: 5, end: 9 });
-        assert_eq!(parse_range(Some("bytes=-3"), 10), RangeSpec::Part { start: 7, end: 9 });
-        assert_eq!(parse_range(Some("bytes=8-100"), 10), RangeSpec::Part { start: 8, end: 9 });
+        assert_eq!(
+            parse_range(Some("bytes=0-3"), 10),
+            RangeSpec::Part { start: 0, end: 3 }
+        );
+        assert_eq!(
+            parse_range(Some("bytes=5-"), 10),
+            RangeSpec::Part { start: 5, end: 9 }
+        );
+        assert_eq!(
+            parse_range(Some("bytes=-3"), 10),
+            RangeSpec::Part { start: 7, end: 9 }
+        );
+        assert_eq!(
+            parse_range(Some("bytes=8-100"), 10),
+            RangeSpec::Part { start: 8, end: 9 }
+        );
         assert_eq!(parse_range(Some("bytes=10-"), 10), RangeSpec::Unsatisfiable);
         assert_eq!(parse_range(Some("bytes=5-2"), 10), RangeSpec::Unsatisfiable);
         assert_eq!(parse_range(Some("bytes=0-1,3-4"), 10), RangeSpec::Whole);

@@ -34,7 +34,11 @@ pub type ApiResult<T> = Result<T, ApiError>;
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
     }
 
     pub fn bad_body(message: impl Into<String>) -> Self {
@@ -42,7 +46,11 @@ impl ApiError {
     }
 
     pub fn missing_query(name: &str) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, code::MISSING_QUERY, format!("missing query parameter '{name}'"))
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            code::MISSING_QUERY,
+            format!("missing query parameter '{name}'"),
+        )
     }
 
     pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
@@ -54,7 +62,11 @@ impl ApiError {
     }
 
     pub fn runtime(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, code::RUNTIME_ERROR, message)
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::RUNTIME_ERROR,
+            message,
+        )
     }
 
     /// Maps a filesystem error on `path` to the status the SDKs expect: missing → 404, denied → 403,
@@ -62,10 +74,15 @@ impl ApiError {
     pub fn io(path: &str, err: std::io::Error) -> Self {
         use std::io::ErrorKind;
         match err.kind() {
-            ErrorKind::NotFound => Self::not_found(code::FILE_NOT_FOUND, format!("{path}: no such file or directory")),
-            ErrorKind::PermissionDenied => {
-                Self::new(StatusCode::FORBIDDEN, code::RUNTIME_ERROR, format!("{path}: permission denied"))
-            }
+            ErrorKind::NotFound => Self::not_found(
+                code::FILE_NOT_FOUND,
+                format!("{path}: no such file or directory"),
+            ),
+            ErrorKind::PermissionDenied => Self::new(
+                StatusCode::FORBIDDEN,
+                code::RUNTIME_ERROR,
+                format!("{path}: permission denied"),
+            ),
             ErrorKind::AlreadyExists => Self::invalid_file(format!("{path}: already exists")),
             _ => Self::runtime(format!("{path}: {err}")),
         }
@@ -77,7 +94,11 @@ impl IntoResponse for ApiError {
         if self.status.is_server_error() {
             tracing::warn!(code = self.code, message = %self.message, "request failed");
         }
-        (self.status, axum::Json(ErrorBody::new(self.code, self.message))).into_response()
+        (
+            self.status,
+            axum::Json(ErrorBody::new(self.code, self.message)),
+        )
+            .into_response()
     }
 }
 
@@ -118,7 +139,9 @@ where
 }
 
 async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> ApiResult<Bytes> {
-    Bytes::from_request(req, state).await.map_err(|e| ApiError::bad_body(e.body_text()))
+    Bytes::from_request(req, state)
+        .await
+        .map_err(|e| ApiError::bad_body(e.body_text()))
 }
 
 fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> ApiResult<T> {

@@ -21,8 +21,12 @@ use crate::query::Params;
 use crate::AppState;
 
 /// Runs blocking filesystem work off the async workers.
-pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::runtime(format!("worker failed: {e}")))?
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> ApiResult<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::runtime(format!("worker failed: {e}")))?
 }
 
 /// `0o644` → `644`: the protocol writes octal permissions as decimal digits.
@@ -66,7 +70,10 @@ pub fn file_info(path: &Path, meta: &Metadata, ids: &Ids) -> FileInfo {
     }
 }
 
-pub async fn info(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> ApiResult<Json<BTreeMap<String, FileInfo>>> {
+pub async fn info(
+    State(app): State<Arc<AppState>>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<BTreeMap<String, FileInfo>>> {
     let paths = Params::parse(q.as_deref()).require_all("path")?;
     let ids = Ids::load();
     let mut out = BTreeMap::new();
@@ -78,11 +85,16 @@ pub async fn info(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Ap
     Ok(Json(out))
 }
 
-pub async fn delete_files(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> ApiResult<()> {
+pub async fn delete_files(
+    State(app): State<Arc<AppState>>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<()> {
     for p in Params::parse(q.as_deref()).require_all("path")? {
         let full = app.resolve(&p);
         match std::fs::symlink_metadata(&full) {
-            Ok(m) if m.is_dir() => return Err(ApiError::invalid_file(format!("{p} is a directory"))),
+            Ok(m) if m.is_dir() => {
+                return Err(ApiError::invalid_file(format!("{p} is a directory")))
+            }
             Ok(_) => std::fs::remove_file(&full).map_err(|e| ApiError::io(&p, e))?,
             // Deleting what is not there is not a failure: the caller's goal is reached.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -106,19 +118,32 @@ pub struct Ownership {
 pub fn apply_ownership(path: &Path, display: &str, o: &Ownership, ids: &Ids) -> ApiResult<()> {
     if let Some(mode) = o.mode {
         let mode = mode_from_wire(mode)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| ApiError::io(display, e))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| ApiError::io(display, e))?;
     }
     chown(path, display, o.owner.as_deref(), o.group.as_deref(), ids)
 }
 
-pub fn chown(path: &Path, display: &str, owner: Option<&str>, group: Option<&str>, ids: &Ids) -> ApiResult<()> {
+pub fn chown(
+    path: &Path,
+    display: &str,
+    owner: Option<&str>,
+    group: Option<&str>,
+    ids: &Ids,
+) -> ApiResult<()> {
     let owner = owner.filter(|s| !s.is_empty());
     let group = group.filter(|s| !s.is_empty());
     let uid = owner
-        .map(|o| ids.resolve_user(o).ok_or_else(|| ApiError::bad_body(format!("unknown user {o}"))))
+        .map(|o| {
+            ids.resolve_user(o)
+                .ok_or_else(|| ApiError::bad_body(format!("unknown user {o}")))
+        })
         .transpose()?;
     let gid = group
-        .map(|g| ids.resolve_group(g).ok_or_else(|| ApiError::bad_body(format!("unknown group {g}"))))
+        .map(|g| {
+            ids.resolve_group(g)
+                .ok_or_else(|| ApiError::bad_body(format!("unknown group {g}")))
+        })
         .transpose()?;
     if uid.is_some() || gid.is_some() {
         std::os::unix::fs::chown(path, uid, gid).map_err(|e| ApiError::io(display, e))?;
@@ -145,7 +170,10 @@ pub struct MoveItem {
     dest: String,
 }
 
-pub async fn mv(State(app): State<Arc<AppState>>, ApiJson(items): ApiJson<Vec<MoveItem>>) -> ApiResult<()> {
+pub async fn mv(
+    State(app): State<Arc<AppState>>,
+    ApiJson(items): ApiJson<Vec<MoveItem>>,
+) -> ApiResult<()> {
     for item in items {
         let (src, dest) = (app.resolve(&item.src), app.resolve(&item.dest));
         std::fs::symlink_metadata(&src).map_err(|e| ApiError::io(&item.src, e))?;
@@ -171,13 +199,21 @@ pub async fn mv(State(app): State<Arc<AppState>>, ApiJson(items): ApiJson<Vec<Mo
 }
 
 /// Walks `root` without following symlinks, calling `visit` with each entry and its depth (1 = child).
-fn walk(root: &Path, max_depth: usize, visit: &mut dyn FnMut(&Path, &Metadata, usize)) -> std::io::Result<()> {
+fn walk(
+    root: &Path,
+    max_depth: usize,
+    visit: &mut dyn FnMut(&Path, &Metadata, usize),
+) -> std::io::Result<()> {
     let mut stack = vec![(root.to_path_buf(), 1usize)];
     while let Some((dir, depth)) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
-            let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
             visit(&path, &meta, depth);
             if meta.is_dir() && depth < max_depth {
                 stack.push((path, depth + 1));
@@ -187,31 +223,49 @@ fn walk(root: &Path, max_depth: usize, visit: &mut dyn FnMut(&Path, &Metadata, u
     Ok(())
 }
 
-pub async fn search(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> ApiResult<Json<Vec<FileInfo>>> {
+pub async fn search(
+    State(app): State<Arc<AppState>>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Vec<FileInfo>>> {
     let params = Params::parse(q.as_deref());
     let root_s = params.require("path")?.to_string();
-    let pattern_s = params.get("pattern").filter(|p| !p.is_empty()).unwrap_or("**").to_string();
+    let pattern_s = params
+        .get("pattern")
+        .filter(|p| !p.is_empty())
+        .unwrap_or("**")
+        .to_string();
     let root = app.resolve(&root_s);
-    let pattern =
-        glob::Pattern::new(&pattern_s).map_err(|e| ApiError::bad_body(format!("invalid pattern {pattern_s}: {e}")))?;
+    let pattern = glob::Pattern::new(&pattern_s)
+        .map_err(|e| ApiError::bad_body(format!("invalid pattern {pattern_s}: {e}")))?;
     blocking(move || {
         let meta = std::fs::metadata(&root).map_err(|e| ApiError::io(&root_s, e))?;
         if !meta.is_dir() {
-            return Err(ApiError::invalid_file(format!("{root_s} is not a directory")));
+            return Err(ApiError::invalid_file(format!(
+                "{root_s} is not a directory"
+            )));
         }
         let ids = Ids::load();
         // A pattern with a slash matches the path below the root, otherwise just the file name.
         let by_path = pattern_s.contains('/');
-        let opts = glob::MatchOptions { case_sensitive: true, require_literal_separator: false, require_literal_leading_dot: false };
+        let opts = glob::MatchOptions {
+            case_sensitive: true,
+            require_literal_separator: false,
+            require_literal_leading_dot: false,
+        };
         let mut out = Vec::new();
         walk(&root, usize::MAX, &mut |path, meta, _| {
             if meta.is_dir() {
                 return;
             }
             let subject = if by_path {
-                path.strip_prefix(&root).unwrap_or(path).to_string_lossy().into_owned()
+                path.strip_prefix(&root)
+                    .unwrap_or(path)
+                    .to_string_lossy()
+                    .into_owned()
             } else {
-                path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+                path.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default()
             };
             if pattern.matches_with(&subject, opts) {
                 out.push(file_info(path, meta, &ids));
@@ -247,28 +301,43 @@ pub async fn replace(
     if let Some((p, _)) = body.iter().find(|(_, r)| r.old.is_empty()) {
         return Err(ApiError::bad_body(format!("{p}: 'old' must not be empty")));
     }
-    let resolved: Vec<(String, PathBuf, Replacement)> =
-        body.into_iter().map(|(p, r)| (p.clone(), app.resolve(&p), r)).collect();
+    let resolved: Vec<(String, PathBuf, Replacement)> = body
+        .into_iter()
+        .map(|(p, r)| (p.clone(), app.resolve(&p), r))
+        .collect();
     let counts = blocking(move || {
         let mut counts = BTreeMap::new();
         for (p, full, r) in resolved {
             let text = std::fs::read(&full).map_err(|e| ApiError::io(&p, e))?;
-            let text = String::from_utf8(text)
-                .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, code::INVALID_FILE_CONTENT, format!("{p} is not UTF-8 text")))?;
+            let text = String::from_utf8(text).map_err(|_| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    code::INVALID_FILE_CONTENT,
+                    format!("{p} is not UTF-8 text"),
+                )
+            })?;
             let n = text.matches(&r.old).count();
             if n > 0 {
                 // Writing in place keeps the inode, and with it mode, owner and hard links.
-                std::fs::write(&full, text.replace(&r.old, &r.new)).map_err(|e| ApiError::io(&p, e))?;
+                std::fs::write(&full, text.replace(&r.old, &r.new))
+                    .map_err(|e| ApiError::io(&p, e))?;
             }
             counts.insert(p, ReplaceResult { replaced_count: n });
         }
         Ok(counts)
     })
     .await?;
-    Ok(if verbose { Json(counts).into_response() } else { StatusCode::OK.into_response() })
+    Ok(if verbose {
+        Json(counts).into_response()
+    } else {
+        StatusCode::OK.into_response()
+    })
 }
 
-pub async fn list(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> ApiResult<Json<Vec<FileInfo>>> {
+pub async fn list(
+    State(app): State<Arc<AppState>>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Vec<FileInfo>>> {
     let params = Params::parse(q.as_deref());
     let p = params.require("path")?.to_string();
     let depth = params.number::<usize>("depth")?.unwrap_or(1).max(1);
@@ -283,7 +352,10 @@ pub async fn list(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Ap
         }
         let ids = Ids::load();
         let mut out = Vec::new();
-        walk(&root, depth, &mut |path, meta, _| out.push(file_info(path, meta, &ids))).map_err(|e| ApiError::io(&p, e))?;
+        walk(&root, depth, &mut |path, meta, _| {
+            out.push(file_info(path, meta, &ids))
+        })
+        .map_err(|e| ApiError::io(&p, e))?;
         out.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(Json(out))
     })
@@ -305,14 +377,19 @@ pub async fn mkdir(
 
 pub async fn rmdir(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> ApiResult<()> {
     let paths = Params::parse(q.as_deref()).require_all("path")?;
-    let resolved: Vec<(String, PathBuf)> = paths.into_iter().map(|p| (p.clone(), app.resolve(&p))).collect();
+    let resolved: Vec<(String, PathBuf)> = paths
+        .into_iter()
+        .map(|p| (p.clone(), app.resolve(&p)))
+        .collect();
     blocking(move || {
         for (p, full) in resolved {
             if full == Path::new("/") {
                 return Err(ApiError::invalid_file("refusing to remove /"));
             }
             match std::fs::symlink_metadata(&full) {
-                Ok(m) if m.is_dir() => std::fs::remove_dir_all(&full).map_err(|e| ApiError::io(&p, e))?,
+                Ok(m) if m.is_dir() => {
+                    std::fs::remove_dir_all(&full).map_err(|e| ApiError::io(&p, e))?
+                }
                 Ok(_) => return Err(ApiError::invalid_file(format!("{p} is not a directory"))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(ApiError::io(&p, e)),

@@ -43,25 +43,40 @@ impl Ids {
     }
 
     pub fn user_name(&self, uid: u32) -> String {
-        self.users.get(&uid).cloned().unwrap_or_else(|| uid.to_string())
+        self.users
+            .get(&uid)
+            .cloned()
+            .unwrap_or_else(|| uid.to_string())
     }
 
     pub fn group_name(&self, gid: u32) -> String {
-        self.groups.get(&gid).cloned().unwrap_or_else(|| gid.to_string())
+        self.groups
+            .get(&gid)
+            .cloned()
+            .unwrap_or_else(|| gid.to_string())
     }
 
     pub fn primary_gid(&self, uid: u32) -> Option<u32> {
-        self.user_ids.values().find(|(u, _)| *u == uid).map(|(_, g)| *g)
+        self.user_ids
+            .values()
+            .find(|(u, _)| *u == uid)
+            .map(|(_, g)| *g)
     }
 
     /// A user given by name or number.
     pub fn resolve_user(&self, name: &str) -> Option<u32> {
-        self.user_ids.get(name).map(|(u, _)| *u).or_else(|| name.parse().ok())
+        self.user_ids
+            .get(name)
+            .map(|(u, _)| *u)
+            .or_else(|| name.parse().ok())
     }
 
     /// A group given by name or number.
     pub fn resolve_group(&self, name: &str) -> Option<u32> {
-        self.group_ids.get(name).copied().or_else(|| name.parse().ok())
+        self.group_ids
+            .get(name)
+            .copied()
+            .or_else(|| name.parse().ok())
     }
 }
 
@@ -71,7 +86,10 @@ mod tests {
 
     #[test]
     fn parses_and_falls_back_to_numbers() {
-        let ids = Ids::parse("root:x:0:0:root:/root:/bin/sh\nbob:x:1000:100::/home/bob:/bin/sh\n", "users:x:100:\n");
+        let ids = Ids::parse(
+            "root:x:0:0:root:/root:/bin/sh\nbob:x:1000:100::/home/bob:/bin/sh\n",
+            "users:x:100:\n",
+        );
         assert_eq!(ids.user_name(1000), "bob");
         assert_eq!(ids.user_name(42), "42");
         assert_eq!(ids.group_name(100), "users");

@@ -7,7 +7,11 @@ use clap::Parser;
 use warren_execd::daemon::{self, Config};
 
 #[derive(Debug, Parser)]
-#[command(name = "warren-execd", version, about = "Warren's in-sandbox daemon (OpenSandbox execd API)")]
+#[command(
+    name = "warren-execd",
+    version,
+    about = "Warren's in-sandbox daemon (OpenSandbox execd API)"
+)]
 struct Args {
     /// Serve the API on this Unix socket (repeatable).
     #[arg(long = "socket", value_name = "PATH")]
@@ -37,7 +41,12 @@ fn main() {
         (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
         (l, _) => *l,
     };
-    let config = Config { sockets: args.sockets, listen, workdir: args.workdir, entrypoint: args.entrypoint };
+    let config = Config {
+        sockets: args.sockets,
+        listen,
+        workdir: args.workdir,
+        entrypoint: args.entrypoint,
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

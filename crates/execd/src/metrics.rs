@@ -30,12 +30,17 @@ pub struct Sources {
 
 impl Default for Sources {
     fn default() -> Self {
-        Self { cgroup: PathBuf::from("/sys/fs/cgroup"), proc: PathBuf::from("/proc") }
+        Self {
+            cgroup: PathBuf::from("/sys/fs/cgroup"),
+            proc: PathBuf::from("/proc"),
+        }
     }
 }
 
 fn read_trim(p: &Path) -> Option<String> {
-    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
 }
 
 fn read_u64(p: &Path) -> Option<u64> {
@@ -53,7 +58,8 @@ impl Sources {
             let max = read_trim(&cg.join("memory.max")).and_then(|m| m.parse::<u64>().ok());
             Some((max, used))
         } else if let Some(used) = read_u64(&cg.join("memory/memory.usage_in_bytes")) {
-            let max = read_u64(&cg.join("memory/memory.limit_in_bytes")).filter(|m| *m < V1_UNLIMITED);
+            let max =
+                read_u64(&cg.join("memory/memory.limit_in_bytes")).filter(|m| *m < V1_UNLIMITED);
             Some((max, used))
         } else {
             None
@@ -73,7 +79,13 @@ impl Sources {
         let field = |name: &str| {
             text.lines()
                 .find_map(|l| l.strip_prefix(name))
-                .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
                 .map(|kb| kb * 1024.0)
                 .unwrap_or(0.0)
         };
@@ -99,7 +111,9 @@ impl Sources {
                 return q as f64 / p as f64;
             }
         }
-        std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
+        std::thread::available_parallelism()
+            .map(|n| n.get() as f64)
+            .unwrap_or(1.0)
     }
 
     fn sample(&self) -> CpuSample {
@@ -115,13 +129,21 @@ impl Sources {
         let (busy, total) = read_trim(&self.proc.join("stat"))
             .and_then(|s| {
                 let line = s.lines().next()?.strip_prefix("cpu ")?.to_string();
-                let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+                let v: Vec<u64> = line
+                    .split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
                 let total: u64 = v.iter().take(8).sum();
                 let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
                 Some((total - idle, total))
             })
             .unwrap_or((0, 0));
-        CpuSample { at: Instant::now(), cgroup_secs, busy, total }
+        CpuSample {
+            at: Instant::now(),
+            cgroup_secs,
+            busy,
+            total,
+        }
     }
 
     /// Percentage of the sandbox's CPU allowance used between two samples (0–100).
@@ -189,7 +211,10 @@ pub async fn watch(State(app): State<Arc<AppState>>) -> Response {
     });
     let mut resp = Response::new(Body::from_stream(stream));
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     resp
@@ -211,8 +236,15 @@ mod tests {
         write(dir.path(), "cg/memory.current", "104857600\n");
         write(dir.path(), "cg/memory.max", "209715200\n");
         write(dir.path(), "cg/cpu.max", "150000 100000\n");
-        write(dir.path(), "proc/meminfo", "MemTotal: 1024 kB\nMemAvailable: 512 kB\n");
-        let s = Sources { cgroup: dir.path().join("cg"), proc: dir.path().join("proc") };
+        write(
+            dir.path(),
+            "proc/meminfo",
+            "MemTotal: 1024 kB\nMemAvailable: 512 kB\n",
+        );
+        let s = Sources {
+            cgroup: dir.path().join("cg"),
+            proc: dir.path().join("proc"),
+        };
         assert_eq!(s.memory(), (209715200.0, 104857600.0));
         assert_eq!(s.cpu_count(), 1.5);
     }
@@ -223,8 +255,15 @@ mod tests {
         write(dir.path(), "cg/memory.current", "1048576\n");
         write(dir.path(), "cg/memory.max", "max\n");
         write(dir.path(), "cg/cpu.max", "max 100000\n");
-        write(dir.path(), "proc/meminfo", "MemTotal: 2048 kB\nMemAvailable: 512 kB\n");
-        let s = Sources { cgroup: dir.path().join("cg"), proc: dir.path().join("proc") };
+        write(
+            dir.path(),
+            "proc/meminfo",
+            "MemTotal: 2048 kB\nMemAvailable: 512 kB\n",
+        );
+        let s = Sources {
+            cgroup: dir.path().join("cg"),
+            proc: dir.path().join("proc"),
+        };
         assert_eq!(s.memory(), (2048.0 * 1024.0, 1048576.0));
         assert!(s.cpu_count() >= 1.0);
     }
@@ -233,14 +272,28 @@ mod tests {
     fn v1_and_proc_fallback() {
         let dir = tempfile::tempdir().expect("tmp");
         write(dir.path(), "cg/memory/memory.usage_in_bytes", "100\n");
-        write(dir.path(), "cg/memory/memory.limit_in_bytes", "9223372036854771712\n");
+        write(
+            dir.path(),
+            "cg/memory/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
         write(dir.path(), "cg/cpu/cpu.cfs_quota_us", "200000\n");
         write(dir.path(), "cg/cpu/cpu.cfs_period_us", "100000\n");
-        write(dir.path(), "proc/meminfo", "MemTotal: 4 kB\nMemAvailable: 1 kB\n");
-        let s = Sources { cgroup: dir.path().join("cg"), proc: dir.path().join("proc") };
+        write(
+            dir.path(),
+            "proc/meminfo",
+            "MemTotal: 4 kB\nMemAvailable: 1 kB\n",
+        );
+        let s = Sources {
+            cgroup: dir.path().join("cg"),
+            proc: dir.path().join("proc"),
+        };
         assert_eq!(s.memory(), (4096.0, 100.0));
         assert_eq!(s.cpu_count(), 2.0);
-        let empty = Sources { cgroup: dir.path().join("none"), proc: dir.path().join("proc") };
+        let empty = Sources {
+            cgroup: dir.path().join("none"),
+            proc: dir.path().join("proc"),
+        };
         assert_eq!(empty.memory(), (4096.0, 3072.0));
     }
 }

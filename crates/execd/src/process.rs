@@ -172,14 +172,33 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
         Program::Shell(_) => shell().to_string(),
         Program::Argv(argv) => argv.first().cloned().unwrap_or_default(),
     };
-    let Spawned { mut child, exit } =
-        reaper.spawn(&mut cmd).map_err(|source| SpawnError::Spawn { program, source })?;
+    let Spawned { mut child, exit } = reaper
+        .spawn(&mut cmd)
+        .map_err(|source| SpawnError::Spawn { program, source })?;
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    let stdout = child.stdout.take().map(|p| pipe::Receiver::from_owned_fd(p.into())).transpose();
-    let stderr = child.stderr.take().map(|p| pipe::Receiver::from_owned_fd(p.into())).transpose();
-    let stdin = child.stdin.take().map(|p| pipe::Sender::from_owned_fd(p.into())).transpose();
+    let stdout = child
+        .stdout
+        .take()
+        .map(|p| pipe::Receiver::from_owned_fd(p.into()))
+        .transpose();
+    let stderr = child
+        .stderr
+        .take()
+        .map(|p| pipe::Receiver::from_owned_fd(p.into()))
+        .transpose();
+    let stdin = child
+        .stdin
+        .take()
+        .map(|p| pipe::Sender::from_owned_fd(p.into()))
+        .transpose();
     match (stdout, stderr, stdin) {
-        (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running { pid, exit, stdout, stderr, stdin }),
+        (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running {
+            pid,
+            exit,
+            stdout,
+            stderr,
+            stdin,
+        }),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
             kill_group(pid, Signal::SIGKILL);
             Err(SpawnError::Pipe(e))
@@ -268,7 +287,8 @@ mod tests {
 
     #[test]
     fn env_file_parsing() {
-        let parsed = parse_env_file("# c\n\nA=1\nexport B=two words\nC=\"q\"\nD='x=y'\n=bad\nnoequals\n");
+        let parsed =
+            parse_env_file("# c\n\nA=1\nexport B=two words\nC=\"q\"\nD='x=y'\n=bad\nnoequals\n");
         assert_eq!(
             parsed,
             vec![

@@ -12,8 +12,17 @@ use tokio::net::TcpStream;
 use crate::error::{code, ApiError};
 
 /// Headers that describe one hop and must not be forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: &[&str] =
-    &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"];
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
 
 fn bad_gateway(msg: impl Into<String>) -> Response {
     ApiError::new(StatusCode::BAD_GATEWAY, code::RUNTIME_ERROR, msg).into_response()
@@ -26,7 +35,11 @@ fn strip_hop_headers(headers: &mut HeaderMap, keep_upgrade: bool) {
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()).collect::<Vec<_>>())
+        .flat_map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
+        })
         .filter_map(|s| HeaderName::from_bytes(s.as_bytes()).ok())
         .collect();
     for name in listed {
@@ -68,10 +81,11 @@ pub async fn proxy(mut req: Request) -> Response {
         Ok(s) => s,
         Err(e) => return bad_gateway(format!("nothing reachable on port {port}: {e}")),
     };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await {
-        Ok(x) => x,
-        Err(e) => return bad_gateway(format!("upstream handshake on port {port} failed: {e}")),
-    };
+    let (mut sender, conn) =
+        match hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await {
+            Ok(x) => x,
+            Err(e) => return bad_gateway(format!("upstream handshake on port {port} failed: {e}")),
+        };
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(port, error = %e, "upstream connection ended with error");
@@ -138,12 +152,19 @@ mod tests {
     #[test]
     fn strips_hop_headers() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "keep-alive, x-custom".parse().expect("v"));
+        h.insert(
+            header::CONNECTION,
+            "keep-alive, x-custom".parse().expect("v"),
+        );
         h.insert("x-custom", "1".parse().expect("v"));
         h.insert("keep-alive", "timeout=5".parse().expect("v"));
         h.insert("x-real", "1".parse().expect("v"));
         strip_hop_headers(&mut h, false);
-        assert!(h.get("x-custom").is_none() && h.get("keep-alive").is_none() && h.get(header::CONNECTION).is_none());
+        assert!(
+            h.get("x-custom").is_none()
+                && h.get("keep-alive").is_none()
+                && h.get(header::CONNECTION).is_none()
+        );
         assert!(h.get("x-real").is_some());
     }
 }

@@ -22,21 +22,34 @@ impl Params {
     }
 
     pub fn all(&self, key: &str) -> Vec<String> {
-        self.0.iter().filter(|(k, _)| k == key).map(|(_, v)| v.clone()).collect()
+        self.0
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     /// A non-empty value, or 400 `MISSING_QUERY`.
     pub fn require(&self, key: &str) -> ApiResult<&str> {
-        self.get(key).filter(|v| !v.is_empty()).ok_or_else(|| ApiError::missing_query(key))
+        self.get(key)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| ApiError::missing_query(key))
     }
 
     /// All non-empty values, at least one, or 400 `MISSING_QUERY`.
     pub fn require_all(&self, key: &str) -> ApiResult<Vec<String>> {
-        let all: Vec<String> = self.all(key).into_iter().filter(|v| !v.is_empty()).collect();
+        let all: Vec<String> = self
+            .all(key)
+            .into_iter()
+            .filter(|v| !v.is_empty())
+            .collect();
         if all.is_empty() {
             return Err(ApiError::missing_query(key));
         }
@@ -47,10 +60,13 @@ impl Params {
     pub fn number<T: std::str::FromStr>(&self, key: &str) -> ApiResult<Option<T>> {
         match self.get(key).filter(|v| !v.is_empty()) {
             None => Ok(None),
-            Some(v) => v
-                .parse()
-                .map(Some)
-                .map_err(|_| ApiError::new(axum::http::StatusCode::BAD_REQUEST, crate::error::code::INVALID_REQUEST_BODY, format!("query parameter '{key}' must be a number"))),
+            Some(v) => v.parse().map(Some).map_err(|_| {
+                ApiError::new(
+                    axum::http::StatusCode::BAD_REQUEST,
+                    crate::error::code::INVALID_REQUEST_BODY,
+                    format!("query parameter '{key}' must be a number"),
+                )
+            }),
         }
     }
 
@@ -60,7 +76,9 @@ impl Params {
 }
 
 fn decode(s: &str) -> String {
-    percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned()
+    percent_decode_str(&s.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 #[cfg(test)]

@@ -142,7 +142,11 @@ mod tests {
         tokio::spawn(reaper.clone().run());
         for code in [0, 3, 7] {
             let spawned = reaper
-                .spawn(Command::new("/bin/sh").arg("-c").arg(format!("exit {code}")))
+                .spawn(
+                    Command::new("/bin/sh")
+                        .arg("-c")
+                        .arg(format!("exit {code}")),
+                )
                 .expect("spawn");
             let exit = tokio::time::timeout(std::time::Duration::from_secs(5), spawned.exit)
                 .await

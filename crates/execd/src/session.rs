@@ -97,7 +97,8 @@ pub async fn create(
     };
     let running = process::spawn(&app.reaper, &spec, StdinMode::Piped)
         .map_err(|e| ApiError::runtime(e.full_message()))?;
-    let (Some(stdin), Some(stdout), Some(stderr)) = (running.stdin, running.stdout, running.stderr) else {
+    let (Some(stdin), Some(stdout), Some(stderr)) = (running.stdin, running.stdout, running.stderr)
+    else {
         kill_group(running.pid, Signal::SIGKILL);
         return Err(ApiError::runtime("session shell has no pipes"));
     };
@@ -105,7 +106,11 @@ pub async fn create(
     let dead = Arc::new(AtomicBool::new(false));
     let session = Arc::new(Session {
         pgid: running.pid,
-        io: tokio::sync::Mutex::new(SessionIo { stdin, stdout, stderr }),
+        io: tokio::sync::Mutex::new(SessionIo {
+            stdin,
+            stdout,
+            stderr,
+        }),
         dead: dead.clone(),
     });
     let exit = running.exit;
@@ -121,7 +126,11 @@ pub async fn create(
 }
 
 pub async fn delete(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<()> {
-    let session = app.sessions.map().remove(&id).ok_or_else(|| not_found(&id))?;
+    let session = app
+        .sessions
+        .map()
+        .remove(&id)
+        .ok_or_else(|| not_found(&id))?;
     kill_group(session.pgid, Signal::SIGKILL);
     tracing::info!(session = %id, "session deleted");
     Ok(())
@@ -135,7 +144,10 @@ pub async fn run(
     let session = app.sessions.get(&id).ok_or_else(|| not_found(&id))?;
     if session.dead.load(Ordering::SeqCst) {
         app.sessions.map().remove(&id);
-        return Err(ApiError::not_found(code::CONTEXT_NOT_FOUND, format!("session {id} has exited")));
+        return Err(ApiError::not_found(
+            code::CONTEXT_NOT_FOUND,
+            format!("session {id} has exited"),
+        ));
     }
     if req.command.trim().is_empty() {
         return Err(ApiError::bad_body("command must not be empty"));
@@ -143,11 +155,23 @@ pub async fn run(
     if req.timeout == Some(0) {
         return Err(ApiError::bad_body("timeout must be at least 1 ms"));
     }
-    let cwd = req.cwd.as_deref().filter(|c| !c.is_empty()).map(|c| app.resolve(c));
+    let cwd = req
+        .cwd
+        .as_deref()
+        .filter(|c| !c.is_empty())
+        .map(|c| app.resolve(c));
     let (stream, response) = sse::channel();
     let app2 = app.clone();
     tokio::spawn(async move {
-        let dead = run_in_session(&session, &id, &req.command, cwd.as_deref(), req.timeout, stream).await;
+        let dead = run_in_session(
+            &session,
+            &id,
+            &req.command,
+            cwd.as_deref(),
+            req.timeout,
+            stream,
+        )
+        .await;
         if dead {
             kill_group(session.pgid, Signal::SIGKILL);
             app2.sessions.map().remove(&id);
@@ -162,7 +186,9 @@ fn quote(s: &str) -> String {
 
 /// The script one run writes to the shell.
 fn script(command: &str, cwd: Option<&std::path::Path>, token: &str) -> String {
-    let cd = cwd.map(|c| format!("cd {} && ", quote(&c.to_string_lossy()))).unwrap_or_default();
+    let cd = cwd
+        .map(|c| format!("cd {} && ", quote(&c.to_string_lossy())))
+        .unwrap_or_default();
     format!(
         "{cd}{{ eval {cmd}\n}} </dev/null\nprintf '{out}%d__\\n' \"$?\"\nprintf '{err}\\n' >&2\n",
         cmd = quote(command),
@@ -197,7 +223,12 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 /// Parses `<digits>__\n` after the stdout marker. `None` while incomplete.
 fn parse_rc(rest: &[u8]) -> Option<Result<i32, ()>> {
     let end = find(rest, b"__\n")?;
-    Some(std::str::from_utf8(&rest[..end]).ok().and_then(|s| s.parse().ok()).ok_or(()))
+    Some(
+        std::str::from_utf8(&rest[..end])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or(()),
+    )
 }
 
 /// Per-stream state of one run.
@@ -210,10 +241,19 @@ struct Side {
 
 impl Side {
     fn new(kind: EventKind) -> Self {
-        Self { buf: Vec::new(), carry: Utf8Carry::default(), done: false, kind }
+        Self {
+            buf: Vec::new(),
+            carry: Utf8Carry::default(),
+            done: false,
+            kind,
+        }
     }
 
-    async fn emit(&mut self, upto: usize, tx: &tokio::sync::mpsc::Sender<warren_api::execd::StreamEvent>) {
+    async fn emit(
+        &mut self,
+        upto: usize,
+        tx: &tokio::sync::mpsc::Sender<warren_api::execd::StreamEvent>,
+    ) {
         let rest = self.buf.split_off(upto);
         let chunk = std::mem::replace(&mut self.buf, rest);
         let text = self.carry.push(&chunk);
@@ -238,8 +278,17 @@ async fn run_in_session(
     let started = Instant::now();
     let _ = tx.send(sse::init(id)).await;
     let token = uuid::Uuid::new_v4().simple().to_string();
-    if let Err(e) = io.stdin.write_all(script(command, cwd, &token).as_bytes()).await {
-        let _ = tx.send(sse::error(format!("session shell is gone: {e}"), vec![e.to_string()])).await;
+    if let Err(e) = io
+        .stdin
+        .write_all(script(command, cwd, &token).as_bytes())
+        .await
+    {
+        let _ = tx
+            .send(sse::error(
+                format!("session shell is gone: {e}"),
+                vec![e.to_string()],
+            ))
+            .await;
         return true;
     }
     let out_m = out_marker(&token).into_bytes();
@@ -328,7 +377,10 @@ async fn run_in_session(
     let mut ev = crate::command::terminal_event(Exit::Code(rc), false, None, elapsed);
     if timed_out {
         if let Some(e) = ev.error.as_mut() {
-            e.traceback.push(format!("command timed out after {} ms", timeout.unwrap_or(0)));
+            e.traceback.push(format!(
+                "command timed out after {} ms",
+                timeout.unwrap_or(0)
+            ));
         }
     }
     let _ = tx.send(ev).await;
@@ -337,14 +389,30 @@ async fn run_in_session(
 
 /// Kills every descendant of the session shell but not the shell, so the session survives a timeout.
 fn kill_descendants(shell_pid: i32) {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
         // The command name may contain spaces and parentheses; fields resume after the last ')'.
-        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
-        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|s| s.parse::<i32>().ok()) {
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        if let Some(ppid) = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse::<i32>().ok())
+        {
             children.entry(ppid).or_default().push(pid);
         }
     }

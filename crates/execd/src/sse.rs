@@ -37,12 +37,19 @@ pub fn init(id: &str) -> StreamEvent {
 }
 
 pub fn complete(execution_time_ms: i64) -> StreamEvent {
-    StreamEvent { execution_time: Some(execution_time_ms), ..event(EventKind::ExecutionComplete, None) }
+    StreamEvent {
+        execution_time: Some(execution_time_ms),
+        ..event(EventKind::ExecutionComplete, None)
+    }
 }
 
 pub fn error(evalue: impl Into<String>, traceback: Vec<String>) -> StreamEvent {
     StreamEvent {
-        error: Some(ExecError { ename: "CommandExecError".to_string(), evalue: evalue.into(), traceback }),
+        error: Some(ExecError {
+            ename: "CommandExecError".to_string(),
+            evalue: evalue.into(),
+            traceback,
+        }),
         ..event(EventKind::Error, None)
     }
 }
@@ -66,7 +73,13 @@ pub fn channel() -> (EventStream, Response) {
     let (tx, rx) = mpsc::channel(256);
     let token = CancellationToken::new();
     let response = response(rx, token.clone().drop_guard());
-    (EventStream { tx, cancelled: token }, response)
+    (
+        EventStream {
+            tx,
+            cancelled: token,
+        },
+        response,
+    )
 }
 
 struct BodyState {
@@ -78,7 +91,11 @@ struct BodyState {
 fn response(rx: mpsc::Receiver<StreamEvent>, guard: DropGuard) -> Response {
     let mut ping = interval_at(Instant::now() + PING_INTERVAL, PING_INTERVAL);
     ping.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let state = BodyState { rx, ping, _guard: guard };
+    let state = BodyState {
+        rx,
+        ping,
+        _guard: guard,
+    };
     let stream = futures::stream::unfold(state, |mut st| async move {
         let ev = tokio::select! {
             biased;
@@ -90,7 +107,10 @@ fn response(rx: mpsc::Receiver<StreamEvent>, guard: DropGuard) -> Response {
     let mut resp = Response::new(Body::from_stream(stream));
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     resp
@@ -102,11 +122,18 @@ mod tests {
 
     #[test]
     fn encodes_single_line_with_blank_line() {
-        let ev = StreamEvent { text: Some("a\nb".into()), ..event(EventKind::Stdout, None) };
+        let ev = StreamEvent {
+            text: Some("a\nb".into()),
+            ..event(EventKind::Stdout, None)
+        };
         let bytes = encode(&ev);
         let s = std::str::from_utf8(&bytes).expect("utf8");
         assert!(s.ends_with("}\n\n"));
-        assert_eq!(s.matches('\n').count(), 2, "newlines inside text must be escaped: {s}");
+        assert_eq!(
+            s.matches('\n').count(),
+            2,
+            "newlines inside text must be escaped: {s}"
+        );
         let v: serde_json::Value = serde_json::from_str(s.trim()).expect("json");
         assert_eq!(v["type"], "stdout");
         assert!(v["timestamp"].is_i64());

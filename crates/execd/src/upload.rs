@@ -27,7 +27,11 @@ fn bad_metadata(msg: impl Into<String>) -> ApiError {
 }
 
 fn multipart_error(e: multer::Error) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, code::INVALID_FILE, format!("invalid multipart body: {e}"))
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        code::INVALID_FILE,
+        format!("invalid multipart body: {e}"),
+    )
 }
 
 pub async fn upload(State(app): State<Arc<AppState>>, req: Request) -> ApiResult<StatusCode> {
@@ -46,24 +50,34 @@ pub async fn upload(State(app): State<Arc<AppState>>, req: Request) -> ApiResult
         match field.name() {
             Some("metadata") => {
                 let bytes = field.bytes().await.map_err(multipart_error)?;
-                let meta: Metadata =
-                    serde_json::from_slice(&bytes).map_err(|e| bad_metadata(format!("invalid metadata JSON: {e}")))?;
+                let meta: Metadata = serde_json::from_slice(&bytes)
+                    .map_err(|e| bad_metadata(format!("invalid metadata JSON: {e}")))?;
                 if meta.path.is_empty() {
                     return Err(bad_metadata("metadata.path must not be empty"));
                 }
                 pending = Some(meta);
             }
             Some("file") => {
-                let meta = pending.take().ok_or_else(|| bad_metadata("file part without a preceding metadata part"))?;
+                let meta = pending
+                    .take()
+                    .ok_or_else(|| bad_metadata("file part without a preceding metadata part"))?;
                 let path = app.resolve(&meta.path);
                 if let Some(parent) = path.parent() {
-                    tokio::fs::create_dir_all(parent).await.map_err(|e| ApiError::io(&meta.path, e))?;
+                    tokio::fs::create_dir_all(parent)
+                        .await
+                        .map_err(|e| ApiError::io(&meta.path, e))?;
                 }
-                let mut file = tokio::fs::File::create(&path).await.map_err(|e| ApiError::io(&meta.path, e))?;
+                let mut file = tokio::fs::File::create(&path)
+                    .await
+                    .map_err(|e| ApiError::io(&meta.path, e))?;
                 while let Some(chunk) = field.try_next().await.map_err(multipart_error)? {
-                    file.write_all(&chunk).await.map_err(|e| ApiError::io(&meta.path, e))?;
+                    file.write_all(&chunk)
+                        .await
+                        .map_err(|e| ApiError::io(&meta.path, e))?;
                 }
-                file.flush().await.map_err(|e| ApiError::io(&meta.path, e))?;
+                file.flush()
+                    .await
+                    .map_err(|e| ApiError::io(&meta.path, e))?;
                 drop(file);
                 apply_ownership(&path, &meta.path, &meta.ownership, &ids)?;
                 tracing::debug!(path = %path.display(), "uploaded file");

@@ -1,0 +1,445 @@
+//! File and directory routes, including a 50 MiB chunked upload and streamed download.
+
+use std::os::unix::fs::PermissionsExt;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::support::*;
+
+const BOUNDARY: &str = "opensandbox_0123abcd_1700000000";
+
+fn part_header(name: &str, filename: &str, ctype: &str) -> String {
+    format!(
+        "--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{filename}\"\r\nContent-Type: {ctype}\r\n\r\n"
+    )
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so the checksum covers real content.
+fn data(len: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Uploads `files` (path, mode, content) as one chunked multipart body.
+async fn upload(execd: &Execd, files: Vec<(String, u32, Bytes)>) -> reqwest::Response {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    for (path, mode, content) in files {
+        let meta = json!({"path": path, "owner": null, "group": null, "mode": mode}).to_string();
+        chunks.push(Bytes::from(
+            part_header("metadata", "metadata", "application/json") + &meta + "\r\n",
+        ));
+        chunks.push(Bytes::from(part_header(
+            "file",
+            "blob",
+            "application/octet-stream",
+        )));
+        let mut off = 0;
+        while off < content.len() {
+            let end = (off + 64 * 1024).min(content.len());
+            chunks.push(content.slice(off..end));
+            off = end;
+        }
+        chunks.push(Bytes::from_static(b"\r\n"));
+    }
+    chunks.push(Bytes::from(format!("--{BOUNDARY}--\r\n")));
+    let body = reqwest::Body::wrap_stream(futures::stream::iter(
+        chunks.into_iter().map(Ok::<_, std::io::Error>),
+    ));
+    execd
+        .http
+        .post(execd.url("/files/upload"))
+        .header(
+            "content-type",
+            format!("multipart/form-data; boundary={BOUNDARY}"),
+        )
+        .body(body)
+        .send()
+        .await
+        .expect("upload")
+}
+
+#[tokio::test]
+async fn upload_and_download_50_mib_checksummed() {
+    let execd = Execd::start().await;
+    let content = Bytes::from(data(50 * 1024 * 1024 + 123));
+    let want = hex::encode(Sha256::digest(&content));
+    let target = execd.work().join("deep/dir/big.bin");
+    let resp = upload(
+        &execd,
+        vec![
+            (target.display().to_string(), 600, content.clone()),
+            ("small.txt".to_string(), 755, Bytes::from_static(b"hello\n")),
+        ],
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    let meta = std::fs::metadata(&target).expect("uploaded");
+    assert_eq!(meta.len(), content.len() as u64);
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let small = execd.work().join("small.txt");
+    assert_eq!(std::fs::read(&small).expect("small"), b"hello\n");
+    assert_eq!(
+        std::fs::metadata(&small).expect("m").permissions().mode() & 0o777,
+        0o755
+    );
+
+    let resp = execd
+        .http
+        .get(execd.url("/files/download"))
+        .query(&[("path", target.display().to_string())])
+        .send()
+        .await
+        .expect("download");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["content-length"],
+        content.len().to_string().as_str()
+    );
+    assert!(resp.headers()["content-disposition"]
+        .to_str()
+        .expect("cd")
+        .contains("big.bin"));
+    let mut hasher = Sha256::new();
+    let mut n = 0usize;
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.expect("chunk");
+        n += chunk.len();
+        hasher.update(&chunk);
+    }
+    assert_eq!(n, content.len());
+    assert_eq!(hex::encode(hasher.finalize()), want);
+}
+
+#[tokio::test]
+async fn upload_rejects_file_without_metadata() {
+    let execd = Execd::start().await;
+    let body = format!(
+        "{}data\r\n--{BOUNDARY}--\r\n",
+        part_header("file", "x", "text/plain")
+    );
+    let resp = execd
+        .http
+        .post(execd.url("/files/upload"))
+        .header(
+            "content-type",
+            format!("multipart/form-data; boundary={BOUNDARY}"),
+        )
+        .body(body)
+        .send()
+        .await
+        .expect("req");
+    let (status, body) = error_body(resp).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("INVALID_FILE_METADATA"))
+    );
+}
+
+#[tokio::test]
+async fn ranges_and_line_mode() {
+    let execd = Execd::start().await;
+    let f = execd.work().join("r.txt");
+    std::fs::write(&f, "l1\nl2\nl3\nl4\nl5").expect("write");
+    let get = |range: Option<&'static str>, query: Vec<(&'static str, String)>| {
+        let mut q = vec![("path", f.display().to_string())];
+        q.extend(query);
+        let mut req = execd.http.get(execd.url("/files/download")).query(&q);
+        if let Some(r) = range {
+            req = req.header("range", r);
+        }
+        req.send()
+    };
+    let resp = get(Some("bytes=3-7"), vec![]).await.expect("req");
+    assert_eq!(resp.status(), 206);
+    assert_eq!(resp.headers()["content-range"], "bytes 3-7/14");
+    assert_eq!(resp.text().await.expect("t"), "l2\nl3");
+    let resp = get(Some("bytes=-2"), vec![]).await.expect("req");
+    assert_eq!(resp.status(), 206);
+    assert_eq!(resp.text().await.expect("t"), "l5");
+    let resp = get(Some("bytes=14-"), vec![]).await.expect("req");
+    assert_eq!(resp.status(), 416);
+    assert_eq!(resp.headers()["content-range"], "bytes */14");
+
+    let resp = get(None, vec![("offset", "2".into()), ("limit", "2".into())])
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .expect("ct")
+        .starts_with("text/plain"));
+    assert_eq!(resp.text().await.expect("t"), "l2\nl3\n");
+    let resp = get(None, vec![("offset", "4".into())]).await.expect("req");
+    assert_eq!(resp.text().await.expect("t"), "l4\nl5");
+
+    let resp = execd
+        .http
+        .get(execd.url("/files/download?path=/no/such/file"))
+        .send()
+        .await
+        .expect("req");
+    let (status, body) = error_body(resp).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("FILE_NOT_FOUND"))
+    );
+    let resp = execd
+        .http
+        .get(execd.url("/files/download"))
+        .send()
+        .await
+        .expect("req");
+    let (status, body) = error_body(resp).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("MISSING_QUERY"))
+    );
+}
+
+#[tokio::test]
+async fn info_permissions_mv_replace_search_delete() {
+    let execd = Execd::start().await;
+    let w = execd.work();
+    std::fs::write(w.join("a.txt"), "foo bar foo\n").expect("write");
+    std::fs::set_permissions(w.join("a.txt"), std::fs::Permissions::from_mode(0o640))
+        .expect("chmod");
+
+    let info: Value = execd
+        .http
+        .get(execd.url("/files/info?path=a.txt&path="))
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    let a = &info["a.txt"];
+    assert_eq!(a["type"], "file");
+    assert_eq!(a["size"], 12);
+    assert_eq!(a["mode"], 640);
+    assert_eq!(a["path"], w.join("a.txt").display().to_string());
+    for k in ["modified_at", "created_at", "owner", "group"] {
+        assert!(a[k].is_string(), "{k} in {a}");
+    }
+    assert!(chrono::DateTime::parse_from_rfc3339(a["modified_at"].as_str().expect("s")).is_ok());
+
+    let resp = execd
+        .post_json("/files/permissions", json!({"a.txt": {"mode": 600}}))
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        std::fs::metadata(w.join("a.txt"))
+            .expect("m")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    let resp = execd
+        .post_json("/files/permissions", json!({"a.txt": {"mode": 999}}))
+        .await;
+    assert_eq!(resp.status(), 400);
+
+    let resp = execd
+        .post_json(
+            "/files/replace?verbose=true",
+            json!({"a.txt": {"old": "foo", "new": "baz"}}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.json::<Value>().await.expect("json"),
+        json!({"a.txt": {"replacedCount": 2}})
+    );
+    assert_eq!(
+        std::fs::read_to_string(w.join("a.txt")).expect("r"),
+        "baz bar baz\n"
+    );
+    let resp = execd
+        .post_json("/files/replace", json!({"a.txt": {"old": "", "new": "x"}}))
+        .await;
+    assert_eq!(resp.status(), 400);
+
+    std::fs::create_dir(w.join("d")).expect("mkdir");
+    let resp = execd
+        .post_json("/files/mv", json!([{"src": "a.txt", "dest": "d/b.txt"}]))
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert!(!w.join("a.txt").exists() && w.join("d/b.txt").exists());
+    let resp = execd
+        .post_json(
+            "/files/mv",
+            json!([{"src": "d/b.txt", "dest": "nodir/c.txt"}]),
+        )
+        .await;
+    assert_eq!(resp.status(), 404);
+
+    std::fs::write(w.join("d/c.log"), "").expect("write");
+    std::fs::create_dir(w.join("d/e")).expect("mkdir");
+    std::fs::write(w.join("d/e/f.txt"), "").expect("write");
+    let found: Vec<Value> = execd
+        .http
+        .get(execd.url(&format!(
+            "/files/search?path={}&pattern=*.txt",
+            w.join("d").display()
+        )))
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    let paths: Vec<&str> = found
+        .iter()
+        .map(|f| f["path"].as_str().expect("p"))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            w.join("d/b.txt").display().to_string(),
+            w.join("d/e/f.txt").display().to_string()
+        ]
+    );
+    let all: Vec<Value> = execd
+        .http
+        .get(execd.url("/files/search?path=d"))
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(all.len(), 3, "default pattern ** finds every file: {all:?}");
+
+    let resp = execd
+        .http
+        .delete(execd.url("/files?path=d/b.txt&path=d/c.log"))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 200);
+    assert!(!w.join("d/b.txt").exists() && !w.join("d/c.log").exists());
+    let resp = execd
+        .http
+        .delete(execd.url("/files?path=d"))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 400, "a directory is not a file");
+
+    let resp = execd
+        .http
+        .get(execd.url("/files/info?path=missing"))
+        .send()
+        .await
+        .expect("req");
+    let (status, body) = error_body(resp).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("FILE_NOT_FOUND"))
+    );
+}
+
+#[tokio::test]
+async fn directories_mkdir_list_rm() {
+    let execd = Execd::start().await;
+    let w = execd.work();
+    let resp = execd
+        .post_json(
+            "/directories",
+            json!({"x/y/z": {"mode": 700}, "q": {"mode": 755}}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        std::fs::metadata(w.join("x/y/z"))
+            .expect("m")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
+    std::fs::write(w.join("x/file"), "1").expect("write");
+    std::os::unix::fs::symlink(w.join("q"), w.join("x/link")).expect("symlink");
+
+    let list: Vec<Value> = execd
+        .http
+        .get(execd.url("/directories/list?path=x"))
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    let got: Vec<(String, String)> = list
+        .iter()
+        .map(|f| {
+            (
+                f["path"].as_str().expect("p").to_string(),
+                f["type"].as_str().expect("t").to_string(),
+            )
+        })
+        .collect();
+    let p = |s: &str| w.join(s).display().to_string();
+    assert_eq!(
+        got,
+        [
+            (p("x/file"), "file".into()),
+            (p("x/link"), "symlink".into()),
+            (p("x/y"), "directory".into())
+        ]
+    );
+    let deep: Vec<Value> = execd
+        .http
+        .get(execd.url("/directories/list?path=x&depth=3"))
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(deep.len(), 4);
+
+    let resp = execd
+        .http
+        .get(execd.url("/directories/list?path=x/link"))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 400, "symlinked directory is refused");
+
+    let resp = execd
+        .http
+        .delete(execd.url("/directories?path=x"))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 200);
+    assert!(!w.join("x").exists());
+    assert!(w.join("q").exists(), "symlink target must survive rm -rf");
+
+    let resp = execd
+        .http
+        .post(execd.url("/directories"))
+        .header("content-type", "application/json")
+        .body("[1,2")
+        .send()
+        .await
+        .expect("req");
+    let (status, body) = error_body(resp).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("INVALID_REQUEST_BODY"))
+    );
+}
