@@ -125,8 +125,8 @@ pub struct ImageStore {
 }
 
 impl ImageStore {
-    /// Opens (creating if needed) the store at `<data_dir>/images`, and removes staging left behind by
-    /// processes that died mid-import.
+    /// Opens (creating if needed) the store at `<data_dir>/images`, removes staging left behind by
+    /// processes that died mid-import and collects unreferenced layers.
     pub fn open(data_dir: &Path) -> Result<Self, ImageError> {
         let store = ImageStore {
             root: data_dir.join("images"),
@@ -148,6 +148,12 @@ impl ImageStore {
             .open(&lock)
             .map_err(ImageError::io("create lock file", &lock))?;
         store.clean_stale_tmp()?;
+        // Collects what a process that died mid-commit or mid-collection left unreferenced.
+        let trash = {
+            let _lock = store.lock(true)?;
+            store.gc_locked()?
+        };
+        empty_trash(trash);
         Ok(store)
     }
 
@@ -231,27 +237,24 @@ impl ImageStore {
 
     /// Resolves a name (or an image id `sha256:<hex>`) to its layers and config.
     pub fn resolve(&self, name: &str) -> Result<ResolvedImage, ImageError> {
-        let (name, id) = if let Some(hex) = hex_digest(name) {
-            (name.to_owned(), format!("sha256:{hex}"))
-        } else {
-            let reference = Reference::parse(name)?;
-            if reference.is_host() {
-                return Ok(ResolvedImage::Host);
+        let by_id = hex_digest(name).map(|hex| format!("sha256:{hex}"));
+        let name = match &by_id {
+            Some(_) => name.to_owned(),
+            None => {
+                let reference = Reference::parse(name)?;
+                if reference.is_host() {
+                    return Ok(ResolvedImage::Host);
+                }
+                reference.to_string()
             }
-            let name = reference.to_string();
-            let _lock = self.lock(false)?;
-            let id = self
-                .read_names()?
-                .names
-                .get(&name)
-                .cloned()
-                .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
-            (name, id)
         };
+        let not_found = || ImageError::NotFound { name: name.clone() };
         let _lock = self.lock(false)?;
-        let meta = self
-            .read_image(&id)?
-            .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
+        let id = match by_id {
+            Some(id) => id,
+            None => self.read_names()?.names.get(&name).cloned().ok_or_else(not_found)?,
+        };
+        let meta = self.read_image(&id)?.ok_or_else(not_found)?;
         let layers = dedup_keep_last(&meta.layers)
             .into_iter()
             .map(|d| self.layers_dir().join(d.trim_start_matches("sha256:")))
@@ -369,7 +372,8 @@ impl ImageStore {
                 let existing = self.layers_dir().join(diff_id);
                 let size = match done {
                     Some(size) => Some(size),
-                    None if reuse && existing.is_dir() => Some(dir_size(&existing)?),
+                    // Unreadable means a concurrent remove is collecting it: unpack our own copy.
+                    None if reuse && existing.is_dir() => dir_size(&existing).ok(),
                     None => None,
                 };
                 if let Some(size) = size {

@@ -172,3 +172,30 @@ fn concurrent_imports_of_one_name_do_not_corrupt_the_store() {
     // Exactly the winner's two layers and one image remain.
     assert_store_counts(data.path(), 2, 1);
 }
+
+#[test]
+fn open_cleans_up_after_a_crashed_import() {
+    let (data, store) = store();
+    let src = tempfile::tempdir().expect("src");
+    store.import("kept", &write(src.path(), "k.tar", &layer(&[E::File("k", b"k")]))).expect("import");
+    let root = data.path().join("images");
+    // A process that died mid-import (its staging dir) and mid-commit (a layer moved in, no image).
+    let mut child = std::process::Command::new("true").spawn().expect("spawn");
+    let dead = child.id();
+    child.wait().expect("wait");
+    let staging = root.join(format!("tmp/import-{dead}-abc123"));
+    std::fs::create_dir_all(staging.join("0/usr")).expect("staging");
+    let orphan = root.join("layers").join("f".repeat(64));
+    std::fs::create_dir_all(orphan.join("etc")).expect("orphan");
+    // Staging of a live process (this one) is left alone.
+    let live = root.join(format!("tmp/import-{}-live", std::process::id()));
+    std::fs::create_dir_all(&live).expect("live");
+
+    let reopened = ImageStore::open(data.path()).expect("reopen");
+    assert!(!staging.exists(), "dead process staging removed");
+    assert!(!orphan.exists(), "unreferenced layer collected");
+    assert!(live.exists(), "live process staging kept");
+    std::fs::remove_dir(&live).expect("cleanup");
+    assert!(matches!(reopened.resolve("kept"), Ok(ResolvedImage::Layers { .. })));
+    assert_store_counts(data.path(), 1, 1);
+}
