@@ -10,6 +10,7 @@
 
 mod cgroup;
 pub mod init;
+mod oci;
 mod rootfs;
 mod security;
 mod spec;
@@ -59,6 +60,8 @@ pub struct NativeConfig {
     pub extra_masked_files: Vec<PathBuf>,
     /// How long to wait for execd's socket after the helper reports the sandbox started.
     pub ready_timeout: Duration,
+    /// `embedded` (Warren's own setup code) or an OCI runtime binary name: `runc`, `crun`, `runsc`.
+    pub oci_runtime: String,
 }
 
 /// What the server persists for a native sandbox.
@@ -78,6 +81,8 @@ struct Inner {
     config: NativeConfig,
     layout: cgroup::Layout,
     skeleton: PathBuf,
+    /// `None` for the embedded runtime.
+    oci: Option<oci::OciRuntime>,
 }
 
 impl NativeRuntime {
@@ -89,13 +94,19 @@ impl NativeRuntime {
         }
         let sandboxes = config.data_dir.join("sandboxes");
         fs::create_dir_all(&sandboxes).map_err(|e| RuntimeError::backend_with("creating the sandboxes folder", e))?;
+        let oci = match config.oci_runtime.as_str() {
+            "embedded" | "" => None,
+            name => Some(oci::OciRuntime::new(name, config.data_dir.join("oci").join(name)).ok_or_else(|| {
+                RuntimeError::backend(format!("OCI runtime {name:?} is not supported or not installed (supported: embedded, runc, crun, runsc)"))
+            })?),
+        };
         let skeleton = config.data_dir.join("host-skeleton");
         build_host_skeleton(&skeleton).map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
         // Sandboxes we start are reparented to us when their setup helper exits, so their exit status
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        Ok(Self { inner: Arc::new(Inner { config, layout, skeleton }) })
+        Ok(Self { inner: Arc::new(Inner { config, layout, skeleton, oci }) })
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -182,15 +193,34 @@ impl NativeRuntime {
         for sub in ["upper", "work", "rootfs", "run"] {
             fs::create_dir_all(dir.join(sub)).map_err(|e| RuntimeError::backend_with(format!("creating {}", dir.display()), e))?;
         }
-        let cg = Cgroup::create(&self.inner.layout, &self.inner.config.cgroup_parent, &spec.id, &spec.limits)
-            .map_err(|e| RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e))?;
-        let init_spec = self.init_spec(spec, &cg);
         let log_path = dir.join("sandbox.log");
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log_path)
             .map_err(|e| RuntimeError::backend_with("opening the sandbox log", e))?;
+        let pid = match &self.inner.oci {
+            None => self.start_embedded(spec, log, &log_path)?,
+            Some(oci) => {
+                // The OCI runtime creates the cgroup itself at the same path ours would have.
+                let init_spec = self.init_spec(spec, &self.cgroup(&spec.id));
+                oci.start(&init_spec, dir, log, &spec.limits)
+                    .map_err(|e| RuntimeError::backend_with(format!("starting sandbox {} with {}", spec.id, oci.binary.display()), e))?
+            }
+        };
+        *pid_out = Some(pid);
+        let start_time = process_start_time(pid).ok_or_else(|| {
+            RuntimeError::backend(format!("sandbox exited during start: {}", log_tail(&dir.join("sandbox.log"))))
+        })?;
+        self.wait_ready(pid, &dir.join("run").join(EXECD_SOCKET_NAME), &dir.join("sandbox.log"))?;
+        serde_json::to_value(NativeState { pid, start_time }).map_err(|e| RuntimeError::backend_with("encoding state", e))
+    }
+
+    /// The embedded path: our cgroup, then the setup helper, which reports the sandbox's PID 1.
+    fn start_embedded(&self, spec: &SandboxSpec, log: fs::File, log_path: &Path) -> Result<i32, RuntimeError> {
+        let cg = Cgroup::create(&self.inner.layout, &self.inner.config.cgroup_parent, &spec.id, &spec.limits)
+            .map_err(|e| RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e))?;
+        let init_spec = self.init_spec(spec, &cg);
 
         let mut helper = Command::new(&self.inner.config.helper_exe)
             .arg(INIT_SUBCOMMAND)
@@ -211,18 +241,12 @@ impl NativeRuntime {
         }
         let _ = helper.wait();
         let reply: InitReply = serde_json::from_str(reply.trim()).map_err(|_| {
-            RuntimeError::backend(format!("sandbox setup helper died: {}", log_tail(&log_path)))
+            RuntimeError::backend(format!("sandbox setup helper died: {}", log_tail(log_path)))
         })?;
-        let pid = match reply {
-            InitReply::Started { pid } => pid,
-            InitReply::Failed { error } => return Err(RuntimeError::backend(format!("sandbox setup failed: {error}"))),
-        };
-        *pid_out = Some(pid);
-        let start_time = process_start_time(pid).ok_or_else(|| {
-            RuntimeError::backend(format!("sandbox exited during start: {}", log_tail(&log_path)))
-        })?;
-        self.wait_ready(pid, &dir.join("run").join(EXECD_SOCKET_NAME), &log_path)?;
-        serde_json::to_value(NativeState { pid, start_time }).map_err(|e| RuntimeError::backend_with("encoding state", e))
+        match reply {
+            InitReply::Started { pid } => Ok(pid),
+            InitReply::Failed { error } => Err(RuntimeError::backend(format!("sandbox setup failed: {error}"))),
+        }
     }
 
     /// Ready means execd accepts connections: the SDK's first `/ping` must succeed.
@@ -246,6 +270,9 @@ impl NativeRuntime {
 
     /// Kills and removes everything a sandbox holds on the host. Safe to call repeatedly.
     fn teardown(&self, id: &str, pid: Option<i32>) {
+        if let Some(oci) = &self.inner.oci {
+            oci.teardown(id, &self.sandbox_dir(id).join("rootfs"));
+        }
         let cg = self.cgroup(id);
         if let Some(pid) = pid {
             // SAFETY: kill(2); the pid was verified to be the sandbox's init (or is our fresh child).
@@ -269,6 +296,22 @@ impl NativeRuntime {
         }
     }
 
+    fn set_paused(&self, id: &str, paused: bool) -> Result<(), RuntimeError> {
+        let what = if paused { "pausing" } else { "resuming" };
+        match &self.inner.oci {
+            Some(oci) => if paused { oci.pause(id) } else { oci.resume(id) }
+                .map_err(|e| RuntimeError::backend_with(format!("{what} sandbox {id}"), e)),
+            None => self.cgroup(id).set_frozen(paused).map_err(|e| RuntimeError::backend_with(format!("{what} sandbox {id}"), e)),
+        }
+    }
+
+    fn is_paused(&self, id: &str) -> bool {
+        match &self.inner.oci {
+            Some(oci) => oci.is_paused(id),
+            None => self.cgroup(id).is_frozen(),
+        }
+    }
+
     fn state(state: &RuntimeState) -> Option<NativeState> {
         serde_json::from_value(state.clone()).ok()
     }
@@ -283,7 +326,7 @@ impl NativeRuntime {
 #[async_trait::async_trait]
 impl Runtime for NativeRuntime {
     fn name(&self) -> String {
-        "native/embedded".into()
+        format!("native/{}", self.inner.oci.as_ref().map(|o| o.binary.file_name().unwrap_or_default().to_string_lossy().into_owned()).unwrap_or_else(|| "embedded".into()))
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
@@ -318,22 +361,22 @@ impl Runtime for NativeRuntime {
         if Self::live_pid(state).is_none() {
             return Err(RuntimeError::NotFound(format!("sandbox {id} is not running")));
         }
-        let cg = self.cgroup(id);
-        tokio::task::spawn_blocking(move || cg.set_frozen(true))
+        let this = self.clone();
+        let sid = id.to_string();
+        tokio::task::spawn_blocking(move || this.set_paused(&sid, true))
             .await
             .map_err(|e| RuntimeError::backend_with("pause task", e))?
-            .map_err(|e| RuntimeError::backend_with(format!("freezing sandbox {id}"), e))
     }
 
     async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
         if Self::live_pid(state).is_none() {
             return Err(RuntimeError::NotFound(format!("sandbox {id} is not running")));
         }
-        let cg = self.cgroup(id);
-        tokio::task::spawn_blocking(move || cg.set_frozen(false))
+        let this = self.clone();
+        let sid = id.to_string();
+        tokio::task::spawn_blocking(move || this.set_paused(&sid, false))
             .await
             .map_err(|e| RuntimeError::backend_with("resume task", e))?
-            .map_err(|e| RuntimeError::backend_with(format!("thawing sandbox {id}"), e))
     }
 
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
@@ -348,7 +391,7 @@ impl Runtime for NativeRuntime {
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
         match Self::live_pid(state) {
             None => Liveness::Gone,
-            Some(_) if self.cgroup(id).is_frozen() => Liveness::Paused,
+            Some(_) if self.is_paused(id) => Liveness::Paused,
             Some(_) => Liveness::Running,
         }
     }

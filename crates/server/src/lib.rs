@@ -151,9 +151,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         extra_masked_dirs: Vec::new(),
         extra_masked_files,
         ready_timeout: std::time::Duration::from_secs(15),
+        oci_runtime: config.runtime.oci_runtime.clone(),
     };
-    match config.runtime.oci_runtime.as_str() {
-        "embedded" => Ok(Arc::new(NativeRuntime::new(native)?)),
-        other => anyhow::bail!("OCI runtime {other:?} is not supported yet (supported: embedded)"),
-    }
+    Ok(Arc::new(NativeRuntime::new(native)?))
 }

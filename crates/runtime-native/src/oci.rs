@@ -1,0 +1,299 @@
+//! Sandboxes through an external OCI runtime (`runc`, `crun`, or gVisor's `runsc`) instead of the
+//! embedded setup code. Warren still owns the root filesystem (an overlay it mounts on the host, under
+//! the sandbox's folder), execd and its socket folder; the OCI runtime gets a bundle whose `config.json`
+//! asks for the same isolation the embedded path builds.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use serde_json::{json, Value};
+
+use crate::security::{DENIED_SYSCALLS, KEPT_CAPABILITIES};
+use crate::spec::{InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX};
+
+/// Docker's masked and read-only paths, which OCI runtimes apply themselves.
+const MASKED_PATHS: [&str; 9] = [
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+];
+const READONLY_PATHS: [&str; 5] = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OciKind {
+    Runc,
+    Crun,
+    Runsc,
+}
+
+#[derive(Debug, Clone)]
+pub struct OciRuntime {
+    pub kind: OciKind,
+    pub binary: PathBuf,
+    /// The runtime's own state folder (`--root`), under Warren's data dir.
+    pub state_root: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OciError {
+    #[error("{binary} {verb} failed: {stderr}")]
+    Failed { binary: String, verb: String, stderr: String },
+    #[error("running {binary}")]
+    Spawn {
+        binary: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("mounting the root filesystem at {0}")]
+    Mount(PathBuf, #[source] nix::Error),
+    #[error("writing the bundle")]
+    Bundle(#[source] std::io::Error),
+}
+
+impl OciRuntime {
+    pub fn new(name: &str, state_root: PathBuf) -> Option<Self> {
+        let kind = match name {
+            "runc" => OciKind::Runc,
+            "crun" => OciKind::Crun,
+            "runsc" => OciKind::Runsc,
+            _ => return None,
+        };
+        let binary = ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"]
+            .iter()
+            .map(|d| Path::new(d).join(name))
+            .find(|p| p.is_file())?;
+        Some(Self { kind, binary, state_root })
+    }
+
+    fn base_command(&self) -> Command {
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--root").arg(&self.state_root);
+        if self.kind == OciKind::Runsc {
+            // Loopback only (as the embedded runtime), and let execd create its socket in the host
+            // folder bind-mounted at /.warren/run so the server can reach it.
+            cmd.args(["--network=none", "--host-uds=all"]);
+        }
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Result<String, OciError> {
+        let out = self
+            .base_command()
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| OciError::Spawn { binary: self.binary.display().to_string(), source })?;
+        if !out.status.success() {
+            return Err(OciError::Failed {
+                binary: self.binary.display().to_string(),
+                verb: args.first().copied().unwrap_or_default().to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().chars().take(2000).collect(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Mounts the rootfs, writes the bundle and starts the container detached; returns its pid.
+    pub fn start(&self, spec: &InitSpec, bundle: &Path, log: fs::File, limits: &warren_core::ResourceLimits) -> Result<i32, OciError> {
+        mount_rootfs(spec)?;
+        let config = config_json(spec, limits, self.kind);
+        let text = serde_json::to_vec_pretty(&config).map_err(|e| OciError::Bundle(e.into()))?;
+        fs::write(bundle.join("config.json"), text).map_err(OciError::Bundle)?;
+        fs::create_dir_all(&self.state_root).map_err(OciError::Bundle)?;
+        let err_log = log.try_clone().map_err(OciError::Bundle)?;
+        let out = self
+            .base_command()
+            .args(["run", "--detach", "--bundle"])
+            .arg(bundle)
+            .arg(&spec.id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(err_log))
+            .status()
+            .map_err(|source| OciError::Spawn { binary: self.binary.display().to_string(), source })?;
+        if !out.success() {
+            let tail = fs::read_to_string(bundle.join("sandbox.log")).unwrap_or_default();
+            let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
+            return Err(OciError::Failed { binary: self.binary.display().to_string(), verb: "run".into(), stderr: tail });
+        }
+        self.pid(&spec.id)
+    }
+
+    pub fn pid(&self, id: &str) -> Result<i32, OciError> {
+        let state: Value = serde_json::from_str(&self.run(&["state", id])?).unwrap_or(Value::Null);
+        state.get("pid").and_then(Value::as_i64).map(|p| p as i32).ok_or_else(|| OciError::Failed {
+            binary: self.binary.display().to_string(),
+            verb: "state".into(),
+            stderr: "no pid in state".into(),
+        })
+    }
+
+    pub fn pause(&self, id: &str) -> Result<(), OciError> {
+        self.run(&["pause", id]).map(drop)
+    }
+
+    pub fn resume(&self, id: &str) -> Result<(), OciError> {
+        self.run(&["resume", id]).map(drop)
+    }
+
+    pub fn is_paused(&self, id: &str) -> bool {
+        self.run(&["state", id])
+            .ok()
+            .and_then(|s| serde_json::from_str::<Value>(&s).ok())
+            .and_then(|v| v.get("status").and_then(Value::as_str).map(|s| s == "paused"))
+            .unwrap_or(false)
+    }
+
+    /// Best effort, idempotent: kill, delete, unmount the rootfs.
+    pub fn teardown(&self, id: &str, rootfs: &Path) {
+        let _ = self.run(&["kill", id, "KILL"]);
+        if let Err(e) = self.run(&["delete", "--force", id]) {
+            tracing::debug!(sandbox_id = id, error = %e, "oci delete");
+        }
+        match umount2(rootfs, MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => {}
+            Err(e) => tracing::warn!(sandbox_id = id, error = %e, "unmounting the rootfs failed"),
+        }
+    }
+}
+
+fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
+    let lowers: Vec<String> = match &spec.root {
+        RootSource::Layers(layers) => layers.iter().rev().map(|p| p.display().to_string()).collect(),
+        RootSource::Host { skeleton, .. } => vec![skeleton.display().to_string()],
+    };
+    let data = format!("lowerdir={},upperdir={},workdir={}", lowers.join(":"), spec.upper_dir.display(), spec.work_dir.display());
+    mount(Some("overlay"), &spec.rootfs_dir, Some("overlay"), MsFlags::MS_NODEV, Some(data.as_str()))
+        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
+}
+
+fn bind(dest: &str, source: &Path, ro: bool) -> Value {
+    let mut options = vec!["rbind", "nosuid", "nodev"];
+    options.push(if ro { "ro" } else { "rw" });
+    json!({"destination": dest, "type": "bind", "source": source, "options": options})
+}
+
+pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: OciKind) -> Value {
+    let mut args = vec![
+        EXECD_IN_SANDBOX.to_string(),
+        "--socket".into(),
+        format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
+        "--workdir".into(),
+        spec.workdir.clone(),
+        "--".into(),
+    ];
+    args.extend(spec.entrypoint.iter().cloned());
+    let caps: Vec<String> = KEPT_CAPABILITIES.iter().map(|c| c.to_string()).collect();
+
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
+        json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
+    ];
+    let mut masked: Vec<String> = MASKED_PATHS.iter().map(|s| s.to_string()).collect();
+    if let RootSource::Host { binds, masked_files, masked_dirs, .. } = &spec.root {
+        for b in binds {
+            mounts.push(bind(&b.display().to_string(), b, true));
+        }
+        masked.extend(masked_files.iter().chain(masked_dirs).filter(|p| p.exists()).map(|p| p.display().to_string()));
+    }
+    mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true));
+    mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false));
+
+    let mut resources = json!({"pids": {"limit": limits.pids}});
+    if let Some(m) = limits.memory_bytes {
+        resources["memory"] = json!({"limit": m});
+    }
+    if let Some(c) = limits.cpu_millis {
+        resources["cpu"] = json!({"quota": c * 100, "period": 100_000});
+    }
+    let mut linux = json!({
+        "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}],
+        "resources": resources,
+        "cgroupsPath": format!("/warren/{}", spec.id),
+        "maskedPaths": masked,
+        "readonlyPaths": READONLY_PATHS,
+    });
+    if kind != OciKind::Runsc {
+        // gVisor's Sentry is its own syscall filter; for runc/crun, the same deny list as the embedded path.
+        let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
+        linux["seccomp"] = json!({
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": [
+                {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
+                {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS},
+                {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+                 "args": [{"index": 0, "value": libc::CLONE_NEWUSER, "valueTwo": libc::CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]}
+            ]
+        });
+    }
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": spec.env,
+            "cwd": spec.workdir,
+            "capabilities": {"bounding": caps, "effective": caps, "inheritable": caps, "permitted": caps},
+            "noNewPrivileges": true,
+        },
+        "root": {"path": spec.rootfs_dir, "readonly": false},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": linux,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> InitSpec {
+        InitSpec {
+            id: "abc".into(),
+            hostname: "abc".into(),
+            root: RootSource::Layers(vec!["/l1".into(), "/l2".into()]),
+            upper_dir: "/s/upper".into(),
+            work_dir: "/s/work".into(),
+            rootfs_dir: "/s/rootfs".into(),
+            socket_dir: "/s/run".into(),
+            execd_path: "/bin/execd".into(),
+            cgroup_procs: vec![],
+            cgroup_v1_mounts: vec![],
+            cgroup_v2: false,
+            entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
+            env: vec!["PATH=/bin".into()],
+            workdir: "/".into(),
+        }
+    }
+
+    #[test]
+    fn bundle_carries_limits_caps_and_execd() {
+        let limits = warren_core::ResourceLimits { cpu_millis: Some(500), memory_bytes: Some(1 << 30), pids: 100 };
+        let c = config_json(&spec(), &limits, OciKind::Runc);
+        assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
+        assert_eq!(c["linux"]["resources"]["memory"]["limit"], 1u64 << 30);
+        assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
+        assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
+        assert_eq!(c["process"]["args"][6], "tail");
+        let caps = c["process"]["capabilities"]["bounding"].as_array().expect("caps");
+        assert!(caps.iter().any(|v| v == "CAP_CHOWN"));
+        assert!(!caps.iter().any(|v| v == "CAP_SYS_ADMIN"));
+        assert!(c["linux"]["seccomp"]["syscalls"][0]["names"].as_array().expect("names").iter().any(|n| n == "mount"));
+        let runsc = config_json(&spec(), &limits, OciKind::Runsc);
+        assert!(runsc["linux"].get("seccomp").is_none());
+    }
+}
