@@ -18,23 +18,34 @@ use crate::ImageError;
 
 /// Unpacks the folder `src` into `dest` through its deterministic tar stream (written by a thread into
 /// a pipe), so the layer digest is that of the stream.
-pub(crate) fn unpack_dir(src: &Path, dest: &Path) -> Result<Unpacked, ImageError> {
-    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
-        op: "create pipe",
-        path: src.to_path_buf(),
-        source: e.into(),
-    })?;
+/// A directory whose (dev, inode) is `exclude` is left out: importing a folder that contains the image
+/// store must not copy the store (and its own staging) into the image.
+pub(crate) fn unpack_dir(
+    src: &Path,
+    dest: &Path,
+    exclude: Option<(u64, u64)>,
+) -> Result<Unpacked, ImageError> {
+    let (read_end, write_end) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
+            op: "create pipe",
+            path: src.to_path_buf(),
+            source: e.into(),
+        })?;
     let src_owned = src.to_path_buf();
     let writer = std::thread::Builder::new()
         .name("warren-image-dirtar".into())
         .spawn(move || {
             let out = io::BufWriter::with_capacity(256 * 1024, File::from(write_end));
-            write_dir_tar(&src_owned, out)
+            write_dir_tar(&src_owned, out, exclude)
         })
         .map_err(ImageError::io("spawn folder tar writer", src))?;
     // Taking the read end by value closes it as soon as unpacking stops, which ends the writer
     // (EPIPE) if unpacking failed early.
-    let unpacked = unpack_layer(io::BufReader::with_capacity(256 * 1024, File::from(read_end)), dest, src);
+    let unpacked = unpack_layer(
+        io::BufReader::with_capacity(256 * 1024, File::from(read_end)),
+        dest,
+        src,
+    );
     let written = writer
         .join()
         .map_err(|_| ImageError::source(src, "folder tar writer panicked"))?;
@@ -44,15 +55,24 @@ pub(crate) fn unpack_dir(src: &Path, dest: &Path) -> Result<Unpacked, ImageError
         (Err(u), Ok(())) => Err(u),
         // The writer only sees a broken pipe when unpacking stopped first; otherwise its error
         // (an unreadable file, say) explains the truncated stream and wins.
-        (Err(u), Err(ImageError::Io { source, .. })) if source.kind() == io::ErrorKind::BrokenPipe => Err(u),
+        (Err(u), Err(ImageError::Io { source, .. }))
+            if source.kind() == io::ErrorKind::BrokenPipe =>
+        {
+            Err(u)
+        }
         (Err(_), Err(w)) => Err(w),
     }
 }
 
 /// Writes the tar of `src`'s contents (not `src` itself) to `out`.
-pub(crate) fn write_dir_tar<W: Write>(src: &Path, out: W) -> Result<(), ImageError> {
+pub(crate) fn write_dir_tar<W: Write>(
+    src: &Path,
+    out: W,
+    exclude: Option<(u64, u64)>,
+) -> Result<(), ImageError> {
     let mut writer = DirTar {
         src: src.to_path_buf(),
+        exclude,
         builder: tar::Builder::new(out),
         links: HashMap::new(),
     };
@@ -66,6 +86,7 @@ pub(crate) fn write_dir_tar<W: Write>(src: &Path, out: W) -> Result<(), ImageErr
 
 struct DirTar<W: Write> {
     src: PathBuf,
+    exclude: Option<(u64, u64)>,
     builder: tar::Builder<W>,
     /// First path seen for each multiply-linked inode.
     links: HashMap<(u64, u64), PathBuf>,
@@ -75,7 +96,10 @@ impl<W: Write> DirTar<W> {
     fn walk(&mut self, rel: &Path) -> Result<(), ImageError> {
         let dir = self.src.join(rel);
         let mut names = fs::read_dir(&dir)
-            .and_then(|it| it.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<OsString>>>())
+            .and_then(|it| {
+                it.map(|e| e.map(|e| e.file_name()))
+                    .collect::<io::Result<Vec<OsString>>>()
+            })
             .map_err(ImageError::io("read dir", &dir))?;
         names.sort();
         for name in names {
@@ -91,6 +115,9 @@ impl<W: Write> DirTar<W> {
             header.set_size(0);
             let write_err = ImageError::io("write folder tar", &path);
             if file_type.is_dir() {
+                if self.exclude == Some((meta.dev(), meta.ino())) {
+                    continue;
+                }
                 self.xattrs(&path)?;
                 header.set_entry_type(EntryType::Directory);
                 self.builder
@@ -148,7 +175,9 @@ impl<W: Write> DirTar<W> {
         names.sort();
         let mut records = Vec::new();
         for name in names {
-            let Some(name_str) = name.to_str() else { continue };
+            let Some(name_str) = name.to_str() else {
+                continue;
+            };
             if name_str.starts_with("trusted.overlay.") {
                 continue;
             }
@@ -197,7 +226,9 @@ impl Read for ExactReader {
         if self.remaining == 0 {
             return Ok(0);
         }
-        let want = buf.len().min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
+        let want = buf
+            .len()
+            .min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
         let n = self.inner.read(&mut buf[..want])?;
         if n == 0 {
             return Err(io::Error::new(
@@ -217,12 +248,23 @@ mod tests {
 
     #[test]
     fn pax_record_lengths_count_themselves() {
-        for (key, value_len) in [("k", 0usize), ("SCHILY.xattr.user.a", 1), ("k", 5), ("x", 94), ("x", 95), ("x", 996)] {
+        for (key, value_len) in [
+            ("k", 0usize),
+            ("SCHILY.xattr.user.a", 1),
+            ("k", 5),
+            ("x", 94),
+            ("x", 95),
+            ("x", 996),
+        ] {
             let mut out = Vec::new();
             pax_record(&mut out, key, &vec![b'v'; value_len]);
             let text = String::from_utf8(out.clone()).expect("utf8");
             let (len, _) = text.split_once(' ').expect("space");
-            assert_eq!(len.parse::<usize>().expect("len"), out.len(), "{key} {value_len}");
+            assert_eq!(
+                len.parse::<usize>().expect("len"),
+                out.len(),
+                "{key} {value_len}"
+            );
         }
     }
 
@@ -239,20 +281,30 @@ mod tests {
             xattr::set(root.join("a"), "user.test", b"1").expect("xattr");
             for p in ["a", "b", "b/c", "b/c/f", "s", "z", ""] {
                 let p = root.join(p);
-                if !fs::symlink_metadata(&p).expect("stat").file_type().is_symlink() {
+                if !fs::symlink_metadata(&p)
+                    .expect("stat")
+                    .file_type()
+                    .is_symlink()
+                {
                     fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).expect("chmod");
                 }
                 let t = nix::sys::time::TimeSpec::new(1_000, 0);
-                nix::sys::stat::utimensat(None, &p, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink)
-                    .expect("utimes");
+                nix::sys::stat::utimensat(
+                    None,
+                    &p,
+                    &t,
+                    &t,
+                    nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+                )
+                .expect("utimes");
             }
             dir
         };
         let (d1, d2) = (make(), make());
         let mut t1 = Vec::new();
         let mut t2 = Vec::new();
-        write_dir_tar(d1.path(), &mut t1).expect("tar 1");
-        write_dir_tar(d2.path(), &mut t2).expect("tar 2");
+        write_dir_tar(d1.path(), &mut t1, None).expect("tar 1");
+        write_dir_tar(d2.path(), &mut t2, None).expect("tar 2");
         assert_eq!(t1, t2);
 
         let mut archive = tar::Archive::new(t1.as_slice());
@@ -262,9 +314,17 @@ mod tests {
             let xattr = e
                 .pax_extensions()
                 .expect("pax")
-                .map(|p| p.filter_map(Result::ok).map(|x| x.key().unwrap_or("").to_owned()).collect::<Vec<_>>())
+                .map(|p| {
+                    p.filter_map(Result::ok)
+                        .map(|x| x.key().unwrap_or("").to_owned())
+                        .collect::<Vec<_>>()
+                })
                 .unwrap_or_default();
-            seen.push((e.path().expect("path").display().to_string(), e.header().entry_type(), xattr));
+            seen.push((
+                e.path().expect("path").display().to_string(),
+                e.header().entry_type(),
+                xattr,
+            ));
         }
         let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
         assert_eq!(names, ["a", "b", "b/c", "b/c/f", "s", "z"]);

@@ -202,7 +202,9 @@ impl ImageStore {
         let mut out = vec![host_record()];
         for (name, id) in names.names {
             if !metas.contains_key(&id) {
-                let Some(meta) = self.read_image(&id)? else { continue };
+                let Some(meta) = self.read_image(&id)? else {
+                    continue;
+                };
                 metas.insert(id.clone(), meta);
             }
             if let Some(meta) = metas.get(&id) {
@@ -252,7 +254,12 @@ impl ImageStore {
         let _lock = self.lock(false)?;
         let id = match by_id {
             Some(id) => id,
-            None => self.read_names()?.names.get(&name).cloned().ok_or_else(not_found)?,
+            None => self
+                .read_names()?
+                .names
+                .get(&name)
+                .cloned()
+                .ok_or_else(not_found)?,
         };
         let meta = self.read_image(&id)?.ok_or_else(not_found)?;
         let layers = dedup_keep_last(&meta.layers)
@@ -339,13 +346,15 @@ impl ImageStore {
         match source::plan(source, &self.tmp_dir(), reference)? {
             Plan::RootfsDir(dir) => {
                 let dest = make_stage_dir(staging, 0)?;
-                let unpacked = dirtar::unpack_dir(&dir, &dest)?;
+                let exclude = fs::metadata(&self.root).ok().map(|m| (m.dev(), m.ino()));
+                let unpacked = dirtar::unpack_dir(&dir, &dest, exclude)?;
                 Ok(rootfs_image(staged(unpacked, dest)?))
             }
             Plan::RootfsTar(path) => {
                 let dest = make_stage_dir(staging, 0)?;
                 let file = File::open(&path).map_err(ImageError::io("open source", &path))?;
-                let reader = source::decompressed(BufReader::with_capacity(256 * 1024, file), &path)?;
+                let reader =
+                    source::decompressed(BufReader::with_capacity(256 * 1024, file), &path)?;
                 let unpacked = unpack_layer(reader, &dest, &path)?;
                 if unpacked.entries == 0 {
                     return Err(ImageError::source(&path, "empty archive"));
@@ -472,7 +481,9 @@ impl ImageStore {
 
         let images_dir = self.images_dir();
         for entry in read_dir_names(&images_dir)? {
-            let Some(hex) = entry.strip_suffix(".json") else { continue };
+            let Some(hex) = entry.strip_suffix(".json") else {
+                continue;
+            };
             let id = format!("sha256:{hex}");
             if hex_digest(&id).is_none() {
                 continue;
@@ -527,10 +538,7 @@ impl ImageStore {
         let tmp = self.tmp_dir();
         let me = std::process::id();
         for entry in read_dir_names(&tmp)? {
-            let pid = entry
-                .split('-')
-                .nth(1)
-                .and_then(|p| p.parse::<i32>().ok());
+            let pid = entry.split('-').nth(1).and_then(|p| p.parse::<i32>().ok());
             let Some(pid) = pid else { continue };
             if pid as u32 == me || process_alive(pid) {
                 continue;
@@ -565,7 +573,9 @@ impl ImageStore {
         self.leases_dir().join(format!("{holder}.json"))
     }
     fn image_path(&self, id: &str) -> Result<PathBuf, ImageError> {
-        let hex = hex_digest(id).ok_or_else(|| ImageError::NotFound { name: id.to_owned() })?;
+        let hex = hex_digest(id).ok_or_else(|| ImageError::NotFound {
+            name: id.to_owned(),
+        })?;
         Ok(self.images_dir().join(format!("{hex}.json")))
     }
 
@@ -653,7 +663,10 @@ fn rootfs_image(layer: Prepared) -> (String, ImageConfig, Vec<Prepared>) {
 
 fn rootfs_id(layer_hex: &str, config: &ImageConfig) -> String {
     let doc = serde_json::json!({ "layers": [format!("sha256:{layer_hex}")], "config": config });
-    format!("sha256:{}", hex::encode(Sha256::digest(doc.to_string().as_bytes())))
+    format!(
+        "sha256:{}",
+        hex::encode(Sha256::digest(doc.to_string().as_bytes()))
+    )
 }
 
 fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<Prepared, ImageError> {
@@ -685,7 +698,8 @@ fn dir_size(root: &Path) -> Result<u64, ImageError> {
                 .map_err(ImageError::io("stat", entry.path()))?;
             if meta.is_dir() {
                 stack.push(entry.path());
-            } else if meta.is_file() && (meta.nlink() == 1 || seen.insert((meta.dev(), meta.ino()))) {
+            } else if meta.is_file() && (meta.nlink() == 1 || seen.insert((meta.dev(), meta.ino())))
+            {
                 total += meta.len();
             }
         }

@@ -90,8 +90,14 @@ impl std::fmt::Display for Reference {
 
 fn validate_digest(d: &str) -> Result<(), &'static str> {
     let (alg, hex) = d.split_once(':').ok_or("digest must be algorithm:hex")?;
-    let alg_ok = !alg.is_empty() && alg.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-    let hex_ok = hex.len() >= 32 && hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    let alg_ok = !alg.is_empty()
+        && alg
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    let hex_ok = hex.len() >= 32
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
     if alg_ok && hex_ok {
         Ok(())
     } else {
@@ -190,9 +196,16 @@ mod tests {
     #[test]
     fn host_is_recognised_with_any_tag() {
         for h in ["host", "host:latest", "host:v2"] {
-            assert!(Reference::parse(h).map(|r| r.is_host()).unwrap_or(false), "{h}");
+            assert!(
+                Reference::parse(h).map(|r| r.is_host()).unwrap_or(false),
+                "{h}"
+            );
         }
-        assert!(!Reference::parse("hostile").map(|r| r.is_host()).unwrap_or(true));
-        assert!(!Reference::parse("x/host").map(|r| r.is_host()).unwrap_or(true));
+        assert!(!Reference::parse("hostile")
+            .map(|r| r.is_host())
+            .unwrap_or(true));
+        assert!(!Reference::parse("x/host")
+            .map(|r| r.is_host())
+            .unwrap_or(true));
     }
 }

@@ -68,7 +68,10 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
     let bundle = if gzip {
         // Scan names first so a gzipped rootfs (the common case) is streamed, not copied.
         let file = File::open(source).map_err(ImageError::io("open source", source))?;
-        let names = tar_names(flate2::read::MultiGzDecoder::new(BufReader::new(file)), source)?;
+        let names = tar_names(
+            flate2::read::MultiGzDecoder::new(BufReader::new(file)),
+            source,
+        )?;
         if !looks_like_image(|n| names.iter().any(|x| x == n)) {
             return Ok(Plan::RootfsTar(source.to_path_buf()));
         }
@@ -77,8 +80,11 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
             .tempfile_in(tmp_dir)
             .map_err(ImageError::io("create temp file", tmp_dir))?;
         let file = File::open(source).map_err(ImageError::io("open source", source))?;
-        io::copy(&mut flate2::read::MultiGzDecoder::new(BufReader::new(file)), temp.as_file_mut())
-            .map_err(|e| ImageError::source_with(source, "decompress", e))?;
+        io::copy(
+            &mut flate2::read::MultiGzDecoder::new(BufReader::new(file)),
+            temp.as_file_mut(),
+        )
+        .map_err(|e| ImageError::source_with(source, "decompress", e))?;
         Bundle::tar(temp.path().to_path_buf(), source.to_path_buf(), Some(temp))?
     } else {
         Bundle::tar(source.to_path_buf(), source.to_path_buf(), None)?
@@ -100,7 +106,10 @@ pub(crate) fn decompressed<'a, R: BufRead + 'a>(
     if head.starts_with(GZIP_MAGIC) {
         Ok(Box::new(flate2::bufread::MultiGzDecoder::new(reader)))
     } else if head.starts_with(ZSTD_MAGIC) {
-        Err(ImageError::source(label, "zstd-compressed layers are not supported"))
+        Err(ImageError::source(
+            label,
+            "zstd-compressed layers are not supported",
+        ))
     } else {
         Ok(Box::new(reader))
     }
@@ -111,7 +120,10 @@ fn sniff_gzip(path: &Path) -> Result<bool, ImageError> {
     let mut file = File::open(path).map_err(ImageError::io("open source", path))?;
     let n = read_up_to(&mut file, &mut head).map_err(ImageError::io("read source", path))?;
     if head[..n].starts_with(ZSTD_MAGIC) {
-        return Err(ImageError::source(path, "zstd-compressed archives are not supported"));
+        return Err(ImageError::source(
+            path,
+            "zstd-compressed archives are not supported",
+        ));
     }
     Ok(head[..n].starts_with(GZIP_MAGIC))
 }
@@ -195,7 +207,9 @@ impl Bundle {
         let mut members = HashMap::new();
         for entry in archive.entries_with_seek().map_err(bad)? {
             let entry = entry.map_err(bad)?;
-            let Some(name) = member_name(&entry.path_bytes()) else { continue };
+            let Some(name) = member_name(&entry.path_bytes()) else {
+                continue;
+            };
             let link = || {
                 entry
                     .link_name_bytes()
@@ -275,7 +289,10 @@ impl Bundle {
                         }
                     }
                 }
-                Err(ImageError::source(self.label(), format!("too many links for {member}")))
+                Err(ImageError::source(
+                    self.label(),
+                    format!("too many links for {member}"),
+                ))
             }
         }
     }
@@ -293,7 +310,11 @@ impl Bundle {
         Ok(data)
     }
 
-    fn parse<T: for<'de> Deserialize<'de>>(&self, member: &str, data: &[u8]) -> Result<T, ImageError> {
+    fn parse<T: for<'de> Deserialize<'de>>(
+        &self,
+        member: &str,
+        data: &[u8],
+    ) -> Result<T, ImageError> {
         serde_json::from_slice(data)
             .map_err(|e| ImageError::source_with(self.member_label(member), "invalid json", e))
     }
@@ -306,7 +327,10 @@ impl Bundle {
         let data = self.read_small(&member)?;
         let actual = hex::encode(Sha256::digest(&data));
         if Some(actual.as_str()) != digest.strip_prefix("sha256:") {
-            return Err(ImageError::source(self.member_label(&member), "digest mismatch"));
+            return Err(ImageError::source(
+                self.member_label(&member),
+                "digest mismatch",
+            ));
         }
         Ok(data)
     }
@@ -321,8 +345,11 @@ fn blob_member(digest: &str) -> Option<String> {
 /// The 64-char lowercase hex of a `sha256:` digest.
 pub(crate) fn hex_digest(digest: &str) -> Option<&str> {
     let hex = digest.strip_prefix("sha256:")?;
-    (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
-        .then_some(hex)
+    (hex.len() == 64
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    .then_some(hex)
 }
 
 // ---- image formats ----
@@ -428,7 +455,9 @@ fn docker_plan(
     } else {
         entries.into_iter().find(|e| {
             e.repo_tags.iter().flatten().any(|t| {
-                Reference::parse(t).map(|r| r.to_string() == wanted_name).unwrap_or(false)
+                Reference::parse(t)
+                    .map(|r| r.to_string() == wanted_name)
+                    .unwrap_or(false)
             })
         })
     }
@@ -473,9 +502,15 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
             continue;
         }
         let is_manifest = doc.config.is_some()
-            && doc.media_type.as_deref().is_none_or(|m| m.contains("manifest"));
+            && doc
+                .media_type
+                .as_deref()
+                .is_none_or(|m| m.contains("manifest"));
         let Some(config_desc) = doc.config.filter(|_| is_manifest) else {
-            return Err(ImageError::source(bundle.label(), "manifest without config"));
+            return Err(ImageError::source(
+                bundle.label(),
+                "manifest without config",
+            ));
         };
         let config_raw = bundle.blob(&config_desc.digest)?;
         let config: ConfigFile = bundle.parse(&config_desc.digest, &config_raw)?;
@@ -489,7 +524,10 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
                 ));
             }
             let member = blob_member(&desc.digest).ok_or_else(|| {
-                ImageError::source(bundle.label(), format!("unsupported digest {:?}", desc.digest))
+                ImageError::source(
+                    bundle.label(),
+                    format!("unsupported digest {:?}", desc.digest),
+                )
             })?;
             layers.push(LayerRef {
                 member,
@@ -504,7 +542,10 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
             bundle,
         });
     }
-    Err(ImageError::source(bundle.label(), "image indexes nested too deeply"))
+    Err(ImageError::source(
+        bundle.label(),
+        "image indexes nested too deeply",
+    ))
 }
 
 fn diff_ids(
@@ -513,20 +554,30 @@ fn diff_ids(
     config: &ConfigFile,
     layer_count: usize,
 ) -> Result<Vec<Option<String>>, ImageError> {
-    let ids = config.rootfs.as_ref().map(|r| r.diff_ids.as_slice()).unwrap_or(&[]);
+    let ids = config
+        .rootfs
+        .as_ref()
+        .map(|r| r.diff_ids.as_slice())
+        .unwrap_or(&[]);
     if ids.is_empty() {
         return Ok(vec![None; layer_count]);
     }
     if ids.len() != layer_count {
         return Err(ImageError::source(
             bundle.member_label(config_member),
-            format!("config lists {} diff_ids for {layer_count} layers", ids.len()),
+            format!(
+                "config lists {} diff_ids for {layer_count} layers",
+                ids.len()
+            ),
         ));
     }
     ids.iter()
         .map(|id| {
             hex_digest(id).map(|h| Some(h.to_owned())).ok_or_else(|| {
-                ImageError::source(bundle.member_label(config_member), format!("bad diff_id {id:?}"))
+                ImageError::source(
+                    bundle.member_label(config_member),
+                    format!("bad diff_id {id:?}"),
+                )
             })
         })
         .collect()
@@ -564,8 +615,12 @@ fn pick_manifest<'a>(
             .iter()
             .copied()
             .filter(|d| {
-                d.annotations.get(REF_NAME_ANNOTATION).is_some_and(|n| n == tag || *n == full)
-                    || d.annotations.get(CONTAINERD_NAME_ANNOTATION).is_some_and(|n| *n == full)
+                d.annotations
+                    .get(REF_NAME_ANNOTATION)
+                    .is_some_and(|n| n == tag || *n == full)
+                    || d.annotations
+                        .get(CONTAINERD_NAME_ANNOTATION)
+                        .is_some_and(|n| *n == full)
             })
             .collect();
         if !named.is_empty() {
@@ -576,7 +631,9 @@ fn pick_manifest<'a>(
         return candidates
             .into_iter()
             .find(|d| {
-                d.platform.as_ref().is_none_or(|p| p.os == "linux" && p.architecture == "amd64")
+                d.platform
+                    .as_ref()
+                    .is_none_or(|p| p.os == "linux" && p.architecture == "amd64")
             })
             .ok_or_else(|| "no linux/amd64 image in the index".to_owned());
     }
@@ -611,25 +668,46 @@ mod tests {
             desc("att", Some(("unknown", "unknown")), None),
             desc("amd", Some(("linux", "amd64")), None),
         ];
-        assert_eq!(pick_manifest(&list, None).map(|d| d.digest.as_str()), Ok("amd"));
+        assert_eq!(
+            pick_manifest(&list, None).map(|d| d.digest.as_str()),
+            Ok("amd")
+        );
         assert!(pick_manifest(&list[..2], None).is_err());
         let plain = [desc("a", None, None), desc("b", None, None)];
-        assert_eq!(pick_manifest(&plain, None).map(|d| d.digest.as_str()), Ok("a"));
+        assert_eq!(
+            pick_manifest(&plain, None).map(|d| d.digest.as_str()),
+            Ok("a")
+        );
     }
 
     #[test]
     fn picks_by_ref_name_annotation() {
-        let list = [desc("one", None, Some("1.0")), desc("two", None, Some("2.0"))];
+        let list = [
+            desc("one", None, Some("1.0")),
+            desc("two", None, Some("2.0")),
+        ];
         let wanted = Reference::parse("x:2.0").expect("ref");
-        assert_eq!(pick_manifest(&list, Some(&wanted)).map(|d| d.digest.as_str()), Ok("two"));
+        assert_eq!(
+            pick_manifest(&list, Some(&wanted)).map(|d| d.digest.as_str()),
+            Ok("two")
+        );
         let other = Reference::parse("x:3.0").expect("ref");
-        assert_eq!(pick_manifest(&list, Some(&other)).map(|d| d.digest.as_str()), Ok("one"));
+        assert_eq!(
+            pick_manifest(&list, Some(&other)).map(|d| d.digest.as_str()),
+            Ok("one")
+        );
     }
 
     #[test]
     fn member_names_are_lexical_and_contained() {
-        assert_eq!(member_name(b"./manifest.json").as_deref(), Some("manifest.json"));
-        assert_eq!(member_name(b"a/../b/layer.tar").as_deref(), Some("b/layer.tar"));
+        assert_eq!(
+            member_name(b"./manifest.json").as_deref(),
+            Some("manifest.json")
+        );
+        assert_eq!(
+            member_name(b"a/../b/layer.tar").as_deref(),
+            Some("b/layer.tar")
+        );
         assert_eq!(member_name(b"../x"), None);
         assert_eq!(member_name(b"./"), None);
     }
@@ -637,7 +715,10 @@ mod tests {
     #[test]
     fn blob_members_only_for_sha256_hex() {
         let hex = "0123456789abcdef".repeat(4);
-        assert_eq!(blob_member(&format!("sha256:{hex}")), Some(format!("blobs/sha256/{hex}")));
+        assert_eq!(
+            blob_member(&format!("sha256:{hex}")),
+            Some(format!("blobs/sha256/{hex}"))
+        );
         assert_eq!(blob_member("sha256:../../etc/passwd"), None);
         assert_eq!(blob_member(&format!("sha512:{hex}")), None);
     }

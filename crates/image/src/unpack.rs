@@ -193,12 +193,13 @@ impl Unpacker {
             }
             let target = parent.join(OsStr::from_bytes(hidden));
             self.remove_existing(&target)?;
-            return mknod(&target, SFlag::S_IFCHR, Mode::empty(), makedev(0, 0))
-                .map_err(|e| ImageError::Io {
+            return mknod(&target, SFlag::S_IFCHR, Mode::empty(), makedev(0, 0)).map_err(|e| {
+                ImageError::Io {
                     op: "create whiteout",
                     path: target,
                     source: e.into(),
-                });
+                }
+            });
         }
 
         match kind {
@@ -257,7 +258,9 @@ impl Unpacker {
                 let target_rel = match normalize_entry_path(&target_raw) {
                     Ok(Some(t)) => t,
                     Ok(None) => return Err(self.unsafe_entry(&shown, "hardlink to the layer root")),
-                    Err(_) => return Err(self.unsafe_entry(&shown, "hardlink target outside the layer")),
+                    Err(_) => {
+                        return Err(self.unsafe_entry(&shown, "hardlink target outside the layer"))
+                    }
                 };
                 let target = self.existing_file(&target_rel).ok_or_else(|| {
                     self.unsafe_entry(&shown, "hardlink target missing or outside the layer")
@@ -298,13 +301,22 @@ impl Unpacker {
                         .and_then(|v| v.parse::<i64>().ok())
                 };
                 match key {
-                    "uid" => meta.uid = int_value().and_then(|v| u32::try_from(v).ok()).unwrap_or(meta.uid),
-                    "gid" => meta.gid = int_value().and_then(|v| u32::try_from(v).ok()).unwrap_or(meta.gid),
+                    "uid" => {
+                        meta.uid = int_value()
+                            .and_then(|v| u32::try_from(v).ok())
+                            .unwrap_or(meta.uid)
+                    }
+                    "gid" => {
+                        meta.gid = int_value()
+                            .and_then(|v| u32::try_from(v).ok())
+                            .unwrap_or(meta.gid)
+                    }
                     "mtime" => meta.mtime = int_value().unwrap_or(meta.mtime),
                     _ => {
                         if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
                             if !name.starts_with(OVERLAY_XATTR_PREFIX) {
-                                meta.xattrs.push((name.to_owned(), ext.value_bytes().to_vec()));
+                                meta.xattrs
+                                    .push((name.to_owned(), ext.value_bytes().to_vec()));
                             }
                         }
                     }
@@ -330,7 +342,12 @@ impl Unpacker {
         Ok(())
     }
 
-    fn copy<R: Read>(&mut self, entry: &mut R, file: &mut File, path: &Path) -> Result<(), ImageError> {
+    fn copy<R: Read>(
+        &mut self,
+        entry: &mut R,
+        file: &mut File,
+        path: &Path,
+    ) -> Result<(), ImageError> {
         loop {
             let n = match entry.read(&mut self.buf) {
                 Ok(0) => return Ok(()),
@@ -431,7 +448,10 @@ mod tests {
         assert_eq!(n("/"), Ok(None));
         assert!(n("../x").is_err());
         assert!(n("a/../../x").is_err());
-        assert!(n("a/../b").is_err(), "any .. is refused, even one that stays inside");
+        assert!(
+            n("a/../b").is_err(),
+            "any .. is refused, even one that stays inside"
+        );
         assert!(normalize_entry_path(b"a\0b").is_err());
     }
 
@@ -483,7 +503,8 @@ mod tests {
             let mut h = header(EntryType::Symlink, 0o777, 0);
             b.append_link(&mut h, "bin", "usr/bin").expect("symlink");
             let mut h = header(EntryType::Link, 0o644, 0);
-            b.append_link(&mut h, "usr/bin/su2", "usr/bin/su").expect("link");
+            b.append_link(&mut h, "usr/bin/su2", "usr/bin/su")
+                .expect("link");
             let mut h = header(EntryType::Fifo, 0o644, 0);
             b.append_data(&mut h, "fifo", io::empty()).expect("fifo");
         });
@@ -499,8 +520,15 @@ mod tests {
         assert_eq!(su.nlink(), 2);
         let bin = fs::symlink_metadata(root.join("usr/bin")).expect("usr/bin");
         assert_eq!(bin.mode() & 0o7777, 0o750);
-        assert_eq!(bin.mtime(), 1_600_000_000, "dir mtime applied after children");
-        assert_eq!(fs::read_link(root.join("bin")).expect("link"), Path::new("usr/bin"));
+        assert_eq!(
+            bin.mtime(),
+            1_600_000_000,
+            "dir mtime applied after children"
+        );
+        assert_eq!(
+            fs::read_link(root.join("bin")).expect("link"),
+            Path::new("usr/bin")
+        );
         assert!(!root.join("fifo").exists(), "fifos are skipped");
         assert_eq!(fs::metadata(root).expect("root").mode() & 0o777, 0o755);
     }
@@ -529,8 +557,14 @@ mod tests {
     #[test]
     fn refuses_escapes() {
         let cases: Vec<(&str, Vec<u8>)> = vec![
-            ("dotdot", tar_of(|b| raw(b, EntryType::Regular, "../x", None))),
-            ("nested dotdot", tar_of(|b| raw(b, EntryType::Regular, "a/../../x", None))),
+            (
+                "dotdot",
+                tar_of(|b| raw(b, EntryType::Regular, "../x", None)),
+            ),
+            (
+                "nested dotdot",
+                tar_of(|b| raw(b, EntryType::Regular, "a/../../x", None)),
+            ),
             (
                 "through symlink",
                 tar_of(|b| {
@@ -545,8 +579,14 @@ mod tests {
                     raw(b, EntryType::Regular, "a/.wh.passwd", None);
                 }),
             ),
-            ("hardlink outside", tar_of(|b| raw(b, EntryType::Link, "x", Some("../../etc/passwd")))),
-            ("hardlink absolute missing", tar_of(|b| raw(b, EntryType::Link, "x", Some("/etc/shadow")))),
+            (
+                "hardlink outside",
+                tar_of(|b| raw(b, EntryType::Link, "x", Some("../../etc/passwd"))),
+            ),
+            (
+                "hardlink absolute missing",
+                tar_of(|b| raw(b, EntryType::Link, "x", Some("/etc/shadow"))),
+            ),
             (
                 "hardlink through symlink",
                 tar_of(|b| {
@@ -557,7 +597,10 @@ mod tests {
         ];
         for (what, data) in cases {
             let (_dir, r) = unpack(&data);
-            assert!(matches!(r, Err(ImageError::UnsafeEntry { .. })), "{what}: {r:?}");
+            assert!(
+                matches!(r, Err(ImageError::UnsafeEntry { .. })),
+                "{what}: {r:?}"
+            );
         }
     }
 

@@ -24,9 +24,17 @@ fn make_rootfs(root: &Path) {
     fs::write(root.join("usr/bin/tool"), b"#!/bin/sh\necho hi\n").expect("write");
     // chown first: it clears the setuid bit.
     std::os::unix::fs::lchown(root.join("usr/bin/tool"), Some(12), Some(34)).expect("chown");
-    fs::set_permissions(root.join("usr/bin/tool"), fs::Permissions::from_mode(0o4755)).expect("chmod");
+    fs::set_permissions(
+        root.join("usr/bin/tool"),
+        fs::Permissions::from_mode(0o4755),
+    )
+    .expect("chmod");
     std::os::unix::fs::symlink("usr/bin", root.join("bin")).expect("symlink");
-    fs::hard_link(root.join("etc/os-release"), root.join("etc/os-release.link")).expect("link");
+    fs::hard_link(
+        root.join("etc/os-release"),
+        root.join("etc/os-release.link"),
+    )
+    .expect("link");
 }
 
 #[test]
@@ -41,18 +49,34 @@ fn imports_a_rootfs_folder() {
     assert_eq!(record.layers.len(), 1);
     assert!(!record.builtin);
     // Apparent sizes, the hardlink counted once.
-    assert_eq!(record.size_bytes, ("ID=warren\n".len() + "#!/bin/sh\necho hi\n".len()) as u64);
-    assert!(record.created_at.ends_with('Z') && record.created_at.contains('T'), "{}", record.created_at);
+    assert_eq!(
+        record.size_bytes,
+        ("ID=warren\n".len() + "#!/bin/sh\necho hi\n".len()) as u64
+    );
+    assert!(
+        record.created_at.ends_with('Z') && record.created_at.contains('T'),
+        "{}",
+        record.created_at
+    );
 
     let (layers, config) = layers_of(&store.resolve("myroot").expect("resolve"));
     assert_eq!(config, ImageConfig::default());
     let root = &layers[0];
-    assert_eq!(root.file_name().map(|n| n.to_string_lossy().into_owned()), Some(record.layers[0][7..].to_owned()));
-    assert_eq!(fs::read(root.join("etc/os-release")).expect("read"), b"ID=warren\n");
+    assert_eq!(
+        root.file_name().map(|n| n.to_string_lossy().into_owned()),
+        Some(record.layers[0][7..].to_owned())
+    );
+    assert_eq!(
+        fs::read(root.join("etc/os-release")).expect("read"),
+        b"ID=warren\n"
+    );
     let tool = fs::metadata(root.join("usr/bin/tool")).expect("tool");
     assert_eq!(tool.mode() & 0o7777, 0o4755);
     assert_eq!((tool.uid(), tool.gid()), (12, 34));
-    assert_eq!(fs::read_link(root.join("bin")).expect("symlink"), Path::new("usr/bin"));
+    assert_eq!(
+        fs::read_link(root.join("bin")).expect("symlink"),
+        Path::new("usr/bin")
+    );
     let a = fs::metadata(root.join("etc/os-release")).expect("a");
     let b = fs::metadata(root.join("etc/os-release.link")).expect("b");
     assert_eq!(a.ino(), b.ino(), "hardlink preserved");
@@ -63,8 +87,30 @@ fn imports_a_rootfs_folder() {
     assert_eq!(again.id, record.id);
     assert_store_counts(data.path(), 1, 1);
 
-    let names: Vec<String> = store.list().expect("list").into_iter().map(|r| r.name).collect();
+    let names: Vec<String> = store
+        .list()
+        .expect("list")
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
     assert_eq!(names, ["host", "myroot:latest", "other:1"]);
+}
+
+#[test]
+fn importing_a_folder_that_contains_the_store_leaves_the_store_out() {
+    let outer = tempfile::tempdir().expect("outer");
+    make_rootfs(outer.path());
+    let data = outer.path().join("var/lib/warren");
+    let store = warren_image::ImageStore::open(&data).expect("open");
+    let record = store.import("self", outer.path()).expect("import");
+    let (layers, _) = layers_of(&store.resolve("self").expect("resolve"));
+    assert!(layers[0].join("etc/os-release").is_file());
+    assert!(layers[0].join("var/lib/warren").is_dir());
+    assert!(
+        !layers[0].join("var/lib/warren/images").exists(),
+        "store not copied into the image"
+    );
+    assert_eq!(record.layers.len(), 1);
 }
 
 #[test]
@@ -79,13 +125,28 @@ fn imports_a_gzipped_rootfs_tarball_by_magic_not_extension() {
     ]);
     let path = write(src.path(), "rootfs.bin", &gzip(&tar));
 
-    let record = store.import("library/debian:bookworm", &path).expect("import");
+    let record = store
+        .import("library/debian:bookworm", &path)
+        .expect("import");
     assert_eq!(record.name, "library/debian:bookworm");
-    assert_eq!(record.layers, [format!("sha256:{}", sha256_hex(&tar))], "digest of the uncompressed tar");
+    assert_eq!(
+        record.layers,
+        [format!("sha256:{}", sha256_hex(&tar))],
+        "digest of the uncompressed tar"
+    );
     let (layers, _) = layers_of(&store.resolve("library/debian:bookworm").expect("resolve"));
-    assert_eq!(fs::read(layers[0].join("etc/hostname")).expect("read"), b"box\n");
-    assert!(layers[0].join("abs/made/relative").is_file(), "absolute paths are made relative");
-    assert!(!layers[0].join("dev/null").exists(), "device nodes are skipped");
+    assert_eq!(
+        fs::read(layers[0].join("etc/hostname")).expect("read"),
+        b"box\n"
+    );
+    assert!(
+        layers[0].join("abs/made/relative").is_file(),
+        "absolute paths are made relative"
+    );
+    assert!(
+        !layers[0].join("dev/null").exists(),
+        "device nodes are skipped"
+    );
 
     // The same tar uncompressed is the same layer.
     let plain = write(src.path(), "rootfs.tar", &tar);
@@ -119,12 +180,19 @@ fn imports_docker_save_with_whiteouts_and_mounts_it() {
         "WorkingDir": "/srv",
         "User": "1000:1000",
     });
-    let archive = write(src.path(), "saved.tar", &docker_save("app:1.0", &[base.clone(), top.clone()], process));
+    let archive = write(
+        src.path(),
+        "saved.tar",
+        &docker_save("app:1.0", &[base.clone(), top.clone()], process),
+    );
 
     let record = store.import("app:1.0", &archive).expect("import");
     assert_eq!(
         record.layers,
-        [format!("sha256:{}", sha256_hex(&base)), format!("sha256:{}", sha256_hex(&top))]
+        [
+            format!("sha256:{}", sha256_hex(&base)),
+            format!("sha256:{}", sha256_hex(&top))
+        ]
     );
     let resolved = store.resolve("app:1.0").expect("resolve");
     let (layers, config) = layers_of(&resolved);
@@ -166,20 +234,33 @@ fn imports_an_oci_layout_as_folder_and_as_tar() {
     let layout = src.path().join("layout");
     let base = layer(&[E::Dir("etc"), E::File("etc/issue", b"oci\n")]);
     let top = layer(&[E::File("app", b"bin"), E::File("etc/.wh.issue", b"")]);
-    let id = oci_layout(&layout, &[base.clone(), top.clone()], json!({ "Cmd": ["/app"], "Env": ["A=1"] }));
+    let id = oci_layout(
+        &layout,
+        &[base.clone(), top.clone()],
+        json!({ "Cmd": ["/app"], "Env": ["A=1"] }),
+    );
 
     let from_dir = store.import("oci/dir", &layout).expect("import dir");
     assert_eq!(from_dir.id, id, "image id is the config digest");
     assert_eq!(
         from_dir.layers,
-        [format!("sha256:{}", sha256_hex(&base)), format!("sha256:{}", sha256_hex(&top))],
+        [
+            format!("sha256:{}", sha256_hex(&base)),
+            format!("sha256:{}", sha256_hex(&top))
+        ],
         "layers named by the uncompressed digest although stored gzipped"
     );
     let (layers, config) = layers_of(&store.resolve("oci/dir").expect("resolve"));
     assert_eq!(config.cmd, ["/app"]);
     assert_eq!(config.env, ["A=1"]);
-    assert_eq!(fs::read(layers[0].join("etc/issue")).expect("read"), b"oci\n");
-    assert!(fs::symlink_metadata(layers[1].join("etc/issue")).expect("wh").file_type().is_char_device());
+    assert_eq!(
+        fs::read(layers[0].join("etc/issue")).expect("read"),
+        b"oci\n"
+    );
+    assert!(fs::symlink_metadata(layers[1].join("etc/issue"))
+        .expect("wh")
+        .file_type()
+        .is_char_device());
 
     let tarball = write(src.path(), "layout.tar", &tar_dir(&layout));
     let from_tar = store.import("oci/tar", &tarball).expect("import tar");
@@ -214,12 +295,20 @@ fn images_share_layers() {
     let one = write(
         src.path(),
         "one.tar",
-        &docker_save("one", &[base.clone(), layer(&[E::File("one", b"1")])], json!({})),
+        &docker_save(
+            "one",
+            &[base.clone(), layer(&[E::File("one", b"1")])],
+            json!({}),
+        ),
     );
     let two = write(
         src.path(),
         "two.tar",
-        &docker_save("two", &[base.clone(), layer(&[E::File("two", b"2")])], json!({})),
+        &docker_save(
+            "two",
+            &[base.clone(), layer(&[E::File("two", b"2")])],
+            json!({}),
+        ),
     );
     let r1 = store.import("one", &one).expect("one");
     // Make the shared layer recognisable: a second import must reuse it, not unpack it again.
@@ -228,7 +317,11 @@ fn images_share_layers() {
     let r2 = store.import("two", &two).expect("two");
     assert_eq!(r1.layers[0], r2.layers[0]);
     assert_ne!(r1.layers[1], r2.layers[1]);
-    assert_eq!(fs::metadata(&shared).expect("shared").ino(), marker_before, "not re-extracted");
+    assert_eq!(
+        fs::metadata(&shared).expect("shared").ino(),
+        marker_before,
+        "not re-extracted"
+    );
     let (l1, _) = layers_of(&store.resolve("one").expect("resolve"));
     let (l2, _) = layers_of(&store.resolve("two").expect("resolve"));
     assert_eq!(l1[0], l2[0]);
@@ -243,28 +336,60 @@ fn escaping_entries_are_refused_and_leave_nothing() {
     let outside_str = outside.path().display().to_string();
     let good = layer(&[E::File("fine", b"fine")]);
     let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("dotdot", layer(&[E::File("ok", b"ok"), E::Raw(EntryType::Regular, "../x", None)])),
+        (
+            "dotdot",
+            layer(&[
+                E::File("ok", b"ok"),
+                E::Raw(EntryType::Regular, "../x", None),
+            ]),
+        ),
         (
             "symlink then file",
-            layer(&[E::Symlink("a", &outside_str), E::Raw(EntryType::Regular, "a/passwd", None)]),
+            layer(&[
+                E::Symlink("a", &outside_str),
+                E::Raw(EntryType::Regular, "a/passwd", None),
+            ]),
         ),
         (
             "symlink then dir",
-            layer(&[E::Symlink("a", &outside_str), E::Raw(EntryType::Directory, "a/sub", None)]),
+            layer(&[
+                E::Symlink("a", &outside_str),
+                E::Raw(EntryType::Directory, "a/sub", None),
+            ]),
         ),
-        ("hardlink out", layer(&[E::Raw(EntryType::Link, "h", Some("../../etc/hostname"))])),
+        (
+            "hardlink out",
+            layer(&[E::Raw(EntryType::Link, "h", Some("../../etc/hostname"))]),
+        ),
     ];
     for (what, tar) in &cases {
         let path = write(src.path(), "bad.tar", tar);
         let err = store.import("bad", &path).expect_err(what);
-        assert!(matches!(err, ImageError::UnsafeEntry { .. }), "{what}: {err:?}");
+        assert!(
+            matches!(err, ImageError::UnsafeEntry { .. }),
+            "{what}: {err:?}"
+        );
         // Also as the second layer of an image whose first layer unpacked fine.
-        let path = write(src.path(), "bad-docker.tar", &docker_save("bad", &[good.clone(), tar.clone()], json!({})));
+        let path = write(
+            src.path(),
+            "bad-docker.tar",
+            &docker_save("bad", &[good.clone(), tar.clone()], json!({})),
+        );
         let err = store.import("bad", &path).expect_err(what);
-        assert!(matches!(err, ImageError::UnsafeEntry { .. }), "{what} (docker): {err:?}");
+        assert!(
+            matches!(err, ImageError::UnsafeEntry { .. }),
+            "{what} (docker): {err:?}"
+        );
     }
-    assert_eq!(ls(outside.path()), Vec::<String>::new(), "nothing written outside");
-    assert!(matches!(store.resolve("bad"), Err(ImageError::NotFound { .. })));
+    assert_eq!(
+        ls(outside.path()),
+        Vec::<String>::new(),
+        "nothing written outside"
+    );
+    assert!(matches!(
+        store.resolve("bad"),
+        Err(ImageError::NotFound { .. })
+    ));
     assert_eq!(store.list().expect("list").len(), 1, "only host");
     assert_store_counts(data.path(), 0, 0);
 }
@@ -288,7 +413,10 @@ fn broken_sources_are_refused_and_leave_nothing() {
 
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("empty file", Vec::new()),
-        ("not a tar", b"hello, this is not a tar archive at all".repeat(20)),
+        (
+            "not a tar",
+            b"hello, this is not a tar archive at all".repeat(20),
+        ),
         ("truncated gzip", truncated_gz),
         ("bad checksum", bad_checksum),
         ("diff_id mismatch", wrong_diff_id),
@@ -297,9 +425,14 @@ fn broken_sources_are_refused_and_leave_nothing() {
     for (what, bytes) in cases {
         let path = write(src.path(), "broken", &bytes);
         let err = store.import("broken", &path).expect_err(what);
-        assert!(matches!(err, ImageError::InvalidSource { .. }), "{what}: {err:?}");
+        assert!(
+            matches!(err, ImageError::InvalidSource { .. }),
+            "{what}: {err:?}"
+        );
     }
-    let err = store.import("broken", &src.path().join("missing")).expect_err("missing");
+    let err = store
+        .import("broken", &src.path().join("missing"))
+        .expect_err("missing");
     assert!(matches!(err, ImageError::Io { .. }), "{err:?}");
     assert_store_counts(data.path(), 0, 0);
 }

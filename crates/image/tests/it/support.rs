@@ -90,7 +90,10 @@ pub fn tar_of_files(files: &[(&str, &[u8])]) -> Vec<u8> {
 }
 
 pub fn image_config(process: Value, layers: &[Vec<u8>]) -> Vec<u8> {
-    let diff_ids: Vec<String> = layers.iter().map(|l| format!("sha256:{}", sha256_hex(l))).collect();
+    let diff_ids: Vec<String> = layers
+        .iter()
+        .map(|l| format!("sha256:{}", sha256_hex(l)))
+        .collect();
     serde_json::to_vec(&json!({
         "architecture": "amd64",
         "os": "linux",
@@ -104,7 +107,9 @@ pub fn image_config(process: Value, layers: &[Vec<u8>]) -> Vec<u8> {
 pub fn docker_save(tag: &str, layers: &[Vec<u8>], process: Value) -> Vec<u8> {
     let config = image_config(process, layers);
     let config_name = format!("{}.json", sha256_hex(&config));
-    let layer_names: Vec<String> = (0..layers.len()).map(|i| format!("layer{i}/layer.tar")).collect();
+    let layer_names: Vec<String> = (0..layers.len())
+        .map(|i| format!("layer{i}/layer.tar"))
+        .collect();
     let manifest = serde_json::to_vec(&json!([{
         "Config": config_name,
         "RepoTags": [tag],
@@ -209,8 +214,18 @@ pub fn ls(dir: &Path) -> Vec<String> {
 pub fn assert_store_counts(root: &Path, layers: usize, images: usize) {
     let store = root.join("images");
     assert_eq!(ls(&store.join("tmp")), Vec::<String>::new(), "tmp is empty");
-    assert_eq!(ls(&store.join("layers")).len(), layers, "layers: {:?}", ls(&store.join("layers")));
-    assert_eq!(ls(&store.join("images")).len(), images, "images: {:?}", ls(&store.join("images")));
+    assert_eq!(
+        ls(&store.join("layers")).len(),
+        layers,
+        "layers: {:?}",
+        ls(&store.join("layers"))
+    );
+    assert_eq!(
+        ls(&store.join("images")).len(),
+        images,
+        "images: {:?}",
+        ls(&store.join("images"))
+    );
 }
 
 /// Mounts a read-only overlay of `lower` (lowest first) and runs `check` on the merged dir. The mount
@@ -223,10 +238,20 @@ pub fn with_overlay<T: Send + 'static>(
     use nix::mount::{mount, umount2, MntFlags, MsFlags};
     let handle = std::thread::spawn(move || {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare mount ns");
-        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-            .expect("make / private");
+        mount(
+            None::<&str>,
+            "/",
+            None::<&str>,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            None::<&str>,
+        )
+        .expect("make / private");
         let target = tempfile::tempdir().expect("mountpoint");
-        let lowerdir: Vec<String> = lower.iter().rev().map(|p| p.display().to_string()).collect();
+        let lowerdir: Vec<String> = lower
+            .iter()
+            .rev()
+            .map(|p| p.display().to_string())
+            .collect();
         let options = format!("lowerdir={}", lowerdir.join(":"));
         mount(
             Some("overlay"),
