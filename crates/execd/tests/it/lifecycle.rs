@@ -180,3 +180,96 @@ fn sigterm_is_forwarded_to_the_entrypoint() {
         "term\n"
     );
 }
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+#[tokio::test]
+async fn runs_commands_as_another_user() {
+    if !is_root() {
+        eprintln!("skipped: needs root to switch users");
+        return;
+    }
+    let execd = Execd::start().await;
+    let events = execd
+        .run(json!({"command": "id -u; id -g", "uid": 65534, "gid": 65533}))
+        .await;
+    assert_eq!(text_of(&events, "stdout"), "65534\n65533\n");
+}
+
+/// execd as a real PID 1 (in a fresh pid namespace): it must reap orphans that the kernel reparents to it
+/// and still exit with the entrypoint's code.
+#[tokio::test]
+async fn as_pid1_reaps_orphans_and_exits_with_entrypoint() {
+    if !is_root() || !std::path::Path::new("/usr/bin/unshare").exists() {
+        eprintln!("skipped: needs root and unshare");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = free_port();
+    let stop = dir.path().join("stop");
+    let entry = format!(
+        "while [ ! -e {} ]; do sleep 0.05; done; exit 4",
+        stop.display()
+    );
+    let mut child = tokio::process::Command::new("/usr/bin/unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+        .arg(BIN)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--",
+            "/bin/sh",
+            "-c",
+            &entry,
+        ])
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("unshare");
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http
+        .get(format!("{base}/ping"))
+        .send()
+        .await
+        .map(|r| r.status() != 200)
+        .unwrap_or(true)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "execd in pid namespace never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let cmd = "tr '\\0' ' ' < /proc/1/cmdline; echo; \
+               for i in 1 2 3; do (sleep 0.1 &); done; sleep 0.6; \
+               for f in /proc/[0-9]*/stat; do cat $f 2>/dev/null; echo; done | awk '$3 == \"Z\"' | wc -l";
+    let resp = http
+        .post(format!("{base}/command"))
+        .json(&json!({"command": cmd}))
+        .send()
+        .await
+        .expect("req");
+    let events = parse_events(&resp.text().await.expect("body"));
+    let out = text_of(&events, "stdout");
+    let mut lines = out.lines();
+    assert!(
+        lines.next().unwrap_or("").contains("warren-execd"),
+        "execd is not PID 1: {out}"
+    );
+    assert_eq!(
+        lines.next().map(str::trim),
+        Some("0"),
+        "zombies left in the namespace: {out}"
+    );
+
+    std::fs::write(&stop, "").expect("stop");
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("exit")
+        .expect("status");
+    assert_eq!(status.code(), Some(4));
+}
