@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// Every non-2xx response carries this body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     pub code: String,
     pub message: String,

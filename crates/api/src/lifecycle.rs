@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 /// `image` in a create request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ImageSpec {
     pub uri: String,
@@ -14,6 +15,7 @@ pub struct ImageSpec {
 }
 
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ImageAuth {
     pub username: String,
     pub password: String,
@@ -26,6 +28,7 @@ impl std::fmt::Debug for ImageAuth {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Platform {
     pub os: String,
@@ -35,6 +38,7 @@ pub struct Platform {
 /// `POST /sandboxes` body. Unknown fields are accepted (newer SDKs send more) but the ones Warren does
 /// not implement are rejected explicitly by the server rather than silently dropped.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CreateSandboxRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -59,14 +63,18 @@ pub struct CreateSandboxRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform: Option<Platform>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub network_policy: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub credential_proxy: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_access: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
     pub volumes: Option<Vec<serde_json::Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub lifecycle: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub extensions: Option<BTreeMap<String, String>>,
@@ -74,6 +82,7 @@ pub struct CreateSandboxRequest {
 
 /// Lifecycle states; clients must tolerate values they do not know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum SandboxState {
     Pending,
     Running,
@@ -122,6 +131,7 @@ impl SandboxState {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxStatus {
     pub state: SandboxState,
@@ -135,6 +145,7 @@ pub struct SandboxStatus {
 
 /// `GET /sandboxes/{id}`, list items, and the create response (which omits `image`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Sandbox {
     pub id: String,
@@ -154,6 +165,7 @@ pub struct Sandbox {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Pagination {
     pub page: u32,
@@ -164,6 +176,7 @@ pub struct Pagination {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ListSandboxesResponse {
     pub items: Vec<Sandbox>,
@@ -171,12 +184,14 @@ pub struct ListSandboxesResponse {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RenewExpirationRequest {
     pub expires_at: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RenewExpirationResponse {
     pub expires_at: String,
@@ -184,6 +199,7 @@ pub struct RenewExpirationResponse {
 
 /// `GET /sandboxes/{id}/endpoints/{port}`: no scheme in `endpoint`; clients send every header in `headers`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     pub endpoint: String,
@@ -193,6 +209,7 @@ pub struct Endpoint {
 
 /// `POST /metrics/events`, sent fire-and-forget by the SDK after each create.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct MetricsEvent {
     pub event_type: String,
@@ -207,6 +224,7 @@ pub struct MetricsEvent {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     pub status: String,
 }

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+mod openapi;
 mod proxy;
 mod routes;
 pub mod sandboxes;
@@ -42,6 +43,7 @@ pub struct AppState {
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/health", get(routes::health))
+        .route("/openapi.json", get(openapi::document))
         .route("/sandboxes", post(routes::create).get(routes::list))
         .route("/sandboxes/{id}", get(routes::get).delete(routes::delete))
         .route("/sandboxes/{id}/pause", post(routes::pause))

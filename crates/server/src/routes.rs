@@ -12,7 +12,7 @@ use warren_api::lifecycle::{
     CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent, Pagination, RenewExpirationRequest,
     RenewExpirationResponse, Sandbox, SandboxState, SandboxStatus,
 };
-use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER};
+use warren_api::{ErrorBody, ErrorCode, ACCESS_TOKEN_HEADER};
 use warren_store::SandboxRecord;
 
 use crate::error::{ApiError, ApiJson};
@@ -45,10 +45,14 @@ pub fn to_wire(r: &SandboxRecord) -> Sandbox {
     }
 }
 
+#[utoipa::path(get, path = "/v1/health", tag = "health", responses((status = 200, body = Health)))]
 pub async fn health() -> Json<Health> {
     Json(Health { status: "healthy".into() })
 }
 
+#[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 202, description = "Running: execd answers", body = Sandbox), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 404, description = "unknown image", body = ErrorBody), (status = 500, body = ErrorBody)))]
 pub async fn create(State(app): State<AppState>, ApiJson(req): ApiJson<CreateSandboxRequest>) -> Result<Response, ApiError> {
     let plan = create_plan(req, &app.config.limits, app.config.max_timeout_seconds)?;
     let rec = app.sandboxes.create(plan).await?;
@@ -61,12 +65,19 @@ pub async fn create(State(app): State<AppState>, ApiJson(req): ApiJson<CreateSan
     Ok(resp)
 }
 
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)))]
 pub async fn get(State(app): State<AppState>, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
     app.sandboxes.get(&id).map(|r| Json(to_wire(&r))).ok_or_else(|| ApiError::not_found(&id))
 }
 
 /// `GET /sandboxes?state=A&state=B&metadata=k%3Dv&page=1&pageSize=20`; repeated `state` values are
 /// ORed, filters ANDed. Parsed by hand: serde's query extractor cannot take repeated keys.
+#[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes",
+    params(("state" = Option<Vec<String>>, Query, description = "repeatable; ORed"),
+           ("metadata" = Option<String>, Query, description = "k1=v1&k2=v2, percent-encoded"),
+           ("page" = Option<u32>, Query), ("pageSize" = Option<u32>, Query)),
+    responses((status = 200, body = ListSandboxesResponse), (status = 400, body = ErrorBody)))]
 pub async fn list(State(app): State<AppState>, RawQuery(query): RawQuery) -> Result<Json<ListSandboxesResponse>, ApiError> {
     let mut states = Vec::new();
     let mut metadata: Vec<(String, String)> = Vec::new();
@@ -123,21 +134,30 @@ fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError>
     Ok(out)
 }
 
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 204, description = "Terminated (user_delete)"), (status = 404, body = ErrorBody)))]
 pub async fn delete(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     app.sandboxes.delete(&id, REASON_USER_DELETE).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 202), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn pause(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     app.sandboxes.pause(&id).await?;
     Ok(StatusCode::ACCEPTED)
 }
 
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 202), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn resume(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     app.sandboxes.resume(&id).await?;
     Ok(StatusCode::ACCEPTED)
 }
 
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/renew-expiration", tag = "sandboxes", params(("id" = String, Path)),
+    request_body = RenewExpirationRequest,
+    responses((status = 200, body = RenewExpirationResponse), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn renew(
     State(app): State<AppState>,
     Path(id): Path<String>,
@@ -150,6 +170,9 @@ pub async fn renew(
     Ok(Json(RenewExpirationResponse { expires_at: rfc3339(at) }))
 }
 
+#[utoipa::path(patch, path = "/v1/sandboxes/{id}/metadata", tag = "sandboxes", params(("id" = String, Path)),
+    request_body(content = Object, description = "JSON merge patch: {key: value | null}"),
+    responses((status = 200, body = Sandbox), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn patch_metadata(
     State(app): State<AppState>,
     Path(id): Path<String>,
@@ -162,6 +185,9 @@ pub async fn patch_metadata(
 
 /// Every port is reached through Warren's own listener; the token in `headers` opens only this
 /// sandbox's proxy and is worthless elsewhere.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/endpoints/{port}", tag = "sandboxes",
+    params(("id" = String, Path), ("port" = u16, Path), ("use_server_proxy" = Option<bool>, Query, description = "accepted; every endpoint goes through the server")),
+    responses((status = 200, body = Endpoint), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn endpoint(
     State(app): State<AppState>,
     Path((id, port)): Path<(String, String)>,
@@ -187,6 +213,7 @@ fn valid_host(h: &str) -> bool {
     !h.is_empty() && h.len() <= 255 && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
 }
 
+#[utoipa::path(post, path = "/v1/metrics/events", tag = "metrics", request_body = MetricsEvent, responses((status = 204)))]
 pub async fn metrics_event(ApiJson(ev): ApiJson<MetricsEvent>) -> StatusCode {
     tracing::info!(event = %ev.event_type, sandbox_id = ?ev.sandbox_id, create_ms = ?ev.create_duration_ms, success = ?ev.success, "client metrics event");
     StatusCode::NO_CONTENT

@@ -35,7 +35,7 @@ pub struct Sandboxes {
 struct Inner {
     runtime: Arc<dyn Runtime>,
     store: Store,
-    images: ImageStore,
+    images: Arc<ImageStore>,
     entries: RwLock<HashMap<String, Arc<Entry>>>,
     retention: chrono::Duration,
 }
@@ -50,7 +50,7 @@ impl Sandboxes {
             inner: Arc::new(Inner {
                 runtime,
                 store,
-                images,
+                images: Arc::new(images),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
             }),
@@ -95,8 +95,17 @@ impl Sandboxes {
     /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
     /// lease, no runtime resource.
     pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
-        let image = self.inner.images.resolve(&plan.image).map_err(|e| image_error(&plan.image, e))?;
         let id = uuid::Uuid::new_v4().to_string();
+        // Resolving and leasing are file work that may wait on the store's lock during an import.
+        let images = self.inner.images.clone();
+        let (name, holder) = (plan.image.clone(), id.clone());
+        let image = tokio::task::spawn_blocking(move || {
+            let image = images.resolve(&name).map_err(|e| image_error(&name, e))?;
+            images.lease(&holder, &image).map_err(|e| ApiError::internal("leasing the image", &e))?;
+            Ok::<_, ApiError>(image)
+        })
+        .await
+        .map_err(|e| ApiError::internal("resolving the image", &e))??;
         let now = Utc::now();
         let mut token = [0u8; 24];
         rand::thread_rng().fill_bytes(&mut token);
@@ -117,7 +126,6 @@ impl Sandboxes {
             token: hex_token(&token),
             runtime_state: serde_json::Value::Null,
         };
-        self.inner.images.lease(&id, &image).map_err(|e| ApiError::internal("leasing the image", &e))?;
         let entry = Arc::new(Entry { record: StdMutex::new(record.clone()), op: tokio::sync::Mutex::new(()) });
         let _op = entry.op.lock().await;
         self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), entry.clone());
