@@ -1,0 +1,266 @@
+"""Raw HTTP checks of the lifecycle API: auth, error bodies, bad input
+(issue 2 items 2 and 8). Uses httpx directly, not the SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+import warren_e2e as W
+
+
+def test_health_needs_no_key(server):
+    r = httpx.get(f"{server.base_url}/health", timeout=10)
+    assert r.status_code == 200
+    assert r.json() == {"status": "healthy"} or r.json().get("status") == "healthy"
+
+
+def test_openapi_document(server):
+    r = httpx.get(f"{server.base_url}/openapi.json", timeout=10)
+    assert r.status_code == 200, r.text[:300]
+    doc = r.json()
+    assert "paths" in doc and doc["paths"], "openapi.json has no paths"
+    paths = " ".join(doc["paths"])
+    assert "/sandboxes" in paths
+
+
+def test_missing_api_key(server):
+    with server.client(api_key=None) as c:
+        r = c.get("/v1/sandboxes")
+    W.assert_error_body(r, codes=[401], code="MISSING_API_KEY")
+
+
+def test_wrong_api_key(server):
+    with server.client(api_key="wk-definitely-wrong") as c:
+        r = c.get("/v1/sandboxes")
+        W.assert_error_body(r, codes=[401], code="INVALID_API_KEY")
+        r = c.post("/v1/sandboxes", json=W.create_body())
+        W.assert_error_body(r, codes=[401], code="INVALID_API_KEY")
+
+
+def test_request_id_and_unprefixed_routes(api):
+    r = api.get("/v1/sandboxes")
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers.get("X-Request-ID"), "responses must carry X-Request-ID"
+    r = api.get("/v1/sandboxes", headers={"X-Request-ID": "e2e-req-123"})
+    assert r.headers.get("X-Request-ID") == "e2e-req-123", "a client X-Request-ID should be echoed"
+    body = r.json()
+    assert isinstance(body.get("items"), list) and "pagination" in body
+    r2 = api.get("/sandboxes")
+    assert r2.status_code == 200, "routes must also be served without the /v1 prefix"
+
+
+def test_metrics_events_accepted(api):
+    r = api.post("/v1/metrics/events", json={
+        "eventType": "sandbox.create", "sandboxId": "x", "image": "host",
+        "createDurationMs": 12, "success": True})
+    assert r.status_code == 204, r.text[:300]
+
+
+def _ids(api) -> set[str]:
+    r = api.get("/v1/sandboxes", params={"pageSize": 1000})
+    assert r.status_code == 200
+    return {i["id"] for i in r.json()["items"]}
+
+
+def test_unknown_image(api):
+    before = _ids(api)
+    r = api.post("/v1/sandboxes", json=W.create_body("no-such-image-e2e:latest"))
+    W.assert_error_body(r, codes=range(400, 500))
+    assert r.status_code not in (401, 403)
+    assert _ids(api) == before, "a failed create must not leave a sandbox behind"
+
+
+@pytest.mark.parametrize("limits", [
+    {"cpu": "1", "memory": "lots"},
+    {"cpu": "many", "memory": "512Mi"},
+    {"cpu": "1", "memory": "-5Gi"},
+], ids=["memory=lots", "cpu=many", "memory=negative"])
+def test_bad_resource_limits(api, limits):
+    before = _ids(api)
+    r = api.post("/v1/sandboxes", json=W.create_body(resourceLimits=limits))
+    W.assert_error_body(r, codes=[400])
+    assert _ids(api) == before
+
+
+@pytest.mark.parametrize("key", ["bad key!", "opensandbox.io/reserved", "-leading-dash"])
+def test_bad_metadata_key(api, key):
+    before = _ids(api)
+    r = api.post("/v1/sandboxes", json=W.create_body(metadata={key: "v"}))
+    W.assert_error_body(r, codes=[400])
+    assert _ids(api) == before
+
+
+def test_timeout_below_minimum(api):
+    r = api.post("/v1/sandboxes", json=W.create_body(timeout=5))
+    W.assert_error_body(r, codes=[400])
+
+
+@pytest.mark.parametrize("payload", [
+    b"{not json",
+    b'{"image": {"uri": "host"}, "entrypoint": ["sh"], ',
+    b"[1, 2, 3]",
+    b'{"image": 42, "entrypoint": "not-a-list", "resourceLimits": {"cpu":"1","memory":"1Gi"}}',
+], ids=["garbage", "truncated", "array", "wrong-types"])
+def test_malformed_json(api, payload):
+    before = _ids(api)
+    r = api.post("/v1/sandboxes", content=payload, headers={"Content-Type": "application/json"})
+    W.assert_error_body(r, codes=[400])
+    assert _ids(api) == before
+
+
+def test_oversized_body(api):
+    big = {"k": "x" * (20 * 1024 * 1024)}
+    r = api.post("/v1/sandboxes", content=json.dumps(W.create_body(env=big)).encode(),
+                 headers={"Content-Type": "application/json"})
+    W.assert_error_body(r, codes=[400, 413])
+
+
+def test_get_unknown_sandbox(api):
+    r = api.get("/v1/sandboxes/does-not-exist-e2e")
+    W.assert_error_body(r, codes=[404])
+
+
+def test_double_delete(api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    r1 = api.delete(f"/v1/sandboxes/{sid}")
+    assert r1.status_code == 204, r1.text[:300]
+    r2 = api.delete(f"/v1/sandboxes/{sid}")
+    W.assert_error_body(r2, codes=[404])
+
+
+def test_operations_on_deleted_sandbox(api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    future = W.rfc3339(W.utcnow().replace(microsecond=0) + __import__("datetime").timedelta(hours=1))
+    calls = [
+        ("POST", f"/v1/sandboxes/{sid}/pause", None),
+        ("POST", f"/v1/sandboxes/{sid}/resume", None),
+        ("POST", f"/v1/sandboxes/{sid}/renew-expiration", {"expiresAt": future}),
+        ("GET", f"/v1/sandboxes/{sid}/endpoints/44772", None),
+        ("PATCH", f"/v1/sandboxes/{sid}/metadata", {"a": "b"}),
+    ]
+    for method, path, body in calls:
+        r = api.request(method, path, json=body)
+        W.assert_error_body(r, codes=[404, 409, 410])
+    r = api.get(f"/v1/sandboxes/{sid}")
+    if r.status_code == 200:
+        st = r.json()["status"]
+        assert st["state"] in ("Stopping", "Terminated"), st
+
+
+def test_resume_running_and_pause_twice(api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    r = api.post(f"/v1/sandboxes/{sid}/resume")
+    W.assert_error_body(r, codes=[409])
+    assert api.post(f"/v1/sandboxes/{sid}/pause").status_code == 202
+    W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Paused",
+                 10, message="state Paused")
+    r = api.post(f"/v1/sandboxes/{sid}/pause")
+    W.assert_error_body(r, codes=[409])
+    assert api.post(f"/v1/sandboxes/{sid}/resume").status_code == 202
+
+
+def test_renew_into_the_past(api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    past = W.rfc3339(W.utcnow() - __import__("datetime").timedelta(minutes=5))
+    r = api.post(f"/v1/sandboxes/{sid}/renew-expiration", json={"expiresAt": past})
+    W.assert_error_body(r, codes=[400])
+    r = api.post(f"/v1/sandboxes/{sid}/renew-expiration", json={"expiresAt": "tomorrow"})
+    W.assert_error_body(r, codes=[400])
+
+
+def test_bad_metadata_filter_and_paging(api):
+    r = api.get("/v1/sandboxes", params={"page": 0})
+    W.assert_error_body(r, codes=[400])
+    r = api.get("/v1/sandboxes", params={"pageSize": "abc"})
+    W.assert_error_body(r, codes=[400])
+
+
+def test_ready_means_ready(server, api, raw_sandbox):
+    """Create returns 202 only once execd answers: the very first /ping
+    through the returned endpoint must succeed (issue 2 item 11)."""
+    sid = raw_sandbox()["id"]
+    r = api.get(f"/v1/sandboxes/{sid}/endpoints/44772", params={"use_server_proxy": "false"})
+    assert r.status_code == 200, r.text[:300]
+    ep = r.json()
+    assert "://" not in ep["endpoint"], "endpoint must not carry a scheme"
+    ping = httpx.get(f"http://{ep['endpoint']}/ping", headers=ep.get("headers") or {}, timeout=10)
+    assert ping.status_code == 200, f"first ping after create failed: {ping.status_code} {ping.text[:200]}"
+
+
+def test_proxy_requires_endpoint_token(server, api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/44772").json()
+    url = f"http://{ep['endpoint']}/ping"
+    headers = ep.get("headers") or {}
+    assert headers, "endpoints on Warren's listener must come with a per-sandbox token header"
+    assert httpx.get(url, headers=headers, timeout=10).status_code == 200
+    r = httpx.get(url, timeout=10)
+    W.assert_error_body(r, codes=[401])
+    bad = {k: "wrong-token" for k in headers}
+    r = httpx.get(url, headers=bad, timeout=10)
+    W.assert_error_body(r, codes=[401])
+    # the API key is accepted instead of the token (SDK use_server_proxy mode)
+    r = httpx.get(url, headers={"OPEN-SANDBOX-API-KEY": server.api_key}, timeout=10)
+    assert r.status_code == 200
+    # a token for one sandbox does not open another
+    other = raw_sandbox()["id"]
+    ep2 = api.get(f"/v1/sandboxes/{other}/endpoints/44772").json()
+    r = httpx.get(f"http://{ep2['endpoint']}/ping", headers=headers, timeout=10)
+    if (ep2.get("headers") or {}) != headers:
+        W.assert_error_body(r, codes=[401, 403])
+
+
+def test_client_disconnect_mid_stream(server, api, raw_sandbox):
+    """A client that hangs up mid-stream does not hurt the server or sandbox."""
+    sid = raw_sandbox()["id"]
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/44772").json()
+    base = f"http://{ep['endpoint']}"
+    headers = ep.get("headers") or {}
+    with httpx.Client(headers=headers, timeout=httpx.Timeout(10, read=10)) as c:
+        with c.stream("POST", f"{base}/command",
+                      json={"command": "for i in $(seq 1 200); do echo tick$i; sleep 0.05; done"},
+                      headers={"Accept": "text/event-stream"}) as resp:
+            assert resp.status_code == 200
+            for chunk in resp.iter_bytes():
+                if b"tick" in chunk:
+                    break
+        # connection closed here, command still running
+    time.sleep(0.5)
+    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    with httpx.Client(headers=headers, timeout=30) as c:
+        r = c.post(f"{base}/command", json={"command": "echo still-alive"},
+                   headers={"Accept": "text/event-stream"})
+        assert r.status_code == 200 and "still-alive" in r.text, r.text[:500]
+
+
+def test_execd_stream_format(server, api, raw_sandbox):
+    """Each event is single-line JSON with an int ms timestamp; a non-zero
+    exit ends with an `error` event whose evalue is the exit code; the
+    stream is properly terminated (reference §3.2)."""
+    sid = raw_sandbox()["id"]
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/44772").json()
+    with httpx.Client(headers=ep.get("headers") or {}, timeout=30) as c:
+        r = c.post(f"http://{ep['endpoint']}/command", json={"command": "echo out; echo err >&2; exit 4"},
+                   headers={"Accept": "text/event-stream"})
+    assert r.status_code == 200
+    events = []
+    for line in r.text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("data:"):
+            line = line[5:].strip()
+        ev = json.loads(line)
+        assert isinstance(ev.get("timestamp"), int) and ev["timestamp"] > 1_600_000_000_000, ev
+        events.append(ev)
+    types = [e["type"] for e in events if e["type"] != "ping"]
+    assert types[0] == "init"
+    assert "stdout" in types and "stderr" in types
+    assert types[-1] == "error", types
+    assert events[-1]["error"]["evalue"] == "4"
+    assert "execution_complete" not in types

@@ -1,0 +1,185 @@
+"""Files and directories through the official SDK (issue 2 items 6, 8, 9)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+
+import pytest
+from opensandbox.exceptions import SandboxException
+from opensandbox.models.filesystem import (
+    ContentReplaceEntry,
+    DirectoryListEntry,
+    MoveEntry,
+    SearchEntry,
+    SetPermissionEntry,
+    WriteEntry,
+)
+
+import warren_e2e as W
+
+sh = W.sh
+
+
+def test_tiny_text_file(host_sandbox):
+    host_sandbox.files.write_file("/tmp/hello.txt", "hello, warren\n")
+    assert host_sandbox.files.read_file("/tmp/hello.txt") == "hello, warren\n"
+    code, out, _ = sh(host_sandbox, "cat /tmp/hello.txt")
+    assert out == "hello, warren\n" or out.strip() == "hello, warren"
+    info = host_sandbox.files.get_file_info(["/tmp/hello.txt"])["/tmp/hello.txt"]
+    assert info.size == len("hello, warren\n")
+    assert info.mode == 755, "write_file's default mode is 755 (octal digits as a decimal int)"
+
+
+def test_empty_and_unicode_files(host_sandbox):
+    host_sandbox.files.write_files([
+        WriteEntry(path="/tmp/empty.txt", data="", mode=644),
+        WriteEntry(path="/tmp/uni.txt", data="ünïcødé ✓\n", mode=600),
+    ])
+    assert host_sandbox.files.read_file("/tmp/empty.txt") == ""
+    assert host_sandbox.files.read_file("/tmp/uni.txt") == "ünïcødé ✓\n"
+    infos = host_sandbox.files.get_file_info(["/tmp/empty.txt", "/tmp/uni.txt"])
+    assert infos["/tmp/empty.txt"].mode == 644
+    assert infos["/tmp/uni.txt"].mode == 600
+    assert infos["/tmp/uni.txt"].size == len("ünïcødé ✓\n".encode())
+
+
+@pytest.mark.timeout(300)
+def test_50mib_binary_roundtrip(host_sandbox):
+    data = os.urandom(50 * 1024 * 1024)
+    digest = hashlib.sha256(data).hexdigest()
+    host_sandbox.files.write_file("/tmp/big.bin", data, mode=644)
+    code, out, _ = sh(host_sandbox, "sha256sum /tmp/big.bin; stat -c %s /tmp/big.bin")
+    assert code == 0
+    lines = out.split("\n")
+    assert lines[0].split()[0] == digest, "bytes inside the sandbox differ from what was uploaded"
+    assert lines[1].strip() == str(len(data))
+    back = host_sandbox.files.read_bytes("/tmp/big.bin")
+    assert len(back) == len(data)
+    assert hashlib.sha256(back).hexdigest() == digest
+    # streamed read too
+    h = hashlib.sha256()
+    n = 0
+    for chunk in host_sandbox.files.read_bytes_stream("/tmp/big.bin", chunk_size=1 << 20):
+        h.update(chunk)
+        n += len(chunk)
+    assert n == len(data) and h.hexdigest() == digest
+    host_sandbox.files.delete_files(["/tmp/big.bin"])
+
+
+def test_range_and_line_reads(host_sandbox):
+    host_sandbox.files.write_file("/tmp/lines.txt", "".join(f"line{i}\n" for i in range(1, 11)))
+    assert host_sandbox.files.read_bytes("/tmp/lines.txt", range_header="bytes=0-4") == b"line1"
+    assert host_sandbox.files.read_bytes("/tmp/lines.txt", range_header="bytes=6-10") == b"line2"
+    text = host_sandbox.files.read_file("/tmp/lines.txt", offset=3, limit=2)
+    assert text.split() == ["line3", "line4"]
+
+
+def test_directories_and_file_ops(host_sandbox):
+    base = f"/tmp/e2e-dir-{uuid.uuid4().hex[:6]}"
+    fs = host_sandbox.files
+    fs.create_directories([WriteEntry(path=f"{base}/a/b", mode=755)])
+    fs.write_files([WriteEntry(path=f"{base}/a/one.txt", data="alpha beta alpha"),
+                    WriteEntry(path=f"{base}/a/b/two.py", data="print(1)")])
+    listing = fs.list_directory(DirectoryListEntry(path=base, depth=3))
+    paths = sorted(e.path for e in listing)
+    assert f"{base}/a" in paths and f"{base}/a/one.txt" in paths and f"{base}/a/b/two.py" in paths
+    kinds = {e.path: e.entry_type for e in listing}
+    assert kinds[f"{base}/a"] == "directory" and kinds[f"{base}/a/one.txt"] == "file"
+
+    found = fs.search(SearchEntry(path=base, pattern="*.py"))
+    assert [e.path for e in found] == [f"{base}/a/b/two.py"]
+
+    results = fs.replace_contents_detailed([ContentReplaceEntry(path=f"{base}/a/one.txt",
+                                                                old_content="alpha", new_content="gamma")])
+    assert results[0].replaced_count == 2
+    assert fs.read_file(f"{base}/a/one.txt") == "gamma beta gamma"
+
+    fs.move_files([MoveEntry(src=f"{base}/a/one.txt", dest=f"{base}/moved.txt")])
+    assert fs.read_file(f"{base}/moved.txt") == "gamma beta gamma"
+    with pytest.raises(SandboxException):
+        fs.read_file(f"{base}/a/one.txt")
+
+    fs.set_permissions([SetPermissionEntry(path=f"{base}/moved.txt", mode=600, owner="nobody")])
+    info = fs.get_file_info([f"{base}/moved.txt"])[f"{base}/moved.txt"]
+    assert info.mode == 600 and info.owner == "nobody"
+
+    fs.delete_files([f"{base}/moved.txt"])
+    fs.delete_directories([base])
+    code, out, _ = sh(host_sandbox, f"test -e {base} && echo exists || echo gone")
+    assert out.strip() == "gone"
+
+
+def test_missing_file(host_sandbox):
+    with pytest.raises(SandboxException):
+        host_sandbox.files.read_file("/tmp/definitely-missing-e2e.txt")
+    with pytest.raises(SandboxException):
+        host_sandbox.files.get_file_info(["/tmp/definitely-missing-e2e.txt"])
+
+
+def test_relative_paths(host_sandbox):
+    name = f"rel-{uuid.uuid4().hex[:6]}.txt"
+    host_sandbox.files.write_file(name, "relative")
+    assert host_sandbox.files.read_file(name) == "relative"
+
+
+def test_write_to_readonly_host_path_fails(host_sandbox):
+    """The host image's system folders are read-only."""
+    with pytest.raises(SandboxException):
+        host_sandbox.files.write_file("/usr/e2e-should-not-exist", "x")
+    assert not os.path.exists("/usr/e2e-should-not-exist")
+    code, _, _ = sh(host_sandbox, "touch /usr/bin/e2e-nope")
+    assert code != 0
+    assert not os.path.exists("/usr/bin/e2e-nope")
+
+
+# -- paths trying to leave the sandbox -------------------------------------------
+
+@pytest.mark.parametrize("path", ["/../../../etc/shadow", "../../../../../../etc/shadow",
+                                  "/tmp/../../../etc/shadow", "/proc/1/root/etc/shadow"])
+def test_read_escape_does_not_reach_host(host_sandbox, path):
+    host_shadow = open("/etc/shadow", "rb").read()
+    try:
+        got = host_sandbox.files.read_bytes(path)
+    except SandboxException:
+        return
+    assert got != host_shadow, f"reading {path!r} returned the host's /etc/shadow"
+    for line in host_shadow.splitlines():
+        fields = line.split(b":")
+        if len(fields) > 1 and len(fields[1]) > 3:  # a real password hash
+            assert line not in got, "host password hash visible inside the sandbox"
+
+
+def test_write_escape_lands_inside(server, host_sandbox):
+    name = f"e2e-escape-{uuid.uuid4().hex[:8]}"
+    try:
+        host_sandbox.files.write_file(f"../../../../{name}", "inside")
+    except SandboxException:
+        wrote = False
+    else:
+        wrote = True
+    try:
+        host_sandbox.files.write_file(f"/tmp/../../../{name}-abs", "inside")
+    except SandboxException:
+        pass
+    # never on the host
+    candidates = [f"/{name}", f"/{name}-abs", f"/tmp/{name}", str(server.data_dir.parent / name),
+                  str(server.data_dir / name), os.path.join(os.getcwd(), name)]
+    for c in candidates:
+        assert not os.path.exists(c), f"a sandbox file write escaped to the host: {c}"
+    if wrote:
+        code, out, _ = sh(host_sandbox, f"find / -xdev -name '{name}' 2>/dev/null; "
+                                        f"ls /{name} /workspace/{name} 2>/dev/null; true")
+        assert name in out, "the write succeeded but the file is nowhere inside the sandbox"
+
+
+def test_symlink_escape(host_sandbox):
+    """A symlink created inside the sandbox resolves inside the sandbox."""
+    code, _, _ = sh(host_sandbox, "ln -sf / /tmp/rootlink")
+    host_shadow = open("/etc/shadow", "rb").read()
+    try:
+        got = host_sandbox.files.read_bytes("/tmp/rootlink/etc/shadow")
+    except SandboxException:
+        return
+    assert got != host_shadow

@@ -1,0 +1,578 @@
+"""Harness for Warren's end-to-end suite: starting/stopping `warren serve`,
+importing images, raw HTTP helpers, and the bookkeeping the final leak check
+relies on (every PID, data dir and sandbox id the suite touched).
+
+Contract assumed (see README.md):
+  warren serve --listen 127.0.0.1:PORT --data-dir DIR [--config FILE]
+      API key from env WARREN_API_KEY; logs on stderr; ready when
+      GET /health answers 200 {"status":"healthy"}.
+  warren image import NAME PATH --data-dir DIR
+  warren image ls --data-dir DIR          (NAME appears in stdout)
+  warren image rm NAME --data-dir DIR
+  config TOML:  [runtime]\nkind = "native"\noci_runtime = "<embedded|runc|runsc>"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEST_IMAGE_NAME = "warren-test:bookworm"
+RUN_ID = uuid.uuid4().hex[:12]
+MARKER_ENV = "WARREN_E2E_RUN"
+
+
+# --------------------------------------------------------------------------
+# configuration from the environment
+# --------------------------------------------------------------------------
+
+def warren_bin() -> Path:
+    env = os.environ.get("WARREN_BIN")
+    if env:
+        return Path(env)
+    profile = "release" if os.environ.get("WARREN_PROFILE") == "release" else "debug"
+    return REPO_ROOT / "target" / "x86_64-unknown-linux-gnu" / profile / "warren"
+
+
+def oci_runtimes() -> list[str]:
+    raw = os.environ.get("WARREN_E2E_OCI_RUNTIMES", "embedded")
+    runtimes = [r.strip() for r in raw.split(",") if r.strip()]
+    return runtimes or ["embedded"]
+
+
+def test_rootfs() -> Path:
+    return Path(os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs"))
+
+
+def allow_skip() -> bool:
+    return os.environ.get("WARREN_E2E_ALLOW_SKIP", "") == "1"
+
+
+def work_root() -> Path:
+    """Parent folder for all data dirs of this run."""
+    base = os.environ.get("WARREN_E2E_TMPDIR")
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"warren-e2e-{RUN_ID}-", dir=base))
+
+
+# --------------------------------------------------------------------------
+# bookkeeping for the leak check
+# --------------------------------------------------------------------------
+
+@dataclass
+class Registry:
+    server_pids: set[int] = field(default_factory=set)
+    data_dirs: set[Path] = field(default_factory=set)
+    sandbox_ids: set[str] = field(default_factory=set)
+    servers: list["WarrenServer"] = field(default_factory=list)
+    roots: set[Path] = field(default_factory=set)
+    leak_check_passed: bool = False
+
+
+REGISTRY = Registry()
+
+
+def track_sandbox(sandbox_id: str | None) -> None:
+    if sandbox_id:
+        REGISTRY.sandbox_ids.add(str(sandbox_id))
+
+
+# --------------------------------------------------------------------------
+# small utilities
+# --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.1,
+               message: str = "condition") -> Any:
+    """Poll `pred` until it returns a truthy value; return that value."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = pred()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - we re-raise with context below
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            extra = f" (last error: {last_exc!r})" if last_exc else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{extra}")
+        time.sleep(interval)
+
+
+def rfc3339(dt: datetime) -> str:
+    return dt.astimezone(timezone.utc).isoformat()
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def assert_error_body(resp: httpx.Response, *, codes: Iterable[int] | None = None,
+                      code: str | None = None) -> dict:
+    """Assert a Warren/OpenSandbox error response: status in `codes` and a
+    JSON body {"code": str, "message": str}. Returns the body."""
+    if codes is not None:
+        codes = tuple(codes)
+        assert resp.status_code in codes, (
+            f"{resp.request.method} {resp.request.url}: expected status in {codes}, "
+            f"got {resp.status_code}: {resp.text[:500]}")
+    try:
+        body = resp.json()
+    except ValueError as exc:
+        raise AssertionError(
+            f"{resp.request.method} {resp.request.url}: error body is not JSON "
+            f"({resp.status_code}): {resp.text[:500]!r}") from exc
+    assert isinstance(body, dict), f"error body is not an object: {body!r}"
+    assert isinstance(body.get("code"), str) and body["code"], f"error body lacks 'code': {body!r}"
+    assert isinstance(body.get("message"), str), f"error body lacks 'message': {body!r}"
+    if code is not None:
+        assert body["code"] == code, f"expected code {code!r}, got {body!r}"
+    return body
+
+
+def create_body(image: str = "host", **overrides: Any) -> dict:
+    """A valid CreateSandboxRequest like the SDK sends it."""
+    body: dict[str, Any] = {
+        "image": {"uri": image},
+        "timeout": 600,
+        "resourceLimits": {"cpu": "1", "memory": "2Gi"},
+        "entrypoint": ["tail", "-f", "/dev/null"],
+        "secureAccess": False,
+    }
+    body.update(overrides)
+    return body
+
+
+# --------------------------------------------------------------------------
+# the server under test
+# --------------------------------------------------------------------------
+
+class BinaryMissing(RuntimeError):
+    pass
+
+
+class WarrenServer:
+    """One `warren serve` process with its own data dir (and API key)."""
+
+    def __init__(self, runtime: str, root: Path, name: str, *,
+                 data_dir: Path | None = None, api_key: str | None = None) -> None:
+        self.runtime = runtime
+        self.root = root
+        self.name = name
+        self.data_dir = data_dir or (root / f"data-{name}")
+        self.api_key = api_key or ("wk-" + secrets.token_hex(24))
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.config_path = root / f"config-{name}.toml"
+        self.log_path = root / f"server-{name}.log"
+        self.imported: set[str] = set()
+        self.bin = warren_bin()
+        REGISTRY.data_dirs.add(self.data_dir)
+        REGISTRY.roots.add(root)
+        REGISTRY.servers.append(self)
+
+    # -- environment / paths -------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def domain(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["WARREN_API_KEY"] = self.api_key
+        env[MARKER_ENV] = RUN_ID
+        env.setdefault("RUST_BACKTRACE", "1")
+        env.setdefault("RUST_LOG", "info")
+        # never let a developer's SDK/env settings leak into the server
+        for k in ("OPEN_SANDBOX_API_KEY", "OPENSANDBOX_SERVER_API_KEY"):
+            env.pop(k, None)
+        return env
+
+    def check_binary(self) -> None:
+        if not self.bin.is_file() or not os.access(self.bin, os.X_OK):
+            raise BinaryMissing(
+                f"warren binary not found or not executable at {self.bin}. Build it first "
+                f"(cargo build --target x86_64-unknown-linux-gnu, add --release and "
+                f"WARREN_PROFILE=release for release) or point WARREN_BIN at it.")
+
+    def write_config(self) -> None:
+        self.config_path.write_text(
+            "[runtime]\n"
+            'kind = "native"\n'
+            f'oci_runtime = "{self.runtime}"\n')
+
+    # -- CLI -------------------------------------------------------------------
+    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        self.check_binary()
+        cmd = [str(self.bin), *args, "--data-dir", str(self.data_dir)]
+        res = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise AssertionError(
+                f"`{' '.join(cmd)}` failed with exit code {res.returncode}\n"
+                f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}")
+        return res
+
+    def import_image(self, name: str, path: Path) -> None:
+        if name in self.imported:
+            return
+        self.cli("image", "import", name, str(path))
+        self.imported.add(name)
+
+    # -- process control ---------------------------------------------------------
+    def start(self, *, port: int | None = None, ready_timeout: float = 30) -> "WarrenServer":
+        self.check_binary()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.write_config()
+        self.port = port or free_port()
+        cmd = [str(self.bin), "serve", "--listen", self.domain,
+               "--data-dir", str(self.data_dir), "--config", str(self.config_path)]
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        REGISTRY.server_pids.add(self.proc.pid)
+        self.wait_ready(ready_timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"warren serve exited with code {self.proc.returncode} before becoming "
+                    f"healthy.\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
+            try:
+                r = httpx.get(f"{self.base_url}/health", timeout=2)
+                if r.status_code == 200 and r.json().get("status") == "healthy":
+                    return
+                last = f"{r.status_code} {r.text[:200]}"
+            except Exception as exc:  # noqa: BLE001
+                last = repr(exc)
+            time.sleep(0.05)
+        raise AssertionError(
+            f"warren serve on {self.domain} not healthy after {timeout}s (last: {last})\n"
+            f"--- log tail ({self.log_path}) ---\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            raise AssertionError(
+                f"warren serve (pid {self.proc.pid}) ignored SIGTERM for {timeout}s; killed")
+
+    def delete_all_sandboxes(self, timeout: float = 30) -> list[str]:
+        """Delete every sandbox the server knows and wait until each one is
+        Terminated/Failed or gone. Returns the ids seen."""
+        if not self.alive():
+            return []
+        ids: list[str] = []
+        with self.client() as c:
+            page = 1
+            while True:
+                r = c.get("/v1/sandboxes", params={"page": page, "pageSize": 100})
+                if r.status_code != 200:
+                    break
+                body = r.json()
+                for item in body.get("items", []):
+                    ids.append(item["id"])
+                if not body.get("pagination", {}).get("hasNextPage"):
+                    break
+                page += 1
+            for sid in ids:
+                track_sandbox(sid)
+                c.delete(f"/v1/sandboxes/{sid}")
+            deadline = time.monotonic() + timeout
+            pending = set(ids)
+            while pending and time.monotonic() < deadline:
+                for sid in list(pending):
+                    r = c.get(f"/v1/sandboxes/{sid}")
+                    if r.status_code == 404:
+                        pending.discard(sid)
+                    elif r.status_code == 200 and r.json()["status"]["state"] in ("Terminated", "Failed"):
+                        pending.discard(sid)
+                if pending:
+                    time.sleep(0.1)
+        return ids
+
+    def stop(self) -> None:
+        """Clean shutdown: remove all sandboxes, then SIGTERM the server."""
+        try:
+            self.delete_all_sandboxes()
+        finally:
+            self.terminate()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    # -- HTTP clients ---------------------------------------------------------------
+    def client(self, *, api_key: str | None | bool = True, timeout: float = 60) -> httpx.Client:
+        headers = {}
+        if api_key is True:
+            headers["OPEN-SANDBOX-API-KEY"] = self.api_key
+        elif isinstance(api_key, str):
+            headers["OPEN-SANDBOX-API-KEY"] = api_key
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def sdk_config(self, **kw: Any):
+        from opensandbox.config import ConnectionConfigSync
+        kw.setdefault("request_timeout", timedelta(seconds=120))
+        return ConnectionConfigSync(domain=self.domain, api_key=self.api_key, **kw)
+
+    def sdk_async_config(self, **kw: Any):
+        from opensandbox.config import ConnectionConfig
+        kw.setdefault("request_timeout", timedelta(seconds=120))
+        return ConnectionConfig(domain=self.domain, api_key=self.api_key, **kw)
+
+
+# --------------------------------------------------------------------------
+# host-side inspection used by restart and leak tests
+# --------------------------------------------------------------------------
+
+def _read(path: str, binary: bool = False):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return data if binary else data.decode(errors="replace")
+    except OSError:
+        return None
+
+
+def all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def proc_cmdline(pid: int) -> str:
+    raw = _read(f"/proc/{pid}/cmdline", binary=True)
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip() if raw else ""
+
+
+def proc_state(pid: int) -> str | None:
+    status = _read(f"/proc/{pid}/status")
+    if not status:
+        return None
+    for line in status.splitlines():
+        if line.startswith("State:"):
+            return line.split()[1]
+    return None
+
+
+def own_ancestry() -> set[int]:
+    pids = set()
+    pid = os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        status = _read(f"/proc/{pid}/status") or ""
+        ppid = 0
+        for line in status.splitlines():
+            if line.startswith("PPid:"):
+                ppid = int(line.split()[1])
+        pid = ppid
+    return pids
+
+
+def pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def pids_with_cmdline(substr: str) -> list[int]:
+    me = own_ancestry()
+    return [p for p in all_pids() if p not in me and substr in proc_cmdline(p)]
+
+
+def sandbox_host_pids(marker: str, sandbox_id: str) -> set[int]:
+    """Host PIDs belonging to a sandbox: everything sharing the PID namespace
+    of a process whose command line carries `marker`, plus processes whose
+    command line mentions the sandbox id (gVisor's runsc-sandbox/gofer)."""
+    me = own_ancestry()
+    my_ns = pid_ns(os.getpid())
+    found: set[int] = set()
+    namespaces = set()
+    for p in pids_with_cmdline(marker):
+        ns = pid_ns(p)
+        if ns and ns != my_ns:
+            namespaces.add(ns)
+        found.add(p)
+    if namespaces:
+        for p in all_pids():
+            if p not in me and pid_ns(p) in namespaces:
+                found.add(p)
+    server_pids = REGISTRY.server_pids
+    for p in pids_with_cmdline(sandbox_id):
+        if p not in server_pids:
+            found.add(p)
+    return found - me
+
+
+def leaked_processes(data_dirs: Iterable[Path]) -> list[str]:
+    me = own_ancestry()
+    dirs = [str(d) for d in data_dirs]
+    out = []
+    for pid in all_pids():
+        if pid in me:
+            continue
+        state = proc_state(pid)
+        if state is None:
+            continue
+        reasons = []
+        if pid in REGISTRY.server_pids:
+            reasons.append("warren serve started by the suite")
+        env = _read(f"/proc/{pid}/environ", binary=True) or b""
+        if f"{MARKER_ENV}={RUN_ID}".encode() in env:
+            reasons.append(f"inherits {MARKER_ENV}={RUN_ID}")
+        cmd = proc_cmdline(pid)
+        if any(d in cmd for d in dirs):
+            reasons.append("command line mentions a test data dir")
+        for link in ("root", "cwd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/{link}")
+            except OSError:
+                continue
+            if any(target == d or target.startswith(d + "/") for d in dirs):
+                reasons.append(f"{link} is inside a test data dir ({target})")
+        if any(sid in cmd for sid in REGISTRY.sandbox_ids):
+            reasons.append("command line mentions a sandbox id")
+        if reasons:
+            out.append(f"pid {pid} [{state}] {cmd[:200]!r}: {', '.join(reasons)}")
+    return out
+
+
+def _unescape_mount(s: str) -> str:
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def leaked_mounts(data_dirs: Iterable[Path]) -> list[str]:
+    dirs = [str(d) for d in data_dirs]
+    out = []
+    for path in ("/proc/self/mountinfo",):
+        text = _read(path) or ""
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) < 5:
+                continue
+            root, mnt = _unescape_mount(parts[3]), _unescape_mount(parts[4])
+            rest = line.split(" - ", 1)[1] if " - " in line else ""
+            if any(mnt == d or mnt.startswith(d + "/") for d in dirs) or any(d in rest for d in dirs):
+                out.append(line)
+    return out
+
+
+def leaked_cgroups(sandbox_ids: Iterable[str]) -> list[str]:
+    ids = [s for s in sandbox_ids if s]
+    out = []
+    roots: list[Path] = []
+    cg = Path("/sys/fs/cgroup")
+    if cg.is_dir():
+        roots += [p for p in cg.glob("warren*") if p.is_dir()]
+        roots += [p for p in cg.glob("*/warren*") if p.is_dir()]
+        # systemd-style nesting, e.g. /sys/fs/cgroup/<ctrl>/<slice>/warren*
+        roots += [p for p in cg.glob("*/*/warren*") if p.is_dir()]
+    seen = set()
+    for r in roots:
+        for dirpath, dirnames, _ in os.walk(r):
+            for d in dirnames:
+                full = os.path.join(dirpath, d)
+                if full in seen:
+                    continue
+                seen.add(full)
+                if any(sid in d for sid in ids):
+                    out.append(full)
+        if any(sid in r.name for sid in ids):
+            out.append(str(r))
+    return sorted(set(out))
+
+
+def leaked_sandbox_dirs(data_dirs: Iterable[Path], sandbox_ids: Iterable[str]) -> list[str]:
+    ids = [s for s in sandbox_ids if s]
+    out = []
+    for d in data_dirs:
+        if not d.exists():
+            continue
+        for dirpath, dirnames, _ in os.walk(d):
+            for name in dirnames:
+                if any(sid in name for sid in ids):
+                    out.append(os.path.join(dirpath, name))
+            # do not descend into image stores: they can be big and hold no sandbox dirs
+            dirnames[:] = [n for n in dirnames if n not in ("images", "blobs", "layers")]
+    return sorted(out)
+
+
+def join_chunks(messages) -> str:
+    """Join SDK OutputMessages the way the SDK's own formatter does: events may
+    be whole lines without their newline (reference execd) or raw chunks
+    carrying their own line endings; both read back the same."""
+    parts: list[str] = []
+    last = ""
+    for m in messages:
+        text = m.text
+        if text and last and last not in "\r\n" and text[0] not in "\r\n":
+            parts.append("\n")
+        parts.append(text)
+        if text:
+            last = text[-1]
+    return "".join(parts)
+
+
+def sh(sbx, command: str, **opts):
+    """Run a shell command through the SDK; return (exit_code, stdout, stderr)."""
+    from opensandbox.models.execd import RunCommandOpts
+    ex = sbx.commands.run(command, opts=RunCommandOpts(**opts) if opts else None)
+    return ex.exit_code, join_chunks(ex.logs.stdout), join_chunks(ex.logs.stderr)
+
+
+def json_or_text(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except (ValueError, json.JSONDecodeError):
+        return resp.text
