@@ -101,9 +101,14 @@ def test_directories_and_file_ops(host_sandbox):
     with pytest.raises(SandboxException):
         fs.read_file(f"{base}/a/one.txt")
 
-    fs.set_permissions([SetPermissionEntry(path=f"{base}/moved.txt", mode=600, owner="nobody")])
+    # Any non-root account of the sandbox's /etc/passwd (the host image shows the host's, which may
+    # have only root); a bare uid otherwise, which execd reports back as the number.
+    code, user, _ = sh(host_sandbox, "awk -F: '$3 != 0 { print $1; exit }' /etc/passwd")
+    assert code == 0
+    user = user.strip() or "4242"
+    fs.set_permissions([SetPermissionEntry(path=f"{base}/moved.txt", mode=600, owner=user)])
     info = fs.get_file_info([f"{base}/moved.txt"])[f"{base}/moved.txt"]
-    assert info.mode == 600 and info.owner == "nobody"
+    assert info.mode == 600 and info.owner == user
 
     fs.delete_files([f"{base}/moved.txt"])
     fs.delete_directories([base])

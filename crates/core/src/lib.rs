@@ -12,3 +12,40 @@ pub use runtime::{ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, Run
 pub fn is_valid_sandbox_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
+
+/// Unix socket paths are limited to 108 bytes, and a sandbox's socket lives deep in the data dir.
+/// Returns a path that reaches the same socket through `/proc/self/fd/<dir>/name`, plus the directory
+/// handle that must stay open until the connect is done. Short paths are returned unchanged.
+pub fn reachable_socket_path(path: &std::path::Path) -> std::io::Result<(Option<std::fs::File>, std::path::PathBuf)> {
+    use std::os::fd::AsRawFd;
+    const SUN_PATH_MAX: usize = 107;
+    if path.as_os_str().len() <= SUN_PATH_MAX {
+        return Ok((None, path.to_path_buf()));
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "socket path has no parent"));
+    };
+    let handle = std::fs::File::open(dir)?;
+    let short = std::path::Path::new(&format!("/proc/self/fd/{}", handle.as_raw_fd())).join(name);
+    Ok((Some(handle), short))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_socket_paths_are_shortened_and_connectable() {
+        let base = std::env::temp_dir().join("warren-core-test-".to_string() + &"x".repeat(120));
+        std::fs::create_dir_all(&base).expect("mkdir");
+        let sock = base.join("s.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = std::os::unix::net::UnixListener::bind(reachable_socket_path(&sock).expect("path").1);
+        let listener = listener.expect("bind through /proc/self/fd");
+        let (_guard, short) = reachable_socket_path(&sock).expect("short");
+        assert!(short.as_os_str().len() < 108);
+        std::os::unix::net::UnixStream::connect(&short).expect("connect");
+        drop(listener);
+        std::fs::remove_dir_all(&base).expect("cleanup");
+    }
+}

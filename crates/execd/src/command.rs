@@ -183,6 +183,7 @@ fn spec_from_request(app: &AppState, req: &RunCommandRequest) -> ApiResult<(Proc
         envs: req.envs.clone().unwrap_or_default(),
         uid: req.uid,
         gid: req.gid,
+        combine_output: req.background,
     };
     Ok((spec, content))
 }

@@ -90,6 +90,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics::metrics))
         .route("/metrics/watch", get(metrics::watch))
         .route("/proxy/{port}", any(proxy::proxy))
+        .route("/proxy/{port}/", any(proxy::proxy))
         .route("/proxy/{port}/{*path}", any(proxy::proxy))
         .fallback(|| async { ApiError::not_found(code::NOT_SUPPORTED, "no such route") })
         .with_state(state)

@@ -30,6 +30,8 @@ pub struct ProcessSpec {
     pub envs: BTreeMap<String, String>,
     pub uid: Option<u32>,
     pub gid: Option<u32>,
+    /// stdout and stderr share one pipe (background commands: one log, in the order written).
+    pub combine_output: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -79,6 +81,8 @@ pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
 pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = std::env::vars().collect();
     let file = std::env::var(EXECD_ENVS_VAR).unwrap_or_else(|_| DEFAULT_ENVS_FILE.to_string());
+    // Commands must see where the file is: the SDK's `set_env` appends to "$EXECD_ENVS".
+    env.insert(EXECD_ENVS_VAR.to_string(), file.clone());
     if let Ok(text) = std::fs::read_to_string(&file) {
         env.extend(parse_env_file(&text));
     }
@@ -157,9 +161,17 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
             StdinMode::Null => Stdio::null(),
             StdinMode::Piped => Stdio::piped(),
         })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .process_group(0);
+    // With a shared pipe, the reading end is kept here and the writing ends live in `cmd` until it is
+    // dropped right after the spawn (else EOF would never come).
+    let combined_reader = if spec.combine_output {
+        let (reader, writer) = std::io::pipe().map_err(SpawnError::Pipe)?;
+        cmd.stdout(writer.try_clone().map_err(SpawnError::Pipe)?).stderr(writer);
+        Some(reader)
+    } else {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        None
+    };
     if let Some(uid) = spec.uid {
         // Without an explicit gid, drop to the user's primary group rather than keeping root's.
         let gid = spec.gid.or_else(|| Ids::load().primary_gid(uid));
@@ -175,12 +187,16 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
     let Spawned { mut child, exit } = reaper
         .spawn(&mut cmd)
         .map_err(|source| SpawnError::Spawn { program, source })?;
+    drop(cmd);
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    let stdout = child
-        .stdout
-        .take()
-        .map(|p| pipe::Receiver::from_owned_fd(p.into()))
-        .transpose();
+    let stdout = match combined_reader {
+        Some(reader) => pipe::Receiver::from_owned_fd(reader.into()).map(Some),
+        None => child
+            .stdout
+            .take()
+            .map(|p| pipe::Receiver::from_owned_fd(p.into()))
+            .transpose(),
+    };
     let stderr = child
         .stderr
         .take()
@@ -254,26 +270,57 @@ pub enum Stream {
     Stderr,
 }
 
-/// Reads `pipe` to EOF, sending decoded text chunks. Stops early if the receiver is gone.
+/// A partial line is sent after this much silence, so a prompt without a newline still shows up.
+const PARTIAL_LINE_FLUSH: Duration = Duration::from_millis(50);
+/// A line longer than this is sent in pieces rather than held.
+const MAX_PENDING: usize = 256 * 1024;
+
+/// Reads `pipe` to EOF, sending decoded text chunks that end on line boundaries: clients (and the
+/// reference execd) treat events as whole lines, so a line is never split across two events unless it
+/// is very long or the writer pauses mid-line. Stops early if the receiver is gone.
 pub async fn pump(mut pipe: pipe::Receiver, stream: Stream, tx: mpsc::Sender<(Stream, String)>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut carry = Utf8Carry::default();
+    let mut pending = String::new();
     loop {
-        match pipe.read(&mut buf).await {
+        let read = if pending.is_empty() {
+            pipe.read(&mut buf).await
+        } else {
+            // Cancelling a pipe read loses nothing: no bytes are consumed until it completes.
+            match tokio::time::timeout(PARTIAL_LINE_FLUSH, pipe.read(&mut buf)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    if tx.send((stream, std::mem::take(&mut pending))).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        };
+        match read {
             Ok(0) => break,
             Ok(n) => {
-                let text = carry.push(&buf[..n]);
-                if !text.is_empty() && tx.send((stream, text)).await.is_err() {
-                    return;
+                pending.push_str(&carry.push(&buf[..n]));
+                let cut = if pending.len() > MAX_PENDING {
+                    pending.len()
+                } else {
+                    pending.rfind('\n').map(|i| i + 1).unwrap_or(0)
+                };
+                if cut > 0 {
+                    let rest = pending.split_off(cut);
+                    let complete = std::mem::replace(&mut pending, rest);
+                    if tx.send((stream, complete)).await.is_err() {
+                        return;
+                    }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         }
     }
-    let rest = carry.finish();
-    if !rest.is_empty() {
-        let _ = tx.send((stream, rest)).await;
+    pending.push_str(&carry.finish());
+    if !pending.is_empty() {
+        let _ = tx.send((stream, pending)).await;
     }
 }
 

@@ -94,6 +94,7 @@ pub async fn create(
         envs: Default::default(),
         uid: None,
         gid: None,
+        combine_output: false,
     };
     let running = process::spawn(&app.reaper, &spec, StdinMode::Piped)
         .map_err(|e| ApiError::runtime(e.full_message()))?;

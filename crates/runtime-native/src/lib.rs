@@ -100,8 +100,8 @@ impl NativeRuntime {
                 RuntimeError::backend(format!("OCI runtime {name:?} is not supported or not installed (supported: embedded, runc, crun, runsc)"))
             })?),
         };
-        let skeleton = config.data_dir.join("host-skeleton");
-        build_host_skeleton(&skeleton).map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
+        let skeleton = build_host_skeleton(&config.data_dir.join("host-skeleton"))
+            .map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
         // Sandboxes we start are reparented to us when their setup helper exits, so their exit status
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
@@ -254,8 +254,10 @@ impl NativeRuntime {
         let deadline = Instant::now() + self.inner.config.ready_timeout;
         let mut delay = Duration::from_micros(200);
         loop {
-            if UnixStream::connect(socket).is_ok() {
-                return Ok(());
+            if let Ok((_dir, reachable)) = warren_core::reachable_socket_path(socket) {
+                if UnixStream::connect(&reachable).is_ok() {
+                    return Ok(());
+                }
             }
             if !is_alive(pid) {
                 return Err(RuntimeError::backend(format!("execd exited during start: {}", log_tail(log))));
@@ -417,28 +419,56 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
 }
 
 /// The `host` image's lower layer: the top-level shape of the host's root (merged-/usr symlinks and
-/// empty mount points), with nothing of the host's content.
-fn build_host_skeleton(dir: &Path) -> std::io::Result<()> {
+/// empty mount points), with nothing of the host's content. Running sandboxes use it as an overlay
+/// lower dir, so it is never modified once made: a host whose shape changed gets a new one, named by
+/// a digest of the shape, under `base`.
+fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    let tmp = dir.with_extension("tmp");
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir_all(&tmp)?;
+    const DIRS: [&str; 16] = ["usr", "etc", "root", "home", "var", "var/tmp", "var/log", "run", "tmp", "dev", "proc", "sys", "opt", "srv", "mnt", "workspace"];
+    let mut shape: Vec<(String, Option<PathBuf>)> = Vec::new();
     for name in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
         let host = Path::new("/").join(name);
         if let Ok(target) = fs::read_link(&host) {
-            symlink(target, tmp.join(name))?;
+            shape.push((name.to_string(), Some(target)));
         } else if host.is_dir() {
-            fs::create_dir(tmp.join(name))?;
+            shape.push((name.to_string(), None));
         }
     }
-    for name in ["usr", "etc", "root", "home", "var", "var/tmp", "var/log", "run", "tmp", "dev", "proc", "sys", "opt", "srv", "mnt", "workspace"] {
+    let digest = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&shape, DIRS).hash(&mut h);
+        format!("{:016x}", h.finish())
+    };
+    let dir = base.join(&digest);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    fs::create_dir_all(base)?;
+    let tmp = base.join(format!(".{digest}.{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp)?;
+    for (name, target) in &shape {
+        match target {
+            Some(t) => symlink(t, tmp.join(name))?,
+            None => fs::create_dir(tmp.join(name))?,
+        }
+    }
+    for name in DIRS {
         fs::create_dir_all(tmp.join(name))?;
     }
     fs::set_permissions(tmp.join("tmp"), fs::Permissions::from_mode(0o1777))?;
     fs::set_permissions(tmp.join("var/tmp"), fs::Permissions::from_mode(0o1777))?;
     fs::set_permissions(tmp.join("root"), fs::Permissions::from_mode(0o700))?;
-    let _ = fs::remove_dir_all(dir);
-    fs::rename(&tmp, dir)
+    match fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        // Another process made the same skeleton first.
+        Err(_) if dir.is_dir() => {
+            let _ = fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.

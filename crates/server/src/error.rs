@@ -68,8 +68,11 @@ impl IntoResponse for ApiError {
 impl From<axum::extract::rejection::JsonRejection> for ApiError {
     fn from(r: axum::extract::rejection::JsonRejection) -> Self {
         let status = r.status();
-        let code = if status == StatusCode::PAYLOAD_TOO_LARGE { ErrorCode::BodyTooLarge } else { ErrorCode::InvalidRequestBody };
-        Self::new(if status.is_client_error() { status } else { StatusCode::BAD_REQUEST }, code, r.body_text())
+        // Syntax and type errors alike are the client's malformed body: 400 (axum would say 422).
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Self::new(status, ErrorCode::BodyTooLarge, "request body too large (limit 1 MiB)");
+        }
+        Self::bad_request(ErrorCode::InvalidRequestBody, r.body_text())
     }
 }
 

@@ -56,7 +56,7 @@ async fn forward(State(app): State<AppState>, id: String, port: String, rest: St
     let path = if port == EXECD_PORT { format!("/{rest}{query}") } else { format!("/proxy/{port}/{rest}{query}") };
 
     let socket = app.sandboxes.runtime().execd_socket(&id);
-    let stream = match tokio::net::UnixStream::connect(&socket).await {
+    let stream = match connect(&socket).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
@@ -108,4 +108,10 @@ async fn forward(State(app): State<AppState>, id: String, port: String, rest: St
     }
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Body::new(body))
+}
+
+async fn connect(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixStream> {
+    // `_dir` keeps the /proc/self/fd handle of a long path alive until the connect completes.
+    let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
+    tokio::net::UnixStream::connect(&reachable).await
 }
