@@ -126,7 +126,8 @@ def test_apt_style_root_works(make_sandbox, test_image):
     """Root inside can still do package-manager things (chown, mknod of
     regular files, setuid to other users) on the writable image."""
     sbx = make_sandbox(test_image)
-    code, out, err = sh(sbx, "touch /var/tmp/f && chown 100:100 /var/tmp/f && stat -c %u:%g /var/tmp/f")
+    code, out, err = sh(sbx, "touch /var/tmp/f && chown 100:100 /var/tmp/f && "
+                      "python3 -c 'import os; s = os.stat(\"/var/tmp/f\"); print(f\"{s.st_uid}:{s.st_gid}\")'")
     assert code == 0, err
     assert out.strip() == "100:100"
     code, out, err = sh(sbx, "setpriv --reuid=65534 --regid=65534 --clear-groups id -u")

@@ -208,7 +208,7 @@ impl Cgroup {
     pub fn pids(&self) -> Vec<i32> {
         let Some(dir) = self.dirs.first() else { return Vec::new() };
         fs::read_to_string(dir.join("cgroup.procs"))
-            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).filter(|p: &i32| *p > 1).collect())
             .unwrap_or_default()
     }
 

@@ -272,6 +272,8 @@ impl NativeRuntime {
 
     /// Kills and removes everything a sandbox holds on the host. Safe to call repeatedly.
     fn teardown(&self, id: &str, pid: Option<i32>) {
+        // kill(0) or kill(-1) would hit our own group or everything: only ever signal a real pid.
+        let pid = pid.filter(|p| *p > 1);
         if let Some(oci) = &self.inner.oci {
             oci.teardown(id, &self.sandbox_dir(id).join("rootfs"));
         }

@@ -79,7 +79,8 @@ impl OciRuntime {
         if self.kind == OciKind::Runsc {
             // Loopback only (as the embedded runtime), and let execd create its socket in the host
             // folder bind-mounted at /.warren/run so the server can reach it.
-            cmd.args(["--network=none", "--host-uds=all"]);
+            // --oci-seccomp: apply the bundle's seccomp profile inside the Sentry too.
+            cmd.args(["--network=none", "--host-uds=all", "--oci-seccomp"]);
         }
         cmd
     }
@@ -119,20 +120,28 @@ impl OciRuntime {
             .stderr(Stdio::from(err_log))
             .status()
             .map_err(|source| OciError::Spawn { binary: self.binary.display().to_string(), source })?;
+        let log_tail = || {
+            let text = fs::read_to_string(bundle.join("sandbox.log")).unwrap_or_default();
+            text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+        };
         if !out.success() {
-            let tail = fs::read_to_string(bundle.join("sandbox.log")).unwrap_or_default();
-            let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
-            return Err(OciError::Failed { binary: self.binary.display().to_string(), verb: "run".into(), stderr: tail });
+            return Err(OciError::Failed { binary: self.binary.display().to_string(), verb: "run".into(), stderr: log_tail() });
         }
-        self.pid(&spec.id)
+        self.pid(&spec.id).map_err(|_| OciError::Failed {
+            binary: self.binary.display().to_string(),
+            verb: "run".into(),
+            stderr: format!("the container exited at once: {}", log_tail()),
+        })
     }
 
     pub fn pid(&self, id: &str) -> Result<i32, OciError> {
         let state: Value = serde_json::from_str(&self.run(&["state", id])?).unwrap_or(Value::Null);
-        state.get("pid").and_then(Value::as_i64).map(|p| p as i32).ok_or_else(|| OciError::Failed {
+        // A stopped container reports pid 0; never hand that (or -1) to kill(2), which would signal
+        // our own process group or every process.
+        state.get("pid").and_then(Value::as_i64).filter(|p| *p > 1 && *p <= i64::from(i32::MAX)).map(|p| p as i32).ok_or_else(|| OciError::Failed {
             binary: self.binary.display().to_string(),
             verb: "state".into(),
-            stderr: "no pid in state".into(),
+            stderr: "the container has no running process".into(),
         })
     }
 
@@ -201,12 +210,18 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
         json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
         json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
     ];
-    let mut masked: Vec<String> = MASKED_PATHS.iter().map(|s| s.to_string()).collect();
+    let masked: Vec<String> = MASKED_PATHS.iter().map(|s| s.to_string()).collect();
     if let RootSource::Host { binds, masked_files, masked_dirs, .. } = &spec.root {
         for b in binds {
             mounts.push(bind(&b.display().to_string(), b, true));
         }
-        masked.extend(masked_files.iter().chain(masked_dirs).filter(|p| p.exists()).map(|p| p.display().to_string()));
+        // Explicit mounts rather than maskedPaths: gVisor does not mask paths inside bind mounts.
+        for f in masked_files.iter().filter(|p| p.is_file()) {
+            mounts.push(json!({"destination": f, "type": "bind", "source": "/dev/null", "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}));
+        }
+        for d in masked_dirs.iter().filter(|p| p.is_dir()) {
+            mounts.push(json!({"destination": d, "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "noexec", "size=4k", "mode=700"]}));
+        }
     }
     mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true));
     mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false));
@@ -225,20 +240,17 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
         "maskedPaths": masked,
         "readonlyPaths": READONLY_PATHS,
     });
+    // The same deny list as the embedded path. gVisor applies it inside its Sentry (--oci-seccomp) but
+    // mis-evaluates the argument-matching `clone` rule (every thread creation fails) — and user
+    // namespaces inside gVisor live in the Sentry, not the host kernel — so runsc gets the plain list.
+    let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
+    let mut syscalls = vec![json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM})];
     if kind != OciKind::Runsc {
-        // gVisor's Sentry is its own syscall filter; for runc/crun, the same deny list as the embedded path.
-        let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
-        linux["seccomp"] = json!({
-            "defaultAction": "SCMP_ACT_ALLOW",
-            "architectures": ["SCMP_ARCH_X86_64"],
-            "syscalls": [
-                {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
-                {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS},
-                {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
-                 "args": [{"index": 0, "value": libc::CLONE_NEWUSER, "valueTwo": libc::CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]}
-            ]
-        });
+        syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS}));
+        syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+            "args": [{"index": 0, "value": libc::CLONE_NEWUSER, "valueTwo": libc::CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]}));
     }
+    linux["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"], "syscalls": syscalls});
     json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -294,6 +306,7 @@ mod tests {
         assert!(!caps.iter().any(|v| v == "CAP_SYS_ADMIN"));
         assert!(c["linux"]["seccomp"]["syscalls"][0]["names"].as_array().expect("names").iter().any(|n| n == "mount"));
         let runsc = config_json(&spec(), &limits, OciKind::Runsc);
-        assert!(runsc["linux"].get("seccomp").is_none());
+        assert_eq!(runsc["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len), Some(1));
+        assert_eq!(c["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len), Some(3));
     }
 }
