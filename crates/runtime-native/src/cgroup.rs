@@ -237,6 +237,22 @@ impl Cgroup {
     }
 }
 
+/// Removes `<hierarchy>/<parent>/<id>` in every hierarchy under `root`, not only the ones Warren uses:
+/// OCI runtimes (runsc on cgroup v1) create the sandbox's cgroup in all of them.
+pub fn remove_everywhere(root: &Path, parent: &str, id: &str) {
+    let Ok(entries) = fs::read_dir(root) else { return };
+    let mut dirs = vec![root.join(parent).join(id)];
+    dirs.extend(entries.flatten().map(|e| e.path().join(parent).join(id)));
+    for dir in dirs {
+        for _ in 0..100 {
+            match fs::remove_dir(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound && dir.exists() => std::thread::sleep(Duration::from_millis(10)),
+                _ => break,
+            }
+        }
+    }
+}
+
 /// On v2 a child cgroup only gets controllers its parent delegates: turn them on down the path.
 fn enable_v2_controllers(root: &Path, parent: &Path) -> Result<(), CgroupError> {
     fs::create_dir_all(parent).map_err(io_err(parent))?;

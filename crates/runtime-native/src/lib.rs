@@ -292,6 +292,9 @@ impl NativeRuntime {
         if let Err(e) = cg.remove(Duration::from_secs(3)) {
             tracing::warn!(sandbox_id = id, error = %e, "cgroup removal failed");
         }
+        if self.inner.oci.is_some() {
+            cgroup::remove_everywhere(&self.inner.config.cgroup_root, &self.inner.config.cgroup_parent, id);
+        }
         let dir = self.sandbox_dir(id);
         if let Err(e) = fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {

@@ -215,11 +215,13 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
         for b in binds {
             mounts.push(bind(&b.display().to_string(), b, true));
         }
-        // Explicit mounts rather than maskedPaths: gVisor does not mask paths inside bind mounts.
-        for f in masked_files.iter().filter(|p| p.is_file()) {
+        // Explicit mounts rather than maskedPaths: gVisor does not mask paths inside bind mounts. Only
+        // paths the binds make visible: a mount elsewhere would create the very path it hides.
+        let visible = |p: &&PathBuf| binds.iter().any(|b| p.starts_with(b));
+        for f in masked_files.iter().filter(visible).filter(|p| p.is_file()) {
             mounts.push(json!({"destination": f, "type": "bind", "source": "/dev/null", "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}));
         }
-        for d in masked_dirs.iter().filter(|p| p.is_dir()) {
+        for d in masked_dirs.iter().filter(visible).filter(|p| p.is_dir()) {
             mounts.push(json!({"destination": d, "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "noexec", "size=4k", "mode=700"]}));
         }
     }

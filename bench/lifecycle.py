@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Warren lifecycle benchmark: create -> first command output -> delete.
+
+Side by side in one process and one run:
+  * fork+exec   - a plain subprocess running the same command (the floor),
+  * raw API     - httpx against Warren's REST API and its endpoint proxy,
+  * SDK         - the official OpenSandbox Python SDK (opensandbox==1.1.1),
+  * docker run  - `docker run --rm` of the same command, when a Docker engine answers,
+each serial and at N concurrent, with p50/p90/p99, success counts and the p50 ratio to fork+exec.
+
+It starts its own `warren serve` (release build by default) on a free loopback port with a temp data
+dir and stops it by PID at the end. Usage:
+    bench/lifecycle.py [--n 50] [--concurrency 10] [--image host] [--oci embedded] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+COMMAND = "echo hi"
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `warren serve` of our own, stopped by PID."""
+
+    def __init__(self, binary: Path, oci: str):
+        self.dir = Path(tempfile.mkdtemp(prefix="warren-bench-"))
+        self.port = free_port()
+        self.key = secrets.token_hex(16)
+        cfg = self.dir / "config.toml"
+        cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\n')
+        env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
+        self.log = open(self.dir / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.dir / "data"),
+             "--config", str(cfg)],
+            stdout=self.log, stderr=self.log, env=env, start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise SystemExit(f"warren did not start; see {self.dir / 'server.log'}")
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- one sandbox's life, per client kind -------------------------------------------------------
+
+async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str) -> float:
+    t0 = time.perf_counter()
+    h = {"OPEN-SANDBOX-API-KEY": key}
+    r = await client.post(f"{base}/v1/sandboxes", headers=h, json={
+        "image": {"uri": image}, "timeout": 600, "resourceLimits": {"cpu": "1", "memory": "2Gi"},
+        "entrypoint": ["tail", "-f", "/dev/null"]})
+    if r.status_code != 202:
+        raise RuntimeError(f"create: {r.status_code} {r.text}")
+    sid = r.json()["id"]
+    try:
+        ep = (await client.get(f"{base}/v1/sandboxes/{sid}/endpoints/44772", headers=h)).json()
+        first = None
+        async with client.stream("POST", f"http://{ep['endpoint']}/command", headers=ep.get("headers", {}),
+                                 json={"command": COMMAND}) as resp:
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                ev = json.loads(line.removeprefix("data:"))
+                if ev["type"] == "stdout" and first is None:
+                    first = time.perf_counter() - t0
+                if ev["type"] == "error":
+                    raise RuntimeError(f"command failed: {ev}")
+        if first is None:
+            raise RuntimeError("no output")
+        return first
+    finally:
+        d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+        if d.status_code != 204:
+            raise RuntimeError(f"delete: {d.status_code} {d.text}")
+
+
+async def sdk_once(cfg, image: str) -> float:
+    from opensandbox import Sandbox
+    from opensandbox.models.execd import ExecutionHandlers
+
+    t0 = time.perf_counter()
+    sb = await Sandbox.create(image, connection_config=cfg)
+    first: list[float] = []
+
+    async def on_stdout(_msg):
+        if not first:
+            first.append(time.perf_counter() - t0)
+
+    try:
+        ex = await sb.commands.run(COMMAND, handlers=ExecutionHandlers(on_stdout=on_stdout))
+        if ex.exit_code != 0 or not first:
+            raise RuntimeError(f"sdk command failed: {ex}")
+        return first[0]
+    finally:
+        await sb.kill()
+        await sb.close()
+
+
+async def fork_once() -> float:
+    t0 = time.perf_counter()
+    p = await asyncio.create_subprocess_exec("sh", "-c", COMMAND, stdout=asyncio.subprocess.PIPE)
+    await p.stdout.readline()
+    elapsed = time.perf_counter() - t0
+    await p.wait()
+    return elapsed
+
+
+async def docker_once(image: str) -> float:
+    t0 = time.perf_counter()
+    p = await asyncio.create_subprocess_exec("docker", "run", "--rm", image, "sh", "-c", COMMAND,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    line = await p.stdout.readline()
+    elapsed = time.perf_counter() - t0
+    if await p.wait() != 0 or not line:
+        raise RuntimeError("docker run failed")
+    return elapsed
+
+
+# --- drivers ---------------------------------------------------------------------------------
+
+async def measure(make, n: int, concurrency: int) -> dict:
+    times: list[float] = []
+    errors: list[str] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one():
+        async with sem:
+            try:
+                times.append(await make())
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                errors.append(str(e)[:200])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    ms = [t * 1000 for t in times]
+    return {"n": n, "concurrency": concurrency, "ok": len(times), "failed": len(errors),
+            "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
+            "mean_ms": statistics.fmean(ms) if ms else float("nan"), "wall_s": time.perf_counter() - t0,
+            "errors": errors[:3]}
+
+
+def docker_available() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--concurrency", type=int, default=10)
+    ap.add_argument("--image", default="host")
+    ap.add_argument("--oci", default="embedded")
+    ap.add_argument("--docker-image", default=os.environ.get("WARREN_BENCH_DOCKER_IMAGE", "warren-test:bookworm"))
+    ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
+    server = Server(Path(args.warren), args.oci)
+    results: dict[str, dict] = {}
+    try:
+        from opensandbox.config import ConnectionConfig
+        base = f"http://127.0.0.1:{server.port}"
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            cfg = ConnectionConfig(domain=f"127.0.0.1:{server.port}", api_key=server.key)
+            for _ in range(3):  # warm-up: page cache, first-use paths
+                await raw_once(client, base, server.key, args.image)
+                await fork_once()
+            kinds = {
+                "fork+exec": fork_once,
+                "warren raw API": lambda: raw_once(client, base, server.key, args.image),
+                "warren SDK": lambda: sdk_once(cfg, args.image),
+            }
+            if docker_available():
+                kinds["docker run --rm"] = lambda: docker_once(args.docker_image)
+            for name, make in kinds.items():
+                for conc in (1, args.concurrency):
+                    results[f"{name} c={conc}"] = await measure(make, args.n, conc)
+        rss = server.rss_kib()
+    finally:
+        server.stop()
+
+    machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
+    print(f"# create -> first output of {COMMAND!r} -> delete; image {args.image!r}, oci runtime {args.oci}, "
+          f"n={args.n} per row")
+    print(f"# machine: {machine}; server RSS after the run: {rss / 1024:.1f} MiB")
+    print(f"{'kind':<26}{'ok/n':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'p50 / fork':>12}")
+    for name, r in results.items():
+        conc = name.rsplit("c=", 1)[1]
+        floor = results.get(f"fork+exec c={conc}")
+        ratio = r["p50_ms"] / floor["p50_ms"] if floor and floor["p50_ms"] else float("nan")
+        print(f"{name:<26}{r['ok']:>4}/{r['n']:<4}{r['p50_ms']:>10.1f}{r['p90_ms']:>10.1f}{r['p99_ms']:>10.1f}"
+              f"{ratio:>12.1f}")
+        for e in r["errors"]:
+            print(f"    error: {e}")
+    if not docker_available():
+        print("# docker run --rm: no Docker engine answered on this machine; row omitted")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "server_rss_kib": rss, "results": results},
+                                              indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
