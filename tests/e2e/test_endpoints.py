@@ -98,3 +98,89 @@ def test_endpoint_bad_port(api, raw_sandbox, port):
     sid = raw_sandbox()["id"]
     r = api.get(f"/v1/sandboxes/{sid}/endpoints/{port}")
     W.assert_error_body(r, codes=[400, 404])
+
+
+WS_PORT = 8766
+# A WebSocket echo server in plain python3 (no packages in the images): the handshake, then each
+# client frame's payload sent back as a server text frame.
+WS_SERVER = r'''
+import base64, hashlib, socket, struct
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", %d)); s.listen(4)
+while True:
+    c, _ = s.accept()
+    req = b""
+    while b"\r\n\r\n" not in req:
+        req += c.recv(4096)
+    key = [l.split(b":", 1)[1].strip() for l in req.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")][0]
+    acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+    while True:
+        h = c.recv(2)
+        if len(h) < 2:
+            break
+        n = h[1] & 0x7f
+        if n == 126:
+            n = struct.unpack(">H", c.recv(2))[0]
+        mask = c.recv(4)
+        data = b""
+        while len(data) < n:
+            data += c.recv(n - len(data))
+        data = bytes(b ^ mask[i %% 4] for i, b in enumerate(data))
+        if h[0] & 0x0f == 8:
+            break
+        out = b"echo:" + data
+        c.sendall(bytes([0x81, len(out)]) + out)
+    c.close()
+''' % WS_PORT
+
+
+def _ws_roundtrip(endpoint: str, headers: dict, messages: list[bytes]) -> list[bytes]:
+    """A minimal WebSocket client over a raw socket, through Warren's proxy."""
+    import base64
+    import socket
+
+    hostport, _, path = endpoint.partition("/")
+    host, port = hostport.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall((f"GET /{path}/ws HTTP/1.1\r\nHost: {hostport}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n").encode())
+    resp = b""
+    while b"\r\n\r\n" not in resp:
+        chunk = sock.recv(4096)
+        assert chunk, f"connection closed during the handshake: {resp!r}"
+        resp += chunk
+    status = resp.split(b"\r\n", 1)[0]
+    assert b" 101 " in status, f"expected 101 Switching Protocols, got {resp[:300]!r}"
+    leftover = resp.split(b"\r\n\r\n", 1)[1]
+    replies = []
+    for m in messages:
+        mask = os.urandom(4)
+        sock.sendall(bytes([0x81, 0x80 | len(m)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(m)))
+        buf = leftover
+        while len(buf) < 2 or len(buf) < 2 + buf[1]:
+            buf += sock.recv(4096)
+        replies.append(buf[2:2 + buf[1]])
+        leftover = buf[2 + buf[1]:]
+    sock.sendall(bytes([0x88, 0x80]) + os.urandom(4))
+    sock.close()
+    return replies
+
+
+def test_websocket_through_the_proxy(make_sandbox):
+    sbx = make_sandbox("host")
+    sbx.files.write_file("/tmp/ws.py", WS_SERVER, mode=644)
+    ex = sbx.commands.run("python3 /tmp/ws.py", opts=RunCommandOpts(background=True))
+    assert ex.id
+    ep = sbx.get_endpoint(WS_PORT)
+
+    def attempt():
+        try:
+            return _ws_roundtrip(ep.endpoint, ep.headers, [b"one", b"two" * 20])
+        except (AssertionError, OSError):
+            return None
+
+    replies = W.wait_until(attempt, 15, interval=0.3, message="WebSocket echo server inside the sandbox")
+    assert replies == [b"echo:one", b"echo:" + b"two" * 20]
