@@ -12,7 +12,10 @@ pub struct ErrorBody {
 
 impl ErrorBody {
     pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { code: code.into(), message: message.into() }
+        Self {
+            code: code.into(),
+            message: message.into(),
+        }
     }
 }
 

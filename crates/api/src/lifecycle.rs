@@ -23,7 +23,9 @@ pub struct ImageAuth {
 
 impl std::fmt::Debug for ImageAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ImageAuth").field("username", &self.username).finish_non_exhaustive()
+        f.debug_struct("ImageAuth")
+            .field("username", &self.username)
+            .finish_non_exhaustive()
     }
 }
 
@@ -121,7 +123,9 @@ impl SandboxState {
 
     /// Parses a state name case-insensitively (the CLI and query strings are lenient).
     pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|st| st.as_str().eq_ignore_ascii_case(s))
+        Self::ALL
+            .into_iter()
+            .find(|st| st.as_str().eq_ignore_ascii_case(s))
     }
 
     /// Terminal states: the sandbox's processes are gone and only its record remains.

@@ -34,7 +34,11 @@ impl Client {
         } else {
             format!("http://{}", domain.trim_end_matches('/'))
         };
-        Self { http: reqwest::Client::new(), base, api_key }
+        Self {
+            http: reqwest::Client::new(),
+            base,
+            api_key,
+        }
     }
 
     fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
@@ -50,29 +54,55 @@ impl Client {
     }
 
     pub async fn create(&self, req: &CreateSandboxRequest) -> anyhow::Result<Sandbox> {
-        let resp = self.req(reqwest::Method::POST, "/sandboxes").json(req).send().await.context("contacting the Warren server")?;
+        let resp = self
+            .req(reqwest::Method::POST, "/sandboxes")
+            .json(req)
+            .send()
+            .await
+            .context("contacting the Warren server")?;
         Ok(check(resp, "creating the sandbox").await?.json().await?)
     }
 
     pub async fn delete(&self, id: &str) -> anyhow::Result<()> {
-        let resp = self.req(reqwest::Method::DELETE, &format!("/sandboxes/{id}")).send().await?;
+        let resp = self
+            .req(reqwest::Method::DELETE, &format!("/sandboxes/{id}"))
+            .send()
+            .await?;
         check(resp, "deleting the sandbox").await?;
         Ok(())
     }
 
     pub async fn endpoint(&self, id: &str, port: u16) -> anyhow::Result<Endpoint> {
-        let resp = self.req(reqwest::Method::GET, &format!("/sandboxes/{id}/endpoints/{port}")).send().await?;
+        let resp = self
+            .req(
+                reqwest::Method::GET,
+                &format!("/sandboxes/{id}/endpoints/{port}"),
+            )
+            .send()
+            .await?;
         Ok(check(resp, "resolving the endpoint").await?.json().await?)
     }
 
     /// Runs a foreground command, calling `on_event` for each event; returns the exit code.
-    pub async fn run_command(&self, id: &str, cmd: RunCommandRequest, mut on_event: impl FnMut(&StreamEvent)) -> anyhow::Result<i32> {
+    pub async fn run_command(
+        &self,
+        id: &str,
+        cmd: RunCommandRequest,
+        mut on_event: impl FnMut(&StreamEvent),
+    ) -> anyhow::Result<i32> {
         let ep = self.endpoint(id, EXECD_PORT).await?;
-        let mut r = self.http.post(format!("http://{}/command", ep.endpoint)).json(&cmd);
+        let mut r = self
+            .http
+            .post(format!("http://{}/command", ep.endpoint))
+            .json(&cmd);
         for (k, v) in &ep.headers {
             r = r.header(k, v);
         }
-        let resp = check(r.send().await.context("starting the command")?, "running the command").await?;
+        let resp = check(
+            r.send().await.context("starting the command")?,
+            "running the command",
+        )
+        .await?;
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
         let mut code = None;
@@ -85,11 +115,18 @@ impl Client {
                 if line.is_empty() {
                     continue;
                 }
-                let Ok(ev) = serde_json::from_str::<StreamEvent>(line) else { continue };
+                let Ok(ev) = serde_json::from_str::<StreamEvent>(line) else {
+                    continue;
+                };
                 match ev.kind {
                     EventKind::ExecutionComplete => code = Some(0),
                     EventKind::Error => {
-                        code = Some(ev.error.as_ref().and_then(|e| e.evalue.parse().ok()).unwrap_or(1));
+                        code = Some(
+                            ev.error
+                                .as_ref()
+                                .and_then(|e| e.evalue.parse().ok())
+                                .unwrap_or(1),
+                        );
                     }
                     _ => {}
                 }
@@ -103,6 +140,10 @@ impl Client {
 pub fn env_map(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
     pairs
         .iter()
-        .map(|p| p.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).with_context(|| format!("--env {p:?} is not KEY=VALUE")))
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .with_context(|| format!("--env {p:?} is not KEY=VALUE"))
+        })
         .collect()
 }

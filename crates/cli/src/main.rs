@@ -11,7 +11,11 @@ use clap::{Parser, Subcommand};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
 #[derive(Parser)]
-#[command(name = "warren", version, about = "Self-hosted sandboxes for AI agents (OpenSandbox protocol)")]
+#[command(
+    name = "warren",
+    version,
+    about = "Self-hosted sandboxes for AI agents (OpenSandbox protocol)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -66,8 +70,13 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some(warren_runtime_native::INIT_SUBCOMMAND) {
         warren_runtime_native::init::main();
     }
-    let filter = ProcessEnv.get(config::env::LOG).unwrap_or_else(|| "warren=info,warren_server=info,warn".into());
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).init();
+    let filter = ProcessEnv
+        .get(config::env::LOG)
+        .unwrap_or_else(|| "warren=info,warren_server=info,warn".into());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .init();
     let cli = Cli::parse();
     match real_main(cli) {
         Ok(code) => code,
@@ -80,8 +89,18 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve { listen, data_dir, config: config_file, insecure_no_auth } => {
-            let overrides = config::Overrides { listen, data_dir, config: config_file, insecure_no_auth };
+        Command::Serve {
+            listen,
+            data_dir,
+            config: config_file,
+            insecure_no_auth,
+        } => {
+            let overrides = config::Overrides {
+                listen,
+                data_dir,
+                config: config_file,
+                insecure_no_auth,
+            };
             let cfg = warren_server::ServerConfig::load(&overrides, &ProcessEnv)?;
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(serve(cfg))?;
@@ -95,11 +114,20 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let data_dir = data_dir
                 .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
                 .unwrap_or_else(|| config::default_data_dir(&ProcessEnv));
-            let store = warren_image::ImageStore::open(&data_dir).with_context(|| format!("opening the image store in {}", data_dir.display()))?;
+            let store = warren_image::ImageStore::open(&data_dir)
+                .with_context(|| format!("opening the image store in {}", data_dir.display()))?;
             match command {
                 ImageCommand::Import { name, path } => {
-                    let rec = store.import(&name, &path).with_context(|| format!("importing {} as {name}", path.display()))?;
-                    println!("{} {} ({} layers, {})", rec.name, rec.id, rec.layers.len(), human_bytes(rec.size_bytes));
+                    let rec = store
+                        .import(&name, &path)
+                        .with_context(|| format!("importing {} as {name}", path.display()))?;
+                    println!(
+                        "{} {} ({} layers, {})",
+                        rec.name,
+                        rec.id,
+                        rec.layers.len(),
+                        human_bytes(rec.size_bytes)
+                    );
                 }
                 ImageCommand::Ls { json } => {
                     let images = store.list()?;
@@ -112,8 +140,18 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     } else {
                         println!("{:<40} {:<20} {:>7} {:>10}", "NAME", "ID", "LAYERS", "SIZE");
                         for i in images {
-                            let id: String = i.id.trim_start_matches("sha256:").chars().take(12).collect();
-                            println!("{:<40} {:<20} {:>7} {:>10}", i.name, if i.builtin { "builtin".into() } else { id }, i.layers.len(), human_bytes(i.size_bytes));
+                            let id: String =
+                                i.id.trim_start_matches("sha256:")
+                                    .chars()
+                                    .take(12)
+                                    .collect();
+                            println!(
+                                "{:<40} {:<20} {:>7} {:>10}",
+                                i.name,
+                                if i.builtin { "builtin".into() } else { id },
+                                i.layers.len(),
+                                human_bytes(i.size_bytes)
+                            );
                         }
                     }
                 }
@@ -131,7 +169,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
 
 async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
     let server = warren_server::Server::bind(cfg).await?;
-    eprintln!("warren: listening on http://{} (runtime {})", server.local_addr(), server.state.sandboxes.runtime().name());
+    eprintln!(
+        "warren: listening on http://{} (runtime {})",
+        server.local_addr(),
+        server.state.sandboxes.runtime().name()
+    );
     server
         .run(async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
@@ -152,5 +194,9 @@ fn human_bytes(n: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", units[u]) }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
 }

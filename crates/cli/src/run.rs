@@ -45,9 +45,20 @@ pub struct RunArgs {
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let env = ProcessEnv;
-    let api_key = args.api_key.clone().or_else(|| env.get("OPEN_SANDBOX_API_KEY")).or_else(|| env.get(config::env::API_KEY));
-    let domain = args.domain.clone().or_else(|| env.get("OPEN_SANDBOX_DOMAIN"));
-    let data_dir = args.data_dir.clone().or_else(|| env.get(config::env::DATA_DIR).map(Into::into)).unwrap_or_else(|| config::default_data_dir(&env));
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| env.get("OPEN_SANDBOX_API_KEY"))
+        .or_else(|| env.get(config::env::API_KEY));
+    let domain = args
+        .domain
+        .clone()
+        .or_else(|| env.get("OPEN_SANDBOX_DOMAIN"));
+    let data_dir = args
+        .data_dir
+        .clone()
+        .or_else(|| env.get(config::env::DATA_DIR).map(Into::into))
+        .unwrap_or_else(|| config::default_data_dir(&env));
 
     let mut embedded = None;
     let client = match domain {
@@ -55,13 +66,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         None => {
             let probe = Client::new(config::DEFAULT_LISTEN, None);
             if probe.health().await && (api_key.is_some() || stored_key(&data_dir).is_some()) {
-                Client::new(config::DEFAULT_LISTEN, api_key.or_else(|| stored_key(&data_dir)))
+                Client::new(
+                    config::DEFAULT_LISTEN,
+                    api_key.or_else(|| stored_key(&data_dir)),
+                )
             } else {
-                let overrides = config::Overrides { listen: Some("127.0.0.1:0".into()), data_dir: Some(data_dir.clone()), config: None, insecure_no_auth: false };
+                let overrides = config::Overrides {
+                    listen: Some("127.0.0.1:0".into()),
+                    data_dir: Some(data_dir.clone()),
+                    config: None,
+                    insecure_no_auth: false,
+                };
                 let mut cfg = warren_server::ServerConfig::load(&overrides, &env)?;
                 cfg.api_key = Some(random_key());
                 let key = cfg.api_key.clone();
-                let server = warren_server::Server::bind(cfg).await.context("starting an in-process Warren server")?;
+                let server = warren_server::Server::bind(cfg)
+                    .await
+                    .context("starting an in-process Warren server")?;
                 let addr = server.local_addr();
                 let sandboxes = server.state.sandboxes.clone();
                 let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -82,7 +103,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         limits.insert("memory".to_string(), m.clone());
     }
     let req = CreateSandboxRequest {
-        image: Some(ImageSpec { uri: args.image.clone(), auth: None }),
+        image: Some(ImageSpec {
+            uri: args.image.clone(),
+            auth: None,
+        }),
         timeout: Some(3600),
         resource_limits: (!limits.is_empty()).then_some(limits),
         env: Some(env_map(&args.env)?),
@@ -90,8 +114,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let result = async {
         let sb = client.create(&req).await?;
-        let command = if args.command.len() == 1 { args.command[0].clone() } else { shell_join(&args.command) };
-        let cmd = RunCommandRequest { command: Some(command), cwd: args.workdir.clone(), ..Default::default() };
+        let command = if args.command.len() == 1 {
+            args.command[0].clone()
+        } else {
+            shell_join(&args.command)
+        };
+        let cmd = RunCommandRequest {
+            command: Some(command),
+            cwd: args.workdir.clone(),
+            ..Default::default()
+        };
         let outcome = client
             .run_command(&sb.id, cmd, |ev| match ev.kind {
                 EventKind::Stdout => {
@@ -103,8 +135,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     let mut err = std::io::stderr().lock();
                     let _ = err.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
                 }
-                EventKind::Error if ev.error.as_ref().is_some_and(|e| e.evalue.parse::<i32>().is_err()) => {
-                    eprintln!("warren: {}", ev.error.as_ref().map(|e| e.evalue.as_str()).unwrap_or_default());
+                EventKind::Error
+                    if ev
+                        .error
+                        .as_ref()
+                        .is_some_and(|e| e.evalue.parse::<i32>().is_err()) =>
+                {
+                    eprintln!(
+                        "warren: {}",
+                        ev.error
+                            .as_ref()
+                            .map(|e| e.evalue.as_str())
+                            .unwrap_or_default()
+                    );
                 }
                 _ => {}
             })
@@ -121,11 +164,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let _ = handle.await;
     }
     let code = result?;
-    Ok(ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1)))
+    Ok(ExitCode::from(
+        u8::try_from(code.clamp(0, 255)).unwrap_or(1),
+    ))
 }
 
 fn stored_key(data_dir: &std::path::Path) -> Option<String> {
-    std::fs::read_to_string(warren_server::auth::key_file(data_dir)).ok().map(|k| k.trim().to_string()).filter(|k| !k.is_empty())
+    std::fs::read_to_string(warren_server::auth::key_file(data_dir))
+        .ok()
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
 }
 
 fn random_key() -> String {
@@ -140,7 +188,10 @@ fn random_key() -> String {
 fn shell_join(args: &[String]) -> String {
     args.iter()
         .map(|a| {
-            if !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b)) {
+            if !a.is_empty()
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b))
+            {
                 a.clone()
             } else {
                 format!("'{}'", a.replace('\'', "'\\''"))
@@ -156,7 +207,13 @@ mod tests {
 
     #[test]
     fn quoting() {
-        assert_eq!(shell_join(&["echo".into(), "a b".into(), "it's".into()]), "echo 'a b' 'it'\\''s'");
-        assert_eq!(shell_join(&["ls".into(), "-la".into(), "/tmp".into()]), "ls -la /tmp");
+        assert_eq!(
+            shell_join(&["echo".into(), "a b".into(), "it's".into()]),
+            "echo 'a b' 'it'\\''s'"
+        );
+        assert_eq!(
+            shell_join(&["ls".into(), "-la".into(), "/tmp".into()]),
+            "ls -la /tmp"
+        );
     }
 }

@@ -6,7 +6,9 @@ pub mod quantity;
 pub mod runtime;
 
 pub use quantity::{parse_cpu_millis, parse_memory_bytes, QuantityError};
-pub use runtime::{ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxSpec};
+pub use runtime::{
+    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxSpec,
+};
 
 /// Validated sandbox id: lowercase hex/uuid-ish, safe as a path component and a cgroup name.
 pub fn is_valid_sandbox_id(id: &str) -> bool {
@@ -16,14 +18,19 @@ pub fn is_valid_sandbox_id(id: &str) -> bool {
 /// Unix socket paths are limited to 108 bytes, and a sandbox's socket lives deep in the data dir.
 /// Returns a path that reaches the same socket through `/proc/self/fd/<dir>/name`, plus the directory
 /// handle that must stay open until the connect is done. Short paths are returned unchanged.
-pub fn reachable_socket_path(path: &std::path::Path) -> std::io::Result<(Option<std::fs::File>, std::path::PathBuf)> {
+pub fn reachable_socket_path(
+    path: &std::path::Path,
+) -> std::io::Result<(Option<std::fs::File>, std::path::PathBuf)> {
     use std::os::fd::AsRawFd;
     const SUN_PATH_MAX: usize = 107;
     if path.as_os_str().len() <= SUN_PATH_MAX {
         return Ok((None, path.to_path_buf()));
     }
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "socket path has no parent"));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "socket path has no parent",
+        ));
     };
     let handle = std::fs::File::open(dir)?;
     let short = std::path::Path::new(&format!("/proc/self/fd/{}", handle.as_raw_fd())).join(name);
@@ -40,7 +47,8 @@ mod tests {
         std::fs::create_dir_all(&base).expect("mkdir");
         let sock = base.join("s.sock");
         let _ = std::fs::remove_file(&sock);
-        let listener = std::os::unix::net::UnixListener::bind(reachable_socket_path(&sock).expect("path").1);
+        let listener =
+            std::os::unix::net::UnixListener::bind(reachable_socket_path(&sock).expect("path").1);
         let listener = listener.expect("bind through /proc/self/fd");
         let (_guard, short) = reachable_socket_path(&sock).expect("short");
         assert!(short.as_os_str().len() < 108);

@@ -11,12 +11,15 @@ pub struct QuantityError {
 
 /// Splits "1.5Gi" into ("1.5", "Gi").
 fn split_number(s: &str) -> (&str, &str) {
-    let end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let end = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     s.split_at(end)
 }
 
 fn parse_decimal(num: &str) -> Option<f64> {
-    if num.is_empty() || num.starts_with('.') || num.ends_with('.') || num.matches('.').count() > 1 {
+    if num.is_empty() || num.starts_with('.') || num.ends_with('.') || num.matches('.').count() > 1
+    {
         return None;
     }
     num.parse::<f64>().ok().filter(|v| v.is_finite())
@@ -24,9 +27,14 @@ fn parse_decimal(num: &str) -> Option<f64> {
 
 /// CPU in millicores: "1" → 1000, "500m" → 500, "0.25" → 250.
 pub fn parse_cpu_millis(value: &str) -> Result<u64, QuantityError> {
-    let err = |why| QuantityError { resource: "cpu", value: value.to_string(), why };
+    let err = |why| QuantityError {
+        resource: "cpu",
+        value: value.to_string(),
+        why,
+    };
     let (num, suffix) = split_number(value.trim());
-    let n = parse_decimal(num).ok_or_else(|| err("expected a number like \"1\", \"0.5\" or \"500m\""))?;
+    let n = parse_decimal(num)
+        .ok_or_else(|| err("expected a number like \"1\", \"0.5\" or \"500m\""))?;
     let millis = match suffix {
         "" => n * 1000.0,
         "m" => n,
@@ -43,9 +51,14 @@ pub fn parse_cpu_millis(value: &str) -> Result<u64, QuantityError> {
 
 /// Memory in bytes: "512Mi", "2Gi", "1G", "1048576".
 pub fn parse_memory_bytes(value: &str) -> Result<u64, QuantityError> {
-    let err = |why| QuantityError { resource: "memory", value: value.to_string(), why };
+    let err = |why| QuantityError {
+        resource: "memory",
+        value: value.to_string(),
+        why,
+    };
     let (num, suffix) = split_number(value.trim());
-    let n = parse_decimal(num).ok_or_else(|| err("expected a number with an optional unit like \"512Mi\""))?;
+    let n = parse_decimal(num)
+        .ok_or_else(|| err("expected a number with an optional unit like \"512Mi\""))?;
     let mult: f64 = match suffix {
         "" => 1.0,
         "k" | "K" => 1e3,
@@ -80,7 +93,9 @@ mod tests {
         assert_eq!(parse_cpu_millis("500m"), Ok(500));
         assert_eq!(parse_cpu_millis("0.25"), Ok(250));
         assert_eq!(parse_cpu_millis("2.5"), Ok(2500));
-        for bad in ["", "m", "abc", "1x", "-1", "0", "0.0001", "1..2", ".5", "1e3"] {
+        for bad in [
+            "", "m", "abc", "1x", "-1", "0", "0.0001", "1..2", ".5", "1e3",
+        ] {
             assert!(parse_cpu_millis(bad).is_err(), "{bad} should be rejected");
         }
     }

@@ -67,11 +67,20 @@ pub enum RuntimeError {
 
 impl RuntimeError {
     pub fn backend(message: impl Into<String>) -> Self {
-        Self::Backend { message: message.into(), source: None }
+        Self::Backend {
+            message: message.into(),
+            source: None,
+        }
     }
 
-    pub fn backend_with(message: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Self::Backend { message: message.into(), source: Some(Box::new(source)) }
+    pub fn backend_with(
+        message: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Backend {
+            message: message.into(),
+            source: Some(Box::new(source)),
+        }
     }
 }
 

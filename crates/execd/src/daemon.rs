@@ -60,6 +60,11 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         tracing::info!(addr = %listener.local_addr().unwrap_or(addr), "listening");
+        // Event streams are many small writes; Nagle would hold each back for the peer's delayed ACK.
+        let listener =
+            axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+                let _ = tcp.set_nodelay(true);
+            });
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
 

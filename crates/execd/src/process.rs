@@ -166,7 +166,8 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
     // dropped right after the spawn (else EOF would never come).
     let combined_reader = if spec.combine_output {
         let (reader, writer) = std::io::pipe().map_err(SpawnError::Pipe)?;
-        cmd.stdout(writer.try_clone().map_err(SpawnError::Pipe)?).stderr(writer);
+        cmd.stdout(writer.try_clone().map_err(SpawnError::Pipe)?)
+            .stderr(writer);
         Some(reader)
     } else {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -290,7 +291,11 @@ pub async fn pump(mut pipe: pipe::Receiver, stream: Stream, tx: mpsc::Sender<(St
             match tokio::time::timeout(PARTIAL_LINE_FLUSH, pipe.read(&mut buf)).await {
                 Ok(r) => r,
                 Err(_) => {
-                    if tx.send((stream, std::mem::take(&mut pending))).await.is_err() {
+                    if tx
+                        .send((stream, std::mem::take(&mut pending)))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                     continue;

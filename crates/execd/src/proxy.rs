@@ -81,6 +81,7 @@ pub async fn proxy(mut req: Request) -> Response {
         Ok(s) => s,
         Err(e) => return bad_gateway(format!("nothing reachable on port {port}: {e}")),
     };
+    let _ = stream.set_nodelay(true);
     let (mut sender, conn) =
         match hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await {
             Ok(x) => x,

@@ -28,7 +28,10 @@ pub enum CgroupError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CgroupError + '_ {
-    move |source| CgroupError::Io { path: path.to_path_buf(), source }
+    move |source| CgroupError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
@@ -51,7 +54,9 @@ impl Layout {
         let controllers = base.join("cgroup.controllers");
         if let Ok(list) = fs::read_to_string(&controllers) {
             if list.split_whitespace().any(|c| c == "memory") {
-                return Ok(Layout::V2 { root: base.to_path_buf() });
+                return Ok(Layout::V2 {
+                    root: base.to_path_buf(),
+                });
             }
         }
         let mut hierarchies = Vec::new();
@@ -72,7 +77,10 @@ impl Layout {
 
     fn v1_dir(&self, ctrl: &'static str) -> Option<&Path> {
         match self {
-            Layout::V1 { hierarchies } => hierarchies.iter().find(|(c, _)| c == ctrl).map(|(_, p)| p.as_path()),
+            Layout::V1 { hierarchies } => hierarchies
+                .iter()
+                .find(|(c, _)| c == ctrl)
+                .map(|(_, p)| p.as_path()),
             Layout::V2 { .. } => None,
         }
     }
@@ -101,11 +109,19 @@ impl Cgroup {
                 }
             }
         }
-        Self { layout: layout.clone(), dirs }
+        Self {
+            layout: layout.clone(),
+            dirs,
+        }
     }
 
     /// Creates the cgroup and applies the limits. On error, whatever was created is removed again.
-    pub fn create(layout: &Layout, parent: &str, id: &str, limits: &ResourceLimits) -> Result<Self, CgroupError> {
+    pub fn create(
+        layout: &Layout,
+        parent: &str,
+        id: &str,
+        limits: &ResourceLimits,
+    ) -> Result<Self, CgroupError> {
         let cg = Self::at(layout, parent, id);
         if let Layout::V2 { root } = layout {
             enable_v2_controllers(root, &root.join(parent))?;
@@ -137,21 +153,33 @@ impl Cgroup {
                     }
                 }
                 if let Some(cpu) = limits.cpu_millis {
-                    write(&dir.join("cpu.max"), &format!("{} {}", cpu * CFS_PERIOD_US / 1000, CFS_PERIOD_US))?;
+                    write(
+                        &dir.join("cpu.max"),
+                        &format!("{} {}", cpu * CFS_PERIOD_US / 1000, CFS_PERIOD_US),
+                    )?;
                 }
             }
             Layout::V1 { .. } => {
-                let pids = self.v1("pids").ok_or(CgroupError::MissingController("pids"))?;
+                let pids = self
+                    .v1("pids")
+                    .ok_or(CgroupError::MissingController("pids"))?;
                 write(&pids.join("pids.max"), &limits.pids.to_string())?;
                 if let Some(mem) = limits.memory_bytes {
-                    let dir = self.v1("memory").ok_or(CgroupError::MissingController("memory"))?;
+                    let dir = self
+                        .v1("memory")
+                        .ok_or(CgroupError::MissingController("memory"))?;
                     write(&dir.join("memory.limit_in_bytes"), &mem.to_string())?;
                     let _ = fs::write(dir.join("memory.swappiness"), "0");
                 }
                 if let Some(cpu) = limits.cpu_millis {
-                    let dir = self.v1("cpu").ok_or(CgroupError::MissingController("cpu"))?;
+                    let dir = self
+                        .v1("cpu")
+                        .ok_or(CgroupError::MissingController("cpu"))?;
                     write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
-                    write(&dir.join("cpu.cfs_quota_us"), &(cpu * CFS_PERIOD_US / 1000).to_string())?;
+                    write(
+                        &dir.join("cpu.cfs_quota_us"),
+                        &(cpu * CFS_PERIOD_US / 1000).to_string(),
+                    )?;
                 }
             }
         }
@@ -175,10 +203,18 @@ impl Cgroup {
     /// Freezes (pause) or thaws (resume) every process of the sandbox.
     pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
         match &self.layout {
-            Layout::V2 { .. } => write(&self.dirs[0].join("cgroup.freeze"), if frozen { "1" } else { "0" }),
+            Layout::V2 { .. } => write(
+                &self.dirs[0].join("cgroup.freeze"),
+                if frozen { "1" } else { "0" },
+            ),
             Layout::V1 { .. } => {
-                let dir = self.v1("freezer").ok_or(CgroupError::MissingController("freezer"))?;
-                write(&dir.join("freezer.state"), if frozen { "FROZEN" } else { "THAWED" })?;
+                let dir = self
+                    .v1("freezer")
+                    .ok_or(CgroupError::MissingController("freezer"))?;
+                write(
+                    &dir.join("freezer.state"),
+                    if frozen { "FROZEN" } else { "THAWED" },
+                )?;
                 // v1 freezing is asynchronous; report success only once it took effect.
                 let deadline = Instant::now() + Duration::from_secs(5);
                 let want = if frozen { "FROZEN" } else { "THAWED" };
@@ -195,7 +231,9 @@ impl Cgroup {
 
     pub fn is_frozen(&self) -> bool {
         match &self.layout {
-            Layout::V2 { .. } => fs::read_to_string(self.dirs[0].join("cgroup.freeze")).map(|s| s.trim() == "1").unwrap_or(false),
+            Layout::V2 { .. } => fs::read_to_string(self.dirs[0].join("cgroup.freeze"))
+                .map(|s| s.trim() == "1")
+                .unwrap_or(false),
             Layout::V1 { .. } => self
                 .v1("freezer")
                 .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
@@ -206,9 +244,16 @@ impl Cgroup {
 
     /// Pids currently in the sandbox's cgroup (from the first hierarchy; every process joins all).
     pub fn pids(&self) -> Vec<i32> {
-        let Some(dir) = self.dirs.first() else { return Vec::new() };
+        let Some(dir) = self.dirs.first() else {
+            return Vec::new();
+        };
         fs::read_to_string(dir.join("cgroup.procs"))
-            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).filter(|p: &i32| *p > 1).collect())
+            .map(|s| {
+                s.lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .filter(|p: &i32| *p > 1)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -229,7 +274,12 @@ impl Cgroup {
                         }
                         std::thread::sleep(Duration::from_millis(5));
                     }
-                    Err(e) => return Err(CgroupError::Io { path: dir.clone(), source: e }),
+                    Err(e) => {
+                        return Err(CgroupError::Io {
+                            path: dir.clone(),
+                            source: e,
+                        })
+                    }
                 }
             }
         }
@@ -240,13 +290,17 @@ impl Cgroup {
 /// Removes `<hierarchy>/<parent>/<id>` in every hierarchy under `root`, not only the ones Warren uses:
 /// OCI runtimes (runsc on cgroup v1) create the sandbox's cgroup in all of them.
 pub fn remove_everywhere(root: &Path, parent: &str, id: &str) {
-    let Ok(entries) = fs::read_dir(root) else { return };
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
     let mut dirs = vec![root.join(parent).join(id)];
     dirs.extend(entries.flatten().map(|e| e.path().join(parent).join(id)));
     for dir in dirs {
         for _ in 0..100 {
             match fs::remove_dir(&dir) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound && dir.exists() => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) if e.kind() != io::ErrorKind::NotFound && dir.exists() => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
                 _ => break,
             }
         }
@@ -291,26 +345,51 @@ mod tests {
             fs::write(t.path().join(c).join("cgroup.procs"), "").expect("write");
         }
         let layout = Layout::detect(t.path()).expect("layout");
-        let Layout::V1 { hierarchies } = &layout else { panic!("expected v1, got {layout:?}") };
+        let Layout::V1 { hierarchies } = &layout else {
+            panic!("expected v1, got {layout:?}")
+        };
         assert_eq!(hierarchies.len(), 4);
         let cg = Cgroup::at(&layout, "warren", "abc");
         assert_eq!(cg.dirs().len(), 4);
-        assert!(cg.procs_files().iter().all(|p| p.ends_with("warren/abc/cgroup.procs")));
+        assert!(cg
+            .procs_files()
+            .iter()
+            .all(|p| p.ends_with("warren/abc/cgroup.procs")));
     }
 
     #[test]
     fn detects_v2_and_writes_limits() {
         let t = tempfile::tempdir().expect("tempdir");
-        fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids").expect("write");
+        fs::write(
+            t.path().join("cgroup.controllers"),
+            "cpuset cpu io memory pids",
+        )
+        .expect("write");
         let layout = Layout::detect(t.path()).expect("layout");
         assert!(matches!(layout, Layout::V2 { .. }));
-        let limits = ResourceLimits { cpu_millis: Some(500), memory_bytes: Some(256 << 20), pids: 512 };
+        let limits = ResourceLimits {
+            cpu_millis: Some(500),
+            memory_bytes: Some(256 << 20),
+            pids: 512,
+        };
         let cg = Cgroup::create(&layout, "warren", "abc", &limits).expect("create");
         let dir = t.path().join("warren/abc");
-        assert_eq!(fs::read_to_string(dir.join("cpu.max")).expect("cpu.max"), "50000 100000");
-        assert_eq!(fs::read_to_string(dir.join("memory.max")).expect("memory.max"), (256u64 << 20).to_string());
-        assert_eq!(fs::read_to_string(dir.join("pids.max")).expect("pids.max"), "512");
-        assert_eq!(fs::read_to_string(t.path().join("cgroup.subtree_control")).expect("subtree"), "+cpu +memory +pids");
+        assert_eq!(
+            fs::read_to_string(dir.join("cpu.max")).expect("cpu.max"),
+            "50000 100000"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("memory.max")).expect("memory.max"),
+            (256u64 << 20).to_string()
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("pids.max")).expect("pids.max"),
+            "512"
+        );
+        assert_eq!(
+            fs::read_to_string(t.path().join("cgroup.subtree_control")).expect("subtree"),
+            "+cpu +memory +pids"
+        );
         cg.set_frozen(true).expect("freeze");
         assert!(cg.is_frozen());
     }

@@ -16,7 +16,9 @@ use nix::unistd::{fork, ForkResult};
 
 use crate::rootfs;
 use crate::security;
-use crate::spec::{InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX};
+use crate::spec::{
+    InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
+};
 
 /// Entry point of `warren __sandbox-init`. Never returns.
 pub fn main() -> ! {
@@ -25,15 +27,22 @@ pub fn main() -> ! {
         Err(error) => InitReply::Failed { error },
     };
     let mut out = std::io::stdout().lock();
-    let line = serde_json::to_string(&reply).unwrap_or_else(|_| "{\"Failed\":{\"error\":\"reply\"}}".into());
+    let line = serde_json::to_string(&reply)
+        .unwrap_or_else(|_| "{\"Failed\":{\"error\":\"reply\"}}".into());
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
-    std::process::exit(if matches!(reply, InitReply::Started { .. }) { 0 } else { 1 })
+    std::process::exit(if matches!(reply, InitReply::Started { .. }) {
+        0
+    } else {
+        1
+    })
 }
 
 fn run() -> Result<i32, String> {
     let mut input = String::new();
-    std::io::stdin().read_to_string(&mut input).map_err(|e| format!("reading spec: {e}"))?;
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .map_err(|e| format!("reading spec: {e}"))?;
     let spec: InitSpec = serde_json::from_str(&input).map_err(|e| format!("parsing spec: {e}"))?;
 
     for procs in &spec.cgroup_procs {
@@ -51,7 +60,8 @@ fn run() -> Result<i32, String> {
     )
     .map_err(|e| format!("unshare: {e}"))?;
 
-    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let (read_end, write_end) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: this helper process is single-threaded (it is a fresh exec of the warren binary that
     // dispatches here before starting any runtime or thread), so the child may run arbitrary code.
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -97,13 +107,22 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
 
     let execd = CString::new(EXECD_IN_SANDBOX).map_err(|e| e.to_string())?;
     let socket = format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}");
-    let mut argv: Vec<CString> = ["warren-execd", "--socket", &socket, "--workdir", &spec.workdir, "--"]
-        .iter()
-        .map(|s| CString::new(*s))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
+    let mut argv: Vec<CString> = [
+        "warren-execd",
+        "--socket",
+        &socket,
+        "--workdir",
+        &spec.workdir,
+        "--",
+    ]
+    .iter()
+    .map(|s| CString::new(*s))
+    .collect::<Result<_, _>>()
+    .map_err(|e| e.to_string())?;
     for a in &spec.entrypoint {
-        argv.push(CString::new(a.as_str()).map_err(|_| "entrypoint contains a NUL byte".to_string())?);
+        argv.push(
+            CString::new(a.as_str()).map_err(|_| "entrypoint contains a NUL byte".to_string())?,
+        );
     }
     let env: Vec<CString> = spec
         .env
@@ -122,5 +141,8 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
     security::restrict_privileges().map_err(|e| format!("{e}"))?;
     security::install_seccomp(programs).map_err(|e| format!("{e}"))?;
     let e = nix::unistd::execve(&execd, &argv, &env).err();
-    Err(format!("exec execd: {}", e.map(|e| e.to_string()).unwrap_or_default()))
+    Err(format!(
+        "exec execd: {}",
+        e.map(|e| e.to_string()).unwrap_or_default()
+    ))
 }

@@ -40,8 +40,18 @@ pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
 /// Host folders the built-in `host` image exposes read-only (when present and not symlinks).
 const HOST_BINDS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"];
 /// Secrets under exposed folders, hidden behind `/dev/null` or an empty read-only tmpfs.
-const HOST_MASKED_FILES: [&str; 4] = ["/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-"];
-const HOST_MASKED_DIRS: [&str; 4] = ["/etc/ssh", "/etc/ssl/private", "/etc/warren", "/etc/sudoers.d"];
+const HOST_MASKED_FILES: [&str; 4] = [
+    "/etc/shadow",
+    "/etc/gshadow",
+    "/etc/shadow-",
+    "/etc/gshadow-",
+];
+const HOST_MASKED_DIRS: [&str; 4] = [
+    "/etc/ssh",
+    "/etc/ssl/private",
+    "/etc/warren",
+    "/etc/sudoers.d",
+];
 
 #[derive(Debug, Clone)]
 pub struct NativeConfig {
@@ -90,10 +100,14 @@ impl NativeRuntime {
         let layout = cgroup::Layout::detect(&config.cgroup_root)
             .map_err(|e| RuntimeError::backend_with("cgroups are not usable", e))?;
         if !config.execd_path.is_file() {
-            return Err(RuntimeError::backend(format!("execd binary not found at {}", config.execd_path.display())));
+            return Err(RuntimeError::backend(format!(
+                "execd binary not found at {}",
+                config.execd_path.display()
+            )));
         }
         let sandboxes = config.data_dir.join("sandboxes");
-        fs::create_dir_all(&sandboxes).map_err(|e| RuntimeError::backend_with("creating the sandboxes folder", e))?;
+        fs::create_dir_all(&sandboxes)
+            .map_err(|e| RuntimeError::backend_with("creating the sandboxes folder", e))?;
         let oci = match config.oci_runtime.as_str() {
             "embedded" | "" => None,
             name => Some(oci::OciRuntime::new(name, config.data_dir.join("oci").join(name)).ok_or_else(|| {
@@ -106,7 +120,14 @@ impl NativeRuntime {
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        Ok(Self { inner: Arc::new(Inner { config, layout, skeleton, oci }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                layout,
+                skeleton,
+                oci,
+            }),
+        })
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -127,10 +148,12 @@ impl NativeRuntime {
                     .map(PathBuf::from)
                     .filter(|p| p.symlink_metadata().map(|m| m.is_dir()).unwrap_or(false))
                     .collect();
-                let mut masked_dirs: Vec<PathBuf> = HOST_MASKED_DIRS.iter().map(PathBuf::from).collect();
+                let mut masked_dirs: Vec<PathBuf> =
+                    HOST_MASKED_DIRS.iter().map(PathBuf::from).collect();
                 masked_dirs.extend(config.extra_masked_dirs.iter().cloned());
                 masked_dirs.push(config.data_dir.clone());
-                let mut masked_files: Vec<PathBuf> = HOST_MASKED_FILES.iter().map(PathBuf::from).collect();
+                let mut masked_files: Vec<PathBuf> =
+                    HOST_MASKED_FILES.iter().map(PathBuf::from).collect();
                 masked_files.extend(config.extra_masked_files.iter().cloned());
                 let root = RootSource::Host {
                     skeleton: self.inner.skeleton.clone(),
@@ -140,16 +163,21 @@ impl NativeRuntime {
                 };
                 (root, Vec::new(), None)
             }
-            ResolvedImage::Layers { layers, config, .. } => {
-                (RootSource::Layers(layers.clone()), config.env.clone(), config.working_dir.clone())
-            }
+            ResolvedImage::Layers { layers, config, .. } => (
+                RootSource::Layers(layers.clone()),
+                config.env.clone(),
+                config.working_dir.clone(),
+            ),
         };
         let (cgroup_v2, cgroup_v1_mounts) = match &self.inner.layout {
             cgroup::Layout::V2 { .. } => (true, Vec::new()),
             cgroup::Layout::V1 { hierarchies } => {
                 let mut mounts: Vec<Vec<String>> = Vec::new();
                 for (_, path) in hierarchies {
-                    let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+                    let name = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().to_string())
+                        .unwrap_or_default();
                     let opts: Vec<String> = name.split(',').map(str::to_string).collect();
                     if !mounts.contains(&opts) {
                         mounts.push(opts);
@@ -172,14 +200,19 @@ impl NativeRuntime {
             cgroup_v2,
             entrypoint: spec.entrypoint.clone(),
             env: sandbox_env(&image_env, &spec.env, &spec.id),
-            workdir: workdir.filter(|w| w.starts_with('/')).unwrap_or_else(|| "/".to_string()),
+            workdir: workdir
+                .filter(|w| w.starts_with('/'))
+                .unwrap_or_else(|| "/".to_string()),
         }
     }
 
     fn create_blocking(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
         let dir = self.sandbox_dir(&spec.id);
         if dir.exists() {
-            return Err(RuntimeError::Conflict(format!("sandbox {} already exists", spec.id)));
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {} already exists",
+                spec.id
+            )));
         }
         let mut pid = None;
         let result = self.try_create(spec, &dir, &mut pid);
@@ -189,9 +222,16 @@ impl NativeRuntime {
         result
     }
 
-    fn try_create(&self, spec: &SandboxSpec, dir: &Path, pid_out: &mut Option<i32>) -> Result<RuntimeState, RuntimeError> {
+    fn try_create(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        pid_out: &mut Option<i32>,
+    ) -> Result<RuntimeState, RuntimeError> {
         for sub in ["upper", "work", "rootfs", "run"] {
-            fs::create_dir_all(dir.join(sub)).map_err(|e| RuntimeError::backend_with(format!("creating {}", dir.display()), e))?;
+            fs::create_dir_all(dir.join(sub)).map_err(|e| {
+                RuntimeError::backend_with(format!("creating {}", dir.display()), e)
+            })?;
         }
         let log_path = dir.join("sandbox.log");
         let log = fs::OpenOptions::new()
@@ -199,29 +239,56 @@ impl NativeRuntime {
             .append(true)
             .open(&log_path)
             .map_err(|e| RuntimeError::backend_with("opening the sandbox log", e))?;
+        let started = Instant::now();
         let pid = match &self.inner.oci {
             None => self.start_embedded(spec, log, &log_path)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let init_spec = self.init_spec(spec, &self.cgroup(&spec.id));
-                oci.start(&init_spec, dir, log, &spec.limits)
-                    .map_err(|e| RuntimeError::backend_with(format!("starting sandbox {} with {}", spec.id, oci.binary.display()), e))?
+                oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
+                    RuntimeError::backend_with(
+                        format!("starting sandbox {} with {}", spec.id, oci.binary.display()),
+                        e,
+                    )
+                })?
             }
         };
         *pid_out = Some(pid);
         let start_time = process_start_time(pid).ok_or_else(|| {
-            RuntimeError::backend(format!("sandbox exited during start: {}", log_tail(&dir.join("sandbox.log"))))
+            RuntimeError::backend(format!(
+                "sandbox exited during start: {}",
+                log_tail(&dir.join("sandbox.log"))
+            ))
         })?;
-        self.wait_ready(pid, &dir.join("run").join(EXECD_SOCKET_NAME), &dir.join("sandbox.log"))?;
-        serde_json::to_value(NativeState { pid, start_time }).map_err(|e| RuntimeError::backend_with("encoding state", e))
+        let spawned = started.elapsed();
+        self.wait_ready(
+            pid,
+            &dir.join("run").join(EXECD_SOCKET_NAME),
+            &dir.join("sandbox.log"),
+        )?;
+        tracing::debug!(sandbox_id = %spec.id, spawn_us = spawned.as_micros() as u64, ready_us = started.elapsed().as_micros() as u64, "sandbox started");
+        serde_json::to_value(NativeState { pid, start_time })
+            .map_err(|e| RuntimeError::backend_with("encoding state", e))
     }
 
     /// The embedded path: our cgroup, then the setup helper, which reports the sandbox's PID 1.
-    fn start_embedded(&self, spec: &SandboxSpec, log: fs::File, log_path: &Path) -> Result<i32, RuntimeError> {
-        let cg = Cgroup::create(&self.inner.layout, &self.inner.config.cgroup_parent, &spec.id, &spec.limits)
-            .map_err(|e| RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e))?;
+    fn start_embedded(
+        &self,
+        spec: &SandboxSpec,
+        log: fs::File,
+        log_path: &Path,
+    ) -> Result<i32, RuntimeError> {
+        let cg = Cgroup::create(
+            &self.inner.layout,
+            &self.inner.config.cgroup_parent,
+            &spec.id,
+            &spec.limits,
+        )
+        .map_err(|e| {
+            RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
+        })?;
         let init_spec = self.init_spec(spec, &cg);
-
+        tracing::debug!(sandbox_id = %spec.id, "cgroup ready");
         let mut helper = Command::new(&self.inner.config.helper_exe)
             .arg(INIT_SUBCOMMAND)
             .stdin(Stdio::piped())
@@ -230,14 +297,21 @@ impl NativeRuntime {
             .env_clear()
             .spawn()
             .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))?;
-        let payload = serde_json::to_vec(&init_spec).map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
+        let payload = serde_json::to_vec(&init_spec)
+            .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
         let mut reply = String::new();
         {
-            let mut stdin = helper.stdin.take().ok_or_else(|| RuntimeError::backend("helper stdin"))?;
-            stdin.write_all(&payload).map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
+            let mut stdin = helper
+                .stdin
+                .take()
+                .ok_or_else(|| RuntimeError::backend("helper stdin"))?;
+            stdin
+                .write_all(&payload)
+                .map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
         }
         if let Some(mut out) = helper.stdout.take() {
-            out.read_to_string(&mut reply).map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?;
+            out.read_to_string(&mut reply)
+                .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?;
         }
         let _ = helper.wait();
         let reply: InitReply = serde_json::from_str(reply.trim()).map_err(|_| {
@@ -245,7 +319,9 @@ impl NativeRuntime {
         })?;
         match reply {
             InitReply::Started { pid } => Ok(pid),
-            InitReply::Failed { error } => Err(RuntimeError::backend(format!("sandbox setup failed: {error}"))),
+            InitReply::Failed { error } => Err(RuntimeError::backend(format!(
+                "sandbox setup failed: {error}"
+            ))),
         }
     }
 
@@ -260,13 +336,21 @@ impl NativeRuntime {
                 }
             }
             if !is_alive(pid) {
-                return Err(RuntimeError::backend(format!("execd exited during start: {}", log_tail(log))));
+                return Err(RuntimeError::backend(format!(
+                    "execd exited during start: {}",
+                    log_tail(log)
+                )));
             }
             if Instant::now() > deadline {
-                return Err(RuntimeError::backend(format!("execd did not become ready: {}", log_tail(log))));
+                return Err(RuntimeError::backend(format!(
+                    "execd did not become ready: {}",
+                    log_tail(log)
+                )));
             }
+            // execd needs ~1-2 ms to listen; a connect attempt is one cheap syscall, so poll finely
+            // rather than overshoot with a long back-off.
             std::thread::sleep(delay);
-            delay = (delay * 2).min(Duration::from_millis(5));
+            delay = (delay * 2).min(Duration::from_micros(500));
         }
     }
 
@@ -293,7 +377,11 @@ impl NativeRuntime {
             tracing::warn!(sandbox_id = id, error = %e, "cgroup removal failed");
         }
         if self.inner.oci.is_some() {
-            cgroup::remove_everywhere(&self.inner.config.cgroup_root, &self.inner.config.cgroup_parent, id);
+            cgroup::remove_everywhere(
+                &self.inner.config.cgroup_root,
+                &self.inner.config.cgroup_parent,
+                id,
+            );
         }
         let dir = self.sandbox_dir(id);
         if let Err(e) = fs::remove_dir_all(&dir) {
@@ -306,9 +394,16 @@ impl NativeRuntime {
     fn set_paused(&self, id: &str, paused: bool) -> Result<(), RuntimeError> {
         let what = if paused { "pausing" } else { "resuming" };
         match &self.inner.oci {
-            Some(oci) => if paused { oci.pause(id) } else { oci.resume(id) }
+            Some(oci) => if paused {
+                oci.pause(id)
+            } else {
+                oci.resume(id)
+            }
+            .map_err(|e| RuntimeError::backend_with(format!("{what} sandbox {id}"), e)),
+            None => self
+                .cgroup(id)
+                .set_frozen(paused)
                 .map_err(|e| RuntimeError::backend_with(format!("{what} sandbox {id}"), e)),
-            None => self.cgroup(id).set_frozen(paused).map_err(|e| RuntimeError::backend_with(format!("{what} sandbox {id}"), e)),
         }
     }
 
@@ -333,7 +428,19 @@ impl NativeRuntime {
 #[async_trait::async_trait]
 impl Runtime for NativeRuntime {
     fn name(&self) -> String {
-        format!("native/{}", self.inner.oci.as_ref().map(|o| o.binary.file_name().unwrap_or_default().to_string_lossy().into_owned()).unwrap_or_else(|| "embedded".into()))
+        format!(
+            "native/{}",
+            self.inner
+                .oci
+                .as_ref()
+                .map(|o| o
+                    .binary
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned())
+                .unwrap_or_else(|| "embedded".into())
+        )
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
@@ -351,12 +458,19 @@ impl Runtime for NativeRuntime {
     fn wait_exit(&self, _id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
         let pid = Self::live_pid(state);
         Box::pin(async move {
-            let gone = ExitInfo { code: None, signal: None };
+            let gone = ExitInfo {
+                code: None,
+                signal: None,
+            };
             let Some(pid) = pid else { return gone };
-            let Some(fd) = pidfd_open(pid) else { return gone };
+            let Some(fd) = pidfd_open(pid) else {
+                return gone;
+            };
             // SAFETY: the AsyncFd owns the pidfd, so the descriptor stays open for as long as it is
             // registered and is closed only after deregistration on drop.
-            let Ok(afd) = (unsafe { tokio::io::unix::AsyncFd::register(fd) }) else { return gone };
+            let Ok(afd) = (unsafe { tokio::io::unix::AsyncFd::register(fd) }) else {
+                return gone;
+            };
             if let Ok(mut guard) = afd.readable().await {
                 guard.retain_ready();
             }
@@ -366,7 +480,9 @@ impl Runtime for NativeRuntime {
 
     async fn pause(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
         if Self::live_pid(state).is_none() {
-            return Err(RuntimeError::NotFound(format!("sandbox {id} is not running")));
+            return Err(RuntimeError::NotFound(format!(
+                "sandbox {id} is not running"
+            )));
         }
         let this = self.clone();
         let sid = id.to_string();
@@ -377,7 +493,9 @@ impl Runtime for NativeRuntime {
 
     async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
         if Self::live_pid(state).is_none() {
-            return Err(RuntimeError::NotFound(format!("sandbox {id} is not running")));
+            return Err(RuntimeError::NotFound(format!(
+                "sandbox {id} is not running"
+            )));
         }
         let this = self.clone();
         let sid = id.to_string();
@@ -408,7 +526,10 @@ impl Runtime for NativeRuntime {
 /// for what neither set.
 fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &str) -> Vec<String> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
-    env.insert("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    env.insert(
+        "PATH".into(),
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+    );
     env.insert("HOME".into(), "/root".into());
     env.insert("HOSTNAME".into(), id.chars().take(12).collect());
     env.insert("LANG".into(), "C.UTF-8".into());
@@ -429,7 +550,24 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
 /// a digest of the shape, under `base`.
 fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    const DIRS: [&str; 16] = ["usr", "etc", "root", "home", "var", "var/tmp", "var/log", "run", "tmp", "dev", "proc", "sys", "opt", "srv", "mnt", "workspace"];
+    const DIRS: [&str; 16] = [
+        "usr",
+        "etc",
+        "root",
+        "home",
+        "var",
+        "var/tmp",
+        "var/log",
+        "run",
+        "tmp",
+        "dev",
+        "proc",
+        "sys",
+        "opt",
+        "srv",
+        "mnt",
+        "workspace",
+    ];
     let mut shape: Vec<(String, Option<PathBuf>)> = Vec::new();
     for name in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
         let host = Path::new("/").join(name);
@@ -516,16 +654,29 @@ fn reap_pidfd(fd: &OwnedFd) -> Option<ExitInfo> {
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     const P_PIDFD: libc::idtype_t = 3;
     // SAFETY: waitid on a pidfd we own with a valid siginfo pointer.
-    let rc = unsafe { libc::waitid(P_PIDFD, fd.as_raw_fd() as libc::id_t, &mut info, libc::WEXITED) };
+    let rc = unsafe {
+        libc::waitid(
+            P_PIDFD,
+            fd.as_raw_fd() as libc::id_t,
+            &mut info,
+            libc::WEXITED,
+        )
+    };
     if rc != 0 {
         return None;
     }
     // SAFETY: waitid filled `info` for a CLD_* event.
     let (code, status) = unsafe { (info.si_code, info.si_status()) };
     Some(if code == libc::CLD_EXITED {
-        ExitInfo { code: Some(status), signal: None }
+        ExitInfo {
+            code: Some(status),
+            signal: None,
+        }
     } else {
-        ExitInfo { code: None, signal: Some(status) }
+        ExitInfo {
+            code: None,
+            signal: Some(status),
+        }
     })
 }
 
@@ -533,5 +684,9 @@ fn log_tail(path: &Path) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
     let tail = lines.into_iter().rev().collect::<Vec<_>>().join(" | ");
-    if tail.is_empty() { "no output".into() } else { tail }
+    if tail.is_empty() {
+        "no output".into()
+    } else {
+        tail
+    }
 }

@@ -11,7 +11,9 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use serde_json::{json, Value};
 
 use crate::security::{DENIED_SYSCALLS, KEPT_CAPABILITIES};
-use crate::spec::{InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX};
+use crate::spec::{
+    InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
+};
 
 /// Docker's masked and read-only paths, which OCI runtimes apply themselves.
 const MASKED_PATHS: [&str; 9] = [
@@ -25,7 +27,13 @@ const MASKED_PATHS: [&str; 9] = [
     "/proc/scsi",
     "/sys/firmware",
 ];
-const READONLY_PATHS: [&str; 5] = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+const READONLY_PATHS: [&str; 5] = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OciKind {
@@ -45,7 +53,11 @@ pub struct OciRuntime {
 #[derive(Debug, thiserror::Error)]
 pub enum OciError {
     #[error("{binary} {verb} failed: {stderr}")]
-    Failed { binary: String, verb: String, stderr: String },
+    Failed {
+        binary: String,
+        verb: String,
+        stderr: String,
+    },
     #[error("running {binary}")]
     Spawn {
         binary: String,
@@ -70,7 +82,11 @@ impl OciRuntime {
             .iter()
             .map(|d| Path::new(d).join(name))
             .find(|p| p.is_file())?;
-        Some(Self { kind, binary, state_root })
+        Some(Self {
+            kind,
+            binary,
+            state_root,
+        })
     }
 
     fn base_command(&self) -> Command {
@@ -91,19 +107,32 @@ impl OciRuntime {
             .args(args)
             .stdin(Stdio::null())
             .output()
-            .map_err(|source| OciError::Spawn { binary: self.binary.display().to_string(), source })?;
+            .map_err(|source| OciError::Spawn {
+                binary: self.binary.display().to_string(),
+                source,
+            })?;
         if !out.status.success() {
             return Err(OciError::Failed {
                 binary: self.binary.display().to_string(),
                 verb: args.first().copied().unwrap_or_default().to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().chars().take(2000).collect(),
+                stderr: String::from_utf8_lossy(&out.stderr)
+                    .trim()
+                    .chars()
+                    .take(2000)
+                    .collect(),
             });
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Mounts the rootfs, writes the bundle and starts the container detached; returns its pid.
-    pub fn start(&self, spec: &InitSpec, bundle: &Path, log: fs::File, limits: &warren_core::ResourceLimits) -> Result<i32, OciError> {
+    pub fn start(
+        &self,
+        spec: &InitSpec,
+        bundle: &Path,
+        log: fs::File,
+        limits: &warren_core::ResourceLimits,
+    ) -> Result<i32, OciError> {
         mount_rootfs(spec)?;
         let config = config_json(spec, limits, self.kind);
         let text = serde_json::to_vec_pretty(&config).map_err(|e| OciError::Bundle(e.into()))?;
@@ -119,13 +148,27 @@ impl OciRuntime {
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(err_log))
             .status()
-            .map_err(|source| OciError::Spawn { binary: self.binary.display().to_string(), source })?;
+            .map_err(|source| OciError::Spawn {
+                binary: self.binary.display().to_string(),
+                source,
+            })?;
         let log_tail = || {
             let text = fs::read_to_string(bundle.join("sandbox.log")).unwrap_or_default();
-            text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+            text.lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join(" | ")
         };
         if !out.success() {
-            return Err(OciError::Failed { binary: self.binary.display().to_string(), verb: "run".into(), stderr: log_tail() });
+            return Err(OciError::Failed {
+                binary: self.binary.display().to_string(),
+                verb: "run".into(),
+                stderr: log_tail(),
+            });
         }
         self.pid(&spec.id).map_err(|_| OciError::Failed {
             binary: self.binary.display().to_string(),
@@ -138,11 +181,16 @@ impl OciRuntime {
         let state: Value = serde_json::from_str(&self.run(&["state", id])?).unwrap_or(Value::Null);
         // A stopped container reports pid 0; never hand that (or -1) to kill(2), which would signal
         // our own process group or every process.
-        state.get("pid").and_then(Value::as_i64).filter(|p| *p > 1 && *p <= i64::from(i32::MAX)).map(|p| p as i32).ok_or_else(|| OciError::Failed {
-            binary: self.binary.display().to_string(),
-            verb: "state".into(),
-            stderr: "the container has no running process".into(),
-        })
+        state
+            .get("pid")
+            .and_then(Value::as_i64)
+            .filter(|p| *p > 1 && *p <= i64::from(i32::MAX))
+            .map(|p| p as i32)
+            .ok_or_else(|| OciError::Failed {
+                binary: self.binary.display().to_string(),
+                verb: "state".into(),
+                stderr: "the container has no running process".into(),
+            })
     }
 
     pub fn pause(&self, id: &str) -> Result<(), OciError> {
@@ -157,7 +205,11 @@ impl OciRuntime {
         self.run(&["state", id])
             .ok()
             .and_then(|s| serde_json::from_str::<Value>(&s).ok())
-            .and_then(|v| v.get("status").and_then(Value::as_str).map(|s| s == "paused"))
+            .and_then(|v| {
+                v.get("status")
+                    .and_then(Value::as_str)
+                    .map(|s| s == "paused")
+            })
             .unwrap_or(false)
     }
 
@@ -176,12 +228,27 @@ impl OciRuntime {
 
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
     let lowers: Vec<String> = match &spec.root {
-        RootSource::Layers(layers) => layers.iter().rev().map(|p| p.display().to_string()).collect(),
+        RootSource::Layers(layers) => layers
+            .iter()
+            .rev()
+            .map(|p| p.display().to_string())
+            .collect(),
         RootSource::Host { skeleton, .. } => vec![skeleton.display().to_string()],
     };
-    let data = format!("lowerdir={},upperdir={},workdir={}", lowers.join(":"), spec.upper_dir.display(), spec.work_dir.display());
-    mount(Some("overlay"), &spec.rootfs_dir, Some("overlay"), MsFlags::MS_NODEV, Some(data.as_str()))
-        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lowers.join(":"),
+        spec.upper_dir.display(),
+        spec.work_dir.display()
+    );
+    mount(
+        Some("overlay"),
+        &spec.rootfs_dir,
+        Some("overlay"),
+        MsFlags::MS_NODEV,
+        Some(data.as_str()),
+    )
+    .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
 }
 
 fn bind(dest: &str, source: &Path, ro: bool) -> Value {
@@ -211,7 +278,13 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
         json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
     ];
     let masked: Vec<String> = MASKED_PATHS.iter().map(|s| s.to_string()).collect();
-    if let RootSource::Host { binds, masked_files, masked_dirs, .. } = &spec.root {
+    if let RootSource::Host {
+        binds,
+        masked_files,
+        masked_dirs,
+        ..
+    } = &spec.root
+    {
         for b in binds {
             mounts.push(bind(&b.display().to_string(), b, true));
         }
@@ -246,9 +319,12 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
     // mis-evaluates the argument-matching `clone` rule (every thread creation fails) — and user
     // namespaces inside gVisor live in the Sentry, not the host kernel — so runsc gets the plain list.
     let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
-    let mut syscalls = vec![json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM})];
+    let mut syscalls =
+        vec![json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM})];
     if kind != OciKind::Runsc {
-        syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS}));
+        syscalls.push(
+            json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS}),
+        );
         syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
             "args": [{"index": 0, "value": libc::CLONE_NEWUSER, "valueTwo": libc::CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]}));
     }
@@ -296,19 +372,37 @@ mod tests {
 
     #[test]
     fn bundle_carries_limits_caps_and_execd() {
-        let limits = warren_core::ResourceLimits { cpu_millis: Some(500), memory_bytes: Some(1 << 30), pids: 100 };
+        let limits = warren_core::ResourceLimits {
+            cpu_millis: Some(500),
+            memory_bytes: Some(1 << 30),
+            pids: 100,
+        };
         let c = config_json(&spec(), &limits, OciKind::Runc);
         assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
         assert_eq!(c["linux"]["resources"]["memory"]["limit"], 1u64 << 30);
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
         assert_eq!(c["process"]["args"][6], "tail");
-        let caps = c["process"]["capabilities"]["bounding"].as_array().expect("caps");
+        let caps = c["process"]["capabilities"]["bounding"]
+            .as_array()
+            .expect("caps");
         assert!(caps.iter().any(|v| v == "CAP_CHOWN"));
         assert!(!caps.iter().any(|v| v == "CAP_SYS_ADMIN"));
-        assert!(c["linux"]["seccomp"]["syscalls"][0]["names"].as_array().expect("names").iter().any(|n| n == "mount"));
+        assert!(c["linux"]["seccomp"]["syscalls"][0]["names"]
+            .as_array()
+            .expect("names")
+            .iter()
+            .any(|n| n == "mount"));
         let runsc = config_json(&spec(), &limits, OciKind::Runsc);
-        assert_eq!(runsc["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len), Some(1));
-        assert_eq!(c["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len), Some(3));
+        assert_eq!(
+            runsc["linux"]["seccomp"]["syscalls"]
+                .as_array()
+                .map(Vec::len),
+            Some(1)
+        );
+        assert_eq!(
+            c["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len),
+            Some(3)
+        );
     }
 }

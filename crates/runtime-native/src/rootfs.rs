@@ -34,7 +34,13 @@ pub enum RootfsError {
 
 type Result<T> = std::result::Result<T, RootfsError>;
 
-fn mnt(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> Result<()> {
+fn mnt(
+    src: Option<&str>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<()> {
     mount(src, target, fstype, flags, data).map_err(|source| RootfsError::Mount {
         what: fstype.or(src).unwrap_or("bind").to_string(),
         target: target.to_path_buf(),
@@ -43,8 +49,17 @@ fn mnt(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, d
 }
 
 fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()> {
-    mount(Some(src), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>).map_err(|source| {
-        RootfsError::Mount { what: format!("bind {}", src.display()), target: target.to_path_buf(), source }
+    mount(
+        Some(src),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(|source| RootfsError::Mount {
+        what: format!("bind {}", src.display()),
+        target: target.to_path_buf(),
+        source,
     })?;
     if readonly || !extra.is_empty() {
         let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | extra;
@@ -57,7 +72,10 @@ fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()>
 }
 
 fn io_at(path: &Path) -> impl FnOnce(io::Error) -> RootfsError + '_ {
-    move |source| RootfsError::Io { path: path.to_path_buf(), source }
+    move |source| RootfsError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn mkdir(path: &Path) -> Result<()> {
@@ -79,7 +97,13 @@ fn inside(root: &Path, abs: &Path) -> PathBuf {
 
 pub fn build(spec: &InitSpec) -> Result<()> {
     // Nothing we mount may propagate back to the host.
-    mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    mnt(
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None,
+    )?;
     let root = spec.rootfs_dir.as_path();
     mount_root(spec, root)?;
     mount_proc(root)?;
@@ -103,15 +127,40 @@ fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
         RootSource::Layers(layers) => layers.iter().rev().map(PathBuf::as_path).collect(),
         RootSource::Host { skeleton, .. } => vec![skeleton.as_path()],
     };
-    let lower = lowers.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":");
-    let data = format!("lowerdir={lower},upperdir={},workdir={}", spec.upper_dir.display(), spec.work_dir.display());
-    mnt(Some("overlay"), root, Some("overlay"), MsFlags::MS_NODEV, Some(&data))?;
+    let lower = lowers
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(":");
+    let data = format!(
+        "lowerdir={lower},upperdir={},workdir={}",
+        spec.upper_dir.display(),
+        spec.work_dir.display()
+    );
+    mnt(
+        Some("overlay"),
+        root,
+        Some("overlay"),
+        MsFlags::MS_NODEV,
+        Some(&data),
+    )?;
 
-    if let RootSource::Host { binds, masked_files, masked_dirs, .. } = &spec.root {
+    if let RootSource::Host {
+        binds,
+        masked_files,
+        masked_dirs,
+        ..
+    } = &spec.root
+    {
         for host_dir in binds {
             let target = inside(root, host_dir);
             mkdir(&target)?;
-            bind(host_dir, &target, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+            bind(
+                host_dir,
+                &target,
+                true,
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            )?;
         }
         for file in masked_files {
             let target = inside(root, file);
@@ -122,7 +171,13 @@ fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
         for dir in masked_dirs {
             let target = inside(root, dir);
             if target.is_dir() {
-                mnt(Some("tmpfs"), &target, Some("tmpfs"), MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("size=4k,mode=700"))?;
+                mnt(
+                    Some("tmpfs"),
+                    &target,
+                    Some("tmpfs"),
+                    MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                    Some("size=4k,mode=700"),
+                )?;
             }
         }
     }
@@ -132,9 +187,22 @@ fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
 fn mount_proc(root: &Path) -> Result<()> {
     let proc_dir = root.join("proc");
     mkdir(&proc_dir)?;
-    mnt(Some("proc"), &proc_dir, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    mnt(
+        Some("proc"),
+        &proc_dir,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
     // Docker's masked and read-only /proc paths.
-    for f in ["kcore", "keys", "timer_list", "sched_debug", "latency_stats", "sysrq-trigger"] {
+    for f in [
+        "kcore",
+        "keys",
+        "timer_list",
+        "sched_debug",
+        "latency_stats",
+        "sysrq-trigger",
+    ] {
         let p = proc_dir.join(f);
         if p.exists() {
             bind(Path::new("/dev/null"), &p, true, MsFlags::empty())?;
@@ -143,13 +211,24 @@ fn mount_proc(root: &Path) -> Result<()> {
     for d in ["acpi", "scsi"] {
         let p = proc_dir.join(d);
         if p.is_dir() {
-            mnt(Some("tmpfs"), &p, Some("tmpfs"), MsFlags::MS_RDONLY, Some("size=0"))?;
+            mnt(
+                Some("tmpfs"),
+                &p,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY,
+                Some("size=0"),
+            )?;
         }
     }
     for d in ["bus", "fs", "irq", "sys"] {
         let p = proc_dir.join(d);
         if p.exists() {
-            bind(&p, &p, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+            bind(
+                &p,
+                &p,
+                true,
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            )?;
         }
     }
     Ok(())
@@ -158,10 +237,29 @@ fn mount_proc(root: &Path) -> Result<()> {
 fn mount_dev(root: &Path) -> Result<()> {
     let dev = root.join("dev");
     mkdir(&dev)?;
-    mnt(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME, Some("mode=755,size=65536k"))?;
-    for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
+    mnt(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=65536k"),
+    )?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
         let p = dev.join(name);
-        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)).map_err(|e| RootfsError::Io {
+        mknod(
+            &p,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(major, minor),
+        )
+        .map_err(|e| RootfsError::Io {
             path: p.clone(),
             source: io::Error::from(e),
         })?;
@@ -169,11 +267,29 @@ fn mount_dev(root: &Path) -> Result<()> {
     }
     let pts = dev.join("pts");
     mkdir(&pts)?;
-    mnt(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620,gid=5"))?;
+    mnt(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )?;
     let shm = dev.join("shm");
     mkdir(&shm)?;
-    mnt(Some("shm"), &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=1777,size=65536k"))?;
-    for (link, target) in [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+    mnt(
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=65536k"),
+    )?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
         let p = dev.join(link);
         symlink(target, &p).map_err(io_at(&p))?;
     }
@@ -187,7 +303,13 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
     mnt(Some("sysfs"), &sys, Some("sysfs"), flags, None)?;
     let firmware = sys.join("firmware");
     if firmware.is_dir() {
-        mnt(Some("tmpfs"), &firmware, Some("tmpfs"), MsFlags::MS_RDONLY, Some("size=0"))?;
+        mnt(
+            Some("tmpfs"),
+            &firmware,
+            Some("tmpfs"),
+            MsFlags::MS_RDONLY,
+            Some("size=0"),
+        )?;
     }
     // The sandbox sees its own cgroup as the root (cgroup namespace), read-only: execd reads its
     // metrics there.
@@ -195,7 +317,13 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
     if spec.cgroup_v2 {
         mnt(Some("cgroup2"), &cg, Some("cgroup2"), flags, None)?;
     } else if !spec.cgroup_v1_mounts.is_empty() {
-        mnt(Some("tmpfs"), &cg, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=755,size=64k"))?;
+        mnt(
+            Some("tmpfs"),
+            &cg,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=755,size=64k"),
+        )?;
         for opts in &spec.cgroup_v1_mounts {
             let joined = opts.join(",");
             let dir = cg.join(&joined);
@@ -205,7 +333,13 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
                 let _ = symlink(&joined, cg.join(o));
             }
         }
-        mnt(None, &cg, None, MsFlags::MS_REMOUNT | flags, Some("mode=755,size=64k"))?;
+        mnt(
+            None,
+            &cg,
+            None,
+            MsFlags::MS_REMOUNT | flags,
+            Some("mode=755,size=64k"),
+        )?;
     }
     Ok(())
 }
@@ -213,16 +347,38 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
 fn mount_warren(spec: &InitSpec, root: &Path) -> Result<()> {
     let dir = root.join(WARREN_DIR);
     mkdir(&dir)?;
-    mnt(Some("tmpfs"), &dir, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    mnt(
+        Some("tmpfs"),
+        &dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=755,size=64k"),
+    )?;
     let execd = dir.join("execd");
     touch(&execd)?;
-    bind(&spec.execd_path, &execd, true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+    bind(
+        &spec.execd_path,
+        &execd,
+        true,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+    )?;
     let run = dir.join("run");
     mkdir(&run)?;
-    bind(&spec.socket_dir, &run, false, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+    bind(
+        &spec.socket_dir,
+        &run,
+        false,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+    )?;
     // Stale socket from a previous life of this folder would make execd's bind fail.
     let _ = fs::remove_file(run.join(EXECD_SOCKET_NAME));
-    mnt(None, &dir, None, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    mnt(
+        None,
+        &dir,
+        None,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=755,size=64k"),
+    )?;
     Ok(())
 }
 

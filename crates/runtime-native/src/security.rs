@@ -14,7 +14,10 @@
 use std::collections::BTreeMap;
 
 use caps::{CapSet, Capability, CapsHashSet};
-use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
 
 pub const KEPT_CAPABILITIES: [Capability; 13] = [
     Capability::CAP_CHOWN,
@@ -95,18 +98,40 @@ pub enum SecurityError {
 /// Compiles the two BPF programs (deny list → EPERM; `clone3` → ENOSYS).
 pub fn seccomp_programs() -> Result<Vec<BpfProgram>, SecurityError> {
     let arch = TargetArch::x86_64;
-    let mut deny: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS.iter().map(|(_, nr)| (*nr, Vec::new())).collect();
+    let mut deny: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS
+        .iter()
+        .map(|(_, nr)| (*nr, Vec::new()))
+        .collect();
     let newuser = libc::CLONE_NEWUSER as u64;
-    let clone_rule = SeccompRule::new(vec![SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(newuser), newuser)
-        .map_err(SecurityError::SeccompBackend)?])
+    let clone_rule = SeccompRule::new(vec![SeccompCondition::new(
+        0,
+        SeccompCmpArgLen::Qword,
+        SeccompCmpOp::MaskedEq(newuser),
+        newuser,
+    )
+    .map_err(SecurityError::SeccompBackend)?])
     .map_err(SecurityError::SeccompBackend)?;
     deny.insert(libc::SYS_clone, vec![clone_rule]);
-    let deny = SeccompFilter::new(deny, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch)
-        .map_err(SecurityError::SeccompBackend)?;
-    let clone3: BTreeMap<i64, Vec<SeccompRule>> = [(libc::SYS_clone3, Vec::new())].into_iter().collect();
-    let clone3 = SeccompFilter::new(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
-        .map_err(SecurityError::SeccompBackend)?;
-    Ok(vec![deny.try_into().map_err(SecurityError::SeccompBackend)?, clone3.try_into().map_err(SecurityError::SeccompBackend)?])
+    let deny = SeccompFilter::new(
+        deny,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch,
+    )
+    .map_err(SecurityError::SeccompBackend)?;
+    let clone3: BTreeMap<i64, Vec<SeccompRule>> =
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect();
+    let clone3 = SeccompFilter::new(
+        clone3,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .map_err(SecurityError::SeccompBackend)?;
+    Ok(vec![
+        deny.try_into().map_err(SecurityError::SeccompBackend)?,
+        clone3.try_into().map_err(SecurityError::SeccompBackend)?,
+    ])
 }
 
 /// Drops capabilities and sets `no_new_privs`; call after every mount is done.
@@ -116,7 +141,8 @@ pub fn restrict_privileges() -> Result<(), SecurityError> {
     for cap in all.difference(&keep) {
         // Capabilities newer than the running kernel are absent from its bounding set already.
         if caps::has_cap(None, CapSet::Bounding, *cap).unwrap_or(false) {
-            caps::drop(None, CapSet::Bounding, *cap).map_err(|e| SecurityError::Caps(e.to_string()))?;
+            caps::drop(None, CapSet::Bounding, *cap)
+                .map_err(|e| SecurityError::Caps(e.to_string()))?;
         }
     }
     caps::clear(None, CapSet::Ambient).map_err(|e| SecurityError::Caps(e.to_string()))?;

@@ -10,7 +10,12 @@ pub enum RootSource {
     /// Image layer directories, lowest first, stacked read-only under the sandbox's upper dir.
     Layers(Vec<PathBuf>),
     /// The built-in host view: a skeleton dir under the upper dir plus read-only binds of host folders.
-    Host { skeleton: PathBuf, binds: Vec<PathBuf>, masked_files: Vec<PathBuf>, masked_dirs: Vec<PathBuf> },
+    Host {
+        skeleton: PathBuf,
+        binds: Vec<PathBuf>,
+        masked_files: Vec<PathBuf>,
+        masked_dirs: Vec<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -30,14 +30,26 @@ fn is_proxy_path(p: &str) -> bool {
 }
 
 pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(key) = app.api_key.as_deref() else { return next.run(req).await };
+    let Some(key) = app.api_key.as_deref() else {
+        return next.run(req).await;
+    };
     if is_public(req.uri().path()) {
         return next.run(req).await;
     }
     match req.headers().get(API_KEY_HEADER) {
-        None => ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::MissingApiKey, format!("missing {API_KEY_HEADER} header")).into_response(),
+        None => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::MissingApiKey,
+            format!("missing {API_KEY_HEADER} header"),
+        )
+        .into_response(),
         Some(v) if bool::from(v.as_bytes().ct_eq(key.as_bytes())) => next.run(req).await,
-        Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidApiKey, "invalid API key").into_response(),
+        Some(_) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::InvalidApiKey,
+            "invalid API key",
+        )
+        .into_response(),
     }
 }
 
@@ -59,7 +71,12 @@ pub fn load_or_generate_key(data_dir: &Path) -> std::io::Result<(String, bool)> 
     rand::thread_rng().fill_bytes(&mut bytes);
     let key: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(key.as_bytes())?;
     f.sync_all()?;
     std::fs::rename(&tmp, &path)?;
@@ -88,7 +105,10 @@ mod tests {
         let (k1, fresh) = load_or_generate_key(dir.path()).expect("generate");
         assert!(fresh);
         assert_eq!(k1.len(), 64);
-        let mode = std::fs::metadata(key_file(dir.path())).expect("stat").permissions().mode();
+        let mode = std::fs::metadata(key_file(dir.path()))
+            .expect("stat")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let (k2, fresh) = load_or_generate_key(dir.path()).expect("reload");
         assert!(!fresh);

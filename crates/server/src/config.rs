@@ -57,7 +57,11 @@ fn default_oci() -> String {
 
 impl Default for RuntimeSection {
     fn default() -> Self {
-        Self { kind: default_kind(), oci_runtime: default_oci(), execd_path: None }
+        Self {
+            kind: default_kind(),
+            oci_runtime: default_oci(),
+            execd_path: None,
+        }
     }
 }
 
@@ -77,7 +81,11 @@ fn default_pids() -> u64 {
 
 impl Default for LimitsSection {
     fn default() -> Self {
-        Self { pids: default_pids(), default_memory: None, default_cpu: None }
+        Self {
+            pids: default_pids(),
+            default_memory: None,
+            default_cpu: None,
+        }
     }
 }
 
@@ -120,7 +128,9 @@ impl EnvSource for ProcessEnv {
 
 impl<const N: usize> EnvSource for [(&str, &str); N] {
     fn get(&self, key: &str) -> Option<String> {
-        self.iter().find(|(k, _)| *k == key).map(|(_, v)| v.to_string())
+        self.iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.to_string())
     }
 }
 
@@ -132,17 +142,24 @@ pub fn default_data_dir(env: &dyn EnvSource) -> PathBuf {
     if let Some(x) = env.get("XDG_DATA_HOME") {
         return Path::new(&x).join("warren");
     }
-    env.get("HOME").map(|h| Path::new(&h).join(".local/share/warren")).unwrap_or_else(|| PathBuf::from(".warren"))
+    env.get("HOME")
+        .map(|h| Path::new(&h).join(".local/share/warren"))
+        .unwrap_or_else(|| PathBuf::from(".warren"))
 }
 
 impl ServerConfig {
     pub fn load(flags: &Overrides, env: &dyn EnvSource) -> anyhow::Result<Self> {
         use anyhow::Context;
-        let config_file = flags.config.clone().or_else(|| env.get(env::CONFIG).map(PathBuf::from));
+        let config_file = flags
+            .config
+            .clone()
+            .or_else(|| env.get(env::CONFIG).map(PathBuf::from));
         let file: FileConfig = match &config_file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading config {}", path.display()))?;
+                toml::from_str(&text)
+                    .with_context(|| format!("parsing config {}", path.display()))?
             }
             None => FileConfig::default(),
         };
@@ -152,7 +169,9 @@ impl ServerConfig {
             .or_else(|| env.get(env::LISTEN))
             .or(file.listen.clone())
             .unwrap_or_else(|| DEFAULT_LISTEN.to_string());
-        let listen: SocketAddr = listen.parse().with_context(|| format!("invalid listen address {listen:?}"))?;
+        let listen: SocketAddr = listen
+            .parse()
+            .with_context(|| format!("invalid listen address {listen:?}"))?;
         let data_dir = flags
             .data_dir
             .clone()
@@ -165,7 +184,9 @@ impl ServerConfig {
             runtime.execd_path = Some(PathBuf::from(p));
         }
         if flags.insecure_no_auth && !listen.ip().is_loopback() {
-            anyhow::bail!("--insecure-no-auth is accepted only on a loopback address, not {listen}");
+            anyhow::bail!(
+                "--insecure-no-auth is accepted only on a loopback address, not {listen}"
+            );
         }
         Ok(Self {
             listen,
@@ -191,12 +212,19 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("warren.toml");
         std::fs::write(&file, "listen = \"127.0.0.1:9000\"\napi_key = \"from-file\"\n[runtime]\noci_runtime = \"runsc\"\n").expect("write");
-        let flags = Overrides { config: Some(file.clone()), ..Default::default() };
+        let flags = Overrides {
+            config: Some(file.clone()),
+            ..Default::default()
+        };
         let cfg = ServerConfig::load(&flags, &[(env::API_KEY, "from-env")]).expect("load");
         assert_eq!(cfg.listen.port(), 9000);
         assert_eq!(cfg.api_key.as_deref(), Some("from-env"));
         assert_eq!(cfg.runtime.oci_runtime, "runsc");
-        let flags = Overrides { config: Some(file), listen: Some("127.0.0.1:9100".into()), ..Default::default() };
+        let flags = Overrides {
+            config: Some(file),
+            listen: Some("127.0.0.1:9100".into()),
+            ..Default::default()
+        };
         let cfg = ServerConfig::load(&flags, &[(env::LISTEN, "127.0.0.1:9200")]).expect("load");
         assert_eq!(cfg.listen.port(), 9100);
     }
@@ -206,9 +234,16 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("warren.toml");
         std::fs::write(&file, "listn = \"x\"\n").expect("write");
-        let flags = Overrides { config: Some(file), ..Default::default() };
+        let flags = Overrides {
+            config: Some(file),
+            ..Default::default()
+        };
         assert!(ServerConfig::load(&flags, &[("X", "y")]).is_err());
-        let flags = Overrides { listen: Some("0.0.0.0:8080".into()), insecure_no_auth: true, ..Default::default() };
+        let flags = Overrides {
+            listen: Some("0.0.0.0:8080".into()),
+            insecure_no_auth: true,
+            ..Default::default()
+        };
         assert!(ServerConfig::load(&flags, &[("X", "y")]).is_err());
     }
 }

@@ -16,7 +16,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { status, code: code.as_str().to_string(), message: message.into() }
+        Self {
+            status,
+            code: code.as_str().to_string(),
+            message: message.into(),
+        }
     }
 
     pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
@@ -28,7 +32,11 @@ impl ApiError {
     }
 
     pub fn not_found(id: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, format!("sandbox {id} not found"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::SandboxNotFound,
+            format!("sandbox {id} not found"),
+        )
     }
 
     pub fn conflict(code: ErrorCode, message: impl Into<String>) -> Self {
@@ -45,15 +53,25 @@ impl ApiError {
             source = s.source();
         }
         tracing::error!(error = %chain, "{context}");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Unknown, format!("{context}: {chain}"))
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Unknown,
+            format!("{context}: {chain}"),
+        )
     }
 
     pub fn from_runtime(context: &str, err: RuntimeError) -> Self {
         match err {
-            RuntimeError::NotFound(m) => Self::new(StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, m),
+            RuntimeError::NotFound(m) => {
+                Self::new(StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, m)
+            }
             RuntimeError::Conflict(m) => Self::conflict(ErrorCode::InvalidState, m),
-            RuntimeError::Unsupported(m) => Self::new(StatusCode::NOT_IMPLEMENTED, ErrorCode::ApiNotSupported, m),
-            RuntimeError::Exhausted(m) => Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorCode::Unknown, m),
+            RuntimeError::Unsupported(m) => {
+                Self::new(StatusCode::NOT_IMPLEMENTED, ErrorCode::ApiNotSupported, m)
+            }
+            RuntimeError::Exhausted(m) => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorCode::Unknown, m)
+            }
             e @ RuntimeError::Backend { .. } => Self::internal(context, &e),
         }
     }
@@ -61,7 +79,14 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(ErrorBody { code: self.code, message: self.message })).into_response()
+        (
+            self.status,
+            Json(ErrorBody {
+                code: self.code,
+                message: self.message,
+            }),
+        )
+            .into_response()
     }
 }
 
@@ -70,7 +95,11 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
         let status = r.status();
         // Syntax and type errors alike are the client's malformed body: 400 (axum would say 422).
         if status == StatusCode::PAYLOAD_TOO_LARGE {
-            return Self::new(status, ErrorCode::BodyTooLarge, "request body too large (limit 1 MiB)");
+            return Self::new(
+                status,
+                ErrorCode::BodyTooLarge,
+                "request body too large (limit 1 MiB)",
+            );
         }
         Self::bad_request(ErrorCode::InvalidRequestBody, r.body_text())
     }
@@ -81,7 +110,8 @@ pub struct ApiJson<T>(pub T);
 
 impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
 where
-    axum::Json<T>: axum::extract::FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    axum::Json<T>:
+        axum::extract::FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
     S: Send + Sync,
 {
     type Rejection = ApiError;

@@ -57,14 +57,20 @@ pub fn router(state: AppState) -> Router {
     let proxy = Router::new()
         .route("/sandboxes/{id}/proxy/{port}", any(proxy::proxy_root))
         .route("/sandboxes/{id}/proxy/{port}/", any(proxy::proxy_root))
-        .route("/sandboxes/{id}/proxy/{port}/{*rest}", any(proxy::proxy_path))
+        .route(
+            "/sandboxes/{id}/proxy/{port}/{*rest}",
+            any(proxy::proxy_path),
+        )
         .layer(DefaultBodyLimit::disable());
     let both = api.merge(proxy);
     Router::new()
         .nest("/v1", both.clone())
         .merge(both)
         .fallback(routes::not_found)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
 }
@@ -75,7 +81,10 @@ async fn request_id(req: Request, next: Next) -> Response {
         .headers()
         .get(REQUEST_ID_HEADER)
         .cloned()
-        .unwrap_or_else(|| HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()).unwrap_or(HeaderValue::from_static("-")));
+        .unwrap_or_else(|| {
+            HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
+                .unwrap_or(HeaderValue::from_static("-"))
+        });
     let mut resp = next.run(req).await;
     resp.headers_mut().insert(REQUEST_ID_HEADER, id);
     resp
@@ -96,10 +105,14 @@ impl Server {
         } else if let Some(k) = &config.api_key {
             Some(Arc::from(k.as_str()))
         } else {
-            let (key, fresh) = auth::load_or_generate_key(&config.data_dir).context("creating the API key file")?;
+            let (key, fresh) = auth::load_or_generate_key(&config.data_dir)
+                .context("creating the API key file")?;
             let path = auth::key_file(&config.data_dir);
             if fresh {
-                eprintln!("warren: generated an API key; it is stored (0600) in {}", path.display());
+                eprintln!(
+                    "warren: generated an API key; it is stored (0600) in {}",
+                    path.display()
+                );
             } else {
                 eprintln!("warren: using the API key stored in {}", path.display());
             }
@@ -108,26 +121,51 @@ impl Server {
         if api_key.is_none() && !config.listen.ip().is_loopback() {
             anyhow::bail!("refusing to listen on {} without an API key", config.listen);
         }
-        std::fs::create_dir_all(&config.data_dir).with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
         let runtime = make_runtime(&config)?;
         let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         let store = Store::open(&config.data_dir).context("opening the state store")?;
         let sandboxes = Sandboxes::new(runtime, store, images, config.terminated_retention_seconds);
         sandboxes.recover().await.context("recovering sandboxes")?;
-        let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
         let local_addr = listener.local_addr()?;
         let reaper = sandboxes.spawn_reaper();
-        let state = AppState { config: Arc::new(config), api_key, sandboxes, local_addr };
-        Ok(Self { state, listener, reaper })
+        let state = AppState {
+            config: Arc::new(config),
+            api_key,
+            sandboxes,
+            local_addr,
+        };
+        Ok(Self {
+            state,
+            listener,
+            reaper,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.state.local_addr
     }
 
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        use axum::serve::ListenerExt;
         let app = router(self.state.clone());
-        let result = axum::serve(self.listener, app).with_graceful_shutdown(shutdown).await;
+        // Event streams are many small writes: without TCP_NODELAY each one can wait ~40 ms for the
+        // peer's delayed ACK (Nagle), which would dominate a command's latency.
+        let listener = self.listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY");
+            }
+        });
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await;
         self.reaper.abort();
         result.context("serving HTTP")
     }
@@ -135,7 +173,10 @@ impl Server {
 
 fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     if config.runtime.kind != "native" {
-        anyhow::bail!("runtime kind {:?} is not available (supported: native)", config.runtime.kind);
+        anyhow::bail!(
+            "runtime kind {:?} is not available (supported: native)",
+            config.runtime.kind
+        );
     }
     let exe = std::env::current_exe().context("locating the warren binary")?;
     let execd_path = match &config.runtime.execd_path {
@@ -143,7 +184,11 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         None => exe.with_file_name("warren-execd"),
     };
     // The config file may hold the API key; the host image must not show it.
-    let extra_masked_files = config.config_file.iter().filter_map(|p| std::fs::canonicalize(p).ok()).collect();
+    let extra_masked_files = config
+        .config_file
+        .iter()
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .collect();
     let native = NativeConfig {
         data_dir: config.data_dir.clone(),
         execd_path,

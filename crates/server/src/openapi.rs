@@ -4,8 +4,9 @@
 use axum::Json;
 use utoipa::OpenApi;
 use warren_api::lifecycle::{
-    CreateSandboxRequest, Endpoint, Health, ImageAuth, ImageSpec, ListSandboxesResponse, MetricsEvent, Pagination, Platform,
-    RenewExpirationRequest, RenewExpirationResponse, Sandbox, SandboxState, SandboxStatus,
+    CreateSandboxRequest, Endpoint, Health, ImageAuth, ImageSpec, ListSandboxesResponse,
+    MetricsEvent, Pagination, Platform, RenewExpirationRequest, RenewExpirationResponse, Sandbox,
+    SandboxState, SandboxStatus,
 };
 use warren_api::ErrorBody;
 
@@ -13,16 +14,41 @@ use crate::routes;
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Warren lifecycle API", description = "OpenSandbox Sandbox Protocol, as served by Warren. Also served without the /v1 prefix. \
+    info(
+        title = "Warren lifecycle API",
+        description = "OpenSandbox Sandbox Protocol, as served by Warren. Also served without the /v1 prefix. \
         Authenticate with the OPEN-SANDBOX-API-KEY header. Sandbox ports are reached at /sandboxes/{id}/proxy/{port}/… with the token \
-        returned in an endpoint's headers."),
+        returned in an endpoint's headers."
+    ),
     paths(
-        routes::health, routes::create, routes::list, routes::get, routes::delete, routes::pause, routes::resume,
-        routes::renew, routes::patch_metadata, routes::endpoint, routes::metrics_event
+        routes::health,
+        routes::create,
+        routes::list,
+        routes::get,
+        routes::delete,
+        routes::pause,
+        routes::resume,
+        routes::renew,
+        routes::patch_metadata,
+        routes::endpoint,
+        routes::metrics_event
     ),
     components(schemas(
-        CreateSandboxRequest, ImageSpec, ImageAuth, Platform, Sandbox, SandboxStatus, SandboxState, ListSandboxesResponse,
-        Pagination, RenewExpirationRequest, RenewExpirationResponse, Endpoint, MetricsEvent, Health, ErrorBody
+        CreateSandboxRequest,
+        ImageSpec,
+        ImageAuth,
+        Platform,
+        Sandbox,
+        SandboxStatus,
+        SandboxState,
+        ListSandboxesResponse,
+        Pagination,
+        RenewExpirationRequest,
+        RenewExpirationResponse,
+        Endpoint,
+        MetricsEvent,
+        Health,
+        ErrorBody
     ))
 )]
 pub struct ApiDoc;
@@ -39,11 +65,20 @@ mod tests {
     fn document_lists_every_lifecycle_route_with_exact_success_codes() {
         let doc = serde_json::to_value(ApiDoc::openapi()).expect("serialize");
         let paths = doc["paths"].as_object().expect("paths");
-        for p in ["/v1/sandboxes", "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/pause", "/v1/sandboxes/{id}/endpoints/{port}", "/v1/metrics/events"] {
+        for p in [
+            "/v1/sandboxes",
+            "/v1/sandboxes/{id}",
+            "/v1/sandboxes/{id}/pause",
+            "/v1/sandboxes/{id}/endpoints/{port}",
+            "/v1/metrics/events",
+        ] {
             assert!(paths.contains_key(p), "missing {p}");
         }
         assert!(doc["paths"]["/v1/sandboxes"]["post"]["responses"]["202"].is_object());
         assert!(doc["paths"]["/v1/sandboxes/{id}"]["delete"]["responses"]["204"].is_object());
-        assert!(doc["components"]["schemas"]["CreateSandboxRequest"]["properties"]["resourceLimits"].is_object());
+        assert!(
+            doc["components"]["schemas"]["CreateSandboxRequest"]["properties"]["resourceLimits"]
+                .is_object()
+        );
     }
 }

@@ -16,54 +16,103 @@ use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 use crate::error::ApiError;
 use crate::AppState;
 
-pub async fn proxy_root(state: State<AppState>, Path((id, port)): Path<(String, String)>, req: Request) -> Response {
+pub async fn proxy_root(
+    state: State<AppState>,
+    Path((id, port)): Path<(String, String)>,
+    req: Request,
+) -> Response {
     forward(state, id, port, String::new(), req).await
 }
 
-pub async fn proxy_path(state: State<AppState>, Path((id, port, rest)): Path<(String, String, String)>, req: Request) -> Response {
+pub async fn proxy_path(
+    state: State<AppState>,
+    Path((id, port, rest)): Path<(String, String, String)>,
+    req: Request,
+) -> Response {
     forward(state, id, port, rest, req).await
 }
 
 fn authorized(app: &AppState, token: &str, req: &Request) -> bool {
     let header_eq = |name: &str, want: &str| {
-        req.headers().get(name).is_some_and(|v| bool::from(v.as_bytes().ct_eq(want.as_bytes())))
+        req.headers()
+            .get(name)
+            .is_some_and(|v| bool::from(v.as_bytes().ct_eq(want.as_bytes())))
     };
-    header_eq(ACCESS_TOKEN_HEADER, token) || app.api_key.as_deref().is_some_and(|k| header_eq(API_KEY_HEADER, k)) || app.api_key.is_none()
+    header_eq(ACCESS_TOKEN_HEADER, token)
+        || app
+            .api_key
+            .as_deref()
+            .is_some_and(|k| header_eq(API_KEY_HEADER, k))
+        || app.api_key.is_none()
 }
 
-async fn forward(State(app): State<AppState>, id: String, port: String, rest: String, mut req: Request) -> Response {
-    let Some(rec) = app.sandboxes.get(&id) else { return ApiError::not_found(&id).into_response() };
+async fn forward(
+    State(app): State<AppState>,
+    id: String,
+    port: String,
+    rest: String,
+    mut req: Request,
+) -> Response {
+    let Some(rec) = app.sandboxes.get(&id) else {
+        return ApiError::not_found(&id).into_response();
+    };
     if !authorized(&app, &rec.token, &req) {
-        let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none() && req.headers().get(API_KEY_HEADER).is_none();
+        let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
+            && req.headers().get(API_KEY_HEADER).is_none();
         let msg = if missing {
             format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{id}/endpoints/{{port}}")
         } else {
             "invalid sandbox access token".to_string()
         };
-        return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg).into_response();
+        return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
+            .into_response();
     }
-    let Ok(port) = port.parse::<u16>() else { return ApiError::invalid(format!("invalid port {port:?}")).into_response() };
+    let Ok(port) = port.parse::<u16>() else {
+        return ApiError::invalid(format!("invalid port {port:?}")).into_response();
+    };
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {
-            return ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is paused; resume it first")).into_response()
+            return ApiError::conflict(
+                ErrorCode::SandboxNotRunning,
+                format!("sandbox {id} is paused; resume it first"),
+            )
+            .into_response()
         }
         other => {
-            return ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}", other.as_str())).into_response()
+            return ApiError::conflict(
+                ErrorCode::SandboxNotRunning,
+                format!("sandbox {id} is {}", other.as_str()),
+            )
+            .into_response()
         }
     }
-    let query = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
-    let path = if port == EXECD_PORT { format!("/{rest}{query}") } else { format!("/proxy/{port}/{rest}{query}") };
+    let query = req
+        .uri()
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    let path = if port == EXECD_PORT {
+        format!("/{rest}{query}")
+    } else {
+        format!("/proxy/{port}/{rest}{query}")
+    };
 
     let socket = app.sandboxes.runtime().execd_socket(&id);
     let stream = match connect(&socket).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
-            return ApiError::new(StatusCode::BAD_GATEWAY, ErrorCode::ProxyUnavailable, format!("sandbox {id} is not answering")).into_response();
+            return ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                ErrorCode::ProxyUnavailable,
+                format!("sandbox {id} is not answering"),
+            )
+            .into_response();
         }
     };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
+    {
         Ok(pair) => pair,
         Err(e) => return ApiError::internal("connecting to execd", &e).into_response(),
     };
@@ -77,7 +126,9 @@ async fn forward(State(app): State<AppState>, id: String, port: String, rest: St
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
     parts.headers.remove(API_KEY_HEADER);
-    parts.headers.insert(http::header::HOST, HeaderValue::from_static("localhost"));
+    parts
+        .headers
+        .insert(http::header::HOST, HeaderValue::from_static("localhost"));
     parts.uri = match path.parse() {
         Ok(u) => u,
         Err(_) => return ApiError::invalid("invalid proxied path").into_response(),
@@ -88,7 +139,12 @@ async fn forward(State(app): State<AppState>, id: String, port: String, rest: St
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(sandbox_id = %id, error = %e, "proxied request failed");
-            return ApiError::new(StatusCode::BAD_GATEWAY, ErrorCode::ProxyUnavailable, format!("sandbox {id} dropped the request")).into_response();
+            return ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                ErrorCode::ProxyUnavailable,
+                format!("sandbox {id} dropped the request"),
+            )
+            .into_response();
         }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -101,7 +157,9 @@ async fn forward(State(app): State<AppState>, id: String, port: String, rest: St
                         let mut upstream = TokioIo::new(upstream);
                         let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
                     }
-                    (a, b) => tracing::debug!(client = a.is_ok(), upstream = b.is_ok(), "upgrade failed"),
+                    (a, b) => {
+                        tracing::debug!(client = a.is_ok(), upstream = b.is_ok(), "upgrade failed")
+                    }
                 }
             });
         }

@@ -9,8 +9,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, SecondsFormat, Utc};
 use warren_api::lifecycle::{
-    CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent, Pagination, RenewExpirationRequest,
-    RenewExpirationResponse, Sandbox, SandboxState, SandboxStatus,
+    CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent,
+    Pagination, RenewExpirationRequest, RenewExpirationResponse, Sandbox, SandboxState,
+    SandboxStatus,
 };
 use warren_api::{ErrorBody, ErrorCode, ACCESS_TOKEN_HEADER};
 use warren_store::SandboxRecord;
@@ -37,7 +38,10 @@ pub fn to_wire(r: &SandboxRecord) -> Sandbox {
         },
         created_at: rfc3339(r.created_at),
         entrypoint: r.entrypoint.clone(),
-        image: Some(ImageSpec { uri: r.image.clone(), auth: None }),
+        image: Some(ImageSpec {
+            uri: r.image.clone(),
+            auth: None,
+        }),
         expires_at: r.expires_at.map(rfc3339),
         metadata: r.metadata.clone(),
         platform: None,
@@ -47,13 +51,18 @@ pub fn to_wire(r: &SandboxRecord) -> Sandbox {
 
 #[utoipa::path(get, path = "/v1/health", tag = "health", responses((status = 200, body = Health)))]
 pub async fn health() -> Json<Health> {
-    Json(Health { status: "healthy".into() })
+    Json(Health {
+        status: "healthy".into(),
+    })
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
     responses((status = 202, description = "Running: execd answers", body = Sandbox), (status = 400, body = ErrorBody),
               (status = 401, body = ErrorBody), (status = 404, description = "unknown image", body = ErrorBody), (status = 500, body = ErrorBody)))]
-pub async fn create(State(app): State<AppState>, ApiJson(req): ApiJson<CreateSandboxRequest>) -> Result<Response, ApiError> {
+pub async fn create(
+    State(app): State<AppState>,
+    ApiJson(req): ApiJson<CreateSandboxRequest>,
+) -> Result<Response, ApiError> {
     let plan = create_plan(req, &app.config.limits, app.config.max_timeout_seconds)?;
     let rec = app.sandboxes.create(plan).await?;
     let mut body = to_wire(&rec);
@@ -67,8 +76,14 @@ pub async fn create(State(app): State<AppState>, ApiJson(req): ApiJson<CreateSan
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)))]
-pub async fn get(State(app): State<AppState>, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
-    app.sandboxes.get(&id).map(|r| Json(to_wire(&r))).ok_or_else(|| ApiError::not_found(&id))
+pub async fn get(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, ApiError> {
+    app.sandboxes
+        .get(&id)
+        .map(|r| Json(to_wire(&r)))
+        .ok_or_else(|| ApiError::not_found(&id))
 }
 
 /// `GET /sandboxes?state=A&state=B&metadata=k%3Dv&page=1&pageSize=20`; repeated `state` values are
@@ -78,7 +93,10 @@ pub async fn get(State(app): State<AppState>, Path(id): Path<String>) -> Result<
            ("metadata" = Option<String>, Query, description = "k1=v1&k2=v2, percent-encoded"),
            ("page" = Option<u32>, Query), ("pageSize" = Option<u32>, Query)),
     responses((status = 200, body = ListSandboxesResponse), (status = 400, body = ErrorBody)))]
-pub async fn list(State(app): State<AppState>, RawQuery(query): RawQuery) -> Result<Json<ListSandboxesResponse>, ApiError> {
+pub async fn list(
+    State(app): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<ListSandboxesResponse>, ApiError> {
     let mut states = Vec::new();
     let mut metadata: Vec<(String, String)> = Vec::new();
     let mut page: u32 = 1;
@@ -87,17 +105,30 @@ pub async fn list(State(app): State<AppState>, RawQuery(query): RawQuery) -> Res
         match k.as_ref() {
             "state" => {
                 for s in v.split(',').filter(|s| !s.is_empty()) {
-                    states.push(SandboxState::parse(s).ok_or_else(|| ApiError::invalid(format!("unknown state {s:?}")))?);
+                    states.push(
+                        SandboxState::parse(s)
+                            .ok_or_else(|| ApiError::invalid(format!("unknown state {s:?}")))?,
+                    );
                 }
             }
             "metadata" => metadata.extend(parse_metadata_filter(&v)?),
-            "page" => page = v.parse().ok().filter(|p| *p >= 1).ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?,
+            "page" => {
+                page = v
+                    .parse()
+                    .ok()
+                    .filter(|p| *p >= 1)
+                    .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?
+            }
             "pageSize" | "page_size" => {
                 page_size = v
                     .parse()
                     .ok()
                     .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
-                    .ok_or_else(|| ApiError::invalid(format!("pageSize must be an integer from 1 to {MAX_PAGE_SIZE}")))?
+                    .ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
+                        ))
+                    })?
             }
             _ => {}
         }
@@ -111,21 +142,43 @@ pub async fn list(State(app): State<AppState>, RawQuery(query): RawQuery) -> Res
         .collect();
     let total = matching.len() as u64;
     let total_pages = total.div_ceil(page_size as u64) as u32;
-    let items = matching.iter().skip(((page - 1) as usize) * page_size as usize).take(page_size as usize).map(to_wire).collect();
+    let items = matching
+        .iter()
+        .skip(((page - 1) as usize) * page_size as usize)
+        .take(page_size as usize)
+        .map(to_wire)
+        .collect();
     Ok(Json(ListSandboxesResponse {
         items,
-        pagination: Pagination { page, page_size, total_items: total, total_pages, has_next_page: page < total_pages },
+        pagination: Pagination {
+            page,
+            page_size,
+            total_items: total,
+            total_pages,
+            has_next_page: page < total_pages,
+        },
     }))
 }
 
 /// The metadata filter is itself a query string (`k1=v1&k2=v2`), percent-encoded once more.
 fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError> {
-    let bad = || ApiError::bad_request(ErrorCode::InvalidMetadataFormat, format!("metadata filter {value:?} must look like k1=v1&k2=v2"));
+    let bad = || {
+        ApiError::bad_request(
+            ErrorCode::InvalidMetadataFormat,
+            format!("metadata filter {value:?} must look like k1=v1&k2=v2"),
+        )
+    };
     let mut out = Vec::new();
     for pair in value.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(bad)?;
-        let k: String = form_urlencoded::parse(format!("k={k}").as_bytes()).next().map(|(_, v)| v.into_owned()).ok_or_else(bad)?;
-        let v: String = form_urlencoded::parse(format!("v={v}").as_bytes()).next().map(|(_, v)| v.into_owned()).ok_or_else(bad)?;
+        let k: String = form_urlencoded::parse(format!("k={k}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .ok_or_else(bad)?;
+        let v: String = form_urlencoded::parse(format!("v={v}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .ok_or_else(bad)?;
         if k.is_empty() {
             return Err(bad());
         }
@@ -136,21 +189,30 @@ fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError>
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 204, description = "Terminated (user_delete)"), (status = 404, body = ErrorBody)))]
-pub async fn delete(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn delete(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     app.sandboxes.delete(&id, REASON_USER_DELETE).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
-pub async fn pause(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn pause(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     app.sandboxes.pause(&id).await?;
     Ok(StatusCode::ACCEPTED)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 202), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
-pub async fn resume(State(app): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn resume(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     app.sandboxes.resume(&id).await?;
     Ok(StatusCode::ACCEPTED)
 }
@@ -164,10 +226,17 @@ pub async fn renew(
     ApiJson(req): ApiJson<RenewExpirationRequest>,
 ) -> Result<Json<RenewExpirationResponse>, ApiError> {
     let at = DateTime::parse_from_rfc3339(&req.expires_at)
-        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidExpiration, format!("expiresAt {:?} is not RFC 3339: {e}", req.expires_at)))?
+        .map_err(|e| {
+            ApiError::bad_request(
+                ErrorCode::InvalidExpiration,
+                format!("expiresAt {:?} is not RFC 3339: {e}", req.expires_at),
+            )
+        })?
         .with_timezone(&Utc);
     let at = app.sandboxes.renew(&id, at).await?;
-    Ok(Json(RenewExpirationResponse { expires_at: rfc3339(at) }))
+    Ok(Json(RenewExpirationResponse {
+        expires_at: rfc3339(at),
+    }))
 }
 
 #[utoipa::path(patch, path = "/v1/sandboxes/{id}/metadata", tag = "sandboxes", params(("id" = String, Path)),
@@ -179,7 +248,10 @@ pub async fn patch_metadata(
     ApiJson(patch): ApiJson<BTreeMap<String, Option<String>>>,
 ) -> Result<Json<Sandbox>, ApiError> {
     validate_metadata(patch.iter().map(|(k, v)| (k.as_str(), v.as_deref())))?;
-    let rec = app.sandboxes.patch_metadata(&id, patch.into_iter().collect()).await?;
+    let rec = app
+        .sandboxes
+        .patch_metadata(&id, patch.into_iter().collect())
+        .await?;
     Ok(Json(to_wire(&rec)))
 }
 
@@ -193,24 +265,46 @@ pub async fn endpoint(
     Path((id, port)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<Endpoint>, ApiError> {
-    let port: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
-    let rec = app.sandboxes.get(&id).ok_or_else(|| ApiError::not_found(&id))?;
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
+    let rec = app
+        .sandboxes
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found(&id))?;
     if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
-        return Err(ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}", rec.state.as_str())));
+        return Err(ApiError::conflict(
+            ErrorCode::SandboxNotRunning,
+            format!("sandbox {id} is {}", rec.state.as_str()),
+        ));
     }
     let host = app
         .config
         .public_host
         .clone()
-        .or_else(|| headers.get(http::header::HOST).and_then(|h| h.to_str().ok()).filter(|h| valid_host(h)).map(str::to_string))
+        .or_else(|| {
+            headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .filter(|h| valid_host(h))
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| app.local_addr.to_string());
     let mut out = BTreeMap::new();
     out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
-    Ok(Json(Endpoint { endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"), headers: out }))
+    Ok(Json(Endpoint {
+        endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),
+        headers: out,
+    }))
 }
 
 fn valid_host(h: &str) -> bool {
-    !h.is_empty() && h.len() <= 255 && h.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
+    !h.is_empty()
+        && h.len() <= 255
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
 }
 
 #[utoipa::path(post, path = "/v1/metrics/events", tag = "metrics", request_body = MetricsEvent, responses((status = 204)))]

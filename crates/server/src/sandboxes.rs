@@ -45,7 +45,12 @@ fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Sandboxes {
-    pub fn new(runtime: Arc<dyn Runtime>, store: Store, images: ImageStore, retention_seconds: i64) -> Self {
+    pub fn new(
+        runtime: Arc<dyn Runtime>,
+        store: Store,
+        images: ImageStore,
+        retention_seconds: i64,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 runtime,
@@ -62,7 +67,12 @@ impl Sandboxes {
     }
 
     fn entry(&self, id: &str) -> Option<Arc<Entry>> {
-        self.inner.entries.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+        self.inner
+            .entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
     }
 
     pub fn get(&self, id: &str) -> Option<SandboxRecord> {
@@ -70,9 +80,21 @@ impl Sandboxes {
     }
 
     pub fn all(&self) -> Vec<SandboxRecord> {
-        let entries: Vec<Arc<Entry>> = self.inner.entries.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
-        let mut records: Vec<SandboxRecord> = entries.iter().map(|e| lock(&e.record).clone()).collect();
-        records.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| a.id.cmp(&b.id)));
+        let entries: Vec<Arc<Entry>> = self
+            .inner
+            .entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut records: Vec<SandboxRecord> =
+            entries.iter().map(|e| lock(&e.record).clone()).collect();
+        records.sort_by(|a, b| {
+            b.created_at
+                .cmp(&a.created_at)
+                .then_with(|| a.id.cmp(&b.id))
+        });
         records
     }
 
@@ -101,7 +123,9 @@ impl Sandboxes {
         let (name, holder) = (plan.image.clone(), id.clone());
         let image = tokio::task::spawn_blocking(move || {
             let image = images.resolve(&name).map_err(|e| image_error(&name, e))?;
-            images.lease(&holder, &image).map_err(|e| ApiError::internal("leasing the image", &e))?;
+            images
+                .lease(&holder, &image)
+                .map_err(|e| ApiError::internal("leasing the image", &e))?;
             Ok::<_, ApiError>(image)
         })
         .await
@@ -118,7 +142,9 @@ impl Sandboxes {
             extensions: plan.extensions,
             limits: plan.limits.clone(),
             created_at: now,
-            expires_at: plan.timeout_seconds.map(|t| now + chrono::Duration::seconds(t)),
+            expires_at: plan
+                .timeout_seconds
+                .map(|t| now + chrono::Duration::seconds(t)),
             state: SandboxState::Pending,
             reason: None,
             message: None,
@@ -126,12 +152,25 @@ impl Sandboxes {
             token: hex_token(&token),
             runtime_state: serde_json::Value::Null,
         };
-        let entry = Arc::new(Entry { record: StdMutex::new(record.clone()), op: tokio::sync::Mutex::new(()) });
+        let entry = Arc::new(Entry {
+            record: StdMutex::new(record.clone()),
+            op: tokio::sync::Mutex::new(()),
+        });
         let _op = entry.op.lock().await;
-        self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), entry.clone());
+        self.inner
+            .entries
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), entry.clone());
         self.persist(&record);
 
-        let spec = SandboxSpec { id: id.clone(), image, entrypoint: plan.entrypoint, env: plan.env, limits: plan.limits };
+        let spec = SandboxSpec {
+            id: id.clone(),
+            image,
+            entrypoint: plan.entrypoint,
+            env: plan.env,
+            limits: plan.limits,
+        };
         match self.inner.runtime.create(&spec).await {
             Ok(state) => {
                 let rec = self.update(&entry, |r| {
@@ -142,7 +181,11 @@ impl Sandboxes {
                 Ok(rec)
             }
             Err(e) => {
-                self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                self.inner
+                    .entries
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id);
                 let _ = self.inner.store.remove(&id);
                 let _ = self.inner.images.release(&id);
                 Err(ApiError::from_runtime("creating the sandbox", e))
@@ -165,17 +208,31 @@ impl Sandboxes {
                 return;
             }
             let (state, message) = match (info.code, info.signal) {
-                (Some(0), _) => (SandboxState::Terminated, "the main process exited with code 0".to_string()),
-                (Some(c), _) => (SandboxState::Failed, format!("the main process exited with code {c}")),
-                (None, Some(s)) => (SandboxState::Failed, format!("the main process was killed by signal {s}")),
-                (None, None) => (SandboxState::Failed, "the sandbox's processes ended".to_string()),
+                (Some(0), _) => (
+                    SandboxState::Terminated,
+                    "the main process exited with code 0".to_string(),
+                ),
+                (Some(c), _) => (
+                    SandboxState::Failed,
+                    format!("the main process exited with code {c}"),
+                ),
+                (None, Some(s)) => (
+                    SandboxState::Failed,
+                    format!("the main process was killed by signal {s}"),
+                ),
+                (None, None) => (
+                    SandboxState::Failed,
+                    "the sandbox's processes ended".to_string(),
+                ),
             };
             tracing::info!(sandbox_id = %id, %message, "sandbox ended by itself");
             if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
             }
             let _ = this.inner.images.release(&id);
-            this.update(&entry, |r| r.transition(state, Some("process_exited"), Some(message)));
+            this.update(&entry, |r| {
+                r.transition(state, Some("process_exited"), Some(message))
+            });
         });
     }
 
@@ -189,19 +246,33 @@ impl Sandboxes {
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
         if rec.state.is_terminal() {
-            return Err(ApiError::new(http::StatusCode::NOT_FOUND, ErrorCode::SandboxNotFound, format!("sandbox {id} is already {}", rec.state.as_str())));
+            return Err(ApiError::new(
+                http::StatusCode::NOT_FOUND,
+                ErrorCode::SandboxNotFound,
+                format!("sandbox {id} is already {}", rec.state.as_str()),
+            ));
         }
-        self.update(&entry, |r| r.transition(SandboxState::Stopping, Some(reason), None));
+        self.update(&entry, |r| {
+            r.transition(SandboxState::Stopping, Some(reason), None)
+        });
         let result = self.inner.runtime.destroy(id, &rec.runtime_state).await;
         let _ = self.inner.images.release(id);
         match result {
             Ok(()) => {
-                self.update(&entry, |r| r.transition(SandboxState::Terminated, Some(reason), None));
+                self.update(&entry, |r| {
+                    r.transition(SandboxState::Terminated, Some(reason), None)
+                });
                 Ok(())
             }
             Err(e) => {
                 let err = ApiError::from_runtime("deleting the sandbox", e);
-                self.update(&entry, |r| r.transition(SandboxState::Failed, Some("delete_failed"), Some(err.message.clone())));
+                self.update(&entry, |r| {
+                    r.transition(
+                        SandboxState::Failed,
+                        Some("delete_failed"),
+                        Some(err.message.clone()),
+                    )
+                });
                 Err(err)
             }
         }
@@ -212,12 +283,17 @@ impl Sandboxes {
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(ErrorCode::SandboxNotRunning, format!("sandbox {id} is {}, not Running", rec.state.as_str())));
+            return Err(ApiError::conflict(
+                ErrorCode::SandboxNotRunning,
+                format!("sandbox {id} is {}, not Running", rec.state.as_str()),
+            ));
         }
         self.update(&entry, |r| r.transition(SandboxState::Pausing, None, None));
         match self.inner.runtime.pause(id, &rec.runtime_state).await {
             Ok(()) => {
-                self.update(&entry, |r| r.transition(SandboxState::Paused, Some("user_pause"), None));
+                self.update(&entry, |r| {
+                    r.transition(SandboxState::Paused, Some("user_pause"), None)
+                });
                 Ok(())
             }
             Err(e) => {
@@ -232,12 +308,17 @@ impl Sandboxes {
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
         if rec.state != SandboxState::Paused {
-            return Err(ApiError::conflict(ErrorCode::SandboxNotPaused, format!("sandbox {id} is {}, not Paused", rec.state.as_str())));
+            return Err(ApiError::conflict(
+                ErrorCode::SandboxNotPaused,
+                format!("sandbox {id} is {}, not Paused", rec.state.as_str()),
+            ));
         }
         self.update(&entry, |r| r.transition(SandboxState::Resuming, None, None));
         match self.inner.runtime.resume(id, &rec.runtime_state).await {
             Ok(()) => {
-                self.update(&entry, |r| r.transition(SandboxState::Running, Some("user_resume"), None));
+                self.update(&entry, |r| {
+                    r.transition(SandboxState::Running, Some("user_resume"), None)
+                });
                 Ok(())
             }
             Err(e) => {
@@ -247,28 +328,48 @@ impl Sandboxes {
         }
     }
 
-    pub async fn renew(&self, id: &str, expires_at: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
+    pub async fn renew(
+        &self,
+        id: &str,
+        expires_at: DateTime<Utc>,
+    ) -> Result<DateTime<Utc>, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
         if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
-            return Err(ApiError::conflict(ErrorCode::InvalidState, format!("sandbox {id} is {}", rec.state.as_str())));
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!("sandbox {id} is {}", rec.state.as_str()),
+            ));
         }
         if rec.expires_at.is_none() {
-            return Err(ApiError::conflict(ErrorCode::InvalidExpiration, format!("sandbox {id} has no expiry (manual cleanup)")));
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidExpiration,
+                format!("sandbox {id} has no expiry (manual cleanup)"),
+            ));
         }
         if expires_at <= Utc::now() {
-            return Err(ApiError::bad_request(ErrorCode::InvalidExpiration, "expiresAt must be in the future"));
+            return Err(ApiError::bad_request(
+                ErrorCode::InvalidExpiration,
+                "expiresAt must be in the future",
+            ));
         }
         self.update(&entry, |r| r.expires_at = Some(expires_at));
         Ok(expires_at)
     }
 
-    pub async fn patch_metadata(&self, id: &str, patch: Vec<(String, Option<String>)>) -> Result<SandboxRecord, ApiError> {
+    pub async fn patch_metadata(
+        &self,
+        id: &str,
+        patch: Vec<(String, Option<String>)>,
+    ) -> Result<SandboxRecord, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         if lock(&entry.record).state.is_terminal() {
-            return Err(ApiError::conflict(ErrorCode::InvalidState, format!("sandbox {id} has ended")));
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!("sandbox {id} has ended"),
+            ));
         }
         Ok(self.update(&entry, |r| {
             for (k, v) in patch {
@@ -291,11 +392,18 @@ impl Sandboxes {
                 let liveness = if rec.runtime_state.is_null() {
                     Liveness::Gone
                 } else {
-                    self.inner.runtime.liveness(&rec.id, &rec.runtime_state).await
+                    self.inner
+                        .runtime
+                        .liveness(&rec.id, &rec.runtime_state)
+                        .await
                 };
                 match (rec.state, liveness) {
                     (_, Liveness::Gone) => {
-                        let _ = self.inner.runtime.destroy(&rec.id, &rec.runtime_state).await;
+                        let _ = self
+                            .inner
+                            .runtime
+                            .destroy(&rec.id, &rec.runtime_state)
+                            .await;
                         let _ = self.inner.images.release(&rec.id);
                         let was = rec.state;
                         rec.transition(
@@ -307,7 +415,11 @@ impl Sandboxes {
                     }
                     (SandboxState::Stopping, _) => {
                         // A delete was in flight: finish it.
-                        let _ = self.inner.runtime.destroy(&rec.id, &rec.runtime_state).await;
+                        let _ = self
+                            .inner
+                            .runtime
+                            .destroy(&rec.id, &rec.runtime_state)
+                            .await;
                         let _ = self.inner.images.release(&rec.id);
                         let reason = rec.reason.clone();
                         rec.transition(SandboxState::Terminated, reason.as_deref(), None);
@@ -326,8 +438,15 @@ impl Sandboxes {
                 }
             }
             let watch = rec.state == SandboxState::Running || rec.state == SandboxState::Paused;
-            let entry = Arc::new(Entry { record: StdMutex::new(rec.clone()), op: tokio::sync::Mutex::new(()) });
-            self.inner.entries.write().unwrap_or_else(|p| p.into_inner()).insert(rec.id.clone(), entry);
+            let entry = Arc::new(Entry {
+                record: StdMutex::new(rec.clone()),
+                op: tokio::sync::Mutex::new(()),
+            });
+            self.inner
+                .entries
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone(), entry);
             if watch {
                 self.watch(&rec);
             }
@@ -345,20 +464,36 @@ impl Sandboxes {
                 tick.tick().await;
                 let now = Utc::now();
                 for rec in this.all() {
-                    let live = !rec.state.is_terminal() && rec.state != SandboxState::Stopping && rec.state != SandboxState::Pending;
+                    let live = !rec.state.is_terminal()
+                        && rec.state != SandboxState::Stopping
+                        && rec.state != SandboxState::Pending;
                     if live && rec.expires_at.is_some_and(|t| t <= now) {
                         let this = this.clone();
                         tokio::spawn(async move {
                             // Renew may have raced us; re-check under the operation lock inside delete.
-                            if this.get(&rec.id).and_then(|r| r.expires_at).is_some_and(|t| t <= Utc::now()) {
+                            if this
+                                .get(&rec.id)
+                                .and_then(|r| r.expires_at)
+                                .is_some_and(|t| t <= Utc::now())
+                            {
                                 match this.delete(&rec.id, REASON_TTL_EXPIRY).await {
-                                    Ok(()) => tracing::info!(sandbox_id = %rec.id, "sandbox expired"),
-                                    Err(e) => tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped"),
+                                    Ok(()) => {
+                                        tracing::info!(sandbox_id = %rec.id, "sandbox expired")
+                                    }
+                                    Err(e) => {
+                                        tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped")
+                                    }
                                 }
                             }
                         });
-                    } else if rec.state.is_terminal() && now - rec.last_transition_at > this.inner.retention {
-                        this.inner.entries.write().unwrap_or_else(|p| p.into_inner()).remove(&rec.id);
+                    } else if rec.state.is_terminal()
+                        && now - rec.last_transition_at > this.inner.retention
+                    {
+                        this.inner
+                            .entries
+                            .write()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&rec.id);
                         let _ = this.inner.store.remove(&rec.id);
                     }
                 }

@@ -26,9 +26,15 @@ pub struct CreatePlan {
     pub extensions: BTreeMap<String, String>,
 }
 
-pub fn create_plan(req: CreateSandboxRequest, defaults: &LimitsSection, max_timeout: Option<i64>) -> Result<CreatePlan, ApiError> {
+pub fn create_plan(
+    req: CreateSandboxRequest,
+    defaults: &LimitsSection,
+    max_timeout: Option<i64>,
+) -> Result<CreatePlan, ApiError> {
     if req.snapshot_id.is_some() {
-        return Err(unsupported("snapshotId (snapshots are not implemented yet)"));
+        return Err(unsupported(
+            "snapshotId (snapshots are not implemented yet)",
+        ));
     }
     if req.template_id.is_some() {
         return Err(unsupported("templateId (templates are not implemented)"));
@@ -37,23 +43,32 @@ pub fn create_plan(req: CreateSandboxRequest, defaults: &LimitsSection, max_time
         return Err(unsupported("volumes"));
     }
     if req.network_policy.is_some() {
-        return Err(unsupported("networkPolicy (sandboxes have loopback-only networking for now)"));
+        return Err(unsupported(
+            "networkPolicy (sandboxes have loopback-only networking for now)",
+        ));
     }
     if req.credential_proxy.is_some() {
         return Err(unsupported("credentialProxy"));
     }
     if req.secure_access == Some(true) {
-        return Err(unsupported("secureAccess (endpoints are always token-protected on Warren)"));
+        return Err(unsupported(
+            "secureAccess (endpoints are always token-protected on Warren)",
+        ));
     }
     if req.lifecycle.is_some() {
         return Err(unsupported("lifecycle hooks"));
     }
     if let Some(p) = &req.platform {
         if p.os != "linux" || !(p.arch == "amd64" || p.arch == "x86_64") {
-            return Err(ApiError::invalid(format!("platform {}/{} is not available on this host (linux/amd64)", p.os, p.arch)));
+            return Err(ApiError::invalid(format!(
+                "platform {}/{} is not available on this host (linux/amd64)",
+                p.os, p.arch
+            )));
         }
     }
-    let image = req.image.ok_or_else(|| ApiError::invalid("image is required"))?;
+    let image = req
+        .image
+        .ok_or_else(|| ApiError::invalid("image is required"))?;
     let uri = image.uri.trim().to_string();
     if uri.is_empty() || uri.len() > 255 {
         return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
@@ -61,20 +76,30 @@ pub fn create_plan(req: CreateSandboxRequest, defaults: &LimitsSection, max_time
     if image.auth.is_some() {
         return Err(unsupported("image.auth (registry pulls are not implemented yet; import the image with `warren image import`)"));
     }
-    let entrypoint = req.entrypoint.unwrap_or_else(|| vec!["tail".into(), "-f".into(), "/dev/null".into()]);
+    let entrypoint = req
+        .entrypoint
+        .unwrap_or_else(|| vec!["tail".into(), "-f".into(), "/dev/null".into()]);
     if entrypoint.is_empty() || entrypoint[0].is_empty() {
-        return Err(ApiError::invalid("entrypoint must have at least one non-empty element"));
+        return Err(ApiError::invalid(
+            "entrypoint must have at least one non-empty element",
+        ));
     }
     if entrypoint.len() > MAX_ENTRYPOINT_ARGS || entrypoint.iter().any(|a| a.contains('\0')) {
-        return Err(ApiError::invalid("entrypoint has too many arguments or a NUL byte"));
+        return Err(ApiError::invalid(
+            "entrypoint has too many arguments or a NUL byte",
+        ));
     }
     if let Some(t) = req.timeout {
         if t < MIN_TIMEOUT_SECONDS {
-            return Err(ApiError::invalid(format!("timeout must be at least {MIN_TIMEOUT_SECONDS} seconds, got {t}")));
+            return Err(ApiError::invalid(format!(
+                "timeout must be at least {MIN_TIMEOUT_SECONDS} seconds, got {t}"
+            )));
         }
         if let Some(max) = max_timeout {
             if t > max {
-                return Err(ApiError::invalid(format!("timeout {t} exceeds the server maximum of {max} seconds")));
+                return Err(ApiError::invalid(format!(
+                    "timeout {t} exceeds the server maximum of {max} seconds"
+                )));
             }
         }
     }
@@ -82,7 +107,9 @@ pub fn create_plan(req: CreateSandboxRequest, defaults: &LimitsSection, max_time
     let env = req.env.unwrap_or_default();
     for (k, v) in &env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::invalid(format!("invalid environment variable name {k:?}")));
+            return Err(ApiError::invalid(format!(
+                "invalid environment variable name {k:?}"
+            )));
         }
     }
     let metadata = req.metadata.unwrap_or_default();
@@ -99,11 +126,21 @@ pub fn create_plan(req: CreateSandboxRequest, defaults: &LimitsSection, max_time
 }
 
 fn unsupported(what: &str) -> ApiError {
-    ApiError::bad_request(ErrorCode::ApiNotSupported, format!("{what} is not supported by this Warren server"))
+    ApiError::bad_request(
+        ErrorCode::ApiNotSupported,
+        format!("{what} is not supported by this Warren server"),
+    )
 }
 
-pub fn resource_limits(map: Option<&BTreeMap<String, String>>, defaults: &LimitsSection) -> Result<ResourceLimits, ApiError> {
-    let mut limits = ResourceLimits { cpu_millis: None, memory_bytes: None, pids: defaults.pids };
+pub fn resource_limits(
+    map: Option<&BTreeMap<String, String>>,
+    defaults: &LimitsSection,
+) -> Result<ResourceLimits, ApiError> {
+    let mut limits = ResourceLimits {
+        cpu_millis: None,
+        memory_bytes: None,
+        pids: defaults.pids,
+    };
     let bad = |e: warren_core::QuantityError| ApiError::invalid(e.to_string());
     if let Some(c) = &defaults.default_cpu {
         limits.cpu_millis = Some(parse_cpu_millis(c).map_err(bad)?);
@@ -120,11 +157,19 @@ pub fn resource_limits(map: Option<&BTreeMap<String, String>>, defaults: &Limits
                     .parse::<u64>()
                     .ok()
                     .filter(|p| (16..=1 << 22).contains(p))
-                    .ok_or_else(|| ApiError::invalid(format!("invalid pids limit {v:?}: expected an integer from 16 to 4194304")))?
+                    .ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "invalid pids limit {v:?}: expected an integer from 16 to 4194304"
+                        ))
+                    })?
             }
             "gpu" | "nvidia.com/gpu" => return Err(unsupported("gpu resources")),
             "ephemeral-storage" => {}
-            other => return Err(ApiError::invalid(format!("unknown resource {other:?} (known: cpu, memory, pids)"))),
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "unknown resource {other:?} (known: cpu, memory, pids)"
+                )))
+            }
         }
     }
     Ok(limits)
@@ -132,11 +177,15 @@ pub fn resource_limits(map: Option<&BTreeMap<String, String>>, defaults: &Limits
 
 /// Kubernetes label rules: optional DNS-subdomain prefix and `/`, a name of ≤63 chars of
 /// `[A-Za-z0-9._-]` starting and ending alphanumeric; values the same charset, may be empty.
-pub fn validate_metadata<'a>(entries: impl Iterator<Item = (&'a str, Option<&'a str>)>) -> Result<(), ApiError> {
+pub fn validate_metadata<'a>(
+    entries: impl Iterator<Item = (&'a str, Option<&'a str>)>,
+) -> Result<(), ApiError> {
     let bad = |m: String| ApiError::bad_request(ErrorCode::InvalidMetadataLabel, m);
     for (key, value) in entries {
         if key.starts_with(RESERVED_PREFIX) {
-            return Err(bad(format!("metadata key {key:?} uses the reserved prefix {RESERVED_PREFIX}")));
+            return Err(bad(format!(
+                "metadata key {key:?} uses the reserved prefix {RESERVED_PREFIX}"
+            )));
         }
         let (prefix, name) = match key.rsplit_once('/') {
             Some((p, n)) => (Some(p), n),
@@ -145,7 +194,12 @@ pub fn validate_metadata<'a>(entries: impl Iterator<Item = (&'a str, Option<&'a 
         if let Some(p) = prefix {
             let ok = !p.is_empty()
                 && p.len() <= 253
-                && p.split('.').all(|part| !part.is_empty() && part.len() <= 63 && label_chars(part, false) && alnum_ends(part));
+                && p.split('.').all(|part| {
+                    !part.is_empty()
+                        && part.len() <= 63
+                        && label_chars(part, false)
+                        && alnum_ends(part)
+                });
             if !ok {
                 return Err(bad(format!("metadata key {key:?} has an invalid prefix")));
             }
@@ -155,7 +209,9 @@ pub fn validate_metadata<'a>(entries: impl Iterator<Item = (&'a str, Option<&'a 
         }
         if let Some(v) = value {
             if v.len() > 63 || (!v.is_empty() && (!label_chars(v, true) || !alnum_ends(v))) {
-                return Err(bad(format!("metadata value {v:?} for {key:?} is not a valid label value")));
+                return Err(bad(format!(
+                    "metadata value {v:?} for {key:?} is not a valid label value"
+                )));
             }
         }
     }
@@ -163,11 +219,14 @@ pub fn validate_metadata<'a>(entries: impl Iterator<Item = (&'a str, Option<&'a 
 }
 
 fn label_chars(s: &str, allow_underscore_dot: bool) -> bool {
-    s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || (allow_underscore_dot && (b == b'_' || b == b'.')))
+    s.bytes().all(|b| {
+        b.is_ascii_alphanumeric() || b == b'-' || (allow_underscore_dot && (b == b'_' || b == b'.'))
+    })
 }
 
 fn alnum_ends(s: &str) -> bool {
-    s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric()) && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
+    s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
 }
 
 #[cfg(test)]
@@ -177,9 +236,16 @@ mod tests {
 
     fn req() -> CreateSandboxRequest {
         CreateSandboxRequest {
-            image: Some(ImageSpec { uri: "host".into(), auth: None }),
+            image: Some(ImageSpec {
+                uri: "host".into(),
+                auth: None,
+            }),
             timeout: Some(600),
-            resource_limits: Some([("cpu".into(), "1".into()), ("memory".into(), "2Gi".into())].into_iter().collect()),
+            resource_limits: Some(
+                [("cpu".into(), "1".into()), ("memory".into(), "2Gi".into())]
+                    .into_iter()
+                    .collect(),
+            ),
             ..Default::default()
         }
     }
@@ -197,13 +263,23 @@ mod tests {
     fn bad_inputs_are_400s() {
         let mut r = req();
         r.resource_limits = Some([("memory".into(), "lots".into())].into_iter().collect());
-        assert_eq!(create_plan(r, &LimitsSection::default(), None).unwrap_err().status, 400);
+        assert_eq!(
+            create_plan(r, &LimitsSection::default(), None)
+                .unwrap_err()
+                .status,
+            400
+        );
         let mut r = req();
         r.timeout = Some(5);
         assert!(create_plan(r, &LimitsSection::default(), None).is_err());
         let mut r = req();
         r.metadata = Some([("bad key!".into(), "v".into())].into_iter().collect());
-        assert_eq!(create_plan(r, &LimitsSection::default(), None).unwrap_err().code, "SANDBOX::INVALID_METADATA_LABEL");
+        assert_eq!(
+            create_plan(r, &LimitsSection::default(), None)
+                .unwrap_err()
+                .code,
+            "SANDBOX::INVALID_METADATA_LABEL"
+        );
         let mut r = req();
         r.entrypoint = Some(vec![]);
         assert!(create_plan(r, &LimitsSection::default(), None).is_err());

@@ -1,7 +1,10 @@
 //! Durable sandbox records so a restarted server re-attaches to what is running and keeps expiry.
 //!
-//! One JSON file per sandbox under `<data_dir>/state/sandboxes/`, written to a temp file, fsynced and
-//! renamed, so a crash leaves either the old or the new record, never half of one. A file per record
+//! One JSON file per sandbox under `<data_dir>/state/sandboxes/`, written to a temp file and renamed,
+//! so a crash of the server leaves either the old or the new record, never half of one. No fsync: the
+//! records describe running processes, which a power loss or kernel crash ends anyway (after a reboot
+//! every record is re-checked and ends as Failed), so paying a disk flush on every create and delete
+//! would buy nothing; a torn file after such a crash is skipped as corrupt. A file per record
 //! keeps writes independent (no global lock, no compaction) and lets an operator read state with `cat`;
 //! at the scale of one machine's sandboxes (thousands) loading them all at start is milliseconds.
 //! Files are 0600: records hold each sandbox's endpoint token and its environment.
@@ -42,7 +45,12 @@ pub struct SandboxRecord {
 }
 
 impl SandboxRecord {
-    pub fn transition(&mut self, state: SandboxState, reason: Option<&str>, message: Option<String>) {
+    pub fn transition(
+        &mut self,
+        state: SandboxState,
+        reason: Option<&str>,
+        message: Option<String>,
+    ) {
         self.state = state;
         self.reason = reason.map(str::to_string);
         self.message = message;
@@ -74,7 +82,10 @@ pub struct Store {
 impl Store {
     pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
         let dir = data_dir.join("state").join("sandboxes");
-        fs::create_dir_all(&dir).map_err(|source| StoreError::Io { path: dir.clone(), source })?;
+        fs::create_dir_all(&dir).map_err(|source| StoreError::Io {
+            path: dir.clone(),
+            source,
+        })?;
         Ok(Self { dir })
     }
 
@@ -85,18 +96,31 @@ impl Store {
     pub fn save(&self, record: &SandboxRecord) -> Result<(), StoreError> {
         let path = self.path(&record.id);
         let tmp = self.dir.join(format!(".{}.tmp", record.id));
-        let io_err = |source| StoreError::Io { path: path.clone(), source };
-        let bytes = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Corrupt { path: path.clone(), source })?;
-        let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io_err)?;
+        let io_err = |source| StoreError::Io {
+            path: path.clone(),
+            source,
+        };
+        let bytes = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Corrupt {
+            path: path.clone(),
+            source,
+        })?;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io_err)?;
         f.write_all(&bytes).map_err(io_err)?;
-        f.sync_data().map_err(io_err)?;
         fs::rename(&tmp, &path).map_err(io_err)
     }
 
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let path = self.path(id);
         match fs::remove_file(&path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(StoreError::Io { path, source: e }),
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                Err(StoreError::Io { path, source: e })
+            }
             _ => Ok(()),
         }
     }
@@ -105,11 +129,18 @@ impl Store {
     pub fn load_all(&self) -> Result<(Vec<SandboxRecord>, Vec<StoreError>), StoreError> {
         let mut records = Vec::new();
         let mut errors = Vec::new();
-        let entries = fs::read_dir(&self.dir).map_err(|source| StoreError::Io { path: self.dir.clone(), source })?;
+        let entries = fs::read_dir(&self.dir).map_err(|source| StoreError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
         for entry in entries.flatten() {
             let path = entry.path();
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
-                if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(".tmp")) {
+                if path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.ends_with(".tmp"))
+                {
                     let _ = fs::remove_file(&path);
                 }
                 continue;
@@ -136,9 +167,15 @@ mod tests {
             image: "host".into(),
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             env: BTreeMap::new(),
-            metadata: [("team".to_string(), "a".to_string())].into_iter().collect(),
+            metadata: [("team".to_string(), "a".to_string())]
+                .into_iter()
+                .collect(),
             extensions: BTreeMap::new(),
-            limits: ResourceLimits { cpu_millis: Some(1000), memory_bytes: None, pids: 4096 },
+            limits: ResourceLimits {
+                cpu_millis: Some(1000),
+                memory_bytes: None,
+                pids: 4096,
+            },
             created_at: Utc::now(),
             expires_at: None,
             state: SandboxState::Running,

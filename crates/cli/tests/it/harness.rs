@@ -16,7 +16,10 @@ pub struct Server {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
 }
 
 impl Server {
@@ -29,14 +32,24 @@ impl Server {
         let key = format!("it-{}", std::process::id());
         let port = free_port();
         let child = Command::new(warren_bin())
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--data-dir",
+            ])
             .arg(dir.path().join("data"))
             .env("WARREN_API_KEY", &key)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.path().join("server.log")).expect("log"))
             .spawn()
             .expect("spawn warren serve");
-        let server = Self { child, port, key, dir };
+        let server = Self {
+            child,
+            port,
+            key,
+            dir,
+        };
         server.wait_healthy();
         server
     }
@@ -49,7 +62,10 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("warren serve did not become healthy: {}", std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default());
+        panic!(
+            "warren serve did not become healthy: {}",
+            std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+        );
     }
 
     pub fn base(&self) -> String {
@@ -61,7 +77,11 @@ impl Server {
     }
 
     pub fn client(&self) -> Client {
-        Client { base: self.base(), key: self.key.clone(), http: reqwest::Client::new() }
+        Client {
+            base: self.base(),
+            key: self.key.clone(),
+            http: reqwest::Client::new(),
+        }
     }
 
     /// SIGKILL, as a crash would.
@@ -91,31 +111,58 @@ pub struct Resp {
 }
 
 impl Client {
-    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Resp {
-        let mut r = self.http.request(method, format!("{}{path}", self.base)).header("OPEN-SANDBOX-API-KEY", &self.key);
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Resp {
+        let mut r = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .header("OPEN-SANDBOX-API-KEY", &self.key);
         if let Some(b) = body {
             r = r.json(&b);
         }
         let resp = r.send().await.expect("request");
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap_or_default();
-        Resp { status, json: serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)) }
+        Resp {
+            status,
+            json: serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        }
     }
 
     pub async fn create(&self, body: serde_json::Value) -> Resp {
-        self.call(reqwest::Method::POST, "/v1/sandboxes", Some(body)).await
+        self.call(reqwest::Method::POST, "/v1/sandboxes", Some(body))
+            .await
     }
 
     /// Runs a command through the endpoint proxy; returns (stdout, exit code).
     pub async fn exec(&self, id: &str, command: &str) -> (String, i32) {
-        let ep = self.call(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/endpoints/44772"), None).await;
+        let ep = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/sandboxes/{id}/endpoints/44772"),
+                None,
+            )
+            .await;
         assert_eq!(ep.status, 200, "{:?}", ep.json);
         let endpoint = ep.json["endpoint"].as_str().expect("endpoint").to_string();
-        let mut req = self.http.post(format!("http://{endpoint}/command")).json(&serde_json::json!({"command": command}));
+        let mut req = self
+            .http
+            .post(format!("http://{endpoint}/command"))
+            .json(&serde_json::json!({"command": command}));
         for (k, v) in ep.json["headers"].as_object().expect("headers") {
             req = req.header(k, v.as_str().expect("header value"));
         }
-        let text = req.send().await.expect("command").text().await.expect("body");
+        let text = req
+            .send()
+            .await
+            .expect("command")
+            .text()
+            .await
+            .expect("body");
         let mut out = String::new();
         let mut code = None;
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -133,31 +180,57 @@ impl Client {
 
 /// Host resources a sandbox may hold; all must be gone after it ends.
 pub fn assert_no_trace(data: &Path, id: &str) {
-    assert!(!data.join("sandboxes").join(id).exists(), "sandbox folder of {id} left behind");
-    for entry in std::fs::read_dir("/sys/fs/cgroup").expect("cgroup root").flatten() {
+    assert!(
+        !data.join("sandboxes").join(id).exists(),
+        "sandbox folder of {id} left behind"
+    );
+    for entry in std::fs::read_dir("/sys/fs/cgroup")
+        .expect("cgroup root")
+        .flatten()
+    {
         let dir = entry.path().join("warren").join(id);
         assert!(!dir.exists(), "cgroup {} left behind", dir.display());
     }
     let unified = Path::new("/sys/fs/cgroup/warren").join(id);
-    assert!(!unified.exists(), "cgroup {} left behind", unified.display());
+    assert!(
+        !unified.exists(),
+        "cgroup {} left behind",
+        unified.display()
+    );
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     assert!(!mounts.contains(id), "a mount of {id} is left on the host");
     for p in std::fs::read_dir("/proc").expect("proc").flatten() {
         if let Ok(cmd) = std::fs::read(p.path().join("cmdline")) {
-            assert!(!String::from_utf8_lossy(&cmd).contains(id), "a process mentioning {id} is left: {}", p.path().display());
+            assert!(
+                !String::from_utf8_lossy(&cmd).contains(id),
+                "a process mentioning {id} is left: {}",
+                p.path().display()
+            );
         }
     }
 }
 
 /// Waits for a sandbox's state to satisfy `want`.
-pub async fn wait_state(c: &Client, id: &str, want: &[&str], within: Duration) -> serde_json::Value {
+pub async fn wait_state(
+    c: &Client,
+    id: &str,
+    want: &[&str],
+    within: Duration,
+) -> serde_json::Value {
     let deadline = Instant::now() + within;
     loop {
-        let r = c.call(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
-        if r.status == 200 && want.contains(&r.json["status"]["state"].as_str().unwrap_or_default()) {
+        let r = c
+            .call(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+        if r.status == 200 && want.contains(&r.json["status"]["state"].as_str().unwrap_or_default())
+        {
             return r.json;
         }
-        assert!(Instant::now() < deadline, "sandbox {id} never reached {want:?}: {:?}", r.json);
+        assert!(
+            Instant::now() < deadline,
+            "sandbox {id} never reached {want:?}: {:?}",
+            r.json
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -166,11 +239,21 @@ pub async fn wait_state(c: &Client, id: &str, want: &[&str], within: Duration) -
 pub fn http_status(url: &str) -> std::io::Result<u16> {
     use std::io::{Read, Write};
     let rest = url.trim_start_matches("http://");
-    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let (host, path) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
     let mut s = std::net::TcpStream::connect(host)?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
     let mut buf = String::new();
     let _ = s.read_to_string(&mut buf);
-    Ok(buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0))
+    Ok(buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0))
 }

@@ -26,23 +26,77 @@ async fn create_pause_resume_delete_leaves_nothing() {
     assert_eq!(code, 0);
     assert_eq!(out.trim(), (256u64 << 20).to_string());
 
-    assert_eq!(c.call(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await.status, 202);
-    assert_eq!(c.call(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await.status, 409);
-    let ep = c.call(Method::GET, &format!("/v1/sandboxes/{id}/endpoints/44772"), None).await;
-    let token = ep.json["headers"]["X-Warren-Sandbox-Token"].as_str().expect("token").to_string();
-    let paused = c.http.get(format!("http://{}/ping", ep.json["endpoint"].as_str().expect("ep"))).header("X-Warren-Sandbox-Token", &token).send().await.expect("ping");
-    assert_eq!(paused.status(), 409, "a paused sandbox answers 409 through the proxy, not a hang");
-    assert_eq!(c.call(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None).await.status, 202);
+    assert_eq!(
+        c.call(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None)
+            .await
+            .status,
+        202
+    );
+    assert_eq!(
+        c.call(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None)
+            .await
+            .status,
+        409
+    );
+    let ep = c
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/endpoints/44772"),
+            None,
+        )
+        .await;
+    let token = ep.json["headers"]["X-Warren-Sandbox-Token"]
+        .as_str()
+        .expect("token")
+        .to_string();
+    let paused = c
+        .http
+        .get(format!(
+            "http://{}/ping",
+            ep.json["endpoint"].as_str().expect("ep")
+        ))
+        .header("X-Warren-Sandbox-Token", &token)
+        .send()
+        .await
+        .expect("ping");
+    assert_eq!(
+        paused.status(),
+        409,
+        "a paused sandbox answers 409 through the proxy, not a hang"
+    );
+    assert_eq!(
+        c.call(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None)
+            .await
+            .status,
+        202
+    );
     assert_eq!(c.exec(&id, "echo back").await, ("back\n".to_string(), 0));
 
-    let no_token = c.http.get(format!("http://{}/ping", ep.json["endpoint"].as_str().expect("ep"))).send().await.expect("ping");
+    let no_token = c
+        .http
+        .get(format!(
+            "http://{}/ping",
+            ep.json["endpoint"].as_str().expect("ep")
+        ))
+        .send()
+        .await
+        .expect("ping");
     assert_eq!(no_token.status(), 401);
 
-    assert_eq!(c.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await.status, 204);
-    let gone = c.call(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(
+        c.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await
+            .status,
+        204
+    );
+    let gone = c
+        .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
     assert_eq!(gone.json["status"]["state"], "Terminated");
     assert_eq!(gone.json["status"]["reason"], "user_delete");
-    let again = c.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    let again = c
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
     assert_eq!(again.status, 404);
     assert!(again.json["code"].is_string() && again.json["message"].is_string());
     assert_no_trace(&server.data(), &id);
@@ -56,10 +110,20 @@ async fn failed_create_leaves_nothing() {
     assert!(r.status >= 400, "{:?}", r.json);
     assert!(r.json["code"].is_string() && r.json["message"].is_string());
     let list = c.call(Method::GET, "/v1/sandboxes", None).await;
-    assert_eq!(list.json["items"].as_array().map(Vec::len), Some(0), "a failed create must not be listed");
-    let left: Vec<_> = std::fs::read_dir(server.data().join("sandboxes")).expect("dir").flatten().collect();
+    assert_eq!(
+        list.json["items"].as_array().map(Vec::len),
+        Some(0),
+        "a failed create must not be listed"
+    );
+    let left: Vec<_> = std::fs::read_dir(server.data().join("sandboxes"))
+        .expect("dir")
+        .flatten()
+        .collect();
     assert!(left.is_empty(), "sandbox folders left: {left:?}");
-    let records: Vec<_> = std::fs::read_dir(server.data().join("state/sandboxes")).expect("dir").flatten().collect();
+    let records: Vec<_> = std::fs::read_dir(server.data().join("state/sandboxes"))
+        .expect("dir")
+        .flatten()
+        .collect();
     assert!(records.is_empty(), "records left: {records:?}");
 }
 
@@ -71,7 +135,13 @@ async fn entrypoint_exit_marks_the_sandbox_and_releases_it() {
     assert_eq!(r.status, 202, "{:?}", r.json);
     let id = r.json["id"].as_str().expect("id").to_string();
     let sb = wait_state(&c, &id, &["Failed"], Duration::from_secs(10)).await;
-    assert!(sb["status"]["message"].as_str().unwrap_or_default().contains('4'), "{sb:?}");
+    assert!(
+        sb["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains('4'),
+        "{sb:?}"
+    );
     assert_no_trace(&server.data(), &id);
 }
 
@@ -82,14 +152,22 @@ async fn restart_readopts_running_sandboxes_and_keeps_expiry() {
     let r = c.create(host(&["tail", "-f", "/dev/null"])).await;
     let id = r.json["id"].as_str().expect("id").to_string();
     let soon = (chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
-    let renew = c.call(Method::POST, &format!("/v1/sandboxes/{id}/renew-expiration"), Some(json!({"expiresAt": soon}))).await;
+    let renew = c
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/renew-expiration"),
+            Some(json!({"expiresAt": soon})),
+        )
+        .await;
     assert_eq!(renew.status, 200, "{:?}", renew.json);
     server.kill9();
     let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().expect("tempdir"));
     drop(server);
     let server = Server::start_in(dir);
     let c = server.client();
-    let sb = c.call(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    let sb = c
+        .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
     assert_eq!(sb.json["status"]["state"], "Running", "{:?}", sb.json);
     assert_eq!(c.exec(&id, "echo alive").await.0, "alive\n");
     let sb = wait_state(&c, &id, &["Terminated"], Duration::from_secs(10)).await;

@@ -11,7 +11,13 @@ use crate::harness::{free_port, http_status, warren_bin};
 fn insecure_mode_is_refused_off_loopback() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = Command::new(warren_bin())
-        .args(["serve", "--listen", "0.0.0.0:0", "--insecure-no-auth", "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--insecure-no-auth",
+            "--data-dir",
+        ])
         .arg(dir.path())
         .stdin(Stdio::null())
         .output()
@@ -26,7 +32,12 @@ async fn generated_key_is_stored_private_and_enforced() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let mut child = Command::new(warren_bin())
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(dir.path())
         .env_remove("WARREN_API_KEY")
         .stdout(Stdio::null())
@@ -40,27 +51,56 @@ async fn generated_key_is_stored_private_and_enforced() {
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    let mode = std::fs::metadata(&key_file).expect("key file").permissions().mode();
+    let mode = std::fs::metadata(&key_file)
+        .expect("key file")
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600);
     let key = std::fs::read_to_string(&key_file).expect("read key");
     let http = reqwest::Client::new();
     let url = format!("http://127.0.0.1:{port}/v1/sandboxes");
     let none = http.get(&url).send().await.expect("get");
     assert_eq!(none.status(), 401);
-    assert_eq!(none.json::<serde_json::Value>().await.expect("json")["code"], "MISSING_API_KEY");
-    let wrong = http.get(&url).header("OPEN-SANDBOX-API-KEY", "nope").send().await.expect("get");
-    assert_eq!(wrong.json::<serde_json::Value>().await.expect("json")["code"], "INVALID_API_KEY");
-    let ok = http.get(&url).header("OPEN-SANDBOX-API-KEY", key.trim()).send().await.expect("get");
+    assert_eq!(
+        none.json::<serde_json::Value>().await.expect("json")["code"],
+        "MISSING_API_KEY"
+    );
+    let wrong = http
+        .get(&url)
+        .header("OPEN-SANDBOX-API-KEY", "nope")
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(
+        wrong.json::<serde_json::Value>().await.expect("json")["code"],
+        "INVALID_API_KEY"
+    );
+    let ok = http
+        .get(&url)
+        .header("OPEN-SANDBOX-API-KEY", key.trim())
+        .send()
+        .await
+        .expect("get");
     assert_eq!(ok.status(), 200);
     assert!(ok.headers().contains_key("x-request-id"));
-    let doc = http.get(format!("http://127.0.0.1:{port}/openapi.json")).send().await.expect("openapi");
+    let doc = http
+        .get(format!("http://127.0.0.1:{port}/openapi.json"))
+        .send()
+        .await
+        .expect("openapi");
     assert_eq!(doc.status(), 200, "the OpenAPI document needs no key");
     // SAFETY: signalling the child we spawned.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
     let stderr = std::io::read_to_string(child.stderr.take().expect("stderr")).unwrap_or_default();
-    assert!(stderr.contains(&key_file.display().to_string()), "the server must say where the key is: {stderr}");
-    assert!(!stderr.contains(key.trim()), "the key itself must not be printed");
+    assert!(
+        stderr.contains(&key_file.display().to_string()),
+        "the server must say where the key is: {stderr}"
+    );
+    assert!(
+        !stderr.contains(key.trim()),
+        "the key itself must not be printed"
+    );
 }
 
 #[test]
@@ -74,9 +114,16 @@ fn run_streams_output_and_exits_with_the_command_code() {
         .stdin(Stdio::null())
         .output()
         .expect("run");
-    assert_eq!(out.status.code(), Some(3), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out\n");
     assert!(String::from_utf8_lossy(&out.stderr).contains("err"));
-    let left: Vec<_> = std::fs::read_dir(dir.path().join("sandboxes")).expect("sandboxes dir").collect();
+    let left: Vec<_> = std::fs::read_dir(dir.path().join("sandboxes"))
+        .expect("sandboxes dir")
+        .collect();
     assert!(left.is_empty(), "warren run left sandboxes behind");
 }
