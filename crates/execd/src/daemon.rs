@@ -46,6 +46,25 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     let state = Arc::new(AppState::new(reaper.clone(), config.workdir.clone()));
     let app = router(state.clone());
 
+    let mut entry_pid = None;
+    let entry_exit = if config.entrypoint.is_empty() {
+        None
+    } else {
+        let (first, rest) = config
+            .entrypoint
+            .split_first()
+            .context("empty entrypoint")?;
+        let mut cmd = Command::new(first);
+        cmd.args(rest).current_dir(&config.workdir);
+        let spawned = reaper
+            .spawn(&mut cmd)
+            .with_context(|| format!("starting entrypoint {first}"))?;
+        tracing::info!(pid = spawned.child.id(), entrypoint = ?config.entrypoint, "entrypoint started");
+        entry_pid = i32::try_from(spawned.child.id()).ok();
+        Some(spawned.exit)
+    };
+    // Listen only once the entrypoint runs: the server treats a connectable socket as "ready", so an
+    // entrypoint that cannot start must fail the create, not a moment after it.
     let mut servers = tokio::task::JoinSet::new();
     for path in &config.sockets {
         // A stale socket from a previous run would make bind fail.
@@ -68,23 +87,6 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
 
-    let mut entry_pid = None;
-    let entry_exit = if config.entrypoint.is_empty() {
-        None
-    } else {
-        let (first, rest) = config
-            .entrypoint
-            .split_first()
-            .context("empty entrypoint")?;
-        let mut cmd = Command::new(first);
-        cmd.args(rest).current_dir(&config.workdir);
-        let spawned = reaper
-            .spawn(&mut cmd)
-            .with_context(|| format!("starting entrypoint {first}"))?;
-        tracing::info!(pid = spawned.child.id(), entrypoint = ?config.entrypoint, "entrypoint started");
-        entry_pid = i32::try_from(spawned.child.id()).ok();
-        Some(spawned.exit)
-    };
     let entry_wait = async {
         match entry_exit {
             Some(rx) => rx.await.unwrap_or(Exit::Code(1)),

@@ -279,51 +279,62 @@ impl Sandboxes {
     }
 
     pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
-        let entry = self.live_entry(id)?;
-        let _op = entry.op.lock().await;
-        let rec = lock(&entry.record).clone();
-        if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(
-                ErrorCode::SandboxNotRunning,
-                format!("sandbox {id} is {}, not Running", rec.state.as_str()),
-            ));
-        }
-        self.update(&entry, |r| r.transition(SandboxState::Pausing, None, None));
-        match self.inner.runtime.pause(id, &rec.runtime_state).await {
-            Ok(()) => {
-                self.update(&entry, |r| {
-                    r.transition(SandboxState::Paused, Some("user_pause"), None)
-                });
-                Ok(())
-            }
-            Err(e) => {
-                self.update(&entry, |r| r.transition(SandboxState::Running, None, None));
-                Err(ApiError::from_runtime("pausing the sandbox", e))
-            }
-        }
+        self.freeze(id, true).await
     }
 
     pub async fn resume(&self, id: &str) -> Result<(), ApiError> {
+        self.freeze(id, false).await
+    }
+
+    /// Pause (`true`) or resume: Running → Pausing → Paused, or Paused → Resuming → Running; on a
+    /// runtime error the sandbox stays where it was.
+    async fn freeze(&self, id: &str, pause: bool) -> Result<(), ApiError> {
+        let (from, via, to, reason, code, context) = if pause {
+            (
+                SandboxState::Running,
+                SandboxState::Pausing,
+                SandboxState::Paused,
+                "user_pause",
+                ErrorCode::SandboxNotRunning,
+                "pausing the sandbox",
+            )
+        } else {
+            (
+                SandboxState::Paused,
+                SandboxState::Resuming,
+                SandboxState::Running,
+                "user_resume",
+                ErrorCode::SandboxNotPaused,
+                "resuming the sandbox",
+            )
+        };
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
-        if rec.state != SandboxState::Paused {
+        if rec.state != from {
             return Err(ApiError::conflict(
-                ErrorCode::SandboxNotPaused,
-                format!("sandbox {id} is {}, not Paused", rec.state.as_str()),
+                code,
+                format!(
+                    "sandbox {id} is {}, not {}",
+                    rec.state.as_str(),
+                    from.as_str()
+                ),
             ));
         }
-        self.update(&entry, |r| r.transition(SandboxState::Resuming, None, None));
-        match self.inner.runtime.resume(id, &rec.runtime_state).await {
+        self.update(&entry, |r| r.transition(via, None, None));
+        let result = if pause {
+            self.inner.runtime.pause(id, &rec.runtime_state).await
+        } else {
+            self.inner.runtime.resume(id, &rec.runtime_state).await
+        };
+        match result {
             Ok(()) => {
-                self.update(&entry, |r| {
-                    r.transition(SandboxState::Running, Some("user_resume"), None)
-                });
+                self.update(&entry, |r| r.transition(to, Some(reason), None));
                 Ok(())
             }
             Err(e) => {
-                self.update(&entry, |r| r.transition(SandboxState::Paused, None, None));
-                Err(ApiError::from_runtime("resuming the sandbox", e))
+                self.update(&entry, |r| r.transition(from, None, None));
+                Err(ApiError::from_runtime(context, e))
             }
         }
     }
