@@ -105,6 +105,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// Kills everything and removes every host resource the sandbox held. Idempotent.
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
 
+    /// The server is stopping: release what the runtime holds for future sandboxes (sandboxes
+    /// themselves keep running and are re-adopted at the next start).
+    async fn shutdown(&self) {}
+
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
 }

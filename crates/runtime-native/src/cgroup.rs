@@ -139,7 +139,7 @@ impl Cgroup {
         Ok(cg)
     }
 
-    fn apply(&self, limits: &ResourceLimits) -> Result<(), CgroupError> {
+    pub fn apply(&self, limits: &ResourceLimits) -> Result<(), CgroupError> {
         match &self.layout {
             Layout::V2 { .. } => {
                 let dir = &self.dirs[0];
@@ -189,6 +189,29 @@ impl Cgroup {
     fn v1(&self, ctrl: &'static str) -> Option<PathBuf> {
         let base = self.layout.v1_dir(ctrl)?;
         self.dirs.iter().find(|d| d.starts_with(base)).cloned()
+    }
+
+    /// Renames the cgroup (in every hierarchy) to `id`, processes and all: how a standby helper's
+    /// cgroup becomes a sandbox's. On error the directories renamed so far are renamed back.
+    pub fn rename(&self, id: &str) -> Result<Cgroup, CgroupError> {
+        let mut done: Vec<(PathBuf, PathBuf)> = Vec::new();
+        for dir in &self.dirs {
+            let to = dir.with_file_name(id);
+            if let Err(source) = fs::rename(dir, &to) {
+                for (from, to) in done.iter().rev() {
+                    let _ = fs::rename(to, from);
+                }
+                return Err(CgroupError::Io {
+                    path: dir.clone(),
+                    source,
+                });
+            }
+            done.push((dir.clone(), to));
+        }
+        Ok(Cgroup {
+            layout: self.layout.clone(),
+            dirs: done.into_iter().map(|(_, to)| to).collect(),
+        })
     }
 
     /// The `cgroup.procs` files a process writes its pid into to join the sandbox's cgroup.

@@ -17,7 +17,7 @@ use nix::unistd::{fork, ForkResult};
 use crate::rootfs;
 use crate::security;
 use crate::spec::{
-    InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
+    InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, JOINED_LINE, SOCKET_DIR_IN_SANDBOX,
 };
 
 /// Entry point of `warren __sandbox-init`. Never returns.
@@ -39,15 +39,39 @@ pub fn main() -> ! {
 }
 
 fn run() -> Result<i32, String> {
+    // A standby helper joins its cgroup (named on the command line) before it has a sandbox: the
+    // migration is the slow part of setup on cgroup v1, and this way it is off the create path.
+    let args: Vec<String> = std::env::args().skip(2).collect();
+    let mut joined = false;
+    for pair in args.chunks(2) {
+        if let [flag, procs] = pair {
+            if flag == "--join" {
+                fs::write(procs, "0").map_err(|e| format!("joining cgroup {procs}: {e}"))?;
+                joined = true;
+            }
+        }
+    }
+    if joined {
+        // Tells the server the cgroup may now be renamed to a sandbox's (see `JOINED_LINE`).
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{JOINED_LINE}");
+        let _ = out.flush();
+    }
     let mut input = String::new();
     std::io::stdin()
         .read_to_string(&mut input)
         .map_err(|e| format!("reading spec: {e}"))?;
     let spec: InitSpec = serde_json::from_str(&input).map_err(|e| format!("parsing spec: {e}"))?;
-
-    for procs in &spec.cgroup_procs {
-        fs::write(procs, "0").map_err(|e| format!("joining cgroup {}: {e}", procs.display()))?;
+    if let Some(log) = &spec.log_path {
+        // A standby helper was started before its sandbox had a log; from here on it writes there.
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| format!("opening {}: {e}", log.display()))?;
+        nix::unistd::dup2(f.as_raw_fd(), 2).map_err(|e| format!("dup2: {e}"))?;
     }
+
     // Compile seccomp before unsharing so a failure costs nothing.
     let programs = security::seccomp_programs().map_err(|e| format!("{e}"))?;
     unshare(

@@ -22,17 +22,19 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use warren_core::{ExitInfo, Liveness, Runtime, RuntimeError, RuntimeState, SandboxSpec};
+use warren_core::{
+    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxSpec,
+};
 use warren_image::ResolvedImage;
 
 pub use cgroup::{Cgroup, CgroupError, Layout as CgroupLayout};
-pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME};
+pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME, JOINED_LINE};
 
 /// The hidden subcommand of the `warren` binary that runs `init::main`.
 pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
@@ -72,6 +74,8 @@ pub struct NativeConfig {
     pub ready_timeout: Duration,
     /// `embedded` (Warren's own setup code) or an OCI runtime binary name: `runc`, `crun`, `runsc`.
     pub oci_runtime: String,
+    /// Setup helpers kept started ahead of need (embedded runtime only); 0 disables.
+    pub standby_helpers: usize,
 }
 
 /// What the server persists for a native sandbox.
@@ -87,7 +91,29 @@ pub struct NativeRuntime {
     inner: Arc<Inner>,
 }
 
+/// A setup helper started ahead of need, already joined to a cgroup of its own and waiting on stdin
+/// for a sandbox spec.
+struct Standby {
+    helper: Child,
+    cgroup: Cgroup,
+}
+
+#[derive(Default)]
+struct StandbyPool {
+    ready: Vec<Standby>,
+    starting: usize,
+    closed: bool,
+}
+
+const STANDBY_PREFIX: &str = ".standby-";
+static STANDBY_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 struct Inner {
+    standby: std::sync::Mutex<StandbyPool>,
     config: NativeConfig,
     layout: cgroup::Layout,
     skeleton: PathBuf,
@@ -120,14 +146,42 @@ impl NativeRuntime {
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        Ok(Self {
+        let this = Self {
             inner: Arc::new(Inner {
+                standby: Default::default(),
                 config,
                 layout,
                 skeleton,
                 oci,
             }),
-        })
+        };
+        if this.inner.oci.is_none() {
+            this.remove_stale_standby();
+            this.refill_standby();
+        }
+        Ok(this)
+    }
+
+    /// Standby cgroups of a server that died (the pid in their name is gone); their helpers exited
+    /// when that server's end of the pipe closed.
+    fn remove_stale_standby(&self) {
+        let probe = Cgroup::at(&self.inner.layout, &self.inner.config.cgroup_parent, "x");
+        for parent in probe.dirs().iter().filter_map(|d| d.parent()) {
+            let Ok(entries) = fs::read_dir(parent) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(rest) = name.strip_prefix(STANDBY_PREFIX) else {
+                    continue;
+                };
+                let owner: Option<i32> = rest.rsplit('-').next().and_then(|p| p.parse().ok());
+                if owner.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+                    let _ = Cgroup::at(&self.inner.layout, &self.inner.config.cgroup_parent, &name)
+                        .remove(Duration::from_secs(1));
+                }
+            }
+        }
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -138,7 +192,7 @@ impl NativeRuntime {
         Cgroup::at(&self.inner.layout, &self.inner.config.cgroup_parent, id)
     }
 
-    fn init_spec(&self, spec: &SandboxSpec, cg: &Cgroup) -> InitSpec {
+    fn init_spec(&self, spec: &SandboxSpec) -> InitSpec {
         let dir = self.sandbox_dir(&spec.id);
         let config = &self.inner.config;
         let (root, image_env, workdir) = match &spec.image {
@@ -195,7 +249,6 @@ impl NativeRuntime {
             rootfs_dir: dir.join("rootfs"),
             socket_dir: dir.join("run"),
             execd_path: config.execd_path.clone(),
-            cgroup_procs: cg.procs_files(),
             cgroup_v1_mounts,
             cgroup_v2,
             entrypoint: spec.entrypoint.clone(),
@@ -203,6 +256,7 @@ impl NativeRuntime {
             workdir: workdir
                 .filter(|w| w.starts_with('/'))
                 .unwrap_or_else(|| "/".to_string()),
+            log_path: None,
         }
     }
 
@@ -244,7 +298,7 @@ impl NativeRuntime {
             None => self.start_embedded(spec, log, &log_path)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
-                let init_spec = self.init_spec(spec, &self.cgroup(&spec.id));
+                let init_spec = self.init_spec(spec);
                 oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
                     RuntimeError::backend_with(
                         format!("starting sandbox {} with {}", spec.id, oci.binary.display()),
@@ -278,25 +332,12 @@ impl NativeRuntime {
         log: fs::File,
         log_path: &Path,
     ) -> Result<i32, RuntimeError> {
-        let cg = Cgroup::create(
-            &self.inner.layout,
-            &self.inner.config.cgroup_parent,
-            &spec.id,
-            &spec.limits,
-        )
-        .map_err(|e| {
-            RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
-        })?;
-        let init_spec = self.init_spec(spec, &cg);
-        tracing::debug!(sandbox_id = %spec.id, "cgroup ready");
-        let mut helper = Command::new(&self.inner.config.helper_exe)
-            .arg(INIT_SUBCOMMAND)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .env_clear()
-            .spawn()
-            .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))?;
+        let mut helper = match self.take_standby(&spec.id, &spec.limits) {
+            Some(warm) => warm,
+            None => self.cold_helper(spec, log)?,
+        };
+        let mut init_spec = self.init_spec(spec);
+        init_spec.log_path = Some(log_path.to_path_buf());
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
         let mut reply = String::new();
@@ -314,7 +355,13 @@ impl NativeRuntime {
                 .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?;
         }
         let _ = helper.wait();
-        let reply: InitReply = serde_json::from_str(reply.trim()).map_err(|_| {
+        self.refill_standby();
+        let reply_line = reply
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty() && *l != JOINED_LINE)
+            .unwrap_or("");
+        let reply: InitReply = serde_json::from_str(reply_line.trim()).map_err(|_| {
             RuntimeError::backend(format!("sandbox setup helper died: {}", log_tail(log_path)))
         })?;
         match reply {
@@ -322,6 +369,152 @@ impl NativeRuntime {
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
+        }
+    }
+
+    /// A helper started now: create the sandbox's cgroup; the helper joins it itself.
+    fn cold_helper(&self, spec: &SandboxSpec, log: fs::File) -> Result<Child, RuntimeError> {
+        let cg = Cgroup::create(
+            &self.inner.layout,
+            &self.inner.config.cgroup_parent,
+            &spec.id,
+            &spec.limits,
+        )
+        .map_err(|e| {
+            RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
+        })?;
+        let mut cmd = Command::new(&self.inner.config.helper_exe);
+        cmd.arg(INIT_SUBCOMMAND);
+        for procs in cg.procs_files() {
+            cmd.arg("--join").arg(procs);
+        }
+        let helper = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .env_clear()
+            .spawn()
+            .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))?;
+        Ok(helper)
+    }
+
+    /// A standby helper, already in a cgroup of its own: the cgroup is renamed to the sandbox's and
+    /// given its limits. `None` when there is none ready (or it cannot be adopted).
+    fn take_standby(&self, id: &str, limits: &ResourceLimits) -> Option<Child> {
+        let mut standby = lock(&self.inner.standby).ready.pop()?;
+        let adopted = standby
+            .cgroup
+            .rename(id)
+            .and_then(|cg| cg.apply(limits).map(|()| cg));
+        match (standby.helper.try_wait(), adopted) {
+            (Ok(None), Ok(_)) => Some(standby.helper),
+            (_, adopted) => {
+                tracing::warn!(
+                    sandbox_id = id,
+                    "a standby setup helper was unusable; starting a fresh one"
+                );
+                let _ = standby.helper.kill();
+                let _ = standby.helper.wait();
+                let cg = adopted.unwrap_or(standby.cgroup);
+                let _ = cg.remove(Duration::from_secs(1));
+                None
+            }
+        }
+    }
+
+    /// Tops the standby pool up to its target in a background thread.
+    fn refill_standby(&self) {
+        let target = self.inner.config.standby_helpers;
+        let missing = {
+            let mut pool = lock(&self.inner.standby);
+            let missing = target.saturating_sub(pool.ready.len() + pool.starting);
+            pool.starting += missing;
+            missing
+        };
+        if missing == 0 {
+            return;
+        }
+        let this = self.clone();
+        std::thread::spawn(move || {
+            for _ in 0..missing {
+                let started = this.start_standby();
+                let mut pool = lock(&this.inner.standby);
+                pool.starting -= 1;
+                match started {
+                    Ok(s) if !pool.closed => pool.ready.push(s),
+                    Ok(mut s) => {
+                        let _ = s.helper.kill();
+                        let _ = s.helper.wait();
+                        let _ = s.cgroup.remove(Duration::from_secs(1));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "starting a standby setup helper failed"),
+                }
+            }
+        });
+    }
+
+    fn start_standby(&self) -> Result<Standby, RuntimeError> {
+        let name = format!(
+            "{STANDBY_PREFIX}{}",
+            STANDBY_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let name = format!("{name}-{}", std::process::id());
+        let none = ResourceLimits {
+            cpu_millis: None,
+            memory_bytes: None,
+            pids: 64,
+        };
+        let cgroup = Cgroup::create(
+            &self.inner.layout,
+            &self.inner.config.cgroup_parent,
+            &name,
+            &none,
+        )
+        .map_err(|e| RuntimeError::backend_with("creating a standby cgroup", e))?;
+        let mut cmd = Command::new(&self.inner.config.helper_exe);
+        cmd.arg(INIT_SUBCOMMAND);
+        for procs in cgroup.procs_files() {
+            cmd.arg("--join").arg(procs);
+        }
+        let spawned = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .env_clear()
+            .spawn();
+        let mut helper = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = cgroup.remove(Duration::from_secs(1));
+                return Err(RuntimeError::backend_with(
+                    "starting a standby setup helper",
+                    e,
+                ));
+            }
+        };
+        // Ready only once it has joined: renaming the cgroup before that would break its join.
+        if read_line(helper.stdout.as_mut()).as_deref() != Some(JOINED_LINE) {
+            let _ = helper.kill();
+            let _ = helper.wait();
+            let _ = cgroup.remove(Duration::from_secs(1));
+            return Err(RuntimeError::backend(
+                "a standby setup helper could not join its cgroup",
+            ));
+        }
+        Ok(Standby { helper, cgroup })
+    }
+
+    /// Ends the standby helpers and removes their cgroups (server shutdown).
+    pub fn close_standby(&self) {
+        let ready = {
+            let mut pool = lock(&self.inner.standby);
+            pool.closed = true;
+            std::mem::take(&mut pool.ready)
+        };
+        for mut s in ready {
+            let _ = s.helper.kill();
+            let _ = s.helper.wait();
+            let _ = s.cgroup.remove(Duration::from_secs(1));
         }
     }
 
@@ -513,6 +706,11 @@ impl Runtime for NativeRuntime {
             .map_err(|e| RuntimeError::backend_with("destroy task", e))
     }
 
+    async fn shutdown(&self) {
+        let this = self.clone();
+        let _ = tokio::task::spawn_blocking(move || this.close_standby()).await;
+    }
+
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
         match Self::live_pid(state) {
             None => Liveness::Gone,
@@ -612,6 +810,20 @@ fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// One line from a pipe, read byte by byte so nothing after it is consumed.
+fn read_line(pipe: Option<&mut std::process::ChildStdout>) -> Option<String> {
+    let pipe = pipe?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while pipe.read(&mut byte).ok()? == 1 {
+        if byte[0] == b'\n' {
+            return String::from_utf8(line).ok();
+        }
+        line.push(byte[0]);
+    }
+    None
 }
 
 /// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.

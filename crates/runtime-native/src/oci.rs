@@ -361,12 +361,12 @@ mod tests {
             rootfs_dir: "/s/rootfs".into(),
             socket_dir: "/s/run".into(),
             execd_path: "/bin/execd".into(),
-            cgroup_procs: vec![],
             cgroup_v1_mounts: vec![],
             cgroup_v2: false,
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             env: vec!["PATH=/bin".into()],
             workdir: "/".into(),
+            log_path: None,
         }
     }
 

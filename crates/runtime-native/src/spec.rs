@@ -30,7 +30,6 @@ pub struct InitSpec {
     /// Host folder bind-mounted at `/.warren/run`; execd's socket appears here.
     pub socket_dir: PathBuf,
     pub execd_path: PathBuf,
-    pub cgroup_procs: Vec<PathBuf>,
     /// cgroup v1 option sets to mount under `/sys/fs/cgroup` (e.g. ["memory"], ["cpu","cpuacct"]);
     /// empty on v2, where the unified hierarchy is mounted instead.
     pub cgroup_v1_mounts: Vec<Vec<String>>,
@@ -38,6 +37,9 @@ pub struct InitSpec {
     pub entrypoint: Vec<String>,
     pub env: Vec<String>,
     pub workdir: String,
+    /// The sandbox log, for a standby helper whose stderr was fixed before the sandbox existed.
+    #[serde(default)]
+    pub log_path: Option<PathBuf>,
 }
 
 /// The helper's one-line answer on stdout.
@@ -52,3 +54,6 @@ pub const WARREN_DIR: &str = ".warren";
 pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
 pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
 pub const EXECD_SOCKET_NAME: &str = "execd.sock";
+
+/// The helper's first line on stdout once it sits in its cgroup(s); its reply follows on the next.
+pub const JOINED_LINE: &str = "joined";

@@ -46,6 +46,14 @@ pub struct RuntimeSection {
     #[serde(default = "default_oci")]
     pub oci_runtime: String,
     pub execd_path: Option<PathBuf>,
+    /// Sandbox setup helpers started ahead of need (embedded runtime): each already sits in a cgroup
+    /// of its own, which takes the slow cgroup migration off the create path. 0 disables.
+    #[serde(default = "default_standby")]
+    pub standby_helpers: usize,
+}
+
+fn default_standby() -> usize {
+    2
 }
 
 fn default_kind() -> String {
@@ -61,6 +69,7 @@ impl Default for RuntimeSection {
             kind: default_kind(),
             oci_runtime: default_oci(),
             execd_path: None,
+            standby_helpers: default_standby(),
         }
     }
 }

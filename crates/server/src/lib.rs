@@ -199,6 +199,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         extra_masked_files,
         ready_timeout: std::time::Duration::from_secs(15),
         oci_runtime: config.runtime.oci_runtime.clone(),
+        standby_helpers: config.runtime.standby_helpers,
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
 }
