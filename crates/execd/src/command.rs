@@ -230,6 +230,22 @@ pub async fn run(
     Ok(response)
 }
 
+/// Starts one reader per output pipe; their text arrives on the returned channel, tagged by stream.
+fn spawn_pumps(
+    stdout: Option<tokio::net::unix::pipe::Receiver>,
+    stderr: Option<tokio::net::unix::pipe::Receiver>,
+) -> (
+    Vec<tokio::task::JoinHandle<()>>,
+    mpsc::Receiver<(Stream, String)>,
+) {
+    let (otx, orx) = mpsc::channel::<(Stream, String)>(64);
+    let pumps = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
+        .into_iter()
+        .filter_map(|(p, s)| p.map(|p| tokio::spawn(process::pump(p, s, otx.clone()))))
+        .collect();
+    (pumps, orx)
+}
+
 async fn supervise_background(
     exec: Arc<Exec>,
     running: Running,
@@ -243,12 +259,7 @@ async fn supervise_background(
         stderr,
         ..
     } = running;
-    let (otx, mut orx) = mpsc::channel::<(Stream, String)>(64);
-    let pumps: Vec<_> = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
-        .into_iter()
-        .filter_map(|(p, s)| p.map(|p| tokio::spawn(process::pump(p, s, otx.clone()))))
-        .collect();
-    drop(otx);
+    let (pumps, mut orx) = spawn_pumps(stdout, stderr);
     let writer = tokio::spawn(async move {
         while let Some((_, text)) = orx.recv().await {
             log.append(text.as_bytes());
@@ -281,12 +292,7 @@ async fn supervise_foreground(
         stderr,
         ..
     } = running;
-    let (otx, mut orx) = mpsc::channel::<(Stream, String)>(64);
-    let pumps: Vec<_> = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
-        .into_iter()
-        .filter_map(|(p, s)| p.map(|p| tokio::spawn(process::pump(p, s, otx.clone()))))
-        .collect();
-    drop(otx);
+    let (pumps, mut orx) = spawn_pumps(stdout, stderr);
     let tx = stream.tx.clone();
     let forward = tokio::spawn(async move {
         while let Some((s, text)) = orx.recv().await {

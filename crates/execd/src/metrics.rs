@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderValue};
 use axum::response::Response;
 use axum::Json;
 use warren_api::execd::Metrics;
@@ -209,15 +208,7 @@ pub async fn watch(State(app): State<Arc<AppState>>) -> Response {
         line.extend_from_slice(b"\n\n");
         Some((Ok::<_, std::convert::Infallible>(line), (src, next)))
     });
-    let mut resp = Response::new(Body::from_stream(stream));
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    resp
+    crate::sse::event_stream_response(Body::from_stream(stream))
 }
 
 #[cfg(test)]

@@ -104,7 +104,12 @@ fn response(rx: mpsc::Receiver<StreamEvent>, guard: DropGuard) -> Response {
         };
         Some((Ok::<_, std::convert::Infallible>(encode(&ev)), st))
     });
-    let mut resp = Response::new(Body::from_stream(stream));
+    event_stream_response(Body::from_stream(stream))
+}
+
+/// A 200 `text/event-stream` response with the headers that keep proxies from buffering it.
+pub fn event_stream_response(body: Body) -> Response {
+    let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
     h.insert(
