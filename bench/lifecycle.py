@@ -53,12 +53,12 @@ def free_port() -> int:
 class Server:
     """A `warren serve` of our own, stopped by PID."""
 
-    def __init__(self, binary: Path, oci: str):
+    def __init__(self, binary: Path, oci: str, standby: int):
         self.dir = Path(tempfile.mkdtemp(prefix="warren-bench-"))
         self.port = free_port()
         self.key = secrets.token_hex(16)
         cfg = self.dir / "config.toml"
-        cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\n')
+        cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n')
         env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
         self.log = open(self.dir / "server.log", "wb")
         self.proc = subprocess.Popen(
@@ -205,13 +205,14 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=10)
     ap.add_argument("--image", default="host")
     ap.add_argument("--oci", default="embedded")
+    ap.add_argument("--standby", type=int, default=2, help="[runtime] standby_helpers of the server")
     ap.add_argument("--docker-image", default=os.environ.get("WARREN_BENCH_DOCKER_IMAGE", "warren-test:bookworm"))
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
     os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
-    server = Server(Path(args.warren), args.oci)
+    server = Server(Path(args.warren), args.oci, args.standby)
     results: dict[str, dict] = {}
     try:
         from opensandbox.config import ConnectionConfig
@@ -238,7 +239,7 @@ async def main() -> None:
 
     machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
     print(f"# create -> first output of {COMMAND!r} -> delete; image {args.image!r}, oci runtime {args.oci}, "
-          f"n={args.n} per row")
+          f"standby helpers {args.standby}, n={args.n} per row")
     print(f"# machine: {machine}; server RSS after the run: {rss / 1024:.1f} MiB")
     print(f"{'kind':<26}{'ok/n':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'p50 / fork':>12}")
     for name, r in results.items():
