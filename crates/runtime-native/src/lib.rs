@@ -6,7 +6,12 @@
 //! execd through a Unix socket in a per-sandbox host folder bind-mounted into the sandbox.
 //!
 //! Host-side state of a sandbox is only: its folder under `<data_dir>/sandboxes/<id>` and its cgroup
-//! directories. Mounts live in the sandbox's own mount namespace and vanish with it.
+//! directories. Mounts live in the sandbox's own mount namespace and vanish with it (with an external
+//! OCI runtime, the overlay root is mounted on the host instead, and teardown unmounts it).
+//!
+//! A few setup helpers are kept started ahead of need ("standby"), each already inside a cgroup of
+//! its own: on cgroup v1, joining a cgroup can wait ~10 ms for an RCU grace period, so a create adopts
+//! a standby helper by renaming its cgroup to the sandbox's instead.
 
 mod cgroup;
 pub mod init;
