@@ -250,15 +250,17 @@ def test_concurrent_creates(make_sandbox):
     _ = lock
 
 
-def test_create_latency_is_small(make_sandbox):
-    """Not a benchmark, a smoke alarm: create+first command well under the
-    reference's ~1 s (issue 2 items 11, 12)."""
-    t0 = time.monotonic()
+def test_streams_close_when_the_command_ends(make_sandbox):
+    """A command's stream ends when the command does (the reference execd holds it ~1 s longer;
+    issue 2 item 11). Measured as a ratio to a command that runs 1 s, so a slow machine cannot make
+    it fail; speed itself is measured by bench/, not here."""
     sbx = make_sandbox("host")
-    t1 = time.monotonic()
-    t_run0 = time.monotonic()
+    sh(sbx, "true")  # warm
+    t0 = time.monotonic()
     sh(sbx, "true")
-    t_run = time.monotonic() - t_run0
-    assert t1 - t0 < 5, f"create took {t1 - t0:.2f}s"
-    assert t_run < 0.9, (f"a trivial command took {t_run:.2f}s: streams must close the moment "
-                         f"the command ends")
+    quick = time.monotonic() - t0
+    t0 = time.monotonic()
+    sh(sbx, "sleep 1")
+    slow = time.monotonic() - t0
+    assert quick < 0.5 * slow, (f"`true` took {quick:.2f}s against {slow:.2f}s for `sleep 1`: the "
+                                f"stream must close the moment the command ends")
