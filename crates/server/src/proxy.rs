@@ -98,30 +98,6 @@ async fn forward(
         format!("/proxy/{port}/{rest}{query}")
     };
 
-    let socket = app.sandboxes.runtime().execd_socket(&id);
-    let stream = match connect(&socket).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                ErrorCode::ProxyUnavailable,
-                format!("sandbox {id} is not answering"),
-            )
-            .into_response();
-        }
-    };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
-    {
-        Ok(pair) => pair,
-        Err(e) => return ApiError::internal("connecting to execd", &e).into_response(),
-    };
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "execd connection ended");
-        }
-    });
-
     let client_upgrade = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
@@ -134,17 +110,43 @@ async fn forward(
         Err(_) => return ApiError::invalid("invalid proxied path").into_response(),
     };
     parts.version = http::Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, body);
-    let mut resp = match sender.send_request(upstream_req).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(sandbox_id = %id, error = %e, "proxied request failed");
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                ErrorCode::ProxyUnavailable,
-                format!("sandbox {id} dropped the request"),
-            )
-            .into_response();
+    let mut upstream_req = Request::from_parts(parts, body);
+
+    let socket = app.sandboxes.runtime().execd_socket(&id);
+    // A connection that execd closes before it took the request gives the request back; it is sent
+    // once more on a fresh connection (seen rarely through gVisor's host-UDS relay). A request that
+    // was already (partly) sent is never replayed.
+    let mut attempts = 0;
+    let mut resp = loop {
+        attempts += 1;
+        let mut sender = match open_execd(&socket).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
+                return ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    ErrorCode::ProxyUnavailable,
+                    format!("sandbox {id} is not answering"),
+                )
+                .into_response();
+            }
+        };
+        match sender.try_send_request(upstream_req).await {
+            Ok(r) => break r,
+            Err(mut e) => {
+                tracing::warn!(sandbox_id = %id, error = %e.error(), attempts, "proxied request failed");
+                match e.take_message() {
+                    Some(req) if attempts < 2 => upstream_req = req,
+                    _ => {
+                        return ApiError::new(
+                            StatusCode::BAD_GATEWAY,
+                            ErrorCode::ProxyUnavailable,
+                            format!("sandbox {id} dropped the request"),
+                        )
+                        .into_response()
+                    }
+                }
+            }
         }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -166,6 +168,21 @@ async fn forward(
     }
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Body::new(body))
+}
+
+/// A fresh HTTP/1 connection to execd; upgrades (WebSocket) stay possible on it.
+async fn open_execd(
+    socket: &std::path::Path,
+) -> Result<hyper::client::conn::http1::SendRequest<Body>, Box<dyn std::error::Error + Send + Sync>>
+{
+    let stream = connect(socket).await?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "execd connection ended");
+        }
+    });
+    Ok(sender)
 }
 
 async fn connect(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixStream> {
