@@ -173,11 +173,8 @@ async fn background_status_and_logs_with_cursor() {
     let id = events[0]["text"].as_str().expect("id").to_string();
 
     let st: serde_json::Value = execd
-        .http
-        .get(execd.url(&format!("/command/status/{id}")))
-        .send()
+        .get(&format!("/command/status/{id}"))
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");
@@ -188,11 +185,8 @@ async fn background_status_and_logs_with_cursor() {
     let deadline = Instant::now() + Duration::from_secs(5);
     let st = loop {
         let st: serde_json::Value = execd
-            .http
-            .get(execd.url(&format!("/command/status/{id}")))
-            .send()
+            .get(&format!("/command/status/{id}"))
             .await
-            .expect("req")
             .json()
             .await
             .expect("json");
@@ -205,12 +199,7 @@ async fn background_status_and_logs_with_cursor() {
     assert_eq!(st["exit_code"], 0);
     assert!(st["finished_at"].is_string());
 
-    let resp = execd
-        .http
-        .get(execd.url(&format!("/command/{id}/logs?cursor=0")))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get(&format!("/command/{id}/logs?cursor=0")).await;
     assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "3");
     assert!(resp.headers()["content-type"]
         .to_str()
@@ -226,21 +215,11 @@ async fn background_status_and_logs_with_cursor() {
     lines[..2].sort();
     assert_eq!(lines, ["one", "two", "three"]);
 
-    let resp = execd
-        .http
-        .get(execd.url(&format!("/command/{id}/logs?cursor=2")))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get(&format!("/command/{id}/logs?cursor=2")).await;
     assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "3");
     assert_eq!(resp.text().await.expect("text"), "three\n");
 
-    let resp = execd
-        .http
-        .get(execd.url("/command/status/nope"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/command/status/nope").await;
     assert_eq!(resp.status(), 404);
 }
 
@@ -277,11 +256,8 @@ async fn interrupt_kills_the_whole_group() {
         "group member survived"
     );
     let st: serde_json::Value = execd
-        .http
-        .get(execd.url(&format!("/command/status/{id}")))
-        .send()
+        .get(&format!("/command/status/{id}"))
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");

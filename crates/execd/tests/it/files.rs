@@ -183,23 +183,13 @@ async fn ranges_and_line_mode() {
     let resp = get(None, vec![("offset", "4".into())]).await.expect("req");
     assert_eq!(resp.text().await.expect("t"), "l4\nl5");
 
-    let resp = execd
-        .http
-        .get(execd.url("/files/download?path=/no/such/file"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/files/download?path=/no/such/file").await;
     let (status, body) = error_body(resp).await;
     assert_eq!(
         (status, body["code"].as_str()),
         (404, Some("FILE_NOT_FOUND"))
     );
-    let resp = execd
-        .http
-        .get(execd.url("/files/download"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/files/download").await;
     let (status, body) = error_body(resp).await;
     assert_eq!(
         (status, body["code"].as_str()),
@@ -216,11 +206,8 @@ async fn info_permissions_mv_replace_search_delete() {
         .expect("chmod");
 
     let info: Value = execd
-        .http
-        .get(execd.url("/files/info?path=a.txt&path="))
-        .send()
+        .get("/files/info?path=a.txt&path=")
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");
@@ -312,11 +299,8 @@ async fn info_permissions_mv_replace_search_delete() {
         ]
     );
     let all: Vec<Value> = execd
-        .http
-        .get(execd.url("/files/search?path=d"))
-        .send()
+        .get("/files/search?path=d")
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");
@@ -338,12 +322,7 @@ async fn info_permissions_mv_replace_search_delete() {
         .expect("req");
     assert_eq!(resp.status(), 400, "a directory is not a file");
 
-    let resp = execd
-        .http
-        .get(execd.url("/files/info?path=missing"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/files/info?path=missing").await;
     let (status, body) = error_body(resp).await;
     assert_eq!(
         (status, body["code"].as_str()),
@@ -374,11 +353,8 @@ async fn directories_mkdir_list_rm() {
     std::os::unix::fs::symlink(w.join("q"), w.join("x/link")).expect("symlink");
 
     let list: Vec<Value> = execd
-        .http
-        .get(execd.url("/directories/list?path=x"))
-        .send()
+        .get("/directories/list?path=x")
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");
@@ -401,22 +377,14 @@ async fn directories_mkdir_list_rm() {
         ]
     );
     let deep: Vec<Value> = execd
-        .http
-        .get(execd.url("/directories/list?path=x&depth=3"))
-        .send()
+        .get("/directories/list?path=x&depth=3")
         .await
-        .expect("req")
         .json()
         .await
         .expect("json");
     assert_eq!(deep.len(), 4);
 
-    let resp = execd
-        .http
-        .get(execd.url("/directories/list?path=x/link"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/directories/list?path=x/link").await;
     assert_eq!(resp.status(), 400, "symlinked directory is refused");
 
     let resp = execd

@@ -22,15 +22,7 @@ async fn serves_on_the_unix_socket() {
 #[tokio::test]
 async fn metrics_and_watch() {
     let execd = Execd::start().await;
-    let m: Value = execd
-        .http
-        .get(execd.url("/metrics"))
-        .send()
-        .await
-        .expect("req")
-        .json()
-        .await
-        .expect("json");
+    let m: Value = execd.get("/metrics").await.json().await.expect("json");
     for k in ["cpu_count", "cpu_used_pct", "mem_total_mib", "mem_used_mib"] {
         assert!(m[k].is_number(), "{k} missing in {m}");
     }
@@ -40,12 +32,7 @@ async fn metrics_and_watch() {
     let pct = m["cpu_used_pct"].as_f64().expect("n");
     assert!((0.0..=100.0).contains(&pct));
 
-    let resp = execd
-        .http
-        .get(execd.url("/metrics/watch"))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get("/metrics/watch").await;
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut stream = resp.bytes_stream();
     use futures::StreamExt;

@@ -121,12 +121,7 @@ async fn proxies_upgrades_bidirectionally() {
 async fn nothing_listening_is_502() {
     let execd = Execd::start().await;
     let port = free_port();
-    let resp = execd
-        .http
-        .get(execd.url(&format!("/proxy/{port}/x")))
-        .send()
-        .await
-        .expect("req");
+    let resp = execd.get(&format!("/proxy/{port}/x")).await;
     let (status, _) = error_body(resp).await;
     assert_eq!(status, 502);
 }

@@ -77,6 +77,11 @@ impl Execd {
         self.child.id() as i32
     }
 
+    /// `GET path`, panicking if the request cannot be sent.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.http.get(self.url(path)).send().await.expect("req")
+    }
+
     pub async fn post_json(&self, path: &str, body: Value) -> reqwest::Response {
         self.http
             .post(self.url(path))
