@@ -71,9 +71,8 @@ pub struct NativeConfig {
     pub cgroup_parent: String,
     /// Where cgroup hierarchies are mounted (normally `/sys/fs/cgroup`).
     pub cgroup_root: PathBuf,
-    /// Extra host folders and files to hide from the `host` image (the config file…); the data dir
-    /// is always hidden.
-    pub extra_masked_dirs: Vec<PathBuf>,
+    /// Extra host files to hide from the `host` image (the config file…); the data dir is always
+    /// hidden.
     pub extra_masked_files: Vec<PathBuf>,
     /// How long to wait for execd's socket after the helper reports the sandbox started.
     pub ready_timeout: Duration,
@@ -209,7 +208,6 @@ impl NativeRuntime {
                     .collect();
                 let mut masked_dirs: Vec<PathBuf> =
                     HOST_MASKED_DIRS.iter().map(PathBuf::from).collect();
-                masked_dirs.extend(config.extra_masked_dirs.iter().cloned());
                 masked_dirs.push(config.data_dir.clone());
                 let mut masked_files: Vec<PathBuf> =
                     HOST_MASKED_FILES.iter().map(PathBuf::from).collect();

@@ -195,7 +195,6 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         helper_exe: exe,
         cgroup_parent: "warren".into(),
         cgroup_root: "/sys/fs/cgroup".into(),
-        extra_masked_dirs: Vec::new(),
         extra_masked_files,
         ready_timeout: std::time::Duration::from_secs(15),
         oci_runtime: config.runtime.oci_runtime.clone(),
