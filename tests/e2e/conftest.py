@@ -175,6 +175,24 @@ def test_image(server):
     return W.TEST_IMAGE_NAME
 
 
+def require_jupyter_rootfs() -> Path:
+    rootfs = W.jupyter_rootfs()
+    if not (rootfs / "usr/share/jupyter/kernels/python3/kernel.json").exists():
+        msg = (f"code-interpreter test image not found at {rootfs}. Build it with "
+               f"`scripts/build-test-image {rootfs} jupyter` or set WARREN_TEST_JUPYTER_ROOTFS.")
+        if W.allow_skip():
+            pytest.skip(msg + " [skipped: WARREN_E2E_ALLOW_SKIP=1]")
+        pytest.fail(msg + " (set WARREN_E2E_ALLOW_SKIP=1 to skip instead)", pytrace=False)
+    return rootfs
+
+
+@pytest.fixture
+def jupyter_image(server):
+    """Name of the debootstrap image with python3-ipykernel and matplotlib, imported on first use."""
+    server.import_image(W.JUPYTER_IMAGE_NAME, require_jupyter_rootfs())
+    return W.JUPYTER_IMAGE_NAME
+
+
 @pytest.fixture(params=["host", "test-image"])
 def any_image(request, server):
     """Parametrize a test over the built-in `host` image and the debootstrap image."""

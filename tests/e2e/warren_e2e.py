@@ -32,6 +32,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_IMAGE_NAME = "warren-test:bookworm"
+JUPYTER_IMAGE_NAME = "warren-test:jupyter"
 RUN_ID = uuid.uuid4().hex[:12]
 MARKER_ENV = "WARREN_E2E_RUN"
 
@@ -56,6 +57,10 @@ def oci_runtimes() -> list[str]:
 
 def test_rootfs() -> Path:
     return Path(os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs"))
+
+
+def jupyter_rootfs() -> Path:
+    return Path(os.environ.get("WARREN_TEST_JUPYTER_ROOTFS", "/var/cache/warren/test-rootfs-jupyter"))
 
 
 def allow_skip() -> bool:

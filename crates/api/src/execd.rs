@@ -107,3 +107,37 @@ pub struct Metrics {
     pub mem_used_mib: f64,
     pub timestamp: i64,
 }
+
+/// `POST /code/context`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CreateContextRequest {
+    #[serde(default)]
+    pub language: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+}
+
+/// A code context: one kernel whose state survives between runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CodeContext {
+    pub id: String,
+    pub language: String,
+}
+
+/// `POST /code`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunCodeRequest {
+    #[serde(default)]
+    pub code: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<RunCodeContext>,
+}
+
+/// Which context a run goes to: `id`, or the default context of `language` (Python when neither).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunCodeContext {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<String>,
+}

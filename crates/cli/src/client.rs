@@ -1,4 +1,4 @@
-//! A small HTTP client for the lifecycle API and execd, enough for `warren run`. (The full Rust SDK is
+//! A small HTTP client for the lifecycle API and execd, enough for `warren run` and `warren code`. (The full Rust SDK is
 //! a separate crate to come.)
 
 use std::collections::BTreeMap;
@@ -90,24 +90,49 @@ impl Client {
         cmd: RunCommandRequest,
         mut on_event: impl FnMut(&StreamEvent),
     ) -> anyhow::Result<i32> {
+        let mut code = None;
+        self.execd_stream(id, "/command", &cmd, "running the command", |ev| {
+            match ev.kind {
+                EventKind::ExecutionComplete => code = Some(0),
+                EventKind::Error => {
+                    code = Some(
+                        ev.error
+                            .as_ref()
+                            .and_then(|e| e.evalue.parse().ok())
+                            .unwrap_or(1),
+                    );
+                }
+                _ => {}
+            }
+            on_event(ev);
+        })
+        .await?;
+        code.context("the command's output ended without a result")
+    }
+
+    /// POSTs `body` to execd's `path` in sandbox `id` and calls `on_event` for every event of the
+    /// stream until it ends.
+    pub async fn execd_stream<B: serde::Serialize>(
+        &self,
+        id: &str,
+        path: &str,
+        body: &B,
+        what: &str,
+        mut on_event: impl FnMut(&StreamEvent),
+    ) -> anyhow::Result<()> {
         let ep = self.endpoint(id, EXECD_PORT).await?;
         let mut r = self
             .http
-            .post(format!("http://{}/command", ep.endpoint))
-            .json(&cmd);
+            .post(format!("http://{}{path}", ep.endpoint))
+            .json(body);
         for (k, v) in &ep.headers {
             r = r.header(k, v);
         }
-        let resp = check(
-            r.send().await.context("starting the command")?,
-            "running the command",
-        )
-        .await?;
+        let resp = check(r.send().await.with_context(|| format!("{what}: sending"))?, what).await?;
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
-        let mut code = None;
         while let Some(chunk) = stream.next().await {
-            buf.extend_from_slice(&chunk.context("reading the command's output")?);
+            buf.extend_from_slice(&chunk.with_context(|| format!("{what}: reading the output"))?);
             while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = buf.drain(..=pos).collect();
                 let line = String::from_utf8_lossy(&line);
@@ -115,25 +140,59 @@ impl Client {
                 if line.is_empty() {
                     continue;
                 }
-                let Ok(ev) = serde_json::from_str::<StreamEvent>(line) else {
-                    continue;
-                };
-                match ev.kind {
-                    EventKind::ExecutionComplete => code = Some(0),
-                    EventKind::Error => {
-                        code = Some(
-                            ev.error
-                                .as_ref()
-                                .and_then(|e| e.evalue.parse().ok())
-                                .unwrap_or(1),
-                        );
-                    }
-                    _ => {}
+                if let Ok(ev) = serde_json::from_str::<StreamEvent>(line) {
+                    on_event(&ev);
                 }
-                on_event(&ev);
             }
         }
-        code.context("the command's output ended without a result")
+        Ok(())
+    }
+}
+
+/// The API key stored by a server started on `data_dir` without one configured.
+pub fn stored_key(data_dir: &std::path::Path) -> Option<String> {
+    std::fs::read_to_string(warren_server::auth::key_file(data_dir))
+        .ok()
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
+}
+
+/// Where a running server is: `--domain`/`OPEN_SANDBOX_DOMAIN`, else the default address; the key from
+/// `--api-key`, `OPEN_SANDBOX_API_KEY`, `WARREN_API_KEY`, else the one a local server generated.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Server address (host:port) [env: OPEN_SANDBOX_DOMAIN] [default: 127.0.0.1:8080]
+    #[arg(long)]
+    pub domain: Option<String>,
+    /// API key [env: OPEN_SANDBOX_API_KEY, WARREN_API_KEY; else the key a local server generated]
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Data dir of a local server, to find its generated key [env: WARREN_DATA_DIR]
+    #[arg(long)]
+    pub data_dir: Option<std::path::PathBuf>,
+}
+
+impl ServerArgs {
+    pub fn client(&self) -> Client {
+        use warren_server::config::{self, EnvSource, ProcessEnv};
+        let env = ProcessEnv;
+        let data_dir = self
+            .data_dir
+            .clone()
+            .or_else(|| env.get(config::env::DATA_DIR).map(Into::into))
+            .unwrap_or_else(|| config::default_data_dir(&env));
+        let key = self
+            .api_key
+            .clone()
+            .or_else(|| env.get("OPEN_SANDBOX_API_KEY"))
+            .or_else(|| env.get(config::env::API_KEY))
+            .or_else(|| stored_key(&data_dir));
+        let domain = self
+            .domain
+            .clone()
+            .or_else(|| env.get("OPEN_SANDBOX_DOMAIN"))
+            .unwrap_or_else(|| config::DEFAULT_LISTEN.to_string());
+        Client::new(&domain, key)
     }
 }
 

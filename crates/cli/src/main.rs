@@ -1,6 +1,7 @@
 //! The `warren` binary: argument parsing and wiring only; behaviour lives in the library crates.
 
 mod client;
+mod code;
 mod run;
 
 use std::path::PathBuf;
@@ -40,6 +41,11 @@ enum Command {
     },
     /// Create a sandbox, run one command in it, stream its output, delete it; exits with its code.
     Run(run::RunArgs),
+    /// Run code in a sandbox's code contexts (Jupyter kernels).
+    Code {
+        #[command(subcommand)]
+        command: code::CodeCommand,
+    },
     /// Manage the local image store.
     Image {
         #[command(subcommand)]
@@ -109,6 +115,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(run::run(args))
+        }
+        Command::Code { command } => {
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(code::run(command))
         }
         Command::Image { command, data_dir } => {
             let data_dir = data_dir

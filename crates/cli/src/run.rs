@@ -10,7 +10,7 @@ use warren_api::execd::{EventKind, RunCommandRequest};
 use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
-use crate::client::{env_map, Client};
+use crate::client::{env_map, stored_key, Client};
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -167,13 +167,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(
         u8::try_from(code.clamp(0, 255)).unwrap_or(1),
     ))
-}
-
-fn stored_key(data_dir: &std::path::Path) -> Option<String> {
-    std::fs::read_to_string(warren_server::auth::key_file(data_dir))
-        .ok()
-        .map(|k| k.trim().to_string())
-        .filter(|k| !k.is_empty())
 }
 
 fn random_key() -> String {

@@ -27,6 +27,8 @@ pub struct Config {
     pub listen: Option<SocketAddr>,
     pub workdir: PathBuf,
     pub entrypoint: Vec<String>,
+    /// Serve the Jupyter health port here once a kernel can start.
+    pub jupyter_port: Option<u16>,
 }
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
@@ -85,6 +87,10 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
                 let _ = tcp.set_nodelay(true);
             });
         servers.spawn(axum::serve(listener, app.clone()).into_future());
+    }
+    if let Some(port) = config.jupyter_port {
+        // Not in `servers`: it waits for a kernel to appear and may never listen, which is not a failure.
+        tokio::spawn(crate::interpreter::jupyter_port::serve(port));
     }
 
     let entry_wait = async {

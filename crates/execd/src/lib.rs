@@ -1,7 +1,8 @@
 //! warren-execd: the daemon inside every sandbox (usually PID 1). It serves the OpenSandbox execd HTTP API
-//! — commands, shell sessions, files, metrics and a port proxy — on Unix sockets and/or TCP, runs the
+//! — commands, shell sessions, code contexts on Jupyter kernels, files, metrics and a port proxy — on Unix sockets and/or TCP, runs the
 //! sandbox's entrypoint, and reaps every process of the sandbox.
 
+pub mod interpreter;
 pub mod command;
 pub mod daemon;
 pub mod download;
@@ -35,6 +36,7 @@ pub struct AppState {
     pub workdir: PathBuf,
     pub commands: command::Commands,
     pub sessions: session::Sessions,
+    pub contexts: interpreter::Contexts,
     pub metrics: metrics::Sources,
 }
 
@@ -45,6 +47,7 @@ impl AppState {
             workdir,
             commands: Default::default(),
             sessions: Default::default(),
+            contexts: Default::default(),
             metrics: Default::default(),
         }
     }
@@ -65,6 +68,7 @@ impl AppState {
     pub fn shutdown(&self) {
         self.commands.kill_all();
         self.sessions.kill_all();
+        self.contexts.kill_all();
     }
 }
 
@@ -77,6 +81,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/session", post(session::create))
         .route("/session/{id}", axum::routing::delete(session::delete))
         .route("/session/{id}/run", post(session::run))
+        .route("/code", post(interpreter::run).delete(interpreter::interrupt))
+        .route("/code/context", post(interpreter::create_context))
+        .route(
+            "/code/contexts",
+            get(interpreter::list_contexts).delete(interpreter::delete_contexts),
+        )
+        .route(
+            "/code/contexts/{id}",
+            get(interpreter::get_context).delete(interpreter::delete_context),
+        )
         .route("/files", axum::routing::delete(files::delete_files))
         .route("/files/info", get(files::info))
         .route("/files/permissions", post(files::permissions))

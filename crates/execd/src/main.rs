@@ -1,4 +1,4 @@
-//! `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR] [-- ENTRYPOINT ARGV...]`
+//! `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR] [--jupyter-port N] [-- ENTRYPOINT ARGV...]`
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,6 +22,10 @@ struct Args {
     /// Working directory for the entrypoint, commands and relative paths.
     #[arg(long, value_name = "DIR", default_value = "/")]
     workdir: PathBuf,
+    /// Where the code-interpreter SDK's health check connects once a Jupyter kernel can start
+    /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
+    #[arg(long, value_name = "PORT", env = "JUPYTER_PORT", default_value_t = warren_execd::interpreter::jupyter_port::DEFAULT_PORT)]
+    jupyter_port: u16,
     /// The sandbox's main process; execd exits with its exit code.
     #[arg(last = true, value_name = "ENTRYPOINT")]
     entrypoint: Vec<String>,
@@ -46,6 +50,7 @@ fn main() {
         listen,
         workdir: args.workdir,
         entrypoint: args.entrypoint,
+        jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

@@ -50,6 +50,17 @@ fn read_u64(p: &Path) -> Option<u64> {
 const V1_UNLIMITED: u64 = 1 << 60;
 
 impl Sources {
+    /// How many processes the kernel's OOM killer has killed in this cgroup so far (v2
+    /// `memory.events`, v1 `memory.oom_control`); `None` when neither is readable.
+    pub fn oom_kills(&self) -> Option<u64> {
+        let cg = &self.cgroup;
+        let text = read_trim(&cg.join("memory.events"))
+            .or_else(|| read_trim(&cg.join("memory/memory.oom_control")))?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+    }
+
     /// `(total, used)` bytes.
     pub fn memory(&self) -> (f64, f64) {
         let cg = &self.cgroup;
@@ -286,5 +297,14 @@ mod tests {
             proc: dir.path().join("proc"),
         };
         assert_eq!(empty.memory(), (4096.0, 3072.0));
+        assert_eq!(empty.oom_kills(), None);
+        write(dir.path(), "cg/memory/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n");
+        assert_eq!(s.oom_kills(), Some(3));
+        write(dir.path(), "v2/memory.events", "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n");
+        let v2 = Sources {
+            cgroup: dir.path().join("v2"),
+            proc: dir.path().join("proc"),
+        };
+        assert_eq!(v2.oom_kills(), Some(2));
     }
 }

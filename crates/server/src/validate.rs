@@ -265,7 +265,7 @@ mod tests {
         r.resource_limits = Some([("memory".into(), "lots".into())].into_iter().collect());
         assert_eq!(
             create_plan(r, &LimitsSection::default(), None)
-                .unwrap_err()
+                .expect_err("must be refused")
                 .status,
             400
         );
@@ -276,7 +276,7 @@ mod tests {
         r.metadata = Some([("bad key!".into(), "v".into())].into_iter().collect());
         assert_eq!(
             create_plan(r, &LimitsSection::default(), None)
-                .unwrap_err()
+                .expect_err("must be refused")
                 .code,
             "SANDBOX::INVALID_METADATA_LABEL"
         );

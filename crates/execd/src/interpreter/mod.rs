@@ -1,0 +1,438 @@
+//! The code interpreter (reference §3.5): code contexts, each one real Jupyter kernel found through the
+//! image's kernelspecs, driven over the Jupyter messaging protocol.
+//!
+//! A context runs one execution at a time (a second one is refused with 409 `CONTEXT_BUSY`, never
+//! queued behind a runaway loop). Runs without a context id go to a default context per language,
+//! created on first use and replaced if its kernel died. A kernel that dies mid-run ends the stream
+//! with an `error` event saying why; the context then stays dead (its state is gone) until deleted.
+
+pub mod jupyter_port;
+pub mod kernel;
+pub mod kernelspec;
+pub mod message;
+pub mod zmtp;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::Value;
+use warren_api::execd::{
+    CodeContext, CreateContextRequest, EventKind, ExecError, RunCodeRequest, StreamEvent,
+};
+
+use crate::error::{code, ApiError, ApiJson, ApiResult};
+use crate::sse::{self, EventStream};
+use crate::AppState;
+use kernel::{Event, Kernel, Launch};
+
+pub const CONTEXT_BUSY: &str = "CONTEXT_BUSY";
+/// The `ename` of the error event sent when a context's kernel process is gone.
+pub const KERNEL_DIED: &str = "KernelDied";
+
+pub struct Context {
+    pub id: String,
+    pub language: String,
+    kernel: Kernel,
+    /// Held by the running execution.
+    busy: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Context {
+    fn info(&self) -> CodeContext {
+        CodeContext {
+            id: self.id.clone(),
+            language: self.language.clone(),
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Contexts {
+    map: Mutex<HashMap<String, Arc<Context>>>,
+    /// language → id of its default context.
+    defaults: Mutex<HashMap<String, String>>,
+    /// Serialises creating default contexts, so two first runs do not start two kernels.
+    default_create: tokio::sync::Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Contexts {
+    fn get(&self, id: &str) -> Option<Arc<Context>> {
+        lock(&self.map).get(id).cloned()
+    }
+
+    fn remove(&self, id: &str) -> Option<Arc<Context>> {
+        lock(&self.defaults).retain(|_, v| v != id);
+        lock(&self.map).remove(id)
+    }
+
+    /// Kills every kernel (execd is stopping).
+    pub fn kill_all(&self) {
+        for (_, ctx) in lock(&self.map).drain() {
+            ctx.kernel.kill();
+        }
+    }
+}
+
+/// Where connection files go: private to execd's user, outside the workdir.
+fn runtime_dir() -> PathBuf {
+    std::env::temp_dir().join("warren-kernels")
+}
+
+async fn start_context(
+    app: &AppState,
+    language: &str,
+    cwd: Option<&str>,
+) -> ApiResult<Arc<Context>> {
+    let language = kernelspec::normalize_language(language);
+    let env = crate::process::command_env(&Default::default());
+    let dirs = kernelspec::search_path(
+        env.get("JUPYTER_PATH").map(String::as_str),
+        env.get("HOME").map(String::as_str),
+    );
+    let specs = kernelspec::discover(&dirs);
+    let spec = kernelspec::pick(&specs, &language).ok_or_else(|| {
+        let have: Vec<String> = specs
+            .iter()
+            .map(|s| format!("{} ({})", s.name, s.language))
+            .collect();
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            code::NOT_SUPPORTED,
+            format!(
+                "no Jupyter kernel for language '{language}' in this sandbox's image (kernelspecs found: {}); \
+                 Python needs the python3-ipykernel package (or `pip install ipykernel`)",
+                if have.is_empty() { "none".to_string() } else { have.join(", ") }
+            ),
+        )
+    })?;
+    let cwd = app.resolve(cwd.unwrap_or_default());
+    if !cwd.is_dir() {
+        return Err(ApiError::bad_body(format!(
+            "cwd {} is not a directory",
+            cwd.display()
+        )));
+    }
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let started = Instant::now();
+    let kernel = Kernel::start(Launch {
+        spec,
+        cwd: &cwd,
+        runtime_dir: &runtime_dir(),
+        id: &id,
+        reaper: &app.reaper,
+        sources: &app.metrics,
+    })
+    .await
+    .map_err(|e| ApiError::runtime(format!("starting the {language} kernel: {e}")))?;
+    tracing::info!(context = %id, kernel = %spec.name, pid = kernel.pid, ms = started.elapsed().as_millis() as u64, "kernel ready");
+    let ctx = Arc::new(Context {
+        id: id.clone(),
+        language,
+        kernel,
+        busy: Default::default(),
+    });
+    lock(&app.contexts.map).insert(id, ctx.clone());
+    Ok(ctx)
+}
+
+pub async fn create_context(
+    State(app): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<CreateContextRequest>,
+) -> ApiResult<Json<CodeContext>> {
+    if req.language.trim().is_empty() {
+        return Err(ApiError::bad_body("language is required"));
+    }
+    let ctx = start_context(&app, &req.language, req.cwd.as_deref()).await?;
+    Ok(Json(ctx.info()))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LanguageQuery {
+    language: Option<String>,
+}
+
+pub async fn list_contexts(
+    State(app): State<Arc<AppState>>,
+    Query(q): Query<LanguageQuery>,
+) -> Json<Vec<CodeContext>> {
+    let lang = q
+        .language
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| kernelspec::normalize_language(&l));
+    let mut out: Vec<CodeContext> = lock(&app.contexts.map)
+        .values()
+        .filter(|c| lang.as_ref().is_none_or(|l| *l == c.language))
+        .map(|c| c.info())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    Json(out)
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(code::CONTEXT_NOT_FOUND, format!("no code context {id}"))
+}
+
+pub async fn get_context(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<CodeContext>> {
+    let ctx = app.contexts.get(&id).ok_or_else(|| not_found(&id))?;
+    Ok(Json(ctx.info()))
+}
+
+pub async fn delete_context(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let ctx = app.contexts.remove(&id).ok_or_else(|| not_found(&id))?;
+    ctx.kernel.shutdown().await;
+    Ok(StatusCode::OK)
+}
+
+pub async fn delete_contexts(
+    State(app): State<Arc<AppState>>,
+    Query(q): Query<LanguageQuery>,
+) -> ApiResult<StatusCode> {
+    let lang = q
+        .language
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| kernelspec::normalize_language(&l))
+        .ok_or_else(|| ApiError::missing_query("language"))?;
+    let ids: Vec<String> = lock(&app.contexts.map)
+        .values()
+        .filter(|c| c.language == lang)
+        .map(|c| c.id.clone())
+        .collect();
+    let doomed: Vec<_> = ids.iter().filter_map(|id| app.contexts.remove(id)).collect();
+    futures::future::join_all(doomed.iter().map(|c| c.kernel.shutdown())).await;
+    Ok(StatusCode::OK)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct InterruptQuery {
+    id: Option<String>,
+}
+
+/// `DELETE /code?id=` — `id` is the context id (what the run's `init` event carried).
+pub async fn interrupt(
+    State(app): State<Arc<AppState>>,
+    Query(q): Query<InterruptQuery>,
+) -> ApiResult<StatusCode> {
+    let id =
+        q.id.filter(|s| !s.is_empty())
+            .ok_or_else(|| ApiError::missing_query("id"))?;
+    let ctx = app.contexts.get(&id).ok_or_else(|| not_found(&id))?;
+    ctx.kernel.interrupt().await;
+    Ok(StatusCode::OK)
+}
+
+/// The context a run goes to: the named one, or the language's default (started if missing or dead).
+async fn resolve_context(app: &AppState, req: &RunCodeRequest) -> ApiResult<Arc<Context>> {
+    let wanted = req.context.clone().unwrap_or_default();
+    let language = wanted
+        .language
+        .as_deref()
+        .filter(|l| !l.trim().is_empty())
+        .map(kernelspec::normalize_language);
+    if let Some(id) = wanted.id.as_deref().filter(|s| !s.is_empty()) {
+        let ctx = app.contexts.get(id).ok_or_else(|| not_found(id))?;
+        if let Some(lang) = language.filter(|l| *l != ctx.language) {
+            return Err(ApiError::bad_body(format!(
+                "context {id} is a {} context, not {lang}",
+                ctx.language
+            )));
+        }
+        return Ok(ctx);
+    }
+    let language = language.unwrap_or_else(|| "python".to_string());
+    let _creating = app.contexts.default_create.lock().await;
+    let current = lock(&app.contexts.defaults)
+        .get(&language)
+        .and_then(|id| app.contexts.get(id));
+    match current {
+        Some(ctx) if ctx.kernel.died().is_none() => Ok(ctx),
+        stale => {
+            if let Some(dead) = stale {
+                app.contexts.remove(&dead.id);
+            }
+            let ctx = start_context(app, &language, None).await?;
+            lock(&app.contexts.defaults).insert(language, ctx.id.clone());
+            Ok(ctx)
+        }
+    }
+}
+
+pub async fn run(
+    State(app): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<RunCodeRequest>,
+) -> ApiResult<Response> {
+    if req.code.trim().is_empty() {
+        return Err(ApiError::bad_body("code is empty"));
+    }
+    let ctx = resolve_context(&app, &req).await?;
+    let busy = ctx.busy.clone().try_lock_owned().map_err(|_| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            CONTEXT_BUSY,
+            format!(
+                "context {} is running another execution; wait for it or interrupt it (DELETE /code?id={})",
+                ctx.id, ctx.id
+            ),
+        )
+    })?;
+    let (stream, response) = sse::channel();
+    tokio::spawn(async move {
+        drive(&ctx, &req.code, stream).await;
+        drop(busy);
+    });
+    Ok(response)
+}
+
+fn kernel_died(why: String) -> StreamEvent {
+    StreamEvent {
+        error: Some(ExecError {
+            ename: KERNEL_DIED.to_string(),
+            evalue: why,
+            traceback: Vec::new(),
+        }),
+        ..sse::event(EventKind::Error, None)
+    }
+}
+
+/// Runs one execution and turns the kernel's messages into the event stream. Returns only when the
+/// kernel is idle again (or dead), so the context's busy lock covers the whole execution even when the
+/// client went away (then the execution is interrupted, not left running).
+async fn drive(ctx: &Context, code: &str, out: EventStream) {
+    let started = Instant::now();
+    let send = |ev: StreamEvent| {
+        let tx = out.tx.clone();
+        async move {
+            let _ = tx.send(ev).await;
+        }
+    };
+    send(sse::init(&ctx.id)).await;
+    let (msg_id, mut rx) = match ctx.kernel.execute(code).await {
+        Ok(r) => r,
+        Err(why) => return send(kernel_died(why)).await,
+    };
+    let (mut idle, mut reply, mut failed, mut interrupted) = (false, None::<Value>, false, false);
+    while !(idle && reply.is_some()) {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = out.cancelled.cancelled(), if !interrupted => {
+                interrupted = true;
+                tracing::info!(context = %ctx.id, "client went away; interrupting the execution");
+                ctx.kernel.interrupt().await;
+                continue;
+            }
+        };
+        let msg = match ev {
+            Some(Event::IoPub(m)) => m,
+            Some(Event::Reply(m)) => {
+                reply = Some(m.content);
+                continue;
+            }
+            Some(Event::Died(why)) => {
+                if !failed {
+                    send(kernel_died(why)).await;
+                }
+                return;
+            }
+            None => return,
+        };
+        let c = &msg.content;
+        if msg.msg_type() == "status" {
+            idle |= c["execution_state"] == "idle";
+        }
+        if failed {
+            continue; // `error` is terminal for the stream; just wait for the kernel to go idle
+        }
+        match msg.msg_type() {
+            "status" => {
+                let state = c["execution_state"].as_str().unwrap_or_default();
+                send(sse::event(EventKind::Status, Some(state.to_string()))).await;
+            }
+            "stream" => {
+                let kind = if c["name"] == "stderr" {
+                    EventKind::Stderr
+                } else {
+                    EventKind::Stdout
+                };
+                let text = c["text"].as_str().unwrap_or_default().to_string();
+                send(sse::event(kind, Some(text))).await;
+            }
+            "execute_input" => {
+                if let Some(n) = c["execution_count"].as_i64() {
+                    send(StreamEvent {
+                        execution_count: Some(n),
+                        ..sse::event(EventKind::ExecutionCount, None)
+                    })
+                    .await;
+                }
+            }
+            "execute_result" | "display_data" | "update_display_data" => {
+                send(StreamEvent {
+                    results: Some(kernel::results_of(&c["data"])),
+                    execution_count: c["execution_count"].as_i64(),
+                    ..sse::event(EventKind::Result, None)
+                })
+                .await;
+            }
+            "error" => {
+                failed = true;
+                send(error_event(c)).await;
+            }
+            _ => {}
+        }
+    }
+    ctx.kernel.forget(&msg_id);
+    if failed {
+        return;
+    }
+    let reply = reply.unwrap_or_default();
+    match reply["status"].as_str() {
+        Some("error") => send(error_event(&reply)).await,
+        Some("aborted") => {
+            send(StreamEvent {
+                error: Some(ExecError {
+                    ename: "ExecutionAborted".into(),
+                    evalue: "the kernel aborted the execution".into(),
+                    traceback: Vec::new(),
+                }),
+                ..sse::event(EventKind::Error, None)
+            })
+            .await
+        }
+        _ => send(sse::complete(started.elapsed().as_millis() as i64)).await,
+    }
+}
+
+fn error_event(content: &Value) -> StreamEvent {
+    let traceback = content["traceback"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|l| l.as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    StreamEvent {
+        error: Some(ExecError {
+            ename: content["ename"].as_str().unwrap_or("Error").to_string(),
+            evalue: content["evalue"].as_str().unwrap_or_default().to_string(),
+            traceback,
+        }),
+        ..sse::event(EventKind::Error, None)
+    }
+}
