@@ -151,6 +151,19 @@ def test_concurrent_runs_on_different_contexts(ci):
         ci.codes.delete_context(c.id)
 
 
+def test_bash_kernel_when_the_image_has_one(ci):
+    """The image also carries bash_kernel (PyPI): a bash context keeps shell state between runs."""
+    ctx = ci.codes.create_context("bash")
+    assert ctx.language == "bash"
+    assert ci.codes.run("GREETING=hello; cd /tmp", context=ctx).error is None
+    ex = ci.codes.run("echo $GREETING from $(pwd)", context=ctx)
+    assert ex.error is None and stdout(ex) == "hello from /tmp\n"
+    failed = ci.codes.run("false", context=ctx)
+    assert failed.error is not None and failed.error.value == "1"
+    assert stdout(ci.codes.run("echo default", language="bash")) == "default\n"
+    ci.codes.delete_contexts("bash")
+
+
 # --- rich results on the wire -------------------------------------------------------------------------
 
 def test_matplotlib_figure_arrives_as_png(code_sandbox):

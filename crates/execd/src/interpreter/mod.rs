@@ -429,7 +429,12 @@ fn error_event(content: &Value) -> StreamEvent {
         .unwrap_or_default();
     StreamEvent {
         error: Some(ExecError {
-            ename: content["ename"].as_str().unwrap_or("Error").to_string(),
+            // bash_kernel, for one, reports a failing command with an empty ename
+            ename: content["ename"]
+                .as_str()
+                .filter(|n| !n.is_empty())
+                .unwrap_or("Error")
+                .to_string(),
             evalue: content["evalue"].as_str().unwrap_or_default().to_string(),
             traceback,
         }),
