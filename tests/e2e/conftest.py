@@ -219,7 +219,7 @@ class SandboxFactory:
         kw.setdefault("connection_config", self.server.sdk_config())
         kw.setdefault("timeout", timedelta(minutes=10))
         kw.setdefault("ready_timeout", timedelta(seconds=60))
-        sbx = SandboxSync.create(image, **kw)
+        sbx = SandboxSync.create(self.server.sandbox_image(image), **kw)
         W.track_sandbox(sbx.id)
         self.created.append(sbx)
         return sbx
@@ -273,7 +273,7 @@ def raw_sandbox(server, api):
     ids = []
 
     def create(image="host", **overrides):
-        r = api.post("/v1/sandboxes", json=W.create_body(image, **overrides))
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image(image), **overrides))
         assert r.status_code == 202, f"create failed: {r.status_code} {r.text[:500]}"
         body = r.json()
         W.track_sandbox(body["id"])

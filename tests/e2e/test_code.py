@@ -286,7 +286,7 @@ def test_out_of_memory_kernel_is_reported(server, make_sandbox):
     ci = CodeInterpreterSync.create(sbx)
     ctx = ci.codes.create_context("python")
     hog = "hog = b'x' * (1024 ** 3)"
-    if server.runtime == "runsc":
+    if server.gvisor:
         # Under gVisor the memory cgroup holds the whole sandbox (its user-space kernel included), so
         # the host's OOM killer ends the sandbox itself: the run is cut off and the sandbox is Failed.
         try:
@@ -337,7 +337,7 @@ def test_deleting_the_sandbox_ends_its_kernels(server, make_sandbox):
     ctx = ci.codes.create_context("python")
     assert ci.codes.run("1", context=ctx).error is None
     marker = f"kernel-{ctx.id}.json"
-    if server.runtime != "runsc":  # gVisor's processes are not host processes
+    if not server.gvisor:  # gVisor's processes are not host processes
         assert W.pids_with_cmdline(marker), "the kernel runs"
     sbx.kill()
     assert W.wait_until(lambda: not W.pids_with_cmdline(marker), timeout=20)

@@ -76,7 +76,7 @@ def test_sandbox_killed_while_server_down(fresh_server):
     survivor = SandboxSync.create("host", connection_config=srv.sdk_config(), timeout=None)
     W.track_sandbox(survivor.id)
     victim.commands.run(f"bash -c 'exec -a {marker} sleep 100000'", opts=RunCommandOpts(background=True))
-    W.wait_until(lambda: W.pids_with_cmdline(marker) or (srv.runtime == "runsc"), 10,
+    W.wait_until(lambda: W.pids_with_cmdline(marker) or (srv.gvisor), 10,
                  message=f"marker process {marker} visible on the host")
     victim.close()
     survivor.close()

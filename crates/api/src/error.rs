@@ -40,6 +40,7 @@ pub enum ErrorCode {
     ProxyUnavailable,
     InvalidAccessToken,
     HostPathNotAllowed,
+    RuntimeUnavailable,
     Unknown,
 }
 
@@ -63,6 +64,7 @@ impl ErrorCode {
             Self::ProxyUnavailable => "PROXY::UPSTREAM_UNAVAILABLE",
             Self::InvalidAccessToken => "PROXY::INVALID_ACCESS_TOKEN",
             Self::HostPathNotAllowed => "VOLUME::HOST_PATH_NOT_ALLOWED",
+            Self::RuntimeUnavailable => "RUNTIME::UNAVAILABLE",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

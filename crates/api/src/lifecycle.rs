@@ -73,8 +73,7 @@ pub struct CreateSandboxRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_access: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
-    pub volumes: Option<Vec<serde_json::Value>>,
+    pub volumes: Option<Vec<Volume>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub lifecycle: Option<serde_json::Value>,
@@ -231,4 +230,55 @@ pub struct MetricsEvent {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     pub status: String,
+}
+
+/// A storage mount: exactly one of `host`, `pvc` (a named volume) or `ossfs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    pub name: String,
+    pub mount_path: String,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sub_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostVolume>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pvc: Option<PvcVolume>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub ossfs: Option<serde_json::Value>,
+}
+
+/// A folder of the host (only under the server's `allowed_host_paths`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct HostVolume {
+    pub path: String,
+}
+
+/// A named volume that outlives the sandbox (a Docker named volume, or a folder Warren keeps).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PvcVolume {
+    pub claim_name: String,
+    #[serde(default = "yes")]
+    pub create_if_not_exists: bool,
+    /// Removes the volume with the sandbox, if this sandbox created it.
+    #[serde(default)]
+    pub delete_on_sandbox_termination: bool,
+    /// Kubernetes-only settings, accepted and ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_modes: Option<Vec<String>>,
+}
+
+fn yes() -> bool {
+    true
 }

@@ -7,8 +7,15 @@ pub mod runtime;
 
 pub use quantity::{parse_cpu_millis, parse_memory_bytes, QuantityError};
 pub use runtime::{
-    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxSpec,
+    ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState,
+    SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
 };
+
+/// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its
+/// socket appears in (bind-mounted from a per-sandbox host folder the server connects through).
+pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
+pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
+pub const EXECD_SOCKET_NAME: &str = "execd.sock";
 
 /// Validated sandbox id: lowercase hex/uuid-ish, safe as a path component and a cgroup name.
 pub fn is_valid_sandbox_id(id: &str) -> bool {

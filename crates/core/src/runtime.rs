@@ -16,14 +16,58 @@ pub struct ResourceLimits {
     pub pids: u64,
 }
 
+/// Where a runtime gets its images from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageSource {
+    /// Warren's own image store: the server resolves and leases the image before `create`.
+    Store,
+    /// The runtime's engine (a Docker daemon) resolves and pulls references itself.
+    Engine,
+}
+
+/// The image of one sandbox, as its runtime's [`ImageSource`] needs it.
+#[derive(Debug, Clone)]
+pub enum SandboxImage {
+    Resolved(ResolvedImage),
+    Reference {
+        name: String,
+        auth: Option<warren_api::lifecycle::ImageAuth>,
+    },
+}
+
+/// A storage mount, validated by the server (target path, allowed host folder, names).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumeMount {
+    /// Absolute, normalised path inside the sandbox.
+    pub target: String,
+    pub read_only: bool,
+    pub source: VolumeSource,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum VolumeSource {
+    /// A host folder (or file), already resolved: canonical, under an allowed path, `subPath` applied.
+    Host(PathBuf),
+    /// A named volume that outlives sandboxes; the runtime decides where it lives.
+    Named {
+        claim: String,
+        /// Relative, normalised, without `..`.
+        sub_path: Option<String>,
+        create_if_missing: bool,
+        /// Remove it with the sandbox, if this sandbox created it and nobody else uses it.
+        delete_on_termination: bool,
+    },
+}
+
 /// Everything a runtime needs to start one sandbox.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
     pub id: String,
-    pub image: ResolvedImage,
+    pub image: SandboxImage,
     pub entrypoint: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub limits: ResourceLimits,
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// Backend-specific facts about a live sandbox (pids, paths, container ids), persisted by the server.
@@ -57,6 +101,12 @@ pub enum RuntimeError {
     Unsupported(String),
     #[error("{0}")]
     Exhausted(String),
+    /// The request cannot be satisfied as given (a named volume that does not exist, …).
+    #[error("{0}")]
+    Invalid(String),
+    /// The backend itself cannot be reached (a stopped Docker daemon): try again later.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("{message}")]
     Backend {
         message: String,
@@ -89,6 +139,11 @@ pub trait Runtime: Send + Sync + 'static {
     /// Short name for logs and `/health` ("native/embedded", "native/runsc", …).
     fn name(&self) -> String;
 
+    /// Where images come from; with [`ImageSource::Engine`] the spec carries a reference.
+    fn image_source(&self) -> ImageSource {
+        ImageSource::Store
+    }
+
     /// Creates and starts the sandbox; returns once execd's socket accepts connections. On error nothing
     /// of the sandbox is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError>;
@@ -111,4 +166,8 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
+
+    /// After a server restart, once every known sandbox was looked at: remove what the runtime finds
+    /// of Warren's that is not among `known` (leftovers of a crash in the middle of a create).
+    async fn sweep_orphans(&self, _known: &[String]) {}
 }

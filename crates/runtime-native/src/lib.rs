@@ -19,6 +19,7 @@ mod oci;
 mod rootfs;
 mod security;
 mod spec;
+mod volumes;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -34,7 +35,8 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use warren_core::{
-    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxSpec,
+    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxImage,
+    SandboxSpec,
 };
 use warren_image::ResolvedImage;
 
@@ -88,6 +90,9 @@ struct NativeState {
     pid: i32,
     /// Kernel start time of `pid` (clock ticks), to tell our process from a recycled pid.
     start_time: u64,
+    /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    delete_volumes: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -123,6 +128,7 @@ struct Inner {
     skeleton: PathBuf,
     /// `None` for the embedded runtime.
     oci: Option<oci::OciRuntime>,
+    volumes: volumes::Volumes,
 }
 
 impl NativeRuntime {
@@ -153,6 +159,7 @@ impl NativeRuntime {
         let this = Self {
             inner: Arc::new(Inner {
                 standby: Default::default(),
+                volumes: volumes::Volumes::new(&config.data_dir),
                 config,
                 layout,
                 skeleton,
@@ -199,7 +206,12 @@ impl NativeRuntime {
     fn init_spec(&self, spec: &SandboxSpec) -> InitSpec {
         let dir = self.sandbox_dir(&spec.id);
         let config = &self.inner.config;
-        let (root, image_env, workdir) = match &spec.image {
+        let image = match &spec.image {
+            SandboxImage::Resolved(image) => image,
+            // `image_source` is `Store`: the server always resolves; `create` refuses the rest.
+            SandboxImage::Reference { .. } => &ResolvedImage::Host,
+        };
+        let (root, image_env, workdir) = match image {
             ResolvedImage::Host => {
                 let binds = HOST_BINDS
                     .iter()
@@ -260,10 +272,16 @@ impl NativeRuntime {
                 .filter(|w| w.starts_with('/'))
                 .unwrap_or_else(|| "/".to_string()),
             log_path: None,
+            volumes: Vec::new(),
         }
     }
 
     fn create_blocking(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
+        if let SandboxImage::Reference { name, .. } = &spec.image {
+            return Err(RuntimeError::Unsupported(format!(
+                "the native runtime runs images from Warren's image store, not the reference {name}"
+            )));
+        }
         let dir = self.sandbox_dir(&spec.id);
         if dir.exists() {
             return Err(RuntimeError::Conflict(format!(
@@ -271,10 +289,15 @@ impl NativeRuntime {
                 spec.id
             )));
         }
+        let volumes = self.inner.volumes.resolve(&spec.id, &spec.volumes)?;
         let mut pid = None;
-        let result = self.try_create(spec, &dir, &mut pid);
+        let result = self.try_create(spec, &dir, &volumes, &mut pid);
         if result.is_err() {
             self.teardown(&spec.id, pid);
+            // what this create made goes with it, including volumes it created
+            self.inner
+                .volumes
+                .release(&spec.id, &spec.volumes, &volumes.created);
         }
         result
     }
@@ -283,6 +306,7 @@ impl NativeRuntime {
         &self,
         spec: &SandboxSpec,
         dir: &Path,
+        volumes: &volumes::Resolved,
         pid_out: &mut Option<i32>,
     ) -> Result<RuntimeState, RuntimeError> {
         for sub in ["upper", "work", "rootfs", "run"] {
@@ -298,10 +322,11 @@ impl NativeRuntime {
             .map_err(|e| RuntimeError::backend_with("opening the sandbox log", e))?;
         let started = Instant::now();
         let pid = match &self.inner.oci {
-            None => self.start_embedded(spec, log, &log_path)?,
+            None => self.start_embedded(spec, log, &log_path, &volumes.mounts)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
-                let init_spec = self.init_spec(spec);
+                let mut init_spec = self.init_spec(spec);
+                init_spec.volumes = volumes.mounts.clone();
                 oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
                     RuntimeError::backend_with(
                         format!("starting sandbox {} with {}", spec.id, oci.binary.display()),
@@ -324,7 +349,11 @@ impl NativeRuntime {
             &dir.join("sandbox.log"),
         )?;
         tracing::debug!(sandbox_id = %spec.id, spawn_us = spawned.as_micros() as u64, ready_us = started.elapsed().as_micros() as u64, "sandbox started");
-        serde_json::to_value(NativeState { pid, start_time })
+        serde_json::to_value(NativeState {
+            pid,
+            start_time,
+            delete_volumes: volumes.delete_on_exit.clone(),
+        })
             .map_err(|e| RuntimeError::backend_with("encoding state", e))
     }
 
@@ -334,6 +363,7 @@ impl NativeRuntime {
         spec: &SandboxSpec,
         log: fs::File,
         log_path: &Path,
+        volumes: &[spec::HostMount],
     ) -> Result<i32, RuntimeError> {
         let mut helper = match self.take_standby(&spec.id, &spec.limits) {
             Some(warm) => warm,
@@ -341,6 +371,7 @@ impl NativeRuntime {
         };
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
+        init_spec.volumes = volumes.to_vec();
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
         let mut reply = String::new();
@@ -704,7 +735,13 @@ impl Runtime for NativeRuntime {
         let this = self.clone();
         let id = id.to_string();
         let pid = Self::live_pid(state);
-        tokio::task::spawn_blocking(move || this.teardown(&id, pid))
+        let delete_volumes = serde_json::from_value::<NativeState>(state.clone())
+            .map(|s| s.delete_volumes)
+            .unwrap_or_default();
+        tokio::task::spawn_blocking(move || {
+            this.teardown(&id, pid);
+            this.inner.volumes.release_all(&id, &delete_volumes);
+        })
             .await
             .map_err(|e| RuntimeError::backend_with("destroy task", e))
     }

@@ -300,6 +300,9 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
     }
     mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true));
     mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false));
+    for v in &spec.volumes {
+        mounts.push(bind(&v.target, &v.source, v.read_only));
+    }
 
     let mut resources = json!({"pids": {"limit": limits.pids}});
     if let Some(m) = limits.memory_bytes {
@@ -367,6 +370,11 @@ mod tests {
             env: vec!["PATH=/bin".into()],
             workdir: "/".into(),
             log_path: None,
+            volumes: vec![crate::spec::HostMount {
+                source: "/srv/data".into(),
+                target: "/mnt/data".into(),
+                read_only: true,
+            }],
         }
     }
 
@@ -383,6 +391,14 @@ mod tests {
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
         assert_eq!(c["process"]["args"][6], "tail");
+        let vol = c["mounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .find(|m| m["destination"] == "/mnt/data")
+            .expect("the volume is a bind mount");
+        assert_eq!(vol["source"], "/srv/data");
+        assert!(vol["options"].as_array().expect("opts").contains(&serde_json::json!("ro")));
         let caps = c["process"]["capabilities"]["bounding"]
             .as_array()
             .expect("caps");

@@ -110,6 +110,7 @@ pub fn build(spec: &InitSpec) -> Result<()> {
     mount_dev(root)?;
     mount_sys(spec, root)?;
     mount_warren(spec, root)?;
+    mount_volumes(spec, root)?;
     for dir in ["tmp", "workspace"] {
         let d = root.join(dir);
         if d.symlink_metadata().is_err() {
@@ -120,6 +121,44 @@ pub fn build(spec: &InitSpec) -> Result<()> {
         }
     }
     pivot(root)
+}
+
+/// Volumes go over the image's folders: each target is created inside the new root without following
+/// any symlink the image put on the way (a link could otherwise aim the mount at a host folder).
+fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
+    for v in &spec.volumes {
+        let is_file = v.source.metadata().map(|m| m.is_file()).unwrap_or(false);
+        let target = mountpoint_in(root, &v.target, is_file)?;
+        bind(
+            &v.source,
+            &target,
+            v.read_only,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        )?;
+    }
+    Ok(())
+}
+
+fn mountpoint_in(root: &Path, target: &str, file: bool) -> Result<PathBuf> {
+    let parts: Vec<&str> = target.split('/').filter(|p| !p.is_empty()).collect();
+    let mut cur = root.to_path_buf();
+    for (i, part) in parts.iter().enumerate() {
+        cur.push(part);
+        match cur.symlink_metadata() {
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(RootfsError::Io {
+                    path: cur,
+                    source: io::Error::other(
+                        "is a symbolic link in the image; volumes are not mounted through links",
+                    ),
+                })
+            }
+            Ok(_) => {}
+            Err(_) if file && i + 1 == parts.len() => touch(&cur)?,
+            Err(_) => fs::create_dir(&cur).map_err(io_at(&cur))?,
+        }
+    }
+    Ok(cur)
 }
 
 fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {

@@ -40,6 +40,18 @@ pub struct InitSpec {
     /// The sandbox log, for a standby helper whose stderr was fixed before the sandbox existed.
     #[serde(default)]
     pub log_path: Option<PathBuf>,
+    /// Volumes, bind-mounted over the rootfs.
+    #[serde(default)]
+    pub volumes: Vec<HostMount>,
+}
+
+/// A host folder (or file) bind-mounted at `target` inside the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostMount {
+    pub source: PathBuf,
+    /// Absolute and normalised (validated by the server).
+    pub target: String,
+    pub read_only: bool,
 }
 
 /// The helper's one-line answer on stdout.
@@ -51,9 +63,7 @@ pub enum InitReply {
 
 /// Inside the sandbox: where execd and its socket folder are mounted.
 pub const WARREN_DIR: &str = ".warren";
-pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
-pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
-pub const EXECD_SOCKET_NAME: &str = "execd.sock";
+pub use warren_core::{EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX};
 
 /// The helper's first line on stdout once it sits in its cgroup(s); its reply follows on the next.
 pub const JOINED_LINE: &str = "joined";

@@ -34,7 +34,30 @@ pub struct FileConfig {
     #[serde(default)]
     pub runtime: RuntimeSection,
     #[serde(default)]
+    pub docker: DockerSection,
+    #[serde(default)]
+    pub storage: StorageSection,
+    #[serde(default)]
     pub limits: LimitsSection,
+}
+
+/// `[storage]`: what `volumes` may mount.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageSection {
+    /// Host folders under which `host` volumes may be mounted; empty (the default) allows none.
+    #[serde(default)]
+    pub allowed_host_paths: Vec<PathBuf>,
+}
+
+/// `[docker]`: used when `runtime.kind = "docker"`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerSection {
+    /// `unix:///path` or `tcp://host:port`; default `$DOCKER_HOST`, else `unix:///var/run/docker.sock`.
+    pub host: Option<String>,
+    /// An OCI runtime registered with the daemon, e.g. `runsc` for gVisor.
+    pub runtime: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -109,6 +132,8 @@ pub struct ServerConfig {
     pub max_timeout_seconds: Option<i64>,
     pub terminated_retention_seconds: i64,
     pub runtime: RuntimeSection,
+    pub docker: DockerSection,
+    pub storage: StorageSection,
     pub limits: LimitsSection,
     pub config_file: Option<PathBuf>,
 }
@@ -206,6 +231,8 @@ impl ServerConfig {
             max_timeout_seconds: file.max_sandbox_timeout_seconds,
             terminated_retention_seconds: file.terminated_retention_seconds.unwrap_or(3600),
             runtime,
+            docker: file.docker.clone(),
+            storage: file.storage.clone(),
             limits: file.limits.clone(),
             config_file,
         })

@@ -72,6 +72,12 @@ impl ApiError {
             RuntimeError::Exhausted(m) => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorCode::Unknown, m)
             }
+            RuntimeError::Invalid(m) => Self::invalid(m),
+            RuntimeError::Unavailable(m) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::RuntimeUnavailable,
+                format!("{context}: {m}"),
+            ),
             e @ RuntimeError::Backend { .. } => Self::internal(context, &e),
         }
     }

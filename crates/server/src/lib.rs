@@ -9,6 +9,7 @@ mod proxy;
 mod routes;
 pub mod sandboxes;
 mod validate;
+pub mod volumes;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use axum::Router;
 use warren_api::REQUEST_ID_HEADER;
 use warren_core::Runtime;
 use warren_image::ImageStore;
+use warren_runtime_docker::{DockerConfig, DockerRuntime};
 use warren_runtime_native::{NativeConfig, NativeRuntime};
 use warren_store::Store;
 
@@ -35,6 +37,7 @@ const MAX_JSON_BODY: usize = 1 << 20;
 #[derive(Clone)]
 pub struct AppState {
     pub config: Arc<ServerConfig>,
+    pub storage: Arc<volumes::StoragePolicy>,
     pub api_key: Option<Arc<str>>,
     pub sandboxes: Sandboxes,
     pub local_addr: SocketAddr,
@@ -133,7 +136,9 @@ impl Server {
             .with_context(|| format!("binding {}", config.listen))?;
         let local_addr = listener.local_addr()?;
         let reaper = sandboxes.spawn_reaper();
+        let storage = Arc::new(storage_policy(&config)?);
         let state = AppState {
+            storage,
             config: Arc::new(config),
             api_key,
             sandboxes,
@@ -171,18 +176,51 @@ impl Server {
     }
 }
 
+/// Canonical allowed folders (a missing one is a configuration error, not a silent no-op), and what
+/// no volume may reach: the data dir and the config file.
+fn storage_policy(config: &ServerConfig) -> anyhow::Result<volumes::StoragePolicy> {
+    let allowed_host_paths = config
+        .storage
+        .allowed_host_paths
+        .iter()
+        .map(|p| {
+            std::fs::canonicalize(p)
+                .with_context(|| format!("[storage] allowed_host_paths: {}", p.display()))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let protected = [Some(config.data_dir.clone()), config.config_file.clone()]
+        .into_iter()
+        .flatten()
+        .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+        .collect();
+    Ok(volumes::StoragePolicy {
+        allowed_host_paths,
+        protected,
+    })
+}
+
 fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
-    if config.runtime.kind != "native" {
-        anyhow::bail!(
-            "runtime kind {:?} is not available (supported: native)",
-            config.runtime.kind
-        );
-    }
     let exe = std::env::current_exe().context("locating the warren binary")?;
     let execd_path = match &config.runtime.execd_path {
         Some(p) => p.clone(),
         None => exe.with_file_name("warren-execd"),
     };
+    match config.runtime.kind.as_str() {
+        "native" => {}
+        "docker" => {
+            let docker = DockerConfig {
+                host: config.docker.host.clone(),
+                oci_runtime: config.docker.runtime.clone(),
+                data_dir: config.data_dir.clone(),
+                // The daemon bind-mounts it: it must be an absolute host path.
+                execd_path: std::fs::canonicalize(&execd_path)
+                    .with_context(|| format!("locating execd at {}", execd_path.display()))?,
+                ready_timeout: std::time::Duration::from_secs(30),
+            };
+            return Ok(Arc::new(DockerRuntime::new(docker)?));
+        }
+        other => anyhow::bail!("runtime kind {other:?} is not available (supported: native, docker)"),
+    }
     // The config file may hold the API key; the host image must not show it.
     let extra_masked_files = config
         .config_file

@@ -63,7 +63,12 @@ pub async fn create(
     State(app): State<AppState>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<Response, ApiError> {
-    let plan = create_plan(req, &app.config.limits, app.config.max_timeout_seconds)?;
+    let plan = create_plan(
+        req,
+        &app.config.limits,
+        app.config.max_timeout_seconds,
+        &app.storage,
+    )?;
     let rec = app.sandboxes.create(plan).await?;
     let mut body = to_wire(&rec);
     body.image = None;

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
-use warren_core::{Liveness, Runtime, SandboxSpec};
+use warren_core::{ImageSource, Liveness, Runtime, SandboxImage, SandboxSpec};
 use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
@@ -118,18 +118,35 @@ impl Sandboxes {
     /// lease, no runtime resource.
     pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
         let id = uuid::Uuid::new_v4().to_string();
-        // Resolving and leasing are file work that may wait on the store's lock during an import.
-        let images = self.inner.images.clone();
-        let (name, holder) = (plan.image.clone(), id.clone());
-        let image = tokio::task::spawn_blocking(move || {
-            let image = images.resolve(&name).map_err(|e| image_error(&name, e))?;
-            images
-                .lease(&holder, &image)
-                .map_err(|e| ApiError::internal("leasing the image", &e))?;
-            Ok::<_, ApiError>(image)
-        })
-        .await
-        .map_err(|e| ApiError::internal("resolving the image", &e))??;
+        let image = match self.inner.runtime.image_source() {
+            ImageSource::Store => {
+                if plan.image_auth.is_some() {
+                    return Err(ApiError::new(
+                        http::StatusCode::BAD_REQUEST,
+                        ErrorCode::ApiNotSupported,
+                        "image.auth: this runtime runs images from Warren's image store, which does not pull from registries yet; import the image with `warren image import`",
+                    ));
+                }
+                // Resolving and leasing are file work that may wait on the store's lock during an
+                // import.
+                let images = self.inner.images.clone();
+                let (name, holder) = (plan.image.clone(), id.clone());
+                let image = tokio::task::spawn_blocking(move || {
+                    let image = images.resolve(&name).map_err(|e| image_error(&name, e))?;
+                    images
+                        .lease(&holder, &image)
+                        .map_err(|e| ApiError::internal("leasing the image", &e))?;
+                    Ok::<_, ApiError>(image)
+                })
+                .await
+                .map_err(|e| ApiError::internal("resolving the image", &e))??;
+                SandboxImage::Resolved(image)
+            }
+            ImageSource::Engine => SandboxImage::Reference {
+                name: plan.image.clone(),
+                auth: plan.image_auth.clone(),
+            },
+        };
         let now = Utc::now();
         let mut token = [0u8; 24];
         rand::thread_rng().fill_bytes(&mut token);
@@ -170,6 +187,7 @@ impl Sandboxes {
             entrypoint: plan.entrypoint,
             env: plan.env,
             limits: plan.limits,
+            volumes: plan.volumes,
         };
         match self.inner.runtime.create(&spec).await {
             Ok(state) => {
@@ -462,6 +480,13 @@ impl Sandboxes {
                 self.watch(&rec);
             }
         }
+        let known: Vec<String> = self
+            .all()
+            .into_iter()
+            .filter(|r| !r.state.is_terminal())
+            .map(|r| r.id)
+            .collect();
+        self.inner.runtime.sweep_orphans(&known).await;
         Ok(())
     }
 

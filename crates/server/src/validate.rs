@@ -9,6 +9,7 @@ use warren_core::{parse_cpu_millis, parse_memory_bytes, ResourceLimits};
 
 use crate::config::LimitsSection;
 use crate::error::ApiError;
+use crate::volumes::StoragePolicy;
 
 /// Reserved metadata prefix (as in the reference server).
 const RESERVED_PREFIX: &str = "opensandbox.io/";
@@ -18,6 +19,9 @@ const MAX_ENTRYPOINT_ARGS: usize = 4096;
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreatePlan {
     pub image: String,
+    /// Registry credentials for a runtime that pulls (Docker); refused by the image store.
+    pub image_auth: Option<warren_api::lifecycle::ImageAuth>,
+    pub volumes: Vec<warren_core::VolumeMount>,
     pub entrypoint: Vec<String>,
     pub timeout_seconds: Option<i64>,
     pub limits: ResourceLimits,
@@ -30,6 +34,7 @@ pub fn create_plan(
     req: CreateSandboxRequest,
     defaults: &LimitsSection,
     max_timeout: Option<i64>,
+    storage: &StoragePolicy,
 ) -> Result<CreatePlan, ApiError> {
     if req.snapshot_id.is_some() {
         return Err(unsupported(
@@ -39,9 +44,7 @@ pub fn create_plan(
     if req.template_id.is_some() {
         return Err(unsupported("templateId (templates are not implemented)"));
     }
-    if req.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(unsupported("volumes"));
-    }
+    let volumes = crate::volumes::validate(req.volumes.as_deref().unwrap_or_default(), storage)?;
     if req.network_policy.is_some() {
         return Err(unsupported(
             "networkPolicy (sandboxes have loopback-only networking for now)",
@@ -72,9 +75,6 @@ pub fn create_plan(
     let uri = image.uri.trim().to_string();
     if uri.is_empty() || uri.len() > 255 {
         return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
-    }
-    if image.auth.is_some() {
-        return Err(unsupported("image.auth (registry pulls are not implemented yet; import the image with `warren image import`)"));
     }
     let entrypoint = req
         .entrypoint
@@ -116,6 +116,8 @@ pub fn create_plan(
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
     Ok(CreatePlan {
         image: uri,
+        image_auth: image.auth,
+        volumes,
         entrypoint,
         timeout_seconds: req.timeout,
         limits,
@@ -252,7 +254,7 @@ mod tests {
 
     #[test]
     fn sdk_default_request_is_accepted() {
-        let plan = create_plan(req(), &LimitsSection::default(), None).expect("plan");
+        let plan = create_plan(req(), &LimitsSection::default(), None, &StoragePolicy::default()).expect("plan");
         assert_eq!(plan.limits.cpu_millis, Some(1000));
         assert_eq!(plan.limits.memory_bytes, Some(2 << 30));
         assert_eq!(plan.limits.pids, 4096);
@@ -264,28 +266,28 @@ mod tests {
         let mut r = req();
         r.resource_limits = Some([("memory".into(), "lots".into())].into_iter().collect());
         assert_eq!(
-            create_plan(r, &LimitsSection::default(), None)
+            create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default())
                 .expect_err("must be refused")
                 .status,
             400
         );
         let mut r = req();
         r.timeout = Some(5);
-        assert!(create_plan(r, &LimitsSection::default(), None).is_err());
+        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
         let mut r = req();
         r.metadata = Some([("bad key!".into(), "v".into())].into_iter().collect());
         assert_eq!(
-            create_plan(r, &LimitsSection::default(), None)
+            create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default())
                 .expect_err("must be refused")
                 .code,
             "SANDBOX::INVALID_METADATA_LABEL"
         );
         let mut r = req();
         r.entrypoint = Some(vec![]);
-        assert!(create_plan(r, &LimitsSection::default(), None).is_err());
+        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
         let mut r = req();
         r.image = None;
-        assert!(create_plan(r, &LimitsSection::default(), None).is_err());
+        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
     }
 
     #[test]

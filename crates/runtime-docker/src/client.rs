@@ -1,0 +1,357 @@
+//! A small Docker Engine API client: JSON requests over the daemon's Unix socket (or plain TCP), with
+//! the API version negotiated once (the daemon's, capped at the newest one this code was written
+//! against) and two kinds of failure the runtime treats differently: the daemon cannot be reached
+//! (`Unavailable`: try later) and the daemon said no (`Api`, with its status and message).
+
+use std::path::PathBuf;
+#[cfg(test)]
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tokio::sync::OnceCell;
+
+/// The newest Engine API this client speaks; older daemons are addressed with their own version.
+pub const MAX_API_VERSION: (u32, u32) = (1, 45);
+/// The oldest it accepts: 1.41 is Docker 20.10 (Debian bookworm's `docker.io`).
+pub const MIN_API_VERSION: (u32, u32) = (1, 40);
+/// Time allowed to connect and get response headers for ordinary calls.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    #[error("the Docker daemon at {endpoint} cannot be reached: {reason}")]
+    Unavailable { endpoint: String, reason: String },
+    #[error("Docker: {message} (HTTP {status})")]
+    Api { status: u16, message: String },
+    #[error("Docker: {0}")]
+    Protocol(String),
+}
+
+impl DockerError {
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::Api { status: 404, .. })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl Endpoint {
+    /// `DOCKER_HOST` syntax: `unix:///path`, `tcp://host:port` (plain HTTP; TLS is not supported).
+    pub fn parse(host: &str) -> Result<Self, String> {
+        if let Some(p) = host.strip_prefix("unix://") {
+            Ok(Self::Unix(PathBuf::from(p)))
+        } else if let Some(a) = host.strip_prefix("tcp://").or_else(|| host.strip_prefix("http://")) {
+            Ok(Self::Tcp(a.trim_end_matches('/').to_string()))
+        } else if host.starts_with('/') {
+            Ok(Self::Unix(PathBuf::from(host)))
+        } else {
+            Err(format!(
+                "unsupported Docker host {host:?} (use unix:///path or tcp://host:port)"
+            ))
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Unix(p) => format!("unix://{}", p.display()),
+            Self::Tcp(a) => format!("tcp://{a}"),
+        }
+    }
+}
+
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+#[derive(Debug)]
+pub struct Client {
+    endpoint: Endpoint,
+    version: OnceCell<String>,
+}
+
+/// A response whose body is read as a stream (pull progress, waits).
+pub type Body = hyper::body::Incoming;
+
+impl Client {
+    pub fn new(endpoint: Endpoint) -> Self {
+        Self {
+            endpoint,
+            version: OnceCell::new(),
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.endpoint.describe()
+    }
+
+    fn unavailable(&self, reason: impl std::fmt::Display) -> DockerError {
+        DockerError::Unavailable {
+            endpoint: self.endpoint.describe(),
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn connect(&self) -> Result<Box<dyn Io>, DockerError> {
+        let io: Box<dyn Io> = match &self.endpoint {
+            Endpoint::Unix(p) => Box::new(
+                tokio::net::UnixStream::connect(p)
+                    .await
+                    .map_err(|e| self.unavailable(e))?,
+            ),
+            Endpoint::Tcp(a) => {
+                let s = tokio::net::TcpStream::connect(a)
+                    .await
+                    .map_err(|e| self.unavailable(e))?;
+                let _ = s.set_nodelay(true);
+                Box::new(s)
+            }
+        };
+        Ok(io)
+    }
+
+    /// The API version to address: the daemon's own, capped at [`MAX_API_VERSION`].
+    async fn version(&self) -> Result<&str, DockerError> {
+        self.version
+            .get_or_try_init(|| async {
+                let (status, body) = self.request(Method::GET, "/version", None, &[]).await?;
+                let bytes = body
+                    .collect()
+                    .await
+                    .map_err(|e| self.unavailable(e))?
+                    .to_bytes();
+                if !status.is_success() {
+                    return Err(api_error(status, &bytes));
+                }
+                let v: Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| DockerError::Protocol(format!("unexpected /version answer: {e}")))?;
+                let daemon = v["ApiVersion"].as_str().unwrap_or("1.41");
+                let parsed = parse_version(daemon)
+                    .ok_or_else(|| DockerError::Protocol(format!("bad ApiVersion {daemon:?}")))?;
+                if parsed < MIN_API_VERSION {
+                    return Err(DockerError::Protocol(format!(
+                        "the daemon speaks API {daemon}; Warren needs {}.{} or newer",
+                        MIN_API_VERSION.0, MIN_API_VERSION.1
+                    )));
+                }
+                let (maj, min) = parsed.min(MAX_API_VERSION);
+                Ok(format!("v{maj}.{min}"))
+            })
+            .await
+            .map(String::as_str)
+    }
+
+    /// One versioned request on a fresh connection; returns the status and the streaming body.
+    pub async fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<&Value>,
+        headers: &[(&str, String)],
+    ) -> Result<(StatusCode, Body), DockerError> {
+        let path = format!("/{}{path_and_query}", self.version().await?);
+        self.request(method, &path, body, headers).await
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, String)],
+    ) -> Result<(StatusCode, Body), DockerError> {
+        let io = self.connect().await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, "docker");
+        for (k, v) in headers {
+            req = req.header(*k, v);
+        }
+        let bytes = match body {
+            Some(v) => {
+                req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+                Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+            }
+            None => Bytes::new(),
+        };
+        let req = req
+            .body(Full::new(bytes))
+            .map_err(|e| DockerError::Protocol(e.to_string()))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok((resp.status(), resp.into_body()))
+    }
+
+    async fn raw_json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, String)],
+    ) -> Result<T, DockerError> {
+        let call = async {
+            let (status, body) = self.send(method, path, body, headers).await?;
+            let bytes = body
+                .collect()
+                .await
+                .map_err(|e| self.unavailable(e))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(api_error(status, &bytes));
+            }
+            let text: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
+            serde_json::from_slice(text)
+                .map_err(|e| DockerError::Protocol(format!("unexpected answer to {path}: {e}")))
+        };
+        tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| self.unavailable(format!("no answer to {path} within {CALL_TIMEOUT:?}")))?
+    }
+
+    /// A JSON call; `null` for empty bodies (204s).
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<T, DockerError> {
+        self.raw_json(method, path, body, &[]).await
+    }
+
+    pub async fn call_with_headers<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, String)],
+    ) -> Result<T, DockerError> {
+        self.raw_json(method, path, None, headers).await
+    }
+
+    /// Pulls `image` (`POST /images/create`), reading the progress stream to its end; an `error` in
+    /// it (unknown image, bad credentials) becomes the error.
+    pub async fn pull(&self, image: &str, registry_auth: Option<String>) -> Result<(), DockerError> {
+        let (name, tag) = split_tag(image);
+        let path = format!(
+            "/images/create?fromImage={}&tag={}",
+            encode(name),
+            encode(tag)
+        );
+        let headers: Vec<(&str, String)> = registry_auth
+            .map(|a| vec![("X-Registry-Auth", a)])
+            .unwrap_or_default();
+        let (status, body) = self.send(Method::POST, &path, None, &headers).await?;
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(api_error(status, &bytes));
+        }
+        for line in bytes.split(|b| *b == b'\n') {
+            if let Ok(v) = serde_json::from_slice::<Value>(line) {
+                if let Some(e) = v["error"].as_str() {
+                    return Err(DockerError::Api {
+                        status: 404,
+                        message: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn api_error(status: StatusCode, body: &[u8]) -> DockerError {
+    let message = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v["message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_string());
+    DockerError::Api {
+        status: status.as_u16(),
+        message,
+    }
+}
+
+fn parse_version(v: &str) -> Option<(u32, u32)> {
+    let (a, b) = v.split_once('.')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+/// `name[:tag][@digest]` → (`name`, `tag`), with `latest` when no tag; a digest stays in the name.
+pub fn split_tag(image: &str) -> (&str, &str) {
+    if image.contains('@') {
+        return (image, "");
+    }
+    match image.rsplit_once(':') {
+        // a colon before the last slash belongs to a registry's port
+        Some((name, tag)) if !tag.contains('/') => (name, tag),
+        _ => (image, "latest"),
+    }
+}
+
+/// Percent-encodes a query value or path segment.
+pub fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert!(matches!(Endpoint::parse("unix:///var/run/docker.sock"), Ok(Endpoint::Unix(p)) if p == Path::new("/var/run/docker.sock")));
+        assert!(matches!(Endpoint::parse("tcp://127.0.0.1:2375"), Ok(Endpoint::Tcp(a)) if a == "127.0.0.1:2375"));
+        assert!(Endpoint::parse("ssh://host").is_err());
+    }
+
+    #[test]
+    fn tags() {
+        assert_eq!(split_tag("python:3.12"), ("python", "3.12"));
+        assert_eq!(split_tag("python"), ("python", "latest"));
+        assert_eq!(split_tag("localhost:5000/a/b"), ("localhost:5000/a/b", "latest"));
+        assert_eq!(split_tag("localhost:5000/a/b:v1"), ("localhost:5000/a/b", "v1"));
+        assert_eq!(split_tag("a@sha256:00"), ("a@sha256:00", ""));
+    }
+
+    #[test]
+    fn versions() {
+        assert_eq!(parse_version("1.41"), Some((1, 41)));
+        assert!(parse_version("1.41").expect("v") < MAX_API_VERSION);
+        assert_eq!(encode("a b/c:d"), "a%20b%2Fc%3Ad");
+    }
+
+    #[tokio::test]
+    async fn unreachable_daemon_is_unavailable() {
+        let c = Client::new(Endpoint::Unix("/nonexistent/docker.sock".into()));
+        let e = c.call::<Value>(Method::GET, "/_ping", None).await.expect_err("no daemon");
+        assert!(matches!(e, DockerError::Unavailable { .. }), "{e}");
+        assert!(e.to_string().contains("/nonexistent/docker.sock"));
+    }
+}

@@ -1,0 +1,678 @@
+//! The Docker runtime: each sandbox is a container on a Docker Engine (the daemon on this host, found
+//! through `DOCKER_HOST` or the config), set up like a native sandbox:
+//!
+//! - execd is bind-mounted read-only from the host (no copy per sandbox) and is the container's PID 1;
+//!   the user's entrypoint runs as its child;
+//! - the server reaches execd through a Unix socket in a per-sandbox host folder bind-mounted at
+//!   `/.warren/run`, exactly as on the native runtime (same proxy, no container networking needed);
+//! - limits (cpu, memory without extra swap, pids), the same capability set as native sandboxes,
+//!   `no-new-privileges`, network `none` (loopback only), an optional OCI runtime (`runsc`);
+//! - labels name the sandbox and the Warren data dir that owns it, so after a restart Warren finds its
+//!   containers, and removes the ones it has no record of.
+//!
+//! When the daemon cannot be reached every operation fails with [`RuntimeError::Unavailable`] (a 503),
+//! and works again once it is back. Sandboxes keep running meanwhile when the daemon has
+//! `live-restore` on, and their execd stays reachable (the socket does not go through the daemon).
+
+mod client;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use futures::future::BoxFuture;
+use hyper::Method;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use warren_core::{
+    ExitInfo, ImageSource, Liveness, Runtime, RuntimeError, RuntimeState, SandboxImage,
+    SandboxSpec, VolumeMount, VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME,
+    SOCKET_DIR_IN_SANDBOX,
+};
+
+pub use client::{Client, DockerError, Endpoint};
+
+/// Label carrying the sandbox id.
+pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
+/// Label carrying the data dir of the Warren server that owns the container.
+pub const LABEL_OWNER: &str = "io.warren.owner";
+/// Docker's default capability set minus `MKNOD`: the same set native sandboxes keep.
+const CAPABILITIES: [&str; 13] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+#[derive(Debug, Clone)]
+pub struct DockerConfig {
+    /// `DOCKER_HOST` syntax; `None` means `$DOCKER_HOST`, else `unix:///var/run/docker.sock`.
+    pub host: Option<String>,
+    /// An OCI runtime registered with the daemon (`runsc` for gVisor); `None` is the daemon's default.
+    pub oci_runtime: Option<String>,
+    pub data_dir: PathBuf,
+    /// The static execd binary on the host (the daemon must run on this host to bind-mount it).
+    pub execd_path: PathBuf,
+    pub ready_timeout: Duration,
+}
+
+/// What the server persists about a container.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct DockerState {
+    container: String,
+    /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    delete_volumes: Vec<String>,
+}
+
+/// A sandbox's volumes as Docker binds, and which named volumes resolving them created.
+#[derive(Default)]
+struct Binds {
+    binds: Vec<String>,
+    created: Vec<String>,
+    delete_on_exit: Vec<String>,
+}
+
+pub struct DockerRuntime {
+    client: std::sync::Arc<Client>,
+    config: DockerConfig,
+    owner: String,
+}
+
+impl DockerRuntime {
+    pub fn new(config: DockerConfig) -> Result<Self, RuntimeError> {
+        let host = config
+            .host
+            .clone()
+            .or_else(|| std::env::var("DOCKER_HOST").ok().filter(|h| !h.is_empty()))
+            .unwrap_or_else(|| "unix:///var/run/docker.sock".to_string());
+        let endpoint = Endpoint::parse(&host).map_err(RuntimeError::Unsupported)?;
+        std::fs::create_dir_all(config.data_dir.join("sandboxes")).map_err(|e| {
+            RuntimeError::backend_with(format!("creating {}", config.data_dir.display()), e)
+        })?;
+        let owner = config.data_dir.to_string_lossy().to_string();
+        Ok(Self {
+            client: std::sync::Arc::new(Client::new(endpoint)),
+            config,
+            owner,
+        })
+    }
+
+    fn run_dir(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("sandboxes").join(id).join("run")
+    }
+
+    fn container_name(id: &str) -> String {
+        format!("warren-{id}")
+    }
+
+    fn map_err(&self, what: &str, e: DockerError) -> RuntimeError {
+        match e {
+            DockerError::Unavailable { .. } => RuntimeError::Unavailable(format!("{what}: {e}")),
+            e if e.is_not_found() => RuntimeError::NotFound(format!("{what}: {e}")),
+            DockerError::Api { status: 409, .. } => RuntimeError::Conflict(format!("{what}: {e}")),
+            e => RuntimeError::backend(format!("{what}: {e}")),
+        }
+    }
+
+    /// The image's config, pulling it first when the daemon does not have it.
+    async fn ensure_image(
+        &self,
+        name: &str,
+        auth: Option<&warren_api::lifecycle::ImageAuth>,
+    ) -> Result<Value, RuntimeError> {
+        let path = format!("/images/{}/json", client::encode(name));
+        match self.client.call::<Value>(Method::GET, &path, None).await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_not_found() => {}
+            Err(e) => return Err(self.map_err(&format!("inspecting image {name}"), e)),
+        }
+        let registry_auth = auth.map(|a| {
+            let json = json!({"username": a.username, "password": a.password});
+            base64::engine::general_purpose::URL_SAFE.encode(json.to_string())
+        });
+        tracing::info!(image = name, "pulling");
+        self.client
+            .pull(name, registry_auth)
+            .await
+            .map_err(|e| match e {
+                DockerError::Api { message, .. } => RuntimeError::NotFound(format!(
+                    "image {name:?} is not on the Docker host and pulling it failed: {message}"
+                )),
+                e => self.map_err(&format!("pulling image {name}"), e),
+            })?;
+        self.client
+            .call::<Value>(Method::GET, &path, None)
+            .await
+            .map_err(|e| self.map_err(&format!("inspecting image {name}"), e))
+    }
+
+    fn create_body(
+        &self,
+        spec: &SandboxSpec,
+        image: &str,
+        image_config: &Value,
+        volumes: &[String],
+    ) -> Value {
+        let workdir = image_config["Config"]["WorkingDir"]
+            .as_str()
+            .filter(|w| w.starts_with('/'))
+            .unwrap_or("/");
+        let mut entrypoint = vec![
+            EXECD_IN_SANDBOX.to_string(),
+            "--socket".into(),
+            format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
+            "--workdir".into(),
+            workdir.to_string(),
+            "--".into(),
+        ];
+        entrypoint.extend(spec.entrypoint.iter().cloned());
+        // Docker adds the image's own env; ours (and the request's) win.
+        let mut env: BTreeMap<String, String> = BTreeMap::new();
+        env.insert("HOME".into(), "/root".into());
+        env.insert("LANG".into(), "C.UTF-8".into());
+        if let Some(image_env) = image_config["Config"]["Env"].as_array() {
+            for kv in image_env.iter().filter_map(|v| v.as_str()) {
+                if let Some((k, v)) = kv.split_once('=') {
+                    env.insert(k.into(), v.into());
+                }
+            }
+        }
+        env.extend(spec.env.clone());
+        let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut binds = vec![
+            format!("{}:{EXECD_IN_SANDBOX}:ro", self.config.execd_path.display()),
+            format!("{}:{SOCKET_DIR_IN_SANDBOX}", self.run_dir(&spec.id).display()),
+        ];
+        binds.extend(volumes.iter().cloned());
+        let mut host = json!({
+            "Binds": binds,
+            "NetworkMode": "none",
+            "CapDrop": ["ALL"],
+            "CapAdd": CAPABILITIES,
+            "SecurityOpt": ["no-new-privileges"],
+            "PidsLimit": spec.limits.pids,
+            "RestartPolicy": {"Name": "no"},
+            "LogConfig": {"Type": "json-file", "Config": {"max-size": "1m", "max-file": "1"}},
+        });
+        if let Some(m) = spec.limits.cpu_millis {
+            host["NanoCpus"] = json!(m * 1_000_000);
+        }
+        if let Some(b) = spec.limits.memory_bytes {
+            host["Memory"] = json!(b);
+            host["MemorySwap"] = json!(b);
+        }
+        if let Some(r) = &self.config.oci_runtime {
+            host["Runtime"] = json!(r);
+        }
+        json!({
+            "Image": image,
+            "Entrypoint": entrypoint,
+            "Cmd": [],
+            "Env": env,
+            "User": "0:0",
+            "Hostname": spec.id.chars().take(12).collect::<String>(),
+            "WorkingDir": workdir,
+            "Labels": {LABEL_SANDBOX: spec.id, LABEL_OWNER: self.owner},
+            "HostConfig": host,
+        })
+    }
+
+    /// Docker binds for the sandbox's volumes; named volumes are Docker named volumes (created here,
+    /// labelled as Warren's, when missing and allowed). On error, volumes created so far are removed.
+    async fn volume_binds(&self, volumes: &[VolumeMount]) -> Result<Binds, RuntimeError> {
+        let mut out = Binds::default();
+        for v in volumes {
+            let mode = if v.read_only { ":ro" } else { "" };
+            let bind = match &v.source {
+                VolumeSource::Host(path) => format!("{}:{}{mode}", path.display(), v.target),
+                VolumeSource::Named {
+                    claim,
+                    sub_path,
+                    create_if_missing,
+                    delete_on_termination,
+                } => {
+                    let info = match self.volume(claim).await {
+                        Ok(Some(info)) => info,
+                        Ok(None) if !create_if_missing => {
+                            self.remove_volumes(&out.created).await;
+                            return Err(RuntimeError::Invalid(format!(
+                                "volume {claim:?} does not exist (createIfNotExists is false)"
+                            )));
+                        }
+                        Ok(None) => {
+                            let body = json!({"Name": claim, "Labels": {LABEL_OWNER: self.owner}});
+                            match self.client.call::<Value>(Method::POST, "/volumes/create", Some(&body)).await {
+                                Ok(info) => {
+                                    out.created.push(claim.clone());
+                                    if *delete_on_termination {
+                                        out.delete_on_exit.push(claim.clone());
+                                    }
+                                    info
+                                }
+                                Err(e) => {
+                                    self.remove_volumes(&out.created).await;
+                                    return Err(self.map_err(&format!("creating volume {claim}"), e));
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            self.remove_volumes(&out.created).await;
+                            return Err(e);
+                        }
+                    };
+                    match sub_path {
+                        None => format!("{claim}:{}{mode}", v.target),
+                        // Docker 20.10 has no volume subpaths: bind the folder inside the volume's
+                        // mount point (local driver, daemon on this host), creating it like k8s does.
+                        Some(sub) => {
+                            let base = info["Mountpoint"].as_str().unwrap_or_default();
+                            let dir = Path::new(base).join(sub);
+                            if base.is_empty() || std::fs::create_dir_all(&dir).is_err() {
+                                self.remove_volumes(&out.created).await;
+                                return Err(RuntimeError::Invalid(format!(
+                                    "volume {claim:?}: subPath needs a local volume on this host"
+                                )));
+                            }
+                            format!("{}:{}{mode}", dir.display(), v.target)
+                        }
+                    }
+                }
+            };
+            out.binds.push(bind);
+        }
+        Ok(out)
+    }
+
+    /// `Some(inspect)` when the named volume exists.
+    async fn volume(&self, claim: &str) -> Result<Option<Value>, RuntimeError> {
+        match self
+            .client
+            .call::<Value>(Method::GET, &format!("/volumes/{}", client::encode(claim)), None)
+            .await
+        {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(self.map_err(&format!("inspecting volume {claim}"), e)),
+        }
+    }
+
+    /// Removes named volumes; one still in use by another container stays (Docker refuses).
+    async fn remove_volumes(&self, claims: &[String]) {
+        for claim in claims {
+            match self
+                .client
+                .call::<Value>(Method::DELETE, &format!("/volumes/{}", client::encode(claim)), None)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.is_not_found() => {}
+                Err(e) => tracing::info!(volume = %claim, error = %e, "volume not removed"),
+            }
+        }
+    }
+
+    async fn try_create(
+        &self,
+        spec: &SandboxSpec,
+        name: &str,
+        volumes: &Binds,
+    ) -> Result<String, RuntimeError> {
+        let SandboxImage::Reference { name: image, auth } = &spec.image else {
+            return Err(RuntimeError::Unsupported(
+                "the Docker runtime runs images from the Docker host; the built-in `host` image and \
+                 imported images need the native runtime"
+                    .into(),
+            ));
+        };
+        if image == "host" {
+            return Err(RuntimeError::Unsupported(
+                "the built-in `host` image needs the native runtime".into(),
+            ));
+        }
+        let image_config = self.ensure_image(image, auth.as_ref()).await?;
+        let run_dir = self.run_dir(&spec.id);
+        std::fs::create_dir_all(&run_dir)
+            .map_err(|e| RuntimeError::backend_with(format!("creating {}", run_dir.display()), e))?;
+        let body = self.create_body(spec, image, &image_config, &volumes.binds);
+        let created: Value = self
+            .client
+            .call(
+                Method::POST,
+                &format!("/containers/create?name={}", client::encode(name)),
+                Some(&body),
+            )
+            .await
+            .map_err(|e| self.map_err("creating the container", e))?;
+        let container = created["Id"]
+            .as_str()
+            .ok_or_else(|| RuntimeError::backend("Docker returned no container id"))?
+            .to_string();
+        self.client
+            .call::<Value>(Method::POST, &format!("/containers/{container}/start"), None)
+            .await
+            .map_err(|e| self.map_err("starting the container", e))?;
+        self.wait_ready(&container, &run_dir.join(EXECD_SOCKET_NAME))
+            .await?;
+        Ok(container)
+    }
+
+    async fn wait_ready(&self, container: &str, socket: &Path) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + self.config.ready_timeout;
+        let mut checks = 0u32;
+        loop {
+            if let Ok((_dir, reachable)) = warren_core::reachable_socket_path(socket) {
+                if tokio::net::UnixStream::connect(&reachable).await.is_ok() {
+                    return Ok(());
+                }
+            }
+            checks += 1;
+            // Every ~50 ms also ask the daemon whether the container is still up.
+            if checks.is_multiple_of(25) {
+                let state = self.inspect(container).await?;
+                if state["State"]["Running"] != json!(true) {
+                    return Err(RuntimeError::backend(format!(
+                        "the container exited during start (exit code {}): {}",
+                        state["State"]["ExitCode"],
+                        self.logs_tail(container).await
+                    )));
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(RuntimeError::backend(format!(
+                    "execd did not become ready within {:?}: {}",
+                    self.config.ready_timeout,
+                    self.logs_tail(container).await
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    async fn inspect(&self, container: &str) -> Result<Value, RuntimeError> {
+        self.client
+            .call(Method::GET, &format!("/containers/{container}/json"), None)
+            .await
+            .map_err(|e| self.map_err("inspecting the container", e))
+    }
+
+    /// The container's last log lines (execd's own messages), for error messages.
+    async fn logs_tail(&self, container: &str) -> String {
+        use http_body_util::BodyExt;
+        let path = format!("/containers/{container}/logs?stdout=1&stderr=1&tail=20");
+        let Ok((_, body)) = self.client.send(Method::GET, &path, None, &[]).await else {
+            return String::new();
+        };
+        let Ok(bytes) = body.collect().await.map(|b| b.to_bytes()) else {
+            return String::new();
+        };
+        demux_logs(&bytes).trim().to_string()
+    }
+
+    async fn remove(&self, container: &str) -> Result<(), RuntimeError> {
+        match self
+            .client
+            .call::<Value>(
+                Method::DELETE,
+                &format!("/containers/{container}?force=true&v=true"),
+                None,
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_not_found() => Ok(()),
+            // "removal already in progress"
+            Err(DockerError::Api { status: 409, .. }) => Ok(()),
+            Err(e) => Err(self.map_err("removing the container", e)),
+        }
+    }
+
+    fn remove_dir(&self, id: &str) {
+        let dir = self.config.data_dir.join("sandboxes").join(id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox_id = id, error = %e, "removing the sandbox folder");
+            }
+        }
+    }
+}
+
+fn state_of(state: &RuntimeState) -> Option<DockerState> {
+    serde_json::from_value(state.clone()).ok()
+}
+
+/// Docker's log stream without a TTY is framed: 8-byte headers (stream, 0, 0, 0, big-endian length).
+fn demux_logs(bytes: &[u8]) -> String {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    while rest.len() >= 8 {
+        let len = u32::from_be_bytes([rest[4], rest[5], rest[6], rest[7]]) as usize;
+        let end = (8 + len).min(rest.len());
+        out.extend_from_slice(&rest[8..end]);
+        rest = &rest[end..];
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[async_trait::async_trait]
+impl Runtime for DockerRuntime {
+    fn name(&self) -> String {
+        match &self.config.oci_runtime {
+            Some(r) => format!("docker/{r}"),
+            None => "docker".into(),
+        }
+    }
+
+    fn image_source(&self) -> ImageSource {
+        ImageSource::Engine
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
+        let name = Self::container_name(&spec.id);
+        let volumes = self.volume_binds(&spec.volumes).await?;
+        match self.try_create(spec, &name, &volumes).await {
+            Ok(container) => serde_json::to_value(DockerState {
+                container,
+                delete_volumes: volumes.delete_on_exit,
+            })
+            .map_err(|e| RuntimeError::backend_with("encoding state", e)),
+            Err(e) => {
+                // Nothing half-made: the container (if any), the folder and the volumes this
+                // create made go.
+                let _ = self.remove(&name).await;
+                self.remove_dir(&spec.id);
+                self.remove_volumes(&volumes.created).await;
+                Err(e)
+            }
+        }
+    }
+
+    fn execd_socket(&self, id: &str) -> PathBuf {
+        self.run_dir(id).join(EXECD_SOCKET_NAME)
+    }
+
+    fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
+        let container = state_of(state)
+            .map(|s| s.container)
+            .unwrap_or_else(|| Self::container_name(id));
+        let client = self.client.clone();
+        Box::pin(async move {
+            let path = format!("/containers/{container}/wait?condition=not-running");
+            loop {
+                match client.send(Method::POST, &path, None, &[]).await {
+                    Ok((status, body)) => {
+                        use http_body_util::BodyExt;
+                        // The answer comes when the container stops; a daemon that goes away
+                        // meanwhile cuts the body, and then the wait starts over once it is back.
+                        let Ok(bytes) = body.collect().await.map(|b| b.to_bytes()) else {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            continue;
+                        };
+                        if status.as_u16() == 404 {
+                            return ExitInfo { code: None, signal: None };
+                        }
+                        if !status.is_success() {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            continue;
+                        }
+                        let v: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+                        let code = v["StatusCode"].as_i64().map(|c| c as i32);
+                        return match code {
+                            // 128+n: killed by signal n (the shell convention Docker follows)
+                            Some(c) if c > 128 && c < 160 => ExitInfo { code: None, signal: Some(c - 128) },
+                            c => ExitInfo { code: c, signal: None },
+                        };
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+                }
+            }
+        })
+    }
+
+    async fn pause(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
+        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        self.client
+            .call::<Value>(Method::POST, &format!("/containers/{c}/pause"), None)
+            .await
+            .map(|_| ())
+            .map_err(|e| self.map_err("pausing the container", e))
+    }
+
+    async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
+        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        self.client
+            .call::<Value>(Method::POST, &format!("/containers/{c}/unpause"), None)
+            .await
+            .map(|_| ())
+            .map_err(|e| self.map_err("resuming the container", e))
+    }
+
+    async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
+        let st = state_of(state);
+        let c = st
+            .as_ref()
+            .map(|s| s.container.clone())
+            .unwrap_or_else(|| Self::container_name(id));
+        self.remove(&c).await?;
+        self.remove_dir(id);
+        if let Some(st) = st {
+            self.remove_volumes(&st.delete_volumes).await;
+        }
+        Ok(())
+    }
+
+    async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
+        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        match self.inspect(&c).await {
+            Ok(v) => match v["State"]["Status"].as_str() {
+                Some("running") => Liveness::Running,
+                Some("paused") => Liveness::Paused,
+                _ => Liveness::Gone,
+            },
+            Err(RuntimeError::NotFound(_)) => Liveness::Gone,
+            // The daemon is away: do not give up on sandboxes we cannot see; the exit watch will
+            // tell once it is back.
+            Err(e) => {
+                tracing::warn!(sandbox_id = id, error = %e, "cannot check the container; assuming it runs");
+                Liveness::Running
+            }
+        }
+    }
+
+    async fn sweep_orphans(&self, known: &[String]) {
+        let filters = json!({"label": [format!("{LABEL_OWNER}={}", self.owner)]}).to_string();
+        let path = format!("/containers/json?all=true&filters={}", client::encode(&filters));
+        let list: Vec<Value> = match self.client.call(Method::GET, &path, None).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list Warren's containers to remove leftovers");
+                return;
+            }
+        };
+        for c in list {
+            let id = c["Labels"][LABEL_SANDBOX].as_str().unwrap_or_default().to_string();
+            if known.contains(&id) {
+                continue;
+            }
+            let cid = c["Id"].as_str().unwrap_or_default();
+            tracing::info!(sandbox_id = %id, container = cid, "removing a container Warren has no record of");
+            let _ = self.remove(cid).await;
+            if warren_core::is_valid_sandbox_id(&id) {
+                self.remove_dir(&id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_frames() {
+        let mut b = vec![1, 0, 0, 0, 0, 0, 0, 3];
+        b.extend_from_slice(b"ab\n");
+        b.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 2]);
+        b.extend_from_slice(b"c\n");
+        assert_eq!(demux_logs(&b), "ab\nc\n");
+    }
+
+    #[test]
+    fn create_body_has_isolation_and_limits() {
+        let rt = DockerRuntime::new(DockerConfig {
+            host: Some("unix:///nonexistent".into()),
+            oci_runtime: Some("runsc".into()),
+            data_dir: std::env::temp_dir().join("warren-docker-unit"),
+            execd_path: "/opt/warren-execd".into(),
+            ready_timeout: Duration::from_secs(1),
+        })
+        .expect("runtime");
+        let spec = SandboxSpec {
+            id: "abc".into(),
+            image: SandboxImage::Reference {
+                name: "img".into(),
+                auth: None,
+            },
+            entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
+            env: [("A".to_string(), "1".to_string())].into_iter().collect(),
+            limits: warren_core::ResourceLimits {
+                cpu_millis: Some(500),
+                memory_bytes: Some(1 << 30),
+                pids: 100,
+            },
+            volumes: Vec::new(),
+        };
+        let b = rt.create_body(
+            &spec,
+            "img",
+            &json!({"Config": {"Env": ["PATH=/bin", "A=0"], "WorkingDir": "/work"}}),
+            &["vol:/data:ro".to_string()],
+        );
+        assert_eq!(b["HostConfig"]["Binds"][2], "vol:/data:ro");
+        assert_eq!(b["Entrypoint"][0], EXECD_IN_SANDBOX);
+        assert_eq!(b["Entrypoint"][4], "/work");
+        assert_eq!(b["Entrypoint"][6], "tail");
+        assert!(b["Env"].as_array().expect("env").contains(&json!("A=1")));
+        assert!(b["Env"].as_array().expect("env").contains(&json!("PATH=/bin")));
+        let h = &b["HostConfig"];
+        assert_eq!(h["NetworkMode"], "none");
+        assert_eq!(h["CapDrop"], json!(["ALL"]));
+        assert_eq!(h["SecurityOpt"], json!(["no-new-privileges"]));
+        assert_eq!(h["NanoCpus"], 500_000_000);
+        assert_eq!(h["Memory"], h["MemorySwap"]);
+        assert_eq!(h["PidsLimit"], 100);
+        assert_eq!(h["Runtime"], "runsc");
+        assert_eq!(h["Binds"][0], format!("/opt/warren-execd:{EXECD_IN_SANDBOX}:ro"));
+        assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
+    }
+}

@@ -1,0 +1,308 @@
+//! Validating `volumes` of a create request into mounts a runtime can trust.
+//!
+//! Host folders are mounted only from under `[storage] allowed_host_paths` (empty by default, so none),
+//! after resolving symlinks and `subPath`, and never when they contain or sit inside Warren's own data
+//! dir or config file (that would hand a sandbox the API key). Mount targets are absolute, without
+//! `..`, and not over `/`, `/proc`, `/sys`, `/dev` or Warren's `/.warren`.
+
+use std::path::{Component, Path, PathBuf};
+
+use http::StatusCode;
+use warren_api::ErrorCode;
+use warren_api::lifecycle::Volume;
+use warren_core::{VolumeMount, VolumeSource};
+
+use crate::error::ApiError;
+
+const MAX_VOLUMES: usize = 32;
+/// Targets a volume may not cover or sit under.
+const RESERVED_TARGETS: [&str; 4] = ["/proc", "/sys", "/dev", "/.warren"];
+
+/// What the server allows.
+#[derive(Debug, Clone, Default)]
+pub struct StoragePolicy {
+    /// Canonical host folders under which `host` volumes may be mounted.
+    pub allowed_host_paths: Vec<PathBuf>,
+    /// Host paths no volume may reach (the data dir, the config file).
+    pub protected: Vec<PathBuf>,
+}
+
+fn not_allowed(message: String) -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, ErrorCode::HostPathNotAllowed, message)
+}
+
+pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<VolumeMount>, ApiError> {
+    if volumes.len() > MAX_VOLUMES {
+        return Err(ApiError::invalid(format!(
+            "at most {MAX_VOLUMES} volumes per sandbox"
+        )));
+    }
+    let mut names = std::collections::HashSet::new();
+    let mut mounts: Vec<VolumeMount> = Vec::with_capacity(volumes.len());
+    for v in volumes {
+        let name = v.name.trim();
+        if name.is_empty() || !names.insert(name.to_string()) {
+            return Err(ApiError::invalid(format!(
+                "volume names must be non-empty and unique (got {:?})",
+                v.name
+            )));
+        }
+        let target = mount_target(&v.mount_path)
+            .map_err(|why| ApiError::invalid(format!("volume {name}: mountPath {:?} {why}", v.mount_path)))?;
+        if mounts.iter().any(|m| m.target == target) {
+            return Err(ApiError::invalid(format!(
+                "volume {name}: another volume is already mounted at {target}"
+            )));
+        }
+        let sub_path = match v.sub_path.as_deref().filter(|s| !s.is_empty()) {
+            Some(s) => Some(relative(s).map_err(|why| {
+                ApiError::invalid(format!("volume {name}: subPath {s:?} {why}"))
+            })?),
+            None => None,
+        };
+        let backends = [v.host.is_some(), v.pvc.is_some(), v.ossfs.is_some()];
+        if backends.iter().filter(|b| **b).count() != 1 {
+            return Err(ApiError::invalid(format!(
+                "volume {name}: exactly one of host, pvc or ossfs is required"
+            )));
+        }
+        let source = if let Some(host) = &v.host {
+            VolumeSource::Host(host_source(name, &host.path, sub_path.as_deref(), policy)?)
+        } else if let Some(pvc) = &v.pvc {
+            let claim = pvc.claim_name.trim();
+            if !valid_claim(claim) {
+                return Err(ApiError::invalid(format!(
+                    "volume {name}: claimName {claim:?} must be 1-63 letters, digits, '.', '_' or '-', \
+                     starting with a letter or digit"
+                )));
+            }
+            VolumeSource::Named {
+                claim: claim.to_string(),
+                sub_path,
+                create_if_missing: pvc.create_if_not_exists,
+                delete_on_termination: pvc.delete_on_sandbox_termination,
+            }
+        } else {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::ApiNotSupported,
+                format!("volume {name}: ossfs volumes are not supported by Warren"),
+            ));
+        };
+        mounts.push(VolumeMount {
+            target,
+            read_only: v.read_only,
+            source,
+        });
+    }
+    Ok(mounts)
+}
+
+/// An absolute, normalised path that is not `/` and not in a reserved place.
+fn mount_target(p: &str) -> Result<String, &'static str> {
+    if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
+        return Err("must be an absolute path");
+    }
+    let mut parts = Vec::new();
+    for c in Path::new(p).components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(s) => parts.push(s.to_string_lossy().to_string()),
+            Component::ParentDir | Component::Prefix(_) => return Err("must not contain '..'"),
+        }
+    }
+    if parts.is_empty() {
+        return Err("must not be '/'");
+    }
+    let target = format!("/{}", parts.join("/"));
+    if RESERVED_TARGETS
+        .iter()
+        .any(|r| target == *r || target.starts_with(&format!("{r}/")))
+    {
+        return Err("is reserved (/proc, /sys, /dev, /.warren)");
+    }
+    Ok(target)
+}
+
+/// A relative path without `..`, normalised.
+fn relative(p: &str) -> Result<String, &'static str> {
+    let mut parts = Vec::new();
+    for c in Path::new(p).components() {
+        match c {
+            Component::CurDir => {}
+            Component::Normal(s) => parts.push(s.to_string_lossy().to_string()),
+            _ => return Err("must be a relative path without '..'"),
+        }
+    }
+    if parts.is_empty() {
+        return Err("is empty");
+    }
+    Ok(parts.join("/"))
+}
+
+fn valid_claim(c: &str) -> bool {
+    !c.is_empty()
+        && c.len() <= 63
+        && c.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && c.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+fn host_source(
+    name: &str,
+    path: &str,
+    sub_path: Option<&str>,
+    policy: &StoragePolicy,
+) -> Result<PathBuf, ApiError> {
+    if !path.starts_with('/') {
+        return Err(ApiError::invalid(format!(
+            "volume {name}: host.path {path:?} must be absolute"
+        )));
+    }
+    if policy.allowed_host_paths.is_empty() {
+        return Err(not_allowed(format!(
+            "volume {name}: host folders cannot be mounted on this server (its [storage] \
+             allowed_host_paths is empty)"
+        )));
+    }
+    let base = std::fs::canonicalize(path).map_err(|e| {
+        ApiError::invalid(format!("volume {name}: host.path {path}: {e}"))
+    })?;
+    let allowed = |p: &Path| policy.allowed_host_paths.iter().any(|a| p.starts_with(a));
+    if !allowed(&base) {
+        return Err(not_allowed(format!(
+            "volume {name}: host.path {path} is not under an allowed host path ({})",
+            policy
+                .allowed_host_paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let resolved = match sub_path {
+        Some(s) => {
+            let joined = base.join(s);
+            let r = std::fs::canonicalize(&joined).map_err(|e| {
+                ApiError::invalid(format!("volume {name}: {}: {e}", joined.display()))
+            })?;
+            // a symlink inside the folder must not lead out of it
+            if !r.starts_with(&base) {
+                return Err(not_allowed(format!(
+                    "volume {name}: subPath {s:?} leads outside {path}"
+                )));
+            }
+            r
+        }
+        None => base,
+    };
+    if policy
+        .protected
+        .iter()
+        .any(|p| p.starts_with(&resolved) || resolved.starts_with(p))
+    {
+        return Err(not_allowed(format!(
+            "volume {name}: {} holds or is inside Warren's own data or configuration",
+            resolved.display()
+        )));
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_api::lifecycle::{HostVolume, PvcVolume};
+
+    fn host(name: &str, path: &str, target: &str) -> Volume {
+        Volume {
+            name: name.into(),
+            mount_path: target.into(),
+            read_only: false,
+            sub_path: None,
+            host: Some(HostVolume { path: path.into() }),
+            pvc: None,
+            ossfs: None,
+        }
+    }
+
+    fn pvc(name: &str, claim: &str, target: &str) -> Volume {
+        Volume {
+            host: None,
+            pvc: Some(PvcVolume {
+                claim_name: claim.into(),
+                create_if_not_exists: true,
+                delete_on_sandbox_termination: false,
+                storage_class: None,
+                storage: None,
+                access_modes: None,
+            }),
+            ..host(name, "", target)
+        }
+    }
+
+    #[test]
+    fn targets() {
+        assert_eq!(mount_target("/data//x/./y").as_deref(), Ok("/data/x/y"));
+        assert!(mount_target("relative").is_err());
+        assert!(mount_target("/").is_err());
+        assert!(mount_target("/a/../etc").is_err());
+        assert!(mount_target("/proc/x").is_err());
+        assert!(mount_target("/.warren").is_err());
+        assert!(mount_target("/devices").is_ok());
+        assert_eq!(relative("a/./b").as_deref(), Ok("a/b"));
+        assert!(relative("../x").is_err());
+        assert!(relative("/abs").is_err());
+    }
+
+    #[test]
+    fn host_paths_need_the_allow_list_and_stay_inside_it() {
+        let t = tempfile::tempdir().expect("tmp");
+        let allowed = t.path().join("allowed");
+        let data = t.path().join("allowed/warren-data");
+        std::fs::create_dir_all(allowed.join("a/b")).expect("mkdir");
+        std::fs::create_dir_all(&data).expect("mkdir");
+        std::os::unix::fs::symlink("/etc", allowed.join("a/escape")).expect("symlink");
+        let none = StoragePolicy::default();
+        let e = validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &none).expect_err("empty list");
+        assert_eq!(e.status, StatusCode::FORBIDDEN);
+        let policy = StoragePolicy {
+            allowed_host_paths: vec![std::fs::canonicalize(&allowed).expect("canon")],
+            protected: vec![std::fs::canonicalize(&data).expect("canon")],
+        };
+        let ok = validate(&[host("v", allowed.join("a").to_str().expect("utf8"), "/mnt/a")], &policy)
+            .expect("allowed");
+        assert!(matches!(&ok[0].source, VolumeSource::Host(p) if p.ends_with("allowed/a")));
+        let mut sub = host("v", allowed.join("a").to_str().expect("utf8"), "/mnt");
+        sub.sub_path = Some("b".into());
+        assert!(matches!(&validate(&[sub.clone()], &policy).expect("sub")[0].source, VolumeSource::Host(p) if p.ends_with("a/b")));
+        sub.sub_path = Some("escape".into());
+        assert_eq!(validate(&[sub], &policy).expect_err("symlink out").status, StatusCode::FORBIDDEN);
+        assert_eq!(validate(&[host("v", "/etc", "/mnt")], &policy).expect_err("outside").status, StatusCode::FORBIDDEN);
+        // the allowed folder contains the data dir: mounting it would expose the API key
+        assert_eq!(
+            validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &policy).expect_err("protected").status,
+            StatusCode::FORBIDDEN
+        );
+        assert_eq!(
+            validate(&[host("v", "/no/such/dir", "/mnt")], &policy).expect_err("missing").status,
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[test]
+    fn names_claims_and_backends() {
+        let p = StoragePolicy::default();
+        let ok = validate(&[pvc("a", "models_1.x", "/m")], &p).expect("pvc");
+        assert!(matches!(&ok[0].source, VolumeSource::Named { claim, create_if_missing: true, .. } if claim == "models_1.x"));
+        assert!(validate(&[pvc("a", "-bad", "/m")], &p).is_err());
+        assert!(validate(&[pvc("a", "ok", "/m"), pvc("a", "ok2", "/n")], &p).is_err(), "duplicate name");
+        assert!(validate(&[pvc("a", "ok", "/m"), pvc("b", "ok2", "/m")], &p).is_err(), "duplicate target");
+        let mut both = pvc("a", "ok", "/m");
+        both.host = Some(HostVolume { path: "/x".into() });
+        assert!(validate(&[both], &p).is_err());
+        let mut oss = pvc("a", "ok", "/m");
+        oss.pvc = None;
+        oss.ossfs = Some(serde_json::json!({}));
+        assert_eq!(validate(&[oss], &p).expect_err("ossfs").code, ErrorCode::ApiNotSupported.as_str());
+    }
+}
