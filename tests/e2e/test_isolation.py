@@ -17,7 +17,8 @@ def iso_sandbox(make_sandbox, any_image):
     return make_sandbox(any_image)
 
 
-def test_root_and_home_hidden(host_sandbox):
+def test_root_and_home_hidden(server, host_sandbox):
+    server.native_only("the built-in host image")
     code, out, _ = sh(host_sandbox, "find /root /home -mindepth 1 -maxdepth 2 2>/dev/null | head -20; true")
     assert out.strip() == "", f"host /root or /home content visible:\n{out}"
 
@@ -46,7 +47,8 @@ def test_ssh_keys_hidden(host_sandbox):
     assert "PRIVATE KEY" not in out
 
 
-def test_host_fs_read_only(host_sandbox):
+def test_host_fs_read_only(server, host_sandbox):
+    server.native_only("the built-in host image")
     code, _, _ = sh(host_sandbox, "echo x > /etc/e2e-should-fail")
     assert code != 0
     assert not os.path.exists("/etc/e2e-should-fail")

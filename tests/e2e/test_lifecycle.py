@@ -79,7 +79,7 @@ def test_async_sdk(server):
     from opensandbox.models.execd import ExecutionHandlers
 
     async def main():
-        sbx = await Sandbox.create("host", connection_config=server.sdk_async_config(),
+        sbx = await Sandbox.create(server.sandbox_image("host"), connection_config=server.sdk_async_config(),
                                    timeout=timedelta(minutes=5))
         W.track_sandbox(sbx.id)
         try:

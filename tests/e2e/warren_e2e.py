@@ -244,12 +244,20 @@ class WarrenServer:
                 text += f'host = "{os.environ["DOCKER_HOST"]}"\n'
             if self.runtime == "docker-runsc":
                 text += 'runtime = "runsc"\n'
+            # the tests must never reach a registry on the internet (an unknown image would be pulled)
+            text += 'pull = "never"\n'
             self.config_path.write_text(text)
             return
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
             f'oci_runtime = "{self.runtime}"\n')
+
+    def native_only(self, why: str) -> None:
+        """Skips a test about the native runtime's built-in `host` image or image store on Docker."""
+        if self.is_docker:
+            import pytest
+            pytest.skip(f"native runtime only: {why}")
 
     def sandbox_image(self, image: str) -> str:
         """The built-in `host` image exists on the native runtime only; on Docker the tests that do

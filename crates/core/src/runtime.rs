@@ -101,6 +101,9 @@ pub enum RuntimeError {
     Unsupported(String),
     #[error("{0}")]
     Exhausted(String),
+    /// The image is not available to the runtime (and could not be pulled).
+    #[error("{0}")]
+    ImageNotFound(String),
     /// The request cannot be satisfied as given (a named volume that does not exist, …).
     #[error("{0}")]
     Invalid(String),

@@ -26,7 +26,7 @@ use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use warren_core::{
-    ExitInfo, ImageSource, Liveness, Runtime, RuntimeError, RuntimeState, SandboxImage,
+    policy, ExitInfo, ImageSource, Liveness, Runtime, RuntimeError, RuntimeState, SandboxImage,
     SandboxSpec, VolumeMount, VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME,
     SOCKET_DIR_IN_SANDBOX,
 };
@@ -37,22 +37,6 @@ pub use client::{Client, DockerError, Endpoint};
 pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
 /// Label carrying the data dir of the Warren server that owns the container.
 pub const LABEL_OWNER: &str = "io.warren.owner";
-/// Docker's default capability set minus `MKNOD`: the same set native sandboxes keep.
-const CAPABILITIES: [&str; 13] = [
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE",
-];
 
 #[derive(Debug, Clone)]
 pub struct DockerConfig {
@@ -60,6 +44,8 @@ pub struct DockerConfig {
     pub host: Option<String>,
     /// An OCI runtime registered with the daemon (`runsc` for gVisor); `None` is the daemon's default.
     pub oci_runtime: Option<String>,
+    /// Pull images the daemon does not have (else they must be there already).
+    pub pull: bool,
     pub data_dir: PathBuf,
     /// The static execd binary on the host (the daemon must run on this host to bind-mount it).
     pub execd_path: PathBuf,
@@ -137,6 +123,11 @@ impl DockerRuntime {
             Err(e) if e.is_not_found() => {}
             Err(e) => return Err(self.map_err(&format!("inspecting image {name}"), e)),
         }
+        if !self.config.pull {
+            return Err(RuntimeError::ImageNotFound(format!(
+                "image {name:?} is not on the Docker host, and this server does not pull ([docker] pull = \"never\")"
+            )));
+        }
         let registry_auth = auth.map(|a| {
             let json = json!({"username": a.username, "password": a.password});
             base64::engine::general_purpose::URL_SAFE.encode(json.to_string())
@@ -146,7 +137,7 @@ impl DockerRuntime {
             .pull(name, registry_auth)
             .await
             .map_err(|e| match e {
-                DockerError::Api { message, .. } => RuntimeError::NotFound(format!(
+                DockerError::Api { message, .. } => RuntimeError::ImageNotFound(format!(
                     "image {name:?} is not on the Docker host and pulling it failed: {message}"
                 )),
                 e => self.map_err(&format!("pulling image {name}"), e),
@@ -199,8 +190,8 @@ impl DockerRuntime {
             "Binds": binds,
             "NetworkMode": "none",
             "CapDrop": ["ALL"],
-            "CapAdd": CAPABILITIES,
-            "SecurityOpt": ["no-new-privileges"],
+            "CapAdd": policy::KEPT_CAPABILITIES,
+            "SecurityOpt": security_opts(self.config.oci_runtime.as_deref()),
             "PidsLimit": spec.limits.pids,
             "RestartPolicy": {"Name": "no"},
             "LogConfig": {"Type": "json-file", "Config": {"max-size": "1m", "max-file": "1"}},
@@ -447,6 +438,16 @@ impl DockerRuntime {
     }
 }
 
+/// `no-new-privileges` always. Under gVisor, Warren's own deny-list profile instead of Docker's default
+/// one: gVisor cannot evaluate the default profile's argument rules for `clone` (no thread could start).
+fn security_opts(oci_runtime: Option<&str>) -> Vec<String> {
+    let mut opts = vec!["no-new-privileges".to_string()];
+    if oci_runtime.is_some_and(|r| r.contains("runsc") || r.contains("gvisor")) {
+        opts.push(format!("seccomp={}", policy::oci_seccomp(true)));
+    }
+    opts
+}
+
 fn state_of(state: &RuntimeState) -> Option<DockerState> {
     serde_json::from_value(state.clone()).ok()
 }
@@ -632,6 +633,7 @@ mod tests {
         let rt = DockerRuntime::new(DockerConfig {
             host: Some("unix:///nonexistent".into()),
             oci_runtime: Some("runsc".into()),
+            pull: false,
             data_dir: std::env::temp_dir().join("warren-docker-unit"),
             execd_path: "/opt/warren-execd".into(),
             ready_timeout: Duration::from_secs(1),
@@ -667,7 +669,9 @@ mod tests {
         let h = &b["HostConfig"];
         assert_eq!(h["NetworkMode"], "none");
         assert_eq!(h["CapDrop"], json!(["ALL"]));
-        assert_eq!(h["SecurityOpt"], json!(["no-new-privileges"]));
+        assert_eq!(h["SecurityOpt"][0], "no-new-privileges");
+        assert!(h["SecurityOpt"][1].as_str().expect("seccomp").starts_with("seccomp={"));
+        assert_eq!(security_opts(Some("runc")), ["no-new-privileges"]);
         assert_eq!(h["NanoCpus"], 500_000_000);
         assert_eq!(h["Memory"], h["MemorySwap"]);
         assert_eq!(h["PidsLimit"], 100);

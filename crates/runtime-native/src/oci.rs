@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use serde_json::{json, Value};
 
-use crate::security::{DENIED_SYSCALLS, KEPT_CAPABILITIES};
+use crate::security::KEPT_CAPABILITIES;
 use crate::spec::{
     InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
@@ -318,20 +318,8 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
         "maskedPaths": masked,
         "readonlyPaths": READONLY_PATHS,
     });
-    // The same deny list as the embedded path. gVisor applies it inside its Sentry (--oci-seccomp) but
-    // mis-evaluates the argument-matching `clone` rule (every thread creation fails) — and user
-    // namespaces inside gVisor live in the Sentry, not the host kernel — so runsc gets the plain list.
-    let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
-    let mut syscalls =
-        vec![json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM})];
-    if kind != OciKind::Runsc {
-        syscalls.push(
-            json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS}),
-        );
-        syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
-            "args": [{"index": 0, "value": libc::CLONE_NEWUSER, "valueTwo": libc::CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]}));
-    }
-    linux["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"], "syscalls": syscalls});
+    // The same deny list as the embedded path (see `warren_core::policy::oci_seccomp` for gVisor).
+    linux["seccomp"] = warren_core::policy::oci_seccomp(kind == OciKind::Runsc);
     json!({
         "ociVersion": "1.0.2",
         "process": {

@@ -166,6 +166,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn same_policy_as_the_other_runtimes() {
+        let names: Vec<&str> = DENIED_SYSCALLS.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, warren_core::policy::DENIED_SYSCALLS);
+        let caps: Vec<String> = KEPT_CAPABILITIES.iter().map(|c| c.to_string()).collect();
+        assert_eq!(caps, warren_core::policy::KEPT_CAPABILITIES);
+    }
+
+    #[test]
     fn seccomp_programs_compile() {
         let progs = seccomp_programs().expect("compile");
         assert_eq!(progs.len(), 2);

@@ -58,6 +58,8 @@ pub struct DockerSection {
     pub host: Option<String>,
     /// An OCI runtime registered with the daemon, e.g. `runsc` for gVisor.
     pub runtime: Option<String>,
+    /// `missing` (default): pull images the daemon does not have; `never`: only use local ones.
+    pub pull: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -73,6 +73,9 @@ impl ApiError {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorCode::Unknown, m)
             }
             RuntimeError::Invalid(m) => Self::invalid(m),
+            RuntimeError::ImageNotFound(m) => {
+                Self::new(StatusCode::NOT_FOUND, ErrorCode::ImageNotFound, m)
+            }
             RuntimeError::Unavailable(m) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorCode::RuntimeUnavailable,

@@ -211,6 +211,11 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             let docker = DockerConfig {
                 host: config.docker.host.clone(),
                 oci_runtime: config.docker.runtime.clone(),
+                pull: match config.docker.pull.as_deref() {
+                    None | Some("missing") => true,
+                    Some("never") => false,
+                    Some(other) => anyhow::bail!("[docker] pull = {other:?}: use \"missing\" or \"never\""),
+                },
                 data_dir: config.data_dir.clone(),
                 // The daemon bind-mounts it: it must be an absolute host path.
                 execd_path: std::fs::canonicalize(&execd_path)
