@@ -237,7 +237,14 @@ class WarrenServer:
     def gvisor(self) -> bool:
         return self.runtime in ("runsc", "docker-runsc")
 
+    @property
+    def host_volumes(self) -> Path:
+        """The one host folder this server lets `host` volumes mount from ([storage])."""
+        return self.root / f"hostvols-{self.name}"
+
     def write_config(self) -> None:
+        self.host_volumes.mkdir(parents=True, exist_ok=True)
+        storage = f'[storage]\nallowed_host_paths = ["{self.host_volumes}"]\n'
         if self.is_docker:
             text = '[runtime]\nkind = "docker"\n[docker]\n'
             if os.environ.get("DOCKER_HOST"):
@@ -246,12 +253,12 @@ class WarrenServer:
                 text += 'runtime = "runsc"\n'
             # the tests must never reach a registry on the internet (an unknown image would be pulled)
             text += 'pull = "never"\n'
-            self.config_path.write_text(text)
+            self.config_path.write_text(text + storage)
             return
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n')
+            f'oci_runtime = "{self.runtime}"\n' + storage)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""

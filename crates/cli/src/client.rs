@@ -128,7 +128,11 @@ impl Client {
         for (k, v) in &ep.headers {
             r = r.header(k, v);
         }
-        let resp = check(r.send().await.with_context(|| format!("{what}: sending"))?, what).await?;
+        let resp = check(
+            r.send().await.with_context(|| format!("{what}: sending"))?,
+            what,
+        )
+        .await?;
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
         while let Some(chunk) = stream.next().await {

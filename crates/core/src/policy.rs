@@ -79,7 +79,8 @@ const CLONE_NEWUSER: u64 = 0x1000_0000;
 /// fails), and user namespaces inside gVisor live in the Sentry rather than the host kernel, so for
 /// gVisor the plain list is used.
 pub fn oci_seccomp(gvisor: bool) -> Value {
-    let mut syscalls = vec![json!({"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM})];
+    let mut syscalls =
+        vec![json!({"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM})];
     if !gvisor {
         syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS}));
         syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,

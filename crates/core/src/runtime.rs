@@ -80,6 +80,9 @@ pub struct ExitInfo {
     /// (e.g. after a server restart the sandbox is no longer our child).
     pub code: Option<i32>,
     pub signal: Option<i32>,
+    /// The sandbox was removed by someone else (a container deleted behind Warren's back), rather
+    /// than ending by itself.
+    pub vanished: bool,
 }
 
 /// What a runtime finds when asked about a sandbox it created earlier.

@@ -2,13 +2,13 @@
 //! — commands, shell sessions, code contexts on Jupyter kernels, files, metrics and a port proxy — on Unix sockets and/or TCP, runs the
 //! sandbox's entrypoint, and reaps every process of the sandbox.
 
-pub mod interpreter;
 pub mod command;
 pub mod daemon;
 pub mod download;
 pub mod error;
 pub mod files;
 pub mod ids;
+pub mod interpreter;
 pub mod logbuf;
 pub mod metrics;
 pub mod process;
@@ -81,7 +81,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/session", post(session::create))
         .route("/session/{id}", axum::routing::delete(session::delete))
         .route("/session/{id}/run", post(session::run))
-        .route("/code", post(interpreter::run).delete(interpreter::interrupt))
+        .route(
+            "/code",
+            post(interpreter::run).delete(interpreter::interrupt),
+        )
         .route("/code/context", post(interpreter::create_context))
         .route(
             "/code/contexts",

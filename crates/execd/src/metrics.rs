@@ -298,9 +298,17 @@ mod tests {
         };
         assert_eq!(empty.memory(), (4096.0, 3072.0));
         assert_eq!(empty.oom_kills(), None);
-        write(dir.path(), "cg/memory/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n");
+        write(
+            dir.path(),
+            "cg/memory/memory.oom_control",
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+        );
         assert_eq!(s.oom_kills(), Some(3));
-        write(dir.path(), "v2/memory.events", "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n");
+        write(
+            dir.path(),
+            "v2/memory.events",
+            "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n",
+        );
         let v2 = Sources {
             cgroup: dir.path().join("v2"),
             proc: dir.path().join("proc"),

@@ -3,9 +3,9 @@
 //! against) and two kinds of failure the runtime treats differently: the daemon cannot be reached
 //! (`Unavailable`: try later) and the daemon said no (`Api`, with its status and message).
 
-use std::path::PathBuf;
 #[cfg(test)]
 use std::path::Path;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -50,7 +50,10 @@ impl Endpoint {
     pub fn parse(host: &str) -> Result<Self, String> {
         if let Some(p) = host.strip_prefix("unix://") {
             Ok(Self::Unix(PathBuf::from(p)))
-        } else if let Some(a) = host.strip_prefix("tcp://").or_else(|| host.strip_prefix("http://")) {
+        } else if let Some(a) = host
+            .strip_prefix("tcp://")
+            .or_else(|| host.strip_prefix("http://"))
+        {
             Ok(Self::Tcp(a.trim_end_matches('/').to_string()))
         } else if host.starts_with('/') {
             Ok(Self::Unix(PathBuf::from(host)))
@@ -131,8 +134,9 @@ impl Client {
                 if !status.is_success() {
                     return Err(api_error(status, &bytes));
                 }
-                let v: Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| DockerError::Protocol(format!("unexpected /version answer: {e}")))?;
+                let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                    DockerError::Protocol(format!("unexpected /version answer: {e}"))
+                })?;
                 let daemon = v["ApiVersion"].as_str().unwrap_or("1.41");
                 let parsed = parse_version(daemon)
                     .ok_or_else(|| DockerError::Protocol(format!("bad ApiVersion {daemon:?}")))?;
@@ -246,7 +250,11 @@ impl Client {
 
     /// Pulls `image` (`POST /images/create`), reading the progress stream to its end; an `error` in
     /// it (unknown image, bad credentials) becomes the error.
-    pub async fn pull(&self, image: &str, registry_auth: Option<String>) -> Result<(), DockerError> {
+    pub async fn pull(
+        &self,
+        image: &str,
+        registry_auth: Option<String>,
+    ) -> Result<(), DockerError> {
         let (name, tag) = split_tag(image);
         let path = format!(
             "/images/create?fromImage={}&tag={}",
@@ -326,8 +334,12 @@ mod tests {
 
     #[test]
     fn endpoints() {
-        assert!(matches!(Endpoint::parse("unix:///var/run/docker.sock"), Ok(Endpoint::Unix(p)) if p == Path::new("/var/run/docker.sock")));
-        assert!(matches!(Endpoint::parse("tcp://127.0.0.1:2375"), Ok(Endpoint::Tcp(a)) if a == "127.0.0.1:2375"));
+        assert!(
+            matches!(Endpoint::parse("unix:///var/run/docker.sock"), Ok(Endpoint::Unix(p)) if p == Path::new("/var/run/docker.sock"))
+        );
+        assert!(
+            matches!(Endpoint::parse("tcp://127.0.0.1:2375"), Ok(Endpoint::Tcp(a)) if a == "127.0.0.1:2375")
+        );
         assert!(Endpoint::parse("ssh://host").is_err());
     }
 
@@ -335,8 +347,14 @@ mod tests {
     fn tags() {
         assert_eq!(split_tag("python:3.12"), ("python", "3.12"));
         assert_eq!(split_tag("python"), ("python", "latest"));
-        assert_eq!(split_tag("localhost:5000/a/b"), ("localhost:5000/a/b", "latest"));
-        assert_eq!(split_tag("localhost:5000/a/b:v1"), ("localhost:5000/a/b", "v1"));
+        assert_eq!(
+            split_tag("localhost:5000/a/b"),
+            ("localhost:5000/a/b", "latest")
+        );
+        assert_eq!(
+            split_tag("localhost:5000/a/b:v1"),
+            ("localhost:5000/a/b", "v1")
+        );
         assert_eq!(split_tag("a@sha256:00"), ("a@sha256:00", ""));
     }
 
@@ -350,7 +368,10 @@ mod tests {
     #[tokio::test]
     async fn unreachable_daemon_is_unavailable() {
         let c = Client::new(Endpoint::Unix("/nonexistent/docker.sock".into()));
-        let e = c.call::<Value>(Method::GET, "/_ping", None).await.expect_err("no daemon");
+        let e = c
+            .call::<Value>(Method::GET, "/_ping", None)
+            .await
+            .expect_err("no daemon");
         assert!(matches!(e, DockerError::Unavailable { .. }), "{e}");
         assert!(e.to_string().contains("/nonexistent/docker.sock"));
     }

@@ -183,7 +183,10 @@ impl DockerRuntime {
         let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
         let mut binds = vec![
             format!("{}:{EXECD_IN_SANDBOX}:ro", self.config.execd_path.display()),
-            format!("{}:{SOCKET_DIR_IN_SANDBOX}", self.run_dir(&spec.id).display()),
+            format!(
+                "{}:{SOCKET_DIR_IN_SANDBOX}",
+                self.run_dir(&spec.id).display()
+            ),
         ];
         binds.extend(volumes.iter().cloned());
         let mut host = json!({
@@ -243,7 +246,11 @@ impl DockerRuntime {
                         }
                         Ok(None) => {
                             let body = json!({"Name": claim, "Labels": {LABEL_OWNER: self.owner}});
-                            match self.client.call::<Value>(Method::POST, "/volumes/create", Some(&body)).await {
+                            match self
+                                .client
+                                .call::<Value>(Method::POST, "/volumes/create", Some(&body))
+                                .await
+                            {
                                 Ok(info) => {
                                     out.created.push(claim.clone());
                                     if *delete_on_termination {
@@ -253,7 +260,9 @@ impl DockerRuntime {
                                 }
                                 Err(e) => {
                                     self.remove_volumes(&out.created).await;
-                                    return Err(self.map_err(&format!("creating volume {claim}"), e));
+                                    return Err(
+                                        self.map_err(&format!("creating volume {claim}"), e)
+                                    );
                                 }
                             }
                         }
@@ -289,7 +298,11 @@ impl DockerRuntime {
     async fn volume(&self, claim: &str) -> Result<Option<Value>, RuntimeError> {
         match self
             .client
-            .call::<Value>(Method::GET, &format!("/volumes/{}", client::encode(claim)), None)
+            .call::<Value>(
+                Method::GET,
+                &format!("/volumes/{}", client::encode(claim)),
+                None,
+            )
             .await
         {
             Ok(v) => Ok(Some(v)),
@@ -303,7 +316,11 @@ impl DockerRuntime {
         for claim in claims {
             match self
                 .client
-                .call::<Value>(Method::DELETE, &format!("/volumes/{}", client::encode(claim)), None)
+                .call::<Value>(
+                    Method::DELETE,
+                    &format!("/volumes/{}", client::encode(claim)),
+                    None,
+                )
                 .await
             {
                 Ok(_) => {}
@@ -333,8 +350,9 @@ impl DockerRuntime {
         }
         let image_config = self.ensure_image(image, auth.as_ref()).await?;
         let run_dir = self.run_dir(&spec.id);
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| RuntimeError::backend_with(format!("creating {}", run_dir.display()), e))?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| {
+            RuntimeError::backend_with(format!("creating {}", run_dir.display()), e)
+        })?;
         let body = self.create_body(spec, image, &image_config, &volumes.binds);
         let created: Value = self
             .client
@@ -350,7 +368,11 @@ impl DockerRuntime {
             .ok_or_else(|| RuntimeError::backend("Docker returned no container id"))?
             .to_string();
         self.client
-            .call::<Value>(Method::POST, &format!("/containers/{container}/start"), None)
+            .call::<Value>(
+                Method::POST,
+                &format!("/containers/{container}/start"),
+                None,
+            )
             .await
             .map_err(|e| self.map_err("starting the container", e))?;
         self.wait_ready(&container, &run_dir.join(EXECD_SOCKET_NAME))
@@ -520,18 +542,46 @@ impl Runtime for DockerRuntime {
                             continue;
                         };
                         if status.as_u16() == 404 {
-                            return ExitInfo { code: None, signal: None };
+                            return ExitInfo {
+                                code: None,
+                                signal: None,
+                                vanished: true,
+                            };
                         }
                         if !status.is_success() {
                             tokio::time::sleep(Duration::from_secs(1)).await;
                             continue;
                         }
                         let v: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+                        // `docker rm -f` marks the removal before it kills: a container being (or
+                        // already) removed was deleted behind Warren's back, not ended by itself.
+                        let path = format!("/containers/{container}/json");
+                        let vanished = match client.call::<Value>(Method::GET, &path, None).await {
+                            Err(e) => e.is_not_found(),
+                            Ok(info) => {
+                                info["State"]["Dead"] == json!(true)
+                                    || info["State"]["Status"] == "removing"
+                                    || info["RemovalInProgress"] == json!(true)
+                            }
+                        };
                         let code = v["StatusCode"].as_i64().map(|c| c as i32);
                         return match code {
+                            _ if vanished => ExitInfo {
+                                code: None,
+                                signal: None,
+                                vanished: true,
+                            },
                             // 128+n: killed by signal n (the shell convention Docker follows)
-                            Some(c) if c > 128 && c < 160 => ExitInfo { code: None, signal: Some(c - 128) },
-                            c => ExitInfo { code: c, signal: None },
+                            Some(c) if c > 128 && c < 160 => ExitInfo {
+                                code: None,
+                                signal: Some(c - 128),
+                                vanished: false,
+                            },
+                            c => ExitInfo {
+                                code: c,
+                                signal: None,
+                                vanished: false,
+                            },
                         };
                     }
                     Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
@@ -541,7 +591,9 @@ impl Runtime for DockerRuntime {
     }
 
     async fn pause(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
-        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        let c = state_of(state)
+            .map(|s| s.container)
+            .unwrap_or_else(|| Self::container_name(id));
         self.client
             .call::<Value>(Method::POST, &format!("/containers/{c}/pause"), None)
             .await
@@ -550,7 +602,9 @@ impl Runtime for DockerRuntime {
     }
 
     async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
-        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        let c = state_of(state)
+            .map(|s| s.container)
+            .unwrap_or_else(|| Self::container_name(id));
         self.client
             .call::<Value>(Method::POST, &format!("/containers/{c}/unpause"), None)
             .await
@@ -573,7 +627,9 @@ impl Runtime for DockerRuntime {
     }
 
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
-        let c = state_of(state).map(|s| s.container).unwrap_or_else(|| Self::container_name(id));
+        let c = state_of(state)
+            .map(|s| s.container)
+            .unwrap_or_else(|| Self::container_name(id));
         match self.inspect(&c).await {
             Ok(v) => match v["State"]["Status"].as_str() {
                 Some("running") => Liveness::Running,
@@ -592,7 +648,10 @@ impl Runtime for DockerRuntime {
 
     async fn sweep_orphans(&self, known: &[String]) {
         let filters = json!({"label": [format!("{LABEL_OWNER}={}", self.owner)]}).to_string();
-        let path = format!("/containers/json?all=true&filters={}", client::encode(&filters));
+        let path = format!(
+            "/containers/json?all=true&filters={}",
+            client::encode(&filters)
+        );
         let list: Vec<Value> = match self.client.call(Method::GET, &path, None).await {
             Ok(l) => l,
             Err(e) => {
@@ -601,7 +660,10 @@ impl Runtime for DockerRuntime {
             }
         };
         for c in list {
-            let id = c["Labels"][LABEL_SANDBOX].as_str().unwrap_or_default().to_string();
+            let id = c["Labels"][LABEL_SANDBOX]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
             if known.contains(&id) {
                 continue;
             }
@@ -665,18 +727,27 @@ mod tests {
         assert_eq!(b["Entrypoint"][4], "/work");
         assert_eq!(b["Entrypoint"][6], "tail");
         assert!(b["Env"].as_array().expect("env").contains(&json!("A=1")));
-        assert!(b["Env"].as_array().expect("env").contains(&json!("PATH=/bin")));
+        assert!(b["Env"]
+            .as_array()
+            .expect("env")
+            .contains(&json!("PATH=/bin")));
         let h = &b["HostConfig"];
         assert_eq!(h["NetworkMode"], "none");
         assert_eq!(h["CapDrop"], json!(["ALL"]));
         assert_eq!(h["SecurityOpt"][0], "no-new-privileges");
-        assert!(h["SecurityOpt"][1].as_str().expect("seccomp").starts_with("seccomp={"));
+        assert!(h["SecurityOpt"][1]
+            .as_str()
+            .expect("seccomp")
+            .starts_with("seccomp={"));
         assert_eq!(security_opts(Some("runc")), ["no-new-privileges"]);
         assert_eq!(h["NanoCpus"], 500_000_000);
         assert_eq!(h["Memory"], h["MemorySwap"]);
         assert_eq!(h["PidsLimit"], 100);
         assert_eq!(h["Runtime"], "runsc");
-        assert_eq!(h["Binds"][0], format!("/opt/warren-execd:{EXECD_IN_SANDBOX}:ro"));
+        assert_eq!(
+            h["Binds"][0],
+            format!("/opt/warren-execd:{EXECD_IN_SANDBOX}:ro")
+        );
         assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
     }
 }

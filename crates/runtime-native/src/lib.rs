@@ -354,7 +354,7 @@ impl NativeRuntime {
             start_time,
             delete_volumes: volumes.delete_on_exit.clone(),
         })
-            .map_err(|e| RuntimeError::backend_with("encoding state", e))
+        .map_err(|e| RuntimeError::backend_with("encoding state", e))
     }
 
     /// The embedded path: our cgroup, then the setup helper, which reports the sandbox's PID 1.
@@ -688,6 +688,7 @@ impl Runtime for NativeRuntime {
             let gone = ExitInfo {
                 code: None,
                 signal: None,
+                vanished: false,
             };
             let Some(pid) = pid else { return gone };
             let Some(fd) = pidfd_open(pid) else {
@@ -742,8 +743,8 @@ impl Runtime for NativeRuntime {
             this.teardown(&id, pid);
             this.inner.volumes.release_all(&id, &delete_volumes);
         })
-            .await
-            .map_err(|e| RuntimeError::backend_with("destroy task", e))
+        .await
+        .map_err(|e| RuntimeError::backend_with("destroy task", e))
     }
 
     async fn shutdown(&self) {
@@ -923,11 +924,13 @@ fn reap_pidfd(fd: &OwnedFd) -> Option<ExitInfo> {
         ExitInfo {
             code: Some(status),
             signal: None,
+            vanished: false,
         }
     } else {
         ExitInfo {
             code: None,
             signal: Some(status),
+            vanished: false,
         }
     })
 }

@@ -386,7 +386,10 @@ mod tests {
             .find(|m| m["destination"] == "/mnt/data")
             .expect("the volume is a bind mount");
         assert_eq!(vol["source"], "/srv/data");
-        assert!(vol["options"].as_array().expect("opts").contains(&serde_json::json!("ro")));
+        assert!(vol["options"]
+            .as_array()
+            .expect("opts")
+            .contains(&serde_json::json!("ro")));
         let caps = c["process"]["capabilities"]["bounding"]
             .as_array()
             .expect("caps");

@@ -79,7 +79,10 @@ impl Volumes {
                                 // k8s creates a missing subPath; so do we (it cannot leave the
                                 // volume: the server refused `..`, and the volume is ours).
                                 fs::create_dir_all(&p).map_err(|e| {
-                                    RuntimeError::backend_with(format!("creating {}", p.display()), e)
+                                    RuntimeError::backend_with(
+                                        format!("creating {}", p.display()),
+                                        e,
+                                    )
                                 })?;
                                 p
                             }
@@ -180,7 +183,10 @@ mod tests {
         v.release("sb1", &a, &r.delete_on_exit);
         assert!(t.path().join("volumes/shared/f").exists());
         v.release("sb2", &a, &r2.delete_on_exit);
-        assert!(t.path().join("volumes/shared/f").exists(), "only the creator deletes");
+        assert!(
+            t.path().join("volumes/shared/f").exists(),
+            "only the creator deletes"
+        );
         v.release_all("nobody", &["shared".to_string()]);
         assert!(!t.path().join("volumes/shared").exists());
         assert!(!t.path().join("volumes/.leases/shared").exists());
@@ -193,7 +199,13 @@ mod tests {
         let vols = [named("made", true, false), named("absent", false, false)];
         let e = v.resolve("sb", &vols).err().expect("refused");
         assert!(matches!(e, RuntimeError::Invalid(_)), "{e}");
-        assert!(!t.path().join("volumes/.leases/made/sb").exists(), "lease undone");
-        assert!(!t.path().join("volumes/made").exists(), "what the failed create made is gone");
+        assert!(
+            !t.path().join("volumes/.leases/made/sb").exists(),
+            "lease undone"
+        );
+        assert!(
+            !t.path().join("volumes/made").exists(),
+            "what the failed create made is gone"
+        );
     }
 }

@@ -214,7 +214,9 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 pull: match config.docker.pull.as_deref() {
                     None | Some("missing") => true,
                     Some("never") => false,
-                    Some(other) => anyhow::bail!("[docker] pull = {other:?}: use \"missing\" or \"never\""),
+                    Some(other) => {
+                        anyhow::bail!("[docker] pull = {other:?}: use \"missing\" or \"never\"")
+                    }
                 },
                 data_dir: config.data_dir.clone(),
                 // The daemon bind-mounts it: it must be an absolute host path.
@@ -224,7 +226,9 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             };
             return Ok(Arc::new(DockerRuntime::new(docker)?));
         }
-        other => anyhow::bail!("runtime kind {other:?} is not available (supported: native, docker)"),
+        other => {
+            anyhow::bail!("runtime kind {other:?} is not available (supported: native, docker)")
+        }
     }
     // The config file may hold the API key; the host image must not show it.
     let extra_masked_files = config

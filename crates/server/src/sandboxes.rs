@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
-use warren_core::{ImageSource, Liveness, Runtime, SandboxImage, SandboxSpec};
+use warren_core::{ImageSource, Liveness, Runtime, RuntimeError, SandboxImage, SandboxSpec};
 use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
@@ -226,6 +226,10 @@ impl Sandboxes {
                 return;
             }
             let (state, message) = match (info.code, info.signal) {
+                _ if info.vanished => (
+                    SandboxState::Terminated,
+                    "the sandbox was removed outside Warren".to_string(),
+                ),
                 (Some(0), _) => (
                     SandboxState::Terminated,
                     "the main process exited with code 0".to_string(),
@@ -274,6 +278,21 @@ impl Sandboxes {
             r.transition(SandboxState::Stopping, Some(reason), None)
         });
         let result = self.inner.runtime.destroy(id, &rec.runtime_state).await;
+        if let Err(RuntimeError::Unavailable(_)) = &result {
+            // Nothing was removed: the sandbox stays as it was, and the delete can be retried.
+            self.update(&entry, |r| {
+                r.state = rec.state;
+                r.reason = rec.reason.clone();
+                r.message = rec.message.clone();
+                r.last_transition_at = rec.last_transition_at;
+            });
+            return Err(ApiError::from_runtime(
+                "deleting the sandbox",
+                result
+                    .err()
+                    .unwrap_or_else(|| RuntimeError::Unavailable(String::new())),
+            ));
+        }
         let _ = self.inner.images.release(id);
         match result {
             Ok(()) => {

@@ -254,7 +254,13 @@ mod tests {
 
     #[test]
     fn sdk_default_request_is_accepted() {
-        let plan = create_plan(req(), &LimitsSection::default(), None, &StoragePolicy::default()).expect("plan");
+        let plan = create_plan(
+            req(),
+            &LimitsSection::default(),
+            None,
+            &StoragePolicy::default(),
+        )
+        .expect("plan");
         assert_eq!(plan.limits.cpu_millis, Some(1000));
         assert_eq!(plan.limits.memory_bytes, Some(2 << 30));
         assert_eq!(plan.limits.pids, 4096);
@@ -266,28 +272,56 @@ mod tests {
         let mut r = req();
         r.resource_limits = Some([("memory".into(), "lots".into())].into_iter().collect());
         assert_eq!(
-            create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default())
-                .expect_err("must be refused")
-                .status,
+            create_plan(
+                r,
+                &LimitsSection::default(),
+                None,
+                &StoragePolicy::default()
+            )
+            .expect_err("must be refused")
+            .status,
             400
         );
         let mut r = req();
         r.timeout = Some(5);
-        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
+        assert!(create_plan(
+            r,
+            &LimitsSection::default(),
+            None,
+            &StoragePolicy::default()
+        )
+        .is_err());
         let mut r = req();
         r.metadata = Some([("bad key!".into(), "v".into())].into_iter().collect());
         assert_eq!(
-            create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default())
-                .expect_err("must be refused")
-                .code,
+            create_plan(
+                r,
+                &LimitsSection::default(),
+                None,
+                &StoragePolicy::default()
+            )
+            .expect_err("must be refused")
+            .code,
             "SANDBOX::INVALID_METADATA_LABEL"
         );
         let mut r = req();
         r.entrypoint = Some(vec![]);
-        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
+        assert!(create_plan(
+            r,
+            &LimitsSection::default(),
+            None,
+            &StoragePolicy::default()
+        )
+        .is_err());
         let mut r = req();
         r.image = None;
-        assert!(create_plan(r, &LimitsSection::default(), None, &StoragePolicy::default()).is_err());
+        assert!(create_plan(
+            r,
+            &LimitsSection::default(),
+            None,
+            &StoragePolicy::default()
+        )
+        .is_err());
     }
 
     #[test]

@@ -8,8 +8,8 @@
 use std::path::{Component, Path, PathBuf};
 
 use http::StatusCode;
-use warren_api::ErrorCode;
 use warren_api::lifecycle::Volume;
+use warren_api::ErrorCode;
 use warren_core::{VolumeMount, VolumeSource};
 
 use crate::error::ApiError;
@@ -28,7 +28,11 @@ pub struct StoragePolicy {
 }
 
 fn not_allowed(message: String) -> ApiError {
-    ApiError::new(StatusCode::FORBIDDEN, ErrorCode::HostPathNotAllowed, message)
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        ErrorCode::HostPathNotAllowed,
+        message,
+    )
 }
 
 pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<VolumeMount>, ApiError> {
@@ -47,19 +51,21 @@ pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<Volume
                 v.name
             )));
         }
-        let target = mount_target(&v.mount_path)
-            .map_err(|why| ApiError::invalid(format!("volume {name}: mountPath {:?} {why}", v.mount_path)))?;
+        let target = mount_target(&v.mount_path).map_err(|why| {
+            ApiError::invalid(format!("volume {name}: mountPath {:?} {why}", v.mount_path))
+        })?;
         if mounts.iter().any(|m| m.target == target) {
             return Err(ApiError::invalid(format!(
                 "volume {name}: another volume is already mounted at {target}"
             )));
         }
-        let sub_path = match v.sub_path.as_deref().filter(|s| !s.is_empty()) {
-            Some(s) => Some(relative(s).map_err(|why| {
-                ApiError::invalid(format!("volume {name}: subPath {s:?} {why}"))
-            })?),
-            None => None,
-        };
+        let sub_path =
+            match v.sub_path.as_deref().filter(|s| !s.is_empty()) {
+                Some(s) => Some(relative(s).map_err(|why| {
+                    ApiError::invalid(format!("volume {name}: subPath {s:?} {why}"))
+                })?),
+                None => None,
+            };
         let backends = [v.host.is_some(), v.pvc.is_some(), v.ossfs.is_some()];
         if backends.iter().filter(|b| **b).count() != 1 {
             return Err(ApiError::invalid(format!(
@@ -144,7 +150,8 @@ fn valid_claim(c: &str) -> bool {
     !c.is_empty()
         && c.len() <= 63
         && c.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && c.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && c.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 fn host_source(
@@ -164,9 +171,8 @@ fn host_source(
              allowed_host_paths is empty)"
         )));
     }
-    let base = std::fs::canonicalize(path).map_err(|e| {
-        ApiError::invalid(format!("volume {name}: host.path {path}: {e}"))
-    })?;
+    let base = std::fs::canonicalize(path)
+        .map_err(|e| ApiError::invalid(format!("volume {name}: host.path {path}: {e}")))?;
     let allowed = |p: &Path| policy.allowed_host_paths.iter().any(|a| p.starts_with(a));
     if !allowed(&base) {
         return Err(not_allowed(format!(
@@ -263,28 +269,53 @@ mod tests {
         std::fs::create_dir_all(&data).expect("mkdir");
         std::os::unix::fs::symlink("/etc", allowed.join("a/escape")).expect("symlink");
         let none = StoragePolicy::default();
-        let e = validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &none).expect_err("empty list");
+        let e = validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &none)
+            .expect_err("empty list");
         assert_eq!(e.status, StatusCode::FORBIDDEN);
         let policy = StoragePolicy {
             allowed_host_paths: vec![std::fs::canonicalize(&allowed).expect("canon")],
             protected: vec![std::fs::canonicalize(&data).expect("canon")],
         };
-        let ok = validate(&[host("v", allowed.join("a").to_str().expect("utf8"), "/mnt/a")], &policy)
-            .expect("allowed");
+        let ok = validate(
+            &[host(
+                "v",
+                allowed.join("a").to_str().expect("utf8"),
+                "/mnt/a",
+            )],
+            &policy,
+        )
+        .expect("allowed");
         assert!(matches!(&ok[0].source, VolumeSource::Host(p) if p.ends_with("allowed/a")));
         let mut sub = host("v", allowed.join("a").to_str().expect("utf8"), "/mnt");
         sub.sub_path = Some("b".into());
-        assert!(matches!(&validate(&[sub.clone()], &policy).expect("sub")[0].source, VolumeSource::Host(p) if p.ends_with("a/b")));
+        assert!(
+            matches!(&validate(&[sub.clone()], &policy).expect("sub")[0].source, VolumeSource::Host(p) if p.ends_with("a/b"))
+        );
         sub.sub_path = Some("escape".into());
-        assert_eq!(validate(&[sub], &policy).expect_err("symlink out").status, StatusCode::FORBIDDEN);
-        assert_eq!(validate(&[host("v", "/etc", "/mnt")], &policy).expect_err("outside").status, StatusCode::FORBIDDEN);
-        // the allowed folder contains the data dir: mounting it would expose the API key
         assert_eq!(
-            validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &policy).expect_err("protected").status,
+            validate(&[sub], &policy).expect_err("symlink out").status,
             StatusCode::FORBIDDEN
         );
         assert_eq!(
-            validate(&[host("v", "/no/such/dir", "/mnt")], &policy).expect_err("missing").status,
+            validate(&[host("v", "/etc", "/mnt")], &policy)
+                .expect_err("outside")
+                .status,
+            StatusCode::FORBIDDEN
+        );
+        // the allowed folder contains the data dir: mounting it would expose the API key
+        assert_eq!(
+            validate(
+                &[host("v", allowed.to_str().expect("utf8"), "/mnt")],
+                &policy
+            )
+            .expect_err("protected")
+            .status,
+            StatusCode::FORBIDDEN
+        );
+        assert_eq!(
+            validate(&[host("v", "/no/such/dir", "/mnt")], &policy)
+                .expect_err("missing")
+                .status,
             StatusCode::BAD_REQUEST
         );
     }
@@ -293,16 +324,27 @@ mod tests {
     fn names_claims_and_backends() {
         let p = StoragePolicy::default();
         let ok = validate(&[pvc("a", "models_1.x", "/m")], &p).expect("pvc");
-        assert!(matches!(&ok[0].source, VolumeSource::Named { claim, create_if_missing: true, .. } if claim == "models_1.x"));
+        assert!(
+            matches!(&ok[0].source, VolumeSource::Named { claim, create_if_missing: true, .. } if claim == "models_1.x")
+        );
         assert!(validate(&[pvc("a", "-bad", "/m")], &p).is_err());
-        assert!(validate(&[pvc("a", "ok", "/m"), pvc("a", "ok2", "/n")], &p).is_err(), "duplicate name");
-        assert!(validate(&[pvc("a", "ok", "/m"), pvc("b", "ok2", "/m")], &p).is_err(), "duplicate target");
+        assert!(
+            validate(&[pvc("a", "ok", "/m"), pvc("a", "ok2", "/n")], &p).is_err(),
+            "duplicate name"
+        );
+        assert!(
+            validate(&[pvc("a", "ok", "/m"), pvc("b", "ok2", "/m")], &p).is_err(),
+            "duplicate target"
+        );
         let mut both = pvc("a", "ok", "/m");
         both.host = Some(HostVolume { path: "/x".into() });
         assert!(validate(&[both], &p).is_err());
         let mut oss = pvc("a", "ok", "/m");
         oss.pvc = None;
         oss.ossfs = Some(serde_json::json!({}));
-        assert_eq!(validate(&[oss], &p).expect_err("ossfs").code, ErrorCode::ApiNotSupported.as_str());
+        assert_eq!(
+            validate(&[oss], &p).expect_err("ossfs").code,
+            ErrorCode::ApiNotSupported.as_str()
+        );
     }
 }

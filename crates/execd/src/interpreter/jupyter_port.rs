@@ -71,7 +71,9 @@ pub async fn serve(port: u16) {
         )
         .route(
             "/api",
-            get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION"), "server": "warren-execd"})) }),
+            get(|| async {
+                Json(json!({"version": env!("CARGO_PKG_VERSION"), "server": "warren-execd"}))
+            }),
         );
     if let Err(e) = axum::serve(listener, app).await {
         tracing::warn!(error = %e, "the Jupyter port listener stopped");

@@ -106,8 +106,11 @@ impl Kernel {
         std::fs::create_dir_all(l.runtime_dir)
             .map_err(|e| format!("creating {}: {e}", l.runtime_dir.display()))?;
         let connection_file = l.runtime_dir.join(format!("kernel-{}.json", l.id));
-        write_private(&connection_file, &serde_json::to_vec(&connection).unwrap_or_default())
-            .map_err(|e| format!("writing {}: {e}", connection_file.display()))?;
+        write_private(
+            &connection_file,
+            &serde_json::to_vec(&connection).unwrap_or_default(),
+        )
+        .map_err(|e| format!("writing {}: {e}", connection_file.display()))?;
         match Self::spawn_and_connect(&l, &connection_file, &ports, &key).await {
             Ok(k) => Ok(k),
             Err(e) => {
@@ -131,7 +134,11 @@ impl Kernel {
             .env_clear()
             .envs(command_env(&l.spec.env))
             .stdin(Stdio::null())
-            .stdout(writer.try_clone().map_err(|e| format!("creating a pipe: {e}"))?)
+            .stdout(
+                writer
+                    .try_clone()
+                    .map_err(|e| format!("creating a pipe: {e}"))?,
+            )
             .stderr(writer)
             .process_group(0);
         let Spawned { child, exit } = l
@@ -171,15 +178,35 @@ impl Kernel {
         let deadline = Instant::now() + START_TIMEOUT;
         let mut exit_watch = exit_rx.clone();
         let addr = |port: u16| format!("127.0.0.1:{port}");
-        let (shell_tx, shell_rx) =
-            connect_retry(&addr(ports[0]), SocketType::Dealer, &mut exit_watch, &routes, deadline).await?;
-        let (iopub_tx, iopub_rx) =
-            connect_retry(&addr(ports[1]), SocketType::Sub, &mut exit_watch, &routes, deadline).await?;
-        let (control_tx, control_rx) =
-            connect_retry(&addr(ports[3]), SocketType::Dealer, &mut exit_watch, &routes, deadline).await?;
+        let (shell_tx, shell_rx) = connect_retry(
+            &addr(ports[0]),
+            SocketType::Dealer,
+            &mut exit_watch,
+            &routes,
+            deadline,
+        )
+        .await?;
+        let (iopub_tx, iopub_rx) = connect_retry(
+            &addr(ports[1]),
+            SocketType::Sub,
+            &mut exit_watch,
+            &routes,
+            deadline,
+        )
+        .await?;
+        let (control_tx, control_rx) = connect_retry(
+            &addr(ports[3]),
+            SocketType::Dealer,
+            &mut exit_watch,
+            &routes,
+            deadline,
+        )
+        .await?;
         let codec = Codec::new(key, uuid::Uuid::new_v4().simple().to_string());
         for (rx, is_reply) in [(shell_rx, true), (iopub_rx, false)] {
-            tasks.push(tokio::spawn(pump(rx, codec.clone(), routes.clone(), is_reply)).abort_handle());
+            tasks.push(
+                tokio::spawn(pump(rx, codec.clone(), routes.clone(), is_reply)).abort_handle(),
+            );
         }
         // Control replies (to shutdown and interrupt requests) are not needed; keep the socket drained.
         tasks.push(tokio::spawn(drain(control_rx)).abort_handle());
@@ -296,7 +323,9 @@ impl Kernel {
     /// Asks the kernel to shut down, then kills whatever is left of its process group.
     pub async fn shutdown(&self) {
         if self.exit.borrow().is_none() {
-            let (_, parts) = self.codec.request("shutdown_request", &json!({"restart": false}));
+            let (_, parts) = self
+                .codec
+                .request("shutdown_request", &json!({"restart": false}));
             let _ = self.control.lock().await.send(&parts).await;
             let mut exit = self.exit.clone();
             let _ = tokio::time::timeout(SHUTDOWN_GRACE, exit.wait_for(|e| e.is_some())).await;
@@ -442,7 +471,11 @@ pub fn results_of(data: &Value) -> BTreeMap<String, Value> {
     let mut out = BTreeMap::new();
     if let Some(map) = data.as_object() {
         for (k, v) in map {
-            let key = if k == "text/plain" { "text".to_string() } else { k.clone() };
+            let key = if k == "text/plain" {
+                "text".to_string()
+            } else {
+                k.clone()
+            };
             out.insert(key, v.clone());
         }
     }
@@ -455,7 +488,9 @@ mod tests {
 
     #[test]
     fn mime_bundle_renames_text_plain_only() {
-        let r = results_of(&json!({"text/plain": "1", "image/png": "iVBOR", "application/json": {"a": 1}}));
+        let r = results_of(
+            &json!({"text/plain": "1", "image/png": "iVBOR", "application/json": {"a": 1}}),
+        );
         assert_eq!(r["text"], "1");
         assert_eq!(r["image/png"], "iVBOR");
         assert_eq!(r["application/json"]["a"], 1);

@@ -82,7 +82,11 @@ pub fn search_path(jupyter_path: Option<&str>, home: Option<&str>) -> Vec<PathBu
     if let Some(home) = home.filter(|h| !h.is_empty()) {
         dirs.push(Path::new(home).join(".local/share/jupyter/kernels"));
     }
-    for prefix in ["/usr/local/share/jupyter", "/usr/share/jupyter", "/opt/conda/share/jupyter"] {
+    for prefix in [
+        "/usr/local/share/jupyter",
+        "/usr/share/jupyter",
+        "/opt/conda/share/jupyter",
+    ] {
         dirs.push(Path::new(prefix).join("kernels"));
     }
     dirs
@@ -123,7 +127,9 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<KernelSpec> {
                     );
                 }
                 Ok(_) => tracing::debug!(dir = %spec_dir.display(), "kernelspec with empty argv"),
-                Err(e) => tracing::debug!(dir = %spec_dir.display(), error = %e, "unreadable kernelspec"),
+                Err(e) => {
+                    tracing::debug!(dir = %spec_dir.display(), error = %e, "unreadable kernelspec")
+                }
             }
         }
     }
@@ -173,9 +179,21 @@ mod tests {
     fn discovers_with_precedence_and_skips_broken() {
         let a = tempfile::tempdir().expect("tmp");
         let b = tempfile::tempdir().expect("tmp");
-        write_spec(a.path(), "python3", r#"{"argv":["python3","-m","ipykernel_launcher","-f","{connection_file}"],"display_name":"A","language":"Python"}"#);
-        write_spec(b.path(), "python3", r#"{"argv":["other"],"language":"python"}"#);
-        write_spec(b.path(), "bash", r#"{"argv":["python3","-m","bash_kernel"],"language":"bash","interrupt_mode":"message"}"#);
+        write_spec(
+            a.path(),
+            "python3",
+            r#"{"argv":["python3","-m","ipykernel_launcher","-f","{connection_file}"],"display_name":"A","language":"Python"}"#,
+        );
+        write_spec(
+            b.path(),
+            "python3",
+            r#"{"argv":["other"],"language":"python"}"#,
+        );
+        write_spec(
+            b.path(),
+            "bash",
+            r#"{"argv":["python3","-m","bash_kernel"],"language":"bash","interrupt_mode":"message"}"#,
+        );
         write_spec(b.path(), "broken", "{not json");
         let specs = discover(&[a.path().to_path_buf(), b.path().to_path_buf()]);
         let names: Vec<_> = specs.iter().map(|s| s.name.as_str()).collect();
@@ -187,7 +205,10 @@ mod tests {
             py.command(Path::new("/tmp/c.json")),
             ["python3", "-m", "ipykernel_launcher", "-f", "/tmp/c.json"]
         );
-        assert_eq!(pick(&specs, "bash").expect("bash").interrupt_mode, InterruptMode::Message);
+        assert_eq!(
+            pick(&specs, "bash").expect("bash").interrupt_mode,
+            InterruptMode::Message
+        );
         assert!(pick(&specs, "go").is_none());
     }
 

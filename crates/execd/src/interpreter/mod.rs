@@ -214,7 +214,10 @@ pub async fn delete_contexts(
         .filter(|c| c.language == lang)
         .map(|c| c.id.clone())
         .collect();
-    let doomed: Vec<_> = ids.iter().filter_map(|id| app.contexts.remove(id)).collect();
+    let doomed: Vec<_> = ids
+        .iter()
+        .filter_map(|id| app.contexts.remove(id))
+        .collect();
     futures::future::join_all(doomed.iter().map(|c| c.kernel.shutdown())).await;
     Ok(StatusCode::OK)
 }

@@ -162,7 +162,10 @@ fn check_greeting(g: &[u8; 64]) -> io::Result<()> {
         return Err(protocol("peer is not a ZeroMQ socket"));
     }
     if g[10] < 3 {
-        return Err(protocol(&format!("peer speaks ZMTP {}.x; 3.0 or later is needed", g[10])));
+        return Err(protocol(&format!(
+            "peer speaks ZMTP {}.x; 3.0 or later is needed",
+            g[10]
+        )));
     }
     if &g[12..16] != b"NULL" {
         return Err(protocol("peer wants a security mechanism other than NULL"));
@@ -204,7 +207,10 @@ mod tests {
         let mut buf = Vec::new();
         encode_frame(&mut buf, &big, 0);
         assert_eq!(buf[0], FLAG_LONG);
-        assert_eq!(u64::from_be_bytes(buf[1..9].try_into().expect("8 bytes")), 300);
+        assert_eq!(
+            u64::from_be_bytes(buf[1..9].try_into().expect("8 bytes")),
+            300
+        );
         assert_eq!(buf.len(), 9 + 300);
     }
 
@@ -229,7 +235,9 @@ mod tests {
     /// A hand-made peer: reads our greeting and READY, answers with its own, then sends a 2-part message.
     #[tokio::test]
     async fn talks_to_a_peer() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
         let peer = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
@@ -259,7 +267,9 @@ mod tests {
         assert_eq!(msg.len(), 2);
         assert_eq!(&msg[0][..], b"one");
         assert_eq!(msg[1].len(), 1000);
-        tx.send(&[Bytes::from_static(b"hello")]).await.expect("send");
+        tx.send(&[Bytes::from_static(b"hello")])
+            .await
+            .expect("send");
         assert_eq!(peer.await.expect("peer"), b"hello");
     }
 }

@@ -1,0 +1,125 @@
+"""The Docker runtime (issue 4), beyond the shared suite: how the containers are set up, a container
+removed behind Warren's back, leftovers of a crash removed at start, and a Docker daemon that stops
+and comes back (503s meanwhile, running sandboxes keep working). Runs for the docker runtimes only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import warren_e2e as W
+
+sh = W.sh
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def docker_only(server):
+    if not server.is_docker:
+        pytest.skip("Docker runtime only")
+
+
+def inspect(sandbox_id: str) -> dict | None:
+    r = subprocess.run(["docker", "inspect", f"warren-{sandbox_id}"], capture_output=True, text=True)
+    return json.loads(r.stdout)[0] if r.returncode == 0 else None
+
+
+def test_container_setup(server, make_sandbox):
+    sbx = make_sandbox("host", resource={"cpu": "500m", "memory": "256Mi"})
+    c = inspect(sbx.id)
+    assert c is not None
+    assert c["Config"]["Labels"]["io.warren.sandbox"] == sbx.id
+    assert c["Config"]["Labels"]["io.warren.owner"] == str(server.data_dir)
+    h = c["HostConfig"]
+    assert h["NetworkMode"] == "none"
+    assert h["CapDrop"] == ["ALL"] and "CAP_SYS_ADMIN" not in h["CapAdd"]
+    assert "no-new-privileges" in h["SecurityOpt"]
+    assert h["NanoCpus"] == 500_000_000 and h["Memory"] == 256 * 1024 * 1024
+    assert h["MemorySwap"] == h["Memory"], "no swap beyond the memory limit"
+    assert h["PidsLimit"] > 0
+    assert h["Runtime"] == ("runsc" if server.gvisor else "runc")
+    execd = [b for b in h["Binds"] if b.endswith(":/.warren/execd:ro")]
+    assert execd and execd[0].startswith("/"), "execd is bind-mounted read-only, not copied"
+    assert c["Path"] == "/.warren/execd", "execd is the container's first process"
+    # the sandbox cannot see the host's API key or data dir, and has loopback only
+    code, out, _ = sh(sbx, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+    assert code == 0 and out.split() == ["lo"], out
+    assert sh(sbx, f"test -e {server.data_dir}")[0] != 0
+
+
+def test_container_removed_behind_warrens_back_is_terminated(server, make_sandbox):
+    sbx = make_sandbox("host")
+    res = subprocess.run(["docker", "rm", "-f", f"warren-{sbx.id}"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    with server.client() as c:
+        def ended():
+            st = c.get(f"/v1/sandboxes/{sbx.id}").json()["status"]
+            return st if st["state"] not in ("Running", "Pending") else None
+        st = W.wait_until(ended, 20, message="the sandbox to notice its container is gone")
+    assert st["state"] == "Terminated", st
+    assert "outside Warren" in (st.get("message") or ""), st
+    assert not (server.data_dir / "sandboxes" / sbx.id).exists(), "its host folder is cleaned up"
+
+
+def test_leftover_containers_are_removed_at_start(fresh_server):
+    """A crash between `docker create` and the record: the next start removes what it has no record of."""
+    srv = fresh_server
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    name = f"warren-orphan-{uuid.uuid4().hex[:8]}"
+    res = subprocess.run(["docker", "create", "--name", name, "--label", f"io.warren.owner={srv.data_dir}",
+                          "--label", "io.warren.sandbox=orphan", W.TEST_IMAGE_NAME, "true"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    other = f"not-warrens-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["docker", "create", "--name", other, W.TEST_IMAGE_NAME, "true"], check=True,
+                   capture_output=True)
+    try:
+        srv.stop()
+        srv.start()
+        assert subprocess.run(["docker", "inspect", name], capture_output=True).returncode != 0
+        assert subprocess.run(["docker", "inspect", other], capture_output=True).returncode == 0, \
+            "containers that are not this server's are left alone"
+    finally:
+        subprocess.run(["docker", "rm", "-f", name, other], capture_output=True)
+
+
+def _dockerd_pid() -> int:
+    return int(Path(os.environ["WARREN_E2E_OWN_DOCKERD"]).read_text().strip())
+
+
+@pytest.mark.timeout(240)
+def test_daemon_stopped_gives_503_and_recovers(server, make_sandbox, api):
+    if not os.environ.get("WARREN_E2E_OWN_DOCKERD"):
+        pytest.skip("needs the test daemon of scripts/start-dockerd (WARREN_E2E_OWN_DOCKERD)")
+    sbx = make_sandbox("host")
+    pid = _dockerd_pid()
+    os.kill(pid, signal.SIGTERM)
+    try:
+        W.wait_until(lambda: W.proc_state(pid) in (None, "Z"), 60, message="dockerd to stop")
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host")))
+        W.assert_error_body(r, codes=[503])
+        assert r.json()["code"] == "RUNTIME::UNAVAILABLE"
+        assert "Docker daemon" in r.json()["message"] and "cannot be reached" in r.json()["message"]
+        # the running sandbox keeps working: execd is reached without the daemon (live-restore)
+        code, out, _ = sh(sbx, "echo still-here")
+        assert code == 0 and out == "still-here\n"
+        d = api.delete(f"/v1/sandboxes/{sbx.id}")
+        W.assert_error_body(d, codes=[503])
+        assert api.get(f"/v1/sandboxes/{sbx.id}").json()["status"]["state"] == "Running", \
+            "a delete that could not reach the daemon changes nothing"
+    finally:
+        subprocess.run([str(REPO / "scripts" / "start-dockerd")], check=True, capture_output=True)
+    # back: creates work again, and the old sandbox is still there and deletable
+    again = make_sandbox("host")
+    assert sh(again, "echo back")[1] == "back\n"
+    assert sh(sbx, "echo survived")[1] == "survived\n"
+    assert api.delete(f"/v1/sandboxes/{sbx.id}").status_code == 204
+    time.sleep(0.2)
+    assert inspect(sbx.id) is None
