@@ -5,12 +5,16 @@ Side by side in one process and one run:
   * fork+exec   - a plain subprocess running the same command (the floor),
   * raw API     - httpx against Warren's REST API and its endpoint proxy,
   * SDK         - the official OpenSandbox Python SDK (opensandbox==1.1.1),
-  * docker run  - `docker run --rm` of the same command, when a Docker engine answers,
+  * docker run  - `docker run --rm --network none` of the same command, when a Docker engine answers,
+  * warren on Docker - the raw API against a second `warren serve` with `runtime.kind = "docker"`
+                 (with --docker; DOCKER_HOST is honoured), on the same image as `docker run`,
 each serial and at N concurrent, with p50/p90/p99, success counts and the p50 ratio to fork+exec.
 
 It starts its own `warren serve` (release build by default) on a free loopback port with a temp data
 dir and stops it by PID at the end. Usage:
-    bench/lifecycle.py [--n 50] [--concurrency 10] [--image host] [--oci embedded] [--json OUT]
+    bench/lifecycle.py [--n 50] [--concurrency 10] [--image host|test] [--oci embedded] [--docker] [--json OUT]
+`--image test` imports the debootstrap test image ($WARREN_TEST_ROOTFS) into the native server under the
+name the Docker rows use (warren-test:bookworm), so all rows run the same root filesystem.
 """
 from __future__ import annotations
 
@@ -53,12 +57,17 @@ def free_port() -> int:
 class Server:
     """A `warren serve` of our own, stopped by PID."""
 
-    def __init__(self, binary: Path, oci: str, standby: int):
+    def __init__(self, binary: Path, oci: str, standby: int, kind: str = "native"):
         self.dir = Path(tempfile.mkdtemp(prefix="warren-bench-"))
         self.port = free_port()
         self.key = secrets.token_hex(16)
         cfg = self.dir / "config.toml"
-        cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n')
+        if kind == "docker":
+            host = os.environ.get("DOCKER_HOST", "")
+            cfg.write_text('[runtime]\nkind = "docker"\n[docker]\npull = "never"\n'
+                           + (f'host = "{host}"\n' if host else ""))
+        else:
+            cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n')
         env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
         self.log = open(self.dir / "server.log", "wb")
         self.proc = subprocess.Popen(
@@ -158,7 +167,7 @@ async def fork_once() -> float:
 
 async def docker_once(image: str) -> float:
     t0 = time.perf_counter()
-    p = await asyncio.create_subprocess_exec("docker", "run", "--rm", image, "sh", "-c", COMMAND,
+    p = await asyncio.create_subprocess_exec("docker", "run", "--rm", "--network", "none", image, "sh", "-c", COMMAND,
                                              stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     line = await p.stdout.readline()
     elapsed = time.perf_counter() - t0
@@ -208,11 +217,21 @@ async def main() -> None:
     ap.add_argument("--standby", type=int, default=2, help="[runtime] standby_helpers of the server")
     ap.add_argument("--docker-image", default=os.environ.get("WARREN_BENCH_DOCKER_IMAGE", "warren-test:bookworm"))
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
+    ap.add_argument("--docker", action="store_true",
+                    help="also run Warren on the Docker runtime (and `docker run`), when a daemon answers")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    use_docker = args.docker and docker_available()
 
     os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
     server = Server(Path(args.warren), args.oci, args.standby)
+    docker_server = Server(Path(args.warren), args.oci, 0, kind="docker") if use_docker else None
+    image = args.image
+    if image == "test":
+        image = args.docker_image
+        rootfs = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
+        subprocess.run([args.warren, "image", "import", image, rootfs, "--data-dir", str(server.dir / "data")],
+                       check=True, capture_output=True)
     results: dict[str, dict] = {}
     try:
         from opensandbox.config import ConnectionConfig
@@ -228,15 +247,21 @@ async def main() -> None:
             cfg_shared = ConnectionConfig(domain=f"127.0.0.1:{server.port}", api_key=server.key,
                                           transport=shared)
             for _ in range(3):  # warm-up: page cache, first-use paths
-                await raw_once(client, base, server.key, args.image)
+                await raw_once(client, base, server.key, image)
                 await fork_once()
             kinds = {
                 "fork+exec": fork_once,
-                "warren raw API": lambda: raw_once(client, base, server.key, args.image),
-                "warren SDK": lambda: sdk_once(cfg, args.image),
-                "warren SDK shared": lambda: sdk_once(cfg_shared, args.image),
+                "warren raw API": lambda: raw_once(client, base, server.key, image),
+                "warren SDK": lambda: sdk_once(cfg, image),
+                "warren SDK shared": lambda: sdk_once(cfg_shared, image),
             }
-            if docker_available():
+            if docker_server:
+                dbase = f"http://127.0.0.1:{docker_server.port}"
+                for _ in range(3):
+                    await raw_once(client, dbase, docker_server.key, args.docker_image)
+                    await docker_once(args.docker_image)
+                kinds["warren on docker raw API"] = lambda: raw_once(client, dbase, docker_server.key,
+                                                                     args.docker_image)
                 kinds["docker run --rm"] = lambda: docker_once(args.docker_image)
             for name, make in kinds.items():
                 for conc in (1, args.concurrency):
@@ -245,22 +270,29 @@ async def main() -> None:
         rss = server.rss_kib()
     finally:
         server.stop()
+        if docker_server:
+            docker_server.stop()
 
     machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
-    print(f"# create -> first output of {COMMAND!r} -> delete; image {args.image!r}, oci runtime {args.oci}, "
+    print(f"# create -> first output of {COMMAND!r} -> delete; image {image!r}, oci runtime {args.oci}, "
           f"standby helpers {args.standby}, n={args.n} per row")
     print(f"# machine: {machine}; server RSS after the run: {rss / 1024:.1f} MiB")
-    print(f"{'kind':<30}{'ok/n':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'p50 / fork':>12}")
+    print(f"{'kind':<30}{'ok/n':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'p50 / fork':>12}"
+          + (f"{'p50 / docker':>14}" if use_docker else ""))
     for name, r in results.items():
         conc = name.rsplit("c=", 1)[1]
         floor = results.get(f"fork+exec c={conc}")
         ratio = r["p50_ms"] / floor["p50_ms"] if floor and floor["p50_ms"] else float("nan")
-        print(f"{name:<30}{r['ok']:>4}/{r['n']:<4}{r['p50_ms']:>10.1f}{r['p90_ms']:>10.1f}{r['p99_ms']:>10.1f}"
-              f"{ratio:>12.1f}")
+        line = (f"{name:<30}{r['ok']:>4}/{r['n']:<4}{r['p50_ms']:>10.1f}{r['p90_ms']:>10.1f}"
+                f"{r['p99_ms']:>10.1f}{ratio:>12.1f}")
+        docker = results.get(f"docker run --rm c={conc}")
+        if docker and docker["p50_ms"]:
+            line += f"{r['p50_ms'] / docker['p50_ms']:>14.2f}"
+        print(line)
         for e in r["errors"]:
             print(f"    error: {e}")
-    if not docker_available():
-        print("# docker run --rm: no Docker engine answered on this machine; row omitted")
+    if not use_docker:
+        print("# Docker rows omitted (no --docker, or no Docker engine answered)")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "server_rss_kib": rss, "results": results},
                                               indent=2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -45,8 +46,9 @@ def test_container_setup(server, make_sandbox):
     assert h["MemorySwap"] == h["Memory"], "no swap beyond the memory limit"
     assert h["PidsLimit"] > 0
     assert h["Runtime"] == ("runsc" if server.gvisor else "runc")
-    execd = [b for b in h["Binds"] if b.endswith(":/.warren/execd:ro")]
-    assert execd and execd[0].startswith("/"), "execd is bind-mounted read-only, not copied"
+    execd = [m for m in c["Mounts"] if m["Destination"] == "/.warren/execd"]
+    assert execd and execd[0]["Type"] == "bind" and not execd[0]["RW"], \
+        "execd is bind-mounted read-only, not copied"
     assert c["Path"] == "/.warren/execd", "execd is the container's first process"
     # the sandbox cannot see the host's API key or data dir, and has loopback only
     code, out, _ = sh(sbx, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
@@ -123,3 +125,76 @@ def test_daemon_stopped_gives_503_and_recovers(server, make_sandbox, api):
     assert api.delete(f"/v1/sandboxes/{sbx.id}").status_code == 204
     time.sleep(0.2)
     assert inspect(sbx.id) is None
+
+
+# --- pulls from a registry with image.auth ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Debian's docker-registry on loopback with basic auth, holding the test image as
+    127.0.0.1:PORT/e2e/bookworm:v1 (and not on the daemon any more, so a create must pull it)."""
+    if not shutil.which("docker-registry") or not shutil.which("htpasswd"):
+        if W.allow_skip():
+            pytest.skip("docker-registry / htpasswd not installed")
+        pytest.fail("docker-registry and htpasswd (apache2-utils) are needed; scripts/install-deps installs them")
+    d = tmp_path_factory.mktemp("registry")
+    port = W.free_port()
+    user, password = "e2e", uuid.uuid4().hex
+    htpasswd = subprocess.run(["htpasswd", "-Bbn", user, password], capture_output=True, text=True, check=True)
+    (d / "htpasswd").write_text(htpasswd.stdout)
+    (d / "config.yml").write_text(
+        "version: 0.1\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {d / 'data'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+        f"auth:\n  htpasswd:\n    realm: e2e\n    path: {d / 'htpasswd'}\n")
+    log = open(d / "registry.log", "wb")
+    proc = subprocess.Popen(["docker-registry", "serve", str(d / "config.yml")], stdout=log, stderr=log,
+                            start_new_session=True)
+    try:
+        import httpx
+        W.wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/v2/").status_code == 401, 20,
+                     message="the registry to answer")
+        ref = f"127.0.0.1:{port}/e2e/bookworm:v1"
+        env = dict(os.environ, DOCKER_CONFIG=str(d / "docker-config"))  # keep the login out of ~/.docker
+        W.docker_import(W.TEST_IMAGE_NAME, W.test_rootfs())
+        for cmd in (["docker", "login", "-u", user, "--password-stdin", f"127.0.0.1:{port}"],
+                    ["docker", "tag", W.TEST_IMAGE_NAME, ref], ["docker", "push", ref], ["docker", "rmi", ref]):
+            r = subprocess.run(cmd, input=password, capture_output=True, text=True, env=env)
+            assert r.returncode == 0, f"{cmd}: {r.stderr}"
+        yield {"ref": ref, "user": user, "password": password}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def pulling_server(server, work_root):
+    """A server of the same runtime that may pull (the shared one never does)."""
+    srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-pull-{uuid.uuid4().hex[:6]}")
+    srv.docker_pull = True
+    srv.start()
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
+def test_create_pulls_with_image_auth(pulling_server, registry):
+    srv = pulling_server
+    with srv.client() as c:
+        body = W.create_body(registry["ref"])
+        r = c.post("/v1/sandboxes", json=body)
+        W.assert_error_body(r, codes=[404])
+        assert r.json()["code"] == "SANDBOX::IMAGE_NOT_FOUND"
+        assert registry["ref"] in r.json()["message"]
+        body["image"]["auth"] = {"username": registry["user"], "password": "wrong"}
+        W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[404])
+        body["image"]["auth"]["password"] = registry["password"]
+        r = c.post("/v1/sandboxes", json=body)
+        assert r.status_code == 202, r.text
+        W.track_sandbox(r.json()["id"])
+        assert registry["password"] not in r.text
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.connect(r.json()["id"], connection_config=srv.sdk_config())
+    assert W.sh(sbx, "cat /etc/debian_version")[0] == 0
+    sbx.kill()

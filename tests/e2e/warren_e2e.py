@@ -196,6 +196,7 @@ class WarrenServer:
         self.config_path = root / f"config-{name}.toml"
         self.log_path = root / f"server-{name}.log"
         self.imported: set[str] = set()
+        self.docker_pull = False
         self.bin = warren_bin()
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
@@ -251,8 +252,10 @@ class WarrenServer:
                 text += f'host = "{os.environ["DOCKER_HOST"]}"\n'
             if self.runtime == "docker-runsc":
                 text += 'runtime = "runsc"\n'
-            # the tests must never reach a registry on the internet (an unknown image would be pulled)
-            text += 'pull = "never"\n'
+            # the tests must never reach a registry on the internet (an unknown image would be pulled);
+            # servers that test pulls set `docker_pull` and use a registry on loopback
+            if not self.docker_pull:
+                text += 'pull = "never"\n'
             self.config_path.write_text(text + storage)
             return
         self.config_path.write_text(

@@ -61,10 +61,10 @@ struct DockerState {
     delete_volumes: Vec<String>,
 }
 
-/// A sandbox's volumes as Docker binds, and which named volumes resolving them created.
+/// A sandbox's volumes as Docker mounts, and which named volumes resolving them created.
 #[derive(Default)]
 struct Binds {
-    binds: Vec<String>,
+    mounts: Vec<Value>,
     created: Vec<String>,
     delete_on_exit: Vec<String>,
 }
@@ -153,7 +153,7 @@ impl DockerRuntime {
         spec: &SandboxSpec,
         image: &str,
         image_config: &Value,
-        volumes: &[String],
+        volumes: &[Value],
     ) -> Value {
         let workdir = image_config["Config"]["WorkingDir"]
             .as_str()
@@ -181,16 +181,14 @@ impl DockerRuntime {
         }
         env.extend(spec.env.clone());
         let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let mut binds = vec![
-            format!("{}:{EXECD_IN_SANDBOX}:ro", self.config.execd_path.display()),
-            format!(
-                "{}:{SOCKET_DIR_IN_SANDBOX}",
-                self.run_dir(&spec.id).display()
-            ),
+        // Structured mounts, not `Binds` strings: a `:` in a path cannot be misread.
+        let mut mounts = vec![
+            bind_mount(&self.config.execd_path, EXECD_IN_SANDBOX, true),
+            bind_mount(&self.run_dir(&spec.id), SOCKET_DIR_IN_SANDBOX, false),
         ];
-        binds.extend(volumes.iter().cloned());
+        mounts.extend(volumes.iter().cloned());
         let mut host = json!({
-            "Binds": binds,
+            "Mounts": mounts,
             "NetworkMode": "none",
             "CapDrop": ["ALL"],
             "CapAdd": policy::KEPT_CAPABILITIES,
@@ -227,9 +225,8 @@ impl DockerRuntime {
     async fn volume_binds(&self, volumes: &[VolumeMount]) -> Result<Binds, RuntimeError> {
         let mut out = Binds::default();
         for v in volumes {
-            let mode = if v.read_only { ":ro" } else { "" };
-            let bind = match &v.source {
-                VolumeSource::Host(path) => format!("{}:{}{mode}", path.display(), v.target),
+            let mount = match &v.source {
+                VolumeSource::Host(path) => bind_mount(path, &v.target, v.read_only),
                 VolumeSource::Named {
                     claim,
                     sub_path,
@@ -272,7 +269,8 @@ impl DockerRuntime {
                         }
                     };
                     match sub_path {
-                        None => format!("{claim}:{}{mode}", v.target),
+                        None => json!({"Type": "volume", "Source": claim, "Target": v.target,
+                                       "ReadOnly": v.read_only}),
                         // Docker 20.10 has no volume subpaths: bind the folder inside the volume's
                         // mount point (local driver, daemon on this host), creating it like k8s does.
                         Some(sub) => {
@@ -284,12 +282,12 @@ impl DockerRuntime {
                                     "volume {claim:?}: subPath needs a local volume on this host"
                                 )));
                             }
-                            format!("{}:{}{mode}", dir.display(), v.target)
+                            bind_mount(&dir, &v.target, v.read_only)
                         }
                     }
                 }
             };
-            out.binds.push(bind);
+            out.mounts.push(mount);
         }
         Ok(out)
     }
@@ -353,7 +351,7 @@ impl DockerRuntime {
         std::fs::create_dir_all(&run_dir).map_err(|e| {
             RuntimeError::backend_with(format!("creating {}", run_dir.display()), e)
         })?;
-        let body = self.create_body(spec, image, &image_config, &volumes.binds);
+        let body = self.create_body(spec, image, &image_config, &volumes.mounts);
         let created: Value = self
             .client
             .call(
@@ -468,6 +466,10 @@ fn security_opts(oci_runtime: Option<&str>) -> Vec<String> {
         opts.push(format!("seccomp={}", policy::oci_seccomp(true)));
     }
     opts
+}
+
+fn bind_mount(source: &Path, target: &str, read_only: bool) -> Value {
+    json!({"Type": "bind", "Source": source, "Target": target, "ReadOnly": read_only})
 }
 
 fn state_of(state: &RuntimeState) -> Option<DockerState> {
@@ -720,9 +722,9 @@ mod tests {
             &spec,
             "img",
             &json!({"Config": {"Env": ["PATH=/bin", "A=0"], "WorkingDir": "/work"}}),
-            &["vol:/data:ro".to_string()],
+            &[json!({"Type": "volume", "Source": "vol", "Target": "/data", "ReadOnly": true})],
         );
-        assert_eq!(b["HostConfig"]["Binds"][2], "vol:/data:ro");
+        assert_eq!(b["HostConfig"]["Mounts"][2]["Source"], "vol");
         assert_eq!(b["Entrypoint"][0], EXECD_IN_SANDBOX);
         assert_eq!(b["Entrypoint"][4], "/work");
         assert_eq!(b["Entrypoint"][6], "tail");
@@ -744,10 +746,9 @@ mod tests {
         assert_eq!(h["Memory"], h["MemorySwap"]);
         assert_eq!(h["PidsLimit"], 100);
         assert_eq!(h["Runtime"], "runsc");
-        assert_eq!(
-            h["Binds"][0],
-            format!("/opt/warren-execd:{EXECD_IN_SANDBOX}:ro")
-        );
+        assert_eq!(h["Mounts"][0]["Source"], "/opt/warren-execd");
+        assert_eq!(h["Mounts"][0]["Target"], EXECD_IN_SANDBOX);
+        assert_eq!(h["Mounts"][0]["ReadOnly"], true);
         assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
     }
 }
