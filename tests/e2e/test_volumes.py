@@ -42,6 +42,8 @@ def host_dir(server):
 
 @pytest.fixture
 def claim(server):
+    """A volume name, removed after the test (tests list it before `make_sandbox`, so their sandboxes
+    are gone by then: Docker refuses to remove a volume in use)."""
     name = f"e2e-vol-{uuid.uuid4().hex[:8]}"
     yield name
     remove_named_volume(server, name)
@@ -101,7 +103,7 @@ def test_bad_volume_specs(server, api, volume, status):
     W.assert_error_body(r, codes=[status])
 
 
-def test_named_volume_outlives_its_sandbox_and_is_shared(server, make_sandbox, claim):
+def test_named_volume_outlives_its_sandbox_and_is_shared(server, claim, make_sandbox):
     first = make_sandbox("host", volumes=[Volume(name="data", pvc=PVC(claim_name=claim), mount_path="/data")])
     code, _, _ = sh(first, "echo kept > /data/state.txt")
     assert code == 0
@@ -119,7 +121,7 @@ def test_named_volume_outlives_its_sandbox_and_is_shared(server, make_sandbox, c
     assert sh(other, "cat /data/state.txt")[1] == "kept\nmore\n", "both see one volume"
 
 
-def test_named_volume_sub_path(make_sandbox, claim):
+def test_named_volume_sub_path(claim, make_sandbox):
     sbx = make_sandbox("host", volumes=[
         Volume(name="a", pvc=PVC(claim_name=claim), mount_path="/a", sub_path="one"),
         Volume(name="b", pvc=PVC(claim_name=claim), mount_path="/b", sub_path="two"),
@@ -127,7 +129,7 @@ def test_named_volume_sub_path(make_sandbox, claim):
     assert sh(sbx, "echo 1 > /a/f && echo 2 > /b/f && cat /a/f /b/f")[1] == "1\n2\n"
 
 
-def test_volume_deleted_with_the_sandbox_that_created_it(server, make_sandbox, claim):
+def test_volume_deleted_with_the_sandbox_that_created_it(server, claim, make_sandbox):
     sbx = make_sandbox("host", volumes=[
         Volume(name="tmp", pvc=PVC(claim_name=claim, delete_on_sandbox_termination=True), mount_path="/scratch")])
     assert sh(sbx, "echo x > /scratch/f")[0] == 0

@@ -1,7 +1,8 @@
 """Leak check (issue 2 item 8). Runs LAST (marker `leak_check`, moved to the
 end by conftest.py whatever the collection order): stops every server the
 suite started, after deleting their sandboxes through the API, then proves
-nothing is left behind: no process, no mount, no cgroup, no sandbox folder."""
+nothing is left behind: no process, no mount, no cgroup, no sandbox folder, no Docker container or
+volume, no volume lease."""
 
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ def test_nothing_left_behind():
         mounts = W.leaked_mounts(data_dirs)
         cgroups = W.leaked_cgroups(ids)
         dirs = W.leaked_sandbox_dirs(data_dirs, ids)
-        if not (procs or mounts or cgroups or dirs) or time.monotonic() > deadline:
+        docker = W.leaked_docker(data_dirs)
+        leases = W.leaked_volume_leases(data_dirs)
+        if not (procs or mounts or cgroups or dirs or docker or leases) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
 
     for title, items in (("processes", procs), ("mounts", mounts),
-                         ("cgroups", cgroups), ("sandbox directories", dirs)):
+                         ("cgroups", cgroups), ("sandbox directories", dirs),
+                         ("Docker containers and volumes", docker), ("volume leases", leases)):
         if items:
             problems.append(f"leaked {title} ({len(items)}):\n  " + "\n  ".join(items[:40]))
 

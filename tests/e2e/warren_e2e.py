@@ -622,6 +622,31 @@ def sh(sbx, command: str, **opts):
     return ex.exit_code, join_chunks(ex.logs.stdout), join_chunks(ex.logs.stderr)
 
 
+def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
+    """Containers and volumes a server of this run labelled as its own (io.warren.owner = its data
+    dir) that are still on the Docker daemon. Nothing when no daemon answers."""
+    if not any(s.is_docker for s in REGISTRY.servers):
+        return []
+    out = []
+    for d in data_dirs:
+        label = f"label=io.warren.owner={d}"
+        for kind, cmd in (("container", ["docker", "ps", "-aq", "--filter", label]),
+                          ("volume", ["docker", "volume", "ls", "-q", "--filter", label])):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            out += [f"docker {kind} {x} of {d}" for x in r.stdout.split()]
+    return out
+
+
+def leaked_volume_leases(data_dirs: Iterable[Path]) -> list[str]:
+    """Named-volume leases of the native runtime still held (a sandbox that went without releasing)."""
+    out = []
+    for d in data_dirs:
+        leases = Path(d) / "volumes" / ".leases"
+        if leases.is_dir():
+            out += [str(p) for p in leases.glob("*/*")]
+    return out
+
+
 def docker_import(name: str, rootfs: Path) -> None:
     """Makes `name` an image on the Docker daemon (DOCKER_HOST) from a rootfs folder, once."""
     if subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0:
