@@ -57,7 +57,8 @@ def free_port() -> int:
 class Server:
     """A `warren serve` of our own, stopped by PID."""
 
-    def __init__(self, binary: Path, oci: str, standby: int, kind: str = "native"):
+    def __init__(self, binary: Path, oci: str, standby: int, kind: str = "native",
+                 max_parallel: int | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="warren-bench-"))
         self.port = free_port()
         self.key = secrets.token_hex(16)
@@ -67,7 +68,8 @@ class Server:
             cfg.write_text('[runtime]\nkind = "docker"\n[docker]\npull = "never"\n'
                            + (f'host = "{host}"\n' if host else ""))
         else:
-            cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n')
+            cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n'
+                           + (f"max_parallel_creates = {max_parallel}\n" if max_parallel is not None else ""))
         env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
         self.log = open(self.dir / "server.log", "wb")
         self.proc = subprocess.Popen(
@@ -215,6 +217,8 @@ async def main() -> None:
     ap.add_argument("--image", default="host")
     ap.add_argument("--oci", default="embedded")
     ap.add_argument("--standby", type=int, default=2, help="[runtime] standby_helpers of the server")
+    ap.add_argument("--max-parallel", type=int, default=None,
+                    help="[runtime] max_parallel_creates of the server (default: its own, the CPU count)")
     ap.add_argument("--docker-image", default=os.environ.get("WARREN_BENCH_DOCKER_IMAGE", "warren-test:bookworm"))
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
     ap.add_argument("--docker", action="store_true",
@@ -224,7 +228,7 @@ async def main() -> None:
     use_docker = args.docker and docker_available()
 
     os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
-    server = Server(Path(args.warren), args.oci, args.standby)
+    server = Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel)
     docker_server = Server(Path(args.warren), args.oci, 0, kind="docker") if use_docker else None
     image = args.image
     if image == "test":

@@ -145,6 +145,13 @@ pub trait Runtime: Send + Sync + 'static {
     /// Short name for logs and `/health` ("native/embedded", "native/runsc", …).
     fn name(&self) -> String;
 
+    /// How many creates may run at once, when creating is bound by this machine's CPUs (native):
+    /// more at a time only makes every one of them slower. `None`: no limit (the work is elsewhere,
+    /// e.g. in a Docker daemon).
+    fn create_parallelism(&self) -> Option<usize> {
+        None
+    }
+
     /// Where images come from; with [`ImageSource::Engine`] the spec carries a reference.
     fn image_source(&self) -> ImageSource {
         ImageSource::Store

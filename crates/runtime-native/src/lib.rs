@@ -82,6 +82,9 @@ pub struct NativeConfig {
     pub oci_runtime: String,
     /// Setup helpers kept started ahead of need (embedded runtime only); 0 disables.
     pub standby_helpers: usize,
+    /// Creates run at most this many at a time (creating is CPU work on this machine); `None`: no
+    /// limit.
+    pub max_parallel_creates: Option<usize>,
 }
 
 /// What the server persists for a native sandbox.
@@ -668,6 +671,10 @@ impl Runtime for NativeRuntime {
                     .into_owned())
                 .unwrap_or_else(|| "embedded".into())
         )
+    }
+
+    fn create_parallelism(&self) -> Option<usize> {
+        self.inner.config.max_parallel_creates
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {

@@ -75,6 +75,9 @@ pub struct RuntimeSection {
     /// of its own, which takes the slow cgroup migration off the create path. 0 disables.
     #[serde(default = "default_standby")]
     pub standby_helpers: usize,
+    /// Native runtime: creates in flight at once (the rest wait their turn, first come first served);
+    /// default: the number of CPUs; 0: no limit.
+    pub max_parallel_creates: Option<usize>,
 }
 
 fn default_standby() -> usize {
@@ -95,6 +98,7 @@ impl Default for RuntimeSection {
             oci_runtime: default_oci(),
             execd_path: None,
             standby_helpers: default_standby(),
+            max_parallel_creates: None,
         }
     }
 }

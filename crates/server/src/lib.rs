@@ -246,6 +246,11 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         ready_timeout: std::time::Duration::from_secs(15),
         oci_runtime: config.runtime.oci_runtime.clone(),
         standby_helpers: config.runtime.standby_helpers,
+        max_parallel_creates: match config.runtime.max_parallel_creates {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None => std::thread::available_parallelism().ok().map(|n| n.get()),
+        },
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
 }

@@ -38,6 +38,8 @@ struct Inner {
     images: Arc<ImageStore>,
     entries: RwLock<HashMap<String, Arc<Entry>>>,
     retention: chrono::Duration,
+    /// Bounds creates in flight when the runtime asks for it (FIFO: first come, first created).
+    create_slots: Option<tokio::sync::Semaphore>,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -51,8 +53,12 @@ impl Sandboxes {
         images: ImageStore,
         retention_seconds: i64,
     ) -> Self {
+        let create_slots = runtime
+            .create_parallelism()
+            .map(|n| tokio::sync::Semaphore::new(n.max(1)));
         Self {
             inner: Arc::new(Inner {
+                create_slots,
                 runtime,
                 store,
                 images: Arc::new(images),
@@ -188,6 +194,14 @@ impl Sandboxes {
             env: plan.env,
             limits: plan.limits,
             volumes: plan.volumes,
+        };
+        let _slot = match &self.inner.create_slots {
+            Some(s) => Some(
+                s.acquire()
+                    .await
+                    .map_err(|e| ApiError::internal("waiting to create", &e))?,
+            ),
+            None => None,
         };
         match self.inner.runtime.create(&spec).await {
             Ok(state) => {
