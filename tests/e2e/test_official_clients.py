@@ -1,0 +1,116 @@
+"""Official OpenSandbox clients other than the Python SDK against Warren (issue 6 item 4): the `osb`
+CLI (PyPI `opensandbox-cli==1.1.1`, installed in the test venv) — create, run, files, kill.
+Runs on the first runtime of the session only: it tests the client path, not the runtime."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import warren_e2e as W
+
+
+@pytest.fixture
+def osb(server, tmp_path):
+    if server.runtime != W.oci_runtimes()[0]:
+        pytest.skip("client smoke tests run on the first runtime only")
+    exe = Path(sys.executable).with_name("osb")
+    if not exe.exists():
+        exe = shutil.which("osb")
+        if not exe:
+            pytest.fail("osb not found: scripts/install-deps installs opensandbox-cli==1.1.1 into the venv")
+    # a private HOME: osb keeps its config there
+    env = dict(os.environ, HOME=str(tmp_path), NO_COLOR="1")
+
+    def run(*args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        cmd = [str(exe), "--domain", server.domain, "--api-key", server.api_key, "--no-color", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, input=input)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}")
+        return res
+
+    return run
+
+
+def test_osb_create_run_files_kill(server, osb, tmp_path):
+    created = json.loads(osb("sandbox", "create", "-i", server.sandbox_image("host"), "-t", "10m",
+                             "-e", "FROM_OSB=yes", "-o", "json").stdout)
+    sid = created["id"]
+    W.track_sandbox(sid)
+    try:
+        info = json.loads(osb("sandbox", "get", sid, "-o", "json").stdout)
+        assert info["status"]["state"] == "Running"
+        assert sid in osb("sandbox", "list", "-o", "json").stdout
+
+        out = osb("command", "run", sid, "--", "sh", "-c", "echo hello $FROM_OSB").stdout
+        assert "hello yes" in out
+        failed = osb("command", "run", sid, "--", "sh", "-c", "exit 3", check=False)
+        assert failed.returncode != 0 and "3" in failed.stderr
+
+        local = tmp_path / "up.txt"
+        local.write_text("uploaded by osb\n")
+        osb("file", "upload", sid, str(local), "/tmp/up.txt")
+        assert osb("file", "cat", sid, "/tmp/up.txt").stdout == "uploaded by osb\n"
+        osb("file", "write", sid, "/tmp/w.txt", "-c", "written")
+        assert osb("file", "cat", sid, "/tmp/w.txt").stdout.strip() == "written"
+        osb("file", "download", sid, "/tmp/w.txt", str(tmp_path / "down.txt"))
+        assert (tmp_path / "down.txt").read_text().strip() == "written"
+    finally:
+        osb("sandbox", "kill", sid, check=False)
+    with server.client() as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Terminated"
+
+
+def test_osb_unknown_sandbox_fails_clearly(osb):
+    res = osb("sandbox", "get", "no-such-sandbox-e2e", check=False)
+    assert res.returncode != 0
+    assert "no-such-sandbox-e2e" in (res.stdout + res.stderr)
+
+
+def test_opensandbox_mcp_over_stdio(server, osb):
+    """The official MCP server (PyPI `opensandbox-mcp==1.1.1`) driven by the MCP SDK's own stdio client:
+    create, run a command, write and read a file, kill."""
+    import asyncio
+
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    exe = Path(sys.executable).with_name("opensandbox-mcp")
+    params = StdioServerParameters(command=str(exe), args=[
+        "--transport", "stdio", "--domain", server.domain, "--api-key", server.api_key])
+
+    async def session():
+        async with stdio_client(params) as (r, w), ClientSession(r, w) as s:
+            await s.initialize()
+            names = {t.name for t in (await s.list_tools()).tools}
+            assert {"sandbox_create", "command_run", "file_write", "file_read", "sandbox_kill"} <= names
+
+            async def call(tool, **args):
+                res = await s.call_tool(tool, args)
+                assert not res.is_error, f"{tool}: {[c.text for c in res.content]}"
+                return res.structured_content or {}
+
+            created = await call("sandbox_create", image=server.sandbox_image("host"), timeout_seconds=600)
+            sid = created["sandbox_id"]
+            W.track_sandbox(sid)
+            try:
+                ran = await call("command_run", sandbox_id=sid, command="echo from-mcp")
+                assert "from-mcp" in json.dumps(ran)
+                await call("file_write", sandbox_id=sid, path="/tmp/mcp.txt", content="mcp wrote this")
+                read = await call("file_read", sandbox_id=sid, path="/tmp/mcp.txt")
+                assert "mcp wrote this" in json.dumps(read)
+                info = await call("sandbox_get_info", sandbox_id=sid)
+                assert "Running" in json.dumps(info)
+            finally:
+                await call("sandbox_kill", sandbox_id=sid)
+            return sid
+
+    sid = asyncio.run(session())
+    with server.client() as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Terminated"
