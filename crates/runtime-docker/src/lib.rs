@@ -63,7 +63,7 @@ struct DockerState {
 
 /// A sandbox's volumes as Docker mounts, and which named volumes resolving them created.
 #[derive(Default)]
-struct Binds {
+struct Mounts {
     mounts: Vec<Value>,
     created: Vec<String>,
     delete_on_exit: Vec<String>,
@@ -220,10 +220,10 @@ impl DockerRuntime {
         })
     }
 
-    /// Docker binds for the sandbox's volumes; named volumes are Docker named volumes (created here,
+    /// Docker mounts for the sandbox's volumes; named volumes are Docker named volumes (created here,
     /// labelled as Warren's, when missing and allowed). On error, volumes created so far are removed.
-    async fn volume_binds(&self, volumes: &[VolumeMount]) -> Result<Binds, RuntimeError> {
-        let mut out = Binds::default();
+    async fn volume_mounts(&self, volumes: &[VolumeMount]) -> Result<Mounts, RuntimeError> {
+        let mut out = Mounts::default();
         for v in volumes {
             let mount = match &v.source {
                 VolumeSource::Host(path) => bind_mount(path, &v.target, v.read_only),
@@ -332,7 +332,7 @@ impl DockerRuntime {
         &self,
         spec: &SandboxSpec,
         name: &str,
-        volumes: &Binds,
+        volumes: &Mounts,
     ) -> Result<String, RuntimeError> {
         let SandboxImage::Reference { name: image, auth } = &spec.image else {
             return Err(RuntimeError::Unsupported(
@@ -504,7 +504,7 @@ impl Runtime for DockerRuntime {
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
         let name = Self::container_name(&spec.id);
-        let volumes = self.volume_binds(&spec.volumes).await?;
+        let volumes = self.volume_mounts(&spec.volumes).await?;
         match self.try_create(spec, &name, &volumes).await {
             Ok(container) => serde_json::to_value(DockerState {
                 container,

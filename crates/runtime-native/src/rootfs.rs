@@ -110,7 +110,6 @@ pub fn build(spec: &InitSpec) -> Result<()> {
     mount_dev(root)?;
     mount_sys(spec, root)?;
     mount_warren(spec, root)?;
-    mount_volumes(spec, root)?;
     for dir in ["tmp", "workspace"] {
         let d = root.join(dir);
         if d.symlink_metadata().is_err() {
@@ -120,6 +119,8 @@ pub fn build(spec: &InitSpec) -> Result<()> {
             }
         }
     }
+    // after /tmp exists with its own mode: a volume under it must not create it 0755
+    mount_volumes(spec, root)?;
     pivot(root)
 }
 

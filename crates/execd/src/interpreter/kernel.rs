@@ -56,8 +56,11 @@ impl Routes {
         }
     }
 
+    /// Marks the kernel dead and tells every open request. `died` is held while `open` is drained
+    /// (and `request` holds it while it registers), so no request can slip in unnoticed between.
     fn fail_all(&self, why: String) {
-        *lock(&self.died) = Some(why.clone());
+        let mut died = lock(&self.died);
+        *died = Some(why.clone());
         for (_, tx) in lock(&self.open).drain() {
             let _ = tx.send(Event::Died(why.clone()));
         }
@@ -271,7 +274,8 @@ impl Kernel {
         let (id, parts) = self.codec.request(msg_type, content);
         let (tx, rx) = mpsc::unbounded_channel();
         {
-            if let Some(why) = lock(&self.routes.died).clone() {
+            let died = lock(&self.routes.died);
+            if let Some(why) = died.clone() {
                 return Err(why);
             }
             lock(&self.routes.open).insert(id.clone(), tx);
