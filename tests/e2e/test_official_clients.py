@@ -1,5 +1,6 @@
 """Official OpenSandbox clients other than the Python SDK against Warren (issue 6 item 4): the `osb`
-CLI (PyPI `opensandbox-cli==1.1.1`, installed in the test venv) — create, run, files, kill.
+CLI (PyPI `opensandbox-cli==1.1.1`), the MCP server (`opensandbox-mcp==1.1.1`) and the TypeScript SDK
+(npm `@alibaba-group/opensandbox`, installed by scripts/install-deps) — create, run, files, kill.
 Runs on the first runtime of the session only: it tests the client path, not the runtime."""
 
 from __future__ import annotations
@@ -114,3 +115,20 @@ def test_opensandbox_mcp_over_stdio(server, osb):
     sid = asyncio.run(session())
     with server.client() as c:
         assert c.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Terminated"
+
+
+def test_typescript_sdk(server, osb, tmp_path):
+    sdk_dir = Path(os.environ.get("WARREN_TS_SDK_DIR", W.REPO_ROOT / ".ci" / "cache" / "ts-sdk"))
+    if not (sdk_dir / "node_modules" / "@alibaba-group" / "opensandbox").is_dir() or not shutil.which("node"):
+        pytest.fail(f"the TypeScript SDK is not installed in {sdk_dir} (scripts/install-deps installs it)")
+    # ESM resolves packages from the script's folder: run a copy placed next to node_modules
+    script = sdk_dir / "smoke.mjs"
+    shutil.copy(Path(__file__).parent / "ts" / "smoke.mjs", script)
+    res = subprocess.run(["node", str(script), server.domain, server.api_key, server.sandbox_image("host")],
+                         capture_output=True, text=True, timeout=120, cwd=sdk_dir)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    W.track_sandbox(out["id"])
+    assert out["state"] == "Running" and out["stdout"] == "hello-from-ts\n" and out["content"] == "written by ts"
+    with server.client() as c:
+        assert c.get(f"/v1/sandboxes/{out['id']}").json()["status"]["state"] == "Terminated"

@@ -1,0 +1,21 @@
+// Smoke test of the official TypeScript SDK (npm @alibaba-group/opensandbox) against Warren:
+// create, run a command, write and read a file, kill. Run by tests/e2e/test_official_clients.py
+// from a folder where the SDK is installed (scripts/install-deps puts it in .ci/cache/ts-sdk).
+// Usage: node smoke.mjs DOMAIN API_KEY IMAGE
+import { ConnectionConfig, Sandbox } from "@alibaba-group/opensandbox";
+const [domain, apiKey, image] = process.argv.slice(2);
+const config = new ConnectionConfig({ domain, apiKey });
+const sandbox = await Sandbox.create({ connectionConfig: config, image, timeoutSeconds: 600 });
+try {
+  const run = await sandbox.commands.run("echo hello-from-ts");
+  const out = run.logs.stdout.map((m) => m.text).join("");
+  if (!out.includes("hello-from-ts")) throw new Error(`unexpected stdout: ${JSON.stringify(out)}`);
+  await sandbox.files.writeFiles([{ path: "/tmp/ts.txt", data: "written by ts", mode: 644 }]);
+  const content = await sandbox.files.readFile("/tmp/ts.txt");
+  if (content !== "written by ts") throw new Error(`unexpected file: ${JSON.stringify(content)}`);
+  const info = await sandbox.getInfo();
+  console.log(JSON.stringify({ id: sandbox.id, state: info.status.state, stdout: out, content }));
+} finally {
+  await sandbox.kill();
+  await sandbox.close();
+}
