@@ -21,9 +21,31 @@ async fn check(resp: reqwest::Response, what: &str) -> anyhow::Result<reqwest::R
     }
     let status = resp.status();
     let text = resp.text().await.unwrap_or_default();
+    let hint = match status.as_u16() {
+        401 | 403 => {
+            " (hint: pass the server's key with --api-key or OPEN_SANDBOX_API_KEY; a local server \
+             started without one keeps it in <data dir>/api-key)"
+        }
+        503 => " (hint: the server's runtime is unavailable; try again once it is back)",
+        _ => "",
+    };
     match serde_json::from_str::<ErrorBody>(&text) {
-        Ok(e) => bail!("{what}: {} ({}): {}", status.as_u16(), e.code, e.message),
-        Err(_) => bail!("{what}: HTTP {}: {}", status.as_u16(), text.trim()),
+        Ok(e) => bail!("{what}: {}{hint}", e.message),
+        Err(_) => bail!("{what}: HTTP {}: {}{hint}", status.as_u16(), text.trim()),
+    }
+}
+
+/// One line for a request that got no answer at all, with what to do about it.
+fn unreachable(base: &str, what: &str, e: reqwest::Error) -> anyhow::Error {
+    if e.is_connect() {
+        anyhow::anyhow!(
+            "{what}: cannot reach the Warren server at {base} (hint: is `warren serve` running \
+             there? set --domain or OPEN_SANDBOX_DOMAIN)"
+        )
+    } else if e.is_timeout() {
+        anyhow::anyhow!("{what}: the Warren server at {base} did not answer in time")
+    } else {
+        anyhow::anyhow!("{what}: the connection to {base} failed: {e}")
     }
 }
 
@@ -59,7 +81,7 @@ impl Client {
             .json(req)
             .send()
             .await
-            .context("contacting the Warren server")?;
+            .map_err(|e| unreachable(&self.base, "creating the sandbox", e))?;
         Ok(check(resp, "creating the sandbox").await?.json().await?)
     }
 
@@ -67,7 +89,8 @@ impl Client {
         let resp = self
             .req(reqwest::Method::DELETE, &format!("/sandboxes/{id}"))
             .send()
-            .await?;
+            .await
+            .map_err(|e| unreachable(&self.base, "deleting the sandbox", e))?;
         check(resp, "deleting the sandbox").await?;
         Ok(())
     }
@@ -79,8 +102,9 @@ impl Client {
                 &format!("/sandboxes/{id}/endpoints/{port}"),
             )
             .send()
-            .await?;
-        Ok(check(resp, "resolving the endpoint").await?.json().await?)
+            .await
+            .map_err(|e| unreachable(&self.base, &format!("sandbox {id}"), e))?;
+        Ok(check(resp, &format!("sandbox {id}")).await?.json().await?)
     }
 
     /// Runs a foreground command, calling `on_event` for each event; returns the exit code.
@@ -129,14 +153,21 @@ impl Client {
             r = r.header(k, v);
         }
         let resp = check(
-            r.send().await.with_context(|| format!("{what}: sending"))?,
+            r.send()
+                .await
+                .map_err(|e| unreachable(&self.base, what, e))?,
             what,
         )
         .await?;
         let mut stream = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
         while let Some(chunk) = stream.next().await {
-            buf.extend_from_slice(&chunk.with_context(|| format!("{what}: reading the output"))?);
+            buf.extend_from_slice(&chunk.map_err(|e| {
+                anyhow::anyhow!(
+                    "{what}: the output stream broke off ({e}); the sandbox may have ended or \
+                     expired meanwhile"
+                )
+            })?);
             while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = buf.drain(..=pos).collect();
                 let line = String::from_utf8_lossy(&line);

@@ -127,3 +127,50 @@ fn run_streams_output_and_exits_with_the_command_code() {
         .collect();
     assert!(left.is_empty(), "warren run left sandboxes behind");
 }
+
+/// Client errors are one line saying what failed, with a hint, and a non-zero exit code.
+#[test]
+fn client_errors_are_one_clear_line() {
+    let server = crate::harness::Server::start();
+    let code_run = |domain: &str, key: &str, sandbox: &str| {
+        let out = Command::new(warren_bin())
+            .args([
+                "code",
+                "run",
+                sandbox,
+                "print(1)",
+                "--domain",
+                domain,
+                "--api-key",
+                key,
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .expect("warren code run");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let closed = format!("127.0.0.1:{}", free_port());
+    let (code, err) = code_run(&closed, "k", "abc");
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("cannot reach the Warren server") && err.contains("hint"),
+        "{err}"
+    );
+
+    let domain = server.base().trim_start_matches("http://").to_string();
+    let (code, err) = code_run(&domain, "wrong-key", "abc");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--api-key"),
+        "a wrong key says how to pass one: {err}"
+    );
+
+    let (code, err) = code_run(&domain, &server.key, "no-such-sandbox");
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("no-such-sandbox"), "{err}");
+}
