@@ -430,21 +430,34 @@ impl DockerRuntime {
         demux_logs(&bytes).trim().to_string()
     }
 
+    /// Force-removes the container. The daemon sometimes gives up killing one (a gVisor sandbox that
+    /// does not die within its wait, seen under load): then unpause, kill and try again, a few times.
     async fn remove(&self, container: &str) -> Result<(), RuntimeError> {
-        match self
-            .client
-            .call::<Value>(
-                Method::DELETE,
-                &format!("/containers/{container}?force=true&v=true"),
-                None,
-            )
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) if e.is_not_found() => Ok(()),
-            // "removal already in progress"
-            Err(DockerError::Api { status: 409, .. }) => Ok(()),
-            Err(e) => Err(self.map_err("removing the container", e)),
+        let path = format!("/containers/{container}?force=true&v=true");
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.client.call::<Value>(Method::DELETE, &path, None).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_not_found() => return Ok(()),
+                // "removal already in progress"
+                Err(DockerError::Api { status: 409, .. }) => return Ok(()),
+                Err(e @ DockerError::Api { status: 500, .. }) if attempt < 4 => {
+                    tracing::warn!(container, error = %e, attempt, "removing the container failed; retrying");
+                    for action in ["unpause", "kill"] {
+                        let _ = self
+                            .client
+                            .call::<Value>(
+                                Method::POST,
+                                &format!("/containers/{container}/{action}"),
+                                None,
+                            )
+                            .await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(self.map_err("removing the container", e)),
+            }
         }
     }
 
