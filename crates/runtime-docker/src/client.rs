@@ -126,14 +126,7 @@ impl Client {
         self.version
             .get_or_try_init(|| async {
                 let (status, body) = self.request(Method::GET, "/version", None, &[]).await?;
-                let bytes = body
-                    .collect()
-                    .await
-                    .map_err(|e| self.unavailable(e))?
-                    .to_bytes();
-                if !status.is_success() {
-                    return Err(api_error(status, &bytes));
-                }
+                let bytes = self.read_ok(status, body).await?;
                 let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
                     DockerError::Protocol(format!("unexpected /version answer: {e}"))
                 })?;
@@ -151,6 +144,19 @@ impl Client {
             })
             .await
             .map(String::as_str)
+    }
+
+    /// The whole body of a successful answer; a failed one becomes its `Api` error.
+    async fn read_ok(&self, status: StatusCode, body: Body) -> Result<Bytes, DockerError> {
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(api_error(status, &bytes));
+        }
+        Ok(bytes)
     }
 
     /// One versioned request on a fresh connection; returns the status and the streaming body.
@@ -212,14 +218,7 @@ impl Client {
     ) -> Result<T, DockerError> {
         let call = async {
             let (status, body) = self.send(method, path, body, headers).await?;
-            let bytes = body
-                .collect()
-                .await
-                .map_err(|e| self.unavailable(e))?
-                .to_bytes();
-            if !status.is_success() {
-                return Err(api_error(status, &bytes));
-            }
+            let bytes = self.read_ok(status, body).await?;
             let text: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
             serde_json::from_slice(text)
                 .map_err(|e| DockerError::Protocol(format!("unexpected answer to {path}: {e}")))
@@ -265,14 +264,7 @@ impl Client {
             .map(|a| vec![("X-Registry-Auth", a)])
             .unwrap_or_default();
         let (status, body) = self.send(Method::POST, &path, None, &headers).await?;
-        let bytes = body
-            .collect()
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .to_bytes();
-        if !status.is_success() {
-            return Err(api_error(status, &bytes));
-        }
+        let bytes = self.read_ok(status, body).await?;
         for line in bytes.split(|b| *b == b'\n') {
             if let Ok(v) = serde_json::from_slice::<Value>(line) {
                 if let Some(e) = v["error"].as_str() {
