@@ -10,9 +10,11 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use base64::Engine;
-use warren_api::execd::{EventKind, RunCodeContext, RunCodeRequest, StreamEvent};
+use futures::StreamExt;
+use warren_api::execd::{EventKind, StreamEvent};
+use warren_sdk::CodeTarget;
 
-use crate::client::ServerArgs;
+use crate::client::{Explain, ServerArgs};
 
 #[derive(clap::Subcommand)]
 pub enum CodeCommand {
@@ -65,23 +67,25 @@ async fn run_code(args: RunCodeArgs) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &args.save_results {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let req = RunCodeRequest {
-        code,
-        context: Some(RunCodeContext {
-            id: args.context.clone(),
-            language: Some(args.language.clone()),
-        }),
-    };
     let client = args.server.client();
+    let what = "running the code";
+    let sandbox = client
+        .connect(&args.sandbox)
+        .await
+        .explain(&format!("sandbox {}", args.sandbox))?;
+    let target = match &args.context {
+        Some(id) => CodeTarget::Context(id.clone()),
+        None => CodeTarget::Language(args.language.clone()),
+    };
+    let mut events = sandbox.stream_code(&code, &target).await.explain(what)?;
     let mut outcome = Outcome::default();
-    client
-        .execd_stream(&args.sandbox, "/code", &req, "running the code", |ev| {
-            if args.json {
-                println!("{}", serde_json::to_string(ev).unwrap_or_default());
-            }
-            outcome.on_event(ev, !args.json, args.save_results.as_deref());
-        })
-        .await?;
+    while let Some(ev) = events.next().await {
+        let ev = ev.explain(what)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&ev).unwrap_or_default());
+        }
+        outcome.on_event(&ev, !args.json, args.save_results.as_deref());
+    }
     if let Some(e) = outcome.save_error {
         bail!(e);
     }

@@ -10,7 +10,11 @@ use warren_api::execd::{EventKind, RunCommandRequest};
 use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
-use crate::client::{env_map, stored_key, Client};
+use futures::StreamExt;
+use warren_api::local::stored_key;
+use warren_sdk::{Client, Config};
+
+use crate::client::{env_map, Explain};
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -62,11 +66,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     let mut embedded = None;
     let client = match domain {
-        Some(d) => Client::new(&d, api_key.or_else(|| stored_key(&data_dir))),
+        Some(d) => client_for(&d, api_key.or_else(|| stored_key(&data_dir))),
         None => {
-            let probe = Client::new(config::DEFAULT_LISTEN, None);
-            if probe.health().await && (api_key.is_some() || stored_key(&data_dir).is_some()) {
-                Client::new(
+            let probe = Client::new(Config::new(config::DEFAULT_LISTEN));
+            if probe.health().await.is_ok()
+                && (api_key.is_some() || stored_key(&data_dir).is_some())
+            {
+                client_for(
                     config::DEFAULT_LISTEN,
                     api_key.or_else(|| stored_key(&data_dir)),
                 )
@@ -90,7 +96,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     let _ = stop_rx.await;
                 }));
                 embedded = Some((stop_tx, handle, sandboxes));
-                Client::new(&addr.to_string(), key)
+                client_for(&addr.to_string(), key)
             }
         }
     };
@@ -113,7 +119,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
     let result = async {
-        let sb = client.create(&req).await?;
+        let sb = client.create(&req).await.explain("creating the sandbox")?;
         let command = if args.command.len() == 1 {
             args.command[0].clone()
         } else {
@@ -124,35 +130,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             cwd: args.workdir.clone(),
             ..Default::default()
         };
-        let outcome = client
-            .run_command(&sb.id, cmd, |ev| match ev.kind {
-                EventKind::Stdout => {
-                    let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
-                    let _ = out.flush();
-                }
-                EventKind::Stderr => {
-                    let mut err = std::io::stderr().lock();
-                    let _ = err.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
-                }
-                EventKind::Error
-                    if ev
-                        .error
-                        .as_ref()
-                        .is_some_and(|e| e.evalue.parse::<i32>().is_err()) =>
-                {
-                    eprintln!(
-                        "warren: {}",
-                        ev.error
-                            .as_ref()
-                            .map(|e| e.evalue.as_str())
-                            .unwrap_or_default()
-                    );
-                }
-                _ => {}
-            })
-            .await;
-        let deleted = client.delete(&sb.id).await;
+        let outcome = stream_to_terminal(&sb, &cmd).await;
+        let deleted = sb.kill().await.explain("deleting the sandbox");
         let code = outcome?;
         deleted?;
         anyhow::Ok(code)
@@ -167,6 +146,47 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(
         u8::try_from(code.clamp(0, 255)).unwrap_or(1),
     ))
+}
+
+fn client_for(domain: &str, key: Option<String>) -> Client {
+    let mut config = Config::new(domain);
+    config.api_key = key;
+    Client::new(config)
+}
+
+/// Runs the command, copying its output to ours as it comes; returns its exit code.
+async fn stream_to_terminal(
+    sb: &warren_sdk::Sandbox,
+    cmd: &RunCommandRequest,
+) -> anyhow::Result<i32> {
+    let what = "running the command";
+    let mut events = sb.stream(cmd).await.explain(what)?;
+    let mut output = warren_sdk::Output::default();
+    while let Some(ev) = events.next().await {
+        let ev = ev.explain(what)?;
+        match ev.kind {
+            EventKind::Stdout => {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
+                let _ = out.flush();
+            }
+            EventKind::Stderr => {
+                let mut err = std::io::stderr().lock();
+                let _ = err.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
+            }
+            // An error that is not an exit code: the command could not run at all.
+            EventKind::Error => {
+                if let Some(e) = ev.error.as_ref().filter(|e| e.evalue.parse::<i32>().is_err()) {
+                    eprintln!("warren: {}", e.evalue);
+                }
+            }
+            _ => {}
+        }
+        if output.absorb(&ev) {
+            return Ok(output.exit_code);
+        }
+    }
+    anyhow::bail!("{what}: the command's output ended without a result")
 }
 
 fn random_key() -> String {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt;
 
@@ -41,8 +41,19 @@ pub async fn upload(State(app): State<Arc<AppState>>, req: Request) -> ApiResult
         .and_then(|v| v.to_str().ok())
         .ok_or_else(|| ApiError::bad_body("missing Content-Type"))?;
     let boundary = multer::parse_boundary(content_type).map_err(multipart_error)?;
-    let stream = req.into_body().into_data_stream();
-    let mut multipart = multer::Multipart::new(stream, boundary);
+    let body = SharedBody::new(req.into_body().into_data_stream());
+    let result = receive(&app, &body, boundary).await;
+    // multer stops at the closing boundary (or at an error); the body's own end (an epilogue, the
+    // chunked terminator) may still be unread. Answering before it is read makes hyper close the
+    // connection while the client is still sending that last bit, and the client (the server's
+    // proxy) then reports a failed request instead of this answer.
+    body.drain().await;
+    result
+}
+
+/// Writes every file of the multipart body; returns once the closing boundary is read.
+async fn receive(app: &AppState, body: &SharedBody, boundary: String) -> ApiResult<StatusCode> {
+    let mut multipart = multer::Multipart::new(body.clone(), boundary);
     let ids = Ids::load();
     let mut pending: Option<Metadata> = None;
     let mut written = 0usize;
@@ -90,4 +101,41 @@ pub async fn upload(State(app): State<Arc<AppState>>, req: Request) -> ApiResult
         return Err(ApiError::invalid_file("no file part in upload"));
     }
     Ok(StatusCode::OK)
+}
+
+/// The request body, shared between multer (which reads it up to the closing boundary) and the
+/// handler (which reads what is left).
+#[derive(Clone)]
+struct SharedBody(Arc<std::sync::Mutex<axum::body::BodyDataStream>>);
+
+impl SharedBody {
+    fn new(stream: axum::body::BodyDataStream) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(stream)))
+    }
+
+    /// Reads and discards the rest of the body (bounded: an upload's epilogue is tiny; a client
+    /// that keeps sending after the closing boundary is cut off after 1 MiB).
+    async fn drain(&self) {
+        let mut left = 1usize << 20;
+        while let Some(Ok(chunk)) = self.clone().next().await {
+            left = left.saturating_sub(chunk.len());
+            if left == 0 {
+                break;
+            }
+        }
+    }
+}
+
+impl futures::Stream for SharedBody {
+    type Item = Result<bytes::Bytes, axum::Error>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        match self.0.lock() {
+            Ok(mut inner) => std::pin::Pin::new(&mut *inner).poll_next(cx),
+            Err(_) => std::task::Poll::Ready(None),
+        }
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -13,7 +13,6 @@ use rand::RngCore;
 use subtle::ConstantTimeEq;
 use warren_api::{ErrorCode, API_KEY_HEADER};
 
-use crate::config::API_KEY_FILE;
 use crate::error::ApiError;
 use crate::AppState;
 
@@ -53,9 +52,7 @@ pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Ne
     }
 }
 
-pub fn key_file(data_dir: &Path) -> PathBuf {
-    data_dir.join(API_KEY_FILE)
-}
+pub use warren_api::local::key_file;
 
 /// Returns the stored key, generating and storing one (0600) on first use.
 pub fn load_or_generate_key(data_dir: &Path) -> std::io::Result<(String, bool)> {

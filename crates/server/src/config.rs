@@ -2,7 +2,7 @@
 //! Every environment variable Warren reads is a constant here.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
@@ -15,8 +15,7 @@ pub mod env {
     pub const LOG: &str = "WARREN_LOG";
 }
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
-pub const API_KEY_FILE: &str = "api-key";
+pub use warren_api::local::{API_KEY_FILE, DEFAULT_LISTEN};
 
 /// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -175,16 +174,7 @@ impl<const N: usize> EnvSource for [(&str, &str); N] {
 }
 
 pub fn default_data_dir(env: &dyn EnvSource) -> PathBuf {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return PathBuf::from("/var/lib/warren");
-    }
-    if let Some(x) = env.get("XDG_DATA_HOME") {
-        return Path::new(&x).join("warren");
-    }
-    env.get("HOME")
-        .map(|h| Path::new(&h).join(".local/share/warren"))
-        .unwrap_or_else(|| PathBuf::from(".warren"))
+    warren_api::local::default_data_dir(|k| env.get(k))
 }
 
 impl ServerConfig {

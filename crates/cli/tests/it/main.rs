@@ -5,4 +5,5 @@
 
 mod harness;
 mod lifecycle;
+mod sdk;
 mod serve;

@@ -1,0 +1,364 @@
+//! `warren-sdk` against a real `warren serve`: every call of the SDK, its streaming, its errors, and
+//! the quickstart example from its docs, run as written.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use sha2::Digest;
+use warren_sdk::{
+    Client, CodeTarget, Config, CreateSandboxRequest, Error, EventKind, ImageSpec, ListQuery,
+    Ownership, RunCommandRequest, SandboxState,
+};
+
+use crate::harness::{assert_no_trace, free_port, Server};
+
+#[path = "../../../sdk/examples/quickstart.rs"]
+mod quickstart;
+
+fn sdk(server: &Server) -> Client {
+    Client::new(Config::new(&server.base()).with_api_key(&server.key))
+}
+
+fn host() -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        image: Some(ImageSpec {
+            uri: "host".into(),
+            auth: None,
+        }),
+        timeout: Some(600),
+        entrypoint: Some(vec!["tail".into(), "-f".into(), "/dev/null".into()]),
+        ..Default::default()
+    }
+}
+
+async fn wait_for(client: &Client, id: &str, want: SandboxState) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = client.get(id).await.expect("get");
+        if info.status.state == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{id} never became {want:?}: {info:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn quickstart_example_runs_as_written() {
+    let server = Server::start();
+    let out = quickstart::quickstart(&sdk(&server))
+        .await
+        .expect("quickstart");
+    assert!(out.starts_with("hello from the sandbox\n"), "{out:?}");
+}
+
+#[tokio::test]
+async fn lifecycle_calls() {
+    let server = Server::start();
+    let client = sdk(&server);
+    client.health().await.expect("health");
+    let mut req = host();
+    req.metadata = Some(BTreeMap::from([("team".into(), "sdk".into())]));
+    let mut sb = client.create(&req).await.expect("create");
+    assert_eq!(sb.info().status.state, SandboxState::Running);
+    let id = sb.id().to_string();
+
+    let other = client.create(&host()).await.expect("second create");
+    let listed = client
+        .list(&ListQuery {
+            metadata: BTreeMap::from([("team".into(), "sdk".into())]),
+            states: vec![SandboxState::Running],
+            ..Default::default()
+        })
+        .await
+        .expect("list");
+    let ids: Vec<&str> = listed.items.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, vec![id.as_str()], "metadata filter");
+    let paged = client
+        .list(&ListQuery {
+            page_size: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("page");
+    assert_eq!(paged.items.len(), 1);
+    assert!(paged.pagination.has_next_page);
+
+    let patched = client
+        .patch_metadata(
+            &id,
+            &BTreeMap::from([
+                ("team".to_string(), None),
+                ("stage".to_string(), Some("two".to_string())),
+            ]),
+        )
+        .await
+        .expect("patch");
+    assert_eq!(
+        patched.metadata,
+        BTreeMap::from([("stage".to_string(), "two".to_string())])
+    );
+
+    let before = sb.info().expires_at.clone().expect("expiry");
+    let after = sb.renew(Duration::from_secs(3600)).await.expect("renew");
+    assert!(after > before, "{after} after {before}");
+    assert_eq!(sb.refresh().await.expect("refresh").expires_at, Some(after));
+
+    sb.pause().await.expect("pause");
+    wait_for(&client, &id, SandboxState::Paused).await;
+    let err = sb.pause().await.expect_err("second pause");
+    assert_eq!(err.status(), Some(409), "{err}");
+    sb.resume().await.expect("resume");
+    wait_for(&client, &id, SandboxState::Running).await;
+    assert_eq!(sb.run("echo back").await.expect("run").stdout, "back\n");
+
+    let ep = sb.endpoint(8000).await.expect("endpoint");
+    assert!(ep.endpoint.contains(&format!("/sandboxes/{id}/proxy/8000")), "{ep:?}");
+    assert!(!ep.headers.is_empty(), "the endpoint carries its token");
+    let metrics = sb.metrics().await.expect("metrics");
+    assert!(metrics.cpu_count > 0.0);
+
+    // Connecting by id gives an equivalent handle.
+    let again = client.connect(&id).await.expect("connect");
+    assert!(again.ping().await);
+
+    sb.kill().await.expect("kill");
+    other.kill().await.expect("kill other");
+    assert_eq!(
+        sb.kill().await.expect_err("double kill").status(),
+        Some(404)
+    );
+    assert_no_trace(&server.data(), &id);
+}
+
+#[tokio::test]
+async fn commands_stream_and_report_exit_codes() {
+    let server = Server::start();
+    let sb = sdk(&server).create(&host()).await.expect("create");
+
+    let out = sb.run("echo out; echo err >&2; exit 3").await.expect("run");
+    assert_eq!((out.stdout.as_str(), out.stderr.as_str()), ("out\n", "err\n"));
+    assert_eq!(out.exit_code, 3);
+    assert!(!out.success());
+
+    // Events arrive as they happen: the first line comes before the command ends.
+    let started = Instant::now();
+    let mut events = sb
+        .stream(&RunCommandRequest {
+            command: Some("echo one; sleep 1; echo two".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    let mut kinds = Vec::new();
+    let mut first_out = None;
+    while let Some(ev) = events.next().await {
+        let ev = ev.expect("event");
+        if ev.kind == EventKind::Stdout && first_out.is_none() {
+            first_out = Some(started.elapsed());
+        }
+        kinds.push(ev.kind);
+    }
+    assert_eq!(kinds.first(), Some(&EventKind::Init));
+    assert_eq!(kinds.last(), Some(&EventKind::ExecutionComplete));
+    assert!(
+        first_out.is_some_and(|t| t < Duration::from_millis(900)),
+        "first output was not streamed: {first_out:?}"
+    );
+
+    let out = sb
+        .stream(&RunCommandRequest {
+            command: Some("echo $GREETING; pwd".into()),
+            cwd: Some("/tmp".into()),
+            envs: Some(BTreeMap::from([("GREETING".into(), "hi".into())])),
+            ..Default::default()
+        })
+        .await
+        .expect("stream")
+        .collect_output()
+        .await
+        .expect("output");
+    assert_eq!(out.stdout, "hi\n/tmp\n");
+
+    // Background: status, logs with a cursor, interrupt.
+    let id = sb
+        .spawn(&RunCommandRequest {
+            command: Some("echo a; echo b; sleep 600".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let logs = loop {
+        let logs = sb.logs(&id, None).await.expect("logs");
+        if logs.text == "a\nb\n" || Instant::now() > deadline {
+            break logs;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(logs.text, "a\nb\n");
+    let tail = sb.logs(&id, logs.cursor).await.expect("logs after cursor");
+    assert_eq!(tail.text, "", "nothing new after the cursor");
+    assert!(sb.status(&id).await.expect("status").running);
+    sb.interrupt(&id).await.expect("interrupt");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sb.status(&id).await.expect("status").running {
+        assert!(Instant::now() < deadline, "interrupt did not end the command");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sb.status("no-such-command").await.expect_err("unknown").is_not_found());
+
+    // Sessions keep shell state.
+    let session = sb.session(Some("/tmp")).await.expect("session");
+    session.run("cd /etc && X=42").await.expect("first");
+    let out = session.run("echo $X $(pwd)").await.expect("second");
+    assert_eq!(out.stdout, "42 /etc\n");
+    session.close().await.expect("close");
+
+    sb.kill().await.expect("kill");
+}
+
+#[tokio::test]
+async fn files_stream_both_ways_and_keep_their_bytes() {
+    let server = Server::start();
+    let sb = sdk(&server).create(&host()).await.expect("create");
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    // 24 MiB of non-repeating bytes, up and back down, checksummed on both sides.
+    let local = dir.path().join("big.bin");
+    let mut data = Vec::with_capacity(24 << 20);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    while data.len() < 24 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        data.extend_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(&local, &data).expect("write local");
+    let want = hex::encode(sha2::Sha256::digest(&data));
+    sb.upload(&local, "/tmp/up/big.bin", &Ownership::mode(0o600))
+        .await
+        .expect("upload");
+    let inside = sb.run("sha256sum /tmp/up/big.bin").await.expect("sha256sum");
+    assert_eq!(inside.stdout.split_whitespace().next(), Some(want.as_str()));
+    let info = sb.stat("/tmp/up/big.bin").await.expect("stat");
+    assert_eq!((info.size, info.mode), (24 << 20, 600));
+    let back = dir.path().join("back.bin");
+    assert_eq!(
+        sb.download_to("/tmp/up/big.bin", &back).await.expect("download"),
+        24 << 20
+    );
+    let got = std::fs::read(&back).expect("read back");
+    assert_eq!(hex::encode(sha2::Sha256::digest(&got)), want);
+
+    // A byte range.
+    let mut part = Vec::new();
+    let mut s = sb
+        .download("/tmp/up/big.bin", Some((10, Some(19))))
+        .await
+        .expect("range");
+    while let Some(c) = s.next().await {
+        part.extend_from_slice(&c.expect("chunk"));
+    }
+    assert_eq!(part, data[10..20]);
+
+    sb.write("/tmp/work/a.txt", "hello world, hello\n").await.expect("write");
+    assert_eq!(sb.replace("/tmp/work/a.txt", "hello", "bye").await.expect("replace"), 2);
+    assert_eq!(
+        sb.read_to_string("/tmp/work/a.txt").await.expect("read"),
+        "bye world, bye\n"
+    );
+    sb.chmod("/tmp/work/a.txt", &Ownership::mode(0o640)).await.expect("chmod");
+    assert_eq!(sb.stat("/tmp/work/a.txt").await.expect("stat").mode, 640);
+    sb.mkdir("/tmp/work/sub/deeper", &Ownership::default()).await.expect("mkdir");
+    sb.mv("/tmp/work/a.txt", "/tmp/work/sub/b.txt").await.expect("mv");
+    let found: Vec<String> = sb
+        .search("/tmp/work", "**/*.txt")
+        .await
+        .expect("search")
+        .into_iter()
+        .map(|f| f.path)
+        .collect();
+    assert_eq!(found, vec!["/tmp/work/sub/b.txt".to_string()]);
+    let listed: Vec<String> = sb
+        .list_dir("/tmp/work/sub", 1)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|f| f.path)
+        .collect();
+    assert_eq!(listed, vec!["/tmp/work/sub/b.txt", "/tmp/work/sub/deeper"]);
+    sb.remove_files(&["/tmp/work/sub/b.txt"]).await.expect("rm");
+    assert!(sb.stat("/tmp/work/sub/b.txt").await.expect_err("gone").is_not_found());
+    sb.remove_dir("/tmp/work").await.expect("rmdir");
+    assert!(sb.read("/tmp/work/sub").await.expect_err("gone").is_not_found());
+
+    sb.kill().await.expect("kill");
+}
+
+#[tokio::test]
+async fn errors_are_told_apart() {
+    let server = Server::start();
+
+    let wrong = Client::new(Config::new(&server.base()).with_api_key("wrong"));
+    let err = wrong.list(&ListQuery::default()).await.expect_err("wrong key");
+    assert!(err.is_unauthorized(), "{err}");
+
+    let nowhere = Client::new(Config::new(&format!("127.0.0.1:{}", free_port())));
+    assert!(
+        matches!(nowhere.health().await, Err(Error::Unreachable { .. })),
+        "a closed port is unreachable"
+    );
+
+    let client = sdk(&server);
+    let err = client.connect("no-such-sandbox").await.expect_err("unknown");
+    assert!(err.is_not_found(), "{err}");
+    assert!(err.to_string().contains("no-such-sandbox"), "{err}");
+
+    let mut bad = host();
+    bad.image = Some(ImageSpec {
+        uri: "no/such:image".into(),
+        auth: None,
+    });
+    let err = client.create(&bad).await.expect_err("unknown image");
+    assert_eq!(err.status(), Some(404), "{err}");
+    assert_eq!(err.code(), Some("SANDBOX::IMAGE_NOT_FOUND"));
+
+    // A handle on a sandbox that is gone fails with the server's answer, not a hang.
+    let sb = client.create(&host()).await.expect("create");
+    sb.kill().await.expect("kill");
+    let err = sb.run("true").await.expect_err("run after kill");
+    assert!(matches!(err, Error::Api { .. }), "{err}");
+
+    // Code on an image whose kernels cannot start is a clear error too.
+    let sb = client.create(&host()).await.expect("create");
+    let err = sb
+        .run_code("1+1", &CodeTarget::Language("no-such-language".into()))
+        .await
+        .expect_err("unknown language");
+    assert_eq!(err.status(), Some(400), "{err}");
+    sb.kill().await.expect("kill");
+}
+
+#[test]
+fn config_finds_a_local_servers_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("api-key"), "generated\n").expect("key");
+    let data = dir.path().display().to_string();
+    let cfg = Config::from_lookup(|k| match k {
+        "WARREN_DATA_DIR" => Some(data.clone()),
+        _ => None,
+    });
+    assert_eq!(cfg.api_key.as_deref(), Some("generated"));
+    assert_eq!(cfg.base_url, "http://127.0.0.1:8080");
+    let cfg = Config::from_lookup(|k| match k {
+        "OPEN_SANDBOX_DOMAIN" => Some("https://sandbox.example:9443/".into()),
+        "OPEN_SANDBOX_API_KEY" => Some("explicit".into()),
+        "WARREN_DATA_DIR" => Some(data.clone()),
+        _ => None,
+    });
+    assert_eq!(cfg.api_key.as_deref(), Some("explicit"));
+    assert_eq!(cfg.base_url, "https://sandbox.example:9443");
+    assert!(!format!("{cfg:?}").contains("explicit"), "Debug hides the key");
+}
