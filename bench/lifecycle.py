@@ -201,6 +201,20 @@ async def measure(make, n: int, concurrency: int) -> dict:
             "errors": errors[:3]}
 
 
+def rust_client_run(load: Path, port: int, key: str, image: str, n: int, concurrency: int) -> dict:
+    """The same cycle as raw_once, driven by the compiled warren-sdk client (bench/load) in its own
+    process, so no Python CPU competes with the server for the machine's cores."""
+    out = subprocess.run([str(load), "--domain", f"127.0.0.1:{port}", "--api-key", key, "--image", image,
+                          "--command", COMMAND, "--n", str(n), "--concurrency", str(concurrency)],
+                         check=True, capture_output=True, text=True, timeout=600)
+    r = json.loads(out.stdout)
+    ms = r["times_ms"]
+    return {"n": n, "concurrency": concurrency, "ok": len(ms), "failed": len(r["errors"]),
+            "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
+            "mean_ms": statistics.fmean(ms) if ms else float("nan"), "wall_s": r["wall_s"],
+            "errors": [e[:200] for e in r["errors"][:3]]}
+
+
 def docker_available() -> bool:
     if not shutil.which("docker"):
         return False
@@ -223,6 +237,7 @@ async def main() -> None:
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
     ap.add_argument("--docker", action="store_true",
                     help="also run Warren on the Docker runtime (and `docker run`), when a daemon answers")
+    ap.add_argument("--load", help="the warren-load binary (default: beside --warren)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     use_docker = args.docker and docker_available()
@@ -270,6 +285,13 @@ async def main() -> None:
             for name, make in kinds.items():
                 for conc in (1, args.concurrency):
                     results[f"{name} c={conc}"] = await measure(make, args.n, conc)
+            load = Path(args.load or Path(args.warren).with_name("warren-load"))
+            if load.exists():
+                for conc in (1, args.concurrency):
+                    results[f"warren Rust SDK c={conc}"] = rust_client_run(
+                        load, server.port, server.key, image, args.n, conc)
+            else:
+                print(f"# {load} not built (cargo build --release -p warren-bench): Rust SDK rows omitted")
         await shared.aclose()
         rss = server.rss_kib()
     finally:

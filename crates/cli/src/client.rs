@@ -6,33 +6,60 @@ use std::collections::BTreeMap;
 use anyhow::Context;
 use warren_sdk::{Client, Config, Error};
 
-/// Where a running server is: `--domain`/`OPEN_SANDBOX_DOMAIN`, else the default address; the key from
-/// `--api-key`, `OPEN_SANDBOX_API_KEY`, `WARREN_API_KEY`, else the one a local server generated.
-#[derive(clap::Args, Debug, Clone)]
+/// Where a running server is: `--domain`, `OPEN_SANDBOX_DOMAIN`, the CLI config's `connection.domain`,
+/// else the default address; the key from `--api-key`, `OPEN_SANDBOX_API_KEY`, `WARREN_API_KEY`, the
+/// CLI config, else the one a server on this machine generated.
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct ServerArgs {
-    /// Server address (host:port) [env: OPEN_SANDBOX_DOMAIN] [default: 127.0.0.1:8080]
-    #[arg(long)]
+    /// Server address (host:port or URL) [env: OPEN_SANDBOX_DOMAIN] [default: 127.0.0.1:8080]
+    #[arg(long, global = true)]
     pub domain: Option<String>,
     /// API key [env: OPEN_SANDBOX_API_KEY, WARREN_API_KEY; else the key a local server generated]
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub api_key: Option<String>,
     /// Data dir of a local server, to find its generated key [env: WARREN_DATA_DIR]
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub data_dir: Option<std::path::PathBuf>,
+    /// Seconds to wait for an answer to a call that is not a stream [default: 60]
+    #[arg(long, global = true)]
+    pub request_timeout: Option<u64>,
 }
 
 impl ServerArgs {
-    pub fn client(&self) -> Client {
+    pub fn client(&self) -> anyhow::Result<Client> {
+        let settings = crate::settings::Settings::load()?;
+        Ok(self.client_with(&settings))
+    }
+
+    pub fn client_with(&self, settings: &crate::settings::Settings) -> Client {
         let flags = self.clone();
+        let conn = settings.connection.clone();
         let config = Config::from_lookup(move |k| {
-            let flag = match k {
-                "OPEN_SANDBOX_DOMAIN" => flags.domain.clone(),
-                "OPEN_SANDBOX_API_KEY" => flags.api_key.clone(),
-                "WARREN_DATA_DIR" => flags.data_dir.as_ref().map(|d| d.display().to_string()),
-                _ => None,
-            };
-            flag.or_else(|| std::env::var(k).ok().filter(|v| !v.is_empty()))
+            let env = || std::env::var(k).ok().filter(|v| !v.is_empty());
+            match k {
+                "OPEN_SANDBOX_DOMAIN" => flags.domain.clone().or_else(env).or(conn.domain.clone()),
+                "OPEN_SANDBOX_API_KEY" => flags
+                    .api_key
+                    .clone()
+                    .or_else(env)
+                    .or_else(|| {
+                        std::env::var("WARREN_API_KEY")
+                            .ok()
+                            .filter(|v| !v.is_empty())
+                    })
+                    .or(conn.api_key.clone()),
+                "WARREN_DATA_DIR" => flags
+                    .data_dir
+                    .as_ref()
+                    .map(|d| d.display().to_string())
+                    .or_else(env),
+                _ => env(),
+            }
         });
+        let mut config = config;
+        if let Some(t) = self.request_timeout.or(settings.connection.request_timeout) {
+            config.request_timeout = Some(std::time::Duration::from_secs(t.max(1)));
+        }
         Client::new(config)
     }
 }
@@ -61,7 +88,9 @@ fn describe(e: &Error) -> String {
         Error::Broken(err) => format!(
             "the connection broke off ({err}); the sandbox may have ended or expired meanwhile"
         ),
-        Error::Api { status, message, .. } => {
+        Error::Api {
+            status, message, ..
+        } => {
             let hint = match status {
                 401 | 403 => {
                     " (hint: pass the server's key with --api-key or OPEN_SANDBOX_API_KEY; a local \

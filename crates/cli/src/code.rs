@@ -67,7 +67,7 @@ async fn run_code(args: RunCodeArgs) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &args.save_results {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let client = args.server.client();
+    let client = args.server.client()?;
     let what = "running the code";
     let sandbox = client
         .connect(&args.sandbox)

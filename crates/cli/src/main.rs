@@ -2,7 +2,12 @@
 
 mod client;
 mod code;
+mod command;
+mod file;
+mod output;
 mod run;
+mod sandbox;
+mod settings;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,11 +24,11 @@ use warren_server::config::{self, EnvSource, ProcessEnv};
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Verb,
 }
 
 #[derive(Subcommand)]
-enum Command {
+enum Verb {
     /// Start the lifecycle server.
     Serve {
         /// Address to listen on [env: WARREN_LISTEN] [default: 127.0.0.1:8080]
@@ -46,6 +51,40 @@ enum Command {
         #[command(subcommand)]
         command: code::CodeCommand,
     },
+    /// Sandboxes: create, list, get, kill, pause, resume, renew, endpoint, health, metrics.
+    Sandbox {
+        #[command(subcommand)]
+        command: sandbox::SandboxCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// Commands and bash sessions in a sandbox.
+    Command {
+        #[command(subcommand)]
+        command: command::CommandCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// Files and directories in a sandbox.
+    File {
+        #[command(subcommand)]
+        command: file::FileCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// The CLI's own settings (server, key, output format, defaults).
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Print a shell completion script: warren completions bash > /etc/bash_completion.d/warren
+    Completions { shell: clap_complete::Shell },
     /// Manage the local image store.
     Image {
         #[command(subcommand)]
@@ -68,6 +107,20 @@ enum ImageCommand {
     },
     /// Remove an image name (its layers go once nothing uses them).
     Rm { names: Vec<String> },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Write a settings file with the defaults (--force to overwrite one).
+    Init {
+        #[arg(long)]
+        force: bool,
+    },
+    /// Set one key: connection.domain, connection.api_key, connection.request_timeout,
+    /// output.format, defaults.image, defaults.timeout.
+    Set { key: String, value: String },
+    /// Print the settings (the key hidden) and where they are.
+    Show,
 }
 
 fn main() -> ExitCode {
@@ -95,7 +148,7 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve {
+        Verb::Serve {
             listen,
             data_dir,
             config: config_file,
@@ -112,15 +165,80 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rt.block_on(serve(cfg))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run(args) => {
+        Verb::Run(args) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(run::run(args))
         }
-        Command::Code { command } => {
+        Verb::Code { command } => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(code::run(command))
         }
-        Command::Image { command, data_dir } => {
+        Verb::Sandbox {
+            command,
+            server,
+            out,
+        } => {
+            let settings = settings::Settings::load()?;
+            let client = server.client_with(&settings);
+            let format = out.output.or(settings.output.format).unwrap_or_default();
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(sandbox::run(command, &client, &settings, format))
+        }
+        Verb::Command {
+            command,
+            server,
+            out,
+        } => {
+            let settings = settings::Settings::load()?;
+            let client = server.client_with(&settings);
+            let format = out.output.or(settings.output.format).unwrap_or_default();
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(command::run(command, &client, format))
+        }
+        Verb::File {
+            command,
+            server,
+            out,
+        } => {
+            let settings = settings::Settings::load()?;
+            let client = server.client_with(&settings);
+            let format = out.output.or(settings.output.format).unwrap_or_default();
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(file::run(command, &client, format))
+        }
+        Verb::Config { command } => {
+            match command {
+                ConfigCommand::Init { force } => {
+                    let path = settings::path();
+                    if path.exists() && !force {
+                        anyhow::bail!("{} exists (hint: --force to overwrite it)", path.display());
+                    }
+                    let mut s = settings::Settings::default();
+                    s.connection.domain = Some(config::DEFAULT_LISTEN.into());
+                    s.output.format = Some(output::Format::Table);
+                    s.defaults.image = Some("host".into());
+                    s.defaults.timeout = Some(600);
+                    println!("wrote {}", s.save()?.display());
+                }
+                ConfigCommand::Set { key, value } => {
+                    let mut s = settings::Settings::load()?;
+                    s.set(&key, &value)?;
+                    println!("{key} set in {}", s.save()?.display());
+                }
+                ConfigCommand::Show => {
+                    let s = settings::Settings::load()?;
+                    println!("# {}", settings::path().display());
+                    print!("{}", toml::to_string_pretty(&s.redacted())?);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Verb::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "warren", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
+        Verb::Image { command, data_dir } => {
             let data_dir = data_dir
                 .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
                 .unwrap_or_else(|| config::default_data_dir(&ProcessEnv));

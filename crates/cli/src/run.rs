@@ -2,15 +2,13 @@
 //! configured or answering on the default address; otherwise starts one in-process for the duration
 //! of the command (so a fresh machine needs no daemon).
 
-use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use warren_api::execd::{EventKind, RunCommandRequest};
+use warren_api::execd::RunCommandRequest;
 use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
-use futures::StreamExt;
 use warren_api::local::stored_key;
 use warren_sdk::{Client, Config};
 
@@ -130,7 +128,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             cwd: args.workdir.clone(),
             ..Default::default()
         };
-        let outcome = stream_to_terminal(&sb, &cmd).await;
+        let outcome = match sb.stream(&cmd).await.explain("running the command") {
+            Ok(events) => crate::command::stream_to_terminal(events, "running the command").await,
+            Err(e) => Err(e),
+        };
         let deleted = sb.kill().await.explain("deleting the sandbox");
         let code = outcome?;
         deleted?;
@@ -154,41 +155,6 @@ fn client_for(domain: &str, key: Option<String>) -> Client {
     Client::new(config)
 }
 
-/// Runs the command, copying its output to ours as it comes; returns its exit code.
-async fn stream_to_terminal(
-    sb: &warren_sdk::Sandbox,
-    cmd: &RunCommandRequest,
-) -> anyhow::Result<i32> {
-    let what = "running the command";
-    let mut events = sb.stream(cmd).await.explain(what)?;
-    let mut output = warren_sdk::Output::default();
-    while let Some(ev) = events.next().await {
-        let ev = ev.explain(what)?;
-        match ev.kind {
-            EventKind::Stdout => {
-                let mut out = std::io::stdout().lock();
-                let _ = out.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
-                let _ = out.flush();
-            }
-            EventKind::Stderr => {
-                let mut err = std::io::stderr().lock();
-                let _ = err.write_all(ev.text.as_deref().unwrap_or_default().as_bytes());
-            }
-            // An error that is not an exit code: the command could not run at all.
-            EventKind::Error => {
-                if let Some(e) = ev.error.as_ref().filter(|e| e.evalue.parse::<i32>().is_err()) {
-                    eprintln!("warren: {}", e.evalue);
-                }
-            }
-            _ => {}
-        }
-        if output.absorb(&ev) {
-            return Ok(output.exit_code);
-        }
-    }
-    anyhow::bail!("{what}: the command's output ended without a result")
-}
-
 fn random_key() -> String {
     let mut bytes = [0u8; 16];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
@@ -198,7 +164,7 @@ fn random_key() -> String {
 }
 
 /// POSIX-shell quoting so `warren run -- echo "a b"` means what it says.
-fn shell_join(args: &[String]) -> String {
+pub fn shell_join(args: &[String]) -> String {
     args.iter()
         .map(|a| {
             if !a.is_empty()

@@ -92,6 +92,16 @@ impl Sandbox {
     }
 }
 
+impl Sandbox {
+    /// A handle on a session started earlier (by id), e.g. by another process.
+    pub fn attach_session(&self, id: &str) -> Session {
+        Session {
+            sandbox: self.clone(),
+            id: id.to_string(),
+        }
+    }
+}
+
 /// A persistent bash in a sandbox.
 #[derive(Clone, Debug)]
 pub struct Session {

@@ -66,7 +66,11 @@ impl Sandbox {
     }
 
     /// Streams a file, or the byte range `start..=end` of it (`end` None = to the end).
-    pub async fn download(&self, path: &str, range: Option<(u64, Option<u64>)>) -> Result<ByteStream> {
+    pub async fn download(
+        &self,
+        path: &str,
+        range: Option<(u64, Option<u64>)>,
+    ) -> Result<ByteStream> {
         let (mut r, url) = self.execd(reqwest::Method::GET, "/files/download");
         r = r.query(&[("path", path)]);
         if let Some((start, end)) = range {
@@ -143,7 +147,8 @@ impl Sandbox {
     /// Metadata of one path.
     pub async fn stat(&self, path: &str) -> Result<FileInfo> {
         let (r, url) = self.execd_call(reqwest::Method::GET, "/files/info");
-        let mut m: BTreeMap<String, FileInfo> = json(send(r.query(&[("path", path)]), &url).await?).await?;
+        let mut m: BTreeMap<String, FileInfo> =
+            json(send(r.query(&[("path", path)]), &url).await?).await?;
         m.remove(path)
             .or_else(|| m.into_values().next())
             .ok_or_else(|| Error::Protocol(format!("no info for {path}")))
@@ -176,13 +181,24 @@ impl Sandbox {
     /// Entries under `path`, `depth` levels deep, in lexical order; symlinks are not followed.
     pub async fn list_dir(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>> {
         let (r, url) = self.execd_call(reqwest::Method::GET, "/directories/list");
-        json(send(r.query(&[("path", path), ("depth", &depth.to_string())]), &url).await?).await
+        json(
+            send(
+                r.query(&[("path", path), ("depth", &depth.to_string())]),
+                &url,
+            )
+            .await?,
+        )
+        .await
     }
 
     /// Renames `src` to `dest` (the target's folder must exist).
     pub async fn mv(&self, src: &str, dest: &str) -> Result<()> {
         let (r, url) = self.execd_call(reqwest::Method::POST, "/files/mv");
-        send(r.json(&serde_json::json!([{ "src": src, "dest": dest }])), &url).await?;
+        send(
+            r.json(&serde_json::json!([{ "src": src, "dest": dest }])),
+            &url,
+        )
+        .await?;
         Ok(())
     }
 

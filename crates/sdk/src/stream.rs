@@ -163,7 +163,10 @@ mod tests {
         assert_eq!(ev.map(|e| e.text), Some(Some("hi\n".to_string())));
         assert!(parse_line(b"\n").is_none());
         assert!(parse_line(br#"{"type":"ping","timestamp":1}"#).is_none());
-        assert!(matches!(parse_line(b"{nope"), Some(Err(Error::Protocol(_)))));
+        assert!(matches!(
+            parse_line(b"{nope"),
+            Some(Err(Error::Protocol(_)))
+        ));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! cgroup, process). These need root (namespaces, cgroups), as the whole project does; the official-SDK
 //! suite in `tests/e2e` covers the protocol surface in depth.
 
+mod cli_verbs;
 mod harness;
 mod lifecycle;
 mod sdk;

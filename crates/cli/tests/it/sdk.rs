@@ -39,7 +39,10 @@ async fn wait_for(client: &Client, id: &str, want: SandboxState) {
         if info.status.state == want {
             return;
         }
-        assert!(Instant::now() < deadline, "{id} never became {want:?}: {info:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{id} never became {want:?}: {info:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -114,7 +117,10 @@ async fn lifecycle_calls() {
     assert_eq!(sb.run("echo back").await.expect("run").stdout, "back\n");
 
     let ep = sb.endpoint(8000).await.expect("endpoint");
-    assert!(ep.endpoint.contains(&format!("/sandboxes/{id}/proxy/8000")), "{ep:?}");
+    assert!(
+        ep.endpoint.contains(&format!("/sandboxes/{id}/proxy/8000")),
+        "{ep:?}"
+    );
     assert!(!ep.headers.is_empty(), "the endpoint carries its token");
     let metrics = sb.metrics().await.expect("metrics");
     assert!(metrics.cpu_count > 0.0);
@@ -138,7 +144,10 @@ async fn commands_stream_and_report_exit_codes() {
     let sb = sdk(&server).create(&host()).await.expect("create");
 
     let out = sb.run("echo out; echo err >&2; exit 3").await.expect("run");
-    assert_eq!((out.stdout.as_str(), out.stderr.as_str()), ("out\n", "err\n"));
+    assert_eq!(
+        (out.stdout.as_str(), out.stderr.as_str()),
+        ("out\n", "err\n")
+    );
     assert_eq!(out.exit_code, 3);
     assert!(!out.success());
 
@@ -204,10 +213,17 @@ async fn commands_stream_and_report_exit_codes() {
     sb.interrupt(&id).await.expect("interrupt");
     let deadline = Instant::now() + Duration::from_secs(10);
     while sb.status(&id).await.expect("status").running {
-        assert!(Instant::now() < deadline, "interrupt did not end the command");
+        assert!(
+            Instant::now() < deadline,
+            "interrupt did not end the command"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(sb.status("no-such-command").await.expect_err("unknown").is_not_found());
+    assert!(sb
+        .status("no-such-command")
+        .await
+        .expect_err("unknown")
+        .is_not_found());
 
     // Sessions keep shell state.
     let session = sb.session(Some("/tmp")).await.expect("session");
@@ -240,13 +256,18 @@ async fn files_stream_both_ways_and_keep_their_bytes() {
     sb.upload(&local, "/tmp/up/big.bin", &Ownership::mode(0o600))
         .await
         .expect("upload");
-    let inside = sb.run("sha256sum /tmp/up/big.bin").await.expect("sha256sum");
+    let inside = sb
+        .run("sha256sum /tmp/up/big.bin")
+        .await
+        .expect("sha256sum");
     assert_eq!(inside.stdout.split_whitespace().next(), Some(want.as_str()));
     let info = sb.stat("/tmp/up/big.bin").await.expect("stat");
     assert_eq!((info.size, info.mode), (24 << 20, 600));
     let back = dir.path().join("back.bin");
     assert_eq!(
-        sb.download_to("/tmp/up/big.bin", &back).await.expect("download"),
+        sb.download_to("/tmp/up/big.bin", &back)
+            .await
+            .expect("download"),
         24 << 20
     );
     let got = std::fs::read(&back).expect("read back");
@@ -263,16 +284,29 @@ async fn files_stream_both_ways_and_keep_their_bytes() {
     }
     assert_eq!(part, data[10..20]);
 
-    sb.write("/tmp/work/a.txt", "hello world, hello\n").await.expect("write");
-    assert_eq!(sb.replace("/tmp/work/a.txt", "hello", "bye").await.expect("replace"), 2);
+    sb.write("/tmp/work/a.txt", "hello world, hello\n")
+        .await
+        .expect("write");
+    assert_eq!(
+        sb.replace("/tmp/work/a.txt", "hello", "bye")
+            .await
+            .expect("replace"),
+        2
+    );
     assert_eq!(
         sb.read_to_string("/tmp/work/a.txt").await.expect("read"),
         "bye world, bye\n"
     );
-    sb.chmod("/tmp/work/a.txt", &Ownership::mode(0o640)).await.expect("chmod");
+    sb.chmod("/tmp/work/a.txt", &Ownership::mode(0o640))
+        .await
+        .expect("chmod");
     assert_eq!(sb.stat("/tmp/work/a.txt").await.expect("stat").mode, 640);
-    sb.mkdir("/tmp/work/sub/deeper", &Ownership::default()).await.expect("mkdir");
-    sb.mv("/tmp/work/a.txt", "/tmp/work/sub/b.txt").await.expect("mv");
+    sb.mkdir("/tmp/work/sub/deeper", &Ownership::default())
+        .await
+        .expect("mkdir");
+    sb.mv("/tmp/work/a.txt", "/tmp/work/sub/b.txt")
+        .await
+        .expect("mv");
     let found: Vec<String> = sb
         .search("/tmp/work", "**/*.txt")
         .await
@@ -290,9 +324,17 @@ async fn files_stream_both_ways_and_keep_their_bytes() {
         .collect();
     assert_eq!(listed, vec!["/tmp/work/sub/b.txt", "/tmp/work/sub/deeper"]);
     sb.remove_files(&["/tmp/work/sub/b.txt"]).await.expect("rm");
-    assert!(sb.stat("/tmp/work/sub/b.txt").await.expect_err("gone").is_not_found());
+    assert!(sb
+        .stat("/tmp/work/sub/b.txt")
+        .await
+        .expect_err("gone")
+        .is_not_found());
     sb.remove_dir("/tmp/work").await.expect("rmdir");
-    assert!(sb.read("/tmp/work/sub").await.expect_err("gone").is_not_found());
+    assert!(sb
+        .read("/tmp/work/sub")
+        .await
+        .expect_err("gone")
+        .is_not_found());
 
     sb.kill().await.expect("kill");
 }
@@ -302,7 +344,10 @@ async fn errors_are_told_apart() {
     let server = Server::start();
 
     let wrong = Client::new(Config::new(&server.base()).with_api_key("wrong"));
-    let err = wrong.list(&ListQuery::default()).await.expect_err("wrong key");
+    let err = wrong
+        .list(&ListQuery::default())
+        .await
+        .expect_err("wrong key");
     assert!(err.is_unauthorized(), "{err}");
 
     let nowhere = Client::new(Config::new(&format!("127.0.0.1:{}", free_port())));
@@ -312,7 +357,10 @@ async fn errors_are_told_apart() {
     );
 
     let client = sdk(&server);
-    let err = client.connect("no-such-sandbox").await.expect_err("unknown");
+    let err = client
+        .connect("no-such-sandbox")
+        .await
+        .expect_err("unknown");
     assert!(err.is_not_found(), "{err}");
     assert!(err.to_string().contains("no-such-sandbox"), "{err}");
 
@@ -360,5 +408,8 @@ fn config_finds_a_local_servers_key() {
     });
     assert_eq!(cfg.api_key.as_deref(), Some("explicit"));
     assert_eq!(cfg.base_url, "https://sandbox.example:9443");
-    assert!(!format!("{cfg:?}").contains("explicit"), "Debug hides the key");
+    assert!(
+        !format!("{cfg:?}").contains("explicit"),
+        "Debug hides the key"
+    );
 }

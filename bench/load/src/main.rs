@@ -1,0 +1,106 @@
+//! `warren-load`: runs create → first output of a command → delete cycles against a server through
+//! `warren-sdk`, `--concurrency` at a time, and prints the create → first output times as JSON.
+//!
+//! It exists so the benchmark can measure the server without a Python client's CPU in the way: on a
+//! 2-core machine the httpx client alone costs about a third of each cycle's CPU. One thread, so the
+//! client's own share stays small and measurable.
+
+use std::time::Instant;
+
+use clap::Parser;
+use futures::StreamExt;
+use warren_sdk::{Client, Config, CreateSandboxRequest, EventKind, ImageSpec, RunCommandRequest};
+
+#[derive(Parser)]
+struct Args {
+    /// Server address (host:port).
+    #[arg(long)]
+    domain: String,
+    #[arg(long)]
+    api_key: String,
+    #[arg(long, default_value = "host")]
+    image: String,
+    #[arg(long, default_value = "echo hi")]
+    command: String,
+    /// Cycles to run.
+    #[arg(long, default_value_t = 50)]
+    n: usize,
+    /// Cycles in flight at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+}
+
+/// One cycle; returns create → first stdout in milliseconds.
+async fn cycle(client: &Client, req: &CreateSandboxRequest, command: &str) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let sb = client.create(req).await?;
+    let outcome = async {
+        let mut events = sb
+            .stream(&RunCommandRequest {
+                command: Some(command.to_string()),
+                ..Default::default()
+            })
+            .await?;
+        let mut first = None;
+        while let Some(ev) = events.next().await {
+            let ev = ev?;
+            match ev.kind {
+                EventKind::Stdout if first.is_none() => {
+                    first = Some(t0.elapsed().as_secs_f64() * 1000.0)
+                }
+                EventKind::Error => anyhow::bail!("command failed: {:?}", ev.error),
+                _ => {}
+            }
+        }
+        first.ok_or_else(|| anyhow::anyhow!("no output"))
+    }
+    .await;
+    let deleted = sb.kill().await;
+    let ms = outcome?;
+    deleted?;
+    Ok(ms)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let client = Client::new(Config::new(&args.domain).with_api_key(&args.api_key));
+    let req = CreateSandboxRequest {
+        image: Some(ImageSpec {
+            uri: args.image.clone(),
+            auth: None,
+        }),
+        timeout: Some(600),
+        resource_limits: Some(
+            [("cpu", "1"), ("memory", "2Gi")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ),
+        entrypoint: Some(vec!["tail".into(), "-f".into(), "/dev/null".into()]),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..args.n)
+        .map(|_| cycle(&client, &req, &args.command))
+        .buffer_unordered(args.concurrency.max(1))
+        .collect()
+        .await;
+    let mut times = Vec::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(ms) => times.push(ms),
+            Err(e) => errors.push(format!("{e:#}")),
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "times_ms": times,
+            "errors": errors,
+            "wall_s": started.elapsed().as_secs_f64(),
+        })
+    );
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! The `warren` verbs that mirror `osb` (sandbox, command, file, config), driven as a person would,
+//! against a real server; and snapshots of the help text so changes to the CLI's surface are seen in
+//! review (`WARREN_UPDATE_SNAPSHOTS=1` rewrites them).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use crate::harness::{assert_no_trace, warren_bin, Server};
+
+struct Cli<'a> {
+    server: &'a Server,
+    config: PathBuf,
+}
+
+impl<'a> Cli<'a> {
+    fn new(server: &'a Server) -> Self {
+        Self {
+            server,
+            config: server.dir.path().join("cli.toml"),
+        }
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(warren_bin());
+        c.args(args)
+            .env("WARREN_CLI_CONFIG", &self.config)
+            .env("OPEN_SANDBOX_DOMAIN", self.server.base())
+            .env("OPEN_SANDBOX_API_KEY", &self.server.key)
+            .env_remove("WARREN_API_KEY")
+            .stdin(Stdio::null());
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().expect("run warren")
+    }
+
+    /// Runs and expects success; returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "warren {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        // Before the leaf: a command's trailing words would take a `-o` after them as theirs.
+        let mut all = vec![args[0], "-o", "json"];
+        all.extend(&args[1..]);
+        let text = self.ok(&all);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?} -o json: {e}: {text}"))
+    }
+}
+
+#[test]
+fn sandbox_command_and_file_verbs() {
+    let server = Server::start();
+    let cli = Cli::new(&server);
+    let created = cli.json(&[
+        "sandbox",
+        "create",
+        "--metadata",
+        "owner=cli",
+        "--resource",
+        "memory=256Mi",
+        "--env",
+        "GREETING=hi",
+        "--entrypoint",
+        "tail",
+        "--entrypoint",
+        "-f",
+        "--entrypoint",
+        "/dev/null",
+    ]);
+    let id = created["id"].as_str().expect("id").to_string();
+    assert_eq!(created["status"]["state"], "Running");
+
+    // Table output by default, YAML on request.
+    let table = cli.ok(&["sandbox", "get", &id]);
+    assert!(
+        table.contains("STATE") && table.contains("Running"),
+        "{table}"
+    );
+    let yaml = cli.ok(&["sandbox", "list", "--metadata", "owner=cli", "-o", "yaml"]);
+    assert!(yaml.contains(&format!("id: {id}")), "{yaml}");
+    let listed = cli.json(&["sandbox", "list", "--state", "paused"]);
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(0));
+
+    // Commands: output streamed, exit code passed through, argv quoted.
+    let out = cli.run(&[
+        "command",
+        "run",
+        &id,
+        "echo $GREETING; echo oops >&2; exit 7",
+    ]);
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
+    assert_eq!(
+        cli.ok(&["command", "run", &id, "echo", "a  b", "it's"]),
+        "a  b it's\n"
+    );
+    let bg = cli.json(&[
+        "command",
+        "run",
+        &id,
+        "--background",
+        "echo started; sleep 600",
+    ]);
+    let exec = bg["id"].as_str().expect("execution id").to_string();
+    let status = cli.json(&["command", "status", &id, &exec]);
+    assert_eq!(status["running"], true);
+    cli.ok(&["command", "interrupt", &id, &exec]);
+
+    let session = cli.json(&["command", "session", "create", &id, "--workdir", "/tmp"]);
+    let sid = session["session_id"].as_str().expect("session").to_string();
+    cli.ok(&[
+        "command",
+        "session",
+        "run",
+        &id,
+        &sid,
+        "export N=5; cd /etc",
+    ]);
+    assert_eq!(
+        cli.ok(&["command", "session", "run", &id, &sid, "echo $N $PWD"]),
+        "5 /etc\n"
+    );
+    cli.ok(&["command", "session", "delete", &id, &sid]);
+
+    // Files.
+    cli.ok(&[
+        "file",
+        "write",
+        &id,
+        "/tmp/w/a.txt",
+        "--content",
+        "one two one\n",
+        "--mode",
+        "600",
+    ]);
+    assert_eq!(
+        cli.ok(&["file", "cat", &id, "/tmp/w/a.txt"]),
+        "one two one\n"
+    );
+    let info = cli.json(&["file", "info", &id, "/tmp/w/a.txt"]);
+    assert_eq!(info[0]["mode"], 600);
+    let replaced = cli.json(&[
+        "file",
+        "replace",
+        &id,
+        "/tmp/w/a.txt",
+        "--old",
+        "one",
+        "--new",
+        "1",
+    ]);
+    assert_eq!(replaced["replacedCount"], 2);
+    let local = server.dir.path().join("up.bin");
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&local, &data).expect("local file");
+    cli.ok(&[
+        "file",
+        "upload",
+        &id,
+        local.to_str().expect("path"),
+        "/tmp/w/up.bin",
+    ]);
+    let back = server.dir.path().join("down.bin");
+    cli.ok(&[
+        "file",
+        "download",
+        &id,
+        "/tmp/w/up.bin",
+        back.to_str().expect("path"),
+    ]);
+    assert!(
+        std::fs::read(&back).expect("downloaded") == data,
+        "bytes differ"
+    );
+    cli.ok(&["file", "mkdir", &id, "/tmp/w/d/e"]);
+    cli.ok(&["file", "mv", &id, "/tmp/w/a.txt", "/tmp/w/d/b.txt"]);
+    cli.ok(&["file", "chmod", &id, "/tmp/w/d/b.txt", "--mode", "640"]);
+    let found = cli.json(&["file", "search", &id, "/tmp/w", "--pattern", "**/*.txt"]);
+    assert_eq!(found[0]["path"], "/tmp/w/d/b.txt");
+    assert_eq!(found[0]["mode"], 640);
+    let listed = cli.json(&["file", "ls", &id, "/tmp/w"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    cli.ok(&["file", "rm", &id, "/tmp/w/d/b.txt"]);
+    cli.ok(&["file", "rmdir", &id, "/tmp/w"]);
+    let gone = cli.run(&["file", "cat", &id, "/tmp/w/d/b.txt"]);
+    assert_eq!(gone.status.code(), Some(1));
+
+    // Lifecycle verbs.
+    let paused = cli.json(&["sandbox", "pause", &id]);
+    assert_eq!(paused["status"]["state"], "Paused");
+    let resumed = cli.json(&["sandbox", "resume", &id]);
+    assert_eq!(resumed["status"]["state"], "Running");
+    let renewed = cli.json(&["sandbox", "renew", &id, "--timeout", "7200"]);
+    assert!(renewed["expiresAt"].is_string());
+    let ep = cli.json(&["sandbox", "endpoint", &id, "--port", "8080"]);
+    assert!(
+        ep["endpoint"]
+            .as_str()
+            .is_some_and(|e| e.ends_with("/proxy/8080")),
+        "{ep}"
+    );
+    assert!(cli.json(&["sandbox", "health", &id])["healthy"] == true);
+    let metrics = cli.json(&["sandbox", "metrics", &id]);
+    assert_eq!(metrics["mem_total_mib"], 256.0);
+    assert!(cli.ok(&["sandbox", "kill", &id]).contains(&id));
+
+    assert_eq!(
+        cli.json(&["sandbox", "get", &id])["status"]["state"],
+        "Terminated"
+    );
+    assert_no_trace(&server.data(), &id);
+
+    // Errors: one line, non-zero.
+    let out = cli.run(&["sandbox", "get", "no-such-sandbox"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("no-such-sandbox"), "{err}");
+    let out = cli.run(&["command", "run", &id, "true"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a command in a deleted sandbox fails"
+    );
+}
+
+#[test]
+fn config_settings_are_used_and_checked() {
+    let server = Server::start();
+    let cli = Cli::new(&server);
+    cli.ok(&["config", "init"]);
+    assert_eq!(
+        cli.run(&["config", "init"]).status.code(),
+        Some(1),
+        "init refuses to overwrite"
+    );
+    cli.ok(&["config", "set", "output.format", "json"]);
+    cli.ok(&["config", "set", "connection.api_key", "from-config"]);
+    let shown = cli.ok(&["config", "show"]);
+    assert!(
+        shown.contains("format = \"json\"") && !shown.contains("from-config"),
+        "{shown}"
+    );
+    let bad = cli.run(&["config", "set", "output.format", "xml"]);
+    assert_eq!(bad.status.code(), Some(1));
+    // The config's format applies; the environment's key wins over the config's.
+    let listed = cli.ok(&["sandbox", "list"]);
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&listed).is_ok(),
+        "{listed}"
+    );
+    let mode = std::fs::metadata(&cli.config).map(|m| {
+        use std::os::unix::fs::PermissionsExt;
+        m.permissions().mode() & 0o777
+    });
+    assert_eq!(
+        mode.ok(),
+        Some(0o600),
+        "the settings file may hold a key: private"
+    );
+    // With only the config's (wrong) key the server refuses, with a hint.
+    let out = cli
+        .cmd(&["sandbox", "list"])
+        .env_remove("OPEN_SANDBOX_API_KEY")
+        .env("WARREN_DATA_DIR", server.dir.path().join("no-such-data"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("hint"));
+}
+
+#[test]
+fn completions_are_generated() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = Command::new(warren_bin())
+            .args(["completions", shell])
+            .output()
+            .expect("completions");
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("sandbox") && text.contains("upload"),
+            "{shell}"
+        );
+    }
+}
+
+fn snapshot_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots")
+}
+
+/// `warren … --help` for every group and a few leaves, compared with the files in tests/snapshots.
+#[test]
+fn help_matches_snapshots() {
+    let paths: &[&[&str]] = &[
+        &[],
+        &["sandbox"],
+        &["sandbox", "create"],
+        &["command"],
+        &["command", "run"],
+        &["file"],
+        &["config"],
+        &["code", "run"],
+        &["run"],
+        &["image"],
+    ];
+    let update = std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some();
+    let mut stale = Vec::new();
+    for p in paths {
+        let mut args: Vec<&str> = p.to_vec();
+        args.push("--help");
+        let out = Command::new(warren_bin())
+            .args(&args)
+            .env("COLUMNS", "100")
+            .output()
+            .expect("help");
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let name = if p.is_empty() {
+            "warren".to_string()
+        } else {
+            p.join("-")
+        };
+        let file = snapshot_dir().join(format!("help-{name}.txt"));
+        if update {
+            std::fs::create_dir_all(snapshot_dir()).expect("snapshot dir");
+            std::fs::write(&file, &text).expect("write snapshot");
+        } else if std::fs::read_to_string(&file).ok().as_deref() != Some(text.as_str()) {
+            stale.push(format!("{}:\n{text}", file.display()));
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "help changed (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{}",
+        stale.join("\n")
+    );
+}
