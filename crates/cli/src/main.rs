@@ -8,6 +8,7 @@ mod output;
 mod run;
 mod sandbox;
 mod settings;
+mod shell;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -77,6 +78,13 @@ enum Verb {
         server: client::ServerArgs,
         #[command(flatten)]
         out: output::OutputArgs,
+    },
+    /// An interactive terminal in a sandbox (exits with the shell's code).
+    Shell {
+        #[command(flatten)]
+        args: shell::ShellArgs,
+        #[command(flatten)]
+        server: client::ServerArgs,
     },
     /// The CLI's own settings (server, key, output format, defaults).
     Config {
@@ -205,6 +213,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let format = out.output.or(settings.output.format).unwrap_or_default();
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(file::run(command, &client, format))
+        }
+        Verb::Shell { args, server } => {
+            let client = server.client()?;
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(shell::run(args, &client))
         }
         Verb::Config { command } => {
             match command {

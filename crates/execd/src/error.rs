@@ -18,6 +18,8 @@ pub mod code {
     pub const INVALID_FILE_METADATA: &str = "INVALID_FILE_METADATA";
     pub const FILE_NOT_FOUND: &str = "FILE_NOT_FOUND";
     pub const CONTEXT_NOT_FOUND: &str = "CONTEXT_NOT_FOUND";
+    pub const SESSION_NOT_FOUND: &str = "SESSION_NOT_FOUND";
+    pub const SESSION_BUSY: &str = "SESSION_BUSY";
     pub const NOT_SUPPORTED: &str = "NOT_SUPPORTED";
     pub const UNKNOWN: &str = "UNKNOWN";
 }

@@ -13,6 +13,7 @@ pub mod logbuf;
 pub mod metrics;
 pub mod process;
 pub mod proxy;
+pub mod pty;
 pub mod query;
 pub mod reaper;
 pub mod session;
@@ -36,6 +37,7 @@ pub struct AppState {
     pub workdir: PathBuf,
     pub commands: command::Commands,
     pub sessions: session::Sessions,
+    pub ptys: pty::Ptys,
     pub contexts: interpreter::Contexts,
     pub metrics: metrics::Sources,
 }
@@ -47,6 +49,7 @@ impl AppState {
             workdir,
             commands: Default::default(),
             sessions: Default::default(),
+            ptys: Default::default(),
             contexts: Default::default(),
             metrics: Default::default(),
         }
@@ -68,6 +71,7 @@ impl AppState {
     pub fn shutdown(&self) {
         self.commands.kill_all();
         self.sessions.kill_all();
+        self.ptys.kill_all();
         self.contexts.kill_all();
     }
 }
@@ -78,6 +82,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/command", post(command::run).delete(command::interrupt))
         .route("/command/status/{id}", get(command::status))
         .route("/command/{id}/logs", get(command::logs))
+        .route("/pty", post(pty::create))
+        .route("/pty/{id}", get(pty::status).delete(pty::delete))
+        .route("/pty/{id}/ws", get(pty::ws))
         .route("/session", post(session::create))
         .route("/session/{id}", axum::routing::delete(session::delete))
         .route("/session/{id}/run", post(session::run))

@@ -28,6 +28,9 @@ pub enum Error {
     /// The answer was not what the protocol says (bad JSON, a stream that ended without a result).
     #[error("unexpected answer: {0}")]
     Protocol(String),
+    /// A WebSocket (terminal) failed after it was open.
+    #[error("terminal connection: {0}")]
+    WebSocket(String),
     /// A local file could not be read or written.
     #[error("{0}")]
     Io(#[from] std::io::Error),

@@ -3,7 +3,8 @@
 //! A [`Client`] talks to the lifecycle API; [`Client::create`] and [`Client::connect`] give a
 //! [`Sandbox`] handle whose methods reach execd inside the sandbox through the server's endpoint
 //! proxy: commands as a stream of events ([`Sandbox::stream`]) or collected ([`Sandbox::run`]),
-//! background commands, bash sessions, files with streaming upload and download, and code contexts.
+//! background commands, bash sessions, interactive terminals over WebSocket, files with streaming
+//! upload and download, and code contexts.
 //!
 //! ```no_run
 //! use warren_sdk::{Client, CreateSandboxRequest, ImageSpec};
@@ -55,6 +56,7 @@ mod code;
 mod commands;
 mod error;
 mod files;
+mod pty;
 mod sandbox;
 mod stream;
 
@@ -63,6 +65,7 @@ pub use code::CodeTarget;
 pub use commands::{Logs, Session};
 pub use error::{Error, Result};
 pub use files::{ByteStream, Ownership};
+pub use pty::{Pty, PtyEvent, PtyOptions, PtyReader, PtyStatus, PtyWriter};
 pub use sandbox::Sandbox;
 pub use stream::{EventStream, Output};
 

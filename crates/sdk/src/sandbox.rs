@@ -112,6 +112,16 @@ impl Sandbox {
         (r, url)
     }
 
+    /// execd's base as a WebSocket URL, and the headers every request carries.
+    pub(crate) fn execd_ws_base(&self) -> (String, &reqwest::header::HeaderMap) {
+        let ws = if let Some(rest) = self.execd_base.strip_prefix("https://") {
+            format!("wss://{rest}")
+        } else {
+            format!("ws://{}", self.execd_base.trim_start_matches("http://"))
+        };
+        (ws, &self.execd_headers)
+    }
+
     /// [`Sandbox::execd`] with the client's request timeout, for calls that are not streams.
     pub(crate) fn execd_call(
         &self,

@@ -344,3 +344,38 @@ fn help_matches_snapshots() {
         stale.join("\n")
     );
 }
+
+#[test]
+fn shell_runs_a_script_from_stdin_and_exits_with_its_code() {
+    let server = Server::start();
+    let cli = Cli::new(&server);
+    let created = cli.json(&["sandbox", "create"]);
+    let id = created["id"].as_str().expect("id").to_string();
+    let mut child = cli
+        .cmd(&["shell", &id])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("warren shell");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin
+            .write_all(b"echo $((6*7))x; tty\nexit 3\n")
+            .expect("script");
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("42x") && stdout.contains("/dev/pts/"),
+        "{stdout}"
+    );
+    cli.ok(&["sandbox", "kill", &id]);
+}

@@ -413,3 +413,155 @@ fn config_finds_a_local_servers_key() {
         "Debug hides the key"
     );
 }
+
+/// Reads terminal events until `want` shows up in the output; returns all output seen.
+async fn read_until(reader: &mut warren_sdk::PtyReader, want: &str) -> String {
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !seen.contains(want) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, reader.next()).await {
+            Ok(Some(Ok(warren_sdk::PtyEvent::Output(b) | warren_sdk::PtyEvent::Stderr(b)))) => {
+                seen.push_str(&String::from_utf8_lossy(&b))
+            }
+            Ok(Some(Ok(warren_sdk::PtyEvent::Replay { data, .. }))) => {
+                seen.push_str(&String::from_utf8_lossy(&data))
+            }
+            Ok(Some(Ok(_))) => {}
+            other => panic!("waiting for {want:?}: {other:?}; output so far: {seen:?}"),
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn terminals_are_real_ttys_that_resize_replay_and_move_between_clients() {
+    use warren_sdk::{PtyEvent, PtyOptions};
+    let server = Server::start();
+    let sb = sdk(&server).create(&host()).await.expect("create");
+    let id = sb.create_pty(Some("/tmp"), None).await.expect("pty");
+    assert!(
+        !sb.pty_status(&id).await.expect("status").running,
+        "starts on first attach"
+    );
+
+    let (mut w, mut r) = sb
+        .attach_pty(&id, &PtyOptions::default())
+        .await
+        .expect("attach")
+        .split();
+    w.resize(120, 40).await.expect("resize");
+    w.write(b"tty; stty size; pwd; echo $((6*7))x\n")
+        .await
+        .expect("write");
+    let out = read_until(&mut r, "42x").await;
+    assert!(out.contains("/dev/pts/"), "a real terminal: {out:?}");
+    assert!(out.contains("40 120"), "resized: {out:?}");
+    assert!(out.contains("/tmp"), "cwd: {out:?}");
+
+    // Ctrl-C reaches the foreground job through the signal control frame.
+    w.write(b"sleep 600; echo after-sleep\n")
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.signal("SIGINT").await.expect("signal");
+    w.write(b"echo interrupted-$((1+1))\n")
+        .await
+        .expect("write");
+    let out = read_until(&mut r, "interrupted-2").await;
+    assert!(
+        !out.contains("\nafter-sleep"),
+        "the sleep was interrupted, not finished: {out:?}"
+    );
+
+    // A second client is refused, unless it takes over; it can replay what it missed.
+    let err = sb
+        .attach_pty(&id, &PtyOptions::default())
+        .await
+        .err()
+        .expect("second attach refused");
+    assert_eq!(err.status(), Some(409), "{err}");
+    let (mut w2, mut r2) = sb
+        .attach_pty(
+            &id,
+            &PtyOptions {
+                since: Some(0),
+                takeover: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("takeover")
+        .split();
+    let replayed = read_until(&mut r2, "42x").await;
+    assert!(
+        replayed.contains("/dev/pts/"),
+        "replay from 0: {replayed:?}"
+    );
+    let mut evicted = false;
+    while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_secs(5), r.next()).await {
+        if matches!(ev, Ok(PtyEvent::TakenOver)) {
+            evicted = true;
+            break;
+        }
+    }
+    assert!(evicted, "the first client is told it was taken over");
+
+    w2.write(b"exit 5\n").await.expect("exit");
+    let mut code = None;
+    while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_secs(10), r2.next()).await {
+        if let Ok(PtyEvent::Exit(c)) = ev {
+            code = Some(c);
+            break;
+        }
+    }
+    assert_eq!(code, Some(5));
+    let st = sb.pty_status(&id).await.expect("status");
+    assert_eq!((st.running, st.exit_code), (false, Some(5)));
+    sb.delete_pty(&id).await.expect("delete");
+    assert!(sb.pty_status(&id).await.expect_err("gone").is_not_found());
+
+    // Pipe mode keeps stderr apart.
+    let id = sb
+        .create_pty(None, Some("echo out; echo err >&2"))
+        .await
+        .expect("pty");
+    let (_w, mut r) = sb
+        .attach_pty(
+            &id,
+            &PtyOptions {
+                pipe: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("attach")
+        .split();
+    let (mut out, mut err, mut code) = (String::new(), String::new(), None);
+    while let Ok(Some(Ok(ev))) = tokio::time::timeout(Duration::from_secs(10), r.next()).await {
+        match ev {
+            PtyEvent::Output(b) => out.push_str(&String::from_utf8_lossy(&b)),
+            PtyEvent::Stderr(b) => err.push_str(&String::from_utf8_lossy(&b)),
+            PtyEvent::Exit(c) => {
+                code = Some(c);
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        (out.as_str(), err.as_str(), code),
+        ("out\n", "err\n", Some(0))
+    );
+
+    // A session left running is ended with the sandbox.
+    let left = sb.create_pty(None, None).await.expect("pty");
+    let (_w, _r) = sb
+        .attach_pty(&left, &PtyOptions::default())
+        .await
+        .expect("attach")
+        .split();
+    let sid = sb.id().to_string();
+    sb.kill().await.expect("kill");
+    assert_no_trace(&server.data(), &sid);
+}
