@@ -4,6 +4,7 @@ mod client;
 mod code;
 mod command;
 mod file;
+mod mcp;
 mod output;
 mod run;
 mod sandbox;
@@ -83,6 +84,13 @@ enum Verb {
     Shell {
         #[command(flatten)]
         args: shell::ShellArgs,
+        #[command(flatten)]
+        server: client::ServerArgs,
+    },
+    /// An MCP server with tools for sandboxes, commands, files and code (stdio or streamable HTTP).
+    Mcp {
+        #[command(flatten)]
+        args: mcp::McpArgs,
         #[command(flatten)]
         server: client::ServerArgs,
     },
@@ -218,6 +226,12 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let client = server.client()?;
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(shell::run(args, &client))
+        }
+        Verb::Mcp { args, server } => {
+            let client = server.client()?;
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(mcp::run(args, client))?;
+            Ok(ExitCode::SUCCESS)
         }
         Verb::Config { command } => {
             match command {
