@@ -37,13 +37,16 @@ def test_nothing_left_behind():
         dirs = W.leaked_sandbox_dirs(data_dirs, ids)
         docker = W.leaked_docker(data_dirs)
         leases = W.leaked_volume_leases(data_dirs)
-        if not (procs or mounts or cgroups or dirs or docker or leases) or time.monotonic() > deadline:
+        network = W.leaked_network()
+        if not (procs or mounts or cgroups or dirs or docker or leases or network) \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.5)
 
     for title, items in (("processes", procs), ("mounts", mounts),
                          ("cgroups", cgroups), ("sandbox directories", dirs),
-                         ("Docker containers and volumes", docker), ("volume leases", leases)):
+                         ("Docker containers and volumes", docker), ("volume leases", leases),
+                         ("network links and firewall tables", network)):
         if items:
             problems.append(f"leaked {title} ({len(items)}):\n  " + "\n  ".join(items[:40]))
 

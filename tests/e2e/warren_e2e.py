@@ -197,6 +197,8 @@ class WarrenServer:
         self.log_path = root / f"server-{name}.log"
         self.imported: set[str] = set()
         self.docker_pull = False
+        # appended to the generated config (e.g. a [network] section)
+        self.extra_config = ""
         self.bin = warren_bin()
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
@@ -261,7 +263,7 @@ class WarrenServer:
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n' + storage)
+            f'oci_runtime = "{self.runtime}"\n' + storage + self.extra_config)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""
@@ -634,6 +636,18 @@ def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
                           ("volume", ["docker", "volume", "ls", "-q", "--filter", label])):
             r = subprocess.run(cmd, capture_output=True, text=True)
             out += [f"docker {kind} {x} of {d}" for x in r.stdout.split()]
+    return out
+
+
+def leaked_network() -> list[str]:
+    """Sandbox links (host ends are named w<4 hex>-<n>) and Warren firewall tables left on the host.
+    Servers remove their table when they stop with no linked sandbox, and a link goes with its
+    sandbox."""
+    import re
+    out = [f"link {name}" for name in os.listdir("/sys/class/net")
+           if re.fullmatch(r"w[0-9a-f]{4}-\d+", name)]
+    r = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    out += [f"nft {line.strip()}" for line in r.stdout.splitlines() if " warren_" in line]
     return out
 
 

@@ -180,6 +180,17 @@ pub trait Runtime: Send + Sync + 'static {
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
 
+    /// Whether sandboxes of this runtime can be given a network link (see [`Runtime::network_pid`]).
+    fn supports_network(&self) -> bool {
+        false
+    }
+
+    /// The host pid of a process in the sandbox's network namespace, when the runtime lets Warren give
+    /// that namespace a network link (egress). `None`: this runtime cannot have networking.
+    fn network_pid(&self, _state: &RuntimeState) -> Option<i32> {
+        None
+    }
+
     /// After a server restart, once every known sandbox was looked at: remove what the runtime finds
     /// of Warren's that is not among `known` (leftovers of a crash in the middle of a create).
     async fn sweep_orphans(&self, _known: &[String]) {}

@@ -657,6 +657,23 @@ impl NativeRuntime {
 
 #[async_trait::async_trait]
 impl Runtime for NativeRuntime {
+    fn supports_network(&self) -> bool {
+        // gVisor runs its own network stack inside the sandbox (started with --network=none here):
+        // a link in the host-side namespace would not reach it.
+        !self
+            .inner
+            .oci
+            .as_ref()
+            .is_some_and(|o| o.kind == oci::OciKind::Runsc)
+    }
+
+    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
+        if !self.supports_network() {
+            return None;
+        }
+        Self::live_pid(state)
+    }
+
     fn name(&self) -> String {
         format!(
             "native/{}",

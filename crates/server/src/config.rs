@@ -38,6 +38,42 @@ pub struct FileConfig {
     pub storage: StorageSection,
     #[serde(default)]
     pub limits: LimitsSection,
+    #[serde(default)]
+    pub network: NetworkSection,
+}
+
+/// `[network]`: sandbox networking and egress control.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSection {
+    /// What a sandbox created without `networkPolicy` may reach: `deny` (nothing; it gets no
+    /// network link at all) or `allow` (full egress, through the DNS filter and the firewall).
+    #[serde(default = "deny")]
+    pub default_action: String,
+    /// Sandbox links are /30s from this IPv4 range; one range per server on a host.
+    #[serde(default = "default_subnet")]
+    pub subnet: String,
+    /// Where the DNS filter forwards allowed queries (`ip:port`); default: the first `nameserver`
+    /// of the host's /etc/resolv.conf.
+    pub dns_upstream: Option<String>,
+}
+
+fn deny() -> String {
+    "deny".into()
+}
+
+fn default_subnet() -> String {
+    "10.213.0.0/16".into()
+}
+
+impl Default for NetworkSection {
+    fn default() -> Self {
+        Self {
+            default_action: deny(),
+            subnet: default_subnet(),
+            dns_upstream: None,
+        }
+    }
 }
 
 /// `[storage]`: what `volumes` may mount.
@@ -140,6 +176,7 @@ pub struct ServerConfig {
     pub docker: DockerSection,
     pub storage: StorageSection,
     pub limits: LimitsSection,
+    pub network: NetworkSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -230,6 +267,7 @@ impl ServerConfig {
             docker: file.docker.clone(),
             storage: file.storage.clone(),
             limits: file.limits.clone(),
+            network: file.network.clone(),
             config_file,
         })
     }

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod network;
 mod openapi;
 mod proxy;
 mod routes;
@@ -54,6 +55,13 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/renew-expiration", post(routes::renew))
         .route("/sandboxes/{id}/metadata", patch(routes::patch_metadata))
         .route("/sandboxes/{id}/endpoints/{port}", get(routes::endpoint))
+        .route(
+            "/sandboxes/{id}/networkpolicy",
+            get(routes::network_policy)
+                .put(routes::network_policy)
+                .patch(routes::network_policy)
+                .delete(routes::network_policy),
+        )
         .route("/metrics/events", post(routes::metrics_event))
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
     // The proxy streams bodies of any size (file uploads), so it has no body limit.
@@ -129,7 +137,14 @@ impl Server {
         let runtime = make_runtime(&config)?;
         let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         let store = Store::open(&config.data_dir).context("opening the state store")?;
-        let sandboxes = Sandboxes::new(runtime, store, images, config.terminated_retention_seconds);
+        let network = Arc::new(network::Network::new(&config.network, &config.data_dir)?);
+        let sandboxes = Sandboxes::new(
+            runtime,
+            store,
+            images,
+            config.terminated_retention_seconds,
+            network,
+        );
         sandboxes.recover().await.context("recovering sandboxes")?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -172,6 +187,7 @@ impl Server {
             .with_graceful_shutdown(shutdown)
             .await;
         self.reaper.abort();
+        self.state.sandboxes.network_shutdown();
         result.context("serving HTTP")
     }
 }

@@ -39,6 +39,7 @@ fn authorized(app: &AppState, token: &str, req: &Request) -> bool {
             .is_some_and(|v| bool::from(v.as_bytes().ct_eq(want.as_bytes())))
     };
     header_eq(ACCESS_TOKEN_HEADER, token)
+        || header_eq(crate::network::EGRESS_AUTH_HEADER, token)
         || app
             .api_key
             .as_deref()
@@ -86,6 +87,9 @@ async fn forward(
             )
             .into_response()
         }
+    }
+    if port == warren_api::EGRESS_PORT {
+        return egress_surface(&app, &id, &rest, req).await;
     }
     let query = req
         .uri()
@@ -189,4 +193,27 @@ async fn connect(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixSt
     // `_dir` keeps the /proc/self/fd handle of a long path alive until the connect completes.
     let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
     tokio::net::UnixStream::connect(&reachable).await
+}
+
+/// Port 18080 is the egress surface, served by Warren itself (nothing listens in the sandbox):
+/// `/policy` (GET, PUT/POST, PATCH, DELETE) and `/healthz`. Errors are plain text, as the reference
+/// sidecar's are.
+async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> Response {
+    let method = req.method().clone();
+    let body = match axum::body::to_bytes(req.into_body(), 1 << 20).await {
+        Ok(b) => b,
+        Err(_) => return (StatusCode::PAYLOAD_TOO_LARGE, "body too large").into_response(),
+    };
+    match rest.trim_end_matches('/') {
+        "healthz" => (StatusCode::OK, "ok").into_response(),
+        "policy" => match crate::network::policy_call(&app.sandboxes, id, &method, &body).await {
+            Ok(status) => axum::Json(status).into_response(),
+            Err(e) => (e.status, e.message).into_response(),
+        },
+        other => (
+            StatusCode::NOT_FOUND,
+            format!("no egress route /{other} (try /policy)"),
+        )
+            .into_response(),
+    }
 }

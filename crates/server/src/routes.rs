@@ -260,6 +260,19 @@ pub async fn patch_metadata(
     Ok(Json(to_wire(&rec)))
 }
 
+/// `GET|PUT|PATCH|DELETE /sandboxes/{id}/networkpolicy`: the sandbox's egress policy (the same calls
+/// as the 18080 surface's `/policy`, on the lifecycle API with the API key).
+pub async fn network_policy(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    method: http::Method,
+    body: axum::body::Bytes,
+) -> Result<Json<crate::network::PolicyStatus>, ApiError> {
+    Ok(Json(
+        crate::network::policy_call(&app.sandboxes, &id, &method, &body).await?,
+    ))
+}
+
 /// Every port is reached through Warren's own listener; the token in `headers` opens only this
 /// sandbox's proxy and is worthless elsewhere.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/endpoints/{port}", tag = "sandboxes",
@@ -299,6 +312,13 @@ pub async fn endpoint(
         .unwrap_or_else(|| app.local_addr.to_string());
     let mut out = BTreeMap::new();
     out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
+    if port == warren_api::EGRESS_PORT {
+        // What clients of the reference egress sidecar send.
+        out.insert(
+            crate::network::EGRESS_AUTH_HEADER.to_string(),
+            rec.token.clone(),
+        );
+    }
     Ok(Json(Endpoint {
         endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),
         headers: out,

@@ -15,6 +15,7 @@ use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
 use crate::error::ApiError;
+use crate::network::{needs_link, Network};
 use crate::validate::CreatePlan;
 
 pub const REASON_USER_DELETE: &str = "user_delete";
@@ -40,6 +41,7 @@ struct Inner {
     retention: chrono::Duration,
     /// Bounds creates in flight when the runtime asks for it (FIFO: first come, first created).
     create_slots: Option<tokio::sync::Semaphore>,
+    network: Arc<Network>,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -52,6 +54,7 @@ impl Sandboxes {
         store: Store,
         images: ImageStore,
         retention_seconds: i64,
+        network: Arc<Network>,
     ) -> Self {
         let create_slots = runtime
             .create_parallelism()
@@ -64,6 +67,7 @@ impl Sandboxes {
                 images: Arc::new(images),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
+                network,
             }),
         }
     }
@@ -153,6 +157,32 @@ impl Sandboxes {
                 auth: plan.image_auth.clone(),
             },
         };
+        let policy = plan
+            .network_policy
+            .clone()
+            .unwrap_or_else(|| self.inner.network.default_policy());
+        let egress = if needs_link(&policy) {
+            if !self.inner.runtime.supports_network() {
+                let _ = self.inner.images.release(&id);
+                return Err(ApiError::new(
+                    http::StatusCode::BAD_REQUEST,
+                    ErrorCode::ApiNotSupported,
+                    format!(
+                        "networkPolicy: sandboxes of the {} runtime cannot have network access on Warren yet (the native runtime, embedded or runc, can)",
+                        self.inner.runtime.name()
+                    ),
+                ));
+            }
+            match self.inner.network.egress().await {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    let _ = self.inner.images.release(&id);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         let now = Utc::now();
         let mut token = [0u8; 24];
         rand::thread_rng().fill_bytes(&mut token);
@@ -174,6 +204,8 @@ impl Sandboxes {
             last_transition_at: now,
             token: hex_token(&token),
             runtime_state: serde_json::Value::Null,
+            network_policy: serde_json::to_value(&policy).ok(),
+            network_link: None,
         };
         let entry = Arc::new(Entry {
             record: StdMutex::new(record.clone()),
@@ -200,10 +232,25 @@ impl Sandboxes {
             Some(s) => s.acquire().await.ok(),
             None => None,
         };
-        match self.inner.runtime.create(&spec).await {
-            Ok(state) => {
+        let created = match self.inner.runtime.create(&spec).await {
+            Ok(state) => match &egress {
+                // The link comes once the sandbox's namespace exists; a failure undoes the create.
+                Some(eg) => match self.link(eg, &id, &state, policy.clone(), None).await {
+                    Ok(index) => Ok((state, Some(index))),
+                    Err(e) => {
+                        let _ = self.inner.runtime.destroy(&id, &state).await;
+                        Err(e)
+                    }
+                },
+                None => Ok((state, None)),
+            },
+            Err(e) => Err(ApiError::from_runtime("creating the sandbox", e)),
+        };
+        match created {
+            Ok((state, link)) => {
                 let rec = self.update(&entry, |r| {
                     r.runtime_state = state;
+                    r.network_link = link;
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
                 self.watch(&rec);
@@ -217,9 +264,113 @@ impl Sandboxes {
                     .remove(&id);
                 let _ = self.inner.store.remove(&id);
                 let _ = self.inner.images.release(&id);
-                Err(ApiError::from_runtime("creating the sandbox", e))
+                Err(e)
             }
         }
+    }
+
+    /// Gives a sandbox its network link (`index` re-adopts an existing one).
+    async fn link(
+        &self,
+        egress: &Arc<warren_egress::Egress>,
+        id: &str,
+        state: &warren_core::RuntimeState,
+        policy: warren_egress::NetworkPolicy,
+        index: Option<u32>,
+    ) -> Result<u32, ApiError> {
+        let pid = self.inner.runtime.network_pid(state).ok_or_else(|| {
+            ApiError::internal(
+                "linking the sandbox",
+                &std::io::Error::other("its init process is gone"),
+            )
+        })?;
+        let (eg, id2) = (egress.clone(), id.to_string());
+        let link = tokio::task::spawn_blocking(move || eg.attach(&id2, pid, policy, index))
+            .await
+            .map_err(|e| ApiError::internal("linking the sandbox", &e))?
+            .map_err(|e| ApiError::internal("giving the sandbox its network link", &e))?;
+        Ok(link.index)
+    }
+
+    /// Removes what the egress controller holds for a sandbox (nothing when it never had a link).
+    fn unlink(&self, id: &str) {
+        if let Some(eg) = self.inner.network.started() {
+            if eg.has(id) {
+                let (eg, id) = (eg.clone(), id.to_string());
+                tokio::task::spawn_blocking(move || eg.detach(&id));
+            }
+        }
+    }
+
+    pub fn network_shutdown(&self) {
+        self.inner.network.shutdown();
+    }
+
+    pub fn default_network_policy(&self) -> warren_egress::NetworkPolicy {
+        self.inner.network.default_policy()
+    }
+
+    /// The sandbox's egress policy.
+    pub fn network_policy(&self, id: &str) -> Result<warren_egress::NetworkPolicy, ApiError> {
+        let rec = self.get(id).ok_or_else(|| ApiError::not_found(id))?;
+        Ok(rec
+            .network_policy
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or_else(|| self.inner.network.default_policy()))
+    }
+
+    /// Changes a running sandbox's egress policy; in force when this returns.
+    pub async fn update_network_policy(
+        &self,
+        id: &str,
+        change: impl FnOnce(&mut warren_egress::NetworkPolicy),
+    ) -> Result<warren_egress::NetworkPolicy, ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+            return Err(ApiError::conflict(
+                ErrorCode::SandboxNotRunning,
+                format!("sandbox {id} is {}", rec.state.as_str()),
+            ));
+        }
+        let mut policy = self.network_policy(id)?;
+        change(&mut policy);
+        let link = match rec.network_link {
+            Some(index) => {
+                let eg = self.inner.network.egress().await?;
+                let (p, id2) = (policy.clone(), id.to_string());
+                tokio::task::spawn_blocking(move || eg.set_policy(&id2, p))
+                    .await
+                    .map_err(|e| ApiError::internal("updating the policy", &e))?
+                    .map_err(|e| ApiError::internal("updating the policy", &e))?;
+                Some(index)
+            }
+            None if needs_link(&policy) => {
+                if !self.inner.runtime.supports_network() {
+                    return Err(ApiError::new(
+                        http::StatusCode::BAD_REQUEST,
+                        ErrorCode::ApiNotSupported,
+                        format!(
+                            "sandboxes of the {} runtime cannot have network access on Warren yet",
+                            self.inner.runtime.name()
+                        ),
+                    ));
+                }
+                let eg = self.inner.network.egress().await?;
+                Some(
+                    self.link(&eg, id, &rec.runtime_state, policy.clone(), None)
+                        .await?,
+                )
+            }
+            None => None,
+        };
+        let value = serde_json::to_value(&policy).ok();
+        self.update(&entry, |r| {
+            r.network_policy = value;
+            r.network_link = link;
+        });
+        Ok(policy)
     }
 
     /// Watches a running sandbox: if its processes end by themselves it becomes Terminated (exit 0) or
@@ -262,6 +413,7 @@ impl Sandboxes {
             if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
             }
+            this.unlink(&id);
             let _ = this.inner.images.release(&id);
             this.update(&entry, |r| {
                 r.transition(state, Some("process_exited"), Some(message))
@@ -305,6 +457,7 @@ impl Sandboxes {
             ));
         }
         let _ = self.inner.images.release(id);
+        self.unlink(id);
         match result {
             Ok(()) => {
                 self.update(&entry, |r| {
@@ -507,6 +660,22 @@ impl Sandboxes {
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(rec.id.clone(), entry);
             if watch {
+                if let Some(index) = rec.network_link {
+                    // The link survived in the sandbox's namespace; the firewall's sets did not.
+                    let policy = self
+                        .network_policy(&rec.id)
+                        .unwrap_or_else(|_| self.inner.network.default_policy());
+                    let relinked = match self.inner.network.egress().await {
+                        Ok(eg) => self
+                            .link(&eg, &rec.id, &rec.runtime_state, policy, Some(index))
+                            .await
+                            .map(|_| ()),
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = relinked {
+                        tracing::error!(sandbox_id = %rec.id, error = %e.message, "re-attaching the network link failed");
+                    }
+                }
                 self.watch(&rec);
             }
         }

@@ -28,6 +28,8 @@ pub struct CreatePlan {
     pub env: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
     pub extensions: BTreeMap<String, String>,
+    /// `networkPolicy`; `None` means the server's default.
+    pub network_policy: Option<warren_egress::NetworkPolicy>,
 }
 
 pub fn create_plan(
@@ -45,11 +47,10 @@ pub fn create_plan(
         return Err(unsupported("templateId (templates are not implemented)"));
     }
     let volumes = crate::volumes::validate(req.volumes.as_deref().unwrap_or_default(), storage)?;
-    if req.network_policy.is_some() {
-        return Err(unsupported(
-            "networkPolicy (sandboxes have loopback-only networking for now)",
-        ));
-    }
+    let network_policy = match &req.network_policy {
+        Some(v) => crate::network::parse_policy(v)?,
+        None => None,
+    };
     if req.credential_proxy.is_some() {
         return Err(unsupported("credentialProxy"));
     }
@@ -124,6 +125,7 @@ pub fn create_plan(
         env,
         metadata,
         extensions: req.extensions.unwrap_or_default(),
+        network_policy,
     })
 }
 

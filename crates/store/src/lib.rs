@@ -42,6 +42,12 @@ pub struct SandboxRecord {
     pub token: String,
     #[serde(default)]
     pub runtime_state: RuntimeState,
+    /// The sandbox's egress policy (wire form), when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<serde_json::Value>,
+    /// Index of its network link, when it has one (re-attached after a server restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_link: Option<u32>,
 }
 
 impl SandboxRecord {
@@ -184,6 +190,8 @@ mod tests {
             last_transition_at: Utc::now(),
             token: "t".into(),
             runtime_state: serde_json::json!({"pid": 1}),
+            network_policy: None,
+            network_link: None,
         }
     }
 

@@ -1,0 +1,11 @@
+//! Egress control for sandboxes, enforced outside them: the policy model, a DNS filter that answers
+//! for the sandbox (denied names get NXDOMAIN and never leave the host), and nftables rules that let
+//! a sandbox reach only addresses learned from allowed answers or allowed CIDRs.
+
+pub mod dns;
+pub mod manager;
+pub mod nft;
+pub mod policy;
+
+pub use manager::{Egress, EgressConfig, EgressError, Link};
+pub use policy::{Action, NetworkPolicy, NetworkRule, PolicyError, Target};

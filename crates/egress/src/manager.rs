@@ -1,0 +1,429 @@
+//! Sandbox links and their policies on this host: address allocation, the veth pair into the
+//! sandbox's network namespace, the DNS filter every sandbox query goes to, and keeping the
+//! firewall's sets in step with each sandbox's policy.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::net::UdpSocket;
+
+use crate::dns;
+use crate::nft::{Batch, Firewall};
+use crate::policy::{in_cidr, Action, NetworkPolicy};
+
+#[derive(Debug, Clone)]
+pub struct EgressConfig {
+    /// Sandbox links are /30s carved from this (host end .1, sandbox .2 of each).
+    pub subnet: (Ipv4Addr, u8),
+    /// Where allowed queries are forwarded.
+    pub upstream: SocketAddr,
+    /// nftables table name (unique per server).
+    pub table: String,
+    /// Name prefix of this server's link interfaces (unique per server, ≤ 9 characters).
+    pub link_prefix: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    #[error("no sandbox addresses left in {0}")]
+    Exhausted(String),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// One sandbox's link and policy.
+struct SandboxNet {
+    id: String,
+    index: u32,
+    addr: Ipv4Addr,
+    policy: NetworkPolicy,
+    /// Destinations learned from allowed answers: address → (name, expiry).
+    learned: HashMap<Ipv4Addr, (String, Instant)>,
+}
+
+#[derive(Default)]
+struct State {
+    by_id: HashMap<String, SandboxNet>,
+    by_addr: HashMap<Ipv4Addr, String>,
+    used: BTreeSet<u32>,
+}
+
+pub struct Egress {
+    cfg: EgressConfig,
+    fw: Firewall,
+    state: Mutex<State>,
+}
+
+/// What a sandbox's link is, for records and for the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub sandbox: Ipv4Addr,
+    pub gateway: Ipv4Addr,
+}
+
+fn run(cmd: &mut Command) -> Result<(), EgressError> {
+    let out = cmd
+        .output()
+        .map_err(|e| EgressError::Setup(format!("running {:?}: {e}", cmd.get_program())))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(EgressError::Setup(format!(
+            "{:?} failed: {}",
+            cmd.get_args().collect::<Vec<_>>(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+impl Egress {
+    /// Installs the firewall table and starts the DNS filter. Needs root, `nft` and `ip`.
+    pub async fn start(cfg: EgressConfig) -> Result<Arc<Self>, EgressError> {
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+            .map_err(|e| EgressError::Setup(format!("enabling IPv4 forwarding: {e}")))?;
+        let socket = UdpSocket::bind(("0.0.0.0", 0))
+            .await
+            .map_err(|e| EgressError::Setup(format!("binding the DNS filter: {e}")))?;
+        let port = socket
+            .local_addr()
+            .map_err(|e| EgressError::Setup(e.to_string()))?
+            .port();
+        let fw = Firewall {
+            table: cfg.table.clone(),
+            prefix: cfg.link_prefix.clone(),
+            subnet: cfg.subnet,
+            dns_port: port,
+        };
+        fw.install()
+            .map_err(|e| EgressError::Setup(format!("installing nftables rules: {e}")))?;
+        let this = Arc::new(Self {
+            cfg,
+            fw,
+            state: Mutex::new(State::default()),
+        });
+        tokio::spawn(dns_loop(this.clone(), Arc::new(socket)));
+        tracing::info!(port, table = %this.fw.table, "egress: DNS filter and firewall ready");
+        Ok(this)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn link_of(&self, index: u32) -> Link {
+        let base = u32::from(self.cfg.subnet.0);
+        Link {
+            index,
+            gateway: Ipv4Addr::from(base + index * 4 + 1),
+            sandbox: Ipv4Addr::from(base + index * 4 + 2),
+        }
+    }
+
+    fn capacity(&self) -> u32 {
+        (1u32 << (32 - u32::from(self.cfg.subnet.1))) / 4
+    }
+
+    /// Gives sandbox `id` (whose init is `pid`) a link, with `policy`. `index` re-adopts a link
+    /// that exists already (after a restart of the server).
+    pub fn attach(
+        &self,
+        id: &str,
+        pid: i32,
+        policy: NetworkPolicy,
+        index: Option<u32>,
+    ) -> Result<Link, EgressError> {
+        let index = {
+            let mut st = self.lock();
+            let index = match index {
+                Some(i) => i,
+                None => (1..self.capacity())
+                    .find(|i| !st.used.contains(i))
+                    .ok_or_else(|| {
+                        EgressError::Exhausted(format!(
+                            "{}/{}",
+                            self.cfg.subnet.0, self.cfg.subnet.1
+                        ))
+                    })?,
+            };
+            st.used.insert(index);
+            index
+        };
+        let link = self.link_of(index);
+        let host_if = format!("{}{index}", self.cfg.link_prefix);
+        let made = if index_link_exists(&host_if) {
+            Ok(())
+        } else {
+            self.make_link(&host_if, pid, &link)
+        };
+        if let Err(e) = made {
+            let _ = run(Command::new("ip").args(["link", "del", &host_if]));
+            self.lock().used.remove(&index);
+            return Err(e);
+        }
+        let net = SandboxNet {
+            id: id.to_string(),
+            index,
+            addr: link.sandbox,
+            policy,
+            learned: HashMap::new(),
+        };
+        let mut b = Batch::new();
+        self.policy_elements(&mut b, &net, true);
+        if let Err(e) = b.apply() {
+            let _ = run(Command::new("ip").args(["link", "del", &host_if]));
+            self.lock().used.remove(&index);
+            return Err(EgressError::Setup(format!("firewall: {e}")));
+        }
+        let mut st = self.lock();
+        st.by_addr.insert(link.sandbox, id.to_string());
+        st.by_id.insert(id.to_string(), net);
+        Ok(link)
+    }
+
+    fn make_link(&self, host_if: &str, pid: i32, link: &Link) -> Result<(), EgressError> {
+        let len = 30;
+        run(Command::new("ip").args([
+            "link",
+            "add",
+            host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &pid.to_string(),
+        ]))?;
+        run(Command::new("ip").args([
+            "addr",
+            "add",
+            &format!("{}/{len}", link.gateway),
+            "dev",
+            host_if,
+        ]))?;
+        run(Command::new("ip").args(["link", "set", host_if, "up"]))?;
+        // Inside: the address, the route, and no IPv6 at all.
+        run(Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-n", "sh", "-c"])
+            .arg(format!(
+                "ip addr add {}/{len} dev eth0 && ip link set eth0 up && ip route add default via {} && \
+                 (echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6) 2>/dev/null; true",
+                link.sandbox, link.gateway
+            )))
+    }
+
+    /// Adds (or removes) the set elements a policy implies (not the learned ones).
+    fn policy_elements(&self, b: &mut Batch, net: &SandboxNet, add: bool) {
+        if net.policy.default_action == Action::Allow {
+            self.fw.open(b, net.addr, add);
+        }
+        for (ip, len, action) in net.policy.cidr_rules() {
+            if let IpAddr::V4(v4) = ip {
+                let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+                let base = Ipv4Addr::from(u32::from(v4) & mask);
+                self.fw
+                    .cidr(b, net.addr, base, len, action == Action::Allow, add);
+            }
+        }
+    }
+
+    /// Removes a sandbox's link, its set elements and its address.
+    pub fn detach(&self, id: &str) {
+        let Some(net) = ({
+            let mut st = self.lock();
+            let net = st.by_id.remove(id);
+            if let Some(n) = &net {
+                st.by_addr.remove(&n.addr);
+            }
+            net
+        }) else {
+            return;
+        };
+        let mut b = Batch::new();
+        self.policy_elements(&mut b, &net, false);
+        let now = Instant::now();
+        for (dest, (_, exp)) in &net.learned {
+            if *exp > now {
+                self.fw.learned(&mut b, net.addr, *dest, None);
+            }
+        }
+        if let Err(e) = b.apply() {
+            tracing::warn!(sandbox_id = %id, error = %e, "egress: removing firewall elements");
+        }
+        let _ = run(Command::new("ip").args([
+            "link",
+            "del",
+            &format!("{}{}", self.cfg.link_prefix, net.index),
+        ]));
+        self.lock().used.remove(&net.index);
+    }
+
+    pub fn policy(&self, id: &str) -> Option<NetworkPolicy> {
+        self.lock().by_id.get(id).map(|n| n.policy.clone())
+    }
+
+    pub fn has(&self, id: &str) -> bool {
+        self.lock().by_id.contains_key(id)
+    }
+
+    /// Replaces a live sandbox's policy; takes effect before it returns, including for open
+    /// connections to destinations the new policy denies.
+    pub fn set_policy(&self, id: &str, policy: NetworkPolicy) -> Result<(), EgressError> {
+        let mut st = self.lock();
+        let Some(net) = st.by_id.get_mut(id) else {
+            return Err(EgressError::Setup(format!(
+                "sandbox {id} has no network link"
+            )));
+        };
+        let mut b = Batch::new();
+        self.policy_elements(&mut b, net, false);
+        net.policy = policy;
+        self.policy_elements(&mut b, net, true);
+        let now = Instant::now();
+        let mut dropped = Vec::new();
+        for (dest, (name, exp)) in &net.learned {
+            if *exp > now && net.policy.decide_name(name) == Action::Deny {
+                self.fw.learned(&mut b, net.addr, *dest, None);
+                dropped.push(*dest);
+            }
+        }
+        for d in dropped {
+            net.learned.remove(&d);
+        }
+        drop(st);
+        b.apply()
+            .map_err(|e| EgressError::Setup(format!("firewall: {e}")))
+    }
+
+    /// The DNS decision for a query from `src`; `None` when `src` is no sandbox of ours.
+    fn decide(&self, src: Ipv4Addr, name: &str) -> Option<Action> {
+        let st = self.lock();
+        let id = st.by_addr.get(&src)?;
+        Some(st.by_id.get(id)?.policy.decide_name(name))
+    }
+
+    /// Lets `src` reach the addresses of an allowed answer for as long as the answer lives.
+    fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, u32)]) {
+        let mut b = Batch::new();
+        {
+            let mut st = self.lock();
+            let Some(id) = st.by_addr.get(&src).cloned() else {
+                return;
+            };
+            let Some(net) = st.by_id.get_mut(&id) else {
+                return;
+            };
+            let now = Instant::now();
+            for (dest, ttl) in addrs {
+                // At least a minute: clients cache longer than TTLs say, and a connection opened
+                // just before expiry must not die mid-handshake.
+                let ttl = (*ttl).clamp(60, 86_400);
+                if let Some((_, exp)) = net.learned.get(dest) {
+                    if *exp > now {
+                        self.fw.learned(&mut b, src, *dest, None);
+                    }
+                }
+                self.fw.learned(&mut b, src, *dest, Some(ttl));
+                net.learned.insert(
+                    *dest,
+                    (name.to_string(), now + Duration::from_secs(u64::from(ttl))),
+                );
+            }
+        }
+        if let Err(e) = b.apply() {
+            tracing::warn!(%src, error = %e, "egress: adding learned addresses");
+        }
+    }
+
+    /// Checks a raw address against a sandbox's CIDR rules (for the policy API's GET).
+    pub fn decide_addr(&self, id: &str, ip: IpAddr) -> Option<Action> {
+        let st = self.lock();
+        let net = st.by_id.get(id)?;
+        Some(
+            net.policy
+                .cidr_rules()
+                .into_iter()
+                .find(|(n, l, _)| in_cidr(ip, *n, *l))
+                .map(|(_, _, a)| a)
+                .unwrap_or(net.policy.default_action),
+        )
+    }
+
+    pub fn shutdown(&self) {
+        self.fw.uninstall();
+    }
+
+    pub fn sandbox_ids(&self) -> Vec<String> {
+        self.lock().by_id.values().map(|n| n.id.clone()).collect()
+    }
+}
+
+fn index_link_exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
+
+/// Answers every sandbox query: denied names get NXDOMAIN and never leave the host; allowed ones are
+/// forwarded upstream and the addresses in the answer are let through the firewall before the answer
+/// goes back. AAAA queries get an empty answer (sandbox links are IPv4-only).
+async fn dns_loop(egress: Arc<Egress>, socket: Arc<UdpSocket>) {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let (n, from) = match socket.recv_from(&mut buf).await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "egress: DNS receive");
+                continue;
+            }
+        };
+        let query = buf[..n].to_vec();
+        let egress = egress.clone();
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            if let Some(reply) = answer(&egress, from, &query).await {
+                let _ = socket.send_to(&reply, from).await;
+            }
+        });
+    }
+}
+
+async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u8>> {
+    let q = dns::parse_query(query)?;
+    let IpAddr::V4(src) = from.ip() else {
+        return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
+    };
+    let Some(action) = egress.decide(src, &q.name) else {
+        return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
+    };
+    if action == Action::Deny {
+        tracing::debug!(%src, name = %q.name, "egress: denied name");
+        return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
+    }
+    if q.qtype == dns::TYPE_AAAA {
+        return Some(dns::reply_empty(query, &q, dns::RCODE_NOERROR));
+    }
+    let upstream = UdpSocket::bind(("0.0.0.0", 0)).await.ok()?;
+    upstream.send_to(query, egress.cfg.upstream).await.ok()?;
+    let mut buf = vec![0u8; 4096];
+    let reply =
+        match tokio::time::timeout(Duration::from_secs(5), upstream.recv_from(&mut buf)).await {
+            Ok(Ok((n, _))) => buf[..n].to_vec(),
+            _ => return Some(dns::reply_empty(query, &q, dns::RCODE_SERVFAIL)),
+        };
+    if let Some((_, answers)) = dns::parse_answers(&reply) {
+        let addrs: Vec<(Ipv4Addr, u32)> = answers
+            .iter()
+            .filter_map(|a| match a.addr {
+                Some(IpAddr::V4(v4)) => Some((v4, a.ttl)),
+                _ => None,
+            })
+            .collect();
+        if !addrs.is_empty() {
+            egress.learn(src, &q.name, &addrs);
+        }
+    }
+    Some(reply)
+}

@@ -1,0 +1,172 @@
+//! The nftables side: one table of Warren's (per data dir) holding the rules every sandbox link goes
+//! through, and sets whose elements say, per sandbox address, what it may reach. Changes are atomic
+//! `nft -f -` batches.
+//!
+//! From a sandbox link (`w<tag>-*`): DNS (any server, UDP or TCP port 53) is redirected to Warren's DNS
+//! filter; the host itself is unreachable (its API, its services, its other addresses); other sandboxes
+//! are unreachable; link-local (cloud metadata) is unreachable; IPv6 is dropped (sandbox links carry
+//! IPv4 only, and the DNS filter answers AAAA queries with no records). Everything else is checked
+//! packet by packet — no "established" shortcut for outgoing packets, so removing an address cuts the
+//! open connections to it at once: explicit CIDR denies, then addresses learned from allowed DNS
+//! answers (with the answer's TTL), allowed CIDRs, and sandboxes whose default is allow.
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+#[derive(Debug, Clone)]
+pub struct Firewall {
+    pub table: String,
+    /// Name prefix of this server's links (host ends); other servers' links are not ours to judge.
+    pub prefix: String,
+    pub subnet: (Ipv4Addr, u8),
+    pub dns_port: u16,
+}
+
+/// Runs one nft batch.
+pub fn apply(batch: &str) -> std::io::Result<()> {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("running nft (is nftables installed?): {e}"),
+            )
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(batch.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "nft: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+impl Firewall {
+    /// Replaces the table with a fresh one (sets empty).
+    pub fn install(&self) -> std::io::Result<()> {
+        let t = &self.table;
+        let (net, len) = self.subnet;
+        let p = &self.prefix;
+        let port = self.dns_port;
+        let _ = apply(&format!("delete table inet {t}\n"));
+        apply(&format!(
+            r#"table inet {t} {{
+  set open4 {{ type ipv4_addr; }}
+  set learned4 {{ type ipv4_addr . ipv4_addr; flags timeout; }}
+  set cidr_allow4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  set cidr_deny4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{p}*" meta l4proto {{ udp, tcp }} th dport 53 redirect to :{port}
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{p}*" meta l4proto {{ udp, tcp }} th dport {port} accept
+    iifname "{p}*" drop
+    meta l4proto {{ udp, tcp }} th dport {port} drop
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname "{p}*" oifname "{p}*" drop
+    oifname "{p}*" ct state established,related accept
+    oifname "{p}*" drop
+    iifname "{p}*" meta nfproto ipv6 drop
+    iifname "{p}*" ip daddr 169.254.0.0/16 reject with icmpx type admin-prohibited
+    iifname "{p}*" ip saddr . ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
+    iifname "{p}*" ip saddr . ip daddr @learned4 accept
+    iifname "{p}*" ip saddr . ip daddr @cidr_allow4 accept
+    iifname "{p}*" ip saddr @open4 accept
+    iifname "{p}*" reject with icmpx type admin-prohibited
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {net}/{len} oifname != "{p}*" masquerade
+  }}
+}}
+"#
+        ))
+    }
+
+    pub fn uninstall(&self) {
+        let _ = apply(&format!("delete table inet {}\n", self.table));
+    }
+}
+
+/// A batch being built.
+#[derive(Default)]
+pub struct Batch(String);
+
+impl Batch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn line(&mut self, l: String) {
+        self.0.push_str(&l);
+        self.0.push('\n');
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn apply(self) -> std::io::Result<()> {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        apply(&self.0)
+    }
+}
+
+impl Firewall {
+    pub fn open(&self, b: &mut Batch, sandbox: Ipv4Addr, open: bool) {
+        let verb = if open { "add" } else { "delete" };
+        b.line(format!(
+            "{verb} element inet {} open4 {{ {sandbox} }}",
+            self.table
+        ));
+    }
+
+    pub fn learned(&self, b: &mut Batch, sandbox: Ipv4Addr, dest: Ipv4Addr, ttl_s: Option<u32>) {
+        match ttl_s {
+            // `add` would keep an older, shorter timeout: delete first (ignored when absent is not
+            // possible in a batch, so the caller tracks what exists).
+            Some(ttl) => b.line(format!(
+                "add element inet {} learned4 {{ {sandbox} . {dest} timeout {}s }}",
+                self.table,
+                ttl.max(1)
+            )),
+            None => b.line(format!(
+                "delete element inet {} learned4 {{ {sandbox} . {dest} }}",
+                self.table
+            )),
+        }
+    }
+
+    pub fn cidr(
+        &self,
+        b: &mut Batch,
+        sandbox: Ipv4Addr,
+        net: Ipv4Addr,
+        len: u8,
+        allow: bool,
+        add: bool,
+    ) {
+        let set = if allow { "cidr_allow4" } else { "cidr_deny4" };
+        let verb = if add { "add" } else { "delete" };
+        b.line(format!(
+            "{verb} element inet {} {set} {{ {sandbox} . {net}/{len} }}",
+            self.table
+        ));
+    }
+}

