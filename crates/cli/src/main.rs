@@ -3,6 +3,7 @@
 mod client;
 mod code;
 mod command;
+mod egress;
 mod file;
 mod mcp;
 mod output;
@@ -93,6 +94,15 @@ enum Verb {
         args: mcp::McpArgs,
         #[command(flatten)]
         server: client::ServerArgs,
+    },
+    /// A sandbox's network policy: what it may reach.
+    Egress {
+        #[command(subcommand)]
+        command: egress::EgressCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
     },
     /// The CLI's own settings (server, key, output format, defaults).
     Config {
@@ -232,6 +242,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(mcp::run(args, client))?;
             Ok(ExitCode::SUCCESS)
+        }
+        Verb::Egress {
+            command,
+            server,
+            out,
+        } => {
+            let settings = settings::Settings::load()?;
+            let client = server.client_with(&settings);
+            let format = out.output.or(settings.output.format).unwrap_or_default();
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(egress::run(command, &client, format))
         }
         Verb::Config { command } => {
             match command {

@@ -116,6 +116,15 @@ impl Client {
         format!("{}/v1{path}", self.config.base_url)
     }
 
+    /// A lifecycle API request (`/v1{path}`) with the key and the request timeout.
+    pub(crate) fn lifecycle(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+    ) -> (reqwest::RequestBuilder, String) {
+        self.request(method, path)
+    }
+
     fn request(&self, method: reqwest::Method, path: &str) -> (reqwest::RequestBuilder, String) {
         let url = self.url(path);
         let mut r = self.http.request(method, &url);

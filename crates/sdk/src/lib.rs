@@ -4,7 +4,7 @@
 //! [`Sandbox`] handle whose methods reach execd inside the sandbox through the server's endpoint
 //! proxy: commands as a stream of events ([`Sandbox::stream`]) or collected ([`Sandbox::run`]),
 //! background commands, bash sessions, interactive terminals over WebSocket, files with streaming
-//! upload and download, and code contexts.
+//! upload and download, code contexts, and the sandbox's egress policy.
 //!
 //! ```no_run
 //! use warren_sdk::{Client, CreateSandboxRequest, ImageSpec};
@@ -54,6 +54,7 @@
 mod client;
 mod code;
 mod commands;
+mod egress;
 mod error;
 mod files;
 mod pty;
@@ -63,6 +64,7 @@ mod stream;
 pub use client::{Client, Config, ListQuery};
 pub use code::CodeTarget;
 pub use commands::{Logs, Session};
+pub use egress::{NetworkPolicy, NetworkRule, PolicyStatus};
 pub use error::{Error, Result};
 pub use files::{ByteStream, Ownership};
 pub use pty::{Pty, PtyEvent, PtyOptions, PtyReader, PtyStatus, PtyWriter};

@@ -293,11 +293,11 @@ impl Sandboxes {
     }
 
     /// Removes what the egress controller holds for a sandbox (nothing when it never had a link).
-    fn unlink(&self, id: &str) {
+    async fn unlink(&self, id: &str) {
         if let Some(eg) = self.inner.network.started() {
             if eg.has(id) {
                 let (eg, id) = (eg.clone(), id.to_string());
-                tokio::task::spawn_blocking(move || eg.detach(&id));
+                let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
             }
         }
     }
@@ -413,7 +413,7 @@ impl Sandboxes {
             if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
             }
-            this.unlink(&id);
+            this.unlink(&id).await;
             let _ = this.inner.images.release(&id);
             this.update(&entry, |r| {
                 r.transition(state, Some("process_exited"), Some(message))
@@ -457,7 +457,7 @@ impl Sandboxes {
             ));
         }
         let _ = self.inner.images.release(id);
-        self.unlink(id);
+        self.unlink(id).await;
         match result {
             Ok(()) => {
                 self.update(&entry, |r| {

@@ -194,6 +194,27 @@ fn sandbox_command_and_file_verbs() {
     let gone = cli.run(&["file", "cat", &id, "/tmp/w/d/b.txt"]);
     assert_eq!(gone.status.code(), Some(1));
 
+    // Egress policy.
+    assert_eq!(cli.json(&["egress", "get", &id])["defaultAction"], "deny");
+    let patched = cli.json(&[
+        "egress",
+        "patch",
+        &id,
+        "--rule",
+        "allow=pypi.org",
+        "--rule",
+        "deny=*.example.com",
+    ]);
+    assert_eq!(patched["egress"][0]["target"], "pypi.org");
+    let table = cli.ok(&["egress", "get", &id]);
+    assert!(table.contains("(everything else)"), "{table}");
+    assert_eq!(
+        cli.json(&["egress", "delete", &id, "pypi.org", "*.example.com"])["egress"],
+        serde_json::json!([])
+    );
+    let bad = cli.run(&["egress", "patch", &id, "--rule", "maybe=x.com"]);
+    assert_eq!(bad.status.code(), Some(1));
+
     // Lifecycle verbs.
     let paused = cli.json(&["sandbox", "pause", &id]);
     assert_eq!(paused["status"]["state"], "Paused");
@@ -309,6 +330,7 @@ fn help_matches_snapshots() {
         &["command", "run"],
         &["file"],
         &["config"],
+        &["egress"],
         &["code", "run"],
         &["run"],
         &["image"],

@@ -565,3 +565,46 @@ async fn terminals_are_real_ttys_that_resize_replay_and_move_between_clients() {
     sb.kill().await.expect("kill");
     assert_no_trace(&server.data(), &sid);
 }
+
+/// The egress policy through the SDK (no traffic is sent: only the policy and the link change).
+#[tokio::test]
+async fn egress_policy_calls() {
+    use warren_sdk::NetworkRule;
+    let server = Server::start();
+    let sb = sdk(&server).create(&host()).await.expect("create");
+    let st = sb.egress_policy().await.expect("get");
+    assert_eq!(
+        (st.mode.as_str(), st.policy.default_action.as_str()),
+        ("deny_all", "deny")
+    );
+    let out = sb.run("ls /sys/class/net").await.expect("ls");
+    assert_eq!(
+        out.stdout.split_whitespace().collect::<Vec<_>>(),
+        ["lo"],
+        "deny-all: no link"
+    );
+
+    let st = sb
+        .patch_egress_rules(&[
+            NetworkRule::allow("pypi.org"),
+            NetworkRule::deny("10.0.0.0/8"),
+        ])
+        .await
+        .expect("patch");
+    assert_eq!(st.mode, "rules");
+    assert_eq!(st.policy.egress.len(), 2);
+    let out = sb.run("ls /sys/class/net").await.expect("ls");
+    assert!(
+        out.stdout.contains("eth0"),
+        "an allow rule gives the sandbox its link: {}",
+        out.stdout
+    );
+    let st = sb.delete_egress_rules(&["pypi.org"]).await.expect("delete");
+    assert_eq!(st.policy.egress, vec![NetworkRule::deny("10.0.0.0/8")]);
+    let err = sb
+        .patch_egress_rules(&[NetworkRule::allow("not a name")])
+        .await
+        .expect_err("bad rule");
+    assert_eq!(err.status(), Some(400), "{err}");
+    sb.kill().await.expect("kill");
+}
