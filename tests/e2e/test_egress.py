@@ -1,8 +1,7 @@
 """Egress control (issue 5), against a fake internet the test builds itself:
 
-- a network namespace of the test's own (`fakenet`), linked to the host, whose addresses
-  198.18.0.2-.4 serve HTTP (each answers with the address it was reached on, and `/stream` never
-  ends);
+- a network namespace of the test's own, linked to the host, whose addresses 198.18.0.2-.4 serve
+  HTTP and HTTPS (fakenet.py);
 - a DNS server on the host's loopback that Warren's DNS filter forwards to (`[network]
   dns_upstream`), answering the `.test` zone and logging every name it is asked.
 
@@ -14,126 +13,20 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
-import socketserver
-import subprocess
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 import warren_e2e as W
-
-ZONE = {
-    "allowed.test": "198.18.0.2",
-    "other.test": "198.18.0.3",
-    "api.wild.test": "198.18.0.4",
-    "denied.test": "198.18.0.3",
-}
-
-HTTP_SERVER = r'''
-import http.server, socketserver, sys, time
-class H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def do_GET(self):
-        local = self.connection.getsockname()[0]
-        if self.path == "/stream":
-            self.send_response(200); self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
-            try:
-                while True:
-                    line = f"tick from {local}\n".encode()
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line)); self.wfile.flush()
-                    time.sleep(0.05)
-            except OSError:
-                return
-        body = f"hello from {local} auth={self.headers.get('Authorization')}\n".encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a): pass
-class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-S(("0.0.0.0", 80), H).serve_forever()
-'''
-
-
-def _dns_answer(query: bytes, names: list[str]) -> bytes:
-    """A minimal authoritative answer for the zone (A records only)."""
-    pos, labels = 12, []
-    while query[pos]:
-        n = query[pos]
-        labels.append(query[pos + 1:pos + 1 + n].decode().lower())
-        pos += n + 1
-    qend = pos + 5
-    qtype = int.from_bytes(query[pos + 1:pos + 3], "big")
-    name = ".".join(labels)
-    names.append(name)
-    ip = ZONE.get(name)
-    header = bytearray(query[:12])
-    header[2] = 0x84 | (query[2] & 1)
-    header[3] = 0x80 | (0 if ip else 3)
-    header[6:12] = (1 if ip and qtype == 1 else 0).to_bytes(2, "big") + b"\0\0\0\0"
-    out = bytes(header) + query[12:qend]
-    if ip and qtype == 1:
-        out += b"\xc0\x0c\x00\x01\x00\x01" + (30).to_bytes(4, "big") + b"\x00\x04" + socket.inet_aton(ip)
-    return out
+from fakenet import FakeNet
 
 
 @pytest.fixture(scope="module")
 def fakenet(work_root):
-    tag = secrets.token_hex(2)
-    ns, host_if = f"wfn{tag}", f"wfh{tag}"
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("ip", "netns", "add", ns)
-    procs = []
-    try:
-        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        run("ip", "addr", "add", "198.18.0.1/24", "dev", host_if)
-        run("ip", "link", "set", host_if, "up")
-        for a in ("198.18.0.2/24", "198.18.0.3/24", "198.18.0.4/24"):
-            run("ip", "-n", ns, "addr", "add", a, "dev", "eth0")
-        run("ip", "-n", ns, "link", "set", "eth0", "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
-        script = work_root / f"fakenet-{tag}.py"
-        script.write_text(HTTP_SERVER)
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "python3", str(script)]))
-        names: list[str] = []
-        dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        dns.bind(("127.0.0.1", 0))
-        stop = threading.Event()
-
-        def serve():
-            dns.settimeout(0.2)
-            while not stop.is_set():
-                try:
-                    q, addr = dns.recvfrom(4096)
-                except OSError:
-                    continue
-                dns.sendto(_dns_answer(q, names), addr)
-
-        t = threading.Thread(target=serve, daemon=True)
-        t.start()
-        deadline = time.time() + 10
-        while True:
-            try:
-                socket.create_connection(("198.18.0.2", 80), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline, "the fake internet did not come up"
-                time.sleep(0.05)
-        yield {"ns": ns, "dns_port": dns.getsockname()[1], "names": names, "host_ip": "198.18.0.1"}
-        stop.set()
-        t.join(2)
-        dns.close()
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(5)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
+    with FakeNet(work_root / f"fakenet-{uuid.uuid4().hex[:6]}") as net:
+        yield {"ns": net.ns, "dns_port": net.dns_port, "names": net.names, "host_ip": net.host_ip,
+               "ca": net.ca}
 
 @pytest.fixture(scope="module")
 def net_server(server, work_root, fakenet):
@@ -187,6 +80,21 @@ def test_allow_and_deny_by_name_and_wildcard(net_server, fakenet):
         # A raw address that no allowed answer gave: refused, not just unanswered.
         code, out, err = W.sh(sbx, CONNECT + "198.18.0.3 80")
         assert code != 0 and "connected" not in out
+    finally:
+        sbx.kill()
+
+
+def test_https_to_an_allowed_name(net_server, fakenet):
+    _native_net(net_server)
+    sbx = create(net_server, {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
+    try:
+        sbx.files.write_file("/tmp/ca.pem", fakenet["ca"].read_text())
+        fetch = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/ca.pem'); "
+                 "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, fetch + "https://allowed.test/")
+        assert code == 0 and "198.18.0.2" in out, err
+        code, out, err = W.sh(sbx, fetch + "https://other.test/")
+        assert code != 0, out
     finally:
         sbx.kill()
 

@@ -322,16 +322,19 @@ impl Egress {
                 // At least a minute: clients cache longer than TTLs say, and a connection opened
                 // just before expiry must not die mid-handshake.
                 let ttl = (*ttl).clamp(60, 86_400);
+                let wanted = now + Duration::from_secs(u64::from(ttl));
                 if let Some((_, exp)) = net.learned.get(dest) {
+                    // Still good for more than half the new lifetime: leave the firewall alone (an
+                    // nft run costs milliseconds; lookups repeat far more often than that).
+                    if *exp > now + Duration::from_secs(u64::from(ttl / 2)) {
+                        continue;
+                    }
                     if *exp > now {
                         self.fw.learned(&mut b, src, *dest, None);
                     }
                 }
                 self.fw.learned(&mut b, src, *dest, Some(ttl));
-                net.learned.insert(
-                    *dest,
-                    (name.to_string(), now + Duration::from_secs(u64::from(ttl))),
-                );
+                net.learned.insert(*dest, (name.to_string(), wanted));
             }
         }
         if let Err(e) = b.apply() {

@@ -1,0 +1,157 @@
+"""A fake internet for egress tests and benchmarks, made entirely of things the caller creates:
+
+- a network namespace linked to the host by a veth pair (host end 198.18.0.1/24), whose addresses
+  198.18.0.2-.4 serve HTTP on port 80 (each answers with the address it was reached on; `/stream`
+  never ends) and HTTPS on port 443 with a certificate of its own CA (for the `.test` names);
+- a DNS server on the host's loopback answering the `.test` zone and logging every name it is asked.
+
+Nothing here sends a packet anywhere but loopback and that namespace."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+ZONE = {
+    "allowed.test": "198.18.0.2",
+    "other.test": "198.18.0.3",
+    "api.wild.test": "198.18.0.4",
+    "denied.test": "198.18.0.3",
+}
+
+SERVER = r'''
+import http.server, socketserver, ssl, sys, threading, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        local = self.connection.getsockname()[0]
+        if self.path == "/stream":
+            self.send_response(200); self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+            try:
+                while True:
+                    line = f"tick from {local}\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line)); self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                return
+        body = f"hello from {local} auth={self.headers.get('Authorization')}\n".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+tls = S(("0.0.0.0", 443), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+threading.Thread(target=tls.serve_forever, daemon=True).start()
+S(("0.0.0.0", 80), H).serve_forever()
+'''
+
+
+def dns_answer(query: bytes, names: list[str]) -> bytes:
+    """A minimal authoritative answer for ZONE (A records only; NXDOMAIN otherwise)."""
+    pos, labels = 12, []
+    while query[pos]:
+        n = query[pos]
+        labels.append(query[pos + 1:pos + 1 + n].decode().lower())
+        pos += n + 1
+    qend = pos + 5
+    qtype = int.from_bytes(query[pos + 1:pos + 3], "big")
+    name = ".".join(labels)
+    names.append(name)
+    ip = ZONE.get(name)
+    header = bytearray(query[:12])
+    header[2] = 0x84 | (query[2] & 1)
+    header[3] = 0x80 | (0 if ip else 3)
+    header[6:12] = (1 if ip and qtype == 1 else 0).to_bytes(2, "big") + b"\0\0\0\0"
+    out = bytes(header) + query[12:qend]
+    if ip and qtype == 1:
+        out += b"\xc0\x0c\x00\x01\x00\x01" + (30).to_bytes(4, "big") + b"\x00\x04" + socket.inet_aton(ip)
+    return out
+
+
+def make_ca(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for every ZONE name; returns (ca.pem, cert.pem, key.pem)."""
+    ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=fakenet CA",
+        "-keyout", str(ca_key), "-out", str(ca))
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=allowed.test",
+        "-keyout", str(key), "-out", str(csr))
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=" + ",".join(f"DNS:{n}" for n in ZONE) + "\n")
+    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return ca, cert, key
+
+
+class FakeNet:
+    def __init__(self, folder: Path):
+        tag = secrets.token_hex(2)
+        self.folder = folder
+        self.ns, self.host_if = f"wfn{tag}", f"wfh{tag}"
+        self.names: list[str] = []
+        self.host_ip = "198.18.0.1"
+        self.procs: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "FakeNet":
+        run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+        run("ip", "netns", "add", self.ns)
+        try:
+            run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", "eth0", "netns", self.ns)
+            run("ip", "addr", "add", "198.18.0.1/24", "dev", self.host_if)
+            run("ip", "link", "set", self.host_if, "up")
+            for a in ("198.18.0.2/24", "198.18.0.3/24", "198.18.0.4/24"):
+                run("ip", "-n", self.ns, "addr", "add", a, "dev", "eth0")
+            run("ip", "-n", self.ns, "link", "set", "eth0", "up")
+            run("ip", "-n", self.ns, "link", "set", "lo", "up")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.ca, cert, key = make_ca(self.folder)
+            script = self.folder / "fakenet-server.py"
+            script.write_text(SERVER)
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", self.ns, "python3", str(script),
+                                                str(cert), str(key)]))
+            self.dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.dns.bind(("127.0.0.1", 0))
+            self.dns_port = self.dns.getsockname()[1]
+            self.thread = threading.Thread(target=self._serve_dns, daemon=True)
+            self.thread.start()
+            deadline = time.time() + 10
+            while True:
+                try:
+                    socket.create_connection(("198.18.0.2", 443), timeout=1).close()
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise RuntimeError("the fake internet did not come up")
+                    time.sleep(0.05)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _serve_dns(self) -> None:
+        self.dns.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                q, addr = self.dns.recvfrom(4096)
+            except OSError:
+                continue
+            self.dns.sendto(dns_answer(q, self.names), addr)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if getattr(self, "thread", None):
+            self.thread.join(2)
+            self.dns.close()
+        for p in self.procs:
+            p.terminate()
+            p.wait(5)
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
