@@ -231,3 +231,24 @@ def test_links_are_removed_with_their_sandboxes(net_server):
             break
         assert time.time() < deadline, f"links left: {mine}"
         time.sleep(0.1)
+
+
+def test_policy_survives_a_server_crash(net_server, fakenet):
+    """kill -9 of the server: the sandbox keeps its link, and the restarted server enforces its
+    policy again (the firewall table is rebuilt from the records)."""
+    _native_net(net_server)
+    from opensandbox import SandboxSync
+    sbx = create(net_server, {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
+    sid = sbx.id
+    sbx.close()
+    net_server.kill9()
+    net_server.start()
+    sbx = SandboxSync.connect(sid, connection_config=net_server.sdk_config())
+    try:
+        code, out, err = W.sh(sbx, FETCH + "http://allowed.test/")
+        assert code == 0 and "198.18.0.2" in out, err
+        assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
+        assert W.sh(sbx, CONNECT + "198.18.0.3 80")[0] != 0
+        assert sbx.get_egress_policy().default_action == "deny"
+    finally:
+        sbx.kill()
