@@ -1,8 +1,9 @@
 """A fake internet for egress tests and benchmarks, made entirely of things the caller creates:
 
 - a network namespace linked to the host by a veth pair (host end 198.18.0.1/24), whose addresses
-  198.18.0.2-.4 serve HTTP on port 80 (each answers with the address it was reached on; `/stream`
-  never ends) and HTTPS on port 443 with a certificate of its own CA (for the `.test` names);
+  198.18.0.2-.4 serve HTTP on port 80 (each answers with the address it was reached on and the
+  Authorization header it got, and logs the request to `request_log`; `/stream` never ends) and
+  HTTPS on port 443 with a certificate of its own CA (for the `.test` names);
 - a DNS server on the host's loopback answering the `.test` zone and logging every name it is asked.
 
 Nothing here sends a packet anywhere but loopback and that namespace."""
@@ -38,7 +39,10 @@ class H(http.server.BaseHTTPRequestHandler):
                     time.sleep(0.05)
             except OSError:
                 return
-        body = f"hello from {local} auth={self.headers.get('Authorization')}\n".encode()
+        auth = self.headers.get('Authorization')
+        with open(sys.argv[3], "a") as log:
+            log.write(f"{local} {self.path} authorization={auth} x-key={self.headers.get('X-Key')}\n")
+        body = f"hello from {local} auth={auth}\n".encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
     def log_message(self, *a): pass
@@ -115,8 +119,10 @@ class FakeNet:
             self.ca, cert, key = make_ca(self.folder)
             script = self.folder / "fakenet-server.py"
             script.write_text(SERVER)
+            self.request_log = self.folder / "requests.log"
+            self.request_log.touch()
             self.procs.append(subprocess.Popen(["ip", "netns", "exec", self.ns, "python3", str(script),
-                                                str(cert), str(key)]))
+                                                str(cert), str(key), str(self.request_log)]))
             self.dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.dns.bind(("127.0.0.1", 0))
             self.dns_port = self.dns.getsockname()[1]

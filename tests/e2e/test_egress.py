@@ -11,6 +11,7 @@ allow anything with a clear 400 (tested too)."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -26,14 +27,15 @@ from fakenet import FakeNet
 def fakenet(work_root):
     with FakeNet(work_root / f"fakenet-{uuid.uuid4().hex[:6]}") as net:
         yield {"ns": net.ns, "dns_port": net.dns_port, "names": net.names, "host_ip": net.host_ip,
-               "ca": net.ca}
+               "ca": net.ca, "request_log": net.request_log}
 
 @pytest.fixture(scope="module")
 def net_server(server, work_root, fakenet):
     """A server of the same runtime whose DNS filter forwards to the fake internet's DNS."""
     srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-net-{uuid.uuid4().hex[:6]}")
     srv.extra_config = (f'[network]\nsubnet = "10.231.{abs(hash(server.runtime)) % 200}.0/24"\n'
-                        f'dns_upstream = "127.0.0.1:{fakenet["dns_port"]}"\n')
+                        f'dns_upstream = "127.0.0.1:{fakenet["dns_port"]}"\n'
+                        f'upstream_ca_files = ["{fakenet["ca"]}"]\n')
     srv.start()
     yield srv
     srv.delete_all_sandboxes()
@@ -252,3 +254,65 @@ def test_policy_survives_a_server_crash(net_server, fakenet):
         assert sbx.get_egress_policy().default_action == "deny"
     finally:
         sbx.kill()
+
+
+SECRET = "sk-live-" + secrets.token_hex(12)
+
+
+def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
+    """HTTPS to a bound host: the upstream sees the real header, the sandbox sees neither the secret
+    (env, files, an echo of it is redacted) nor anything but a placeholder. Unbound hosts are
+    tunnelled untouched (their own certificate reaches the client)."""
+    _native_net(net_server)
+    from opensandbox import SandboxSync
+    from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding, CredentialProxyConfig,
+                                              CredentialMatch, InlineCredentialSource, NetworkPolicy)
+    image = W.TEST_IMAGE_NAME
+    net_server.import_image(image, W.test_rootfs())
+    sbx = SandboxSync.create(image, connection_config=net_server.sdk_config(), network_policy=NetworkPolicy.model_validate(
+        {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"},
+                                             {"action": "allow", "target": "other.test"}]}),
+        credential_proxy=CredentialProxyConfig(enabled=True))
+    W.track_sandbox(sbx.id)
+    try:
+        state = sbx.credential_vault.create(
+            credentials=[Credential(name="api", source=InlineCredentialSource(value=SECRET))],
+            bindings=[CredentialBinding(name="allowed", match=CredentialMatch(hosts=["allowed.test"], paths=["/v1/*"]),
+                                        auth=CredentialAuth(type="bearer", credential="api"))])
+        assert state.revision == 1 and [c.name for c in state.credentials] == ["api"]
+        assert SECRET not in json.dumps(sbx.credential_vault.get().model_dump())
+        fetch = ("python3 -c \"import sys,urllib.request; "
+                 "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, fetch + "https://allowed.test/v1/models")
+        assert code == 0, err
+        assert out.strip() == "hello from 198.18.0.2 auth=Bearer [REDACTED]", out
+        log = fakenet["request_log"].read_text()
+        assert f"/v1/models authorization=Bearer {SECRET}" in log, log
+        # Outside the binding's paths: nothing injected.
+        code, out, err = W.sh(sbx, fetch + "https://allowed.test/other")
+        assert code == 0 and "auth=None" in out, (out, err)
+        # An unbound host is tunnelled: its own certificate arrives (the sandbox trusts the fake CA
+        # only for this call), nothing is injected.
+        sbx.files.write_file("/tmp/fake-ca.pem", fakenet["ca"].read_text())
+        pinned = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
+                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, pinned + "https://other.test/v1/x")
+        assert code == 0 and "auth=None" in out, (out, err)
+        # The secret is nowhere in the sandbox.
+        code, out, _ = W.sh(sbx, f"grep -rl '{SECRET}' /etc /opt /tmp /root /proc/[0-9]*/environ 2>/dev/null | head")
+        assert out.strip() == "", out
+        # Patching the credential changes what is injected; a stale revision is refused.
+        sbx.credential_vault.patch(expected_revision=1, credentials={"replace": [
+            {"name": "api", "source": {"type": "inline", "value": SECRET + "-2"}}]})
+        with pytest.raises(Exception):
+            sbx.credential_vault.patch(expected_revision=1, credentials={"delete": []})
+        W.sh(sbx, fetch + "https://allowed.test/v1/again")
+        assert f"/v1/again authorization=Bearer {SECRET}-2" in fakenet["request_log"].read_text()
+        sbx.credential_vault.delete()
+        # No vault: tunnelled, so the real certificate arrives (trusted here through the fake CA).
+        W.sh(sbx, pinned + "https://allowed.test/v1/after-delete")
+        assert "/v1/after-delete authorization=None" in fakenet["request_log"].read_text()
+    finally:
+        sbx.kill()
+    server_log = net_server.log_path.read_text()
+    assert SECRET not in server_log, "a secret reached the server's log"

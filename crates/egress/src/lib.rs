@@ -4,8 +4,10 @@
 
 pub mod dns;
 pub mod manager;
+pub mod mitm;
 pub mod nft;
 pub mod policy;
+pub mod vault;
 
 pub use manager::{Egress, EgressConfig, EgressError, Link};
 pub use policy::{Action, NetworkPolicy, NetworkRule, PolicyError, Target};

@@ -24,6 +24,8 @@ pub struct EgressConfig {
     pub table: String,
     /// Name prefix of this server's link interfaces (unique per server, ≤ 9 characters).
     pub link_prefix: String,
+    /// Extra CAs the vault proxy trusts for real servers (besides the public web roots).
+    pub upstream_ca_files: Vec<std::path::PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +34,10 @@ pub enum EgressError {
     Exhausted(String),
     #[error("{0}")]
     Setup(String),
+    #[error("{0}")]
+    Vault(#[from] crate::vault::VaultError),
+    #[error("the credential proxy is not enabled for sandbox {0} (create it with credentialProxy.enabled and a networkPolicy)")]
+    NoCredentialProxy(String),
 }
 
 /// One sandbox's link and policy.
@@ -42,6 +48,9 @@ struct SandboxNet {
     policy: NetworkPolicy,
     /// Destinations learned from allowed answers: address → (name, expiry).
     learned: HashMap<Ipv4Addr, (String, Instant)>,
+    /// The credential proxy, when enabled: the sandbox's CA and its vault (if one was sent).
+    ca: Option<Arc<crate::mitm::SandboxCa>>,
+    vault: Option<crate::vault::Vault>,
 }
 
 #[derive(Default)]
@@ -92,11 +101,21 @@ impl Egress {
             .local_addr()
             .map_err(|e| EgressError::Setup(e.to_string()))?
             .port();
+        let vault_listener = tokio::net::TcpListener::bind(("0.0.0.0", 0))
+            .await
+            .map_err(|e| EgressError::Setup(format!("binding the vault proxy: {e}")))?;
+        let vault_port = vault_listener
+            .local_addr()
+            .map_err(|e| EgressError::Setup(e.to_string()))?
+            .port();
+        let upstream_tls =
+            crate::mitm::upstream_config(&cfg.upstream_ca_files).map_err(EgressError::Setup)?;
         let fw = Firewall {
             table: cfg.table.clone(),
             prefix: cfg.link_prefix.clone(),
             subnet: cfg.subnet,
             dns_port: port,
+            vault_port,
         };
         fw.install()
             .map_err(|e| EgressError::Setup(format!("installing nftables rules: {e}")))?;
@@ -106,6 +125,11 @@ impl Egress {
             state: Mutex::new(State::default()),
         });
         tokio::spawn(dns_loop(this.clone(), Arc::new(socket)));
+        let mitm = Arc::new(crate::mitm::Mitm::new(
+            Arc::new(Lookup(Arc::downgrade(&this))),
+            upstream_tls,
+        ));
+        tokio::spawn(mitm.serve(vault_listener));
         tracing::info!(port, table = %this.fw.table, "egress: DNS filter and firewall ready");
         Ok(this)
     }
@@ -170,6 +194,8 @@ impl Egress {
             addr: link.sandbox,
             policy,
             learned: HashMap::new(),
+            ca: None,
+            vault: None,
         };
         let mut b = Batch::new();
         self.policy_elements(&mut b, &net, true);
@@ -245,6 +271,9 @@ impl Egress {
         };
         let mut b = Batch::new();
         self.policy_elements(&mut b, &net, false);
+        if net.ca.is_some() {
+            self.fw.vault(&mut b, net.addr, false);
+        }
         let now = Instant::now();
         for (dest, (_, exp)) in &net.learned {
             if *exp > now {
@@ -356,6 +385,68 @@ impl Egress {
         )
     }
 
+    /// Turns the credential proxy on for a linked sandbox; returns its CA certificate (PEM), for the
+    /// sandbox's trust store.
+    pub fn enable_credential_proxy(&self, id: &str) -> Result<String, EgressError> {
+        let (addr, pem, fresh) = {
+            let mut st = self.lock();
+            let net = st
+                .by_id
+                .get_mut(id)
+                .ok_or_else(|| EgressError::NoCredentialProxy(id.to_string()))?;
+            let fresh = net.ca.is_none();
+            if fresh {
+                net.ca = Some(Arc::new(
+                    crate::mitm::SandboxCa::new(id).map_err(EgressError::Setup)?,
+                ));
+            }
+            (
+                net.addr,
+                net.ca.as_ref().map(|c| c.pem()).unwrap_or_default(),
+                fresh,
+            )
+        };
+        if fresh {
+            let mut b = Batch::new();
+            self.fw.vault(&mut b, addr, true);
+            b.apply()
+                .map_err(|e| EgressError::Setup(format!("firewall: {e}")))?;
+        }
+        Ok(pem)
+    }
+
+    /// Runs `f` on a sandbox's vault slot (the credential proxy must be on).
+    pub fn with_vault<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Option<crate::vault::Vault>) -> Result<T, crate::vault::VaultError>,
+    ) -> Result<T, EgressError> {
+        let mut st = self.lock();
+        let net = st
+            .by_id
+            .get_mut(id)
+            .filter(|n| n.ca.is_some())
+            .ok_or_else(|| EgressError::NoCredentialProxy(id.to_string()))?;
+        Ok(f(&mut net.vault)?)
+    }
+
+    /// May `src` open a connection to `dst` (for connections the firewall handed to a proxy)?
+    fn allows(net: &SandboxNet, dst: Ipv4Addr) -> bool {
+        let rules = net.policy.cidr_rules();
+        let cidr = rules
+            .iter()
+            .find(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
+            .map(|(_, _, a)| *a);
+        if cidr == Some(Action::Deny) || dst.is_link_local() {
+            return false;
+        }
+        net.learned
+            .get(&dst)
+            .is_some_and(|(_, exp)| *exp > Instant::now())
+            || cidr == Some(Action::Allow)
+            || net.policy.default_action == Action::Allow
+    }
+
     pub fn shutdown(&self) {
         self.fw.uninstall();
     }
@@ -429,4 +520,19 @@ async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u
         }
     }
     Some(reply)
+}
+
+/// The vault proxy's view of the sandboxes.
+struct Lookup(std::sync::Weak<Egress>);
+
+impl crate::mitm::Lookup for Lookup {
+    fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::mitm::Decision> {
+        let egress = self.0.upgrade()?;
+        let st = egress.lock();
+        let net = st.by_id.get(st.by_addr.get(&src)?)?;
+        Egress::allows(net, dst).then(|| crate::mitm::Decision {
+            vault: net.vault.clone(),
+            ca: net.ca.clone(),
+        })
+    }
 }

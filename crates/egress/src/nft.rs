@@ -21,6 +21,8 @@ pub struct Firewall {
     pub prefix: String,
     pub subnet: (Ipv4Addr, u8),
     pub dns_port: u16,
+    /// The credential vault's proxy: port-443 traffic of sandboxes in `vault4` goes there.
+    pub vault_port: u16,
 }
 
 /// Runs one nft batch.
@@ -58,6 +60,7 @@ impl Firewall {
         let (net, len) = self.subnet;
         let p = &self.prefix;
         let port = self.dns_port;
+        let vport = self.vault_port;
         let _ = apply(&format!("delete table inet {t}\n"));
         apply(&format!(
             r#"table inet {t} {{
@@ -65,15 +68,19 @@ impl Firewall {
   set learned4 {{ type ipv4_addr . ipv4_addr; flags timeout; }}
   set cidr_allow4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set cidr_deny4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  set vault4 {{ type ipv4_addr; }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "{p}*" meta l4proto {{ udp, tcp }} th dport 53 redirect to :{port}
+    iifname "{p}*" ip saddr @vault4 tcp dport 443 redirect to :{vport}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname "{p}*" meta l4proto {{ udp, tcp }} th dport {port} accept
+    iifname "{p}*" ip saddr @vault4 tcp dport {vport} accept
     iifname "{p}*" drop
     meta l4proto {{ udp, tcp }} th dport {port} drop
+    tcp dport {vport} drop
   }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
@@ -133,6 +140,14 @@ impl Firewall {
         let verb = if open { "add" } else { "delete" };
         b.line(format!(
             "{verb} element inet {} open4 {{ {sandbox} }}",
+            self.table
+        ));
+    }
+
+    pub fn vault(&self, b: &mut Batch, sandbox: Ipv4Addr, on: bool) {
+        let verb = if on { "add" } else { "delete" };
+        b.line(format!(
+            "{verb} element inet {} vault4 {{ {sandbox} }}",
             self.table
         ));
     }

@@ -56,6 +56,9 @@ pub struct NetworkSection {
     /// Where the DNS filter forwards allowed queries (`ip:port`); default: the first `nameserver`
     /// of the host's /etc/resolv.conf.
     pub dns_upstream: Option<String>,
+    /// CA files (PEM) the credential vault's proxy trusts for real servers, besides the public roots.
+    #[serde(default)]
+    pub upstream_ca_files: Vec<PathBuf>,
 }
 
 fn deny() -> String {
@@ -72,6 +75,7 @@ impl Default for NetworkSection {
             default_action: deny(),
             subnet: default_subnet(),
             dns_upstream: None,
+            upstream_ca_files: Vec::new(),
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod network;
 mod openapi;
 mod proxy;
 mod routes;
+mod sandbox_files;
 pub mod sandboxes;
 mod validate;
 pub mod volumes;

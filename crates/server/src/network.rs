@@ -102,6 +102,7 @@ impl Network {
                     upstream,
                     table: format!("warren_{:08x}", tag),
                     link_prefix: format!("w{:04x}-", tag & 0xffff),
+                    upstream_ca_files: section.upstream_ca_files.clone(),
                 }),
                 None,
             ),
@@ -234,4 +235,141 @@ pub async fn policy_call(
         }
     };
     Ok(PolicyStatus::of(policy))
+}
+
+/// Where a sandbox's programs look for trusted CAs, and the variables that point the common ones
+/// (OpenSSL, Python requests, curl, Node) at it.
+pub const TRUST_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+const ENV_FILE: &str = "/opt/opensandbox/.env";
+
+/// Adds the vault's CA to the sandbox's trust bundle (keeping what is there) and points the usual
+/// variables at the bundle for every command execd starts from now on.
+pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), String> {
+    use crate::sandbox_files::{read, write};
+    let existing = read(socket, TRUST_BUNDLE)
+        .await
+        .map_err(|e| e.to_string())?
+        .unwrap_or_default();
+    let mut bundle = existing;
+    if !bundle.is_empty() && !bundle.ends_with(b"\n") {
+        bundle.push(b'\n');
+    }
+    bundle.extend_from_slice(pem.as_bytes());
+    write(socket, TRUST_BUNDLE, &bundle)
+        .await
+        .map_err(|e| format!("the sandbox's trust store: {e}"))?;
+    let mut env = read(socket, ENV_FILE)
+        .await
+        .map_err(|e| e.to_string())?
+        .unwrap_or_default();
+    for var in [
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "NODE_EXTRA_CA_CERTS",
+    ] {
+        env.extend_from_slice(format!("{var}={TRUST_BUNDLE}\n").as_bytes());
+    }
+    write(socket, ENV_FILE, &env)
+        .await
+        .map_err(|e| format!("execd's environment file: {e}"))
+}
+
+/// The credential vault API of the 18080 surface: `/credential-vault` (POST creates, GET, PATCH,
+/// DELETE) and `/credential-vault/credentials[/{name}]`, `/credential-vault/bindings[/{name}]`.
+/// Answers only sanitized state.
+pub async fn vault_call(
+    network: &Network,
+    id: &str,
+    method: &http::Method,
+    sub: &str,
+    body: &[u8],
+) -> Result<(StatusCode, Option<serde_json::Value>), (StatusCode, String)> {
+    use warren_egress::vault::{Vault, VaultError};
+    let egress = network.started().ok_or((
+        StatusCode::PRECONDITION_FAILED,
+        "the credential proxy is not running for this sandbox".to_string(),
+    ))?;
+    let json = || -> Result<serde_json::Value, (StatusCode, String)> {
+        body_json(body).map_err(|e| (StatusCode::BAD_REQUEST, e.message))
+    };
+    let parts: Vec<&str> = sub.split('/').filter(|p| !p.is_empty()).collect();
+    let result = match (method.clone(), parts.as_slice()) {
+        (http::Method::POST, []) | (http::Method::PUT, []) => {
+            let v = Vault::create(&json()?);
+            egress.with_vault(id, move |slot| {
+                let v = v?;
+                let state = v.state_json();
+                *slot = Some(v);
+                Ok((StatusCode::CREATED, Some(state)))
+            })
+        }
+        (http::Method::GET, []) => egress.with_vault(id, |slot| {
+            Ok((
+                StatusCode::OK,
+                Some(
+                    slot.as_ref()
+                        .map(|v| v.state_json())
+                        .unwrap_or_else(|| Vault::default().state_json()),
+                ),
+            ))
+        }),
+        (http::Method::PATCH, []) => {
+            let b = json()?;
+            egress.with_vault(id, move |slot| {
+                let v = slot.get_or_insert_with(Vault::default);
+                v.patch(&b)?;
+                Ok((StatusCode::OK, Some(v.state_json())))
+            })
+        }
+        (http::Method::DELETE, []) => egress.with_vault(id, |slot| {
+            *slot = None;
+            Ok((StatusCode::NO_CONTENT, None))
+        }),
+        (http::Method::GET, ["credentials"]) => egress.with_vault(id, |slot| {
+            Ok((
+                StatusCode::OK,
+                Some(slot.clone().unwrap_or_default().credentials_json()),
+            ))
+        }),
+        (http::Method::GET, ["bindings"]) => egress.with_vault(id, |slot| {
+            Ok((
+                StatusCode::OK,
+                Some(slot.clone().unwrap_or_default().bindings_json()),
+            ))
+        }),
+        (http::Method::GET, ["credentials", name]) => egress.with_vault(id, |slot| {
+            Ok((
+                StatusCode::OK,
+                Some(slot.clone().unwrap_or_default().credential_json(name)?),
+            ))
+        }),
+        (http::Method::GET, ["bindings", name]) => egress.with_vault(id, |slot| {
+            Ok((
+                StatusCode::OK,
+                Some(slot.clone().unwrap_or_default().binding_json(name)?),
+            ))
+        }),
+        _ => {
+            return Err((
+                StatusCode::NOT_FOUND,
+                format!("no credential-vault route {method} /{sub}"),
+            ))
+        }
+    };
+    result.map_err(|e| match e {
+        warren_egress::EgressError::Vault(VaultError::Conflict { .. }) => {
+            (StatusCode::CONFLICT, e.to_string())
+        }
+        warren_egress::EgressError::Vault(VaultError::NotFound(_)) => {
+            (StatusCode::NOT_FOUND, e.to_string())
+        }
+        warren_egress::EgressError::Vault(VaultError::Invalid(_)) => {
+            (StatusCode::BAD_REQUEST, e.to_string())
+        }
+        warren_egress::EgressError::NoCredentialProxy(_) => {
+            (StatusCode::PRECONDITION_FAILED, e.to_string())
+        }
+        other => (StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+    })
 }

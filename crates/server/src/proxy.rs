@@ -204,7 +204,18 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
         Ok(b) => b,
         Err(_) => return (StatusCode::PAYLOAD_TOO_LARGE, "body too large").into_response(),
     };
-    match rest.trim_end_matches('/') {
+    let path = rest.trim_end_matches('/');
+    if path == "credential-vault" || path.starts_with("credential-vault/") {
+        let sub = path.trim_start_matches("credential-vault");
+        return match crate::network::vault_call(app.sandboxes.network(), id, &method, sub, &body)
+            .await
+        {
+            Ok((status, Some(v))) => (status, axum::Json(v)).into_response(),
+            Ok((status, None)) => status.into_response(),
+            Err((status, msg)) => (status, msg).into_response(),
+        };
+    }
+    match path {
         "healthz" => (StatusCode::OK, "ok").into_response(),
         "policy" => match crate::network::policy_call(&app.sandboxes, id, &method, &body).await {
             Ok(status) => axum::Json(status).into_response(),

@@ -206,6 +206,7 @@ impl Sandboxes {
             runtime_state: serde_json::Value::Null,
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
+            credential_proxy: plan.credential_proxy,
         };
         let entry = Arc::new(Entry {
             record: StdMutex::new(record.clone()),
@@ -235,13 +236,22 @@ impl Sandboxes {
         let created = match self.inner.runtime.create(&spec).await {
             Ok(state) => match &egress {
                 // The link comes once the sandbox's namespace exists; a failure undoes the create.
-                Some(eg) => match self.link(eg, &id, &state, policy.clone(), None).await {
-                    Ok(index) => Ok((state, Some(index))),
-                    Err(e) => {
-                        let _ = self.inner.runtime.destroy(&id, &state).await;
-                        Err(e)
+                Some(eg) => {
+                    let linked = match self.link(eg, &id, &state, policy.clone(), None).await {
+                        Ok(index) if plan.credential_proxy => {
+                            self.start_credential_proxy(eg, &id).await.map(|()| index)
+                        }
+                        other => other,
+                    };
+                    match linked {
+                        Ok(index) => Ok((state, Some(index))),
+                        Err(e) => {
+                            let _ = self.inner.runtime.destroy(&id, &state).await;
+                            self.unlink(&id).await;
+                            Err(e)
+                        }
                     }
-                },
+                }
                 None => Ok((state, None)),
             },
             Err(e) => Err(ApiError::from_runtime("creating the sandbox", e)),
@@ -290,6 +300,30 @@ impl Sandboxes {
             .map_err(|e| ApiError::internal("linking the sandbox", &e))?
             .map_err(|e| ApiError::internal("giving the sandbox its network link", &e))?;
         Ok(link.index)
+    }
+
+    /// Turns the credential proxy on and puts its CA into the sandbox's trust store.
+    async fn start_credential_proxy(
+        &self,
+        egress: &Arc<warren_egress::Egress>,
+        id: &str,
+    ) -> Result<(), ApiError> {
+        let pem = egress
+            .enable_credential_proxy(id)
+            .map_err(|e| ApiError::internal("starting the credential proxy", &e))?;
+        let socket = self.inner.runtime.execd_socket(id);
+        crate::network::install_ca(&socket, &pem)
+            .await
+            .map_err(|e| {
+                ApiError::internal(
+                    "installing the credential proxy's CA in the sandbox",
+                    &std::io::Error::other(e),
+                )
+            })
+    }
+
+    pub fn network(&self) -> &Network {
+        &self.inner.network
     }
 
     /// Removes what the egress controller holds for a sandbox (nothing when it never had a link).
@@ -671,6 +705,14 @@ impl Sandboxes {
                             .await
                             .map(|_| ()),
                         Err(e) => Err(e),
+                    };
+                    let relinked = match relinked {
+                        // The proxy's CA key lived in the old process: a new CA goes in.
+                        Ok(()) if rec.credential_proxy => match self.inner.network.egress().await {
+                            Ok(eg) => self.start_credential_proxy(&eg, &rec.id).await,
+                            Err(e) => Err(e),
+                        },
+                        other => other,
                     };
                     if let Err(e) = relinked {
                         tracing::error!(sandbox_id = %rec.id, error = %e.message, "re-attaching the network link failed");

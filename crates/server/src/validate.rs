@@ -30,6 +30,8 @@ pub struct CreatePlan {
     pub extensions: BTreeMap<String, String>,
     /// `networkPolicy`; `None` means the server's default.
     pub network_policy: Option<warren_egress::NetworkPolicy>,
+    /// `credentialProxy.enabled`: HTTPS goes through the credential vault's proxy.
+    pub credential_proxy: bool,
 }
 
 pub fn create_plan(
@@ -51,8 +53,22 @@ pub fn create_plan(
         Some(v) => crate::network::parse_policy(v)?,
         None => None,
     };
-    if req.credential_proxy.is_some() {
-        return Err(unsupported("credentialProxy"));
+    let credential_proxy = match &req.credential_proxy {
+        None | Some(serde_json::Value::Null) => false,
+        Some(v) => match v.get("enabled") {
+            Some(serde_json::Value::Bool(b)) => *b,
+            None => false,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "credentialProxy.enabled must be true or false",
+                ))
+            }
+        },
+    };
+    if credential_proxy && network_policy.as_ref().is_none_or(|p| !p.allows_anything()) {
+        return Err(ApiError::invalid(
+            "credentialProxy needs a networkPolicy that lets the sandbox reach something",
+        ));
     }
     if req.secure_access == Some(true) {
         return Err(unsupported(
@@ -126,6 +142,7 @@ pub fn create_plan(
         metadata,
         extensions: req.extensions.unwrap_or_default(),
         network_policy,
+        credential_proxy,
     })
 }
 

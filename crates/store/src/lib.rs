@@ -48,6 +48,9 @@ pub struct SandboxRecord {
     /// Index of its network link, when it has one (re-attached after a server restart).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_link: Option<u32>,
+    /// The credential vault's proxy is on for this sandbox.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub credential_proxy: bool,
 }
 
 impl SandboxRecord {
@@ -192,6 +195,7 @@ mod tests {
             runtime_state: serde_json::json!({"pid": 1}),
             network_policy: None,
             network_link: None,
+            credential_proxy: false,
         }
     }
 

@@ -1,0 +1,491 @@
+//! The credential vault's interception: HTTPS from a sandbox with a vault (its port-443 traffic is
+//! redirected here by the firewall) is read up to the TLS ClientHello. When a binding of the
+//! sandbox's vault could apply to that host, the connection is terminated with a certificate from the
+//! sandbox's own CA (installed in the sandbox's trust store), each request gets the headers of the
+//! one binding that matches it (none when zero or several match), it goes on to the real server over
+//! verified TLS, and the answer comes back with any secret value redacted. Every other connection is
+//! tunnelled untouched. Policy is enforced here too: the redirect bypasses the firewall's checks.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::sign::CertifiedKey;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::vault::{Redactor, Vault};
+
+/// A sandbox's certificate authority: its certificate goes into the sandbox's trust store; its key
+/// never leaves the server.
+pub struct SandboxCa {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+    leaves: Mutex<HashMap<String, Arc<CertifiedKey>>>,
+}
+
+impl SandboxCa {
+    pub fn new(sandbox_id: &str) -> Result<Self, String> {
+        let mut params =
+            rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            format!(
+                "Warren credential vault CA ({})",
+                &sandbox_id[..sandbox_id.len().min(8)]
+            ),
+        );
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+        ];
+        let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+        let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+        Ok(Self {
+            cert,
+            key,
+            leaves: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn pem(&self) -> String {
+        self.cert.pem()
+    }
+
+    fn leaf(&self, host: &str) -> Result<Arc<CertifiedKey>, String> {
+        if let Some(k) = self
+            .leaves
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(host)
+        {
+            return Ok(k.clone());
+        }
+        let mut params =
+            rcgen::CertificateParams::new(vec![host.to_string()]).map_err(|e| e.to_string())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, host);
+        let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+        let cert = params
+            .signed_by(&key, &self.cert, &self.key)
+            .map_err(|e| e.to_string())?;
+        let der = PrivateKeyDer::Pkcs8(key.serialize_der().into());
+        let signing =
+            rustls::crypto::ring::sign::any_supported_type(&der).map_err(|e| e.to_string())?;
+        let ck = Arc::new(CertifiedKey::new(
+            vec![cert.der().clone(), self.cert.der().clone()],
+            signing,
+        ));
+        self.leaves
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(host.to_string(), ck.clone());
+        Ok(ck)
+    }
+}
+
+/// What the proxy needs to know about a connection's sandbox.
+pub struct Decision {
+    pub vault: Option<Vault>,
+    pub ca: Option<Arc<SandboxCa>>,
+}
+
+/// Asked per connection: may `src` reach `dst` at all, and with which vault.
+pub trait Lookup: Send + Sync + 'static {
+    fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Decision>;
+}
+
+/// The original destination of a redirected connection (`SO_ORIGINAL_DST`).
+fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `addr`, which lives for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+        u16::from_be(addr.sin_port),
+    ))
+}
+
+/// The server name of a TLS ClientHello record, if it has one.
+pub fn sni(record: &[u8]) -> Option<String> {
+    let body = record.get(5..)?;
+    if record.first()? != &0x16 || body.first()? != &0x01 {
+        return None;
+    }
+    let mut p = 4 + 2 + 32; // handshake header, version, random
+    let sid = *body.get(p)? as usize;
+    p += 1 + sid;
+    let suites = u16::from_be_bytes([*body.get(p)?, *body.get(p + 1)?]) as usize;
+    p += 2 + suites;
+    let comp = *body.get(p)? as usize;
+    p += 1 + comp;
+    let ext_len = u16::from_be_bytes([*body.get(p)?, *body.get(p + 1)?]) as usize;
+    p += 2;
+    let end = (p + ext_len).min(body.len());
+    while p + 4 <= end {
+        let ty = u16::from_be_bytes([body[p], body[p + 1]]);
+        let len = u16::from_be_bytes([body[p + 2], body[p + 3]]) as usize;
+        let data = body.get(p + 4..p + 4 + len)?;
+        if ty == 0 && data.len() >= 5 && data[2] == 0 {
+            let n = u16::from_be_bytes([data[3], data[4]]) as usize;
+            return std::str::from_utf8(data.get(5..5 + n)?)
+                .ok()
+                .map(|s| s.to_ascii_lowercase());
+        }
+        p += 4 + len;
+    }
+    None
+}
+
+/// A stream that first yields bytes already read from it.
+struct Prefixed<S> {
+    prefix: Vec<u8>,
+    pos: usize,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.pos < self.prefix.len() {
+            let n = (self.prefix.len() - self.pos).min(buf.remaining());
+            let start = self.pos;
+            buf.put_slice(&self.prefix[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        b: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, b)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+pub struct Mitm {
+    lookup: Arc<dyn Lookup>,
+    upstream_tls: Arc<rustls::ClientConfig>,
+}
+
+/// Trust for the real servers: the public web roots plus any extra CA files configured.
+pub fn upstream_config(
+    extra_ca_files: &[std::path::PathBuf],
+) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    for f in extra_ca_files {
+        let pem = std::fs::read(f).map_err(|e| format!("reading {}: {e}", f.display()))?;
+        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+            let cert: CertificateDer<'static> =
+                cert.map_err(|e| format!("{}: {e}", f.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("{}: {e}", f.display()))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+impl Mitm {
+    pub fn new(lookup: Arc<dyn Lookup>, upstream_tls: rustls::ClientConfig) -> Self {
+        Self {
+            lookup,
+            upstream_tls: Arc::new(upstream_tls),
+        }
+    }
+
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            let Ok((stream, peer)) = listener.accept().await else {
+                continue;
+            };
+            let this = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.handle(stream, peer).await {
+                    tracing::debug!(%peer, error = %e, "vault proxy connection");
+                }
+            });
+        }
+    }
+
+    async fn handle(
+        self: Arc<Self>,
+        mut client: TcpStream,
+        peer: SocketAddr,
+    ) -> Result<(), String> {
+        let _ = client.set_nodelay(true);
+        let dst = original_dst(&client).map_err(|e| format!("original destination: {e}"))?;
+        let SocketAddr::V4(src) = peer else {
+            return Err("not IPv4".into());
+        };
+        let decision = self
+            .lookup
+            .decide(*src.ip(), *dst.ip())
+            .ok_or_else(|| format!("{} may not reach {dst}", src.ip()))?;
+        // The ClientHello: one TLS record (enough for any SNI).
+        let mut hello = vec![0u8; 5];
+        client
+            .read_exact(&mut hello)
+            .await
+            .map_err(|e| e.to_string())?;
+        let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
+        hello.resize(5 + len.min(16 * 1024 + 256), 0);
+        client
+            .read_exact(&mut hello[5..])
+            .await
+            .map_err(|e| e.to_string())?;
+        let host = sni(&hello);
+        let interception = match (&host, &decision.vault, &decision.ca) {
+            (Some(h), Some(v), Some(ca)) if v.wants("https", h, dst.port()) => {
+                Some((h.clone(), v.clone(), ca.clone()))
+            }
+            _ => None,
+        };
+        let client = Prefixed {
+            prefix: hello,
+            pos: 0,
+            inner: client,
+        };
+        match interception {
+            None => tunnel(client, dst).await,
+            Some((host, vault, ca)) => {
+                intercept(self.upstream_tls.clone(), client, dst, host, vault, ca).await
+            }
+        }
+    }
+}
+
+async fn intercept(
+    upstream_tls: Arc<rustls::ClientConfig>,
+    client: Prefixed<TcpStream>,
+    dst: SocketAddrV4,
+    host: String,
+    vault: Vault,
+    ca: Arc<SandboxCa>,
+) -> Result<(), String> {
+    let leaf = ca.leaf(&host)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(Fixed(leaf)));
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tls = tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+        .accept(client)
+        .await
+        .map_err(|e| format!("TLS with the sandbox: {e}"))?;
+    let upstream = Arc::new(tokio::sync::Mutex::new(
+        None::<hyper::client::conn::http1::SendRequest<RedactBody>>,
+    ));
+    let vault = Arc::new(vault);
+    let tls_cfg = upstream_tls;
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let (vault, upstream, tls_cfg, host) = (
+            vault.clone(),
+            upstream.clone(),
+            tls_cfg.clone(),
+            host.clone(),
+        );
+        forward(req, vault, upstream, tls_cfg, host, dst)
+    });
+    hyper::server::conn::http1::Builder::new()
+        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+struct Fixed(Arc<CertifiedKey>);
+
+impl std::fmt::Debug for Fixed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fixed")
+    }
+}
+
+impl rustls::server::ResolvesServerCert for Fixed {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+async fn tunnel(mut client: Prefixed<TcpStream>, dst: SocketAddrV4) -> Result<(), String> {
+    let mut upstream = TcpStream::connect(dst)
+        .await
+        .map_err(|e| format!("connecting {dst}: {e}"))?;
+    let _ = upstream.set_nodelay(true);
+    tokio::io::copy_bidirectional(&mut client, &mut upstream)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+type RedactBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+type Upstream =
+    Arc<tokio::sync::Mutex<Option<hyper::client::conn::http1::SendRequest<RedactBody>>>>;
+type ResponseBody = StreamBody<futures::stream::BoxStream<'static, Result<Frame<Bytes>, BoxError>>>;
+
+fn boxed(e: impl std::error::Error + Send + Sync + 'static) -> BoxError {
+    Box::new(e)
+}
+
+async fn forward(
+    req: hyper::Request<Incoming>,
+    vault: Arc<Vault>,
+    upstream: Upstream,
+    tls_cfg: Arc<rustls::ClientConfig>,
+    host: String,
+    dst: SocketAddrV4,
+) -> Result<hyper::Response<ResponseBody>, BoxError> {
+    let (mut parts, body) = req.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    if let Some(headers) =
+        vault.injections("https", &host, dst.port(), parts.method.as_str(), &path)
+    {
+        for (k, v) in headers {
+            let name = hyper::header::HeaderName::from_bytes(k.as_bytes())?;
+            parts
+                .headers
+                .insert(name, hyper::header::HeaderValue::from_str(&v)?);
+        }
+        tracing::debug!(%host, %path, "vault: credential injected");
+    }
+    // Compressed answers could not be redacted.
+    parts.headers.remove(hyper::header::ACCEPT_ENCODING);
+    parts.uri = path.parse().map_err(boxed)?;
+    let req = hyper::Request::from_parts(parts, body.boxed());
+    let mut guard = upstream.lock().await;
+    if guard.as_ref().is_none_or(|s| s.is_closed()) {
+        let tcp = TcpStream::connect(dst).await.map_err(boxed)?;
+        let _ = tcp.set_nodelay(true);
+        let name = ServerName::try_from(host.clone()).map_err(boxed)?;
+        let tls = tokio_rustls::TlsConnector::from(tls_cfg)
+            .connect(name, tcp)
+            .await?;
+        let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(boxed)?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        *guard = Some(send);
+    }
+    let send = guard.as_mut().ok_or("no upstream connection")?;
+    let resp = send.send_request(req).await.map_err(boxed)?;
+    drop(guard);
+    let secrets = vault.redactions();
+    let (mut parts, body) = resp.into_parts();
+    for v in parts.headers.values_mut() {
+        let bytes = v.as_bytes();
+        if secrets
+            .iter()
+            .any(|s| bytes.windows(s.len()).any(|w| w == s.as_slice()))
+        {
+            let mut r = Redactor::new(secrets.clone());
+            let mut out = r.push(bytes);
+            out.extend(r.finish());
+            *v = hyper::header::HeaderValue::from_bytes(&out).map_err(boxed)?;
+        }
+    }
+    parts.headers.remove(hyper::header::CONTENT_LENGTH);
+    let redactor = Arc::new(Mutex::new(Redactor::new(secrets)));
+    let tail = redactor.clone();
+    let frames = body
+        .into_data_stream()
+        .map(move |chunk| -> Result<Frame<Bytes>, BoxError> {
+            let chunk = chunk?;
+            let out = redactor
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(&chunk);
+            Ok(Frame::data(Bytes::from(out)))
+        })
+        .chain(futures::stream::once(async move {
+            let rest = tail.lock().unwrap_or_else(|e| e.into_inner()).finish();
+            Ok(Frame::data(Bytes::from(rest)))
+        }))
+        .boxed();
+    Ok(hyper::Response::from_parts(parts, StreamBody::new(frames)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sni_of_a_real_client_hello() {
+        // A ClientHello built by rustls for "api.example.test".
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let mut conn = rustls::ClientConnection::new(
+            Arc::new(cfg),
+            ServerName::try_from("API.example.test").expect("name"),
+        )
+        .expect("conn");
+        let mut buf = Vec::new();
+        conn.write_tls(&mut buf).expect("hello");
+        assert_eq!(sni(&buf).as_deref(), Some("api.example.test"));
+        assert_eq!(sni(b"GET / HTTP/1.1\r\n"), None);
+    }
+
+    #[test]
+    fn ca_issues_leaves() {
+        let ca = SandboxCa::new("0123456789").expect("ca");
+        assert!(ca.pem().starts_with("-----BEGIN CERTIFICATE-----"));
+        let a = ca.leaf("a.test").expect("leaf");
+        let b = ca.leaf("a.test").expect("leaf");
+        assert!(Arc::ptr_eq(&a, &b), "cached");
+    }
+}

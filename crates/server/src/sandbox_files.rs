@@ -1,0 +1,71 @@
+//! Reading and writing a file inside a sandbox from the server, through its execd (so every path is
+//! resolved inside the sandbox, never on the host). Used to put the credential vault's CA into the
+//! sandbox's trust store.
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use hyper_util::rt::TokioIo;
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16, Vec<u8>), Error> {
+    let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
+    let stream = tokio::net::UnixStream::connect(&reachable).await?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = send.send_request(req).await?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await?.to_bytes().to_vec();
+    Ok((status, body))
+}
+
+fn encode(path: &str) -> String {
+    form_urlencoded::byte_serialize(path.as_bytes()).collect()
+}
+
+/// The file's bytes, or `None` when it does not exist.
+pub async fn read(socket: &std::path::Path, path: &str) -> Result<Option<Vec<u8>>, Error> {
+    let req = http::Request::get(format!("/files/download?path={}", encode(path)))
+        .header(http::header::HOST, "localhost")
+        .body(Body::empty())?;
+    match call(socket, req).await? {
+        (200, body) => Ok(Some(body)),
+        (404, _) => Ok(None),
+        (status, body) => Err(format!(
+            "reading {path}: HTTP {status}: {}",
+            String::from_utf8_lossy(&body)
+        )
+        .into()),
+    }
+}
+
+/// Writes (creates or replaces) a file, mode 644.
+pub async fn write(socket: &std::path::Path, path: &str, data: &[u8]) -> Result<(), Error> {
+    let boundary = "warren-server-upload";
+    let meta = serde_json::json!({"path": path, "mode": 644});
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"metadata\"; filename=\"metadata\"\r\n\
+         Content-Type: application/json\r\n\r\n{meta}\r\n--{boundary}\r\nContent-Disposition: form-data; \
+         name=\"file\"; filename=\"file\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(data);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let req = http::Request::post("/files/upload")
+        .header(http::header::HOST, "localhost")
+        .header(
+            http::header::CONTENT_TYPE,
+            format!("multipart/form-data; boundary={boundary}"),
+        )
+        .body(Body::from(body))?;
+    match call(socket, req).await? {
+        (200, _) => Ok(()),
+        (status, body) => Err(format!(
+            "writing {path}: HTTP {status}: {}",
+            String::from_utf8_lossy(&body)
+        )
+        .into()),
+    }
+}
