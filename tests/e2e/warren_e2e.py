@@ -248,6 +248,9 @@ class WarrenServer:
     def write_config(self) -> None:
         self.host_volumes.mkdir(parents=True, exist_ok=True)
         storage = f'[storage]\nallowed_host_paths = ["{self.host_volumes}"]\n'
+        # Tests never reach a real resolver: a sandbox's DNS goes nowhere (the discard port on
+        # loopback) unless the test gives the server its own upstream (`extra_config`).
+        network = self.extra_config or '[network]\ndns_upstream = "127.0.0.1:9"\n'
         if self.is_docker:
             text = '[runtime]\nkind = "docker"\n[docker]\n'
             if os.environ.get("DOCKER_HOST"):
@@ -258,12 +261,12 @@ class WarrenServer:
             # servers that test pulls set `docker_pull` and use a registry on loopback
             if not self.docker_pull:
                 text += 'pull = "never"\n'
-            self.config_path.write_text(text + storage)
+            self.config_path.write_text(text + storage + network)
             return
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n' + storage + self.extra_config)
+            f'oci_runtime = "{self.runtime}"\n' + storage + network)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""

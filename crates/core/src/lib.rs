@@ -45,6 +45,19 @@ pub fn reachable_socket_path(
     Ok((Some(handle), short))
 }
 
+/// The kernel start time of `pid` (clock ticks since boot), to tell a process from a later one that
+/// got the same pid; `None` when it is gone or a zombie.
+pub fn process_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // `after` starts at field 3 (state); field 22 is index 19. A zombie has exited already.
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

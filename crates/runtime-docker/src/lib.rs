@@ -56,6 +56,9 @@ pub struct DockerConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct DockerState {
     container: String,
+    /// The container's init as the host sees it, and its start time (for a network link).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pid: Option<(i32, u64)>,
     /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     delete_volumes: Vec<String>,
@@ -71,6 +74,8 @@ struct Mounts {
 
 pub struct DockerRuntime {
     client: std::sync::Arc<Client>,
+    /// The daemon is reached over a Unix socket, so it runs on this host and its pids are ours.
+    local: bool,
     config: DockerConfig,
     owner: String,
 }
@@ -83,12 +88,14 @@ impl DockerRuntime {
             .or_else(|| std::env::var("DOCKER_HOST").ok().filter(|h| !h.is_empty()))
             .unwrap_or_else(|| "unix:///var/run/docker.sock".to_string());
         let endpoint = Endpoint::parse(&host).map_err(RuntimeError::Unsupported)?;
+        let local = matches!(endpoint, Endpoint::Unix(_));
         std::fs::create_dir_all(config.data_dir.join("sandboxes")).map_err(|e| {
             RuntimeError::backend_with(format!("creating {}", config.data_dir.display()), e)
         })?;
         let owner = config.data_dir.to_string_lossy().to_string();
         Ok(Self {
             client: std::sync::Arc::new(Client::new(endpoint)),
+            local,
             config,
             owner,
         })
@@ -410,6 +417,23 @@ impl DockerRuntime {
         }
     }
 
+    /// The container's init pid (with its start time), when the daemon runs on this host.
+    async fn init_pid(&self, container: &str) -> Option<(i32, u64)> {
+        if !self.local_daemon() {
+            return None;
+        }
+        let info = self.inspect(container).await.ok()?;
+        let pid = i32::try_from(info["State"]["Pid"].as_i64()?)
+            .ok()
+            .filter(|p| *p > 1)?;
+        Some((pid, warren_core::process_start_time(pid)?))
+    }
+
+    /// A daemon reached over a Unix socket runs here; one over TCP may not.
+    fn local_daemon(&self) -> bool {
+        self.local
+    }
+
     async fn inspect(&self, container: &str) -> Result<Value, RuntimeError> {
         self.client
             .call(Method::GET, &format!("/containers/{container}/json"), None)
@@ -515,11 +539,25 @@ impl Runtime for DockerRuntime {
         ImageSource::Engine
     }
 
+    fn supports_network(&self) -> bool {
+        // gVisor keeps its own network stack inside the sandbox: a link in the container's
+        // host-side namespace would not reach it. The daemon must be on this host (its pids are ours).
+        self.config.oci_runtime.as_deref() != Some("runsc") && self.local_daemon()
+    }
+
+    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
+        let st: DockerState = serde_json::from_value(state.clone()).ok()?;
+        let (pid, start) = st.pid?;
+        (self.supports_network() && warren_core::process_start_time(pid) == Some(start))
+            .then_some(pid)
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
         let name = Self::container_name(&spec.id);
         let volumes = self.volume_mounts(&spec.volumes).await?;
         match self.try_create(spec, &name, &volumes).await {
             Ok(container) => serde_json::to_value(DockerState {
+                pid: self.init_pid(&container).await,
                 container,
                 delete_volumes: volumes.delete_on_exit,
             })

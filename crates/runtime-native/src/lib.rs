@@ -892,16 +892,7 @@ fn read_line(pipe: Option<&mut std::process::ChildStdout>) -> Option<String> {
 }
 
 /// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.
-fn process_start_time(pid: i32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    // `after` starts at field 3 (state); field 22 is index 19. A zombie has exited already.
-    if fields.first() == Some(&"Z") {
-        return None;
-    }
-    fields.get(19)?.parse().ok()
-}
+use warren_core::process_start_time;
 
 fn is_alive(pid: i32) -> bool {
     process_start_time(pid).is_some()

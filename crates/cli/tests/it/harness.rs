@@ -31,13 +31,18 @@ impl Server {
     pub fn start_in(dir: tempfile::TempDir) -> Self {
         let key = format!("it-{}", std::process::id());
         let port = free_port();
+        // Tests never reach a real resolver: sandbox DNS goes to the discard port on loopback.
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, "[network]\ndns_upstream = \"127.0.0.1:9\"\n").expect("config");
         let child = Command::new(warren_bin())
             .args([
                 "serve",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
-                "--data-dir",
+                "--config",
             ])
+            .arg(&config)
+            .arg("--data-dir")
             .arg(dir.path().join("data"))
             .env("WARREN_API_KEY", &key)
             .stdout(Stdio::null())
