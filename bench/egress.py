@@ -7,9 +7,12 @@ forwards there, and runs the same Python client twice:
 - direct: in the host's namespace, straight to the fake server;
 - policy path: in a sandbox whose policy allows `allowed.test` (veth, nftables checks per packet,
   NAT), the name resolved once through Warren's DNS filter;
+- vault path: in a sandbox with the credential proxy and a binding for `allowed.test` (every request
+  intercepted: TLS with the sandbox's CA, a header injected, TLS again to the server);
 
-each doing --n requests, every one a new TCP connection + TLS handshake + GET, timed inside the
-client. It also times DNS lookups through the filter against asking the upstream directly.
+each doing --n requests with a new TCP connection + TLS handshake each, then --n requests over one
+kept connection, timed inside the client. It also times DNS lookups through the filter against
+asking the upstream directly.
     .ci/cache/venv/bin/python bench/egress.py --n 300
 """
 
@@ -35,18 +38,37 @@ from lifecycle import Server, pct  # noqa: E402
 CLIENT = r'''
 import json, socket, ssl, sys, time
 n, ca, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-ctx = ssl.create_default_context(cafile=ca)
+ctx = ssl.create_default_context(cafile=None if ca == "default" else ca)
 ip = socket.gethostbyname("allowed.test") if mode == "sandbox" else "198.18.0.2"
-req = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"
-times, dns = [], []
-for _ in range(n):
+def get(s, path):
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(65536)
+    head, _, body = head.partition(b"\r\n\r\n")
+    lengths = [int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")]
+    if lengths:
+        while len(body) < lengths[0]:
+            body += s.recv(65536)
+    else:  # chunked (the vault proxy re-frames answers it may redact)
+        while not body.endswith(b"0\r\n\r\n"):
+            body += s.recv(65536)
+    return body
+def connect():
+    raw = socket.create_connection((ip, 443), timeout=5)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ctx.wrap_socket(raw, server_hostname="allowed.test")
+fresh, reuse, dns = [], [], []
+for _ in range(n):  # a new TCP connection and TLS handshake per request
     t0 = time.perf_counter()
-    with socket.create_connection((ip, 443), timeout=5) as raw:
-        with ctx.wrap_socket(raw, server_hostname="allowed.test") as s:
-            s.sendall(req)
-            while s.recv(65536):
-                pass
-    times.append((time.perf_counter() - t0) * 1000)
+    with connect() as s:
+        get(s, "/v1/fresh")
+    fresh.append((time.perf_counter() - t0) * 1000)
+with connect() as s:  # one connection, request after request (as API clients do)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        get(s, "/v1/reuse")
+        reuse.append((time.perf_counter() - t0) * 1000)
 retries = 0
 def query(name, server):
     global retries
@@ -64,7 +86,7 @@ def query(name, server):
 server = (sys.argv[4], int(sys.argv[5]))
 for _ in range(n):
     dns.append(query("allowed.test", server))
-print(json.dumps({"https": times, "dns": dns, "dns_retries": retries}))
+print(json.dumps({"fresh": fresh, "reuse": reuse, "dns": dns, "dns_retries": retries}))
 '''
 
 
@@ -80,27 +102,49 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="warren-egress-bench-"))
+    rootfs = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
     with FakeNet(work / "fakenet") as net:
         server = Server(Path(args.warren), "embedded", 2, extra_config=(
-            f'[network]\nsubnet = "10.232.0.0/24"\ndns_upstream = "127.0.0.1:{net.dns_port}"\n'))
+            f'[network]\nsubnet = "10.232.0.0/24"\ndns_upstream = "127.0.0.1:{net.dns_port}"\n'
+            f'upstream_ca_files = ["{net.ca}"]\n'))
         try:
             from opensandbox import SandboxSync
             from opensandbox.config import ConnectionConfigSync
-            from opensandbox.models.sandboxes import NetworkPolicy
+            from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding,
+                                                      CredentialMatch, CredentialProxyConfig,
+                                                      InlineCredentialSource, NetworkPolicy)
             cfg = ConnectionConfigSync(domain=f"127.0.0.1:{server.port}", api_key=server.key)
+            policy = NetworkPolicy.model_validate(
+                {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
             rss_before = server.rss_kib()
-            sbx = SandboxSync.create("host", connection_config=cfg, network_policy=NetworkPolicy.model_validate(
-                {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]}))
-            try:
-                sbx.files.write_file("/tmp/ca.pem", net.ca.read_text())
+
+            def run_in(sbx, ca: str) -> dict:
                 sbx.files.write_file("/tmp/client.py", CLIENT)
-                # Inside, port 53 anywhere is Warren's filter; outside, the upstream itself.
-                ex = sbx.commands.run(f"python3 /tmp/client.py {args.n} /tmp/ca.pem sandbox 198.18.0.2 53")
-                out = "".join(m.text for m in ex.logs.stdout)
+                # Inside, port 53 anywhere is Warren's filter.
+                ex = sbx.commands.run(f"python3 /tmp/client.py {args.n} {ca} sandbox 198.18.0.2 53")
                 if ex.exit_code != 0:
                     raise SystemExit(f"sandbox client failed: {''.join(m.text for m in ex.logs.stderr)}")
-                inside = json.loads(out)
+                return json.loads("".join(m.text for m in ex.logs.stdout))
+
+            sbx = SandboxSync.create("host", connection_config=cfg, network_policy=policy)
+            try:
+                sbx.files.write_file("/tmp/ca.pem", net.ca.read_text())
+                inside = run_in(sbx, "/tmp/ca.pem")
                 rss_linked = server.rss_kib()
+            finally:
+                sbx.kill()
+            # The vault path: a binding for allowed.test, so every request is intercepted (TLS
+            # terminated with the sandbox's CA, header injected, re-encrypted to the server).
+            subprocess.run([args.warren, "image", "import", "bench-test", rootfs, "--data-dir",
+                            str(server.dir / "data")], check=True, capture_output=True)
+            sbx = SandboxSync.create("bench-test", connection_config=cfg, network_policy=policy,
+                                     credential_proxy=CredentialProxyConfig(enabled=True))
+            try:
+                sbx.credential_vault.create(
+                    credentials=[Credential(name="k", source=InlineCredentialSource(value="bench-secret-value"))],
+                    bindings=[CredentialBinding(name="b", match=CredentialMatch(hosts=["allowed.test"]),
+                                                auth=CredentialAuth(type="bearer", credential="k"))])
+                vault = run_in(sbx, "default")
             finally:
                 sbx.kill()
             script = work / "client.py"
@@ -110,8 +154,12 @@ def main() -> None:
                 check=True, capture_output=True, text=True).stdout)
         finally:
             server.stop()
-    rows = [row("HTTPS direct (host namespace)", direct["https"]),
-            row("HTTPS through the policy path", inside["https"]),
+    rows = [row("HTTPS new conn, direct", direct["fresh"]),
+            row("HTTPS new conn, policy path", inside["fresh"]),
+            row("HTTPS new conn, vault path", vault["fresh"]),
+            row("HTTPS kept conn, direct", direct["reuse"]),
+            row("HTTPS kept conn, policy path", inside["reuse"]),
+            row("HTTPS kept conn, vault path", vault["reuse"]),
             row("DNS direct to the upstream", direct["dns"]),
             row("DNS through Warren's filter", inside["dns"])]
     machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
@@ -119,8 +167,11 @@ def main() -> None:
     print(f"{'kind':<34}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}")
     for r in rows:
         print(f"{r['kind']:<34}{r['p50']:>9.3f}{r['p90']:>9.3f}{r['p99']:>9.3f}")
-    print(f"added by the policy path: p50 {rows[1]['p50'] - rows[0]['p50']:+.3f} ms, "
-          f"p99 {rows[1]['p99'] - rows[0]['p99']:+.3f} ms; DNS filter: p50 {rows[3]['p50'] - rows[2]['p50']:+.3f} ms")
+    for what, (d, x) in {"policy path, new conn": (0, 1), "vault path, new conn": (0, 2),
+                         "policy path, kept conn": (3, 4), "vault path, kept conn": (3, 5),
+                         "DNS filter": (6, 7)}.items():
+        print(f"added by the {what}: p50 {rows[x]['p50'] - rows[d]['p50']:+.3f} ms, "
+              f"p99 {rows[x]['p99'] - rows[d]['p99']:+.3f} ms")
     print(f"DNS queries answered only after a retry: {inside['dns_retries']} through the filter, "
           f"{direct['dns_retries']} direct")
     print(f"server RSS: {rss_before / 1024:.1f} MiB before, {rss_linked / 1024:.1f} MiB with a linked sandbox "

@@ -28,6 +28,7 @@ SERVER = r'''
 import http.server, socketserver, ssl, sys, threading, time
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
     def do_GET(self):
         local = self.connection.getsockname()[0]
         if self.path == "/stream":
