@@ -11,6 +11,7 @@ mod run;
 mod sandbox;
 mod settings;
 mod shell;
+mod vault;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -99,6 +100,16 @@ enum Verb {
     Egress {
         #[command(subcommand)]
         command: egress::EgressCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// A sandbox's credential vault (with credentialProxy enabled): secrets injected on the wire.
+    #[command(name = "credential-vault")]
+    CredentialVault {
+        #[command(subcommand)]
+        command: vault::VaultCommand,
         #[command(flatten)]
         server: client::ServerArgs,
         #[command(flatten)]
@@ -253,6 +264,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let format = out.output.or(settings.output.format).unwrap_or_default();
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(egress::run(command, &client, format))
+        }
+        Verb::CredentialVault {
+            command,
+            server,
+            out,
+        } => {
+            let settings = settings::Settings::load()?;
+            let client = server.client_with(&settings);
+            let format = out.output.or(settings.output.format).unwrap_or_default();
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(vault::run(command, &client, format))
         }
         Verb::Config { command } => {
             match command {

@@ -4,7 +4,7 @@
 //! [`Sandbox`] handle whose methods reach execd inside the sandbox through the server's endpoint
 //! proxy: commands as a stream of events ([`Sandbox::stream`]) or collected ([`Sandbox::run`]),
 //! background commands, bash sessions, interactive terminals over WebSocket, files with streaming
-//! upload and download, code contexts, and the sandbox's egress policy.
+//! upload and download, code contexts, the sandbox's egress policy and its credential vault.
 //!
 //! ```no_run
 //! use warren_sdk::{Client, CreateSandboxRequest, ImageSpec};
@@ -60,6 +60,7 @@ mod files;
 mod pty;
 mod sandbox;
 mod stream;
+mod vault;
 
 pub use client::{Client, Config, ListQuery};
 pub use code::CodeTarget;
@@ -70,6 +71,7 @@ pub use files::{ByteStream, Ownership};
 pub use pty::{Pty, PtyEvent, PtyOptions, PtyReader, PtyStatus, PtyWriter};
 pub use sandbox::Sandbox;
 pub use stream::{EventStream, Output};
+pub use vault::{BindingMeta, CredentialMeta, VaultState};
 
 pub use warren_api::execd::{
     CodeContext, CommandStatus, EventKind, ExecError, FileInfo, Metrics, RunCommandRequest,

@@ -240,24 +240,30 @@ pub async fn policy_call(
 /// Where a sandbox's programs look for trusted CAs, and the variables that point the common ones
 /// (OpenSSL, Python requests, curl, Node) at it.
 pub const TRUST_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// A bundle of Warren's own (the image's CAs plus the vault's), writable even when the image's
+/// trust store is not (the `host` image).
+pub const VAULT_BUNDLE: &str = "/opt/opensandbox/ca-bundle.crt";
 const ENV_FILE: &str = "/opt/opensandbox/.env";
 
-/// Adds the vault's CA to the sandbox's trust bundle (keeping what is there) and points the usual
-/// variables at the bundle for every command execd starts from now on.
+/// Adds the vault's CA to the sandbox's trust: a bundle of Warren's own that the usual variables
+/// point at for every command execd starts from now on, and the image's system bundle too when it
+/// is writable (for programs that ignore those variables).
 pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), String> {
     use crate::sandbox_files::{read, write};
-    let existing = read(socket, TRUST_BUNDLE)
+    let mut bundle = read(socket, TRUST_BUNDLE)
         .await
         .map_err(|e| e.to_string())?
         .unwrap_or_default();
-    let mut bundle = existing;
     if !bundle.is_empty() && !bundle.ends_with(b"\n") {
         bundle.push(b'\n');
     }
     bundle.extend_from_slice(pem.as_bytes());
-    write(socket, TRUST_BUNDLE, &bundle)
+    write(socket, VAULT_BUNDLE, &bundle)
         .await
-        .map_err(|e| format!("the sandbox's trust store: {e}"))?;
+        .map_err(|e| format!("the vault's CA bundle: {e}"))?;
+    if let Err(e) = write(socket, TRUST_BUNDLE, &bundle).await {
+        tracing::debug!(error = %e, "the image's trust store is read-only; the variables point at Warren's bundle");
+    }
     let mut env = read(socket, ENV_FILE)
         .await
         .map_err(|e| e.to_string())?
@@ -268,7 +274,7 @@ pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), Strin
         "CURL_CA_BUNDLE",
         "NODE_EXTRA_CA_CERTS",
     ] {
-        env.extend_from_slice(format!("{var}={TRUST_BUNDLE}\n").as_bytes());
+        env.extend_from_slice(format!("{var}={VAULT_BUNDLE}\n").as_bytes());
     }
     write(socket, ENV_FILE, &env)
         .await

@@ -608,3 +608,107 @@ async fn egress_policy_calls() {
     assert_eq!(err.status(), Some(400), "{err}");
     sb.kill().await.expect("kill");
 }
+
+/// The credential vault's API through the SDK and the CLI (no traffic: what the vault holds and
+/// shows, and the CA the sandbox now trusts).
+#[tokio::test]
+async fn credential_vault_calls() {
+    let server = Server::start();
+    let mut req = host();
+    req.network_policy = Some(
+        serde_json::json!({"defaultAction": "deny", "egress": [{"action": "allow", "target": "api.example.test"}]}),
+    );
+    req.credential_proxy = Some(serde_json::json!({"enabled": true}));
+    let sb = sdk(&server).create(&req).await.expect("create");
+    let secret = "sk-test-0123456789abcdef";
+    let state = sb
+        .create_vault(&serde_json::json!({
+            "credentials": [{"name": "api", "source": {"type": "inline", "value": secret}}],
+            "bindings": [{"name": "b", "match": {"hosts": ["api.example.test"]}, "auth": {"type": "apiKey", "name": "X-Key", "credential": "api"}}]
+        }))
+        .await
+        .expect("create vault");
+    assert_eq!(state.revision, 1);
+    assert_eq!(
+        sb.vault_credential("api")
+            .await
+            .expect("credential")
+            .source_type,
+        "inline"
+    );
+    assert_eq!(
+        sb.vault_binding("b").await.expect("binding").auth["name"],
+        "X-Key"
+    );
+    assert!(sb
+        .vault_binding("nope")
+        .await
+        .expect_err("missing")
+        .is_not_found());
+    let err = sb
+        .patch_vault(&serde_json::json!({"expectedRevision": 9}))
+        .await
+        .expect_err("stale");
+    assert_eq!(err.status(), Some(409), "{err}");
+    let err = sb
+        .patch_vault(&serde_json::json!({"bindings": {"add": [{"name": "c", "match": {"hosts": ["x.test"]}, "auth": {"type": "bearer", "credential": "missing"}}]}}))
+        .await
+        .expect_err("dangling credential");
+    assert_eq!(err.status(), Some(400), "{err}");
+
+    // The CA is trusted inside; the secret is nowhere inside.
+    let out = sb
+        .run("echo $SSL_CERT_FILE; grep -c 'BEGIN CERTIFICATE' $SSL_CERT_FILE")
+        .await
+        .expect("env");
+    let mut lines = out.stdout.lines();
+    assert_eq!(lines.next(), Some("/opt/opensandbox/ca-bundle.crt"));
+    assert!(
+        lines
+            .next()
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| n >= 1),
+        "{}",
+        out.stdout
+    );
+    let out = sb
+        .run(&format!(
+            "grep -rl '{secret}' /opt /tmp /root /proc/[0-9]*/environ 2>/dev/null | wc -l"
+        ))
+        .await
+        .expect("grep");
+    assert_eq!(out.stdout.trim(), "0");
+
+    // The CLI shows the same, without values.
+    let cli = std::process::Command::new(crate::harness::warren_bin())
+        .args([
+            "credential-vault",
+            "-o",
+            "json",
+            "get",
+            sb.id(),
+            "--domain",
+            &server.base(),
+            "--api-key",
+            &server.key,
+        ])
+        .env("WARREN_CLI_CONFIG", server.dir.path().join("cli.toml"))
+        .output()
+        .expect("cli");
+    let text = String::from_utf8_lossy(&cli.stdout);
+    assert!(
+        cli.status.success() && text.contains("\"X-Key\"") && !text.contains(secret),
+        "{text}"
+    );
+
+    sb.delete_vault().await.expect("delete");
+    assert!(sb.vault().await.expect("get").bindings.is_empty());
+    // Without the proxy on, the vault API says so.
+    let plain = sdk(&server).create(&host()).await.expect("create");
+    let err = plain.vault().await.expect_err("no proxy");
+    assert_eq!(err.status(), Some(412), "{err}");
+    plain.kill().await.expect("kill");
+    sb.kill().await.expect("kill");
+    let log = std::fs::read_to_string(server.dir.path().join("server.log")).unwrap_or_default();
+    assert!(!log.contains(secret), "a secret reached the server's log");
+}
