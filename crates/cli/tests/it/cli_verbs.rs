@@ -315,6 +315,89 @@ fn completions_are_generated() {
     }
 }
 
+/// Compares `text` with the snapshot file `name` (or rewrites it with WARREN_UPDATE_SNAPSHOTS=1).
+fn check_snapshot(name: &str, text: &str) -> Option<String> {
+    let file = snapshot_dir().join(name);
+    if std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some() {
+        std::fs::create_dir_all(snapshot_dir()).expect("snapshot dir");
+        std::fs::write(&file, text).expect("write snapshot");
+        return None;
+    }
+    (std::fs::read_to_string(&file).ok().as_deref() != Some(text)).then(|| {
+        format!(
+            "{} (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{text}",
+            file.display()
+        )
+    })
+}
+
+/// Table output of a few verbs, with what changes from run to run (ids, times) replaced.
+#[test]
+fn table_output_matches_snapshots() {
+    let server = Server::start();
+    let cli = Cli::new(&server);
+    let id = cli.json(&[
+        "sandbox",
+        "create",
+        "--metadata",
+        "team=docs",
+        "--entrypoint",
+        "sleep",
+        "--entrypoint",
+        "infinity",
+    ])["id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let normalize = |text: String| -> String {
+        text.replace(&id, "<id>")
+            .lines()
+            .map(|l| {
+                let key = l.split_whitespace().next().unwrap_or("");
+                if ["CREATED", "EXPIRES", "MODIFIED"].contains(&key) {
+                    format!("{key}  <time>")
+                } else if l.starts_with("/tmp/snap/") {
+                    // PATH TYPE SIZE MODE OWNER MODIFIED: drop the time column
+                    l.rsplit_once("  ")
+                        .map(|(a, _)| a.trim_end().to_string())
+                        .unwrap_or_default()
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+            + "\n"
+    };
+    cli.ok(&[
+        "file",
+        "write",
+        &id,
+        "/tmp/snap/a.txt",
+        "--content",
+        "hello\n",
+        "--mode",
+        "640",
+    ]);
+    cli.ok(&["file", "mkdir", &id, "/tmp/snap/sub"]);
+    let mut stale = Vec::new();
+    for (name, args) in [
+        (
+            "output-sandbox-get.txt",
+            vec!["sandbox", "get", id.as_str()],
+        ),
+        (
+            "output-file-ls.txt",
+            vec!["file", "ls", id.as_str(), "/tmp/snap"],
+        ),
+        ("output-egress-get.txt", vec!["egress", "get", id.as_str()]),
+    ] {
+        stale.extend(check_snapshot(name, &normalize(cli.ok(&args))));
+    }
+    cli.ok(&["sandbox", "kill", &id]);
+    assert!(stale.is_empty(), "output changed:\n{}", stale.join("\n"));
+}
+
 fn snapshot_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots")
 }
@@ -400,4 +483,74 @@ fn shell_runs_a_script_from_stdin_and_exits_with_its_code() {
         "{stdout}"
     );
     cli.ok(&["sandbox", "kill", &id]);
+}
+
+/// A sandbox that expires while a command runs, and one deleted during an upload: one clear line
+/// each and a non-zero exit, not a hang or a backtrace.
+#[test]
+fn interrupted_work_fails_with_one_line() {
+    let server = Server::start();
+    let cli = Cli::new(&server);
+    let id = cli.json(&["sandbox", "create"])["id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    // Expire it two seconds from now, mid-command.
+    let soon = (chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
+    let status = std::process::Command::new("curl")
+        .args([
+            "-sf",
+            "-o",
+            "/dev/null",
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "-H",
+            &format!("OPEN-SANDBOX-API-KEY: {}", server.key),
+            "-d",
+            &format!("{{\"expiresAt\": \"{soon}\"}}"),
+            &format!("{}/v1/sandboxes/{id}/renew-expiration", server.base()),
+        ])
+        .status()
+        .expect("curl");
+    assert!(status.success());
+    let started = std::time::Instant::now();
+    let out = cli.run(&["command", "run", &id, "sleep 60"]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(30),
+        "the CLI noticed the end"
+    );
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("ended") || err.contains("broke off"), "{err}");
+
+    let id = cli.json(&["sandbox", "create"])["id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let big = server.dir.path().join("big.sparse");
+    std::fs::File::create(&big)
+        .and_then(|f| f.set_len(4 << 30))
+        .expect("sparse file");
+    let mut upload = cli
+        .cmd(&[
+            "file",
+            "upload",
+            &id,
+            big.to_str().expect("path"),
+            "/tmp/big",
+        ])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("upload");
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    cli.ok(&["sandbox", "kill", &id]);
+    let out = upload.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("uploading to /tmp/big"), "{err}");
 }
