@@ -534,7 +534,7 @@ fn interrupted_work_fails_with_one_line() {
     std::fs::File::create(&big)
         .and_then(|f| f.set_len(4 << 30))
         .expect("sparse file");
-    let mut upload = cli
+    let upload = cli
         .cmd(&[
             "file",
             "upload",
