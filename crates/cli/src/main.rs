@@ -138,9 +138,11 @@ enum ImageCommand {
     Import { name: String, path: PathBuf },
     /// List images.
     Ls {
-        /// Print JSON instead of a table.
+        /// Print JSON instead of a table (same as -o json).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        out: output::OutputArgs,
     },
     /// Remove an image name (its layers go once nothing uses them).
     Rm { names: Vec<String> },
@@ -327,31 +329,31 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         human_bytes(rec.size_bytes)
                     );
                 }
-                ImageCommand::Ls { json } => {
+                ImageCommand::Ls { json, out } => {
                     let images = store.list()?;
-                    if json {
-                        let rows: Vec<_> = images
-                            .iter()
-                            .map(|i| serde_json::json!({"name": i.name, "id": i.id, "layers": i.layers.len(), "size": i.size_bytes, "createdAt": i.created_at, "builtin": i.builtin}))
-                            .collect();
-                        println!("{}", serde_json::to_string_pretty(&rows)?);
+                    let format = if json {
+                        output::Format::Json
                     } else {
-                        println!("{:<40} {:<20} {:>7} {:>10}", "NAME", "ID", "LAYERS", "SIZE");
-                        for i in images {
+                        out.output.unwrap_or_default()
+                    };
+                    let rows: Vec<_> = images
+                        .iter()
+                        .map(|i| serde_json::json!({"name": i.name, "id": i.id, "layers": i.layers.len(), "size": i.size_bytes, "createdAt": i.created_at, "builtin": i.builtin}))
+                        .collect();
+                    output::emit(format, &rows, |_| {
+                        let mut t = output::Table::new(&["NAME", "ID", "LAYERS", "SIZE"]);
+                        for i in &images {
                             let id: String =
-                                i.id.trim_start_matches("sha256:")
-                                    .chars()
-                                    .take(12)
-                                    .collect();
-                            println!(
-                                "{:<40} {:<20} {:>7} {:>10}",
-                                i.name,
+                                i.id.trim_start_matches("sha256:").chars().take(12).collect();
+                            t.row(vec![
+                                i.name.clone(),
                                 if i.builtin { "builtin".into() } else { id },
-                                i.layers.len(),
-                                human_bytes(i.size_bytes)
-                            );
+                                i.layers.len().to_string(),
+                                human_bytes(i.size_bytes),
+                            ]);
                         }
-                    }
+                        t
+                    })?;
                 }
                 ImageCommand::Rm { names } => {
                     for n in names {
