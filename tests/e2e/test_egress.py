@@ -17,6 +17,7 @@ import secrets
 import time
 import uuid
 
+import httpx
 import pytest
 
 import warren_e2e as W
@@ -188,6 +189,15 @@ def test_policy_api_and_live_changes(net_server, fakenet):
 
         # The lifecycle route sees the same policy; bad rules are 400s that change nothing.
         with net_server.client() as c:
+            # An application port's token does not open the egress surface; its own token does.
+            app_ep = c.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080").json()
+            r = httpx.get(f"http://{app_ep['endpoint'].replace('/proxy/8080', '/proxy/18080')}/policy",
+                          headers=app_ep["headers"])
+            assert r.status_code == 401, r.text
+            eg_ep = c.get(f"/v1/sandboxes/{sbx.id}/endpoints/18080").json()
+            assert eg_ep["headers"]["OPENSANDBOX-EGRESS-AUTH"] != app_ep["headers"]["X-Warren-Sandbox-Token"]
+            r = httpx.get(f"http://{eg_ep['endpoint']}/policy", headers=eg_ep["headers"])
+            assert r.status_code == 200, r.text
             r = c.get(f"/v1/sandboxes/{sbx.id}/networkpolicy")
             assert r.status_code == 200 and r.json()["policy"]["egress"][0] == {"action": "deny", "target": "allowed.test"}
             W.assert_error_body(c.patch(f"/v1/sandboxes/{sbx.id}/networkpolicy",

@@ -344,7 +344,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         let mut t = output::Table::new(&["NAME", "ID", "LAYERS", "SIZE"]);
                         for i in &images {
                             let id: String =
-                                i.id.trim_start_matches("sha256:").chars().take(12).collect();
+                                i.id.trim_start_matches("sha256:")
+                                    .chars()
+                                    .take(12)
+                                    .collect();
                             t.row(vec![
                                 i.name.clone(),
                                 if i.builtin { "builtin".into() } else { id },

@@ -93,6 +93,15 @@ pub fn reply_empty(query: &[u8], q: &Question, rcode: u8) -> Vec<u8> {
     out
 }
 
+/// The question (name, type) an answer is for.
+pub fn parse_query_of_answer(msg: &[u8]) -> Option<(String, u16)> {
+    if msg.len() < 12 || msg[2] & 0x80 == 0 || msg[2] & 0x78 != 0 || u16_at(msg, 4)? != 1 {
+        return None;
+    }
+    let (name, pos) = read_name(msg, 12)?;
+    Some((name, u16_at(msg, pos)?))
+}
+
 /// The records of an upstream answer's answer section.
 pub fn parse_answers(msg: &[u8]) -> Option<(u8, Vec<Answer>)> {
     if msg.len() < 12 {

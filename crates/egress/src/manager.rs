@@ -64,6 +64,12 @@ pub struct Egress {
     cfg: EgressConfig,
     fw: Firewall,
     state: Mutex<State>,
+    /// Held from deciding a change to applying it to the firewall, so a late DNS answer cannot
+    /// re-add what a policy change or a detach just removed (nor hand it to the next sandbox that
+    /// gets the same address).
+    changes: Mutex<()>,
+    /// Bounds DNS queries in flight (each holds a task and a socket).
+    dns_slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// What a sandbox's link is, for records and for the sandbox.
@@ -123,6 +129,8 @@ impl Egress {
             cfg,
             fw,
             state: Mutex::new(State::default()),
+            changes: Mutex::new(()),
+            dns_slots: Arc::new(tokio::sync::Semaphore::new(256)),
         });
         tokio::spawn(dns_loop(this.clone(), Arc::new(socket)));
         let mitm = Arc::new(crate::mitm::Mitm::new(
@@ -136,6 +144,10 @@ impl Egress {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn serialize(&self) -> MutexGuard<'_, ()> {
+        self.changes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn link_of(&self, index: u32) -> Link {
@@ -160,6 +172,7 @@ impl Egress {
         policy: NetworkPolicy,
         index: Option<u32>,
     ) -> Result<Link, EgressError> {
+        let _changes = self.serialize();
         let index = {
             let mut st = self.lock();
             let index = match index {
@@ -259,6 +272,7 @@ impl Egress {
 
     /// Removes a sandbox's link, its set elements and its address.
     pub fn detach(&self, id: &str) {
+        let _changes = self.serialize();
         let Some(net) = ({
             let mut st = self.lock();
             let net = st.by_id.remove(id);
@@ -302,6 +316,7 @@ impl Egress {
     /// Replaces a live sandbox's policy; takes effect before it returns, including for open
     /// connections to destinations the new policy denies.
     pub fn set_policy(&self, id: &str, policy: NetworkPolicy) -> Result<(), EgressError> {
+        let _changes = self.serialize();
         let mut st = self.lock();
         let Some(net) = st.by_id.get_mut(id) else {
             return Err(EgressError::Setup(format!(
@@ -310,22 +325,27 @@ impl Egress {
         };
         let mut b = Batch::new();
         self.policy_elements(&mut b, net, false);
-        net.policy = policy;
+        let old = std::mem::replace(&mut net.policy, policy);
         self.policy_elements(&mut b, net, true);
         let now = Instant::now();
-        let mut dropped = Vec::new();
-        for (dest, (name, exp)) in &net.learned {
-            if *exp > now && net.policy.decide_name(name) == Action::Deny {
-                self.fw.learned(&mut b, net.addr, *dest, None);
-                dropped.push(*dest);
-            }
+        let dropped: Vec<Ipv4Addr> = net
+            .learned
+            .iter()
+            .filter(|(_, (name, exp))| *exp > now && net.policy.decide_name(name) == Action::Deny)
+            .map(|(d, _)| *d)
+            .collect();
+        for d in &dropped {
+            self.fw.learned(&mut b, net.addr, *d, None);
+        }
+        if let Err(e) = b.apply() {
+            // Memory follows the firewall: keep the old policy (its elements were not all removed).
+            net.policy = old;
+            return Err(EgressError::Setup(format!("firewall: {e}")));
         }
         for d in dropped {
             net.learned.remove(&d);
         }
-        drop(st);
-        b.apply()
-            .map_err(|e| EgressError::Setup(format!("firewall: {e}")))
+        Ok(())
     }
 
     /// The DNS decision for a query from `src`; `None` when `src` is no sandbox of ours.
@@ -335,17 +355,23 @@ impl Egress {
         Some(st.by_id.get(id)?.policy.decide_name(name))
     }
 
-    /// Lets `src` reach the addresses of an allowed answer for as long as the answer lives.
-    fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, u32)]) {
+    /// Lets `src` reach the addresses of an allowed answer for as long as the answer lives. Checks
+    /// again that `name` is still allowed (the policy may have changed while upstream answered);
+    /// false when it is not, or when `src` is no sandbox any more.
+    fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, u32)]) -> bool {
+        let _changes = self.serialize();
         let mut b = Batch::new();
         {
             let mut st = self.lock();
             let Some(id) = st.by_addr.get(&src).cloned() else {
-                return;
+                return false;
             };
             let Some(net) = st.by_id.get_mut(&id) else {
-                return;
+                return false;
             };
+            if net.policy.decide_name(name) != Action::Allow {
+                return false;
+            }
             let now = Instant::now();
             for (dest, ttl) in addrs {
                 // At least a minute: clients cache longer than TTLs say, and a connection opened
@@ -368,7 +394,9 @@ impl Egress {
         }
         if let Err(e) = b.apply() {
             tracing::warn!(%src, error = %e, "egress: adding learned addresses");
+            return false;
         }
+        true
     }
 
     /// Checks a raw address against a sandbox's CIDR rules (for the policy API's GET).
@@ -388,6 +416,7 @@ impl Egress {
     /// Turns the credential proxy on for a linked sandbox; returns its CA certificate (PEM), for the
     /// sandbox's trust store.
     pub fn enable_credential_proxy(&self, id: &str) -> Result<String, EgressError> {
+        let _changes = self.serialize();
         let (addr, pem, fresh) = {
             let mut st = self.lock();
             let net = st
@@ -430,21 +459,47 @@ impl Egress {
         Ok(f(&mut net.vault)?)
     }
 
-    /// May `src` open a connection to `dst` (for connections the firewall handed to a proxy)?
-    fn allows(net: &SandboxNet, dst: Ipv4Addr) -> bool {
+    /// May `src` open a connection to `dst` (for connections the firewall handed to a proxy, which
+    /// therefore never meet the forward chain)? The same answer the firewall would give: never the
+    /// host, another sandbox, loopback, link-local, multicast or broadcast; a CIDR deny wins; then
+    /// learned addresses, allowed CIDRs, an allow default.
+    fn allows(&self, net: &SandboxNet, dst: Ipv4Addr) -> bool {
+        let (base, len) = self.cfg.subnet;
+        if dst.is_loopback()
+            || dst.is_unspecified()
+            || dst.is_link_local()
+            || dst.is_multicast()
+            || dst.is_broadcast()
+            || in_cidr(IpAddr::V4(dst), IpAddr::V4(base), len)
+            || host_addresses().contains(&dst)
+        {
+            return false;
+        }
         let rules = net.policy.cidr_rules();
-        let cidr = rules
+        let hits: Vec<Action> = rules
             .iter()
-            .find(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
-            .map(|(_, _, a)| *a);
-        if cidr == Some(Action::Deny) || dst.is_link_local() {
+            .filter(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
+            .map(|(_, _, a)| *a)
+            .collect();
+        if hits.contains(&Action::Deny) {
             return false;
         }
         net.learned
             .get(&dst)
             .is_some_and(|(_, exp)| *exp > Instant::now())
-            || cidr == Some(Action::Allow)
+            || hits.contains(&Action::Allow)
             || net.policy.default_action == Action::Allow
+    }
+
+    /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
+    /// request, so revocations reach kept connections).
+    pub(crate) fn vault_for(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
+        let st = self.lock();
+        let net = st.by_id.get(st.by_addr.get(&src)?)?;
+        if !self.allows(net, dst) {
+            return None;
+        }
+        net.vault.clone()
     }
 
     pub fn shutdown(&self) {
@@ -473,10 +528,14 @@ async fn dns_loop(egress: Arc<Egress>, socket: Arc<UdpSocket>) {
                 continue;
             }
         };
+        let Ok(permit) = egress.dns_slots.clone().try_acquire_owned() else {
+            continue; // too many in flight: dropped, the client retries
+        };
         let query = buf[..n].to_vec();
         let egress = egress.clone();
         let socket = socket.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             if let Some(reply) = answer(&egress, from, &query).await {
                 let _ = socket.send_to(&reply, from).await;
             }
@@ -484,7 +543,7 @@ async fn dns_loop(egress: Arc<Egress>, socket: Arc<UdpSocket>) {
     }
 }
 
-async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u8>> {
+async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<Vec<u8>> {
     let q = dns::parse_query(query)?;
     let IpAddr::V4(src) = from.ip() else {
         return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
@@ -499,14 +558,26 @@ async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u
     if q.qtype == dns::TYPE_AAAA {
         return Some(dns::reply_empty(query, &q, dns::RCODE_NOERROR));
     }
+    // A connected socket: only the upstream can answer it.
     let upstream = UdpSocket::bind(("0.0.0.0", 0)).await.ok()?;
-    upstream.send_to(query, egress.cfg.upstream).await.ok()?;
+    upstream.connect(egress.cfg.upstream).await.ok()?;
+    upstream.send(query).await.ok()?;
     let mut buf = vec![0u8; 4096];
-    let reply =
-        match tokio::time::timeout(Duration::from_secs(5), upstream.recv_from(&mut buf)).await {
-            Ok(Ok((n, _))) => buf[..n].to_vec(),
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let reply = loop {
+        match tokio::time::timeout_at(deadline, upstream.recv(&mut buf)).await {
+            // The answer to this query (same id, same question), nothing else.
+            Ok(Ok(n))
+                if n >= 12
+                    && buf[..2] == query[..2]
+                    && dns::parse_query_of_answer(&buf[..n]) == Some((q.name.clone(), q.qtype)) =>
+            {
+                break buf[..n].to_vec()
+            }
+            Ok(Ok(_)) => continue,
             _ => return Some(dns::reply_empty(query, &q, dns::RCODE_SERVFAIL)),
-        };
+        }
+    };
     if let Some((_, answers)) = dns::parse_answers(&reply) {
         let addrs: Vec<(Ipv4Addr, u32)> = answers
             .iter()
@@ -516,7 +587,14 @@ async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u
             })
             .collect();
         if !addrs.is_empty() {
-            egress.learn(src, &q.name, &addrs);
+            let (eg, name) = (egress.clone(), q.name.clone());
+            let learned = tokio::task::spawn_blocking(move || eg.learn(src, &name, &addrs))
+                .await
+                .unwrap_or(false);
+            if !learned {
+                // The policy changed (or the sandbox went) while upstream answered.
+                return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
+            }
         }
     }
     Some(reply)
@@ -526,13 +604,40 @@ async fn answer(egress: &Egress, from: SocketAddr, query: &[u8]) -> Option<Vec<u
 struct Lookup(std::sync::Weak<Egress>);
 
 impl crate::mitm::Lookup for Lookup {
+    fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
+        self.0.upgrade()?.vault_for(src, dst)
+    }
+
     fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::mitm::Decision> {
         let egress = self.0.upgrade()?;
         let st = egress.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
-        Egress::allows(net, dst).then(|| crate::mitm::Decision {
+        egress.allows(net, dst).then(|| crate::mitm::Decision {
             vault: net.vault.clone(),
             ca: net.ca.clone(),
         })
     }
+}
+
+/// Every IPv4 address of this host (any interface), so proxied connections cannot reach the host.
+fn host_addresses() -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    // SAFETY: getifaddrs allocates a list we walk read-only and free with freeifaddrs.
+    unsafe {
+        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut head) != 0 {
+            return out;
+        }
+        let mut cur = head;
+        while !cur.is_null() {
+            let addr = (*cur).ifa_addr;
+            if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
+                let sin = addr.cast::<libc::sockaddr_in>();
+                out.push(Ipv4Addr::from(u32::from_be((*sin).sin_addr.s_addr)));
+            }
+            cur = (*cur).ifa_next;
+        }
+        libc::freeifaddrs(head);
+    }
+    out
 }

@@ -100,10 +100,15 @@ pub struct Decision {
     pub ca: Option<Arc<SandboxCa>>,
 }
 
-/// Asked per connection: may `src` reach `dst` at all, and with which vault.
+/// Asked per connection: may `src` reach `dst` at all, and with which vault; and per request, the
+/// vault as it is now (`None` once `dst` is no longer allowed).
 pub trait Lookup: Send + Sync + 'static {
     fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Decision>;
+    fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Vault>;
 }
+
+/// How long a sandbox may take to send its ClientHello, and the proxy to reach a server.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The original destination of a redirected connection (`SO_ORIGINAL_DST`).
 fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddrV4> {
@@ -266,15 +271,15 @@ impl Mitm {
             .ok_or_else(|| format!("{} may not reach {dst}", src.ip()))?;
         // The ClientHello: one TLS record (enough for any SNI).
         let mut hello = vec![0u8; 5];
-        client
-            .read_exact(&mut hello)
+        let read_hello = async {
+            client.read_exact(&mut hello).await?;
+            let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
+            hello.resize(5 + len.min(16 * 1024 + 256), 0);
+            client.read_exact(&mut hello[5..]).await
+        };
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello)
             .await
-            .map_err(|e| e.to_string())?;
-        let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
-        hello.resize(5 + len.min(16 * 1024 + 256), 0);
-        client
-            .read_exact(&mut hello[5..])
-            .await
+            .map_err(|_| "no ClientHello in time".to_string())?
             .map_err(|e| e.to_string())?;
         let host = sni(&hello);
         let interception = match (&host, &decision.vault, &decision.ca) {
@@ -290,19 +295,31 @@ impl Mitm {
         };
         match interception {
             None => tunnel(client, dst).await,
-            Some((host, vault, ca)) => {
-                intercept(self.upstream_tls.clone(), client, dst, host, vault, ca).await
+            Some((host, _, ca)) => {
+                let lookup = self.lookup.clone();
+                intercept(
+                    self.upstream_tls.clone(),
+                    lookup,
+                    *src.ip(),
+                    client,
+                    dst,
+                    host,
+                    ca,
+                )
+                .await
             }
         }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn intercept(
     upstream_tls: Arc<rustls::ClientConfig>,
+    lookup: Arc<dyn Lookup>,
+    src: Ipv4Addr,
     client: Prefixed<TcpStream>,
     dst: SocketAddrV4,
     host: String,
-    vault: Vault,
     ca: Arc<SandboxCa>,
 ) -> Result<(), String> {
     let leaf = ca.leaf(&host)?;
@@ -320,15 +337,12 @@ async fn intercept(
     let upstream = Arc::new(tokio::sync::Mutex::new(
         None::<hyper::client::conn::http1::SendRequest<RedactBody>>,
     ));
-    let vault = Arc::new(vault);
     let tls_cfg = upstream_tls;
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let (vault, upstream, tls_cfg, host) = (
-            vault.clone(),
-            upstream.clone(),
-            tls_cfg.clone(),
-            host.clone(),
-        );
+        let (upstream, tls_cfg, host) = (upstream.clone(), tls_cfg.clone(), host.clone());
+        // The vault as it is now: a revoked credential or a narrowed policy applies to kept
+        // connections from their next request.
+        let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
         forward(req, vault, upstream, tls_cfg, host, dst)
     });
     hyper::server::conn::http1::Builder::new()
@@ -352,8 +366,9 @@ impl rustls::server::ResolvesServerCert for Fixed {
 }
 
 async fn tunnel(mut client: Prefixed<TcpStream>, dst: SocketAddrV4) -> Result<(), String> {
-    let mut upstream = TcpStream::connect(dst)
+    let mut upstream = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(dst))
         .await
+        .map_err(|_| format!("connecting {dst}: timed out"))?
         .map_err(|e| format!("connecting {dst}: {e}"))?;
     let _ = upstream.set_nodelay(true);
     tokio::io::copy_bidirectional(&mut client, &mut upstream)
@@ -375,21 +390,49 @@ fn boxed(e: impl std::error::Error + Send + Sync + 'static) -> BoxError {
 
 async fn forward(
     req: hyper::Request<Incoming>,
-    vault: Arc<Vault>,
+    vault: Option<Arc<Vault>>,
     upstream: Upstream,
     tls_cfg: Arc<rustls::ClientConfig>,
     host: String,
     dst: SocketAddrV4,
 ) -> Result<hyper::Response<ResponseBody>, BoxError> {
+    let Some(vault) = vault else {
+        return Err(boxed(std::io::Error::other(
+            "the destination is no longer allowed",
+        )));
+    };
     let (mut parts, body) = req.into_parts();
     let path = parts
         .uri
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
-    if let Some(headers) =
-        vault.injections("https", &host, dst.port(), parts.method.as_str(), &path)
-    {
+    // The request goes to the host the TLS session named, whatever Host the client wrote (no
+    // fronting a credential to another origin behind the same address).
+    let authority = if dst.port() == 443 {
+        host.clone()
+    } else {
+        format!("{host}:{}", dst.port())
+    };
+    let authority = hyper::header::HeaderValue::from_str(&authority).map_err(boxed)?;
+    parts.headers.insert(hyper::header::HOST, authority);
+    for hop in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    ] {
+        parts.headers.remove(hop);
+    }
+    let injections = vault.injections("https", &host, dst.port(), parts.method.as_str(), &path);
+    if injections.is_some() {
+        // A secret echoed in pieces by ranged answers could not be redacted.
+        parts.headers.remove(hyper::header::RANGE);
+        parts.headers.remove(hyper::header::IF_RANGE);
+    }
+    if let Some(headers) = injections {
         for (k, v) in headers {
             let name = hyper::header::HeaderName::from_bytes(k.as_bytes())?;
             parts
@@ -404,7 +447,10 @@ async fn forward(
     let req = hyper::Request::from_parts(parts, body.boxed());
     let mut guard = upstream.lock().await;
     if guard.as_ref().is_none_or(|s| s.is_closed()) {
-        let tcp = TcpStream::connect(dst).await.map_err(boxed)?;
+        let tcp = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(dst))
+            .await
+            .map_err(boxed)?
+            .map_err(boxed)?;
         let _ = tcp.set_nodelay(true);
         let name = ServerName::try_from(host.clone()).map_err(boxed)?;
         let tls = tokio_rustls::TlsConnector::from(tls_cfg)
@@ -418,11 +464,33 @@ async fn forward(
         });
         *guard = Some(send);
     }
-    let send = guard.as_mut().ok_or("no upstream connection")?;
-    let resp = send.send_request(req).await.map_err(boxed)?;
+    let send = guard
+        .as_mut()
+        .ok_or_else(|| boxed(std::io::Error::other("no upstream connection")))?;
+    let resp = match send.ready().await {
+        Ok(()) => send.send_request(req).await,
+        Err(e) => Err(e),
+    };
+    let resp = match resp {
+        Ok(r) => r,
+        Err(e) => {
+            *guard = None; // a broken connection is not reused
+            return Err(boxed(e));
+        }
+    };
     drop(guard);
     let secrets = vault.redactions();
     let (mut parts, body) = resp.into_parts();
+    let encoded = parts
+        .headers
+        .get(hyper::header::CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded && !secrets.is_empty() {
+        // Asked for no encoding, sent one anyway: it cannot be scanned for secrets.
+        return Err(
+            "the server answered with an encoded body, which cannot be checked for secrets".into(),
+        );
+    }
     for v in parts.headers.values_mut() {
         let bytes = v.as_bytes();
         if secrets

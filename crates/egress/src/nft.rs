@@ -2,8 +2,9 @@
 //! through, and sets whose elements say, per sandbox address, what it may reach. Changes are atomic
 //! `nft -f -` batches.
 //!
-//! From a sandbox link (`w<tag>-*`): DNS (any server, UDP or TCP port 53) is redirected to Warren's DNS
-//! filter; the host itself is unreachable (its API, its services, its other addresses); other sandboxes
+//! From a sandbox link (`w<tag>-*`): a source address that does not belong to the link it came in on
+//! is dropped (no spoofing a neighbour's policy); DNS (any server, UDP port 53) is redirected to
+//! Warren's DNS filter (TCP port 53 is just traffic, judged like any other); the host itself is unreachable (its API, its services, its other addresses); other sandboxes
 //! are unreachable; link-local (cloud metadata) is unreachable; IPv6 is dropped (sandbox links carry
 //! IPv4 only, and the DNS filter answers AAAA queries with no records). Everything else is checked
 //! packet by packet — no "established" shortcut for outgoing packets, so removing an address cuts the
@@ -69,17 +70,21 @@ impl Firewall {
   set cidr_allow4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set cidr_deny4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set vault4 {{ type ipv4_addr; }}
+  chain antispoof {{
+    type filter hook prerouting priority raw; policy accept;
+    iifname "{p}*" fib saddr . iif oif missing drop
+  }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
-    iifname "{p}*" meta l4proto {{ udp, tcp }} th dport 53 redirect to :{port}
+    iifname "{p}*" udp dport 53 redirect to :{port}
     iifname "{p}*" ip saddr @vault4 tcp dport 443 redirect to :{vport}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
-    iifname "{p}*" meta l4proto {{ udp, tcp }} th dport {port} accept
+    iifname "{p}*" udp dport {port} accept
     iifname "{p}*" ip saddr @vault4 tcp dport {vport} accept
     iifname "{p}*" drop
-    meta l4proto {{ udp, tcp }} th dport {port} drop
+    udp dport {port} drop
     tcp dport {vport} drop
   }}
   chain forward {{
@@ -109,9 +114,14 @@ impl Firewall {
     }
 }
 
-/// A batch being built.
+/// A batch of set changes being built: duplicates are dropped, and additions go in one atomic
+/// `nft` run while deletions are applied leniently (an element already gone — expired, or removed
+/// twice — must not abort the rest).
 #[derive(Default)]
-pub struct Batch(String);
+pub struct Batch {
+    adds: std::collections::BTreeSet<String>,
+    deletes: std::collections::BTreeSet<String>,
+}
 
 impl Batch {
     pub fn new() -> Self {
@@ -119,19 +129,32 @@ impl Batch {
     }
 
     pub fn line(&mut self, l: String) {
-        self.0.push_str(&l);
-        self.0.push('\n');
+        if l.starts_with("delete ") {
+            self.deletes.insert(l);
+        } else {
+            self.adds.insert(l);
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.adds.is_empty() && self.deletes.is_empty()
     }
 
+    /// Deletions first (leniently: one by one if the batch fails), then the additions, atomically.
     pub fn apply(self) -> std::io::Result<()> {
-        if self.0.is_empty() {
+        if !self.deletes.is_empty() {
+            let all: String = self.deletes.iter().map(|l| format!("{l}\n")).collect();
+            if apply(&all).is_err() {
+                for l in &self.deletes {
+                    let _ = apply(&format!("{l}\n"));
+                }
+            }
+        }
+        if self.adds.is_empty() {
             return Ok(());
         }
-        apply(&self.0)
+        let all: String = self.adds.iter().map(|l| format!("{l}\n")).collect();
+        apply(&all)
     }
 }
 

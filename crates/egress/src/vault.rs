@@ -184,6 +184,18 @@ fn host_matches(pattern: &str, host: &str) -> bool {
 
 fn path_matches(pattern: &str, path: &str) -> bool {
     let path = path.split('?').next().unwrap_or(path);
+    // A path that could mean another one to the server (dot segments, encoded slashes or dots,
+    // backslashes, empty segments) never matches: no stepping out of a binding's scope.
+    let lower = path.to_ascii_lowercase();
+    if path.split('/').any(|seg| seg == "." || seg == "..")
+        || lower.contains("%2e")
+        || lower.contains("%2f")
+        || lower.contains("%5c")
+        || path.contains('\\')
+        || path.contains("//")
+    {
+        return false;
+    }
     match pattern.strip_suffix('*') {
         Some(prefix) => path.starts_with(prefix),
         None => pattern == path,

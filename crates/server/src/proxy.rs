@@ -57,7 +57,17 @@ async fn forward(
     let Some(rec) = app.sandboxes.get(&id) else {
         return ApiError::not_found(&id).into_response();
     };
-    if !authorized(&app, &rec.token, &req) {
+    let Ok(port) = port.parse::<u16>() else {
+        return ApiError::invalid(format!("invalid port {port:?}")).into_response();
+    };
+    // The egress surface (policy, vault) has a token of its own: an endpoint handed out for an
+    // application port must not be able to change what the sandbox may reach.
+    let token = if port == warren_api::EGRESS_PORT {
+        crate::network::egress_token(&rec.token)
+    } else {
+        rec.token.clone()
+    };
+    if !authorized(&app, &token, &req) {
         let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
             && req.headers().get(API_KEY_HEADER).is_none();
         let msg = if missing {
@@ -68,9 +78,6 @@ async fn forward(
         return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
             .into_response();
     }
-    let Ok(port) = port.parse::<u16>() else {
-        return ApiError::invalid(format!("invalid port {port:?}")).into_response();
-    };
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {
@@ -106,6 +113,7 @@ async fn forward(
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
     parts.headers.remove(API_KEY_HEADER);
+    parts.headers.remove(crate::network::EGRESS_AUTH_HEADER);
     parts
         .headers
         .insert(http::header::HOST, HeaderValue::from_static("localhost"));

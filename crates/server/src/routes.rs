@@ -311,13 +311,14 @@ pub async fn endpoint(
         })
         .unwrap_or_else(|| app.local_addr.to_string());
     let mut out = BTreeMap::new();
-    out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
     if port == warren_api::EGRESS_PORT {
-        // What clients of the reference egress sidecar send.
-        out.insert(
-            crate::network::EGRESS_AUTH_HEADER.to_string(),
-            rec.token.clone(),
-        );
+        // The egress surface's own token, under both names (clients of the reference sidecar send
+        // OPENSANDBOX-EGRESS-AUTH).
+        let token = crate::network::egress_token(&rec.token);
+        out.insert(ACCESS_TOKEN_HEADER.to_string(), token.clone());
+        out.insert(crate::network::EGRESS_AUTH_HEADER.to_string(), token);
+    } else {
+        out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
     }
     Ok(Json(Endpoint {
         endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),

@@ -8,7 +8,20 @@ use hyper_util::rt::TokioIo;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// One request to execd, bounded in time and in answer size (the sandbox is not trusted).
 async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16, Vec<u8>), Error> {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        call_unbounded(socket, req),
+    )
+    .await
+    .map_err(|_| "the sandbox's execd did not answer in time")?
+}
+
+async fn call_unbounded(
+    socket: &std::path::Path,
+    req: http::Request<Body>,
+) -> Result<(u16, Vec<u8>), Error> {
     let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
     let stream = tokio::net::UnixStream::connect(&reachable).await?;
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -17,7 +30,11 @@ async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16
     });
     let resp = send.send_request(req).await?;
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await?.to_bytes().to_vec();
+    let body = http_body_util::Limited::new(resp.into_body(), 8 << 20)
+        .collect()
+        .await?
+        .to_bytes()
+        .to_vec();
     Ok((status, body))
 }
 
