@@ -173,12 +173,18 @@ impl Egress {
         index: Option<u32>,
     ) -> Result<Link, EgressError> {
         let _changes = self.serialize();
+        let readopt = index.is_some();
         let index = {
             let mut st = self.lock();
+            // A link left by a sandbox we no longer know (its record lost) still belongs to a live
+            // namespace: its index is skipped, never reused.
             let index = match index {
                 Some(i) => i,
                 None => (1..self.capacity())
-                    .find(|i| !st.used.contains(i))
+                    .find(|i| {
+                        !st.used.contains(i)
+                            && !index_link_exists(&format!("{}{i}", self.cfg.link_prefix))
+                    })
                     .ok_or_else(|| {
                         EgressError::Exhausted(format!(
                             "{}/{}",
@@ -191,7 +197,8 @@ impl Egress {
         };
         let link = self.link_of(index);
         let host_if = format!("{}{index}", self.cfg.link_prefix);
-        let made = if index_link_exists(&host_if) {
+        let adopting = readopt && index_link_exists(&host_if);
+        let made = if adopting {
             Ok(())
         } else {
             self.make_link(&host_if, pid, &link)
