@@ -5,8 +5,9 @@
 //! From a sandbox link (`w<tag>-*`): a source address that does not belong to the link it came in on
 //! is dropped (no spoofing a neighbour's policy); DNS (any server, UDP port 53) is redirected to
 //! Warren's DNS filter (TCP port 53 is just traffic, judged like any other), and a UDP/53 packet that
-//! reaches the forward chain anyway (a flow the redirect missed) is dropped, never sent on; the host itself is unreachable (its API, its services, its other addresses); other sandboxes
-//! are unreachable; link-local (cloud metadata) is unreachable; IPv6 is dropped (sandbox links carry
+//! reaches the forward chain anyway (a flow the redirect missed) is dropped, never sent on; the host
+//! itself is unreachable (its API, its services, its other addresses); other sandboxes are
+//! unreachable; link-local (cloud metadata) is unreachable; IPv6 is dropped (sandbox links carry
 //! IPv4 only, and the DNS filter answers AAAA queries with no records). Everything else is checked
 //! packet by packet — no "established" shortcut for outgoing packets, so removing an address cuts the
 //! open connections to it at once: explicit CIDR denies, then addresses learned from allowed DNS
