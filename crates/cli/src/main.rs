@@ -162,6 +162,18 @@ enum ConfigCommand {
     Show,
 }
 
+/// The settings file, a client of the server they (with the flags and environment) name, and the
+/// output format: what every verb that talks to a server starts from.
+fn remote(
+    server: &client::ServerArgs,
+    out: &output::OutputArgs,
+) -> anyhow::Result<(settings::Settings, warren_sdk::Client, output::Format)> {
+    let settings = settings::Settings::load()?;
+    let client = server.client_with(&settings);
+    let format = out.output.or(settings.output.format).unwrap_or_default();
+    Ok((settings, client, format))
+}
+
 fn main() -> ExitCode {
     // The sandbox setup helper must run before any thread exists: dispatch before parsing or starting
     // a runtime.
@@ -217,33 +229,25 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             server,
             out,
         } => {
-            let settings = settings::Settings::load()?;
-            let client = server.client_with(&settings);
-            let format = out.output.or(settings.output.format).unwrap_or_default();
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(sandbox::run(command, &client, &settings, format))
+            let (settings, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?
+                .block_on(sandbox::run(command, &client, &settings, format))
         }
         Verb::Command {
             command,
             server,
             out,
         } => {
-            let settings = settings::Settings::load()?;
-            let client = server.client_with(&settings);
-            let format = out.output.or(settings.output.format).unwrap_or_default();
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(command::run(command, &client, format))
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(command::run(command, &client, format))
         }
         Verb::File {
             command,
             server,
             out,
         } => {
-            let settings = settings::Settings::load()?;
-            let client = server.client_with(&settings);
-            let format = out.output.or(settings.output.format).unwrap_or_default();
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(file::run(command, &client, format))
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(file::run(command, &client, format))
         }
         Verb::Shell { args, server } => {
             let client = server.client()?;
@@ -261,22 +265,16 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             server,
             out,
         } => {
-            let settings = settings::Settings::load()?;
-            let client = server.client_with(&settings);
-            let format = out.output.or(settings.output.format).unwrap_or_default();
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(egress::run(command, &client, format))
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(egress::run(command, &client, format))
         }
         Verb::CredentialVault {
             command,
             server,
             out,
         } => {
-            let settings = settings::Settings::load()?;
-            let client = server.client_with(&settings);
-            let format = out.output.or(settings.output.format).unwrap_or_default();
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(vault::run(command, &client, format))
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(vault::run(command, &client, format))
         }
         Verb::Config { command } => {
             match command {
