@@ -119,6 +119,10 @@ struct State_ {
     /// The attached client: its id and its outbox.
     holder: Option<(u64, mpsc::UnboundedSender<Out>)>,
     next_holder: u64,
+    /// Output from before the first client attached (the shell starts as the first WebSocket
+    /// opens, and may write before that client is registered): handed to it, channels kept.
+    early: Vec<(u8, Bytes)>,
+    early_bytes: usize,
 }
 
 pub struct PtySession {
@@ -139,6 +143,9 @@ impl PtySession {
         st.scrollback.push(data);
         if let Some((_, tx)) = &st.holder {
             let _ = tx.send(Out::Data(channel, Bytes::copy_from_slice(data)));
+        } else if st.next_holder == 0 && st.early_bytes + data.len() <= REPLAY_BYTES {
+            st.early_bytes += data.len();
+            st.early.push((channel, Bytes::copy_from_slice(data)));
         }
     }
 
@@ -448,8 +455,9 @@ enum Control {
 /// Serves one attached client until it leaves, is taken over, or the shell ends.
 async fn attach(session: Arc<PtySession>, mut socket: WebSocket, since: Option<u64>) {
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let (me, replay, exit_code, shell) = {
+    let (me, replay, early, exit_code, shell) = {
         let mut st = session.lock();
+        let early = std::mem::take(&mut st.early);
         if let Some((_, old)) = st.holder.take() {
             let _ = old.send(Out::Evicted);
         }
@@ -457,7 +465,7 @@ async fn attach(session: Arc<PtySession>, mut socket: WebSocket, since: Option<u
         let me = st.next_holder;
         st.holder = Some((me, tx));
         let replay = since.map(|s| st.scrollback.since(s));
-        (me, replay, st.exit_code, st.shell.clone())
+        (me, replay, early, st.exit_code, st.shell.clone())
     };
     let connected = serde_json::json!({"type": "connected", "session_id": session.id});
     if socket
@@ -473,6 +481,12 @@ async fn attach(session: Arc<PtySession>, mut socket: WebSocket, since: Option<u
         frame.push(CH_REPLAY);
         frame.extend_from_slice(&offset.to_be_bytes());
         frame.extend_from_slice(&bytes);
+        let _ = socket.send(Message::Binary(frame.into())).await;
+    }
+    for (channel, data) in early {
+        let mut frame = Vec::with_capacity(1 + data.len());
+        frame.push(channel);
+        frame.extend_from_slice(&data);
         let _ = socket.send(Message::Binary(frame.into())).await;
     }
     if let Some(code) = exit_code {
