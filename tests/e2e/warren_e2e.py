@@ -199,6 +199,9 @@ class WarrenServer:
         self.docker_pull = False
         # appended to the generated config (e.g. a [network] section)
         self.extra_config = ""
+        # native runtime: pull missing images ([images] pull = "missing"); only for tests that bring
+        # their own registry on loopback and configure it in `extra_config`
+        self.native_pull = False
         self.bin = warren_bin()
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
@@ -263,10 +266,13 @@ class WarrenServer:
                 text += 'pull = "never"\n'
             self.config_path.write_text(text + storage + network)
             return
+        # Likewise no registry: an image missing from the store is a 404, never a pull from Docker Hub,
+        # unless the test serves its own registry on loopback and sets `native_pull`.
+        images = "" if self.native_pull else '[images]\npull = "never"\n'
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n' + storage + network)
+            f'oci_runtime = "{self.runtime}"\n' + storage + network + images)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""

@@ -5,6 +5,7 @@ mod code;
 mod command;
 mod egress;
 mod file;
+mod image;
 mod mcp;
 mod output;
 mod run;
@@ -16,7 +17,6 @@ mod vault;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
@@ -125,27 +125,11 @@ enum Verb {
     /// Manage the local image store.
     Image {
         #[command(subcommand)]
-        command: ImageCommand,
+        command: image::ImageCommand,
         /// State, images and sandboxes [env: WARREN_DATA_DIR]
         #[arg(long, global = true)]
         data_dir: Option<PathBuf>,
     },
-}
-
-#[derive(Subcommand)]
-enum ImageCommand {
-    /// Import a rootfs folder, a rootfs tarball, a `docker save` tarball or an OCI layout as NAME.
-    Import { name: String, path: PathBuf },
-    /// List images.
-    Ls {
-        /// Print JSON instead of a table (same as -o json).
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        out: output::OutputArgs,
-    },
-    /// Remove an image name (its layers go once nothing uses them).
-    Rm { names: Vec<String> },
 }
 
 #[derive(Subcommand)]
@@ -312,58 +296,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let data_dir = data_dir
                 .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
                 .unwrap_or_else(|| config::default_data_dir(&ProcessEnv));
-            let store = warren_image::ImageStore::open(&data_dir)
-                .with_context(|| format!("opening the image store in {}", data_dir.display()))?;
-            match command {
-                ImageCommand::Import { name, path } => {
-                    let rec = store
-                        .import(&name, &path)
-                        .with_context(|| format!("importing {} as {name}", path.display()))?;
-                    println!(
-                        "{} {} ({} layers, {})",
-                        rec.name,
-                        rec.id,
-                        rec.layers.len(),
-                        human_bytes(rec.size_bytes)
-                    );
-                }
-                ImageCommand::Ls { json, out } => {
-                    let images = store.list()?;
-                    let format = if json {
-                        output::Format::Json
-                    } else {
-                        out.output.unwrap_or_default()
-                    };
-                    let rows: Vec<_> = images
-                        .iter()
-                        .map(|i| serde_json::json!({"name": i.name, "id": i.id, "layers": i.layers.len(), "size": i.size_bytes, "createdAt": i.created_at, "builtin": i.builtin}))
-                        .collect();
-                    output::emit(format, &rows, |_| {
-                        let mut t = output::Table::new(&["NAME", "ID", "LAYERS", "SIZE"]);
-                        for i in &images {
-                            let id: String =
-                                i.id.trim_start_matches("sha256:")
-                                    .chars()
-                                    .take(12)
-                                    .collect();
-                            t.row(vec![
-                                i.name.clone(),
-                                if i.builtin { "builtin".into() } else { id },
-                                i.layers.len().to_string(),
-                                human_bytes(i.size_bytes),
-                            ]);
-                        }
-                        t
-                    })?;
-                }
-                ImageCommand::Rm { names } => {
-                    for n in names {
-                        store.remove(&n).with_context(|| format!("removing {n}"))?;
-                        println!("removed {n}");
-                    }
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+            image::run(command, &data_dir)
         }
     }
 }

@@ -31,6 +31,16 @@ pub enum ImageError {
         source: Option<BoxError>,
     },
 
+    /// Content whose sha256 is not the one its manifest or config names: corrupted in the source or
+    /// in transit. Nothing of it is kept.
+    #[error("{what} of {path} has digest {actual}, expected {expected}")]
+    DigestMismatch {
+        path: PathBuf,
+        what: &'static str,
+        expected: String,
+        actual: String,
+    },
+
     /// A layer entry that would write outside the layer, through a symlink, or link to a file
     /// outside the layer. The import is refused as a whole.
     #[error("unsafe entry {entry:?} in {path}: {reason}")]

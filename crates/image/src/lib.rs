@@ -18,6 +18,7 @@
 
 mod dirtar;
 mod error;
+pub mod oci;
 mod reference;
 mod source;
 mod unpack;
@@ -33,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use error::{BoxError, ImageError};
-pub use reference::{Reference, HOST_IMAGE};
+pub use reference::{Reference, DOCKER_HUB, HOST_IMAGE};
 
 use source::{hex_digest, ImagePlan, Plan};
 use unpack::{unpack_layer, HashingReader, Unpacked};
@@ -67,6 +68,9 @@ pub struct ImageRecord {
     pub id: String,
     /// Layer digests (`sha256:<hex>` of the uncompressed tar), lowest first.
     pub layers: Vec<String>,
+    /// The registry manifest digest the name was pulled at (`None` for imports).
+    #[serde(default)]
+    pub digest: Option<String>,
     /// Sum of the apparent sizes of the layers' files (hardlinks counted once per layer).
     pub size_bytes: u64,
     /// RFC 3339, when the image (by id) was first imported.
@@ -103,6 +107,9 @@ struct ImageMeta {
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Names {
     names: BTreeMap<String, String>,
+    /// Name -> the manifest digest it was pulled at (pulled names only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    digests: BTreeMap<String, String>,
 }
 
 /// `leases/<holder>.json`.
@@ -112,12 +119,57 @@ struct Lease {
     layers: Vec<String>,
 }
 
-/// A layer of an import in progress.
-struct Prepared {
+/// A layer of an import or pull in progress: unpacked into staging, or already in the store.
+#[derive(Debug)]
+pub struct StagedLayer {
     hex: String,
     /// Where it was unpacked, if it was (a layer already in the store is not unpacked again).
     staged: Option<PathBuf>,
     size: u64,
+}
+
+impl StagedLayer {
+    /// The same layer again, for an image that lists it twice: the commit moves it in once and
+    /// finds it in place the second time.
+    pub fn duplicate(&self) -> StagedLayer {
+        StagedLayer {
+            hex: self.hex.clone(),
+            staged: None,
+            size: self.size,
+        }
+    }
+}
+
+/// What [`ImageStore::prune`] removed (or would remove).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pruned {
+    pub removed: Vec<String>,
+    pub reclaimed_bytes: u64,
+}
+
+/// The staging folder of one pull (see [`ImageStore::staging`]).
+pub struct Staging {
+    dir: tempfile::TempDir,
+}
+
+impl Staging {
+    /// Unpacks layer `index` of the image from its blob stream (gzip, zstd or plain tar, recognised
+    /// from the stream), refusing unsafe entries and checking the blob digest and the diff_id
+    /// (`sha256:<hex>` each). May be called from several threads for different indexes.
+    pub fn unpack_layer(
+        &self,
+        index: usize,
+        blob: impl Read,
+        label: &Path,
+        blob_digest: &str,
+        diff_id: &str,
+    ) -> Result<StagedLayer, ImageError> {
+        let bad = |d: &str| ImageError::source(label, format!("bad digest {d:?}"));
+        let blob_hex = hex_digest(blob_digest).ok_or_else(|| bad(blob_digest))?;
+        let diff_hex = hex_digest(diff_id).ok_or_else(|| bad(diff_id))?;
+        let dest = make_stage_dir(self.dir.path(), index)?;
+        unpack_verified(blob, dest, label, Some(blob_hex), Some(diff_hex))
+    }
 }
 
 pub struct ImageStore {
@@ -187,7 +239,7 @@ impl ImageStore {
                 .tempdir_in(self.tmp_dir())
                 .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
             let (id, config, layers) = self.prepare(&reference, source, staging.path(), reuse)?;
-            if let Some(record) = self.commit(&name, id, config, &layers)? {
+            if let Some(record) = self.commit(&name, id, config, None, &layers)? {
                 return Ok(record);
             }
         }
@@ -208,7 +260,8 @@ impl ImageStore {
                 metas.insert(id.clone(), meta);
             }
             if let Some(meta) = metas.get(&id) {
-                out.push(record(name, meta));
+                let digest = names.digests.get(&name).cloned();
+                out.push(record(name, meta, digest));
             }
         }
         Ok(out)
@@ -230,6 +283,7 @@ impl ImageStore {
             if names.names.remove(&name).is_none() {
                 return Err(ImageError::NotFound { name });
             }
+            names.digests.remove(&name);
             self.write_names(&names)?;
             self.gc_locked()?
         };
@@ -333,6 +387,124 @@ impl ImageStore {
         Ok(())
     }
 
+    // ---- pulls (and other importers that bring their own layer streams) ----
+
+    /// A private staging folder for the layers of one pull; removed (with whatever is in it) on drop.
+    pub fn staging(&self) -> Result<Staging, ImageError> {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pull-{}-", std::process::id()))
+            .tempdir_in(self.tmp_dir())
+            .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
+        Ok(Staging { dir })
+    }
+
+    /// The layer with this diff_id (`sha256:<hex>`) if the store has it, so a pull need not fetch it.
+    /// A layer a concurrent collection is removing may still vanish before [`commit_pulled`]
+    /// (which then answers `None`).
+    ///
+    /// [`commit_pulled`]: Self::commit_pulled
+    pub fn existing_layer(&self, diff_id: &str) -> Option<StagedLayer> {
+        let hex = hex_digest(diff_id)?;
+        let path = self.layers_dir().join(hex);
+        let size = dir_size(&path).ok()?;
+        Some(StagedLayer {
+            hex: hex.to_owned(),
+            staged: None,
+            size,
+        })
+    }
+
+    /// Publishes a pulled image: moves its new layers in and points `name` at `id` (the config
+    /// digest), recording the manifest `digest`. `None` if a layer meant to be reused is gone (pull
+    /// it again).
+    pub fn commit_pulled(
+        &self,
+        name: &str,
+        id: &str,
+        config: ImageConfig,
+        digest: &str,
+        layers: &[StagedLayer],
+    ) -> Result<Option<ImageRecord>, ImageError> {
+        let reference = Reference::parse(name)?;
+        if reference.is_host() {
+            return Err(ImageError::InvalidName {
+                name: name.to_owned(),
+                reason: "the name host is reserved for the built-in image",
+            });
+        }
+        if hex_digest(id).is_none() {
+            return Err(ImageError::InvalidName {
+                name: id.to_owned(),
+                reason: "an image id is sha256:<64 hex>",
+            });
+        }
+        self.commit(
+            &reference.to_string(),
+            id.to_owned(),
+            config,
+            Some(digest.to_owned()),
+            layers,
+        )
+    }
+
+    /// Removes every named image no sandbox holds a lease on (all of them with `dry_run` false),
+    /// and staging left by dead processes. Returns the names removed and the bytes their layers took
+    /// (layers another image still uses are not counted).
+    pub fn prune(&self, dry_run: bool) -> Result<Pruned, ImageError> {
+        self.clean_stale_tmp()?;
+        let (pruned, trash) = {
+            let _lock = self.lock(true)?;
+            let mut names = self.read_names()?;
+            let mut leased: HashSet<String> = HashSet::new();
+            for entry in read_dir_names(&self.leases_dir())? {
+                if entry.ends_with(".json") {
+                    if let Some(lease) = read_json::<Lease>(&self.leases_dir().join(&entry))? {
+                        leased.extend(lease.layers);
+                    }
+                }
+            }
+            let mut removed = Vec::new();
+            let mut kept_layers: HashSet<String> = leased.clone();
+            let mut doomed_layers: HashSet<String> = HashSet::new();
+            for (name, id) in &names.names {
+                let Some(meta) = self.read_image(id)? else {
+                    continue;
+                };
+                if meta.layers.iter().any(|l| leased.contains(l)) {
+                    kept_layers.extend(meta.layers);
+                } else {
+                    removed.push(name.clone());
+                    doomed_layers.extend(meta.layers);
+                }
+            }
+            let mut reclaimed = 0;
+            for layer in doomed_layers.difference(&kept_layers) {
+                if let Some(hex) = hex_digest(layer) {
+                    reclaimed += dir_size(&self.layers_dir().join(hex)).unwrap_or(0);
+                }
+            }
+            let trash = if dry_run || removed.is_empty() {
+                Vec::new()
+            } else {
+                for name in &removed {
+                    names.names.remove(name);
+                    names.digests.remove(name);
+                }
+                self.write_names(&names)?;
+                self.gc_locked()?
+            };
+            (
+                Pruned {
+                    removed,
+                    reclaimed_bytes: reclaimed,
+                },
+                trash,
+            )
+        };
+        empty_trash(trash);
+        Ok(pruned)
+    }
+
     // ---- import ----
 
     /// Unpacks what is not in the store yet into `staging`.
@@ -342,7 +514,7 @@ impl ImageStore {
         source: &Path,
         staging: &Path,
         reuse: bool,
-    ) -> Result<(String, ImageConfig, Vec<Prepared>), ImageError> {
+    ) -> Result<(String, ImageConfig, Vec<StagedLayer>), ImageError> {
         match source::plan(source, &self.tmp_dir(), reference)? {
             Plan::RootfsDir(dir) => {
                 let dest = make_stage_dir(staging, 0)?;
@@ -373,8 +545,8 @@ impl ImageStore {
         plan: &ImagePlan,
         staging: &Path,
         reuse: bool,
-    ) -> Result<Vec<Prepared>, ImageError> {
-        let mut out: Vec<Prepared> = Vec::with_capacity(plan.layers.len());
+    ) -> Result<Vec<StagedLayer>, ImageError> {
+        let mut out: Vec<StagedLayer> = Vec::with_capacity(plan.layers.len());
         for (i, layer) in plan.layers.iter().enumerate() {
             if let Some(diff_id) = &layer.diff_id {
                 let done = out.iter().find(|p| &p.hex == diff_id).map(|p| p.size);
@@ -386,7 +558,7 @@ impl ImageStore {
                     None => None,
                 };
                 if let Some(size) = size {
-                    out.push(Prepared {
+                    out.push(StagedLayer {
                         hex: diff_id.clone(),
                         staged: None,
                         size,
@@ -396,24 +568,13 @@ impl ImageStore {
             }
             let label = plan.bundle.member_label(&layer.member);
             let dest = make_stage_dir(staging, i)?;
-            let mut raw = HashingReader::new(plan.bundle.open(&layer.member)?);
-            let unpacked = {
-                let buffered = BufReader::with_capacity(256 * 1024, &mut raw);
-                unpack_layer(source::decompressed(buffered, &label)?, &dest, &label)?
-            };
-            raw.drain()
-                .map_err(|e| ImageError::source_with(&label, "read layer", e))?;
-            if let Some(blob) = &layer.blob_digest {
-                if raw.hex_digest() != *blob {
-                    return Err(ImageError::source(&label, "layer blob digest mismatch"));
-                }
-            }
-            if let Some(diff_id) = &layer.diff_id {
-                if unpacked.digest != *diff_id {
-                    return Err(ImageError::source(&label, "layer diff_id mismatch"));
-                }
-            }
-            out.push(staged(unpacked, dest)?);
+            out.push(unpack_verified(
+                plan.bundle.open(&layer.member)?,
+                dest,
+                &label,
+                layer.blob_digest.as_deref(),
+                layer.diff_id.as_deref(),
+            )?);
         }
         Ok(out)
     }
@@ -425,7 +586,8 @@ impl ImageStore {
         name: &str,
         id: String,
         config: ImageConfig,
-        layers: &[Prepared],
+        digest: Option<String>,
+        layers: &[StagedLayer],
     ) -> Result<Option<ImageRecord>, ImageError> {
         let (meta, trash) = {
             let _lock = self.lock(true)?;
@@ -456,6 +618,10 @@ impl ImageStore {
             };
             let mut names = self.read_names()?;
             let previous = names.names.insert(name.to_owned(), id);
+            match &digest {
+                Some(d) => names.digests.insert(name.to_owned(), d.clone()),
+                None => names.digests.remove(name),
+            };
             self.write_names(&names)?;
             // Retagging may have orphaned the previous image.
             let trash = if previous.is_some() {
@@ -466,7 +632,7 @@ impl ImageStore {
             (meta, trash)
         };
         empty_trash(trash);
-        Ok(Some(record(name.to_owned(), &meta)))
+        Ok(Some(record(name.to_owned(), &meta, digest)))
     }
 
     // ---- garbage collection ----
@@ -637,17 +803,19 @@ fn host_record() -> ImageRecord {
         name: HOST_IMAGE.to_owned(),
         id: HOST_IMAGE_ID.to_owned(),
         layers: Vec::new(),
+        digest: None,
         size_bytes: 0,
         created_at: "1970-01-01T00:00:00Z".to_owned(),
         builtin: true,
     }
 }
 
-fn record(name: String, meta: &ImageMeta) -> ImageRecord {
+fn record(name: String, meta: &ImageMeta, digest: Option<String>) -> ImageRecord {
     ImageRecord {
         name,
         id: meta.id.clone(),
         layers: meta.layers.clone(),
+        digest,
         size_bytes: meta.size_bytes,
         created_at: meta.created_at.clone(),
         builtin: false,
@@ -655,7 +823,7 @@ fn record(name: String, meta: &ImageMeta) -> ImageRecord {
 }
 
 /// A rootfs import: one layer, empty config, id derived from both.
-fn rootfs_image(layer: Prepared) -> (String, ImageConfig, Vec<Prepared>) {
+fn rootfs_image(layer: StagedLayer) -> (String, ImageConfig, Vec<StagedLayer>) {
     let config = ImageConfig::default();
     let id = rootfs_id(&layer.hex, &config);
     (id, config, vec![layer])
@@ -669,9 +837,50 @@ fn rootfs_id(layer_hex: &str, config: &ImageConfig) -> String {
     )
 }
 
-fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<Prepared, ImageError> {
+/// Unpacks one layer blob (gzip, zstd or plain tar) into `dest`, checking the blob's and the
+/// uncompressed tar's sha256 (hex) where they are known. On any error `dest` may hold a partial
+/// layer; it lives in staging, which its owner removes.
+fn unpack_verified(
+    blob: impl Read,
+    dest: PathBuf,
+    label: &Path,
+    blob_digest: Option<&str>,
+    diff_id: Option<&str>,
+) -> Result<StagedLayer, ImageError> {
+    let mut raw = HashingReader::new(blob);
+    let unpacked = {
+        let buffered = BufReader::with_capacity(256 * 1024, &mut raw);
+        unpack_layer(source::decompressed(buffered, label)?, &dest, label)?
+    };
+    raw.drain()
+        .map_err(|e| ImageError::source_with(label, "read layer", e))?;
+    if let Some(expected) = blob_digest {
+        let actual = raw.hex_digest();
+        if actual != expected {
+            return Err(ImageError::DigestMismatch {
+                path: label.to_path_buf(),
+                what: "layer blob",
+                expected: format!("sha256:{expected}"),
+                actual: format!("sha256:{actual}"),
+            });
+        }
+    }
+    if let Some(expected) = diff_id {
+        if unpacked.digest != expected {
+            return Err(ImageError::DigestMismatch {
+                path: label.to_path_buf(),
+                what: "uncompressed layer (diff_id)",
+                expected: format!("sha256:{expected}"),
+                actual: format!("sha256:{}", unpacked.digest),
+            });
+        }
+    }
+    staged(unpacked, dest)
+}
+
+fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<StagedLayer, ImageError> {
     let size = dir_size(&dest)?;
-    Ok(Prepared {
+    Ok(StagedLayer {
         hex: unpacked.digest,
         staged: Some(dest),
         size,

@@ -6,6 +6,10 @@ use crate::ImageError;
 
 /// The repository name of the built-in image; any tag of it is reserved.
 pub const HOST_IMAGE: &str = "host";
+/// Where a name without a registry host lives.
+pub const DOCKER_HUB: &str = "docker.io";
+/// Spellings of Docker Hub in names; all are dropped when a name is normalised.
+const DOCKER_HUB_ALIASES: [&str; 3] = ["docker.io/", "index.docker.io/", "registry-1.docker.io/"];
 
 const MAX_LEN: usize = 255;
 const MAX_TAG_LEN: usize = 128;
@@ -56,6 +60,8 @@ impl Reference {
             validate_tag(tag).map_err(invalid)?;
         }
         validate_repository(repository).map_err(invalid)?;
+        let repository = familiar(repository);
+        validate_repository(repository).map_err(invalid)?;
 
         let tag = match (tag, &digest) {
             (Some(t), _) => Some(t.to_owned()),
@@ -67,6 +73,24 @@ impl Reference {
             tag,
             digest,
         })
+    }
+
+    /// The registry host and the repository's path on it: `("docker.io", "library/python")` for
+    /// `python`, `("127.0.0.1:5000", "x/y")` for `127.0.0.1:5000/x/y`.
+    pub fn registry(&self) -> (&str, String) {
+        match self.repository.split_once('/') {
+            Some((first, rest)) if is_host(first) => (first, rest.to_owned()),
+            _ if self.repository.contains('/') => (DOCKER_HUB, self.repository.clone()),
+            _ => (DOCKER_HUB, format!("library/{}", self.repository)),
+        }
+    }
+
+    /// What a registry's manifest endpoint is asked for: the digest if there is one, else the tag.
+    pub fn manifest_reference(&self) -> &str {
+        self.digest
+            .as_deref()
+            .or(self.tag.as_deref())
+            .unwrap_or("latest")
     }
 
     /// True for the reserved built-in `host` image, whatever the tag.
@@ -85,6 +109,26 @@ impl std::fmt::Display for Reference {
             write!(f, "@{digest}")?;
         }
         Ok(())
+    }
+}
+
+/// Docker's rule: the first path component names a registry if it looks like a host.
+fn is_host(component: &str) -> bool {
+    component.contains(['.', ':']) || component == "localhost"
+}
+
+/// Docker Hub names in their short form: `docker.io/library/python` is `python`, `docker.io/x/y` is `x/y`.
+fn familiar(repo: &str) -> &str {
+    let mut repo = repo;
+    for alias in DOCKER_HUB_ALIASES {
+        if let Some(rest) = repo.strip_prefix(alias) {
+            repo = rest;
+            break;
+        }
+    }
+    match repo.strip_prefix("library/") {
+        Some(rest) if !rest.contains('/') => rest,
+        _ => repo,
     }
 }
 
@@ -153,14 +197,20 @@ mod tests {
     #[test]
     fn adds_latest_when_untagged() {
         assert_eq!(norm("debian"), "debian:latest");
-        assert_eq!(norm("library/debian"), "library/debian:latest");
+        assert_eq!(norm("library/debian"), "debian:latest");
         assert_eq!(norm("localhost:5000/x/y"), "localhost:5000/x/y:latest");
     }
 
     #[test]
     fn keeps_tags_and_digests() {
         assert_eq!(norm("python:3.11"), "python:3.11");
-        assert_eq!(norm("library/debian:bookworm"), "library/debian:bookworm");
+        assert_eq!(norm("library/debian:bookworm"), "debian:bookworm");
+        assert_eq!(norm("docker.io/library/debian:12"), "debian:12");
+        assert_eq!(norm("index.docker.io/someorg/x:1"), "someorg/x:1");
+        assert_eq!(
+            norm("localhost:5000/library/x"),
+            "localhost:5000/library/x:latest"
+        );
         assert_eq!(norm("localhost:5000/x/y:tag"), "localhost:5000/x/y:tag");
         let d = format!("x@sha256:{}", "a".repeat(64));
         assert_eq!(norm(&d), d);
@@ -191,6 +241,37 @@ mod tests {
         }
         assert!(Reference::parse(&"a".repeat(256)).is_err());
         assert!(Reference::parse(&"a".repeat(255)).is_ok());
+    }
+
+    #[test]
+    fn splits_registry_and_repository() {
+        let split = |s: &str| {
+            let r = Reference::parse(s).expect("ref");
+            let (host, repo) = r.registry();
+            (host.to_owned(), repo, r.manifest_reference().to_owned())
+        };
+        assert_eq!(
+            split("python:3.12"),
+            ("docker.io".into(), "library/python".into(), "3.12".into())
+        );
+        assert_eq!(
+            split("someorg/x"),
+            ("docker.io".into(), "someorg/x".into(), "latest".into())
+        );
+        assert_eq!(
+            split("127.0.0.1:5000/a/b:t"),
+            ("127.0.0.1:5000".into(), "a/b".into(), "t".into())
+        );
+        assert_eq!(
+            split("localhost/a"),
+            ("localhost".into(), "a".into(), "latest".into())
+        );
+        assert_eq!(
+            split("ghcr.io/o/r:1"),
+            ("ghcr.io".into(), "o/r".into(), "1".into())
+        );
+        let d = format!("sha256:{}", "c".repeat(64));
+        assert_eq!(split(&format!("x:1@{d}")).2, d);
     }
 
     #[test]

@@ -10,8 +10,9 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::oci::{check_layer_media_type, pick_manifest, ConfigFile, Document};
 use crate::reference::Reference;
-use crate::{ImageConfig, ImageError};
+use crate::ImageError;
 
 const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
 const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
@@ -19,8 +20,6 @@ const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
 const MAX_JSON: u64 = 16 << 20;
 const MAX_LINK_HOPS: usize = 8;
 const MAX_INDEX_DEPTH: usize = 4;
-const REF_NAME_ANNOTATION: &str = "org.opencontainers.image.ref.name";
-const CONTAINERD_NAME_ANNOTATION: &str = "io.containerd.image.name";
 
 /// What to import.
 pub(crate) enum Plan {
@@ -36,7 +35,7 @@ pub(crate) struct ImagePlan {
     pub bundle: Bundle,
     /// `sha256:<hex>` of the image config blob: the same image gets the same id whichever way it came.
     pub id: String,
-    pub config: ImageConfig,
+    pub config: crate::ImageConfig,
     /// Lowest first.
     pub layers: Vec<LayerRef>,
 }
@@ -64,14 +63,9 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
     if !meta.is_file() {
         return Err(ImageError::source(source, "not a file or directory"));
     }
-    let gzip = sniff_gzip(source)?;
-    let bundle = if gzip {
-        // Scan names first so a gzipped rootfs (the common case) is streamed, not copied.
-        let file = File::open(source).map_err(ImageError::io("open source", source))?;
-        let names = tar_names(
-            flate2::read::MultiGzDecoder::new(BufReader::new(file)),
-            source,
-        )?;
+    let bundle = if sniff_compressed(source)? {
+        // Scan names first so a compressed rootfs (the common case) is streamed, not copied.
+        let names = tar_names(open_decompressed(source)?, source)?;
         if !looks_like_image(|n| names.iter().any(|x| x == n)) {
             return Ok(Plan::RootfsTar(source.to_path_buf()));
         }
@@ -79,12 +73,8 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
             .prefix(&format!("unzip-{}-", std::process::id()))
             .tempfile_in(tmp_dir)
             .map_err(ImageError::io("create temp file", tmp_dir))?;
-        let file = File::open(source).map_err(ImageError::io("open source", source))?;
-        io::copy(
-            &mut flate2::read::MultiGzDecoder::new(BufReader::new(file)),
-            temp.as_file_mut(),
-        )
-        .map_err(|e| ImageError::source_with(source, "decompress", e))?;
+        io::copy(&mut open_decompressed(source)?, temp.as_file_mut())
+            .map_err(|e| ImageError::source_with(source, "decompress", e))?;
         Bundle::tar(temp.path().to_path_buf(), source.to_path_buf(), Some(temp))?
     } else {
         Bundle::tar(source.to_path_buf(), source.to_path_buf(), None)?
@@ -95,7 +85,7 @@ pub(crate) fn plan(source: &Path, tmp_dir: &Path, wanted: &Reference) -> Result<
     })
 }
 
-/// Wraps `reader` in a gzip decoder when the stream starts with the gzip magic.
+/// Wraps `reader` in a gzip or zstd decoder when the stream starts with that format's magic.
 pub(crate) fn decompressed<'a, R: BufRead + 'a>(
     mut reader: R,
     label: &Path,
@@ -106,26 +96,25 @@ pub(crate) fn decompressed<'a, R: BufRead + 'a>(
     if head.starts_with(GZIP_MAGIC) {
         Ok(Box::new(flate2::bufread::MultiGzDecoder::new(reader)))
     } else if head.starts_with(ZSTD_MAGIC) {
-        Err(ImageError::source(
-            label,
-            "zstd-compressed layers are not supported",
-        ))
+        let decoder = ruzstd::decoding::StreamingDecoder::new(reader)
+            .map_err(|e| ImageError::source_with(label, "bad zstd stream", e))?;
+        Ok(Box::new(decoder))
     } else {
         Ok(Box::new(reader))
     }
 }
 
-fn sniff_gzip(path: &Path) -> Result<bool, ImageError> {
+/// True if the file starts like a gzip or zstd stream.
+fn sniff_compressed(path: &Path) -> Result<bool, ImageError> {
     let mut head = [0u8; 4];
     let mut file = File::open(path).map_err(ImageError::io("open source", path))?;
     let n = read_up_to(&mut file, &mut head).map_err(ImageError::io("read source", path))?;
-    if head[..n].starts_with(ZSTD_MAGIC) {
-        return Err(ImageError::source(
-            path,
-            "zstd-compressed archives are not supported",
-        ));
-    }
-    Ok(head[..n].starts_with(GZIP_MAGIC))
+    Ok(head[..n].starts_with(GZIP_MAGIC) || head[..n].starts_with(ZSTD_MAGIC))
+}
+
+fn open_decompressed(path: &Path) -> Result<Box<dyn Read>, ImageError> {
+    let file = File::open(path).map_err(ImageError::io("open source", path))?;
+    decompressed(BufReader::with_capacity(256 * 1024, file), path)
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -363,69 +352,6 @@ struct DockerManifestEntry {
     layers: Vec<String>,
 }
 
-#[derive(Deserialize, Default)]
-struct ConfigFile {
-    #[serde(default)]
-    config: Option<ContainerConfig>,
-    #[serde(default)]
-    rootfs: Option<RootFs>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "PascalCase")]
-struct ContainerConfig {
-    #[serde(default)]
-    env: Option<Vec<String>>,
-    #[serde(default)]
-    entrypoint: Option<Vec<String>>,
-    #[serde(default)]
-    cmd: Option<Vec<String>>,
-    #[serde(default)]
-    working_dir: Option<String>,
-    #[serde(default)]
-    user: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-struct RootFs {
-    #[serde(default)]
-    diff_ids: Vec<String>,
-}
-
-#[derive(Deserialize, Clone)]
-#[serde(rename_all = "camelCase")]
-struct Descriptor {
-    #[serde(default)]
-    media_type: String,
-    digest: String,
-    #[serde(default)]
-    platform: Option<Platform>,
-    #[serde(default)]
-    annotations: HashMap<String, String>,
-}
-
-#[derive(Deserialize, Clone)]
-struct Platform {
-    #[serde(default)]
-    architecture: String,
-    #[serde(default)]
-    os: String,
-}
-
-/// Both an OCI index and an OCI/Docker manifest: which one it is shows in which fields are set.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct OciDocument {
-    #[serde(default)]
-    media_type: Option<String>,
-    #[serde(default)]
-    manifests: Option<Vec<Descriptor>>,
-    #[serde(default)]
-    config: Option<Descriptor>,
-    #[serde(default)]
-    layers: Vec<Descriptor>,
-}
-
 /// `Some` if the bundle is a docker-save archive or an OCI layout, `None` if it is a plain rootfs.
 fn image_plan(bundle: Bundle, wanted: &Reference) -> Result<Option<ImagePlan>, ImageError> {
     if bundle.has("manifest.json") {
@@ -482,7 +408,7 @@ fn docker_plan(
         .collect();
     Ok(ImagePlan {
         id: format!("sha256:{}", hex::encode(Sha256::digest(&raw))),
-        config: image_config(config),
+        config: config.image_config(),
         layers,
         bundle,
     })
@@ -490,7 +416,7 @@ fn docker_plan(
 
 fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError> {
     let raw = bundle.read_small("index.json")?;
-    let mut doc: OciDocument = bundle.parse("index.json", &raw)?;
+    let mut doc: Document = bundle.parse("index.json", &raw)?;
     let mut top_level = true;
     for _ in 0..MAX_INDEX_DEPTH {
         if let Some(manifests) = doc.manifests.take() {
@@ -501,12 +427,7 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
             top_level = false;
             continue;
         }
-        let is_manifest = doc.config.is_some()
-            && doc
-                .media_type
-                .as_deref()
-                .is_none_or(|m| m.contains("manifest"));
-        let Some(config_desc) = doc.config.filter(|_| is_manifest) else {
+        let Some(config_desc) = doc.manifest_config().cloned() else {
             return Err(ImageError::source(
                 bundle.label(),
                 "manifest without config",
@@ -517,12 +438,8 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
         let diff_ids = diff_ids(&bundle, &config_desc.digest, &config, doc.layers.len())?;
         let mut layers = Vec::with_capacity(doc.layers.len());
         for (desc, diff_id) in doc.layers.into_iter().zip(diff_ids) {
-            if desc.media_type.contains("zstd") {
-                return Err(ImageError::source(
-                    bundle.label(),
-                    format!("unsupported layer media type {}", desc.media_type),
-                ));
-            }
+            check_layer_media_type(&desc.media_type)
+                .map_err(|reason| ImageError::source(bundle.label(), reason))?;
             let member = blob_member(&desc.digest).ok_or_else(|| {
                 ImageError::source(
                     bundle.label(),
@@ -537,7 +454,7 @@ fn oci_plan(bundle: Bundle, wanted: &Reference) -> Result<ImagePlan, ImageError>
         }
         return Ok(ImagePlan {
             id: format!("sha256:{}", hex::encode(Sha256::digest(&config_raw))),
-            config: image_config(config),
+            config: config.image_config(),
             layers,
             bundle,
         });
@@ -554,11 +471,7 @@ fn diff_ids(
     config: &ConfigFile,
     layer_count: usize,
 ) -> Result<Vec<Option<String>>, ImageError> {
-    let ids = config
-        .rootfs
-        .as_ref()
-        .map(|r| r.diff_ids.as_slice())
-        .unwrap_or(&[]);
+    let ids = config.diff_ids();
     if ids.is_empty() {
         return Ok(vec![None; layer_count]);
     }
@@ -583,120 +496,9 @@ fn diff_ids(
         .collect()
 }
 
-fn image_config(file: ConfigFile) -> ImageConfig {
-    let c = file.config.unwrap_or_default();
-    ImageConfig {
-        env: c.env.unwrap_or_default(),
-        entrypoint: c.entrypoint.unwrap_or_default(),
-        cmd: c.cmd.unwrap_or_default(),
-        working_dir: c.working_dir.filter(|w| !w.is_empty()),
-        user: c.user.filter(|u| !u.is_empty()),
-    }
-}
-
-/// Picks one manifest from an index: the one named like the wanted reference (top-level index of a
-/// layout only), else linux/amd64; attestation entries (`unknown/unknown`) never count.
-fn pick_manifest<'a>(
-    manifests: &'a [Descriptor],
-    wanted: Option<&Reference>,
-) -> Result<&'a Descriptor, String> {
-    let mut candidates: Vec<&Descriptor> = manifests
-        .iter()
-        .filter(|d| {
-            d.platform
-                .as_ref()
-                .is_none_or(|p| p.os != "unknown" && p.architecture != "unknown")
-        })
-        .collect();
-    if let Some(wanted) = wanted {
-        let full = wanted.to_string();
-        let tag = wanted.tag.as_deref().unwrap_or("latest");
-        let named: Vec<&Descriptor> = candidates
-            .iter()
-            .copied()
-            .filter(|d| {
-                d.annotations
-                    .get(REF_NAME_ANNOTATION)
-                    .is_some_and(|n| n == tag || *n == full)
-                    || d.annotations
-                        .get(CONTAINERD_NAME_ANNOTATION)
-                        .is_some_and(|n| *n == full)
-            })
-            .collect();
-        if !named.is_empty() {
-            candidates = named;
-        }
-    }
-    if candidates.iter().any(|d| d.platform.is_some()) {
-        return candidates
-            .into_iter()
-            .find(|d| {
-                d.platform
-                    .as_ref()
-                    .is_none_or(|p| p.os == "linux" && p.architecture == "amd64")
-            })
-            .ok_or_else(|| "no linux/amd64 image in the index".to_owned());
-    }
-    candidates
-        .into_iter()
-        .next()
-        .ok_or_else(|| "empty image index".to_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn desc(digest: &str, platform: Option<(&str, &str)>, name: Option<&str>) -> Descriptor {
-        Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: digest.into(),
-            platform: platform.map(|(os, architecture)| Platform {
-                os: os.into(),
-                architecture: architecture.into(),
-            }),
-            annotations: name
-                .map(|n| HashMap::from([(REF_NAME_ANNOTATION.to_owned(), n.to_owned())]))
-                .unwrap_or_default(),
-        }
-    }
-
-    #[test]
-    fn picks_linux_amd64_and_skips_attestations() {
-        let list = [
-            desc("arm", Some(("linux", "arm64")), None),
-            desc("att", Some(("unknown", "unknown")), None),
-            desc("amd", Some(("linux", "amd64")), None),
-        ];
-        assert_eq!(
-            pick_manifest(&list, None).map(|d| d.digest.as_str()),
-            Ok("amd")
-        );
-        assert!(pick_manifest(&list[..2], None).is_err());
-        let plain = [desc("a", None, None), desc("b", None, None)];
-        assert_eq!(
-            pick_manifest(&plain, None).map(|d| d.digest.as_str()),
-            Ok("a")
-        );
-    }
-
-    #[test]
-    fn picks_by_ref_name_annotation() {
-        let list = [
-            desc("one", None, Some("1.0")),
-            desc("two", None, Some("2.0")),
-        ];
-        let wanted = Reference::parse("x:2.0").expect("ref");
-        assert_eq!(
-            pick_manifest(&list, Some(&wanted)).map(|d| d.digest.as_str()),
-            Ok("two")
-        );
-        let other = Reference::parse("x:3.0").expect("ref");
-        assert_eq!(
-            pick_manifest(&list, Some(&other)).map(|d| d.digest.as_str()),
-            Ok("one")
-        );
-    }
 
     #[test]
     fn member_names_are_lexical_and_contained() {

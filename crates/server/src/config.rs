@@ -40,6 +40,40 @@ pub struct FileConfig {
     pub limits: LimitsSection,
     #[serde(default)]
     pub network: NetworkSection,
+    #[serde(default)]
+    pub images: ImagesSection,
+    /// `[registries."<host>"]`: mirrors, plain HTTP, extra CA, credentials per registry.
+    #[serde(default)]
+    pub registries: warren_registry::RegistriesConfig,
+}
+
+/// `[images]`: the native runtime's image store.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImagesSection {
+    /// `missing` (default): a create for an image not in the store pulls it from its registry;
+    /// `never`: only imported or already pulled images can be used.
+    #[serde(default = "default_pull")]
+    pub pull: PullPolicy,
+}
+
+impl Default for ImagesSection {
+    fn default() -> Self {
+        ImagesSection {
+            pull: default_pull(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PullPolicy {
+    Missing,
+    Never,
+}
+
+fn default_pull() -> PullPolicy {
+    PullPolicy::Missing
 }
 
 /// `[network]`: sandbox networking and egress control.
@@ -181,6 +215,8 @@ pub struct ServerConfig {
     pub storage: StorageSection,
     pub limits: LimitsSection,
     pub network: NetworkSection,
+    pub images: ImagesSection,
+    pub registries: warren_registry::RegistriesConfig,
     pub config_file: Option<PathBuf>,
 }
 
@@ -272,6 +308,8 @@ impl ServerConfig {
             storage: file.storage.clone(),
             limits: file.limits.clone(),
             network: file.network.clone(),
+            images: file.images.clone(),
+            registries: file.registries.clone(),
             config_file,
         })
     }

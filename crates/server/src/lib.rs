@@ -145,6 +145,7 @@ impl Server {
             images,
             config.terminated_retention_seconds,
             network,
+            (config.images.pull == config::PullPolicy::Missing).then(|| config.registries.clone()),
         );
         sandboxes.recover().await.context("recovering sandboxes")?;
         let listener = tokio::net::TcpListener::bind(config.listen)

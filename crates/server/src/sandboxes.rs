@@ -42,6 +42,8 @@ struct Inner {
     /// Bounds creates in flight when the runtime asks for it (FIFO: first come, first created).
     create_slots: Option<tokio::sync::Semaphore>,
     network: Arc<Network>,
+    /// Pulls images a create names but the store lacks; `None` when pulls are off.
+    puller: Option<warren_registry::Puller>,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -55,7 +57,12 @@ impl Sandboxes {
         images: ImageStore,
         retention_seconds: i64,
         network: Arc<Network>,
+        registries: Option<warren_registry::RegistriesConfig>,
     ) -> Self {
+        let images = Arc::new(images);
+        let puller = registries.map(|config| {
+            warren_registry::Puller::new(warren_registry::Client::new(config), images.clone())
+        });
         let create_slots = runtime
             .create_parallelism()
             .map(|n| tokio::sync::Semaphore::new(n.max(1)));
@@ -64,7 +71,8 @@ impl Sandboxes {
                 create_slots,
                 runtime,
                 store,
-                images: Arc::new(images),
+                images,
+                puller,
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
@@ -124,32 +132,57 @@ impl Sandboxes {
         snapshot
     }
 
+    /// The image from the store, leased to `holder`; pulled first when it is missing and pulls are
+    /// on (concurrent creates of one image share the pull).
+    async fn store_image(
+        &self,
+        name: &str,
+        auth: Option<&warren_api::lifecycle::ImageAuth>,
+        holder: &str,
+    ) -> Result<warren_image::ResolvedImage, ApiError> {
+        let resolve = || {
+            // Resolving and leasing are file work that may wait on the store's lock during an
+            // import.
+            let images = self.inner.images.clone();
+            let (name, holder) = (name.to_owned(), holder.to_owned());
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    let image = images.resolve(&name)?;
+                    images.lease(&holder, &image)?;
+                    Ok(image)
+                })
+                .await
+                .map_err(|e| ApiError::internal("resolving the image", &e))
+            }
+        };
+        match resolve().await? {
+            Ok(image) => return Ok(image),
+            Err(warren_image::ImageError::NotFound { .. }) if self.inner.puller.is_some() => {}
+            Err(e) => return Err(image_error(name, e)),
+        }
+        let Some(puller) = &self.inner.puller else {
+            unreachable!("checked above");
+        };
+        let credentials = auth.map(|a| warren_registry::Credentials {
+            username: a.username.clone(),
+            password: a.password.clone(),
+        });
+        puller
+            .pull(name, credentials, None)
+            .await
+            .map_err(|e| pull_error(&e))?;
+        resolve().await?.map_err(|e| image_error(name, e))
+    }
+
     /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
     /// lease, no runtime resource.
     pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.inner.runtime.image_source() {
             ImageSource::Store => {
-                if plan.image_auth.is_some() {
-                    return Err(ApiError::new(
-                        http::StatusCode::BAD_REQUEST,
-                        ErrorCode::ApiNotSupported,
-                        "image.auth: this runtime runs images from Warren's image store, which does not pull from registries yet; import the image with `warren image import`",
-                    ));
-                }
-                // Resolving and leasing are file work that may wait on the store's lock during an
-                // import.
-                let images = self.inner.images.clone();
-                let (name, holder) = (plan.image.clone(), id.clone());
-                let image = tokio::task::spawn_blocking(move || {
-                    let image = images.resolve(&name).map_err(|e| image_error(&name, e))?;
-                    images
-                        .lease(&holder, &image)
-                        .map_err(|e| ApiError::internal("leasing the image", &e))?;
-                    Ok::<_, ApiError>(image)
-                })
-                .await
-                .map_err(|e| ApiError::internal("resolving the image", &e))??;
+                let image = self
+                    .store_image(&plan.image, plan.image_auth.as_ref(), &id)
+                    .await?;
                 SandboxImage::Resolved(image)
             }
             ImageSource::Engine => SandboxImage::Reference {
@@ -798,9 +831,29 @@ fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {
         warren_image::ImageError::NotFound { .. } => ApiError::new(
             http::StatusCode::NOT_FOUND,
             ErrorCode::ImageNotFound,
-            format!("image {name:?} is not in the local store; import it with `warren image import {name} PATH` (or use the built-in \"host\" image)"),
+            format!("image {name:?} is not in the local store and this server does not pull ([images] pull = \"never\"); pull it with `warren image pull {name}`, import it with `warren image import {name} PATH`, or use the built-in \"host\" image"),
         ),
         warren_image::ImageError::InvalidName { .. } => ApiError::invalid(format!("invalid image reference {name:?}")),
         other => ApiError::internal("resolving the image", &other),
     }
+}
+
+/// A failed pull as the create's answer: the message names the image and the cause.
+fn pull_error(e: &warren_registry::PullError) -> ApiError {
+    use warren_registry::PullErrorKind as K;
+    let (status, code) = match e.kind() {
+        K::BadName => (http::StatusCode::BAD_REQUEST, ErrorCode::InvalidParameter),
+        K::NotFound => (http::StatusCode::NOT_FOUND, ErrorCode::ImageNotFound),
+        K::Denied => (http::StatusCode::FORBIDDEN, ErrorCode::ImagePullDenied),
+        K::Upstream => (http::StatusCode::BAD_GATEWAY, ErrorCode::ImagePullFailed),
+        K::Invalid => (
+            http::StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::ImageInvalid,
+        ),
+        K::Internal => (
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::ImagePullFailed,
+        ),
+    };
+    ApiError::new(status, code, e.to_string())
 }

@@ -31,9 +31,13 @@ impl Server {
     pub fn start_in(dir: tempfile::TempDir) -> Self {
         let key = format!("it-{}", std::process::id());
         let port = free_port();
-        // Tests never reach a real resolver: sandbox DNS goes to the discard port on loopback.
         let config = dir.path().join("config.toml");
-        std::fs::write(&config, "[network]\ndns_upstream = \"127.0.0.1:9\"\n").expect("config");
+        // Tests never reach a real resolver or registry: no DNS upstream, no pulls.
+        std::fs::write(
+            &config,
+            "[network]\ndns_upstream = \"127.0.0.1:9\"\n[images]\npull = \"never\"\n",
+        )
+        .expect("config");
         let child = Command::new(warren_bin())
             .args([
                 "serve",
