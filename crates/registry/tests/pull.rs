@@ -106,26 +106,25 @@ async fn start(behaviour: Behaviour) -> (Arc<Fake>, String, Vec<u8>) {
     (fake, format!("127.0.0.1:{port}"), blob)
 }
 
-fn authorized(fake: &Fake, headers: &HeaderMap) -> Result<(), Response> {
-    if !fake.behaviour.token {
-        return Ok(());
-    }
-    if headers
+/// The 401 challenge to answer with, if the request lacks the token this registry wants.
+fn challenge(fake: &Fake, headers: &HeaderMap) -> Option<Response> {
+    let auth = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        == Some("Bearer t0ken")
-    {
-        return Ok(());
+        .and_then(|v| v.to_str().ok());
+    if !fake.behaviour.token || auth == Some("Bearer t0ken") {
+        return None;
     }
-    let challenge = format!(
+    let value = format!(
         "Bearer realm=\"http://127.0.0.1:{}/token\",service=\"fake\",scope=\"repository:test/img:pull\"",
         fake.port
     );
-    Err((
-        StatusCode::UNAUTHORIZED,
-        [(header::WWW_AUTHENTICATE, challenge)],
+    Some(
+        (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, value)],
+        )
+            .into_response(),
     )
-        .into_response())
 }
 
 async fn token(headers: HeaderMap) -> Response {
