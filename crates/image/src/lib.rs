@@ -866,13 +866,15 @@ fn unpack_verified(
         }
     }
     if let Some(expected) = diff_id {
+        // The blob was what the manifest promised, so the image itself is inconsistent.
         if unpacked.digest != expected {
-            return Err(ImageError::DigestMismatch {
-                path: label.to_path_buf(),
-                what: "uncompressed layer (diff_id)",
-                expected: format!("sha256:{expected}"),
-                actual: format!("sha256:{}", unpacked.digest),
-            });
+            return Err(ImageError::source(
+                label,
+                format!(
+                    "uncompressed layer has digest sha256:{}, the image config says sha256:{expected} (diff_id)",
+                    unpacked.digest
+                ),
+            ));
         }
     }
     staged(unpacked, dest)

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use warren_image::oci;
 
 use crate::config::{Credentials, Endpoint, RegistriesConfig};
-use crate::error::{describe_http, PullError};
+use crate::error::{describe_http, one_line, PullError};
 
 /// Manifests and configs are small; refuse to buffer anything absurd.
 const MAX_DOCUMENT: usize = 8 << 20;
@@ -145,7 +145,7 @@ impl Session {
         PullError::Unreachable {
             image: self.image.clone(),
             registry: self.endpoint.host.clone(),
-            detail: format!("{} ({detail}){hint}", self.endpoint.base),
+            detail: one_line(&format!("{} ({detail}){hint}", self.endpoint.base)),
         }
     }
 
@@ -153,7 +153,7 @@ impl Session {
         PullError::Registry {
             image: self.image.clone(),
             registry: self.endpoint.host.clone(),
-            detail: detail.into(),
+            detail: one_line(&detail.into()),
         }
     }
 
@@ -161,7 +161,7 @@ impl Session {
         PullError::Denied {
             image: self.image.clone(),
             registry: self.endpoint.host.clone(),
-            detail: detail.into(),
+            detail: one_line(&detail.into()),
         }
     }
 

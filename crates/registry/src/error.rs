@@ -96,8 +96,29 @@ impl PullError {
     }
 }
 
+/// Longest cause text kept in a message.
+const MAX_DETAIL: usize = 400;
+
 /// An error and its causes on one line: `a: b: c`, without repeating a cause already in the text.
+/// Causes may quote bytes from the image (tar headers): control characters become `?` and the text
+/// is cut, so the message stays one printable line.
 pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    one_line(&chain_raw(e))
+}
+
+pub(crate) fn one_line(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .take(MAX_DETAIL)
+        .collect();
+    if text.chars().count() > MAX_DETAIL {
+        out.push('…');
+    }
+    out
+}
+
+fn chain_raw(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut cur = e.source();
     while let Some(cause) = cur {

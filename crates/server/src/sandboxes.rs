@@ -190,6 +190,10 @@ impl Sandboxes {
                 auth: plan.image_auth.clone(),
             },
         };
+        let entrypoint = plan
+            .entrypoint
+            .clone()
+            .unwrap_or_else(|| default_entrypoint(&image));
         let policy = plan
             .network_policy
             .clone()
@@ -222,7 +226,7 @@ impl Sandboxes {
         let record = SandboxRecord {
             id: id.clone(),
             image: plan.image.clone(),
-            entrypoint: plan.entrypoint.clone(),
+            entrypoint: entrypoint.clone(),
             env: plan.env.clone(),
             metadata: plan.metadata,
             extensions: plan.extensions,
@@ -256,7 +260,7 @@ impl Sandboxes {
         let spec = SandboxSpec {
             id: id.clone(),
             image,
-            entrypoint: plan.entrypoint,
+            entrypoint,
             env: plan.env,
             limits: plan.limits,
             volumes: plan.volumes,
@@ -836,6 +840,24 @@ fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {
         warren_image::ImageError::InvalidName { .. } => ApiError::invalid(format!("invalid image reference {name:?}")),
         other => ApiError::internal("resolving the image", &other),
     }
+}
+
+/// The main process of a create that names none: the image's Entrypoint + Cmd, as `docker run`
+/// would start (store images; an Engine image's config is the daemon's to read), else a process
+/// that keeps the sandbox up.
+fn default_entrypoint(image: &SandboxImage) -> Vec<String> {
+    if let SandboxImage::Resolved(warren_image::ResolvedImage::Layers { config, .. }) = image {
+        let argv: Vec<String> = config
+            .entrypoint
+            .iter()
+            .chain(&config.cmd)
+            .cloned()
+            .collect();
+        if argv.first().is_some_and(|a| !a.is_empty()) {
+            return argv;
+        }
+    }
+    vec!["tail".into(), "-f".into(), "/dev/null".into()]
 }
 
 /// A failed pull as the create's answer: the message names the image and the cause.

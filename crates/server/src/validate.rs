@@ -22,7 +22,8 @@ pub struct CreatePlan {
     /// Registry credentials for a runtime that pulls (Docker); refused by the image store.
     pub image_auth: Option<warren_api::lifecycle::ImageAuth>,
     pub volumes: Vec<warren_core::VolumeMount>,
-    pub entrypoint: Vec<String>,
+    /// `None`: the image's own Entrypoint + Cmd (store images), else `tail -f /dev/null`.
+    pub entrypoint: Option<Vec<String>>,
     pub timeout_seconds: Option<i64>,
     pub limits: ResourceLimits,
     pub env: BTreeMap<String, String>,
@@ -93,18 +94,18 @@ pub fn create_plan(
     if uri.is_empty() || uri.len() > 255 {
         return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
     }
-    let entrypoint = req
-        .entrypoint
-        .unwrap_or_else(|| vec!["tail".into(), "-f".into(), "/dev/null".into()]);
-    if entrypoint.is_empty() || entrypoint[0].is_empty() {
-        return Err(ApiError::invalid(
-            "entrypoint must have at least one non-empty element",
-        ));
-    }
-    if entrypoint.len() > MAX_ENTRYPOINT_ARGS || entrypoint.iter().any(|a| a.contains('\0')) {
-        return Err(ApiError::invalid(
-            "entrypoint has too many arguments or a NUL byte",
-        ));
+    let entrypoint = req.entrypoint;
+    if let Some(entrypoint) = &entrypoint {
+        if entrypoint.is_empty() || entrypoint[0].is_empty() {
+            return Err(ApiError::invalid(
+                "entrypoint must have at least one non-empty element",
+            ));
+        }
+        if entrypoint.len() > MAX_ENTRYPOINT_ARGS || entrypoint.iter().any(|a| a.contains('\0')) {
+            return Err(ApiError::invalid(
+                "entrypoint has too many arguments or a NUL byte",
+            ));
+        }
     }
     if let Some(t) = req.timeout {
         if t < MIN_TIMEOUT_SECONDS {
@@ -283,7 +284,7 @@ mod tests {
         assert_eq!(plan.limits.cpu_millis, Some(1000));
         assert_eq!(plan.limits.memory_bytes, Some(2 << 30));
         assert_eq!(plan.limits.pids, 4096);
-        assert_eq!(plan.entrypoint, vec!["tail", "-f", "/dev/null"]);
+        assert_eq!(plan.entrypoint, None, "decided at create, from the image");
     }
 
     #[test]
