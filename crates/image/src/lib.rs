@@ -881,7 +881,7 @@ fn unpack_verified(
 }
 
 fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<StagedLayer, ImageError> {
-    let size = dir_size(&dest)?;
+    let size = unpacked.bytes;
     Ok(StagedLayer {
         hex: unpacked.digest,
         staged: Some(dest),

@@ -6,7 +6,7 @@
 //! and we refuse to walk through them. Files are created with `O_EXCL|O_NOFOLLOW` after removing whatever
 //! an earlier entry left at the same path.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -71,6 +71,8 @@ pub(crate) struct Unpacked {
     pub digest: String,
     /// Number of tar entries seen (0 for an empty archive).
     pub entries: u64,
+    /// Apparent size of the regular files written (hardlinks not counted again).
+    pub bytes: u64,
 }
 
 /// Unpacks the uncompressed tar stream `reader` into the empty directory `dest`.
@@ -88,6 +90,8 @@ pub(crate) fn unpack_layer<R: Read>(
         root: dest.to_path_buf(),
         label: label.to_path_buf(),
         dir_times: HashMap::new(),
+        known_dirs: HashSet::new(),
+        bytes: 0,
         buf: vec![0; COPY_BUF],
     };
     let read_err = |e: io::Error| ImageError::source_with(label, "read layer tar", e);
@@ -101,10 +105,12 @@ pub(crate) fn unpack_layer<R: Read>(
         }
     }
     hashing.drain().map_err(read_err)?;
+    let bytes = unpacker.bytes;
     unpacker.finish()?;
     Ok(Unpacked {
         digest: hashing.hex_digest(),
         entries,
+        bytes,
     })
 }
 
@@ -139,6 +145,12 @@ struct Unpacker {
     label: PathBuf,
     /// Directory mtimes are applied last: creating children would bump them again.
     dir_times: HashMap<PathBuf, i64>,
+    /// Directories (relative to the root) known to be real directories: walked without an `lstat`
+    /// per component. Only this unpacker writes below the root, so an entry stays valid until this
+    /// unpacker removes or replaces it (see `forget`).
+    known_dirs: HashSet<PathBuf>,
+    /// Apparent size of the regular files written.
+    bytes: u64,
     buf: Vec<u8>,
 }
 
@@ -206,33 +218,49 @@ impl Unpacker {
             EntryType::Directory => {
                 let meta = self.meta(entry)?;
                 let path = self.ensure_dirs(parent_rel, &shown)?.join(&name);
-                match fs::symlink_metadata(&path) {
-                    Ok(m) if m.file_type().is_dir() => {}
-                    Ok(_) => {
-                        self.remove_existing(&path)?;
-                        create_dir(&path)?;
+                match DirBuilder::new().mode(0o755).create(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        let is_dir = fs::symlink_metadata(&path)
+                            .map_err(ImageError::io("stat", &path))?
+                            .file_type()
+                            .is_dir();
+                        if !is_dir {
+                            self.remove_existing(&path)?;
+                            create_dir(&path)?;
+                        }
                     }
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => create_dir(&path)?,
-                    Err(e) => return Err(ImageError::io("stat", &path)(e)),
+                    Err(e) => return Err(ImageError::io("create dir", &path)(e)),
                 }
                 self.apply_meta(&path, &meta, false)?;
+                self.known_dirs.insert(rel.clone());
                 self.dir_times.insert(path, meta.mtime);
             }
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
                 let meta = self.meta(entry)?;
                 let path = self.ensure_dirs(parent_rel, &shown)?.join(&name);
-                self.remove_existing(&path)?;
-                let mut file = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                    .open(&path)
-                    .map_err(ImageError::io("create file", &path))?;
+                let mut file = match self.create_file(&path) {
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        self.remove_existing(&path)?;
+                        self.create_file(&path)
+                    }
+                    other => other,
+                }
+                .map_err(ImageError::io("create file", &path))?;
                 self.copy(entry, &mut file, &path)?;
-                drop(file);
-                self.apply_meta(&path, &meta, false)?;
-                set_mtime(&path, meta.mtime)?;
+                self.bytes += entry.size();
+                // On the open file: no second path walk.
+                std::os::unix::fs::fchown(&file, Some(meta.uid), Some(meta.gid))
+                    .map_err(ImageError::io("chown", &path))?;
+                file.set_permissions(fs::Permissions::from_mode(meta.mode))
+                    .map_err(ImageError::io("chmod", &path))?;
+                for (name, value) in &meta.xattrs {
+                    let _ = xattr::set(&path, name, value);
+                }
+                let t = std::time::UNIX_EPOCH
+                    + std::time::Duration::from_secs(meta.mtime.max(0) as u64);
+                file.set_times(fs::FileTimes::new().set_accessed(t).set_modified(t))
+                    .map_err(ImageError::io("set mtime", &path))?;
             }
             EntryType::Symlink => {
                 let meta = self.meta(entry)?;
@@ -244,9 +272,15 @@ impl Unpacker {
                     return Err(self.unsafe_entry(&shown, "symlink target contains a nul byte"));
                 }
                 let path = self.ensure_dirs(parent_rel, &shown)?.join(&name);
-                self.remove_existing(&path)?;
-                std::os::unix::fs::symlink(OsStr::from_bytes(&target), &path)
-                    .map_err(ImageError::io("create symlink", &path))?;
+                let target = OsStr::from_bytes(&target);
+                match std::os::unix::fs::symlink(target, &path) {
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        self.remove_existing(&path)?;
+                        std::os::unix::fs::symlink(target, &path)
+                    }
+                    other => other,
+                }
+                .map_err(ImageError::io("create symlink", &path))?;
                 self.apply_meta(&path, &meta, true)?;
                 set_mtime(&path, meta.mtime)?;
             }
@@ -362,10 +396,18 @@ impl Unpacker {
 
     /// Creates the missing directories of `rel` below the root and returns the full path, refusing
     /// to go through anything that is not a real directory (notably a symlink an earlier entry made).
-    fn ensure_dirs(&self, rel: &Path, shown: &str) -> Result<PathBuf, ImageError> {
+    fn ensure_dirs(&mut self, rel: &Path, shown: &str) -> Result<PathBuf, ImageError> {
+        if rel.as_os_str().is_empty() || self.known_dirs.contains(rel) {
+            return Ok(self.root.join(rel));
+        }
         let mut cur = self.root.clone();
+        let mut cur_rel = PathBuf::new();
         for component in rel.components() {
             cur.push(component);
+            cur_rel.push(component);
+            if self.known_dirs.contains(&cur_rel) {
+                continue;
+            }
             match fs::symlink_metadata(&cur) {
                 Ok(m) if m.file_type().is_dir() => {}
                 Ok(m) if m.file_type().is_symlink() => {
@@ -375,8 +417,18 @@ impl Unpacker {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => create_dir(&cur)?,
                 Err(e) => return Err(ImageError::io("stat", &cur)(e)),
             }
+            self.known_dirs.insert(cur_rel.clone());
         }
         Ok(cur)
+    }
+
+    fn create_file(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
     }
 
     /// The full path of an existing non-directory at `rel`, reached without following symlinks.
@@ -395,9 +447,13 @@ impl Unpacker {
     }
 
     /// Later entries replace earlier ones at the same path, whatever they were.
-    fn remove_existing(&self, path: &Path) -> Result<(), ImageError> {
+    fn remove_existing(&mut self, path: &Path) -> Result<(), ImageError> {
         match fs::symlink_metadata(path) {
             Ok(m) if m.file_type().is_dir() => {
+                if let Ok(rel) = path.strip_prefix(&self.root) {
+                    let rel = rel.to_path_buf();
+                    self.known_dirs.retain(|d| !d.starts_with(&rel));
+                }
                 fs::remove_dir_all(path).map_err(ImageError::io("remove dir", path))
             }
             Ok(_) => fs::remove_file(path).map_err(ImageError::io("remove file", path)),
