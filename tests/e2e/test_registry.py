@@ -989,19 +989,27 @@ def test_gc_rm_and_prune(srv, regs, builder):
 
     used = unique_bb_image(builder, {"etc/e2e-prune": "used\n"})
     unused = unique_bb_image(builder, {"etc/e2e-prune": "unused\n"})
+    # shares the in-use image's base layer: pruned all the same, the shared base stays
+    sibling = builder.image([used.layers[0], builder.layer({"etc/e2e-prune": "sibling\n"}, "gzip")])
     R.registry_push(regs.plain, "e2e/prune-used", "1", used)
     R.registry_push(regs.plain, "e2e/prune-unused", "1", unused)
+    R.registry_push(regs.plain, "e2e/prune-sibling", "1", sibling)
     used_name, unused_name = f"{regs.front.host}/e2e/prune-used:1", f"{regs.front.host}/e2e/prune-unused:1"
+    sibling_name = f"{regs.front.host}/e2e/prune-sibling:1"
     pull(srv, used_name)
     pull(srv, unused_name)
+    pull(srv, sibling_name)
     sid = created(create(srv, used_name))
     try:
         sbx = connect(srv, sid)
         dry = json.loads(srv.cli("image", "prune", "--dry-run", "-o", "json").stdout)
         assert unused_name in dry["removed"] and used_name not in dry["removed"] and "host" not in dry["removed"], dry
         assert unused_name in ls_names(srv), "--dry-run removes nothing"
+        assert sibling_name in dry["removed"], dry
         res = json.loads(srv.cli("image", "prune", "-o", "json").stdout)
         assert unused_name in res["removed"] and used_name not in res["removed"], res
+        assert sibling_name in res["removed"], res
+        assert not layer_dir(srv, sibling.diff_ids[1]).exists(), "the sibling's own layer goes"
         assert res["reclaimed_bytes"] > 0, res
         names = ls_names(srv)
         assert used_name in names and unused_name not in names and "host" in names, names

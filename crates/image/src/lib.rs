@@ -455,22 +455,25 @@ impl ImageStore {
         let (pruned, trash) = {
             let _lock = self.lock(true)?;
             let mut names = self.read_names()?;
-            let mut leased: HashSet<String> = HashSet::new();
+            // In use: named by a sandbox's lease. Layers a lease holds survive the collection
+            // anyway, so they are not counted as reclaimed.
+            let mut in_use: HashSet<String> = HashSet::new();
+            let mut kept_layers: HashSet<String> = HashSet::new();
             for entry in read_dir_names(&self.leases_dir())? {
                 if entry.ends_with(".json") {
                     if let Some(lease) = read_json::<Lease>(&self.leases_dir().join(&entry))? {
-                        leased.extend(lease.layers);
+                        in_use.insert(lease.image);
+                        kept_layers.extend(lease.layers);
                     }
                 }
             }
             let mut removed = Vec::new();
-            let mut kept_layers: HashSet<String> = leased.clone();
             let mut doomed_layers: HashSet<String> = HashSet::new();
             for (name, id) in &names.names {
                 let Some(meta) = self.read_image(id)? else {
                     continue;
                 };
-                if meta.layers.iter().any(|l| leased.contains(l)) {
+                if in_use.contains(name) {
                     kept_layers.extend(meta.layers);
                 } else {
                     removed.push(name.clone());

@@ -108,28 +108,33 @@ impl Puller {
             match inflight.get(&key) {
                 Some(running) => running.clone(),
                 None => {
+                    // The pull runs on its own task, so callers that give up do not cancel it for
+                    // the others, and it leaves the in-flight map when it ends whether or not
+                    // anyone still waits (a later caller then starts afresh, never reads a stale
+                    // result). It takes the map's lock only after this insert releases it.
                     let me = self.clone();
                     let key2 = key.clone();
-                    let fut: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin(async move {
-                        // Runs on its own task, so a caller that gives up does not cancel the
-                        // pull for the others.
-                        let task = tokio::spawn({
-                            let me = me.clone();
-                            async move { me.pull_now(&reference, auth.as_ref(), progress).await }
-                        });
-                        let out = match task.await {
-                            Ok(r) => r.map_err(Arc::new),
-                            Err(e) => Err(Arc::new(PullError::Store {
-                                image: reference_label(&key2),
-                                detail: format!("pull task failed: {e}"),
-                            })),
-                        };
+                    let task = tokio::spawn(async move {
+                        let out = me
+                            .pull_now(&reference, auth.as_ref(), progress)
+                            .await
+                            .map_err(Arc::new);
                         me.inner
                             .inflight
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .remove(&key2);
                         out
+                    });
+                    let image = reference_label(&key);
+                    let fut: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin(async move {
+                        match task.await {
+                            Ok(r) => r,
+                            Err(e) => Err(Arc::new(PullError::Store {
+                                image,
+                                detail: format!("pull task failed: {e}"),
+                            })),
+                        }
                     });
                     let shared = fut.shared();
                     inflight.insert(key, shared.clone());
