@@ -194,4 +194,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// After a server restart, once every known sandbox was looked at: remove what the runtime finds
     /// of Warren's that is not among `known` (leftovers of a crash in the middle of a create).
     async fn sweep_orphans(&self, _known: &[String]) {}
+
+    /// The sandbox's writable overlayfs layer on the host, when the runtime keeps one there that
+    /// holds everything the sandbox wrote (snapshots copy it). `None`: snapshots are not supported.
+    fn upper_dir(&self, _id: &str) -> Option<std::path::PathBuf> {
+        None
+    }
 }

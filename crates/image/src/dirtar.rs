@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use tar::{EntryType, Header};
@@ -25,6 +25,22 @@ pub(crate) fn unpack_dir(
     dest: &Path,
     exclude: Option<(u64, u64)>,
 ) -> Result<Unpacked, ImageError> {
+    unpack_tree(src, dest, exclude, false)
+}
+
+/// Like [`unpack_dir`] for an overlayfs upper directory: its whiteouts (0:0 character devices) and
+/// opaque directories (`trusted.overlay.opaque=y`) travel as OCI `.wh.` entries, so the layer means
+/// in the store what the upper meant over its lower layers.
+pub(crate) fn unpack_upper(src: &Path, dest: &Path) -> Result<Unpacked, ImageError> {
+    unpack_tree(src, dest, None, true)
+}
+
+fn unpack_tree(
+    src: &Path,
+    dest: &Path,
+    exclude: Option<(u64, u64)>,
+    overlay: bool,
+) -> Result<Unpacked, ImageError> {
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
             op: "create pipe",
@@ -36,7 +52,7 @@ pub(crate) fn unpack_dir(
         .name("warren-image-dirtar".into())
         .spawn(move || {
             let out = io::BufWriter::with_capacity(256 * 1024, File::from(write_end));
-            write_dir_tar(&src_owned, out, exclude)
+            write_tree_tar(&src_owned, out, exclude, overlay)
         })
         .map_err(ImageError::io("spawn folder tar writer", src))?;
     // Taking the read end by value closes it as soon as unpacking stops, which ends the writer
@@ -65,14 +81,25 @@ pub(crate) fn unpack_dir(
 }
 
 /// Writes the tar of `src`'s contents (not `src` itself) to `out`.
+#[cfg(test)]
 pub(crate) fn write_dir_tar<W: Write>(
     src: &Path,
     out: W,
     exclude: Option<(u64, u64)>,
 ) -> Result<(), ImageError> {
+    write_tree_tar(src, out, exclude, false)
+}
+
+fn write_tree_tar<W: Write>(
+    src: &Path,
+    out: W,
+    exclude: Option<(u64, u64)>,
+    overlay: bool,
+) -> Result<(), ImageError> {
     let mut writer = DirTar {
         src: src.to_path_buf(),
         exclude,
+        overlay,
         builder: tar::Builder::new(out),
         links: HashMap::new(),
     };
@@ -87,6 +114,8 @@ pub(crate) fn write_dir_tar<W: Write>(
 struct DirTar<W: Write> {
     src: PathBuf,
     exclude: Option<(u64, u64)>,
+    /// Source is an overlayfs upper: whiteouts and opaque markers become `.wh.` entries.
+    overlay: bool,
     builder: tar::Builder<W>,
     /// First path seen for each multiply-linked inode.
     links: HashMap<(u64, u64), PathBuf>,
@@ -123,6 +152,9 @@ impl<W: Write> DirTar<W> {
                 self.builder
                     .append_data(&mut header, &rel_child, io::empty())
                     .map_err(write_err)?;
+                if self.overlay && is_opaque(&path) {
+                    self.marker(&rel_child.join(OPAQUE_ENTRY), &path)?;
+                }
                 self.walk(&rel_child)?;
             } else if file_type.is_file() {
                 if meta.nlink() > 1 {
@@ -157,9 +189,27 @@ impl<W: Write> DirTar<W> {
                 self.builder
                     .append_link(&mut header, &rel_child, &target)
                     .map_err(write_err)?;
+            } else if self.overlay && file_type.is_char_device() && meta.rdev() == 0 {
+                let mut whiteout = OsString::from(".wh.");
+                whiteout.push(&name);
+                self.marker(&rel.join(whiteout), &path)?;
             }
         }
         Ok(())
+    }
+
+    /// An empty `.wh.` entry (whiteout or opaque marker).
+    fn marker(&mut self, rel: &Path, source: &Path) -> Result<(), ImageError> {
+        let mut header = Header::new_gnu();
+        header.set_entry_type(EntryType::Regular);
+        header.set_mode(0o644);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        header.set_size(0);
+        self.builder
+            .append_data(&mut header, rel, io::empty())
+            .map_err(ImageError::io("write folder tar", source))
     }
 
     /// Emits a pax header carrying the xattrs of `path` (if any) for the entry that follows.
@@ -200,6 +250,12 @@ impl<W: Write> DirTar<W> {
             .append(&header, records.as_slice())
             .map_err(ImageError::io("write folder tar", path))
     }
+}
+
+const OPAQUE_ENTRY: &str = ".wh..wh..opq";
+
+fn is_opaque(dir: &Path) -> bool {
+    matches!(xattr::get(dir, "trusted.overlay.opaque"), Ok(Some(v)) if v == b"y")
 }
 
 /// One pax record: `"<len> <key>=<value>\n"` where `<len>` counts the whole record, itself included.

@@ -39,6 +39,10 @@ pub use reference::{Reference, DOCKER_HUB, HOST_IMAGE};
 use source::{hex_digest, ImagePlan, Plan};
 use unpack::{unpack_layer, HashingReader, Unpacked};
 
+/// Images under this repository are sandbox snapshots, made and removed through the snapshot API;
+/// `prune` leaves them alone.
+pub const SNAPSHOT_REPOSITORY: &str = "warren-snapshot/";
+
 /// The store's id for the built-in `host` image (it has no content to hash).
 pub const HOST_IMAGE_ID: &str = "host";
 const MAX_HOLDER_LEN: usize = 128;
@@ -117,6 +121,12 @@ struct Names {
 struct Lease {
     image: String,
     layers: Vec<String>,
+    /// The image's id and config at lease time, so a snapshot of the sandbox can be made even after
+    /// its image was removed or retagged (absent in leases written before snapshots existed).
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    config: Option<ImageConfig>,
 }
 
 /// A layer of an import or pull in progress: unpacked into staging, or already in the store.
@@ -333,7 +343,13 @@ impl ImageStore {
     /// image only. The `host` image has nothing to hold.
     pub fn lease(&self, holder: &str, image: &ResolvedImage) -> Result<(), ImageError> {
         validate_holder(holder)?;
-        let ResolvedImage::Layers { name, layers, .. } = image else {
+        let ResolvedImage::Layers {
+            name,
+            layers,
+            id,
+            config,
+        } = image
+        else {
             return Ok(());
         };
         let layers_dir = self.layers_dir();
@@ -366,8 +382,33 @@ impl ImageStore {
             &Lease {
                 image: name.clone(),
                 layers: digests,
+                id: id.clone(),
+                config: Some(config.clone()),
             },
         )
+    }
+
+    /// The image `holder` leased, as it was when leased (`None` without a lease or for `host`).
+    pub fn leased(&self, holder: &str) -> Result<Option<ResolvedImage>, ImageError> {
+        validate_holder(holder)?;
+        let _lock = self.lock(false)?;
+        let Some(lease) = read_json::<Lease>(&self.lease_path(holder))? else {
+            return Ok(None);
+        };
+        let Some(config) = lease.config else {
+            return Ok(None);
+        };
+        let layers = lease
+            .layers
+            .iter()
+            .filter_map(|d| hex_digest(d).map(|h| self.layers_dir().join(h)))
+            .collect();
+        Ok(Some(ResolvedImage::Layers {
+            name: lease.image,
+            id: lease.id,
+            layers,
+            config,
+        }))
     }
 
     /// Drops `holder`'s lease (if any) and collects what it alone kept alive.
@@ -447,7 +488,58 @@ impl ImageStore {
         )
     }
 
-    /// Removes every named image no sandbox holds a lease on (all of them with `dry_run` false),
+    /// Names `name` an image of `base`'s layers plus the overlayfs upper directory `upper` as a new
+    /// top layer (whiteouts and opaque directories kept), with `base`'s config: the file system of a
+    /// sandbox made from `base`, whose upper that is. The caller keeps `upper` still meanwhile
+    /// (a frozen sandbox). `base`'s layers must be in the store (the sandbox's lease keeps them).
+    pub fn commit_snapshot(
+        &self,
+        name: &str,
+        base: &ResolvedImage,
+        upper: &Path,
+    ) -> Result<ImageRecord, ImageError> {
+        let ResolvedImage::Layers {
+            layers: base_layers,
+            config,
+            ..
+        } = base
+        else {
+            return Err(ImageError::source(
+                upper,
+                "a sandbox of the built-in host image has no layers to snapshot",
+            ));
+        };
+        let reference = Reference::parse(name)?;
+        let name = reference.to_string();
+        let staging = self.staging()?;
+        let dest = make_stage_dir(staging.dir.path(), 0)?;
+        let top = staged(dirtar::unpack_upper(upper, &dest)?, dest)?;
+        let mut layers = Vec::with_capacity(base_layers.len() + 1);
+        for path in base_layers {
+            let hex = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|h| hex_digest(&format!("sha256:{h}")).is_some())
+                .ok_or_else(|| ImageError::source(path, "not a layer of this store"))?;
+            let layer = self
+                .existing_layer(&format!("sha256:{hex}"))
+                .ok_or_else(|| ImageError::source(path, "base layer missing from the store"))?;
+            layers.push(layer);
+        }
+        let doc = serde_json::json!({
+            "layers": layers.iter().map(|l| format!("sha256:{}", l.hex)).chain([format!("sha256:{}", top.hex)]).collect::<Vec<_>>(),
+            "config": config,
+        });
+        let id = format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(doc.to_string().as_bytes()))
+        );
+        layers.push(top);
+        self.commit(&name, id, config.clone(), None, &layers)?
+            .ok_or_else(|| ImageError::source(upper, "base layers vanished during the snapshot"))
+    }
+
+    /// Removes every named image no sandbox holds a lease on (snapshots excepted),
     /// and staging left by dead processes. Returns the names removed and the bytes their layers took
     /// (layers another image still uses are not counted).
     pub fn prune(&self, dry_run: bool) -> Result<Pruned, ImageError> {
@@ -473,7 +565,7 @@ impl ImageStore {
                 let Some(meta) = self.read_image(id)? else {
                     continue;
                 };
-                if in_use.contains(name) {
+                if in_use.contains(name) || name.starts_with(SNAPSHOT_REPOSITORY) {
                     kept_layers.extend(meta.layers);
                 } else {
                     removed.push(name.clone());

@@ -667,6 +667,15 @@ impl Runtime for NativeRuntime {
             .is_some_and(|o| o.kind == oci::OciKind::Runsc)
     }
 
+    fn upper_dir(&self, id: &str) -> Option<PathBuf> {
+        // gVisor keeps the sandbox's writes in its own overlay, not in ours.
+        let ours = match &self.inner.oci {
+            None => true,
+            Some(o) => !matches!(o.kind, oci::OciKind::Runsc),
+        };
+        ours.then(|| self.sandbox_dir(id).join("upper"))
+    }
+
     fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
         if !self.supports_network() {
             return None;

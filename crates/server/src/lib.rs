@@ -10,6 +10,7 @@ mod proxy;
 mod routes;
 mod sandbox_files;
 pub mod sandboxes;
+mod snapshots;
 mod validate;
 pub mod volumes;
 
@@ -42,6 +43,7 @@ pub struct AppState {
     pub storage: Arc<volumes::StoragePolicy>,
     pub api_key: Option<Arc<str>>,
     pub sandboxes: Sandboxes,
+    pub snapshots: snapshots::Snapshots,
     pub local_addr: SocketAddr,
 }
 
@@ -64,6 +66,12 @@ pub fn router(state: AppState) -> Router {
                 .delete(routes::network_policy),
         )
         .route("/metrics/events", post(routes::metrics_event))
+        .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
+        .route("/snapshots", get(routes::list_snapshots))
+        .route(
+            "/snapshots/{id}",
+            get(routes::get_snapshot).delete(routes::delete_snapshot),
+        )
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
     // The proxy streams bodies of any size (file uploads), so it has no body limit.
     let proxy = Router::new()
@@ -148,6 +156,8 @@ impl Server {
             (config.images.pull == config::PullPolicy::Missing).then(|| config.registries.clone()),
         );
         sandboxes.recover().await.context("recovering sandboxes")?;
+        let snapshots = snapshots::Snapshots::open(&config.data_dir, sandboxes.clone())
+            .context("opening the snapshot records")?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
@@ -159,6 +169,7 @@ impl Server {
             config: Arc::new(config),
             api_key,
             sandboxes,
+            snapshots,
             local_addr,
         };
         Ok(Self {

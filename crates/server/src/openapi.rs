@@ -31,7 +31,11 @@ use crate::routes;
         routes::renew,
         routes::patch_metadata,
         routes::endpoint,
-        routes::metrics_event
+        routes::metrics_event,
+        routes::create_snapshot,
+        routes::list_snapshots,
+        routes::get_snapshot,
+        routes::delete_snapshot
     ),
     components(schemas(
         CreateSandboxRequest,
@@ -48,7 +52,11 @@ use crate::routes;
         Endpoint,
         MetricsEvent,
         Health,
-        ErrorBody
+        ErrorBody,
+        warren_api::lifecycle::CreateSnapshotRequest,
+        warren_api::lifecycle::Snapshot,
+        warren_api::lifecycle::SnapshotStatus,
+        warren_api::lifecycle::ListSnapshotsResponse
     ))
 )]
 pub struct ApiDoc;

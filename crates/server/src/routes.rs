@@ -38,10 +38,11 @@ pub fn to_wire(r: &SandboxRecord) -> Sandbox {
         },
         created_at: rfc3339(r.created_at),
         entrypoint: r.entrypoint.clone(),
-        image: Some(ImageSpec {
+        image: r.snapshot_id.is_none().then(|| ImageSpec {
             uri: r.image.clone(),
             auth: None,
         }),
+        snapshot_id: r.snapshot_id.clone(),
         expires_at: r.expires_at.map(rfc3339),
         metadata: r.metadata.clone(),
         platform: None,
@@ -63,15 +64,19 @@ pub async fn create(
     State(app): State<AppState>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<Response, ApiError> {
-    let plan = create_plan(
+    let mut plan = create_plan(
         req,
         &app.config.limits,
         app.config.max_timeout_seconds,
         &app.storage,
     )?;
+    if let Some(snapshot) = &plan.snapshot_id {
+        plan.image = app.snapshots.image_for_restore(snapshot)?;
+    }
     let rec = app.sandboxes.create(plan).await?;
     let mut body = to_wire(&rec);
     body.image = None;
+    body.snapshot_id = None;
     let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
     if let Ok(loc) = HeaderValue::from_str(&format!("/v1/sandboxes/{}", rec.id)) {
         resp.headers_mut().insert(http::header::LOCATION, loc);
@@ -341,4 +346,114 @@ pub async fn metrics_event(ApiJson(ev): ApiJson<MetricsEvent>) -> StatusCode {
 
 pub async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, ErrorCode::Unknown, "no such route")
+}
+
+// ---- snapshots ----
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshots", tag = "snapshots", params(("id" = String, Path)),
+    request_body = Option<warren_api::lifecycle::CreateSnapshotRequest>,
+    responses((status = 202, description = "capture started (state Creating)", body = warren_api::lifecycle::Snapshot),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create_snapshot(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    // The body is optional: an empty one means no name.
+    let req: warren_api::lifecycle::CreateSnapshotRequest =
+        if body.iter().all(u8::is_ascii_whitespace) {
+            Default::default()
+        } else {
+            serde_json::from_slice(&body).map_err(|e| {
+                ApiError::bad_request(ErrorCode::InvalidRequestBody, format!("invalid body: {e}"))
+            })?
+        };
+    let rec = app.snapshots.create(&id, req.name).await?;
+    Ok((StatusCode::ACCEPTED, Json(rec.to_wire())).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots",
+    params(("sandboxId" = Option<String>, Query), ("name" = Option<String>, Query),
+        ("state" = Option<String>, Query), ("page" = Option<u32>, Query), ("pageSize" = Option<u32>, Query)),
+    responses((status = 200, body = warren_api::lifecycle::ListSnapshotsResponse), (status = 400, body = ErrorBody)))]
+pub async fn list_snapshots(
+    State(app): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<warren_api::lifecycle::ListSnapshotsResponse>, ApiError> {
+    let mut sandbox = None;
+    let mut name = None;
+    let mut states: Vec<String> = Vec::new();
+    let mut page: u32 = 1;
+    let mut page_size: u32 = 20;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match k.as_ref() {
+            "sandboxId" | "sandbox_id" => sandbox = Some(v.into_owned()),
+            "name" => name = Some(v.into_owned()),
+            "state" => states.extend(v.split(',').filter(|s| !s.is_empty()).map(str::to_owned)),
+            "page" => {
+                page = v
+                    .parse()
+                    .ok()
+                    .filter(|p| *p >= 1)
+                    .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?
+            }
+            "pageSize" | "page_size" => {
+                page_size = v
+                    .parse()
+                    .ok()
+                    .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
+                    .ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
+                        ))
+                    })?
+            }
+            _ => {}
+        }
+    }
+    let matching: Vec<_> = app
+        .snapshots
+        .all()
+        .into_iter()
+        .filter(|s| sandbox.as_ref().is_none_or(|id| &s.sandbox_id == id))
+        .filter(|s| name.is_none() || s.name == name)
+        .filter(|s| states.is_empty() || states.iter().any(|st| st.eq_ignore_ascii_case(&s.state)))
+        .collect();
+    let total = matching.len() as u64;
+    let total_pages = total.div_ceil(page_size as u64) as u32;
+    let items = matching
+        .iter()
+        .skip(((page - 1) as usize) * page_size as usize)
+        .take(page_size as usize)
+        .map(|s| s.to_wire())
+        .collect();
+    Ok(Json(warren_api::lifecycle::ListSnapshotsResponse {
+        items,
+        pagination: Pagination {
+            page,
+            page_size,
+            total_items: total,
+            total_pages,
+            has_next_page: page < total_pages,
+        },
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path)),
+    responses((status = 200, body = warren_api::lifecycle::Snapshot), (status = 404, body = ErrorBody)))]
+pub async fn get_snapshot(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<warren_api::lifecycle::Snapshot>, ApiError> {
+    Ok(Json(app.snapshots.lookup(&id)?.to_wire()))
+}
+
+#[utoipa::path(delete, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path)),
+    responses((status = 204, description = "deleted"), (status = 404, body = ErrorBody)))]
+pub async fn delete_snapshot(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    app.snapshots.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }

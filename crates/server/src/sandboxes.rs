@@ -93,6 +93,10 @@ impl Sandboxes {
             .cloned()
     }
 
+    pub fn images(&self) -> &Arc<ImageStore> {
+        &self.inner.images
+    }
+
     pub fn get(&self, id: &str) -> Option<SandboxRecord> {
         self.entry(id).map(|e| lock(&e.record).clone())
     }
@@ -226,6 +230,7 @@ impl Sandboxes {
         let record = SandboxRecord {
             id: id.clone(),
             image: plan.image.clone(),
+            snapshot_id: plan.snapshot_id.clone(),
             entrypoint: entrypoint.clone(),
             env: plan.env.clone(),
             metadata: plan.metadata,
@@ -609,6 +614,72 @@ impl Sandboxes {
                 Err(ApiError::from_runtime(context, e))
             }
         }
+    }
+
+    /// Captures the file system of sandbox `id` as the store image `image_name`: its image's
+    /// layers plus its writable layer. A running sandbox is frozen for the copy (its processes stop
+    /// for that long and continue after, memory intact), a paused one stays paused.
+    pub async fn capture(
+        &self,
+        id: &str,
+        image_name: &str,
+    ) -> Result<warren_image::ImageRecord, ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+            return Err(ApiError::conflict(
+                ErrorCode::SnapshotInvalidSourceState,
+                format!(
+                    "sandbox {id} is {}; snapshots are taken of Running or Paused sandboxes",
+                    rec.state.as_str()
+                ),
+            ));
+        }
+        let unsupported = || {
+            ApiError::new(
+                http::StatusCode::BAD_REQUEST,
+                ErrorCode::ApiNotSupported,
+                format!(
+                    "snapshots: the {} runtime keeps no writable layer Warren can copy (the native runtime, embedded or runc, can)",
+                    self.inner.runtime.name()
+                ),
+            )
+        };
+        let upper = self.inner.runtime.upper_dir(id).ok_or_else(unsupported)?;
+        let images = self.inner.images.clone();
+        let holder = id.to_owned();
+        let base = tokio::task::spawn_blocking(move || images.leased(&holder))
+            .await
+            .map_err(|e| ApiError::internal("reading the sandbox's image", &e))?
+            .map_err(|e| ApiError::internal("reading the sandbox's image", &e))?
+            .ok_or_else(|| {
+                ApiError::new(
+                    http::StatusCode::BAD_REQUEST,
+                    ErrorCode::ApiNotSupported,
+                    format!("sandbox {id} runs the built-in host image (or one from before snapshots existed): nothing to snapshot"),
+                )
+            })?;
+        let freeze = rec.state == SandboxState::Running;
+        if freeze {
+            self.inner
+                .runtime
+                .pause(id, &rec.runtime_state)
+                .await
+                .map_err(|e| ApiError::from_runtime("freezing the sandbox for its snapshot", e))?;
+        }
+        let images = self.inner.images.clone();
+        let name = image_name.to_owned();
+        let captured =
+            tokio::task::spawn_blocking(move || images.commit_snapshot(&name, &base, &upper)).await;
+        if freeze {
+            if let Err(e) = self.inner.runtime.resume(id, &rec.runtime_state).await {
+                tracing::error!(sandbox = id, "thawing after a snapshot failed: {e}");
+            }
+        }
+        captured
+            .map_err(|e| ApiError::internal("capturing the file system", &e))?
+            .map_err(|e| ApiError::internal("capturing the file system", &e))
     }
 
     pub async fn renew(

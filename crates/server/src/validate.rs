@@ -18,7 +18,10 @@ const MAX_ENTRYPOINT_ARGS: usize = 4096;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreatePlan {
+    /// The image name; for a restore (`snapshot_id`), filled in from the snapshot by the route.
     pub image: String,
+    /// `snapshotId`: restore the file system of that snapshot.
+    pub snapshot_id: Option<String>,
     /// Registry credentials for a runtime that pulls (Docker); refused by the image store.
     pub image_auth: Option<warren_api::lifecycle::ImageAuth>,
     pub volumes: Vec<warren_core::VolumeMount>,
@@ -41,11 +44,6 @@ pub fn create_plan(
     max_timeout: Option<i64>,
     storage: &StoragePolicy,
 ) -> Result<CreatePlan, ApiError> {
-    if req.snapshot_id.is_some() {
-        return Err(unsupported(
-            "snapshotId (snapshots are not implemented yet)",
-        ));
-    }
     if req.template_id.is_some() {
         return Err(unsupported("templateId (templates are not implemented)"));
     }
@@ -87,14 +85,33 @@ pub fn create_plan(
             )));
         }
     }
-    let image = req
-        .image
-        .ok_or_else(|| ApiError::invalid("image is required"))?;
-    let uri = image.uri.trim().to_string();
-    if uri.is_empty() || uri.len() > 255 {
-        return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
-    }
-    let entrypoint = req.entrypoint;
+    let (uri, image_auth, snapshot_id) = match (req.image, req.snapshot_id) {
+        (Some(image), None) => {
+            let uri = image.uri.trim().to_string();
+            if uri.is_empty() || uri.len() > 255 {
+                return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
+            }
+            (uri, image.auth, None)
+        }
+        (None, Some(snapshot)) => {
+            if snapshot.is_empty() || snapshot.len() > 128 {
+                return Err(ApiError::invalid("snapshotId must be 1 to 128 characters"));
+            }
+            (String::new(), None, Some(snapshot))
+        }
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "give either image or snapshotId, not both",
+            ))
+        }
+        (None, None) => return Err(ApiError::invalid("image (or snapshotId) is required")),
+    };
+    // A restore keeps the sandbox up by default (as the reference does), whatever the image says.
+    let entrypoint = req.entrypoint.or_else(|| {
+        snapshot_id
+            .is_some()
+            .then(|| vec!["tail".into(), "-f".into(), "/dev/null".into()])
+    });
     if let Some(entrypoint) = &entrypoint {
         if entrypoint.is_empty() || entrypoint[0].is_empty() {
             return Err(ApiError::invalid(
@@ -134,7 +151,8 @@ pub fn create_plan(
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
     Ok(CreatePlan {
         image: uri,
-        image_auth: image.auth,
+        snapshot_id,
+        image_auth,
         volumes,
         entrypoint,
         timeout_seconds: req.timeout,

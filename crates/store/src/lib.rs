@@ -24,6 +24,9 @@ use warren_core::{ResourceLimits, RuntimeState};
 pub struct SandboxRecord {
     pub id: String,
     pub image: String,
+    /// The snapshot it was restored from (`image` is then the snapshot's image in the store).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
     pub entrypoint: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -174,6 +177,7 @@ mod tests {
         SandboxRecord {
             id: id.into(),
             image: "host".into(),
+            snapshot_id: None,
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             env: BTreeMap::new(),
             metadata: [("team".to_string(), "a".to_string())]

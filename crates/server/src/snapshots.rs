@@ -1,0 +1,290 @@
+//! Snapshots: the file system of a running sandbox captured as an image in the store (its image's
+//! layers plus its writable layer, under `warren-snapshot/<id>`), restored by creates with
+//! `snapshotId`. Every sandbox restored from one snapshot shares all of its layers, so N of them
+//! (a fork) cost N overlay mounts, not N copies.
+//!
+//! Records are JSON files under `<data_dir>/snapshots`, replaced atomically; a capture that a
+//! server restart interrupted is marked Failed at the next start.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use warren_api::lifecycle::{Snapshot, SnapshotStatus};
+use warren_api::ErrorCode;
+use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
+
+use crate::error::ApiError;
+use crate::routes::rfc3339;
+use crate::sandboxes::Sandboxes;
+
+pub const CREATING: &str = "Creating";
+pub const READY: &str = "Ready";
+pub const FAILED: &str = "Failed";
+const MAX_NAME_LEN: usize = 253;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub sandbox_id: String,
+    pub name: Option<String>,
+    pub state: String,
+    pub reason: Option<String>,
+    pub message: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub last_transition_at: DateTime<Utc>,
+    /// The store image holding the captured file system.
+    pub image: String,
+}
+
+impl SnapshotRecord {
+    pub fn to_wire(&self) -> Snapshot {
+        Snapshot {
+            id: self.id.clone(),
+            sandbox_id: self.sandbox_id.clone(),
+            name: self.name.clone(),
+            status: SnapshotStatus {
+                state: self.state.clone(),
+                reason: self.reason.clone(),
+                message: self.message.clone(),
+                last_transition_at: Some(rfc3339(self.last_transition_at)),
+            },
+            created_at: rfc3339(self.created_at),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Snapshots {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    records: RwLock<HashMap<String, SnapshotRecord>>,
+    images: Arc<ImageStore>,
+    sandboxes: Sandboxes,
+}
+
+impl Snapshots {
+    /// Loads the records under `<data_dir>/snapshots`; captures a previous run left half done are
+    /// marked Failed and their partial images removed.
+    pub fn open(data_dir: &Path, sandboxes: Sandboxes) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let dir = data_dir.join("snapshots");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut records = HashMap::new();
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let text = std::fs::read(&path)?;
+            let Ok(mut rec) = serde_json::from_slice::<SnapshotRecord>(&text) else {
+                tracing::warn!(path = %path.display(), "unreadable snapshot record left alone");
+                continue;
+            };
+            if rec.state == CREATING {
+                rec.state = FAILED.into();
+                rec.reason = Some("server_restart".into());
+                rec.message = Some("the server stopped while the snapshot was being taken".into());
+                rec.last_transition_at = Utc::now();
+            }
+            records.insert(rec.id.clone(), rec);
+        }
+        let snapshots = Snapshots {
+            inner: Arc::new(Inner {
+                dir,
+                records: RwLock::new(records),
+                images: sandboxes.images().clone(),
+                sandboxes,
+            }),
+        };
+        for rec in snapshots.all() {
+            if rec.state == FAILED {
+                let _ = snapshots.inner.images.remove(&rec.image);
+                snapshots.persist(&rec);
+            }
+        }
+        Ok(snapshots)
+    }
+
+    /// Starts a capture of `sandbox_id` and answers at once with the record (state Creating); the
+    /// capture itself runs in the background and ends Ready or Failed.
+    pub async fn create(
+        &self,
+        sandbox_id: &str,
+        name: Option<String>,
+    ) -> Result<SnapshotRecord, ApiError> {
+        if let Some(n) = &name {
+            if n.is_empty() || n.len() > MAX_NAME_LEN || n.chars().any(char::is_control) {
+                return Err(ApiError::invalid(format!(
+                    "snapshot name must be 1 to {MAX_NAME_LEN} printable characters"
+                )));
+            }
+        }
+        // Refuse early what the capture would refuse (unknown sandbox, wrong state).
+        let source = self
+            .inner
+            .sandboxes
+            .get(sandbox_id)
+            .ok_or_else(|| ApiError::not_found(sandbox_id))?;
+        if !matches!(
+            source.state,
+            warren_api::lifecycle::SandboxState::Running
+                | warren_api::lifecycle::SandboxState::Paused
+        ) {
+            return Err(ApiError::conflict(
+                ErrorCode::SnapshotInvalidSourceState,
+                format!(
+                    "sandbox {sandbox_id} is {}; snapshots are taken of Running or Paused sandboxes",
+                    source.state.as_str()
+                ),
+            ));
+        }
+        let id = uuid::Uuid::new_v4().to_string();
+        let now = Utc::now();
+        let rec = SnapshotRecord {
+            image: format!("{SNAPSHOT_REPOSITORY}{id}"),
+            id,
+            sandbox_id: sandbox_id.to_owned(),
+            name,
+            state: CREATING.into(),
+            reason: None,
+            message: None,
+            created_at: now,
+            last_transition_at: now,
+        };
+        self.put(rec.clone());
+        let me = self.clone();
+        let capture = rec.clone();
+        tokio::spawn(async move {
+            let outcome = me
+                .inner
+                .sandboxes
+                .capture(&capture.sandbox_id, &capture.image)
+                .await;
+            let mut done = capture.clone();
+            done.last_transition_at = Utc::now();
+            match outcome {
+                Ok(_) => done.state = READY.into(),
+                Err(e) => {
+                    done.state = FAILED.into();
+                    done.reason = Some("capture_failed".into());
+                    done.message = Some(e.message);
+                }
+            }
+            // Deleted while it was being taken: drop what the capture made.
+            if me.get(&done.id).is_none() {
+                let images = me.inner.images.clone();
+                let image = done.image.clone();
+                let _ = tokio::task::spawn_blocking(move || images.remove(&image)).await;
+                return;
+            }
+            me.put(done);
+        });
+        Ok(rec)
+    }
+
+    pub fn get(&self, id: &str) -> Option<SnapshotRecord> {
+        self.inner
+            .records
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    pub fn lookup(&self, id: &str) -> Result<SnapshotRecord, ApiError> {
+        self.get(id).ok_or_else(|| {
+            ApiError::new(
+                http::StatusCode::NOT_FOUND,
+                ErrorCode::SnapshotNotFound,
+                format!("snapshot {id} not found"),
+            )
+        })
+    }
+
+    /// Every record, oldest first.
+    pub fn all(&self) -> Vec<SnapshotRecord> {
+        let mut all: Vec<SnapshotRecord> = self
+            .inner
+            .records
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        all
+    }
+
+    /// The store image a create with `snapshotId` runs; the snapshot must be Ready.
+    pub fn image_for_restore(&self, id: &str) -> Result<String, ApiError> {
+        let rec = self.lookup(id)?;
+        if rec.state != READY {
+            return Err(ApiError::conflict(
+                ErrorCode::SnapshotInvalidState,
+                format!("snapshot {id} is {}, not Ready", rec.state),
+            ));
+        }
+        Ok(rec.image)
+    }
+
+    /// Deletes the record and the image name; sandboxes restored from it keep their layers (their
+    /// leases) until they are gone. A capture in progress ends as if it never happened.
+    pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
+        let rec = self.lookup(id)?;
+        self.inner
+            .records
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        let path = self.path(id);
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(ApiError::internal("removing the snapshot record", &e));
+            }
+        }
+        if rec.state != CREATING {
+            let images = self.inner.images.clone();
+            let removed = tokio::task::spawn_blocking(move || images.remove(&rec.image))
+                .await
+                .map_err(|e| ApiError::internal("removing the snapshot image", &e))?;
+            match removed {
+                Ok(()) | Err(warren_image::ImageError::NotFound { .. }) => {}
+                Err(e) => return Err(ApiError::internal("removing the snapshot image", &e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn put(&self, rec: SnapshotRecord) {
+        self.persist(&rec);
+        self.inner
+            .records
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(rec.id.clone(), rec);
+    }
+
+    fn persist(&self, rec: &SnapshotRecord) {
+        let path = self.path(&rec.id);
+        let write = || -> std::io::Result<()> {
+            let tmp = path.with_extension("json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(rec)?)?;
+            std::fs::rename(&tmp, &path)
+        };
+        if let Err(e) = write() {
+            tracing::error!(snapshot = %rec.id, "persisting the snapshot record failed: {e}");
+        }
+    }
+
+    fn path(&self, id: &str) -> PathBuf {
+        self.inner.dir.join(format!("{id}.json"))
+    }
+}
