@@ -330,3 +330,56 @@ pub struct ListSnapshotsResponse {
     pub items: Vec<Snapshot>,
     pub pagination: Pagination,
 }
+
+/// A warm pool's sizes (the reference's Pool CRD `capacitySpec`): `bufferMin..=bufferMax` warm
+/// sandboxes kept ready, `poolMax` sandboxes at most in all (warm + allocated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct CapacitySpec {
+    pub buffer_max: u32,
+    pub buffer_min: u32,
+    pub pool_max: u32,
+    pub pool_min: u32,
+}
+
+/// `POST /pools`, `PUT /pools/{name}` body, and the `[[pools]]` entries of Warren's config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSpec {
+    pub name: String,
+    /// What every sandbox of the pool is: a create request (image, entrypoint, env, resourceLimits).
+    pub template: CreateSandboxRequest,
+    pub capacity_spec: CapacitySpec,
+    /// How long a create waits for a warm sandbox when the pool is empty before answering 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_seconds: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PoolStatus {
+    /// Warm and allocated sandboxes, plus those being made.
+    pub total: u32,
+    pub allocated: u32,
+    /// Warm, ready to hand out.
+    pub available: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Pool {
+    #[serde(flatten)]
+    pub spec: PoolSpec,
+    pub status: PoolStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ListPoolsResponse {
+    pub items: Vec<Pool>,
+}

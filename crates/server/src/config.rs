@@ -45,6 +45,9 @@ pub struct FileConfig {
     /// `[registries."<host>"]`: mirrors, plain HTTP, extra CA, credentials per registry.
     #[serde(default)]
     pub registries: warren_registry::RegistriesConfig,
+    /// `[[pools]]`: warm pools (name, template, capacitySpec, maxWaitSeconds), as `POST /v1/pools`.
+    #[serde(default)]
+    pub pools: Vec<warren_api::lifecycle::PoolSpec>,
 }
 
 /// `[images]`: the native runtime's image store.
@@ -217,6 +220,7 @@ pub struct ServerConfig {
     pub network: NetworkSection,
     pub images: ImagesSection,
     pub registries: warren_registry::RegistriesConfig,
+    pub pools: Vec<warren_api::lifecycle::PoolSpec>,
     pub config_file: Option<PathBuf>,
 }
 
@@ -310,6 +314,7 @@ impl ServerConfig {
             network: file.network.clone(),
             images: file.images.clone(),
             registries: file.registries.clone(),
+            pools: file.pools.clone(),
             config_file,
         })
     }

@@ -88,14 +88,23 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
+        let retry = self.status == StatusCode::TOO_MANY_REQUESTS;
+        let mut resp = (
             self.status,
             Json(ErrorBody {
                 code: self.code,
                 message: self.message,
             }),
         )
-            .into_response()
+            .into_response();
+        if retry {
+            // A pool refills in well under a second per sandbox.
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        resp
     }
 }
 

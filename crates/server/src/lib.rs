@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod network;
 mod openapi;
+mod pools;
 mod proxy;
 mod routes;
 mod sandbox_files;
@@ -44,6 +45,7 @@ pub struct AppState {
     pub api_key: Option<Arc<str>>,
     pub sandboxes: Sandboxes,
     pub snapshots: snapshots::Snapshots,
+    pub pools: pools::Pools,
     pub local_addr: SocketAddr,
 }
 
@@ -68,6 +70,13 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics/events", post(routes::metrics_event))
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/snapshots", get(routes::list_snapshots))
+        .route("/pools", post(routes::create_pool).get(routes::list_pools))
+        .route(
+            "/pools/{name}",
+            get(routes::get_pool)
+                .put(routes::replace_pool)
+                .delete(routes::delete_pool),
+        )
         .route(
             "/snapshots/{id}",
             get(routes::get_snapshot).delete(routes::delete_snapshot),
@@ -164,12 +173,24 @@ impl Server {
         let local_addr = listener.local_addr()?;
         let reaper = sandboxes.spawn_reaper();
         let storage = Arc::new(storage_policy(&config)?);
+        let pools = pools::Pools::new(
+            sandboxes.clone(),
+            config.limits.clone(),
+            config.max_timeout_seconds,
+            storage.clone(),
+            &config.data_dir,
+        );
+        pools
+            .start(&config.pools)
+            .await
+            .context("starting the pools")?;
         let state = AppState {
             storage,
             config: Arc::new(config),
             api_key,
             sandboxes,
             snapshots,
+            pools,
             local_addr,
         };
         Ok(Self {

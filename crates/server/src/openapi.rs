@@ -35,7 +35,12 @@ use crate::routes;
         routes::create_snapshot,
         routes::list_snapshots,
         routes::get_snapshot,
-        routes::delete_snapshot
+        routes::delete_snapshot,
+        routes::create_pool,
+        routes::list_pools,
+        routes::get_pool,
+        routes::replace_pool,
+        routes::delete_pool
     ),
     components(schemas(
         CreateSandboxRequest,
@@ -56,7 +61,12 @@ use crate::routes;
         warren_api::lifecycle::CreateSnapshotRequest,
         warren_api::lifecycle::Snapshot,
         warren_api::lifecycle::SnapshotStatus,
-        warren_api::lifecycle::ListSnapshotsResponse
+        warren_api::lifecycle::ListSnapshotsResponse,
+        warren_api::lifecycle::CapacitySpec,
+        warren_api::lifecycle::PoolSpec,
+        warren_api::lifecycle::PoolStatus,
+        warren_api::lifecycle::Pool,
+        warren_api::lifecycle::ListPoolsResponse
     ))
 )]
 pub struct ApiDoc;

@@ -73,7 +73,10 @@ pub async fn create(
     if let Some(snapshot) = &plan.snapshot_id {
         plan.image = app.snapshots.image_for_restore(snapshot)?;
     }
-    let rec = app.sandboxes.create(plan).await?;
+    let rec = match app.pools.route(&plan)? {
+        Some(pool) => app.pools.claim(&pool, &plan).await?,
+        None => app.sandboxes.create(plan).await?,
+    };
     let mut body = to_wire(&rec);
     body.image = None;
     body.snapshot_id = None;
@@ -92,6 +95,7 @@ pub async fn get(
 ) -> Result<Json<Sandbox>, ApiError> {
     app.sandboxes
         .get(&id)
+        .filter(|r| r.warm_pool.is_none())
         .map(|r| Json(to_wire(&r)))
         .ok_or_else(|| ApiError::not_found(&id))
 }
@@ -147,6 +151,7 @@ pub async fn list(
         .sandboxes
         .all()
         .into_iter()
+        .filter(|r| r.warm_pool.is_none())
         .filter(|r| states.is_empty() || states.contains(&r.state))
         .filter(|r| metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
         .collect();
@@ -455,5 +460,57 @@ pub async fn delete_snapshot(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     app.snapshots.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- pools ----
+
+#[utoipa::path(post, path = "/v1/pools", tag = "pools", request_body = warren_api::lifecycle::PoolSpec,
+    responses((status = 201, body = warren_api::lifecycle::Pool), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn create_pool(
+    State(app): State<AppState>,
+    ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
+) -> Result<Response, ApiError> {
+    let pool = app.pools.create(spec)?;
+    Ok((StatusCode::CREATED, Json(pool)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/pools", tag = "pools",
+    responses((status = 200, body = warren_api::lifecycle::ListPoolsResponse)))]
+pub async fn list_pools(
+    State(app): State<AppState>,
+) -> Json<warren_api::lifecycle::ListPoolsResponse> {
+    Json(warren_api::lifecycle::ListPoolsResponse {
+        items: app.pools.list(),
+    })
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    responses((status = 200, body = warren_api::lifecycle::Pool), (status = 404, body = ErrorBody)))]
+pub async fn get_pool(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
+    app.pools.get(&name).map(Json)
+}
+
+#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    request_body = warren_api::lifecycle::PoolSpec,
+    responses((status = 200, body = warren_api::lifecycle::Pool), (status = 404, body = ErrorBody)))]
+pub async fn replace_pool(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
+) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
+    app.pools.replace(&name, spec).await.map(Json)
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
+    responses((status = 204, description = "deleted, with its warm sandboxes"), (status = 404, body = ErrorBody)))]
+pub async fn delete_pool(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    app.pools.delete(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -2,7 +2,7 @@
 //! sandbox's operation lock, moves the state machine, persists the record, and drives the runtime.
 //! Background tasks watch for sandboxes whose processes end on their own and for expiry.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::Duration;
 
@@ -231,6 +231,8 @@ impl Sandboxes {
             id: id.clone(),
             image: plan.image.clone(),
             snapshot_id: plan.snapshot_id.clone(),
+            warm_pool: plan.warm_pool.clone(),
+            pool_ref: None,
             entrypoint: entrypoint.clone(),
             env: plan.env.clone(),
             metadata: plan.metadata,
@@ -614,6 +616,33 @@ impl Sandboxes {
                 Err(ApiError::from_runtime(context, e))
             }
         }
+    }
+
+    /// Hands warm sandbox `id` of `pool` to a client: it becomes visible, with the client's
+    /// metadata, extensions and expiry. `None` if it is no longer a usable warm sandbox (it died, or
+    /// someone else took it).
+    pub async fn claim(
+        &self,
+        id: &str,
+        pool: &str,
+        metadata: BTreeMap<String, String>,
+        extensions: BTreeMap<String, String>,
+        timeout_seconds: Option<i64>,
+    ) -> Option<SandboxRecord> {
+        let entry = self.entry(id)?;
+        let _op = entry.op.lock().await;
+        let rec = lock(&entry.record).clone();
+        if rec.state != SandboxState::Running || rec.warm_pool.as_deref() != Some(pool) {
+            return None;
+        }
+        let now = Utc::now();
+        Some(self.update(&entry, |r| {
+            r.warm_pool = None;
+            r.pool_ref = Some(pool.to_owned());
+            r.metadata = metadata;
+            r.extensions = extensions;
+            r.expires_at = timeout_seconds.map(|t| now + chrono::Duration::seconds(t));
+        }))
     }
 
     /// Captures the file system of sandbox `id` as the store image `image_name`: its image's

@@ -22,6 +22,8 @@ pub struct CreatePlan {
     pub image: String,
     /// `snapshotId`: restore the file system of that snapshot.
     pub snapshot_id: Option<String>,
+    /// Set by the pool manager: a warm sandbox of this pool (hidden until claimed).
+    pub warm_pool: Option<String>,
     /// Registry credentials for a runtime that pulls (Docker); refused by the image store.
     pub image_auth: Option<warren_api::lifecycle::ImageAuth>,
     pub volumes: Vec<warren_core::VolumeMount>,
@@ -152,6 +154,7 @@ pub fn create_plan(
     Ok(CreatePlan {
         image: uri,
         snapshot_id,
+        warm_pool: None,
         image_auth,
         volumes,
         entrypoint,

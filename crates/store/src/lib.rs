@@ -27,6 +27,12 @@ pub struct SandboxRecord {
     /// The snapshot it was restored from (`image` is then the snapshot's image in the store).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_id: Option<String>,
+    /// A warm sandbox of this pool, not yet handed to anyone (not listed, never expires).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_pool: Option<String>,
+    /// The pool it was allocated from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_ref: Option<String>,
     pub entrypoint: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -178,6 +184,8 @@ mod tests {
             id: id.into(),
             image: "host".into(),
             snapshot_id: None,
+            warm_pool: None,
+            pool_ref: None,
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             env: BTreeMap::new(),
             metadata: [("team".to_string(), "a".to_string())]

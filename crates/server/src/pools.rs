@@ -1,0 +1,494 @@
+//! Warm pools: sandboxes made ahead of time from a template and handed out by creates that name
+//! the pool (`extensions.poolRef`) or ask for exactly the template. A claim pops a warm sandbox
+//! and relabels it (O(1), no process work); a task per pool refills in the background. When a
+//! pool is empty a create waits, first come first served, up to the pool's `maxWaitSeconds`, then
+//! answers 429 with `Retry-After` — never a silent failure.
+//!
+//! Warm sandboxes are ordinary sandboxes marked `warm_pool` in their record: not listed, no
+//! expiry. After a server restart they are adopted again when they still match their pool.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use warren_api::lifecycle::{CapacitySpec, Pool as WirePool, PoolSpec, PoolStatus, SandboxState};
+use warren_api::ErrorCode;
+use warren_store::SandboxRecord;
+
+use crate::config::LimitsSection;
+use crate::error::ApiError;
+use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
+use crate::validate::{create_plan, CreatePlan};
+use crate::volumes::StoragePolicy;
+
+/// The extension naming the pool a create wants (as in the reference's Kubernetes pool mode).
+pub const POOL_REF: &str = "poolRef";
+const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
+/// Warm sandboxes one pool makes at the same time.
+const REFILL_PARALLEL: u32 = 2;
+const MAX_NAME_LEN: usize = 63;
+
+#[derive(Clone)]
+pub struct Pools {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    sandboxes: Sandboxes,
+    limits: LimitsSection,
+    max_timeout: Option<i64>,
+    storage: Arc<StoragePolicy>,
+    /// API-made pools are kept here; pools of the config file are not (they are the file's).
+    file: PathBuf,
+    pools: Mutex<HashMap<String, Arc<Pool>>>,
+}
+
+struct Pool {
+    spec: PoolSpec,
+    /// The template as a validated create, marked as this pool's warm sandbox.
+    plan: CreatePlan,
+    from_config: bool,
+    warm: Mutex<VecDeque<String>>,
+    creating: AtomicU32,
+    /// A warm sandbox was added (wakes one waiting create).
+    available: tokio::sync::Notify,
+    /// Something changed that may call for more warm sandboxes.
+    refill: tokio::sync::Notify,
+    closed: AtomicBool,
+}
+
+impl Pools {
+    pub fn new(
+        sandboxes: Sandboxes,
+        limits: LimitsSection,
+        max_timeout: Option<i64>,
+        storage: Arc<StoragePolicy>,
+        data_dir: &std::path::Path,
+    ) -> Self {
+        Pools {
+            inner: Arc::new(Inner {
+                sandboxes,
+                limits,
+                max_timeout,
+                storage,
+                file: data_dir.join("pools.json"),
+                pools: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Starts the config's pools and those the API made in an earlier run, adopting warm sandboxes
+    /// that survived a restart and removing those no pool wants any more.
+    pub async fn start(&self, from_config: &[PoolSpec]) -> anyhow::Result<()> {
+        use anyhow::Context;
+        for spec in from_config {
+            self.add(spec.clone(), true).map_err(|e| {
+                anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
+            })?;
+        }
+        let saved: Vec<PoolSpec> = match std::fs::read(&self.inner.file) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .with_context(|| format!("parsing {}", self.inner.file.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                return Err(e).with_context(|| format!("reading {}", self.inner.file.display()))
+            }
+        };
+        for spec in saved {
+            if let Err(e) = self.add(spec.clone(), false) {
+                tracing::error!(pool = %spec.name, "saved pool not started: {}", e.message);
+            }
+        }
+        for rec in self.inner.sandboxes.all() {
+            let Some(pool_name) = rec.warm_pool.clone() else {
+                continue;
+            };
+            let pool = self.pool(&pool_name);
+            let usable = rec.state == SandboxState::Running
+                && pool.as_ref().is_some_and(|p| fits(&p.plan, &rec));
+            match pool {
+                Some(p) if usable => p
+                    .warm
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_back(rec.id),
+                _ => {
+                    let _ = self
+                        .inner
+                        .sandboxes
+                        .delete(&rec.id, REASON_USER_DELETE)
+                        .await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn pool(&self, name: &str) -> Option<Arc<Pool>> {
+        self.inner
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Validates and starts a pool (its refill task begins at once).
+    fn add(&self, spec: PoolSpec, from_config: bool) -> Result<Arc<Pool>, ApiError> {
+        validate_spec(&spec)?;
+        let mut plan = create_plan(
+            spec.template.clone(),
+            &self.inner.limits,
+            self.inner.max_timeout,
+            &self.inner.storage,
+        )
+        .map_err(|e| ApiError::invalid(format!("template: {}", e.message)))?;
+        if plan.snapshot_id.is_some() || !plan.volumes.is_empty() || plan.image_auth.is_some() {
+            return Err(ApiError::invalid(
+                "template: pools take an image without auth, and no volumes or snapshotId",
+            ));
+        }
+        plan.warm_pool = Some(spec.name.clone());
+        plan.timeout_seconds = None;
+        plan.metadata = BTreeMap::new();
+        plan.extensions = BTreeMap::new();
+        let pool = Arc::new(Pool {
+            spec,
+            plan,
+            from_config,
+            warm: Mutex::new(VecDeque::new()),
+            creating: AtomicU32::new(0),
+            available: tokio::sync::Notify::new(),
+            refill: tokio::sync::Notify::new(),
+            closed: AtomicBool::new(false),
+        });
+        {
+            let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+            if pools.contains_key(&pool.spec.name) {
+                return Err(ApiError::conflict(
+                    ErrorCode::InvalidState,
+                    format!("pool {} exists", pool.spec.name),
+                ));
+            }
+            pools.insert(pool.spec.name.clone(), pool.clone());
+        }
+        tokio::spawn(self.clone().refill_loop(pool.clone()));
+        Ok(pool)
+    }
+
+    pub fn create(&self, spec: PoolSpec) -> Result<WirePool, ApiError> {
+        let pool = self.add(spec, false)?;
+        self.save();
+        Ok(self.wire(&pool))
+    }
+
+    /// Replaces a pool's template or sizes: its warm sandboxes go and new ones are made.
+    pub async fn replace(&self, name: &str, spec: PoolSpec) -> Result<WirePool, ApiError> {
+        if spec.name != name {
+            return Err(ApiError::invalid("the body's name must be the pool's name"));
+        }
+        self.delete(name).await?;
+        self.create(spec)
+    }
+
+    pub async fn delete(&self, name: &str) -> Result<(), ApiError> {
+        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
+        if pool.from_config {
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!("pool {name} is defined in the config file; change it there"),
+            ));
+        }
+        self.inner
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        pool.closed.store(true, Ordering::SeqCst);
+        pool.refill.notify_one();
+        pool.available.notify_waiters();
+        self.save();
+        let warm: Vec<String> = pool
+            .warm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for id in warm {
+            let _ = self.inner.sandboxes.delete(&id, REASON_USER_DELETE).await;
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, name: &str) -> Result<WirePool, ApiError> {
+        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
+        Ok(self.wire(&pool))
+    }
+
+    pub fn list(&self) -> Vec<WirePool> {
+        let mut pools: Vec<Arc<Pool>> = self
+            .inner
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        pools.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        pools.iter().map(|p| self.wire(p)).collect()
+    }
+
+    /// The pool a create goes to: the one its `poolRef` names (400 if unknown, or if the request
+    /// asks for something the pool's sandboxes are not), else the first whose template the
+    /// request matches exactly (ignoring metadata, extensions and timeout), else none.
+    pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, ApiError> {
+        if let Some(name) = plan.extensions.get(POOL_REF) {
+            let pool = self.pool(name).ok_or_else(|| {
+                ApiError::bad_request(
+                    ErrorCode::InvalidParameter,
+                    format!("extensions.poolRef: no pool named {name:?}"),
+                )
+            })?;
+            if plan.snapshot_id.is_some()
+                || !plan.volumes.is_empty()
+                || plan.network_policy.is_some()
+                || plan.credential_proxy
+            {
+                return Err(ApiError::invalid(
+                    "a create from a pool takes no snapshotId, volumes, networkPolicy or credentialProxy",
+                ));
+            }
+            if !plan.image.is_empty() && plan.image != pool.plan.image {
+                return Err(ApiError::invalid(format!(
+                    "extensions.poolRef: pool {name} runs image {:?}, not {:?}",
+                    pool.plan.image, plan.image
+                )));
+            }
+            return Ok(Some(name.clone()));
+        }
+        let pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<&String> = pools.keys().collect();
+        names.sort();
+        Ok(names
+            .into_iter()
+            .find(|n| same_sandbox(&pools[*n].plan, plan))
+            .cloned())
+    }
+
+    /// Hands out a warm sandbox of `name` with the create's metadata, extensions and expiry; waits
+    /// (FIFO) up to the pool's limit when none is warm, then 429.
+    pub async fn claim(&self, name: &str, plan: &CreatePlan) -> Result<SandboxRecord, ApiError> {
+        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
+        let wait = pool
+            .spec
+            .max_wait_seconds
+            .map(Duration::from_secs)
+            .unwrap_or(DEFAULT_MAX_WAIT);
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before looking, so a sandbox added in between is not missed.
+            let notified = pool.available.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let next = pool
+                .warm
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+            if let Some(id) = next {
+                pool.refill.notify_one();
+                if let Some(rec) = self
+                    .inner
+                    .sandboxes
+                    .claim(
+                        &id,
+                        name,
+                        plan.metadata.clone(),
+                        plan.extensions.clone(),
+                        plan.timeout_seconds,
+                    )
+                    .await
+                {
+                    return Ok(rec);
+                }
+                continue; // it died while warm: the next one
+            }
+            if pool.closed.load(Ordering::SeqCst) {
+                return Err(not_found(name));
+            }
+            pool.refill.notify_one();
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(ApiError::new(
+                    http::StatusCode::TOO_MANY_REQUESTS,
+                    ErrorCode::PoolExhausted,
+                    format!(
+                        "pool {name} had no free sandbox within {} s ({} allocated of at most {}); retry later",
+                        wait.as_secs(),
+                        self.allocated(name),
+                        pool.spec.capacity_spec.pool_max
+                    ),
+                ));
+            }
+        }
+    }
+
+    fn allocated(&self, name: &str) -> u32 {
+        self.inner
+            .sandboxes
+            .all()
+            .iter()
+            .filter(|r| r.pool_ref.as_deref() == Some(name) && !r.state.is_terminal())
+            .count() as u32
+    }
+
+    /// Keeps the pool at `bufferMax` warm sandboxes, within `poolMax` in all.
+    async fn refill_loop(self, pool: Arc<Pool>) {
+        let mut failures = 0u32;
+        while !pool.closed.load(Ordering::SeqCst) {
+            let cap = pool.spec.capacity_spec;
+            let warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner()).len() as u32;
+            let creating = pool.creating.load(Ordering::SeqCst);
+            let allocated = self.allocated(&pool.spec.name);
+            let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
+            if warm + creating < want && creating < REFILL_PARALLEL {
+                pool.creating.fetch_add(1, Ordering::SeqCst);
+                let me = self.clone();
+                let p = pool.clone();
+                let made = tokio::spawn(async move {
+                    let out = me.inner.sandboxes.create(p.plan.clone()).await;
+                    p.creating.fetch_sub(1, Ordering::SeqCst);
+                    match out {
+                        Ok(rec) if p.closed.load(Ordering::SeqCst) => {
+                            let _ = me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
+                            true
+                        }
+                        Ok(rec) => {
+                            p.warm
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push_back(rec.id);
+                            p.available.notify_one();
+                            p.refill.notify_one();
+                            true
+                        }
+                        Err(e) => {
+                            tracing::warn!(pool = %p.spec.name, "making a warm sandbox failed: {}", e.message);
+                            p.refill.notify_one();
+                            false
+                        }
+                    }
+                });
+                // Failures back off (a missing image must not spin); successes go on at once.
+                if creating + 1 >= REFILL_PARALLEL || failures > 0 {
+                    match made.await {
+                        Ok(true) => failures = 0,
+                        _ => {
+                            failures += 1;
+                            let backoff = Duration::from_millis(200 * u64::from(failures.min(25)));
+                            tokio::time::sleep(backoff).await;
+                        }
+                    }
+                }
+                continue;
+            }
+            // Nothing to do until a claim, a delete or a finished create; look again now and
+            // then, since deletes of allocated sandboxes do not ring.
+            let _ = tokio::time::timeout(Duration::from_secs(1), pool.refill.notified()).await;
+        }
+    }
+
+    fn wire(&self, pool: &Pool) -> WirePool {
+        let available = pool.warm.lock().unwrap_or_else(|e| e.into_inner()).len() as u32;
+        let allocated = self.allocated(&pool.spec.name);
+        WirePool {
+            spec: pool.spec.clone(),
+            status: PoolStatus {
+                total: available + allocated + pool.creating.load(Ordering::SeqCst),
+                allocated,
+                available,
+            },
+        }
+    }
+
+    fn save(&self) {
+        let specs: Vec<PoolSpec> = {
+            let pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+            let mut specs: Vec<PoolSpec> = pools
+                .values()
+                .filter(|p| !p.from_config)
+                .map(|p| p.spec.clone())
+                .collect();
+            specs.sort_by(|a, b| a.name.cmp(&b.name));
+            specs
+        };
+        let tmp = self.inner.file.with_extension("json.tmp");
+        let write = serde_json::to_vec_pretty(&specs)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| std::fs::write(&tmp, bytes))
+            .and_then(|()| std::fs::rename(&tmp, &self.inner.file));
+        if let Err(e) = write {
+            tracing::error!("saving pools to {} failed: {e}", self.inner.file.display());
+        }
+    }
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::new(
+        http::StatusCode::NOT_FOUND,
+        ErrorCode::PoolNotFound,
+        format!("pool {name} not found"),
+    )
+}
+
+fn validate_spec(spec: &PoolSpec) -> Result<(), ApiError> {
+    let name_ok = !spec.name.is_empty()
+        && spec.name.len() <= MAX_NAME_LEN
+        && spec
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !spec.name.starts_with('-');
+    if !name_ok {
+        return Err(ApiError::invalid(
+            "pool name must be 1 to 63 of [a-z0-9-], not starting with -",
+        ));
+    }
+    let CapacitySpec {
+        buffer_max,
+        buffer_min,
+        pool_max,
+        pool_min,
+    } = spec.capacity_spec;
+    if buffer_min > buffer_max || pool_min > pool_max || buffer_max > pool_max || pool_max == 0 {
+        return Err(ApiError::invalid(
+            "capacitySpec: need bufferMin ≤ bufferMax ≤ poolMax, poolMin ≤ poolMax, poolMax ≥ 1",
+        ));
+    }
+    if pool_max > 10_000 {
+        return Err(ApiError::invalid("capacitySpec.poolMax: at most 10000"));
+    }
+    Ok(())
+}
+
+/// A request for exactly the sandbox a pool makes (metadata, extensions and timeout aside).
+fn same_sandbox(template: &CreatePlan, plan: &CreatePlan) -> bool {
+    let mut candidate = plan.clone();
+    candidate.warm_pool = template.warm_pool.clone();
+    candidate.timeout_seconds = template.timeout_seconds;
+    candidate.metadata = template.metadata.clone();
+    candidate.extensions = template.extensions.clone();
+    candidate == *template
+}
+
+/// A warm sandbox from before a restart still is what the pool's template makes.
+fn fits(template: &CreatePlan, rec: &SandboxRecord) -> bool {
+    rec.image == template.image
+        && template
+            .entrypoint
+            .as_ref()
+            .is_none_or(|e| *e == rec.entrypoint)
+        && rec.env == template.env
+        && rec.limits == template.limits
+}

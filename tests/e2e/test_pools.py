@@ -1,0 +1,152 @@
+"""Warm pools (issue 8 item 1): `/v1/pools` CRUD, creates served from a pool by `extensions.poolRef`
+(official SDK) and by an exact template match (raw API), background refill, and an empty pool that
+queues creates for a bounded wait and then answers 429 with Retry-After — never a silent failure."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+
+import warren_e2e as W
+
+
+def _template(image: str, marker: str) -> dict:
+    body = W.create_body(image)
+    body["env"] = {"E2E_POOL": marker}  # no other test's create matches this template
+    return body
+
+
+@pytest.fixture
+def pool(server, api, test_image):
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    marker = uuid.uuid4().hex
+    spec = {"name": name, "template": _template(test_image, marker),
+            "capacitySpec": {"bufferMin": 2, "bufferMax": 3, "poolMin": 0, "poolMax": 5},
+            "maxWaitSeconds": 3}
+    r = api.post("/v1/pools", json=spec)
+    assert r.status_code == 201, r.text
+    yield {"name": name, "spec": spec, "marker": marker}
+    r = api.delete(f"/v1/pools/{name}")
+    assert r.status_code in (204, 404), r.text
+
+
+def _status(api, name) -> dict:
+    r = api.get(f"/v1/pools/{name}")
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+def _warm_up(api, name, n, timeout=120):
+    W.wait_until(lambda: _status(api, name)["available"] >= n, timeout, interval=0.1,
+                 message=f"pool {name} to hold {n} warm sandboxes")
+
+
+@pytest.mark.timeout(300)
+def test_pool_serves_creates_refills_and_queues(server, api, pool):
+    name, spec = pool["name"], pool["spec"]
+    _warm_up(api, name, 3)
+    listed = api.get("/v1/pools").json()["items"]
+    assert any(p["name"] == name and p["capacitySpec"]["poolMax"] == 5 for p in listed), listed
+    before = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+
+    # 1. the official SDK with poolRef
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create(spec["template"]["image"]["uri"], connection_config=server.sdk_config(),
+                             extensions={"poolRef": name}, metadata={"who": "sdk"},
+                             timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
+    W.track_sandbox(sbx.id)
+    ids = [sbx.id]
+    try:
+        code, out, err = W.sh(sbx, "echo $E2E_POOL")
+        assert code == 0 and out.strip() == pool["marker"], (out, err)
+        info = api.get(f"/v1/sandboxes/{sbx.id}").json()
+        assert info["metadata"] == {"who": "sdk"} and info.get("expiresAt"), info
+        # warm sandboxes are not listed; the claimed one is
+        listed_ids = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+        assert listed_ids - before == {sbx.id}, "only the claimed sandbox becomes visible"
+
+        # 2. a raw create asking for exactly the template is served from the pool too
+        t0 = time.perf_counter()
+        r = api.post("/v1/sandboxes", json={**spec["template"], "metadata": {"who": "raw"}})
+        claim_ms = (time.perf_counter() - t0) * 1000
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+        W.track_sandbox(ids[-1])
+        assert _status(api, name)["allocated"] == 2
+        print(f"claim from a warm pool: {claim_ms:.1f} ms")
+
+        # 3. refill back to bufferMax within poolMax (5 - 2 allocated = 3)
+        _warm_up(api, name, 3)
+        st = _status(api, name)
+        assert st["total"] <= 5 and st["allocated"] == 2, st
+
+        # 4. more creates than the pool has left: 3 are served, 2 wait 3 s and get 429 + Retry-After
+        def claim(_):
+            return api.post("/v1/sandboxes", json={**spec["template"], "extensions": {"poolRef": name}})
+        with concurrent.futures.ThreadPoolExecutor(5) as ex:
+            results = list(ex.map(claim, range(5)))
+        ok = [r for r in results if r.status_code == 202]
+        busy = [r for r in results if r.status_code != 202]
+        ids += [r.json()["id"] for r in ok]
+        for r in ok:
+            W.track_sandbox(r.json()["id"])
+        assert len(ok) == 3 and len(busy) == 2, [(r.status_code, r.text[:200]) for r in results]
+        for r in busy:
+            body = W.assert_error_body(r, codes=[429])
+            assert body["code"] == "POOL::EXHAUSTED" and name in body["message"], body
+            assert r.headers.get("retry-after") == "1", dict(r.headers)
+
+        # 5. a create queued on the empty pool is served as soon as an allocated sandbox goes
+        done = {}
+
+        def waiter():
+            done["r"] = api.post("/v1/sandboxes", json={**spec["template"], "extensions": {"poolRef": name}},
+                                 timeout=30)
+        import threading
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.5)
+        assert api.delete(f"/v1/sandboxes/{ids.pop(0)}").status_code == 204
+        t.join(30)
+        assert done["r"].status_code == 202, done["r"].text
+        ids.append(done["r"].json()["id"])
+        W.track_sandbox(ids[-1])
+    finally:
+        for i in ids:
+            api.delete(f"/v1/sandboxes/{i}")
+        sbx.close()
+
+
+@pytest.mark.timeout(120)
+def test_pool_api_errors(server, api, test_image):
+    good = {"name": "e2e-bad", "template": _template(test_image, "x"),
+            "capacitySpec": {"bufferMin": 0, "bufferMax": 0, "poolMin": 0, "poolMax": 1}}
+    for bad in ({**good, "name": "Bad Name"},
+                {**good, "capacitySpec": {"bufferMin": 3, "bufferMax": 2, "poolMin": 0, "poolMax": 5}},
+                {**good, "capacitySpec": {"bufferMin": 0, "bufferMax": 9, "poolMin": 0, "poolMax": 5}},
+                {**good, "template": {**good["template"], "resourceLimits": {"cpu": "lots"}}}):
+        W.assert_error_body(api.post("/v1/pools", json=bad), codes=[400])
+    assert api.get("/v1/pools/nope").status_code == 404
+    assert api.delete("/v1/pools/nope").status_code == 404
+    r = api.post("/v1/sandboxes", json={**W.create_body(test_image), "extensions": {"poolRef": "nope"}})
+    W.assert_error_body(r, codes=[400])
+    assert "nope" in r.json()["message"]
+    # a pool with no room at all: a create waits its maxWaitSeconds and gets 429, nothing is made
+    r = api.post("/v1/pools", json={**good, "maxWaitSeconds": 1})
+    assert r.status_code == 201, r.text
+    try:
+        assert api.post("/v1/pools", json=good).status_code == 409
+        before = len(api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"])
+        r = api.post("/v1/sandboxes", json={**W.create_body(test_image), "extensions": {"poolRef": "e2e-bad"}})
+        # poolMax 1 and bufferMax 0: nothing is ever warm
+        W.assert_error_body(r, codes=[429])
+        assert len(api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]) == before
+        # poolRef with another image is refused, not silently swapped
+        r = api.post("/v1/sandboxes", json={**W.create_body("host"), "extensions": {"poolRef": "e2e-bad"}})
+        W.assert_error_body(r, codes=[400])
+    finally:
+        assert api.delete("/v1/pools/e2e-bad").status_code == 204
