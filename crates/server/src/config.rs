@@ -325,6 +325,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn pools_images_and_registries_parse_as_documented() {
+        let text = r#"
+[images]
+pull = "never"
+
+[registries."docker.io"]
+mirrors = ["mirror.internal:5000"]
+upstream = false
+
+[registries."mirror.internal:5000"]
+insecure = true
+
+[[pools]]
+name = "py"
+template = { image = { uri = "python:3.11" }, entrypoint = ["tail", "-f", "/dev/null"], resourceLimits = { cpu = "1", memory = "2Gi" } }
+capacitySpec = { bufferMin = 5, bufferMax = 10, poolMin = 0, poolMax = 50 }
+maxWaitSeconds = 30
+"#;
+        let file: FileConfig = toml::from_str(text).expect("parse");
+        assert_eq!(file.images.pull, PullPolicy::Never);
+        assert!(!file.registries.hosts["docker.io"].upstream);
+        assert!(file.registries.hosts["mirror.internal:5000"].insecure);
+        assert_eq!(file.pools.len(), 1);
+        assert_eq!(file.pools[0].capacity_spec.pool_max, 50);
+        assert_eq!(file.pools[0].max_wait_seconds, Some(30));
+        assert_eq!(
+            file.pools[0]
+                .template
+                .image
+                .as_ref()
+                .map(|i| i.uri.as_str()),
+            Some("python:3.11")
+        );
+        let default: FileConfig = toml::from_str("").expect("empty");
+        assert_eq!(default.images.pull, PullPolicy::Missing);
+    }
+
+    #[test]
     fn precedence_flags_over_env_over_file() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("warren.toml");
