@@ -23,6 +23,64 @@ use crate::AppState;
 
 const MAX_PAGE_SIZE: u32 = 1000;
 
+/// `page` (from 1) and `pageSize` (1 to [`MAX_PAGE_SIZE`]) of a list query.
+struct Paging {
+    page: u32,
+    page_size: u32,
+}
+
+impl Default for Paging {
+    fn default() -> Self {
+        Paging {
+            page: 1,
+            page_size: 20,
+        }
+    }
+}
+
+impl Paging {
+    fn set(&mut self, key: &str, value: &str) -> Result<(), ApiError> {
+        if key == "page" {
+            self.page = value
+                .parse()
+                .ok()
+                .filter(|p| *p >= 1)
+                .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?;
+        } else {
+            self.page_size = value
+                .parse()
+                .ok()
+                .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
+                .ok_or_else(|| {
+                    ApiError::invalid(format!(
+                        "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
+                    ))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// This page of `all`, and the pagination block describing it.
+    fn apply<'a, T>(&self, all: &'a [T]) -> (&'a [T], Pagination) {
+        let total = all.len() as u64;
+        let total_pages = total.div_ceil(u64::from(self.page_size)) as u32;
+        let start = ((self.page - 1) as usize)
+            .saturating_mul(self.page_size as usize)
+            .min(all.len());
+        let end = start.saturating_add(self.page_size as usize).min(all.len());
+        (
+            &all[start..end],
+            Pagination {
+                page: self.page,
+                page_size: self.page_size,
+                total_items: total,
+                total_pages,
+                has_next_page: self.page < total_pages,
+            },
+        )
+    }
+}
+
 pub fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
@@ -113,8 +171,7 @@ pub async fn list(
 ) -> Result<Json<ListSandboxesResponse>, ApiError> {
     let mut states = Vec::new();
     let mut metadata: Vec<(String, String)> = Vec::new();
-    let mut page: u32 = 1;
-    let mut page_size: u32 = 20;
+    let mut paging = Paging::default();
     for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         match k.as_ref() {
             "state" => {
@@ -126,24 +183,7 @@ pub async fn list(
                 }
             }
             "metadata" => metadata.extend(parse_metadata_filter(&v)?),
-            "page" => {
-                page = v
-                    .parse()
-                    .ok()
-                    .filter(|p| *p >= 1)
-                    .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?
-            }
-            "pageSize" | "page_size" => {
-                page_size = v
-                    .parse()
-                    .ok()
-                    .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
-                    .ok_or_else(|| {
-                        ApiError::invalid(format!(
-                            "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
-                        ))
-                    })?
-            }
+            "page" | "pageSize" | "page_size" => paging.set(&k, &v)?,
             _ => {}
         }
     }
@@ -155,23 +195,10 @@ pub async fn list(
         .filter(|r| states.is_empty() || states.contains(&r.state))
         .filter(|r| metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
         .collect();
-    let total = matching.len() as u64;
-    let total_pages = total.div_ceil(page_size as u64) as u32;
-    let items = matching
-        .iter()
-        .skip(((page - 1) as usize) * page_size as usize)
-        .take(page_size as usize)
-        .map(to_wire)
-        .collect();
+    let (items, pagination) = paging.apply(&matching);
     Ok(Json(ListSandboxesResponse {
-        items,
-        pagination: Pagination {
-            page,
-            page_size,
-            total_items: total,
-            total_pages,
-            has_next_page: page < total_pages,
-        },
+        items: items.iter().map(to_wire).collect(),
+        pagination,
     }))
 }
 
@@ -388,31 +415,13 @@ pub async fn list_snapshots(
     let mut sandbox = None;
     let mut name = None;
     let mut states: Vec<String> = Vec::new();
-    let mut page: u32 = 1;
-    let mut page_size: u32 = 20;
+    let mut paging = Paging::default();
     for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         match k.as_ref() {
             "sandboxId" | "sandbox_id" => sandbox = Some(v.into_owned()),
             "name" => name = Some(v.into_owned()),
             "state" => states.extend(v.split(',').filter(|s| !s.is_empty()).map(str::to_owned)),
-            "page" => {
-                page = v
-                    .parse()
-                    .ok()
-                    .filter(|p| *p >= 1)
-                    .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?
-            }
-            "pageSize" | "page_size" => {
-                page_size = v
-                    .parse()
-                    .ok()
-                    .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
-                    .ok_or_else(|| {
-                        ApiError::invalid(format!(
-                            "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
-                        ))
-                    })?
-            }
+            "page" | "pageSize" | "page_size" => paging.set(&k, &v)?,
             _ => {}
         }
     }
@@ -424,23 +433,10 @@ pub async fn list_snapshots(
         .filter(|s| name.is_none() || s.name == name)
         .filter(|s| states.is_empty() || states.iter().any(|st| st.eq_ignore_ascii_case(&s.state)))
         .collect();
-    let total = matching.len() as u64;
-    let total_pages = total.div_ceil(page_size as u64) as u32;
-    let items = matching
-        .iter()
-        .skip(((page - 1) as usize) * page_size as usize)
-        .take(page_size as usize)
-        .map(|s| s.to_wire())
-        .collect();
+    let (items, pagination) = paging.apply(&matching);
     Ok(Json(warren_api::lifecycle::ListSnapshotsResponse {
-        items,
-        pagination: Pagination {
-            page,
-            page_size,
-            total_items: total,
-            total_pages,
-            has_next_page: page < total_pages,
-        },
+        items: items.iter().map(|s| s.to_wire()).collect(),
+        pagination,
     }))
 }
 
