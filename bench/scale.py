@@ -32,7 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from lifecycle import Server, docker_available, docker_once, measure, raw_once  # noqa: E402
+from lifecycle import Server, docker_available, docker_once, measure, rust_client_run  # noqa: E402
 
 
 def mem_used_kib() -> int:
@@ -133,6 +133,22 @@ async def main() -> None:
             results["pool claim c=1"] = {"n": len(ms), "concurrency": 1, "ok": len(ms), "failed": 0,
                                          "p50_ms": ms[len(ms) // 2], "p90_ms": ms[int(len(ms) * 0.9)],
                                          "p99_ms": ms[-1], "errors": []}
+            # The same claims from a compiled client (warren-load, on warren-sdk): its create body is
+            # exactly a template without env, so a pool of that template serves it automatically.
+            load = Path(args.warren).with_name("warren-load")
+            if load.exists():
+                rust_spec = {**spec, "name": "bench-rust", "template": plain}
+                r = await client.post(f"{base}/v1/pools", headers=h, json=rust_spec)
+                assert r.status_code == 201, r.text
+                while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
+                    await asyncio.sleep(0.05)
+                results["pool claim c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
+                                                                            p, 1)
+                await client.delete(f"{base}/v1/pools/bench-rust", headers=h)
+                results["no pool c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
+                                                                         p, 1)
+            else:
+                print(f"# {load} not built (cargo build --release -p warren-bench): Rust SDK rows omitted")
             for mult in (1, 2, 4):
                 await warm()
                 n = mult * p

@@ -334,6 +334,14 @@ impl Pools {
         }
     }
 
+    /// An allocated sandbox of pool `name` is gone: the pool may refill without waiting for its
+    /// periodic look.
+    pub fn released(&self, name: &str) {
+        if let Some(pool) = self.pool(name) {
+            pool.refill.notify_one();
+        }
+    }
+
     fn allocated(&self, name: &str) -> u32 {
         self.inner
             .sandboxes
@@ -394,7 +402,7 @@ impl Pools {
                 continue;
             }
             // Nothing to do until a claim, a delete or a finished create; look again now and
-            // then, since deletes of allocated sandboxes do not ring.
+            // then, since sandboxes that expire or die do not ring.
             let _ = tokio::time::timeout(Duration::from_secs(1), pool.refill.notified()).await;
         }
     }
