@@ -26,7 +26,8 @@ def pool(server, api, test_image):
     marker = uuid.uuid4().hex
     spec = {"name": name, "template": _template(test_image, marker),
             "capacitySpec": {"bufferMin": 2, "bufferMax": 3, "poolMin": 0, "poolMax": 5},
-            "maxWaitSeconds": 3}
+            # long enough for a delete and a fresh create on the slowest runtime (gVisor)
+            "maxWaitSeconds": 10}
     r = api.post("/v1/pools", json=spec)
     assert r.status_code == 201, r.text
     yield {"name": name, "spec": spec, "marker": marker}
@@ -84,7 +85,7 @@ def test_pool_serves_creates_refills_and_queues(server, api, pool):
         st = _status(api, name)
         assert st["total"] <= 5 and st["allocated"] == 2, st
 
-        # 4. more creates than the pool has left: 3 are served, 2 wait 3 s and get 429 + Retry-After
+        # 4. more creates than the pool has left: 3 are served, 2 wait 10 s and get 429 + Retry-After
         def claim(_):
             return api.post("/v1/sandboxes", json={**spec["template"], "extensions": {"poolRef": name}})
         with concurrent.futures.ThreadPoolExecutor(5) as ex:
