@@ -766,6 +766,18 @@ ESCAPES = {
 }
 
 
+def _assert_refused(srv, regs, img, repo: str) -> None:
+    """Pushes `img` as `repo:1`; a create and a CLI pull of it are both refused as invalid (422),
+    and neither leaves anything in the store."""
+    R.registry_push(regs.plain, repo, "1", img)
+    name = f"{regs.front.host}/{repo}:1"
+    before = layer_entries(srv)
+    api_error(create(srv, name), 422, "SANDBOX::IMAGE_INVALID", name)
+    assert_nothing_cached(srv, before, name)
+    cli_failure(pull(srv, name, check=False), name)
+    assert_nothing_cached(srv, before, name)
+
+
 def _escaped_files(server: W.WarrenServer) -> list[str]:
     """Files named after this run's TOKEN where an escaping entry would land: /, /etc, /tmp, the work
     folder, the data dir, and anywhere in the image store."""
@@ -783,15 +795,7 @@ def test_escaping_layer_refused(srv, regs, builder, bb_base, case):
     passwd = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
     evil = builder.layer_from_members(ESCAPES[case])
     img = builder.image([bb_base, builder.layer({"etc/e2e-case": case}), evil])
-    repo = f"e2e/evil-{case}"
-    R.registry_push(regs.plain, repo, "1", img)
-    name = f"{regs.front.host}/{repo}:1"
-    before = layer_entries(srv)
-
-    api_error(create(srv, name), 422, "SANDBOX::IMAGE_INVALID", name)
-    assert_nothing_cached(srv, before, name)
-    cli_failure(pull(srv, name, check=False), name)
-    assert_nothing_cached(srv, before, name)
+    _assert_refused(srv, regs, img, f"e2e/evil-{case}")
     assert not _escaped_files(srv), f"written outside the layer: {_escaped_files(srv)}"
     assert hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest() == passwd
 
@@ -846,15 +850,7 @@ UNSUPPORTED = {
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))
 def test_unsupported_content_refused(srv, regs, builder, bb_base, case):
-    img = UNSUPPORTED[case](builder, bb_base)
-    repo = f"e2e/unsupported-{case}"
-    R.registry_push(regs.plain, repo, "1", img)
-    name = f"{regs.front.host}/{repo}:1"
-    before = layer_entries(srv)
-    api_error(create(srv, name), 422, "SANDBOX::IMAGE_INVALID", name)
-    assert_nothing_cached(srv, before, name)
-    cli_failure(pull(srv, name, check=False), name)
-    assert_nothing_cached(srv, before, name)
+    _assert_refused(srv, regs, UNSUPPORTED[case](builder, bb_base), f"e2e/unsupported-{case}")
 
 
 @pytest.mark.timeout(180)

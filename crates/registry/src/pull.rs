@@ -114,6 +114,7 @@ impl Puller {
                     // result). It takes the map's lock only after this insert releases it.
                     let me = self.clone();
                     let key2 = key.clone();
+                    let image = reference.to_string();
                     let task = tokio::spawn(async move {
                         let out = me
                             .pull_now(&reference, auth.as_ref(), progress)
@@ -126,7 +127,6 @@ impl Puller {
                             .remove(&key2);
                         out
                     });
-                    let image = reference_label(&key);
                     let fut: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin(async move {
                         match task.await {
                             Ok(r) => r,
@@ -461,8 +461,4 @@ fn pull_key(reference: &Reference, auth: Option<&Credentials>) -> String {
             format!("{reference}#{}", hex::encode(&h.finalize()[..8]))
         }
     }
-}
-
-fn reference_label(key: &str) -> String {
-    key.split('#').next().unwrap_or(key).to_owned()
 }

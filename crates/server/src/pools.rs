@@ -334,14 +334,6 @@ impl Pools {
         }
     }
 
-    /// An allocated sandbox of pool `name` is gone: the pool may refill without waiting for its
-    /// periodic look.
-    pub fn released(&self, name: &str) {
-        if let Some(pool) = self.pool(name) {
-            pool.refill.notify_one();
-        }
-    }
-
     fn allocated(&self, name: &str) -> u32 {
         self.inner
             .sandboxes
@@ -354,7 +346,12 @@ impl Pools {
     /// Keeps the pool at `bufferMax` warm sandboxes, within `poolMax` in all.
     async fn refill_loop(self, pool: Arc<Pool>) {
         let mut failures = 0u32;
+        let sandboxes = self.inner.sandboxes.clone();
         while !pool.closed.load(Ordering::SeqCst) {
+            // Registered before counting, so an allocated sandbox ending meanwhile is not missed.
+            let ended = sandboxes.pool_sandbox_ended().notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
             let cap = pool.spec.capacity_spec;
             let warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner()).len() as u32;
             let creating = pool.creating.load(Ordering::SeqCst);
@@ -401,9 +398,16 @@ impl Pools {
                 }
                 continue;
             }
-            // Nothing to do until a claim, a delete or a finished create; look again now and
-            // then, since sandboxes that expire or die do not ring.
-            let _ = tokio::time::timeout(Duration::from_secs(1), pool.refill.notified()).await;
+            // Nothing to do until a claim, a finished create or the end of an allocated sandbox;
+            // look again now and then all the same (a record changed outside the registry's
+            // update, as at recovery).
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                tokio::select! {
+                    () = pool.refill.notified() => {}
+                    () = ended => {}
+                }
+            })
+            .await;
         }
     }
 

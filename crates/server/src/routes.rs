@@ -235,12 +235,7 @@ pub async fn delete(
     State(app): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let pool = app.sandboxes.get(&id).and_then(|r| r.pool_ref);
     app.sandboxes.delete(&id, REASON_USER_DELETE).await?;
-    if let Some(pool) = pool {
-        // Its pool may make another warm sandbox now (and a queued create get it).
-        app.pools.released(&pool);
-    }
     Ok(StatusCode::NO_CONTENT)
 }
 

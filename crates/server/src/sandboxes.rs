@@ -44,6 +44,7 @@ struct Inner {
     network: Arc<Network>,
     /// Pulls images a create names but the store lacks; `None` when pulls are off.
     puller: Option<warren_registry::Puller>,
+    pool_sandbox_ended: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -73,6 +74,7 @@ impl Sandboxes {
                 store,
                 images,
                 puller,
+                pool_sandbox_ended: tokio::sync::Notify::new(),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
@@ -127,13 +129,23 @@ impl Sandboxes {
     }
 
     fn update(&self, entry: &Entry, f: impl FnOnce(&mut SandboxRecord)) -> SandboxRecord {
-        let snapshot = {
+        let (snapshot, ended) = {
             let mut rec = lock(&entry.record);
+            let was_terminal = rec.state.is_terminal();
             f(&mut rec);
-            rec.clone()
+            (rec.clone(), !was_terminal && rec.state.is_terminal())
         };
         self.persist(&snapshot);
+        if ended && snapshot.pool_ref.is_some() {
+            // However it ended (deleted, expired, died), its pool may make another now.
+            self.inner.pool_sandbox_ended.notify_waiters();
+        }
         snapshot
+    }
+
+    /// Rings whenever a sandbox allocated from a pool ends (pools wait on it to refill at once).
+    pub fn pool_sandbox_ended(&self) -> &tokio::sync::Notify {
+        &self.inner.pool_sandbox_ended
     }
 
     /// The image from the store, leased to `holder`; pulled first when it is missing and pulls are
@@ -656,15 +668,7 @@ impl Sandboxes {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         let rec = lock(&entry.record).clone();
-        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
-            return Err(ApiError::conflict(
-                ErrorCode::SnapshotInvalidSourceState,
-                format!(
-                    "sandbox {id} is {}; snapshots are taken of Running or Paused sandboxes",
-                    rec.state.as_str()
-                ),
-            ));
-        }
+        snapshot_source_state(&rec)?;
         let unsupported = || {
             ApiError::new(
                 http::StatusCode::BAD_REQUEST,
@@ -940,6 +944,21 @@ fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {
         warren_image::ImageError::InvalidName { .. } => ApiError::invalid(format!("invalid image reference {name:?}")),
         other => ApiError::internal("resolving the image", &other),
     }
+}
+
+/// Snapshots are taken of Running or Paused sandboxes only (409 otherwise).
+pub fn snapshot_source_state(rec: &SandboxRecord) -> Result<(), ApiError> {
+    if matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+        return Ok(());
+    }
+    Err(ApiError::conflict(
+        ErrorCode::SnapshotInvalidSourceState,
+        format!(
+            "sandbox {} is {}; snapshots are taken of Running or Paused sandboxes",
+            rec.id,
+            rec.state.as_str()
+        ),
+    ))
 }
 
 /// The main process of a create that names none: the image's Entrypoint + Cmd, as `docker run`

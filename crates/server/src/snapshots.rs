@@ -18,7 +18,7 @@ use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
 
 use crate::error::ApiError;
 use crate::routes::rfc3339;
-use crate::sandboxes::Sandboxes;
+use crate::sandboxes::{snapshot_source_state, Sandboxes};
 
 pub const CREATING: &str = "Creating";
 pub const READY: &str = "Ready";
@@ -76,6 +76,7 @@ impl Snapshots {
         let dir = data_dir.join("snapshots");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let mut records = HashMap::new();
+        let mut interrupted = Vec::new();
         for entry in
             std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
         {
@@ -93,6 +94,7 @@ impl Snapshots {
                 rec.reason = Some("server_restart".into());
                 rec.message = Some("the server stopped while the snapshot was being taken".into());
                 rec.last_transition_at = Utc::now();
+                interrupted.push(rec.clone());
             }
             records.insert(rec.id.clone(), rec);
         }
@@ -104,11 +106,9 @@ impl Snapshots {
                 sandboxes,
             }),
         };
-        for rec in snapshots.all() {
-            if rec.state == FAILED {
-                let _ = snapshots.inner.images.remove(&rec.image);
-                snapshots.persist(&rec);
-            }
+        for rec in interrupted {
+            let _ = snapshots.inner.images.remove(&rec.image);
+            snapshots.persist(&rec);
         }
         Ok(snapshots)
     }
@@ -133,19 +133,7 @@ impl Snapshots {
             .sandboxes
             .get(sandbox_id)
             .ok_or_else(|| ApiError::not_found(sandbox_id))?;
-        if !matches!(
-            source.state,
-            warren_api::lifecycle::SandboxState::Running
-                | warren_api::lifecycle::SandboxState::Paused
-        ) {
-            return Err(ApiError::conflict(
-                ErrorCode::SnapshotInvalidSourceState,
-                format!(
-                    "sandbox {sandbox_id} is {}; snapshots are taken of Running or Paused sandboxes",
-                    source.state.as_str()
-                ),
-            ));
-        }
+        snapshot_source_state(&source)?;
         let id = uuid::Uuid::new_v4().to_string();
         let now = Utc::now();
         let rec = SnapshotRecord {
