@@ -7,7 +7,8 @@ Rows:
   * create → first output → delete without a pool, serial and at 10/50/100 concurrent;
   * the same from a warm pool (bufferMax = poolMax = P): serial claims, and bursts of 1×, 2×, 4× P
     concurrent creates against it (queued up to maxWaitSeconds; success ratio);
-  * creates/s sustained for --sustain seconds (create → first output → delete, 10 in flight);
+  * creates/s sustained for --sustain seconds (create → first output → delete, 10 in flight), from
+    Python and from the compiled warren-load client;
   * fork: N sandboxes from one snapshot (--fork, 10 in flight), total wall time and per-create p50;
   * idle sandboxes: memory per idle sandbox (MemTotal − MemAvailable before/after, server RSS), and
     --idle of them held at once (all running `tail -f /dev/null`, each answering a command).
@@ -174,6 +175,21 @@ async def main() -> None:
             await asyncio.gather(*(worker() for _ in range(10)))
             wall = time.perf_counter() - t0
             notes["sustained"] = {"seconds": wall, "cycles": done, "errors": errors, "per_second": done / wall}
+            # The same for the compiled client: on 2 cores the Python client above takes about a third
+            # of the machine's CPU, so its rate says as much about httpx as about the server.
+            load = Path(args.warren).with_name("warren-load")
+            if load.exists():
+                print(f"sustained for {args.sustain:.0f} s, compiled client …", flush=True)
+                out = subprocess.run([str(load), "--domain", f"127.0.0.1:{server.port}", "--api-key", server.key,
+                                      "--image", image, "--seconds", str(args.sustain), "--concurrency", "10"],
+                                     check=True, capture_output=True, text=True, timeout=args.sustain + 300)
+                r = json.loads(out.stdout)
+                ms = sorted(r["times_ms"])
+                notes["sustained_rust_client"] = {
+                    "seconds": r["wall_s"], "cycles": len(ms), "errors": len(r["errors"]),
+                    "per_second": len(ms) / r["wall_s"],
+                    "create_to_first_output_p50_ms": ms[len(ms) // 2] if ms else None,
+                    "create_to_first_output_p99_ms": ms[int(len(ms) * 0.99)] if ms else None}
 
             # --- fork from a snapshot ---
             if image != "host":

@@ -28,6 +28,10 @@ struct Args {
     /// Cycles in flight at once.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
+    /// Instead of `--n` cycles: keep `--concurrency` cycles in flight for this many seconds (a
+    /// sustained-rate run; cycles started before the deadline finish and count).
+    #[arg(long)]
+    seconds: Option<f64>,
 }
 
 /// One cycle; returns create → first stdout in milliseconds.
@@ -81,7 +85,13 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let started = Instant::now();
-    let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..args.n)
+    let deadline = args
+        .seconds
+        .map(|s| started + std::time::Duration::from_secs_f64(s));
+    // Without a deadline, exactly `n` cycles; with one, as many as start before it.
+    let count = if deadline.is_some() { usize::MAX } else { args.n };
+    let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..count)
+        .take_while(|_| std::future::ready(deadline.is_none_or(|d| Instant::now() < d)))
         .map(|_| cycle(&client, &req, &args.command))
         .buffer_unordered(args.concurrency.max(1))
         .collect()
