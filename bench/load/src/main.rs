@@ -89,7 +89,11 @@ async fn main() -> anyhow::Result<()> {
         .seconds
         .map(|s| started + std::time::Duration::from_secs_f64(s));
     // Without a deadline, exactly `n` cycles; with one, as many as start before it.
-    let count = if deadline.is_some() { usize::MAX } else { args.n };
+    let count = if deadline.is_some() {
+        usize::MAX
+    } else {
+        args.n
+    };
     let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..count)
         .take_while(|_| std::future::ready(deadline.is_none_or(|d| Instant::now() < d)))
         .map(|_| cycle(&client, &req, &args.command))

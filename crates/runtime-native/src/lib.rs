@@ -129,6 +129,11 @@ struct Inner {
     config: NativeConfig,
     layout: cgroup::Layout,
     skeleton: PathBuf,
+    /// The lowest layer of every sandbox's root (see `InitSpec::base_layer`).
+    base_layer: PathBuf,
+    /// Where the embedded runtime mounts every sandbox's root: one empty host folder serves them all,
+    /// since each mount lives only in its sandbox's own mount namespace.
+    mount_point: PathBuf,
     /// `None` for the embedded runtime.
     oci: Option<oci::OciRuntime>,
     volumes: volumes::Volumes,
@@ -155,6 +160,11 @@ impl NativeRuntime {
         };
         let skeleton = build_host_skeleton(&config.data_dir.join("host-skeleton"))
             .map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
+        let base_layer = build_base_layer(&config.data_dir.join("sandbox-base"))
+            .map_err(|e| RuntimeError::backend_with("building the sandbox base layer", e))?;
+        let mount_point = config.data_dir.join("mnt");
+        fs::create_dir_all(&mount_point)
+            .map_err(|e| RuntimeError::backend_with("creating the sandbox mount point", e))?;
         // Sandboxes we start are reparented to us when their setup helper exits, so their exit status
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
@@ -166,6 +176,8 @@ impl NativeRuntime {
                 config,
                 layout,
                 skeleton,
+                base_layer,
+                mount_point,
                 oci,
             }),
         };
@@ -264,7 +276,11 @@ impl NativeRuntime {
             root,
             upper_dir: dir.join("upper"),
             work_dir: dir.join("work"),
-            rootfs_dir: dir.join("rootfs"),
+            rootfs_dir: match self.inner.oci {
+                // an OCI runtime is handed the mounted root on the host
+                Some(_) => dir.join("rootfs"),
+                None => self.inner.mount_point.clone(),
+            },
             socket_dir: dir.join("run"),
             execd_path: config.execd_path.clone(),
             cgroup_v1_mounts,
@@ -276,6 +292,7 @@ impl NativeRuntime {
                 .unwrap_or_else(|| "/".to_string()),
             log_path: None,
             volumes: Vec::new(),
+            base_layer: Some(self.inner.base_layer.clone()),
         }
     }
 
@@ -312,7 +329,11 @@ impl NativeRuntime {
         volumes: &volumes::Resolved,
         pid_out: &mut Option<i32>,
     ) -> Result<RuntimeState, RuntimeError> {
-        for sub in ["upper", "work", "rootfs", "run"] {
+        let subs: &[&str] = match self.inner.oci {
+            Some(_) => &["upper", "work", "rootfs", "run"],
+            None => &["upper", "work", "run"],
+        };
+        for sub in subs {
             fs::create_dir_all(dir.join(sub)).map_err(|e| {
                 RuntimeError::backend_with(format!("creating {}", dir.display()), e)
             })?;
@@ -814,6 +835,36 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
         env.insert(k.clone(), v.clone());
     }
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// The sandbox base layer (see `InitSpec::base_layer`), made once; running sandboxes have it as a
+/// lower dir, so it is never changed after.
+fn build_base_layer(dir: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if dir.is_dir() {
+        return Ok(dir.to_path_buf());
+    }
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    for (name, mode) in [
+        ("", 0o755),
+        (spec::WARREN_DIR, 0o755),
+        ("tmp", 0o1777),
+        ("workspace", 0o755),
+    ] {
+        let path = tmp.join(name);
+        fs::create_dir_all(&path)?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(mode))?;
+    }
+    match fs::rename(&tmp, dir) {
+        Ok(()) => Ok(dir.to_path_buf()),
+        // another process made it first
+        Err(_) if dir.is_dir() => {
+            let _ = fs::remove_dir_all(&tmp);
+            Ok(dir.to_path_buf())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The `host` image's lower layer: the top-level shape of the host's root (merged-/usr symlinks and

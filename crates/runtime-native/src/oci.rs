@@ -227,20 +227,7 @@ impl OciRuntime {
 }
 
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
-    let lowers: Vec<String> = match &spec.root {
-        RootSource::Layers(layers) => layers
-            .iter()
-            .rev()
-            .map(|p| p.display().to_string())
-            .collect(),
-        RootSource::Host { skeleton, .. } => vec![skeleton.display().to_string()],
-    };
-    let data = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lowers.join(":"),
-        spec.upper_dir.display(),
-        spec.work_dir.display()
-    );
+    let data = spec.overlay_options();
     mount(
         Some("overlay"),
         &spec.rootfs_dir,
@@ -363,6 +350,7 @@ mod tests {
                 target: "/mnt/data".into(),
                 read_only: true,
             }],
+            base_layer: Some("/base".into()),
         }
     }
 

@@ -163,20 +163,7 @@ fn mountpoint_in(root: &Path, target: &str, file: bool) -> Result<PathBuf> {
 }
 
 fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
-    let lowers: Vec<&Path> = match &spec.root {
-        RootSource::Layers(layers) => layers.iter().rev().map(PathBuf::as_path).collect(),
-        RootSource::Host { skeleton, .. } => vec![skeleton.as_path()],
-    };
-    let lower = lowers
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(":");
-    let data = format!(
-        "lowerdir={lower},upperdir={},workdir={}",
-        spec.upper_dir.display(),
-        spec.work_dir.display()
-    );
+    let data = spec.overlay_options();
     mnt(
         Some("overlay"),
         root,

@@ -43,6 +43,39 @@ pub struct InitSpec {
     /// Volumes, bind-mounted over the rootfs.
     #[serde(default)]
     pub volumes: Vec<HostMount>,
+    /// The lowest layer under every image: the folders Warren mounts on or makes in each sandbox
+    /// (`/.warren`, `/tmp`, `/workspace`), so an image without them does not get them made in the
+    /// sandbox's upper dir (an inode made and freed on disk per sandbox). The image wins where it
+    /// has them.
+    #[serde(default)]
+    pub base_layer: Option<PathBuf>,
+}
+
+impl InitSpec {
+    /// The overlay's `lowerdir` list, topmost first.
+    pub fn lower_dirs(&self) -> Vec<PathBuf> {
+        let mut lowers: Vec<PathBuf> = match &self.root {
+            RootSource::Layers(layers) => layers.iter().rev().cloned().collect(),
+            RootSource::Host { skeleton, .. } => vec![skeleton.clone()],
+        };
+        lowers.extend(self.base_layer.iter().cloned());
+        lowers
+    }
+
+    /// The overlay mount's options.
+    pub fn overlay_options(&self) -> String {
+        let lower = self
+            .lower_dirs()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        format!(
+            "lowerdir={lower},upperdir={},workdir={}",
+            self.upper_dir.display(),
+            self.work_dir.display()
+        )
+    }
 }
 
 /// A host folder (or file) bind-mounted at `target` inside the sandbox.

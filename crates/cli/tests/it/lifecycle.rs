@@ -120,10 +120,9 @@ async fn failed_create_leaves_nothing() {
         .flatten()
         .collect();
     assert!(left.is_empty(), "sandbox folders left: {left:?}");
-    let records: Vec<_> = std::fs::read_dir(server.data().join("state/sandboxes"))
-        .expect("dir")
-        .flatten()
-        .collect();
+    let (records, _) = warren_store::Store::open(&server.data())
+        .and_then(|s| s.load_all())
+        .expect("records");
     assert!(records.is_empty(), "records left: {records:?}");
 }
 
