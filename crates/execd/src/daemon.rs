@@ -6,7 +6,6 @@
 use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,14 +55,31 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             .entrypoint
             .split_first()
             .context("empty entrypoint")?;
-        let mut cmd = Command::new(first);
-        cmd.args(rest).current_dir(&config.workdir);
-        let spawned = reaper
-            .spawn(&mut cmd)
+        // posix_spawn rather than Command: see `crate::spawn`. Same environment, stdio and process
+        // group as execd.
+        let program = crate::spawn::resolve(first, std::env::var("PATH").ok().as_deref())
             .with_context(|| format!("starting entrypoint {first}"))?;
-        tracing::info!(pid = spawned.child.id(), entrypoint = ?config.entrypoint, "entrypoint started");
-        entry_pid = i32::try_from(spawned.child.id()).ok();
-        Some(spawned.exit)
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        let argv = std::iter::once(first).chain(rest).map(std::ffi::OsStr::new);
+        let (pid, exit) = reaper
+            .start(|| {
+                crate::spawn::spawn(
+                    &program,
+                    argv,
+                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                    &config.workdir,
+                    crate::spawn::Stdio {
+                        stdin: crate::spawn::Stdin::Inherit,
+                        stdout: None,
+                        stderr: None,
+                        new_group: false,
+                    },
+                )
+            })
+            .with_context(|| format!("starting entrypoint {first}"))?;
+        tracing::info!(pid, entrypoint = ?config.entrypoint, "entrypoint started");
+        entry_pid = Some(pid);
+        Some(exit)
     };
     // Listen only once the entrypoint runs: the server treats a connectable socket as "ready", so an
     // entrypoint that cannot start must fail the create, not a moment after it.

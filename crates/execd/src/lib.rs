@@ -17,6 +17,7 @@ pub mod pty;
 pub mod query;
 pub mod reaper;
 pub mod session;
+pub mod spawn;
 pub mod sse;
 pub mod upload;
 

@@ -141,6 +141,9 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
     if !spec.cwd.is_dir() {
         return Err(SpawnError::BadCwd(spec.cwd.clone()));
     }
+    if let (Program::Shell(script), None) = (&spec.program, spec.uid) {
+        return spawn_shell(reaper, spec, script, stdin);
+    }
     let mut cmd = match &spec.program {
         Program::Shell(script) => {
             let mut c = Command::new(shell());
@@ -213,6 +216,79 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
             pid,
             exit,
             stdout,
+            stderr,
+            stdin,
+        }),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            kill_group(pid, Signal::SIGKILL);
+            Err(SpawnError::Pipe(e))
+        }
+    }
+}
+
+/// The common case — a shell command as execd's own user — started with `posix_spawn` (see
+/// [`crate::spawn`]); what `spawn` does with `std::process::Command` otherwise.
+fn spawn_shell(
+    reaper: &Reaper,
+    spec: &ProcessSpec,
+    script: &str,
+    stdin: StdinMode,
+) -> Result<Running, SpawnError> {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let (out_r, out_w) = std::io::pipe().map_err(SpawnError::Pipe)?;
+    let err = if spec.combine_output {
+        None
+    } else {
+        Some(std::io::pipe().map_err(SpawnError::Pipe)?)
+    };
+    let input = match stdin {
+        StdinMode::Null => None,
+        StdinMode::Piped => Some(std::io::pipe().map_err(SpawnError::Pipe)?),
+    };
+    let env = command_env(&spec.envs);
+    let program = shell();
+    let stdio = crate::spawn::Stdio {
+        stdin: input.as_ref().map_or(crate::spawn::Stdin::Null, |(r, _)| {
+            crate::spawn::Stdin::Fd(r.as_raw_fd())
+        }),
+        stdout: Some(out_w.as_raw_fd()),
+        stderr: Some(
+            err.as_ref()
+                .map_or(out_w.as_raw_fd(), |(_, w)| w.as_raw_fd()),
+        ),
+        new_group: true,
+    };
+    let argv = [program, "-c", script].map(std::ffi::OsStr::new);
+    let (pid, exit) = reaper
+        .start(|| {
+            crate::spawn::spawn(
+                Path::new(program),
+                argv,
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                &spec.cwd,
+                stdio,
+            )
+        })
+        .map_err(|source| SpawnError::Spawn {
+            program: program.to_string(),
+            source,
+        })?;
+    // The child's ends close here: EOF on our ends must come when the child is done with them.
+    drop(out_w);
+    let err_r = err.map(|(r, _)| r);
+    let stdin_w = input.map(|(_, w)| w);
+    let stdout = pipe::Receiver::from_owned_fd(OwnedFd::from(out_r));
+    let stderr = err_r
+        .map(|r| pipe::Receiver::from_owned_fd(OwnedFd::from(r)))
+        .transpose();
+    let stdin = stdin_w
+        .map(|w| pipe::Sender::from_owned_fd(OwnedFd::from(w)))
+        .transpose();
+    match (stdout, stderr, stdin) {
+        (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running {
+            pid,
+            exit,
+            stdout: Some(stdout),
             stderr,
             stdin,
         }),

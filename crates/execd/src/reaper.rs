@@ -65,6 +65,19 @@ impl Reaper {
     }
 
     /// Spawns `cmd` and registers its pid before the reaper can see it exit.
+    /// Registers the pid `start` returns for exit delivery. The table stays locked while `start`
+    /// runs, so a child that exits at once cannot be reaped before its waiter exists.
+    pub fn start(
+        &self,
+        start: impl FnOnce() -> std::io::Result<i32>,
+    ) -> std::io::Result<(i32, oneshot::Receiver<Exit>)> {
+        let mut table = self.lock();
+        let pid = start()?;
+        let (tx, rx) = oneshot::channel();
+        table.waiters.insert(pid, tx);
+        Ok((pid, rx))
+    }
+
     pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Spawned> {
         let mut table = self.lock();
         let child = cmd.spawn()?;

@@ -109,6 +109,11 @@ async fn failed_create_leaves_nothing() {
     let r = c.create(host(&["/no/such/entrypoint"])).await;
     assert!(r.status >= 400, "{:?}", r.json);
     assert!(r.json["code"].is_string() && r.json["message"].is_string());
+    let message = r.json["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("/no/such/entrypoint") && message.contains("No such file"),
+        "the error says what could not start and why: {message}"
+    );
     let list = c.call(Method::GET, "/v1/sandboxes", None).await;
     assert_eq!(
         list.json["items"].as_array().map(Vec::len),
