@@ -118,3 +118,57 @@ def test_sandbox_killed_while_server_down(fresh_server):
         assert W.sh(s2, "echo ok")[1].strip() == "ok"
     finally:
         s2.close()
+
+
+def _zygotes(server_pid: int) -> list[int]:
+    """The setup-helper zygotes a server started (embedded runtime): its children running
+    `warren __sandbox-zygote`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server_pid and b"__sandbox-zygote" in cmd:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_server):
+    """Embedded sandboxes' setup helpers are forked by a zygote the server starts: killing it costs
+    no create (a new one is started, or a helper exec'd), and it does not outlive a server killed
+    with SIGKILL."""
+    from opensandbox import SandboxSync
+
+    srv = fresh_server
+    if srv.runtime != "embedded":
+        pytest.skip("only the embedded runtime forks setup helpers")
+    first = W.wait_until(lambda: _zygotes(srv.proc.pid), 10, message="the server's zygote")
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(3):
+        sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+        W.track_sandbox(sbx.id)
+        assert sbx.commands.run("echo alive").logs.stdout[0].text.strip() == "alive"
+        sbx.kill()
+        sbx.close()
+    second = W.wait_until(lambda: [p for p in _zygotes(srv.proc.pid) if p not in first], 10,
+                          message="a new zygote after the first was killed")
+
+    srv.kill9()
+    W.wait_until(lambda: not any(_running(p) for p in second), 10,
+                 message="the zygote to exit with its server")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -161,8 +161,12 @@ fn remote(
 fn main() -> ExitCode {
     // The sandbox setup helper must run before any thread exists: dispatch before parsing or starting
     // a runtime.
-    if std::env::args().nth(1).as_deref() == Some(warren_runtime_native::INIT_SUBCOMMAND) {
-        warren_runtime_native::init::main();
+    match std::env::args().nth(1).as_deref() {
+        Some(warren_runtime_native::INIT_SUBCOMMAND) => warren_runtime_native::init::main(),
+        Some(warren_runtime_native::zygote::ZYGOTE_SUBCOMMAND) => {
+            warren_runtime_native::zygote::main()
+        }
+        _ => {}
     }
     let filter = ProcessEnv
         .get(config::env::LOG)

@@ -22,7 +22,21 @@ use crate::spec::{
 
 /// Entry point of `warren __sandbox-init`. Never returns.
 pub fn main() -> ! {
-    let reply = match run() {
+    // `--join <cgroup.procs file>`, repeated.
+    let args: Vec<String> = std::env::args().skip(2).collect();
+    let join = args
+        .chunks(2)
+        .filter_map(|pair| match pair {
+            [flag, procs] if flag == "--join" => Some(procs.clone()),
+            _ => None,
+        })
+        .collect();
+    helper(join)
+}
+
+/// The helper's work, in a fresh exec or in a child the zygote forked (see `zygote`). Never returns.
+pub(crate) fn helper(join: Vec<String>) -> ! {
+    let reply = match run(join) {
         Ok(pid) => InitReply::Started { pid },
         Err(error) => InitReply::Failed { error },
     };
@@ -38,20 +52,13 @@ pub fn main() -> ! {
     })
 }
 
-fn run() -> Result<i32, String> {
-    // A standby helper joins its cgroup (named on the command line) before it has a sandbox: the
-    // migration is the slow part of setup on cgroup v1, and this way it is off the create path.
-    let args: Vec<String> = std::env::args().skip(2).collect();
-    let mut joined = false;
-    for pair in args.chunks(2) {
-        if let [flag, procs] = pair {
-            if flag == "--join" {
-                fs::write(procs, "0").map_err(|e| format!("joining cgroup {procs}: {e}"))?;
-                joined = true;
-            }
-        }
+fn run(join: Vec<String>) -> Result<i32, String> {
+    // A standby helper joins its cgroup before it has a sandbox: the migration is the slow part of
+    // setup on cgroup v1, and this way it is off the create path.
+    for procs in &join {
+        fs::write(procs, "0").map_err(|e| format!("joining cgroup {procs}: {e}"))?;
     }
-    if joined {
+    if !join.is_empty() {
         // Tells the server the cgroup may now be renamed to a sandbox's (see `JOINED_LINE`).
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{JOINED_LINE}");
@@ -86,8 +93,9 @@ fn run() -> Result<i32, String> {
 
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    // SAFETY: this helper process is single-threaded (it is a fresh exec of the warren binary that
-    // dispatches here before starting any runtime or thread), so the child may run arbitrary code.
+    // SAFETY: this helper process is single-threaded (a fresh exec of the warren binary that
+    // dispatches here before starting any runtime or thread, or a child of the single-threaded
+    // zygote), so the child may run arbitrary code.
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
         ForkResult::Child => {
             drop(read_end);

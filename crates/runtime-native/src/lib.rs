@@ -20,6 +20,7 @@ mod rootfs;
 mod security;
 mod spec;
 mod volumes;
+pub mod zygote;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -28,7 +29,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,7 +107,7 @@ pub struct NativeRuntime {
 /// A setup helper started ahead of need, already joined to a cgroup of its own and waiting on stdin
 /// for a sandbox spec.
 struct Standby {
-    helper: Child,
+    helper: zygote::Helper,
     cgroup: Cgroup,
 }
 
@@ -136,6 +137,8 @@ struct Inner {
     mount_point: PathBuf,
     /// `None` for the embedded runtime.
     oci: Option<oci::OciRuntime>,
+    /// Forks setup helpers (embedded runtime only).
+    zygote: zygote::Zygote,
     volumes: volumes::Volumes,
 }
 
@@ -169,6 +172,7 @@ impl NativeRuntime {
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        let config_exe = config.helper_exe.clone();
         let this = Self {
             inner: Arc::new(Inner {
                 standby: Default::default(),
@@ -179,6 +183,7 @@ impl NativeRuntime {
                 base_layer,
                 mount_point,
                 oci,
+                zygote: zygote::Zygote::new(&config_exe),
             }),
         };
         if this.inner.oci.is_none() {
@@ -412,7 +417,7 @@ impl NativeRuntime {
             out.read_to_string(&mut reply)
                 .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?;
         }
-        let _ = helper.wait();
+        helper.wait();
         self.refill_standby();
         let reply_line = reply
             .lines()
@@ -431,7 +436,11 @@ impl NativeRuntime {
     }
 
     /// A helper started now: create the sandbox's cgroup; the helper joins it itself.
-    fn cold_helper(&self, spec: &SandboxSpec, log: fs::File) -> Result<Child, RuntimeError> {
+    fn cold_helper(
+        &self,
+        spec: &SandboxSpec,
+        log: fs::File,
+    ) -> Result<zygote::Helper, RuntimeError> {
         let cg = Cgroup::create(
             &self.inner.layout,
             &self.inner.config.cgroup_parent,
@@ -441,38 +450,50 @@ impl NativeRuntime {
         .map_err(|e| {
             RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
         })?;
+        self.spawn_helper(&cg.procs_files(), log.into())
+            .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))
+    }
+
+    /// A setup helper joining the cgroups whose `cgroup.procs` files are `join`: forked by the
+    /// zygote, or exec'd when the zygote fails.
+    fn spawn_helper(&self, join: &[PathBuf], stderr: OwnedFd) -> std::io::Result<zygote::Helper> {
+        match self.inner.zygote.fork_helper(join, &stderr) {
+            Ok(helper) => return Ok(helper),
+            Err(e) => {
+                tracing::warn!(error = %e, "the zygote could not fork a setup helper; exec'ing one")
+            }
+        }
         let mut cmd = Command::new(&self.inner.config.helper_exe);
         cmd.arg(INIT_SUBCOMMAND);
-        for procs in cg.procs_files() {
+        for procs in join {
             cmd.arg("--join").arg(procs);
         }
-        let helper = cmd
+        let child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
+            .stderr(Stdio::from(stderr))
             .env_clear()
-            .spawn()
-            .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))?;
-        Ok(helper)
+            .spawn()?;
+        Ok(zygote::Helper::spawned(child))
     }
 
     /// A standby helper, already in a cgroup of its own: the cgroup is renamed to the sandbox's and
     /// given its limits. `None` when there is none ready (or it cannot be adopted).
-    fn take_standby(&self, id: &str, limits: &ResourceLimits) -> Option<Child> {
+    fn take_standby(&self, id: &str, limits: &ResourceLimits) -> Option<zygote::Helper> {
         let mut standby = lock(&self.inner.standby).ready.pop()?;
         let adopted = standby
             .cgroup
             .rename(id)
             .and_then(|cg| cg.apply(limits).map(|()| cg));
-        match (standby.helper.try_wait(), adopted) {
-            (Ok(None), Ok(_)) => Some(standby.helper),
+        match (standby.helper.is_running(), adopted) {
+            (true, Ok(_)) => Some(standby.helper),
             (_, adopted) => {
                 tracing::warn!(
                     sandbox_id = id,
                     "a standby setup helper was unusable; starting a fresh one"
                 );
-                let _ = standby.helper.kill();
-                let _ = standby.helper.wait();
+                standby.helper.kill();
+                standby.helper.wait();
                 let cg = adopted.unwrap_or(standby.cgroup);
                 let _ = cg.remove(Duration::from_secs(1));
                 None
@@ -501,8 +522,8 @@ impl NativeRuntime {
                 match started {
                     Ok(s) if !pool.closed => pool.ready.push(s),
                     Ok(mut s) => {
-                        let _ = s.helper.kill();
-                        let _ = s.helper.wait();
+                        s.helper.kill();
+                        s.helper.wait();
                         let _ = s.cgroup.remove(Duration::from_secs(1));
                     }
                     Err(e) => tracing::warn!(error = %e, "starting a standby setup helper failed"),
@@ -529,17 +550,8 @@ impl NativeRuntime {
             &none,
         )
         .map_err(|e| RuntimeError::backend_with("creating a standby cgroup", e))?;
-        let mut cmd = Command::new(&self.inner.config.helper_exe);
-        cmd.arg(INIT_SUBCOMMAND);
-        for procs in cgroup.procs_files() {
-            cmd.arg("--join").arg(procs);
-        }
-        let spawned = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .env_clear()
-            .spawn();
+        let null = fs::OpenOptions::new().write(true).open("/dev/null");
+        let spawned = null.and_then(|null| self.spawn_helper(&cgroup.procs_files(), null.into()));
         let mut helper = match spawned {
             Ok(h) => h,
             Err(e) => {
@@ -552,8 +564,8 @@ impl NativeRuntime {
         };
         // Ready only once it has joined: renaming the cgroup before that would break its join.
         if read_line(helper.stdout.as_mut()).as_deref() != Some(JOINED_LINE) {
-            let _ = helper.kill();
-            let _ = helper.wait();
+            helper.kill();
+            helper.wait();
             let _ = cgroup.remove(Duration::from_secs(1));
             return Err(RuntimeError::backend(
                 "a standby setup helper could not join its cgroup",
@@ -570,10 +582,11 @@ impl NativeRuntime {
             std::mem::take(&mut pool.ready)
         };
         for mut s in ready {
-            let _ = s.helper.kill();
-            let _ = s.helper.wait();
+            s.helper.kill();
+            s.helper.wait();
             let _ = s.cgroup.remove(Duration::from_secs(1));
         }
+        self.inner.zygote.stop();
     }
 
     /// Ready means execd accepts connections: the SDK's first `/ping` must succeed.
@@ -938,7 +951,7 @@ fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
 }
 
 /// One line from a pipe, read byte by byte so nothing after it is consumed.
-fn read_line(pipe: Option<&mut std::process::ChildStdout>) -> Option<String> {
+fn read_line(pipe: Option<&mut fs::File>) -> Option<String> {
     let pipe = pipe?;
     let mut line = Vec::new();
     let mut byte = [0u8; 1];

@@ -1,0 +1,412 @@
+//! Setup helpers forked from a zygote instead of exec'd one by one.
+//!
+//! Every sandbox needs a fresh single-threaded process to unshare namespaces and fork its PID 1 (see
+//! `init`); the server cannot fork itself for that, being multi-threaded. Exec'ing the `warren` binary
+//! for each one cost ~0.8 ms of CPU per sandbox here — most of it the kernel mapping a 30 MB static
+//! binary, glibc's start-up (whose CPU feature probes are hypervisor exits in a VM) and relocations —
+//! a measurable share of a create. So the server starts one zygote (`warren __sandbox-zygote`, a
+//! single-threaded process that does nothing else) and asks it, over a `SOCK_SEQPACKET` socket, to
+//! fork a helper: the request carries the cgroup files to join and the helper's stdin, stdout and
+//! stderr as file descriptors; the answer carries a pidfd of the new helper. The helper then runs
+//! exactly as an exec'd one would (`init::helper`).
+//!
+//! The zygote is the server's child and exits when the server's end of the socket closes; it reaps
+//! its helpers.
+//! Sandbox PID 1s, orphaned when their helper exits, are reparented past the zygote to the server
+//! (a child subreaper), as before. If the zygote cannot be started or stops answering, the runtime
+//! falls back to exec'ing helpers.
+
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType,
+};
+use serde::{Deserialize, Serialize};
+
+/// The hidden subcommand of the `warren` binary that runs `zygote::main`.
+pub const ZYGOTE_SUBCOMMAND: &str = "__sandbox-zygote";
+
+/// The zygote reads its requests on stdin (the socket the server gave it).
+const CONTROL_FD: RawFd = 0;
+/// Largest request: the cgroup files of one helper.
+const MAX_REQUEST: usize = 64 * 1024;
+
+#[derive(Serialize, Deserialize)]
+struct Request {
+    join: Vec<PathBuf>,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Reply {
+    /// The pidfd rides along as ancillary data.
+    Forked {
+        pid: i32,
+    },
+    Failed {
+        error: String,
+    },
+}
+
+/// A setup helper: its pipes, and a handle to watch and stop it.
+pub struct Helper {
+    pub stdin: Option<File>,
+    pub stdout: Option<File>,
+    process: Process,
+}
+
+enum Process {
+    /// Exec'd by the server (the fallback): its child.
+    Spawned(Child),
+    /// Forked by the zygote, which reaps it; watched through its pidfd.
+    Forked { pidfd: OwnedFd },
+}
+
+fn pidfd_exited(pidfd: &OwnedFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: poll on one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        if n >= 0 {
+            return n > 0;
+        }
+        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return true;
+        }
+    }
+}
+
+impl Helper {
+    pub fn spawned(mut child: Child) -> Self {
+        Self {
+            stdin: child.stdin.take().map(|s| File::from(OwnedFd::from(s))),
+            stdout: child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
+            process: Process::Spawned(child),
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.process {
+            Process::Spawned(c) => matches!(c.try_wait(), Ok(None)),
+            Process::Forked { pidfd } => !pidfd_exited(pidfd, 0),
+        }
+    }
+
+    pub fn kill(&mut self) {
+        match &mut self.process {
+            Process::Spawned(c) => {
+                let _ = c.kill();
+            }
+            // SAFETY: pidfd_send_signal(2) on our pidfd; a pidfd cannot name a recycled pid.
+            Process::Forked { pidfd } => unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                );
+            },
+        }
+    }
+
+    /// Waits until it has exited.
+    pub fn wait(&mut self) {
+        match &mut self.process {
+            Process::Spawned(c) => {
+                let _ = c.wait();
+            }
+            Process::Forked { pidfd } => {
+                pidfd_exited(pidfd, -1);
+            }
+        }
+    }
+}
+
+/// The server's side: starts the zygote on first use and again after it died.
+pub struct Zygote {
+    exe: PathBuf,
+    running: Mutex<Option<Running>>,
+}
+
+struct Running {
+    child: Child,
+    control: OwnedFd,
+}
+
+impl Zygote {
+    pub fn new(exe: &Path) -> Self {
+        Self {
+            exe: exe.to_path_buf(),
+            running: Mutex::new(None),
+        }
+    }
+
+    fn start(&self) -> io::Result<Running> {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )?;
+        let child = Command::new(&self.exe)
+            .arg(ZYGOTE_SUBCOMMAND)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .env_clear()
+            .spawn()?;
+        Ok(Running {
+            child,
+            control: ours,
+        })
+    }
+
+    /// A helper that joins the cgroups whose `cgroup.procs` files are `join`, with its stderr on
+    /// `stderr`.
+    pub fn fork_helper(&self, join: &[PathBuf], stderr: &OwnedFd) -> io::Result<Helper> {
+        let (stdin_r, stdin_w) = io::pipe()?;
+        let (stdout_r, stdout_w) = io::pipe()?;
+        let request = serde_json::to_vec(&Request {
+            join: join.to_vec(),
+        })
+        .map_err(io::Error::other)?;
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if running.is_none() {
+            *running = Some(self.start()?);
+        }
+        let Some(zygote) = running.as_ref() else {
+            return Err(io::Error::other("zygote not running"));
+        };
+        let fds = [
+            stdin_r.as_raw_fd(),
+            stdout_w.as_raw_fd(),
+            stderr.as_raw_fd(),
+        ];
+        match ask(&zygote.control, &request, &fds) {
+            Ok(pidfd) => Ok(Helper {
+                stdin: Some(File::from(OwnedFd::from(stdin_w))),
+                stdout: Some(File::from(OwnedFd::from(stdout_r))),
+                process: Process::Forked { pidfd },
+            }),
+            Err(e) => {
+                // Whatever went wrong, a fresh zygote next time.
+                if let Some(mut z) = running.take() {
+                    let _ = z.child.kill();
+                    let _ = z.child.wait();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends the zygote (server shutdown). Helpers it forked live on.
+    pub fn stop(&self) {
+        if let Some(mut z) = self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            drop(z.control);
+            let _ = z.child.kill();
+            let _ = z.child.wait();
+        }
+    }
+}
+
+/// One request and its answer; the answer's pidfd, or why there is none.
+fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedFd> {
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    sendmsg::<()>(
+        control.as_raw_fd(),
+        &[IoSlice::new(request)],
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )?;
+    let mut buf = vec![0u8; 4096];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let (len, pidfd) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            control.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        let mut pidfd = None;
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(received) = c {
+                for fd in received {
+                    // SAFETY: a descriptor the kernel just installed for us; owned from here.
+                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                    pidfd.get_or_insert(owned);
+                }
+            }
+        }
+        (msg.bytes, pidfd)
+    };
+    if len == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the zygote exited",
+        ));
+    }
+    match serde_json::from_slice::<Reply>(&buf[..len]).map_err(io::Error::other)? {
+        Reply::Forked { .. } => pidfd.ok_or_else(|| io::Error::other("the zygote sent no pidfd")),
+        Reply::Failed { error } => Err(io::Error::other(error)),
+    }
+}
+
+/// Entry point of `warren __sandbox-zygote`. Never returns.
+pub fn main() -> ! {
+    // The zygote ends when the server's end of the socket closes — when the server exits, however it
+    // exits. (Not PR_SET_PDEATHSIG: that fires when the server *thread* that started us ends.)
+    loop {
+        reap();
+        // Wake at least once a second to reap helpers that exited.
+        let mut p = libc::pollfd {
+            fd: CONTROL_FD,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, 1000) };
+        if n == 0 || (n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted) {
+            continue;
+        }
+        if n < 0 {
+            std::process::exit(1);
+        }
+        match serve_one() {
+            Ok(true) => {}
+            Ok(false) | Err(_) => std::process::exit(0),
+        }
+    }
+}
+
+fn reap() {
+    // SAFETY: waitpid(2) for any of our children, without blocking.
+    while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+}
+
+/// Handles one request; `false` once the server has closed its end.
+fn serve_one() -> io::Result<bool> {
+    let mut buf = vec![0u8; MAX_REQUEST];
+    let mut space = nix::cmsg_space!([RawFd; 3]);
+    let (len, fds) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            CONTROL_FD,
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(received) = c {
+                // SAFETY: descriptors the kernel just installed for us; owned from here.
+                fds.extend(
+                    received
+                        .into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        (msg.bytes, fds)
+    };
+    if len == 0 {
+        return Ok(false);
+    }
+    let reply = match (serde_json::from_slice::<Request>(&buf[..len]), fds.len()) {
+        (Ok(request), 3) => fork_helper(request, &fds),
+        (Err(e), _) => Reply::Failed {
+            error: format!("bad request: {e}"),
+        },
+        (_, n) => Reply::Failed {
+            error: format!("expected 3 descriptors, got {n}"),
+        },
+    };
+    drop(fds);
+    let (reply, pidfd) = match reply {
+        Reply::Forked { pid } => {
+            // SAFETY: pidfd_open(2) on the child we just forked (not reaped yet: reap() runs only
+            // between requests, after this answer).
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+            if fd < 0 {
+                let error = format!("pidfd_open: {}", io::Error::last_os_error());
+                // SAFETY: kill(2) of our own fresh child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                (Reply::Failed { error }, None)
+            } else {
+                // SAFETY: a descriptor pidfd_open just returned; owned from here.
+                (
+                    Reply::Forked { pid },
+                    Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
+                )
+            }
+        }
+        failed => (failed, None),
+    };
+    let bytes = serde_json::to_vec(&reply).map_err(io::Error::other)?;
+    let raw: Vec<RawFd> = pidfd.iter().map(AsRawFd::as_raw_fd).collect();
+    let cmsg: Vec<ControlMessage> = if raw.is_empty() {
+        Vec::new()
+    } else {
+        vec![ControlMessage::ScmRights(&raw)]
+    };
+    sendmsg::<()>(
+        CONTROL_FD,
+        &[IoSlice::new(&bytes)],
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )?;
+    Ok(true)
+}
+
+fn fork_helper(request: Request, fds: &[OwnedFd]) -> Reply {
+    // SAFETY: the zygote is single-threaded (it dispatches here at start, before any thread or
+    // runtime exists), so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => {
+            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated name: `ps` tells helpers apart.
+            unsafe { libc::prctl(libc::PR_SET_NAME, c"warren-setup".as_ptr(), 0, 0, 0) };
+            // The helper's stdin, stdout and stderr; dup2 onto 0 also closes our control socket
+            // there, so the helper holds nothing of the zygote.
+            for (fd, target) in fds.iter().zip(0..) {
+                // SAFETY: dup2 of descriptors we own onto the standard ones.
+                if unsafe { libc::dup2(fd.as_raw_fd(), target) } < 0 {
+                    // SAFETY: _exit in the forked child.
+                    unsafe { libc::_exit(126) };
+                }
+            }
+            for fd in fds {
+                // SAFETY: closing our copies (all above 2: received after 0, 1, 2 were open).
+                unsafe { libc::close(fd.as_raw_fd()) };
+            }
+            let join = request
+                .join
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            crate::init::helper(join)
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => Reply::Forked {
+            pid: child.as_raw(),
+        },
+        Err(e) => Reply::Failed {
+            error: format!("fork: {e}"),
+        },
+    }
+}
