@@ -132,18 +132,22 @@ def _zygotes(server_pid: int) -> list[int]:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server_pid and b"__sandbox-zygote" in cmd:
+        # helpers it forked share its command line but are named warren-setup; those of a killed
+        # zygote are reparented to the server
+        if ppid == server_pid and b"__sandbox-zygote" in cmd and comm != "warren-setup":
             found.append(int(entry))
     return found
 
 
 @pytest.mark.timeout(120)
 def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_server):
-    """Embedded sandboxes' setup helpers are forked by a zygote the server starts: killing it costs
-    no create (a new one is started, or a helper exec'd), and it does not outlive a server killed
-    with SIGKILL."""
+    """Embedded sandboxes' setup helpers are forked by a zygote the server starts: killing or
+    stopping it costs no create (a new one is started, or a helper exec'd), and it does not outlive
+    a server killed with SIGKILL."""
     from opensandbox import SandboxSync
 
     srv = fresh_server
@@ -161,8 +165,25 @@ def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_se
     second = W.wait_until(lambda: [p for p in _zygotes(srv.proc.pid) if p not in first], 10,
                           message="a new zygote after the first was killed")
 
+    # a wedged zygote (stopped) costs a create a few seconds, not the create itself
+    for pid in second:
+        os.kill(pid, signal.SIGSTOP)
+    sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+    W.track_sandbox(sbx.id)
+    assert sbx.commands.run("echo alive").logs.stdout[0].text.strip() == "alive"
+    sbx.kill()
+    sbx.close()
+    W.wait_until(lambda: not any(_running(p) for p in second), 15,
+                 message="the wedged zygote to be given up")
+    sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+    W.track_sandbox(sbx.id)
+    sbx.kill()
+    sbx.close()
+    third = W.wait_until(lambda: [p for p in _zygotes(srv.proc.pid) if p not in first + second], 10,
+                         message="a zygote in place of the wedged one")
+
     srv.kill9()
-    W.wait_until(lambda: not any(_running(p) for p in second), 10,
+    W.wait_until(lambda: not any(_running(p) for p in third), 10,
                  message="the zygote to exit with its server")
 
 

@@ -36,6 +36,8 @@ pub const ZYGOTE_SUBCOMMAND: &str = "__sandbox-zygote";
 const CONTROL_FD: RawFd = 0;
 /// Largest request: the cgroup files of one helper.
 const MAX_REQUEST: usize = 64 * 1024;
+/// How long the server waits for the zygote to take a request and answer it.
+const ANSWER_TIMEOUT_SECS: i64 = 5;
 
 #[derive(Serialize, Deserialize)]
 struct Request {
@@ -158,6 +160,11 @@ impl Zygote {
             None,
             SockFlag::SOCK_CLOEXEC,
         )?;
+        // A zygote that stops answering (stopped, wedged) must not hang every create behind it: after
+        // this long the request fails, the zygote is replaced and the helper exec'd instead.
+        let timeout = nix::sys::time::TimeVal::new(ANSWER_TIMEOUT_SECS, 0);
+        nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
+        nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::SendTimeout, &timeout)?;
         let child = Command::new(&self.exe)
             .arg(ZYGOTE_SUBCOMMAND)
             .stdin(Stdio::from(theirs))

@@ -96,12 +96,20 @@ pub enum StoreError {
     },
 }
 
-/// One journal line.
-#[derive(Serialize, Deserialize)]
+/// One journal line, as read.
+#[derive(Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Line {
     Put(Box<SandboxRecord>),
     Del(String),
+}
+
+/// One journal line, as written (the same shape, borrowed).
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
+enum LineRef<'a> {
+    Put(&'a SandboxRecord),
+    Del(&'a str),
 }
 
 /// Below this size the journal is never compacted.
@@ -236,21 +244,25 @@ impl Store {
         }
     }
 
-    fn append(&self, j: &mut Journal, line: &Line) -> Result<u64, StoreError> {
+    fn append(&self, j: &mut Journal, line: &LineRef) -> Result<u64, StoreError> {
         let mut bytes = serde_json::to_vec(line).map_err(|source| StoreError::Corrupt {
             path: self.path.clone(),
             source,
         })?;
         bytes.push(b'\n');
         // One write of the whole line: O_APPEND puts it at the end in one piece.
-        j.file.write_all(&bytes).map_err(self.io_err())?;
+        if let Err(e) = j.file.write_all(&bytes) {
+            // A part written (a full disk) would glue the next line onto it: cut it off again.
+            let _ = j.file.set_len(j.len);
+            return Err(self.io_err()(e));
+        }
         j.len += bytes.len() as u64;
         Ok(bytes.len() as u64)
     }
 
     pub fn save(&self, record: &SandboxRecord) -> Result<(), StoreError> {
         let mut j = lock(&self.journal);
-        let n = self.append(&mut j, &Line::Put(Box::new(record.clone())))?;
+        let n = self.append(&mut j, &LineRef::Put(record))?;
         let old = j.live.insert(record.id.clone(), n).unwrap_or(0);
         j.live_len = j.live_len + n - old;
         self.maybe_compact(&mut j)
@@ -258,11 +270,12 @@ impl Store {
 
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let mut j = lock(&self.journal);
-        let Some(old) = j.live.remove(id) else {
+        let Some(&old) = j.live.get(id) else {
             return Ok(());
         };
+        self.append(&mut j, &LineRef::Del(id))?;
+        j.live.remove(id);
         j.live_len -= old;
-        self.append(&mut j, &Line::Del(id.to_string()))?;
         self.maybe_compact(&mut j)
     }
 
