@@ -89,3 +89,42 @@ def test_import_bad_path_fails_cleanly(server, work_root):
 
 def test_host_image_listed(server):
     assert "host" in server.cli("image", "ls").stdout.split()
+
+
+def test_folders_warren_needs_come_from_a_base_layer_and_the_image_wins(server, work_root, make_sandbox):
+    """/.warren, /tmp, /workspace and the mount points /dev, /proc, /sys come from a base layer under
+    every image: an image without them
+    still gets them (with the right modes) and nothing is made in the sandbox's own writable layer;
+    an image that has its own /tmp (here a symlink) keeps it."""
+    server.native_only("Warren's image store (on Docker, images are the daemon's)")
+    bb = _require_busybox()
+    for variant in ("bare", "own-tmp"):
+        root = work_root / f"base-{variant}-{uuid.uuid4().hex[:6]}"
+        (root / "bin").mkdir(parents=True)
+        (root / "etc").mkdir()
+        (root / "var/scratch").mkdir(parents=True)
+        shutil.copy2(bb, root / "bin/busybox")
+        for a in APPLETS:
+            os.symlink("busybox", root / "bin" / a)
+        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        if variant == "own-tmp":
+            os.symlink("var/scratch", root / "tmp")
+        name = f"base-{variant}:{uuid.uuid4().hex[:6]}"
+        server.cli("image", "import", name, str(root))
+        sbx = make_sandbox(name, entrypoint=["/bin/sleep", "100000"])
+        code, out, err = W.sh(sbx, "stat -c '%a %F' /tmp /workspace; ls -a / | tr '\\n' ' '; echo; "
+                                   "echo x > /workspace/w && cat /workspace/w")
+        assert code == 0, err
+        lines = out.strip().splitlines()
+        if variant == "bare" or server.gvisor:  # gVisor mounts a tmpfs of its own on /tmp
+            assert lines[0] == "1777 directory", lines
+        else:
+            assert lines[0] == "777 symbolic link", f"the image's own /tmp wins: {lines}"
+        assert lines[1] == "755 directory", lines
+        assert lines[-1] == "x"
+        if not server.gvisor:  # gVisor keeps a sandbox's writes in its own overlay
+            upper = server.data_dir / "sandboxes" / sbx.id / "upper"
+            made = sorted(p.name for p in upper.iterdir())
+            assert made == ["workspace"], f"only what the sandbox wrote is in its upper dir: {made}"
+        sbx.kill()
+        shutil.rmtree(root)

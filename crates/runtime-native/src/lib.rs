@@ -163,7 +163,8 @@ impl NativeRuntime {
         };
         let skeleton = build_host_skeleton(&config.data_dir.join("host-skeleton"))
             .map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
-        let base_layer = build_base_layer(&config.data_dir.join("sandbox-base"))
+        // Named anew whenever its content changes: running sandboxes keep the one they were made with.
+        let base_layer = build_base_layer(&config.data_dir.join("sandbox-base-1"))
             .map_err(|e| RuntimeError::backend_with("building the sandbox base layer", e))?;
         let mount_point = config.data_dir.join("mnt");
         fs::create_dir_all(&mount_point)
@@ -864,11 +865,19 @@ fn build_base_layer(dir: &Path) -> std::io::Result<PathBuf> {
         (spec::WARREN_DIR, 0o755),
         ("tmp", 0o1777),
         ("workspace", 0o755),
+        // mount points
+        ("dev", 0o755),
+        ("proc", 0o555),
+        ("sys", 0o555),
     ] {
         let path = tmp.join(name);
         fs::create_dir_all(&path)?;
         fs::set_permissions(&path, fs::Permissions::from_mode(mode))?;
     }
+    // Mount points an OCI runtime would otherwise create in the upper dir (the embedded runtime
+    // mounts a tmpfs over /.warren first).
+    fs::create_dir_all(tmp.join(spec::WARREN_DIR).join("run"))?;
+    fs::write(tmp.join(spec::WARREN_DIR).join("execd"), b"")?;
     match fs::rename(&tmp, dir) {
         Ok(()) => Ok(dir.to_path_buf()),
         // another process made it first

@@ -44,7 +44,8 @@ pub struct InitSpec {
     #[serde(default)]
     pub volumes: Vec<HostMount>,
     /// The lowest layer under every image: the folders Warren mounts on or makes in each sandbox
-    /// (`/.warren`, `/tmp`, `/workspace`), so an image without them does not get them made in the
+    /// (`/.warren`, `/tmp`, `/workspace`, `/dev`, `/proc`, `/sys`), so an image without them does
+    /// not get them made in the
     /// sandbox's upper dir (an inode made and freed on disk per sandbox). The image wins where it
     /// has them.
     #[serde(default)]
