@@ -3,6 +3,7 @@
 //! into non-blocking tokio readers. Everything goes through the [`Reaper`].
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -194,23 +195,30 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
     drop(cmd);
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
     let stdout = match combined_reader {
-        Some(reader) => pipe::Receiver::from_owned_fd(reader.into()).map(Some),
-        None => child
-            .stdout
-            .take()
-            .map(|p| pipe::Receiver::from_owned_fd(p.into()))
-            .transpose(),
+        Some(reader) => Some(reader.into()),
+        None => child.stdout.take().map(Into::into),
     };
-    let stderr = child
-        .stderr
-        .take()
-        .map(|p| pipe::Receiver::from_owned_fd(p.into()))
-        .transpose();
-    let stdin = child
-        .stdin
-        .take()
-        .map(|p| pipe::Sender::from_owned_fd(p.into()))
-        .transpose();
+    running(
+        pid,
+        exit,
+        stdout,
+        child.stderr.take().map(Into::into),
+        child.stdin.take().map(Into::into),
+    )
+}
+
+/// Our ends of a started child's pipes, made non-blocking for tokio; if that fails, the child's
+/// process group is killed.
+fn running(
+    pid: i32,
+    exit: tokio::sync::oneshot::Receiver<Exit>,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+    stdin: Option<OwnedFd>,
+) -> Result<Running, SpawnError> {
+    let stdout = stdout.map(pipe::Receiver::from_owned_fd).transpose();
+    let stderr = stderr.map(pipe::Receiver::from_owned_fd).transpose();
+    let stdin = stdin.map(pipe::Sender::from_owned_fd).transpose();
     match (stdout, stderr, stdin) {
         (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running {
             pid,
@@ -234,7 +242,7 @@ fn spawn_shell(
     script: &str,
     stdin: StdinMode,
 ) -> Result<Running, SpawnError> {
-    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::fd::AsRawFd;
     let (out_r, out_w) = std::io::pipe().map_err(SpawnError::Pipe)?;
     let err = if spec.combine_output {
         None
@@ -275,28 +283,13 @@ fn spawn_shell(
         })?;
     // The child's ends close here: EOF on our ends must come when the child is done with them.
     drop(out_w);
-    let err_r = err.map(|(r, _)| r);
-    let stdin_w = input.map(|(_, w)| w);
-    let stdout = pipe::Receiver::from_owned_fd(OwnedFd::from(out_r));
-    let stderr = err_r
-        .map(|r| pipe::Receiver::from_owned_fd(OwnedFd::from(r)))
-        .transpose();
-    let stdin = stdin_w
-        .map(|w| pipe::Sender::from_owned_fd(OwnedFd::from(w)))
-        .transpose();
-    match (stdout, stderr, stdin) {
-        (Ok(stdout), Ok(stderr), Ok(stdin)) => Ok(Running {
-            pid,
-            exit,
-            stdout: Some(stdout),
-            stderr,
-            stdin,
-        }),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
-            kill_group(pid, Signal::SIGKILL);
-            Err(SpawnError::Pipe(e))
-        }
-    }
+    running(
+        pid,
+        exit,
+        Some(out_r.into()),
+        err.map(|(r, _)| r.into()),
+        input.map(|(_, w)| w.into()),
+    )
 }
 
 /// Signals the whole process group led by `pgid`; a group that is already gone is not an error.

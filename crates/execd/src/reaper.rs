@@ -64,7 +64,6 @@ impl Reaper {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Spawns `cmd` and registers its pid before the reaper can see it exit.
     /// Registers the pid `start` returns for exit delivery. The table stays locked while `start`
     /// runs, so a child that exits at once cannot be reaped before its waiter exists.
     pub fn start(
@@ -78,13 +77,17 @@ impl Reaper {
         Ok((pid, rx))
     }
 
+    /// Spawns `cmd` and registers its pid before the reaper can see it exit.
     pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Spawned> {
-        let mut table = self.lock();
-        let child = cmd.spawn()?;
-        let (tx, rx) = oneshot::channel();
-        let pid = i32::try_from(child.id()).map_err(std::io::Error::other)?;
-        table.waiters.insert(pid, tx);
-        Ok(Spawned { child, exit: rx })
+        let mut child = None;
+        let (_, exit) = self.start(|| {
+            let c = cmd.spawn()?;
+            let pid = i32::try_from(c.id()).map_err(std::io::Error::other)?;
+            child = Some(c);
+            Ok(pid)
+        })?;
+        let child = child.ok_or_else(|| std::io::Error::other("spawned without a child"))?;
+        Ok(Spawned { child, exit })
     }
 
     /// Reaps everything that has exited and dispatches statuses. Returns how many were reaped.

@@ -173,9 +173,9 @@ impl NativeRuntime {
         // reaches `wait_exit` instead of a possibly non-reaping PID 1.
         // SAFETY: prctl with constant arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        let config_exe = config.helper_exe.clone();
         let this = Self {
             inner: Arc::new(Inner {
+                zygote: zygote::Zygote::new(&config.helper_exe),
                 standby: Default::default(),
                 volumes: volumes::Volumes::new(&config.data_dir),
                 config,
@@ -184,7 +184,6 @@ impl NativeRuntime {
                 base_layer,
                 mount_point,
                 oci,
-                zygote: zygote::Zygote::new(&config_exe),
             }),
         };
         if this.inner.oci.is_none() {

@@ -231,38 +231,50 @@ impl Zygote {
     }
 }
 
-/// One request and its answer; the answer's pidfd, or why there is none.
-fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedFd> {
-    let cmsg = [ControlMessage::ScmRights(fds)];
+/// Sends one message with `fds` attached.
+fn send(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsg: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
     sendmsg::<()>(
-        control.as_raw_fd(),
-        &[IoSlice::new(request)],
-        &cmsg,
+        socket,
+        &[IoSlice::new(bytes)],
+        cmsg,
         MsgFlags::empty(),
         None,
     )?;
-    let mut buf = vec![0u8; 4096];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
-    let (len, pidfd) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            control.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )?;
-        let mut pidfd = None;
-        for c in msg.cmsgs()? {
-            if let ControlMessageOwned::ScmRights(received) = c {
-                for fd in received {
-                    // SAFETY: a descriptor the kernel just installed for us; owned from here.
-                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-                    pidfd.get_or_insert(owned);
-                }
-            }
+    Ok(())
+}
+
+/// Receives one message (at most 3 descriptors with it) into `buf`: its length (0 once the other
+/// end has closed) and the descriptors, owned.
+fn receive(socket: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut space = nix::cmsg_space!([RawFd; 3]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        socket,
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = c {
+            // SAFETY: descriptors the kernel just installed for us; owned from here.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
         }
-        (msg.bytes, pidfd)
-    };
+    }
+    Ok((msg.bytes, fds))
+}
+
+/// One request and its answer; the answer's pidfd, or why there is none.
+fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedFd> {
+    send(control.as_raw_fd(), request, fds)?;
+    let mut buf = vec![0u8; 4096];
+    let (len, received) = receive(control.as_raw_fd(), &mut buf)?;
     if len == 0 {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
@@ -270,7 +282,10 @@ fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedF
         ));
     }
     match serde_json::from_slice::<Reply>(&buf[..len]).map_err(io::Error::other)? {
-        Reply::Forked { .. } => pidfd.ok_or_else(|| io::Error::other("the zygote sent no pidfd")),
+        Reply::Forked { .. } => received
+            .into_iter()
+            .next()
+            .ok_or_else(|| io::Error::other("the zygote sent no pidfd")),
         Reply::Failed { error } => Err(io::Error::other(error)),
     }
 }
@@ -310,28 +325,7 @@ fn reap() {
 /// Handles one request; `false` once the server has closed its end.
 fn serve_one() -> io::Result<bool> {
     let mut buf = vec![0u8; MAX_REQUEST];
-    let mut space = nix::cmsg_space!([RawFd; 3]);
-    let (len, fds) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            CONTROL_FD,
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )?;
-        let mut fds: Vec<OwnedFd> = Vec::new();
-        for c in msg.cmsgs()? {
-            if let ControlMessageOwned::ScmRights(received) = c {
-                // SAFETY: descriptors the kernel just installed for us; owned from here.
-                fds.extend(
-                    received
-                        .into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
-        }
-        (msg.bytes, fds)
-    };
+    let (len, fds) = receive(CONTROL_FD, &mut buf)?;
     if len == 0 {
         return Ok(false);
     }
@@ -367,18 +361,7 @@ fn serve_one() -> io::Result<bool> {
     };
     let bytes = serde_json::to_vec(&reply).map_err(io::Error::other)?;
     let raw: Vec<RawFd> = pidfd.iter().map(AsRawFd::as_raw_fd).collect();
-    let cmsg: Vec<ControlMessage> = if raw.is_empty() {
-        Vec::new()
-    } else {
-        vec![ControlMessage::ScmRights(&raw)]
-    };
-    sendmsg::<()>(
-        CONTROL_FD,
-        &[IoSlice::new(&bytes)],
-        &cmsg,
-        MsgFlags::empty(),
-        None,
-    )?;
+    send(CONTROL_FD, &bytes, &raw)?;
     Ok(true)
 }
 
