@@ -97,17 +97,25 @@ def pytest_sessionfinish(session, exitstatus):
 def work_root(request):
     """Temp folder holding every data dir, config and server log of this run.
     Removed at the end only if nothing failed (or the leak check passed) and
-    nothing is mounted below it; WARREN_E2E_KEEP=1 always keeps it."""
+    nothing is mounted below it; after a failure it is kept less its image
+    layers; WARREN_E2E_KEEP=1 always keeps it whole."""
     root = W.work_root()
     yield root
     if os.environ.get("WARREN_E2E_KEEP") == "1":
         return
     clean = W.REGISTRY.leak_check_passed or request.session.testsfailed == 0
-    if not clean or any(s.alive() for s in W.REGISTRY.servers):
-        print(f"\nwarren e2e: keeping {root} for inspection", file=sys.stderr)
-        return
     if W.leaked_mounts([root]):
         print(f"\nwarren e2e: mounts remain below {root}; not deleting it", file=sys.stderr)
+        return
+    if any(s.alive() for s in W.REGISTRY.servers):
+        print(f"\nwarren e2e: a server still runs; keeping {root} for inspection", file=sys.stderr)
+        return
+    if not clean:
+        # Logs, configs and sandbox records tell what went wrong; the imported image layers
+        # (hundreds of MiB per server) do not, and failed runs kept whole have filled disks.
+        for images in root.glob("data-*/images"):
+            shutil.rmtree(images, ignore_errors=True)
+        print(f"\nwarren e2e: keeping {root} (without image layers) for inspection", file=sys.stderr)
         return
     shutil.rmtree(root, ignore_errors=True)
 
