@@ -52,7 +52,14 @@ fn main() {
         entrypoint: args.entrypoint,
         jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
     };
-    let runtime = match tokio::runtime::Runtime::new() {
+    // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
+    // threads would cost each sandbox their creation, and each request hand-offs between them
+    // (on an idle virtual machine a wake-up of another CPU is ~0.3 ms). Blocking file work
+    // still runs on tokio's blocking pool.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("warren-execd: cannot start runtime: {e}");

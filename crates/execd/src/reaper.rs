@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::process::{Child, Command};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use nix::errno::Errno;
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -92,7 +92,19 @@ impl Reaper {
 
     /// Reaps everything that has exited and dispatches statuses. Returns how many were reaped.
     pub fn reap_now(&self) -> usize {
-        let mut table = self.lock();
+        Self::reap_locked(&mut self.lock())
+    }
+
+    /// `reap_now` unless a spawn holds the table right now (`None` then).
+    fn try_reap_now(&self) -> Option<usize> {
+        match self.table.try_lock() {
+            Ok(mut table) => Some(Self::reap_locked(&mut table)),
+            Err(TryLockError::Poisoned(e)) => Some(Self::reap_locked(&mut e.into_inner())),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn reap_locked(table: &mut Table) -> usize {
         let mut reaped = 0;
         loop {
             let (pid, exit) = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
@@ -123,9 +135,13 @@ impl Reaper {
     pub async fn run(self) -> std::io::Result<()> {
         let mut sigchld = signal(SignalKind::child())?;
         loop {
-            let this = self.clone();
-            // waitpid with WNOHANG never blocks, but the table lock may be held across a fork/exec.
-            let _ = tokio::task::spawn_blocking(move || this.reap_now()).await;
+            // waitpid with WNOHANG never blocks, but the table lock may be held across a fork/exec
+            // on another thread: then reap off the runtime. Spawns on the runtime's own thread
+            // cannot hold it here, so this is rare, and most exits cost no thread hand-off.
+            if self.try_reap_now().is_none() {
+                let this = self.clone();
+                let _ = tokio::task::spawn_blocking(move || this.reap_now()).await;
+            }
             if sigchld.recv().await.is_none() {
                 return Ok(());
             }
