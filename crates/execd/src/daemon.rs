@@ -5,6 +5,7 @@
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,7 @@ use crate::{router, AppState};
 /// How long the entrypoint gets to stop after a forwarded SIGTERM before it is killed.
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Config {
     pub sockets: Vec<PathBuf>,
     pub listen: Option<SocketAddr>,
@@ -28,6 +29,24 @@ pub struct Config {
     pub entrypoint: Vec<String>,
     /// Serve the Jupyter health port here once a kernel can start.
     pub jupyter_port: Option<u16>,
+    /// Closed once every listener is bound (see `adopt_ready_fd`).
+    pub ready_fd: Option<OwnedFd>,
+}
+
+/// Takes the `--ready-fd` descriptor: marks it close-on-exec, so no process execd starts holds it,
+/// and owns it, so that dropping it tells the other end that execd listens. `None` (with a
+/// warning) when `fd` is not open.
+pub fn adopt_ready_fd(fd: i32) -> Option<OwnedFd> {
+    // SAFETY: fcntl on a descriptor number only reads and sets its flags; a closed one fails.
+    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        tracing::warn!(
+            fd,
+            "--ready-fd is not an open descriptor above stderr; ignored"
+        );
+        return None;
+    }
+    // SAFETY: the descriptor is open (fcntl succeeded) and nothing else in execd owns it.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
@@ -104,6 +123,8 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             });
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
+    // Listening: whoever waits on the other end of the ready pipe may connect now.
+    drop(config.ready_fd);
     if let Some(port) = config.jupyter_port {
         // Not in `servers`: it waits for a kernel to appear and may never listen, which is not a failure.
         tokio::spawn(crate::interpreter::jupyter_port::serve(port));

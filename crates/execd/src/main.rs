@@ -26,6 +26,10 @@ struct Args {
     /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
     #[arg(long, value_name = "PORT", env = "JUPYTER_PORT", default_value_t = warren_execd::interpreter::jupyter_port::DEFAULT_PORT)]
     jupyter_port: u16,
+    /// A descriptor execd closes once it listens: whoever holds the other end of this pipe learns
+    /// that execd is ready without polling its socket.
+    #[arg(long, value_name = "FD")]
+    ready_fd: Option<i32>,
     /// The sandbox's main process; execd exits with its exit code.
     #[arg(last = true, value_name = "ENTRYPOINT")]
     entrypoint: Vec<String>,
@@ -41,6 +45,8 @@ fn main() {
         )
         .init();
     let args = Args::parse();
+    // Before anything is spawned: the entrypoint and commands must not inherit it.
+    let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
     let listen = match (&args.listen, args.sockets.is_empty()) {
         (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
         (l, _) => *l,
@@ -51,6 +57,7 @@ fn main() {
         workdir: args.workdir,
         entrypoint: args.entrypoint,
         jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
+        ready_fd,
     };
     // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
     // threads would cost each sandbox their creation, and each request hand-offs between them

@@ -3,7 +3,8 @@
 //! and execs execd. It never runs inside the multi-threaded server, so `fork` here is sound.
 //!
 //! Protocol: spec JSON on stdin, one `InitReply` JSON line on stdout. The forked child reports setup
-//! failures through a close-on-exec pipe: EOF without data means `execve` succeeded.
+//! failures through a close-on-exec pipe: EOF without data means `execve` succeeded. execd holds
+//! a copy of stdout (`--ready-fd`) until it listens, so EOF on stdout means "ready" (or "gone").
 
 use std::ffi::CString;
 use std::fs;
@@ -139,12 +140,23 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
 
     let execd = CString::new(EXECD_IN_SANDBOX).map_err(|e| e.to_string())?;
     let socket = format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}");
+    // execd keeps a copy of the reply pipe (stdout) open until it listens, so the server's read
+    // of the reply ends just when the sandbox is ready, instead of it polling execd's socket.
+    // SAFETY: F_DUPFD duplicates an open descriptor to the lowest free number ≥ 3, without
+    // close-on-exec; it touches no memory.
+    let ready_fd = unsafe { libc::fcntl(1, libc::F_DUPFD, 3) };
+    if ready_fd < 0 {
+        return Err(format!("dup: {}", std::io::Error::last_os_error()));
+    }
+    let ready_fd = ready_fd.to_string();
     let mut argv: Vec<CString> = [
         "warren-execd",
         "--socket",
         &socket,
         "--workdir",
         &spec.workdir,
+        "--ready-fd",
+        &ready_fd,
         "--",
     ]
     .iter()
@@ -167,7 +179,8 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
     let null = fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
     let null: OwnedFd = null.into();
     nix::unistd::dup2(null.as_raw_fd(), 0).map_err(|e| format!("dup2: {e}"))?;
-    // Our stdout is the reply pipe to the server; holding it open would leak it into the sandbox.
+    // Our stdout is the reply pipe to the server; only execd's ready descriptor keeps it (and
+    // closes it once listening), the sandbox's processes must not.
     nix::unistd::dup2(2, 1).map_err(|e| format!("dup2: {e}"))?;
 
     security::restrict_privileges().map_err(|e| format!("{e}"))?;

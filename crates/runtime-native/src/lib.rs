@@ -350,18 +350,19 @@ impl NativeRuntime {
             .open(&log_path)
             .map_err(|e| RuntimeError::backend_with("opening the sandbox log", e))?;
         let started = Instant::now();
-        let pid = match &self.inner.oci {
+        let (pid, ready) = match &self.inner.oci {
             None => self.start_embedded(spec, log, &log_path, &volumes.mounts)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let mut init_spec = self.init_spec(spec);
                 init_spec.volumes = volumes.mounts.clone();
-                oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
+                let pid = oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
                     RuntimeError::backend_with(
                         format!("starting sandbox {} with {}", spec.id, oci.binary.display()),
                         e,
                     )
-                })?
+                })?;
+                (pid, None)
             }
         };
         *pid_out = Some(pid);
@@ -374,6 +375,7 @@ impl NativeRuntime {
         let spawned = started.elapsed();
         self.wait_ready(
             pid,
+            ready,
             &dir.join("run").join(EXECD_SOCKET_NAME),
             &dir.join("sandbox.log"),
         )?;
@@ -393,7 +395,7 @@ impl NativeRuntime {
         log: fs::File,
         log_path: &Path,
         volumes: &[spec::HostMount],
-    ) -> Result<i32, RuntimeError> {
+    ) -> Result<(i32, Option<fs::File>), RuntimeError> {
         let mut helper = match self.take_standby(&spec.id, &spec.limits) {
             Some(warm) => warm,
             None => self.cold_helper(spec, log)?,
@@ -403,7 +405,6 @@ impl NativeRuntime {
         init_spec.volumes = volumes.to_vec();
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
-        let mut reply = String::new();
         {
             let mut stdin = helper
                 .stdin
@@ -413,22 +414,20 @@ impl NativeRuntime {
                 .write_all(&payload)
                 .map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
         }
-        if let Some(mut out) = helper.stdout.take() {
-            out.read_to_string(&mut reply)
-                .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?;
-        }
+        let mut out = helper.stdout.take();
+        let reply_line = match out.as_mut() {
+            Some(pipe) => read_reply(pipe)
+                .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?,
+            None => String::new(),
+        };
         helper.wait();
         self.refill_standby();
-        let reply_line = reply
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty() && *l != JOINED_LINE)
-            .unwrap_or("");
         let reply: InitReply = serde_json::from_str(reply_line.trim()).map_err(|_| {
             RuntimeError::backend(format!("sandbox setup helper died: {}", log_tail(log_path)))
         })?;
         match reply {
-            InitReply::Started { pid } => Ok(pid),
+            // execd holds the pipe's last writer until it listens (see `init`).
+            InitReply::Started { pid } => Ok((pid, out)),
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
@@ -589,9 +588,19 @@ impl NativeRuntime {
         self.inner.zygote.stop();
     }
 
-    /// Ready means execd accepts connections: the SDK's first `/ping` must succeed.
-    fn wait_ready(&self, pid: i32, socket: &Path, log: &Path) -> Result<(), RuntimeError> {
+    /// Ready means execd accepts connections: the SDK's first `/ping` must succeed. With `ready`,
+    /// the pipe execd closes once it listens, that moment is waited for rather than polled.
+    fn wait_ready(
+        &self,
+        pid: i32,
+        ready: Option<fs::File>,
+        socket: &Path,
+        log: &Path,
+    ) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + self.inner.config.ready_timeout;
+        if let Some(pipe) = ready {
+            wait_closed(pipe, deadline);
+        }
         let mut delay = Duration::from_micros(200);
         loop {
             if let Ok((_dir, reachable)) = warren_core::reachable_socket_path(socket) {
@@ -959,6 +968,64 @@ fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
 }
 
 /// One line from a pipe, read byte by byte so nothing after it is consumed.
+/// Reads the setup helper's stdout up to its reply line (a complete line other than
+/// `JOINED_LINE`), or to EOF; returns that line, empty if none came. Reads no further: the pipe
+/// stays open while execd starts.
+fn read_reply(pipe: &mut fs::File) -> std::io::Result<String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 512];
+    loop {
+        let n = match pipe.read(&mut chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf);
+        // Until EOF, only whole lines count (the reply may arrive in pieces).
+        let complete = match (n, text.rsplit_once('\n')) {
+            (0, _) => &*text,
+            (_, Some((done, _))) => done,
+            (_, None) => "",
+        };
+        let reply = complete
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty() && *l != JOINED_LINE);
+        if reply.is_some() || n == 0 {
+            return Ok(reply.unwrap_or_default().to_owned());
+        }
+    }
+}
+
+/// Waits until every writer of `pipe` has closed it, or `deadline`.
+fn wait_closed(mut pipe: fs::File, deadline: Instant) {
+    let mut scratch = [0u8; 64];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd {
+            fd: pipe.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: poll on one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n <= 0 {
+            return; // timed out (or poll failed): the caller's own checks decide
+        }
+        match pipe.read(&mut scratch) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
 fn read_line(pipe: Option<&mut fs::File>) -> Option<String> {
     let pipe = pipe?;
     let mut line = Vec::new();

@@ -260,3 +260,58 @@ async fn as_pid1_reaps_orphans_and_exits_with_entrypoint() {
         .expect("status");
     assert_eq!(status.code(), Some(4));
 }
+
+/// `--ready-fd`: execd closes it once it listens, and nothing it starts holds a copy, so its other
+/// end sees EOF exactly when the sandbox can be used, while the entrypoint runs on.
+#[test]
+fn ready_fd_closes_once_listening_and_stays_out_of_the_entrypoint() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let socket = dir.path().join("s.sock");
+    // Close-on-exec here, so that only this execd (as its fd 3) gets the write end, not children
+    // other tests start meanwhile.
+    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("pipe");
+    let raw = write_end.as_raw_fd();
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--socket")
+        .arg(&socket)
+        .args(["--ready-fd", "3", "--", "/bin/sleep", "30"])
+        .env("RUST_LOG", "warn");
+    // SAFETY: dup2 is async-signal-safe; it runs in the forked child just before exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("spawn");
+    drop(write_end);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut rest = Vec::new();
+        let _ = std::fs::File::from(read_end).read_to_end(&mut rest);
+        let _ = tx.send(());
+    });
+    let closed = rx.recv_timeout(Duration::from_secs(10)).is_ok();
+    let listening = std::os::unix::net::UnixStream::connect(&socket).is_ok();
+    let running = child.try_wait().expect("try_wait").is_none();
+    // SIGTERM, which execd forwards to the entrypoint, so that no `sleep` outlives the test.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    assert!(
+        closed,
+        "the ready descriptor was never closed (or the entrypoint holds it)"
+    );
+    assert!(
+        listening,
+        "the ready descriptor closed before execd listened"
+    );
+    assert!(running, "execd should still run with its entrypoint");
+}
