@@ -174,6 +174,11 @@ pub async fn mv(
     State(app): State<Arc<AppState>>,
     ApiJson(items): ApiJson<Vec<MoveItem>>,
 ) -> ApiResult<()> {
+    // Off execd's one thread: across filesystems (a volume and the root) a move is a copy.
+    blocking(move || move_all(&app, items)).await
+}
+
+fn move_all(app: &AppState, items: Vec<MoveItem>) -> ApiResult<()> {
     for item in items {
         let (src, dest) = (app.resolve(&item.src), app.resolve(&item.dest));
         std::fs::symlink_metadata(&src).map_err(|e| ApiError::io(&item.src, e))?;

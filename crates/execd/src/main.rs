@@ -60,9 +60,8 @@ fn main() {
         ready_fd,
     };
     // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
-    // threads would cost each sandbox their creation, and each request hand-offs between them
-    // (on an idle virtual machine a wake-up of another CPU is ~0.3 ms). Blocking file work
-    // still runs on tokio's blocking pool.
+    // threads would cost each sandbox their creation, and each request hand-offs between them.
+    // Blocking file work still runs on tokio's blocking pool.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -967,7 +967,6 @@ fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
     }
 }
 
-/// One line from a pipe, read byte by byte so nothing after it is consumed.
 /// Reads the setup helper's stdout up to its reply line (a complete line other than
 /// `JOINED_LINE`), or to EOF; returns that line, empty if none came. Reads no further: the pipe
 /// stays open while execd starts.
@@ -1026,6 +1025,7 @@ fn wait_closed(mut pipe: fs::File, deadline: Instant) {
     }
 }
 
+/// One line from a pipe, read byte by byte so nothing after it is consumed.
 fn read_line(pipe: Option<&mut fs::File>) -> Option<String> {
     let pipe = pipe?;
     let mut line = Vec::new();
