@@ -135,3 +135,19 @@ def test_apt_style_root_works(make_sandbox, test_image):
     code, out, err = sh(sbx, "setpriv --reuid=65534 --regid=65534 --clear-groups id -u")
     assert code == 0, err
     assert out.strip() == "65534"
+
+
+def test_writable_layer_is_volatile(server, iso_sandbox):
+    """The sandbox's root is an overlay mounted `volatile`: its writable layer never outlives the
+    host's uptime, so nothing is synced to disk for it — without the option overlay's unmount
+    syncs the whole host filesystem under it, once per sandbox."""
+    server.native_only("on Docker the engine mounts the container's root")
+    if server.gvisor:
+        pytest.skip("gVisor shows its own mount table, not the host's overlay")
+    code, out, _ = sh(iso_sandbox, "grep ' / / ' /proc/self/mountinfo")
+    assert code == 0, out
+    # "<fstype> <source> <super options>" after the separator
+    fstype, _, options = out.split(" - ", 1)[1].split()
+    assert fstype == "overlay", out
+    # kernels from 6.6 on show it as fsync=volatile
+    assert {"volatile", "fsync=volatile"} & set(options.split(",")), out

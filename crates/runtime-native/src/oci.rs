@@ -227,14 +227,20 @@ impl OciRuntime {
 }
 
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
-    let data = spec.overlay_options();
-    mount(
-        Some("overlay"),
-        &spec.rootfs_dir,
-        Some("overlay"),
-        MsFlags::MS_NODEV,
-        Some(data.as_str()),
-    )
+    let [volatile, plain] = spec.overlay_option_sets();
+    let overlay = |data: &str| {
+        mount(
+            Some("overlay"),
+            &spec.rootfs_dir,
+            Some("overlay"),
+            MsFlags::MS_NODEV,
+            Some(data),
+        )
+    };
+    match overlay(&volatile) {
+        Err(nix::errno::Errno::EINVAL) => overlay(&plain),
+        other => other,
+    }
     .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
 }
 

@@ -163,14 +163,23 @@ fn mountpoint_in(root: &Path, target: &str, file: bool) -> Result<PathBuf> {
 }
 
 fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
-    let data = spec.overlay_options();
-    mnt(
-        Some("overlay"),
-        root,
-        Some("overlay"),
-        MsFlags::MS_NODEV,
-        Some(&data),
-    )?;
+    let [volatile, plain] = spec.overlay_option_sets();
+    let overlay = |data: &str| {
+        mnt(
+            Some("overlay"),
+            root,
+            Some("overlay"),
+            MsFlags::MS_NODEV,
+            Some(data),
+        )
+    };
+    match overlay(&volatile) {
+        Err(RootfsError::Mount {
+            source: nix::errno::Errno::EINVAL,
+            ..
+        }) => overlay(&plain)?,
+        other => other?,
+    }
 
     if let RootSource::Host {
         binds,
