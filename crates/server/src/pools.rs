@@ -337,10 +337,7 @@ impl Pools {
     fn allocated(&self, name: &str) -> u32 {
         self.inner
             .sandboxes
-            .all()
-            .iter()
-            .filter(|r| r.pool_ref.as_deref() == Some(name) && !r.state.is_terminal())
-            .count() as u32
+            .count(|r| r.pool_ref.as_deref() == Some(name) && !r.state.is_terminal()) as u32
     }
 
     /// Keeps the pool at `bufferMax` warm sandboxes, within `poolMax` in all.

@@ -103,23 +103,47 @@ impl Sandboxes {
         self.entry(id).map(|e| lock(&e.record).clone())
     }
 
+    /// Every record, newest first.
     pub fn all(&self) -> Vec<SandboxRecord> {
-        let entries: Vec<Arc<Entry>> = self
-            .inner
-            .entries
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        let mut records: Vec<SandboxRecord> =
-            entries.iter().map(|e| lock(&e.record).clone()).collect();
+        let mut records = self.select(|_| true);
         records.sort_by(|a, b| {
             b.created_at
                 .cmp(&a.created_at)
                 .then_with(|| a.id.cmp(&b.id))
         });
         records
+    }
+
+    /// The records `pred` accepts, in no order; only those are copied. Background loops that look
+    /// at every sandbox often (expiry, pool refills) use this rather than `all`, whose copy and sort
+    /// of every record made each look cost in proportion to the sandboxes alive.
+    pub fn select(&self, pred: impl Fn(&SandboxRecord) -> bool) -> Vec<SandboxRecord> {
+        self.entries()
+            .iter()
+            .filter_map(|e| {
+                let rec = lock(&e.record);
+                pred(&rec).then(|| rec.clone())
+            })
+            .collect()
+    }
+
+    /// How many records `pred` accepts, copying none.
+    pub fn count(&self, pred: impl Fn(&SandboxRecord) -> bool) -> usize {
+        self.entries()
+            .iter()
+            .filter(|e| pred(&lock(&e.record)))
+            .count()
+    }
+
+    /// The entries, taken out of the map's lock before any record is locked.
+    fn entries(&self) -> Vec<Arc<Entry>> {
+        self.inner
+            .entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 
     fn persist(&self, record: &SandboxRecord) {
@@ -881,7 +905,12 @@ impl Sandboxes {
             loop {
                 tick.tick().await;
                 let now = Utc::now();
-                for rec in this.all() {
+                let retention = this.inner.retention;
+                let due = this.select(|r| {
+                    r.expires_at.is_some_and(|t| t <= now)
+                        || (r.state.is_terminal() && now - r.last_transition_at > retention)
+                });
+                for rec in due {
                     let live = !rec.state.is_terminal()
                         && rec.state != SandboxState::Stopping
                         && rec.state != SandboxState::Pending;
