@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::mount::{umount2, MntFlags};
 use serde_json::{json, Value};
 
 use crate::security::KEPT_CAPABILITIES;
@@ -227,21 +227,8 @@ impl OciRuntime {
 }
 
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
-    let [volatile, plain] = spec.overlay_option_sets();
-    let overlay = |data: &str| {
-        mount(
-            Some("overlay"),
-            &spec.rootfs_dir,
-            Some("overlay"),
-            MsFlags::MS_NODEV,
-            Some(data),
-        )
-    };
-    match overlay(&volatile) {
-        Err(nix::errno::Errno::EINVAL) => overlay(&plain),
-        other => other,
-    }
-    .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
+    crate::rootfs::mount_overlay(spec, &spec.rootfs_dir)
+        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
 }
 
 fn bind(dest: &str, source: &Path, ro: bool) -> Value {

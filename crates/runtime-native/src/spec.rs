@@ -63,18 +63,7 @@ impl InitSpec {
         lowers
     }
 
-    /// The overlay mount's options to try, in order: with `volatile`, then without (kernels before
-    /// 5.10 reject it with EINVAL). A sandbox's writable layer never outlives the host's uptime, so
-    /// syncing it to disk buys nothing; without `volatile`, overlay's unmount syncs the whole
-    /// filesystem under the upper layer (all of it, not just this sandbox's files) once per
-    /// sandbox, and every `fsync` inside the sandbox goes to disk. Volumes are bind mounts and keep
-    /// their syncs.
-    pub fn overlay_option_sets(&self) -> [String; 2] {
-        let plain = self.overlay_options();
-        [format!("{plain},volatile"), plain]
-    }
-
-    /// The overlay mount's options (see `overlay_option_sets`).
+    /// The overlay mount's options (`rootfs::mount_overlay` adds `volatile` where it can).
     pub fn overlay_options(&self) -> String {
         let lower = self
             .lower_dirs()
