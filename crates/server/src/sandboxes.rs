@@ -906,15 +906,17 @@ impl Sandboxes {
                 tick.tick().await;
                 let now = Utc::now();
                 let retention = this.inner.retention;
-                let due = this.select(|r| {
-                    r.expires_at.is_some_and(|t| t <= now)
-                        || (r.state.is_terminal() && now - r.last_transition_at > retention)
-                });
-                for rec in due {
-                    let live = !rec.state.is_terminal()
-                        && rec.state != SandboxState::Stopping
-                        && rec.state != SandboxState::Pending;
-                    if live && rec.expires_at.is_some_and(|t| t <= now) {
+                let expired = |r: &SandboxRecord| {
+                    !r.state.is_terminal()
+                        && r.state != SandboxState::Stopping
+                        && r.state != SandboxState::Pending
+                        && r.expires_at.is_some_and(|t| t <= now)
+                };
+                let forgotten = |r: &SandboxRecord| {
+                    r.state.is_terminal() && now - r.last_transition_at > retention
+                };
+                for rec in this.select(|r| expired(r) || forgotten(r)) {
+                    if expired(&rec) {
                         let this = this.clone();
                         tokio::spawn(async move {
                             // Renew may have raced us; re-check under the operation lock inside delete.
@@ -933,9 +935,7 @@ impl Sandboxes {
                                 }
                             }
                         });
-                    } else if rec.state.is_terminal()
-                        && now - rec.last_transition_at > this.inner.retention
-                    {
+                    } else if forgotten(&rec) {
                         this.inner
                             .entries
                             .write()
