@@ -155,6 +155,9 @@ impl NativeRuntime {
         let sandboxes = config.data_dir.join("sandboxes");
         fs::create_dir_all(&sandboxes)
             .map_err(|e| RuntimeError::backend_with("creating the sandboxes folder", e))?;
+        if let Err(e) = spread_subdirectories(&sandboxes) {
+            tracing::debug!(error = %e, "sandbox folders stay in their parent's block group");
+        }
         let oci = match config.oci_runtime.as_str() {
             "embedded" | "" => None,
             name => Some(oci::OciRuntime::new(name, config.data_dir.join("oci").join(name)).ok_or_else(|| {
@@ -859,6 +862,38 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
+/// Asks ext2/3/4 to place each subdirectory of `dir` in a block group of its own choosing, as it
+/// does for top-level directories (`chattr +T`, the Orlov allocator), instead of next to `dir`.
+///
+/// Every sandbox makes and removes a dozen inodes on the data dir's file system (its folders, the
+/// overlay's work-dir probes, execd's socket). Left to the default, all of them land in the one
+/// block group of the `sandboxes` folder, and ext4 without a journal checks every free inode it
+/// passes for a recent deletion (`recently_deleted`, 5 s or, while the inode table is dirty, 5 min):
+/// at a few hundred sandboxes a second each allocation walks thousands of them. Spread across
+/// groups, measured on this project's machine (ext4 without a journal, 300 create → command →
+/// delete cycles at 10 in flight): 12.5–13.8 → 9.8–11.0 ms of CPU per cycle. Other file systems
+/// answer ENOTTY or EOPNOTSUPP, and nothing changes.
+fn spread_subdirectories(dir: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    /// `FS_TOPDIR_FL` from linux/fs.h.
+    const TOPDIR: libc::c_int = 0x0002_0000;
+    let f = fs::File::open(dir)?;
+    let mut flags: libc::c_int = 0;
+    // SAFETY: FS_IOC_GETFLAGS writes one int to the pointer we pass, valid for the call.
+    if unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if flags & TOPDIR != 0 {
+        return Ok(());
+    }
+    flags |= TOPDIR;
+    // SAFETY: FS_IOC_SETFLAGS reads one int from the pointer we pass, valid for the call.
+    if unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_SETFLAGS, &flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The sandbox base layer (see `InitSpec::base_layer`), made once; running sandboxes have it as a
 /// lower dir, so it is never changed after.
 fn build_base_layer(dir: &Path) -> std::io::Result<PathBuf> {
@@ -1106,5 +1141,30 @@ fn log_tail(path: &Path) -> String {
         "no output".into()
     } else {
         tail
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_folders_are_spread_across_block_groups_on_ext4() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        match spread_subdirectories(dir.path()) {
+            Ok(()) => {}
+            // not ext2/3/4 (tmpfs, overlay, xfs…): nothing to check
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTTY | libc::EOPNOTSUPP)) => return,
+            Err(e) => panic!("setting the flag: {e}"),
+        }
+        use std::os::fd::AsRawFd;
+        let f = fs::File::open(dir.path()).expect("open");
+        let mut flags: libc::c_int = 0;
+        // SAFETY: FS_IOC_GETFLAGS writes one int to a valid pointer.
+        let rc = unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        assert_ne!(flags & 0x0002_0000, 0, "FS_TOPDIR_FL not set: {flags:#x}");
+        // twice is fine (a restarted server)
+        spread_subdirectories(dir.path()).expect("second time");
     }
 }

@@ -294,6 +294,10 @@ fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedF
 pub fn main() -> ! {
     // The zygote ends when the server's end of the socket closes — when the server exits, however it
     // exits. (Not PR_SET_PDEATHSIG: that fires when the server *thread* that started us ends.)
+    // One receive buffer for the zygote's life: every page the zygote writes while helpers it forked
+    // still share it is copied for it (copy-on-write), so a buffer zeroed anew per request cost 16
+    // page copies per sandbox; this one costs the one page a request lands in.
+    let mut buf = vec![0u8; MAX_REQUEST];
     loop {
         reap();
         // Wake at least once a second to reap helpers that exited.
@@ -310,7 +314,7 @@ pub fn main() -> ! {
         if n < 0 {
             std::process::exit(1);
         }
-        match serve_one() {
+        match serve_one(&mut buf) {
             Ok(true) => {}
             Ok(false) | Err(_) => std::process::exit(0),
         }
@@ -323,9 +327,8 @@ fn reap() {
 }
 
 /// Handles one request; `false` once the server has closed its end.
-fn serve_one() -> io::Result<bool> {
-    let mut buf = vec![0u8; MAX_REQUEST];
-    let (len, fds) = receive(CONTROL_FD, &mut buf)?;
+fn serve_one(buf: &mut [u8]) -> io::Result<bool> {
+    let (len, fds) = receive(CONTROL_FD, buf)?;
     if len == 0 {
         return Ok(false);
     }
