@@ -128,8 +128,10 @@ struct Journal {
     file: fs::File,
     /// Bytes in the file.
     len: u64,
-    /// Length of the live line of each record.
-    live: BTreeMap<String, u64>,
+    /// The live line of each record (with its newline): compaction writes these out as they are,
+    /// without reading and parsing the file again under the lock that every save waits on.
+    live: BTreeMap<String, Vec<u8>>,
+    /// Bytes of the live lines.
     live_len: u64,
 }
 
@@ -199,17 +201,17 @@ impl Store {
             file.set_len(replayed.complete as u64)
                 .map_err(io_err(&path))?;
         }
-        let live: BTreeMap<String, u64> = replayed
+        let live: BTreeMap<String, Vec<u8>> = replayed
             .lines
-            .iter()
-            .map(|(id, (_, l))| (id.clone(), l.len() as u64))
+            .into_iter()
+            .map(|(id, (_, line))| (id, line))
             .collect();
         let store = Self {
             path,
             journal: std::sync::Arc::new(std::sync::Mutex::new(Journal {
                 file,
                 len: replayed.complete as u64,
-                live_len: live.values().sum(),
+                live_len: live.values().map(|l| l.len() as u64).sum(),
                 live,
             })),
         };
@@ -244,7 +246,8 @@ impl Store {
         }
     }
 
-    fn append(&self, j: &mut Journal, line: &LineRef) -> Result<u64, StoreError> {
+    /// Appends one line; returns it as written.
+    fn append(&self, j: &mut Journal, line: &LineRef) -> Result<Vec<u8>, StoreError> {
         let mut bytes = serde_json::to_vec(line).map_err(|source| StoreError::Corrupt {
             path: self.path.clone(),
             source,
@@ -257,25 +260,27 @@ impl Store {
             return Err(self.io_err()(e));
         }
         j.len += bytes.len() as u64;
-        Ok(bytes.len() as u64)
+        Ok(bytes)
     }
 
     pub fn save(&self, record: &SandboxRecord) -> Result<(), StoreError> {
         let mut j = lock(&self.journal);
-        let n = self.append(&mut j, &LineRef::Put(record))?;
-        let old = j.live.insert(record.id.clone(), n).unwrap_or(0);
+        let line = self.append(&mut j, &LineRef::Put(record))?;
+        let n = line.len() as u64;
+        let old = j.live.insert(record.id.clone(), line).map_or(0, |l| l.len() as u64);
         j.live_len = j.live_len + n - old;
         self.maybe_compact(&mut j)
     }
 
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let mut j = lock(&self.journal);
-        let Some(&old) = j.live.get(id) else {
+        if !j.live.contains_key(id) {
             return Ok(());
-        };
+        }
         self.append(&mut j, &LineRef::Del(id))?;
-        j.live.remove(id);
-        j.live_len -= old;
+        if let Some(old) = j.live.remove(id) {
+            j.live_len -= old.len() as u64;
+        }
         self.maybe_compact(&mut j)
     }
 
@@ -283,8 +288,6 @@ impl Store {
         if j.len < COMPACT_MIN || j.len < COMPACT_RATIO * j.live_len {
             return Ok(());
         }
-        let bytes = fs::read(&self.path).map_err(self.io_err())?;
-        let replayed = replay(&bytes);
         let tmp = self.path.with_extension("jsonl.tmp");
         let mut out = fs::OpenOptions::new()
             .write(true)
@@ -293,11 +296,10 @@ impl Store {
             .mode(0o600)
             .open(&tmp)
             .map_err(self.io_err())?;
-        let mut len = 0u64;
-        for (_, line) in replayed.lines.values() {
-            out.write_all(line).map_err(self.io_err())?;
-            len += line.len() as u64;
-        }
+        // One write: a few kB per live sandbox.
+        let all: Vec<u8> = j.live.values().flatten().copied().collect();
+        out.write_all(&all).map_err(self.io_err())?;
+        let len = all.len() as u64;
         fs::rename(&tmp, &self.path).map_err(self.io_err())?;
         j.file = fs::OpenOptions::new()
             .append(true)
@@ -433,6 +435,12 @@ mod tests {
             store.save(&r).expect("save");
             store.remove(&r.id).expect("remove");
             peak = peak.max(fs::metadata(&path).expect("stat").len());
+            if i == 1500 {
+                // compactions after this must write the record's latest line, not its first
+                let mut keep = record("keep");
+                keep.transition(SandboxState::Paused, None, None);
+                store.save(&keep).expect("save");
+            }
         }
         let size = fs::metadata(&path).expect("stat").len();
         assert!(
@@ -449,6 +457,7 @@ mod tests {
             all.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
             ["keep"]
         );
+        assert_eq!(all[0].state, SandboxState::Paused);
         assert!(!dir.path().join("state/sandboxes.jsonl.tmp").exists());
     }
 
