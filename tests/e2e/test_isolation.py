@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,75 @@ def test_writable_layer_is_volatile(server, iso_sandbox):
     assert fstype == "overlay", out
     # kernels from 6.6 on show it as fsync=volatile
     assert {"volatile", "fsync=volatile"} & set(options.split(",")), out
+
+
+def _init_host_pid(sandbox_id: str) -> int:
+    """The host pid of the sandbox's PID 1, found through its cgroup (v1 or v2)."""
+    cg = Path("/sys/fs/cgroup")
+    for procs in [*cg.glob(f"warren*/{sandbox_id}/cgroup.procs"),
+                  *cg.glob(f"*/warren*/{sandbox_id}/cgroup.procs")]:
+        for pid in procs.read_text().split():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            nspid = next(l for l in status.splitlines() if l.startswith("NSpid:")).split()[1:]
+            if nspid[-1] == "1":
+                return int(pid)
+    raise AssertionError(f"no PID 1 of sandbox {sandbox_id} in its cgroup")
+
+
+def _memory_contains(pid: int, needle: bytes) -> list[str]:
+    """The mappings of process `pid` whose memory holds `needle` (read from the host, as root)."""
+    found = []
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if "r" not in fields[1] or (len(fields) > 5 and fields[5] in ("[vvar]", "[vvar_vclock]", "[vsyscall]")):
+                continue
+            try:
+                mem.seek(lo)
+                data = mem.read(hi - lo)
+            except OSError:
+                continue
+            if needle in data:
+                found.append(line.strip())
+    return found
+
+
+def test_sandbox_init_holds_no_server_secret(server, make_sandbox, any_image):
+    """The sandbox's PID 1 (execd) — on the embedded runtime forked from the server's zygote rather
+    than exec'd — carries nothing of the server: its memory, read from the host, does not contain
+    the API key."""
+    server.native_only("on Docker the engine starts the container's first process")
+    if server.gvisor:
+        pytest.skip("gVisor's processes live inside its sentry, not on the host")
+    sbx = make_sandbox(any_image, env={"E2E_MEMORY_PROBE": "visible-in-pid-1"})
+    pid = _init_host_pid(sbx.id)
+    assert Path(f"/proc/{pid}/comm").read_text().strip() in ("warren-execd", "execd")
+    # the scan sees what is there: the environment the sandbox was given
+    assert _memory_contains(pid, b"visible-in-pid-1"), "the memory scan found not even the sandbox's env"
+    assert _memory_contains(pid, server.api_key.encode()) == [], "the API key is in PID 1's memory"
+
+
+def test_sandbox_init_is_opaque_to_the_sandbox(server, make_sandbox, any_image):
+    """On the embedded runtime PID 1 runs execd inside the forked setup process, whose /proc/1/exe
+    is the host's `warren` binary: it is undumpable, so root in the sandbox (no CAP_SYS_PTRACE) can
+    neither follow that link nor read PID 1's memory or environment; `ps` shows it as warren-execd."""
+    server.native_only("on Docker the engine starts the container's first process")
+    if server.runtime != "embedded":
+        pytest.skip("an OCI runtime execs the execd binary as PID 1")
+    sbx = make_sandbox(any_image, env={"E2E_MEMORY_PROBE": "visible-to-its-own-commands"})
+    code, out, _ = sh(sbx, "cat /proc/1/comm; tr '\\0' ' ' < /proc/1/cmdline; echo; "
+                           "for f in exe cwd root; do readlink /proc/1/$f >/dev/null 2>&1 && echo $f-readable; done; "
+                           "cat /proc/1/environ >/dev/null 2>&1 && echo environ-readable; "
+                           "head -c1 /proc/1/mem >/dev/null 2>&1 && echo mem-readable; "
+                           "echo probe=$E2E_MEMORY_PROBE")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "warren-execd", out
+    assert lines[1].startswith("warren-execd"), out
+    assert not [l for l in lines if l.endswith("-readable")], out
+    # commands still get the sandbox's environment (set in PID 1 before execd started)
+    assert "probe=visible-to-its-own-commands" in lines, out

@@ -1,12 +1,12 @@
 //! The setup helper: a fresh single-threaded process (`warren __sandbox-init`) that joins the sandbox's
 //! cgroup, unshares namespaces, forks the sandbox's PID 1, builds its root filesystem, drops privileges
-//! and execs execd. It never runs inside the multi-threaded server, so `fork` here is sound.
+//! and runs execd there (in process: see `prepare_execd`). It never runs inside the multi-threaded
+//! server, so `fork` here is sound.
 //!
 //! Protocol: spec JSON on stdin, one `InitReply` JSON line on stdout. The forked child reports setup
-//! failures through a close-on-exec pipe: EOF without data means `execve` succeeded. execd holds
-//! a copy of stdout (`--ready-fd`) until it listens, so EOF on stdout means "ready" (or "gone").
+//! failures through a pipe: EOF without data means setup succeeded and execd is starting. execd
+//! holds a copy of stdout (`--ready-fd`) until it listens, so EOF on stdout means "ready" (or "gone").
 
-use std::ffi::CString;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -17,9 +17,7 @@ use nix::unistd::{fork, ForkResult};
 
 use crate::rootfs;
 use crate::security;
-use crate::spec::{
-    InitReply, InitSpec, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, JOINED_LINE, SOCKET_DIR_IN_SANDBOX,
-};
+use crate::spec::{InitReply, InitSpec, EXECD_SOCKET_NAME, JOINED_LINE, SOCKET_DIR_IN_SANDBOX};
 
 /// Entry point of `warren __sandbox-init`. Never returns.
 pub fn main() -> ! {
@@ -100,11 +98,23 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
         ForkResult::Child => {
             drop(read_end);
-            let err = child(&spec, &programs);
-            let mut w = fs::File::from(write_end);
-            let _ = w.write_all(err.as_bytes());
-            // SAFETY: _exit in the forked child, skipping atexit handlers and buffered stdio of the parent.
-            unsafe { libc::_exit(127) }
+            let mut errors = fs::File::from(write_end);
+            match prepare_execd(&spec, &programs, errors.as_raw_fd()) {
+                Ok(argv) => {
+                    // Set up: EOF on the error pipe tells the helper so (as a successful execve
+                    // closing it used to). From here on failures show in the sandbox log.
+                    drop(errors);
+                    let code = warren_execd::cli::run(argv);
+                    // SAFETY: _exit ends PID 1 (and so the sandbox) without the zygote's atexit
+                    // handlers or stdio buffers.
+                    unsafe { libc::_exit(code) }
+                }
+                Err(err) => {
+                    let _ = errors.write_all(err.as_bytes());
+                    // SAFETY: _exit in the forked child, skipping atexit handlers and buffered stdio of the parent.
+                    unsafe { libc::_exit(127) }
+                }
+            }
         }
         ForkResult::Parent { child } => {
             drop(write_end);
@@ -120,17 +130,13 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     }
 }
 
-/// Runs in the sandbox's PID 1 before exec; returns the error text only when something failed.
-fn child(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> String {
-    match setup_and_exec(spec, programs) {
-        Ok(never) => match never {},
-        Err(e) => e,
-    }
-}
-
-enum Never {}
-
-fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Result<Never, String> {
+/// In the sandbox's PID 1: everything up to running execd — namespaces' contents, root file
+/// system, then the privilege boundary. Returns execd's command line, or the error text.
+fn prepare_execd(
+    spec: &InitSpec,
+    programs: &[seccompiler::BpfProgram],
+    error_pipe: std::os::fd::RawFd,
+) -> Result<Vec<String>, String> {
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
     rootfs::build(spec).map_err(|e| format!("{e}"))?;
@@ -138,7 +144,6 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;
 
-    let execd = CString::new(EXECD_IN_SANDBOX).map_err(|e| e.to_string())?;
     let socket = format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}");
     // execd keeps a copy of the reply pipe (stdout) open until it listens, so the server's read
     // of the reply ends just when the sandbox is ready, instead of it polling execd's socket.
@@ -148,32 +153,24 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
     if ready_fd < 0 {
         return Err(format!("dup: {}", std::io::Error::last_os_error()));
     }
-    let ready_fd = ready_fd.to_string();
-    let mut argv: Vec<CString> = [
+    let ready = ready_fd.to_string();
+    let mut argv: Vec<String> = [
         "warren-execd",
         "--socket",
         &socket,
         "--workdir",
         &spec.workdir,
         "--ready-fd",
-        &ready_fd,
+        &ready,
         "--",
     ]
     .iter()
-    .map(|s| CString::new(*s))
-    .collect::<Result<_, _>>()
-    .map_err(|e| e.to_string())?;
-    for a in &spec.entrypoint {
-        argv.push(
-            CString::new(a.as_str()).map_err(|_| "entrypoint contains a NUL byte".to_string())?,
-        );
+    .map(|s| s.to_string())
+    .collect();
+    argv.extend(spec.entrypoint.iter().cloned());
+    if argv.iter().chain(&spec.env).any(|a| a.contains('\0')) {
+        return Err("the entrypoint or env contains a NUL byte".into());
     }
-    let env: Vec<CString> = spec
-        .env
-        .iter()
-        .map(|e| CString::new(e.as_str()))
-        .collect::<Result<_, _>>()
-        .map_err(|_| "env contains a NUL byte".to_string())?;
 
     // stdin from /dev/null; stdout/stderr stay on the sandbox log the server opened for us.
     let null = fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
@@ -182,12 +179,31 @@ fn setup_and_exec(spec: &InitSpec, programs: &[seccompiler::BpfProgram]) -> Resu
     // Our stdout is the reply pipe to the server; only execd's ready descriptor keeps it (and
     // closes it once listening), the sandbox's processes must not.
     nix::unistd::dup2(2, 1).map_err(|e| format!("dup2: {e}"))?;
+    drop(null);
 
+    // execd runs right here, in this process, instead of from an `execve` of its binary: the exec
+    // of a 10 MB static binary (mapping, relocation, libc start-up) cost ~0.6 ms of CPU per
+    // sandbox on this project's machine. What an exec would have given, done by hand:
+    // - a clean environment: the sandbox's own (this process was forked from the zygote, which
+    //   the server starts with an empty one, so no server secret was ever in this memory);
+    // - no descriptors but stdio, the ready descriptor and (until execd runs) the error pipe;
+    // - not dumpable, so the sandbox's processes cannot read this memory, its environment or
+    //   follow /proc/1/exe (the host's `warren` binary) — the sandbox keeps no CAP_SYS_PTRACE;
+    // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
+    security::close_descriptors_except(&[ready_fd, error_pipe])
+        .map_err(|e| format!("closing inherited descriptors: {e}"))?;
+    security::present_as(&argv).map_err(|e| format!("{e}"))?;
     security::restrict_privileges().map_err(|e| format!("{e}"))?;
     security::install_seccomp(programs).map_err(|e| format!("{e}"))?;
-    let e = nix::unistd::execve(&execd, &argv, &env).err();
-    Err(format!(
-        "exec execd: {}",
-        e.map(|e| e.to_string()).unwrap_or_default()
-    ))
+    for (key, _) in std::env::vars_os() {
+        std::env::remove_var(key);
+    }
+    for kv in &spec.env {
+        if let Some((k, v)) = kv.split_once('=') {
+            if !k.is_empty() {
+                std::env::set_var(k, v);
+            }
+        }
+    }
+    Ok(argv)
 }

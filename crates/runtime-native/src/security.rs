@@ -1,5 +1,7 @@
 //! The privilege boundary applied as the last step before execd starts: capabilities cut to a set no
-//! wider than Docker's default, `no_new_privs`, and a seccomp filter.
+//! wider than Docker's default, `no_new_privs`, and a seccomp filter; and, since the embedded
+//! runtime's PID 1 runs execd without an `execve`, what that exec would have cleaned up (inherited
+//! descriptors) and hidden (its memory, behind `PR_SET_DUMPABLE`).
 //!
 //! Capabilities: Docker's default set minus `CAP_MKNOD`. Docker keeps MKNOD and relies on the devices
 //! cgroup to stop its use; Warren has no devices controller on cgroup v2 without BPF, so it drops the
@@ -12,6 +14,7 @@
 //! ENOSYS so libc falls back to `clone`, where flags can be inspected.
 
 use std::collections::BTreeMap;
+use std::os::fd::RawFd;
 
 use caps::{CapSet, Capability, CapsHashSet};
 use seccompiler::{
@@ -93,6 +96,8 @@ pub enum SecurityError {
     Seccomp(#[source] seccompiler::Error),
     #[error("seccomp filter compile")]
     SeccompBackend(#[source] seccompiler::BackendError),
+    #[error("making the sandbox's PID 1 undumpable: {0}")]
+    Prctl(std::io::Error),
 }
 
 /// Compiles the two BPF programs (deny list → EPERM; `clone3` → ENOSYS).
@@ -132,6 +137,77 @@ pub fn seccomp_programs() -> Result<Vec<BpfProgram>, SecurityError> {
         deny.try_into().map_err(SecurityError::SeccompBackend)?,
         clone3.try_into().map_err(SecurityError::SeccompBackend)?,
     ])
+}
+
+/// Closes every descriptor above stderr but `keep`: what an `execve` with close-on-exec
+/// descriptors would have done for the sandbox's PID 1, which runs execd without one.
+pub fn close_descriptors_except(keep: &[RawFd]) -> std::io::Result<()> {
+    let mut keep: Vec<u32> = keep
+        .iter()
+        .filter(|fd| **fd > 2)
+        .map(|fd| *fd as u32)
+        .collect();
+    keep.sort_unstable();
+    keep.dedup();
+    let mut from: u32 = 3;
+    for next in keep.into_iter().chain(std::iter::once(u32::MAX)) {
+        if next > from {
+            // SAFETY: close_range(2) on descriptor numbers; nothing in this process uses the
+            // closed ones again (they are inherited from the zygote and the setup helper).
+            if unsafe { libc::syscall(libc::SYS_close_range, from, next - 1, 0) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        from = next.saturating_add(1);
+    }
+    Ok(())
+}
+
+/// How the sandbox's PID 1 shows itself once it runs execd in the setup helper's forked process:
+/// named `warren-execd`, with execd's command line (as much as fits) in /proc/1/cmdline instead of
+/// the zygote's, and not dumpable — the sandbox's processes, without `CAP_SYS_PTRACE`, can then
+/// neither read its memory or environment nor follow /proc/1/exe, which names the host's `warren`
+/// binary.
+pub fn present_as(argv: &[String]) -> Result<(), SecurityError> {
+    // SAFETY: prctl(2) with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(SecurityError::Prctl(std::io::Error::last_os_error()));
+    }
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"warren-execd".as_ptr(), 0, 0, 0) };
+    rewrite_command_line(argv);
+    Ok(())
+}
+
+/// Writes `argv` over this process's original argument area, which /proc/PID/cmdline shows
+/// (PR_SET_MM would move it, but needs CAP_SYS_RESOURCE, which hosts do not always give root).
+/// The area is the zygote's `<path of warren> __sandbox-zygote`: what does not fit is cut, and the
+/// rest is NUL-filled. Cosmetic (`ps`): any failure leaves the old line.
+fn rewrite_command_line(argv: &[String]) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return;
+    };
+    // Fields after the parenthesised name; arg_start and arg_end are fields 48 and 49 (proc(5)).
+    let Some((_, after_name)) = stat.rsplit_once(") ") else {
+        return;
+    };
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<usize>().ok());
+    let (Some(start), Some(end)) = (field(48), field(49)) else {
+        return;
+    };
+    if start == 0 || end <= start {
+        return;
+    }
+    let mut line: Vec<u8> = argv.iter().flat_map(|a| a.bytes().chain([0])).collect();
+    line.resize(end - start, 0);
+    if let Some(last) = line.last_mut() {
+        *last = 0;
+    }
+    // SAFETY: [start, end) is this process's own argument area on its stack (the kernel's record of
+    // it, just read), writable and no longer read by anything: execd gets its arguments as a
+    // vector, not from the process's argv.
+    unsafe { std::ptr::copy_nonoverlapping(line.as_ptr(), start as *mut u8, line.len()) };
 }
 
 /// Drops capabilities and sets `no_new_privs`; call after every mount is done.

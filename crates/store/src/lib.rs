@@ -267,7 +267,10 @@ impl Store {
         let mut j = lock(&self.journal);
         let line = self.append(&mut j, &LineRef::Put(record))?;
         let n = line.len() as u64;
-        let old = j.live.insert(record.id.clone(), line).map_or(0, |l| l.len() as u64);
+        let old = j
+            .live
+            .insert(record.id.clone(), line)
+            .map_or(0, |l| l.len() as u64);
         j.live_len = j.live_len + n - old;
         self.maybe_compact(&mut j)
     }

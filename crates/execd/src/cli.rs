@@ -1,0 +1,97 @@
+//! execd's command line: `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR]
+//! [--jupyter-port N] [--ready-fd FD] [-- ENTRYPOINT ARGV...]`, parsed and run.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::daemon::{self, Config};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "warren-execd",
+    version,
+    about = "Warren's in-sandbox daemon (OpenSandbox execd API)"
+)]
+struct Args {
+    /// Serve the API on this Unix socket (repeatable).
+    #[arg(long = "socket", value_name = "PATH")]
+    sockets: Vec<PathBuf>,
+    /// Serve the API on this TCP address. Defaults to 0.0.0.0:44772 when no socket is given either.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Working directory for the entrypoint, commands and relative paths.
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    workdir: PathBuf,
+    /// Where the code-interpreter SDK's health check connects once a Jupyter kernel can start
+    /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
+    #[arg(long, value_name = "PORT", env = "JUPYTER_PORT", default_value_t = crate::interpreter::jupyter_port::DEFAULT_PORT)]
+    jupyter_port: u16,
+    /// A descriptor execd closes once it listens: whoever holds the other end of this pipe learns
+    /// that execd is ready without polling its socket.
+    #[arg(long, value_name = "FD")]
+    ready_fd: Option<i32>,
+    /// The sandbox's main process; execd exits with its exit code.
+    #[arg(last = true, value_name = "ENTRYPOINT")]
+    entrypoint: Vec<String>,
+}
+
+/// execd's whole life from its command line (`args[0]` is the program name): logging, the runtime,
+/// the daemon. Returns the exit code: the entrypoint's, or 1 when execd itself could not run.
+///
+/// The `warren-execd` binary calls this from `main`; the embedded runtime calls it in the sandbox's
+/// PID 1, forked from its setup helper, without an `execve` of the binary (see
+/// `warren_runtime_native::init`). Either way it must be the only thread of its process.
+pub fn run<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse_from(args);
+    // Before anything is spawned: the entrypoint and commands must not inherit it.
+    let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
+    let listen = match (&args.listen, args.sockets.is_empty()) {
+        (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
+        (l, _) => *l,
+    };
+    let config = Config {
+        sockets: args.sockets,
+        listen,
+        workdir: args.workdir,
+        entrypoint: args.entrypoint,
+        jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
+        ready_fd,
+    };
+    // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
+    // threads would cost each sandbox their creation, and each request hand-offs between them.
+    // Blocking file work still runs on tokio's blocking pool.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("warren-execd: cannot start runtime: {e}");
+            return 1;
+        }
+    };
+    let code = match runtime.block_on(daemon::run(config)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("warren-execd: {e:#}");
+            1
+        }
+    };
+    // Do not wait for lingering streams or blocking tasks: the sandbox's main process is gone.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    code
+}
