@@ -638,6 +638,10 @@ impl NativeRuntime {
             oci.teardown(id, &self.sandbox_dir(id).join("rootfs"));
         }
         let cg = self.cgroup(id);
+        // Opened before the kill, while the pid still names the verified process: its end is then
+        // waited for with one poll, not by reading /proc/PID/stat every 2 ms (~0.6 % of the
+        // machine's CPU at 10 creates in flight).
+        let pidfd = pid.and_then(pidfd_open);
         if let Some(pid) = pid {
             // SAFETY: kill(2); the pid was verified to be the sandbox's init (or is our fresh child).
             unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -646,8 +650,12 @@ impl NativeRuntime {
         if cg.is_frozen() {
             let _ = cg.set_frozen(false);
         }
-        if let Some(pid) = pid {
-            wait_gone(pid, Duration::from_secs(5));
+        match (pid, &pidfd) {
+            (Some(_), Some(fd)) => {
+                zygote::pidfd_exited(fd, 5000);
+            }
+            (Some(pid), None) => wait_gone(pid, Duration::from_secs(5)),
+            (None, _) => {}
         }
         if let Err(e) = cg.remove(Duration::from_secs(3)) {
             tracing::warn!(sandbox_id = id, error = %e, "cgroup removal failed");

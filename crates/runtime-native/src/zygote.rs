@@ -69,7 +69,8 @@ enum Process {
     Forked { pidfd: OwnedFd },
 }
 
-fn pidfd_exited(pidfd: &OwnedFd, timeout_ms: i32) -> bool {
+/// Waits up to `timeout_ms` (-1: for ever) for the process behind `pidfd` to exit; whether it has.
+pub(crate) fn pidfd_exited(pidfd: &OwnedFd, timeout_ms: i32) -> bool {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
