@@ -154,6 +154,33 @@ def test_writable_layer_is_volatile(server, iso_sandbox):
     assert {"volatile", "fsync=volatile"} & set(options.split(",")), out
 
 
+def test_masked_proc_files_do_not_reach_the_host(server, make_sandbox, any_image):
+    """/proc files Docker masks read as empty, and root in the sandbox changing their mode or owner
+    changes nothing on the host: what is bound over them is the sandbox's own /dev/null, not the
+    host's."""
+    server.native_only("on Docker the engine masks /proc")
+    if server.gvisor:
+        pytest.skip("gVisor serves its own /proc")
+    sbx = make_sandbox(any_image)
+    before = os.stat("/dev/null")
+    try:
+        code, out, _ = sh(sbx, "for f in /proc/keys /proc/timer_list /proc/kcore /proc/sched_debug "
+                               "/proc/latency_stats /proc/sysrq-trigger; do [ -e $f ] || continue; "
+                               "echo present:$f:$(head -c 64 $f | wc -c); chmod 600 $f; chown 65534 $f; done; true")
+        assert code == 0, out
+        present = [l for l in out.splitlines() if l.startswith("present:")]
+        assert present, out
+        assert all(l.endswith(":0") for l in present), f"a masked /proc file has content: {out}"
+        after = os.stat("/dev/null")
+        assert (after.st_mode, after.st_uid) == (before.st_mode, before.st_uid), \
+            "a chmod or chown in the sandbox changed the host's /dev/null"
+    finally:
+        now = os.stat("/dev/null")
+        if (now.st_mode, now.st_uid, now.st_gid) != (before.st_mode, before.st_uid, before.st_gid):
+            os.chmod("/dev/null", before.st_mode & 0o7777)
+            os.chown("/dev/null", before.st_uid, before.st_gid)
+
+
 def _init_host_pid(sandbox_id: str) -> int:
     """The host pid of the sandbox's PID 1, found through its cgroup (v1 or v2)."""
     cg = Path("/sys/fs/cgroup")

@@ -106,8 +106,9 @@ pub fn build(spec: &InitSpec) -> Result<()> {
     )?;
     let root = spec.rootfs_dir.as_path();
     mount_root(spec, root)?;
-    mount_proc(root)?;
+    // /dev first: /proc's masked files are the sandbox's own /dev/null bound over them.
     mount_dev(root)?;
+    mount_proc(root)?;
     mount_sys(spec, root)?;
     mount_warren(spec, root)?;
     for dir in ["tmp", "workspace"] {
@@ -241,7 +242,11 @@ fn mount_proc(root: &Path) -> Result<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
     )?;
-    // Docker's masked and read-only /proc paths.
+    // Docker's masked and read-only /proc paths. Masked files get the sandbox's own /dev/null (a
+    // node on its /dev tmpfs) bound over them, as runc does: no read-only remount is needed, since
+    // writes go to /dev/null and a chmod or chown through them changes only that node — never the
+    // host's /dev/null, which is why a bind of that one had to be remounted read-only.
+    let null = root.join("dev/null");
     for f in [
         "kcore",
         "keys",
@@ -252,7 +257,7 @@ fn mount_proc(root: &Path) -> Result<()> {
     ] {
         let p = proc_dir.join(f);
         if p.exists() {
-            bind(Path::new("/dev/null"), &p, true, MsFlags::empty())?;
+            bind(&null, &p, false, MsFlags::empty())?;
         }
     }
     for d in ["acpi", "scsi"] {
@@ -401,14 +406,8 @@ fn mount_warren(spec: &InitSpec, root: &Path) -> Result<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=755,size=64k"),
     )?;
-    let execd = dir.join("execd");
-    touch(&execd)?;
-    bind(
-        &spec.execd_path,
-        &execd,
-        true,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-    )?;
+    // No execd binary in here: the embedded runtime's PID 1 runs execd without exec'ing it (see
+    // `init::prepare_execd`); OCI runtimes and Docker bind it themselves.
     let run = dir.join("run");
     mkdir(&run)?;
     bind(
