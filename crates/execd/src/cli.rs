@@ -39,23 +39,14 @@ struct Args {
 
 /// execd's whole life from its command line (`args[0]` is the program name): logging, the runtime,
 /// the daemon. Returns the exit code: the entrypoint's, or 1 when execd itself could not run.
-///
-/// The `warren-execd` binary calls this from `main`; the embedded runtime calls it in the sandbox's
-/// PID 1, forked from its setup helper, without an `execve` of the binary (see
-/// `warren_runtime_native::init`). Either way it must be the only thread of its process.
+/// This is the `warren-execd` binary's `main`; the embedded runtime, which runs execd in the
+/// sandbox's PID 1 without exec'ing the binary, builds the [`Config`] itself and calls [`serve`].
 pub fn run<I, T>(args: I) -> i32
 where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    init_logging();
     let args = Args::parse_from(args);
     // Before anything is spawned: the entrypoint and commands must not inherit it.
     let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
@@ -63,14 +54,45 @@ where
         (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
         (l, _) => *l,
     };
-    let config = Config {
+    serve(Config {
         sockets: args.sockets,
         listen,
         workdir: args.workdir,
         entrypoint: args.entrypoint,
         jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
         ready_fd,
-    };
+    })
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`). Does nothing when the process already
+/// has a subscriber: the embedded runtime's zygote sets one up once, and the sandboxes' PID 1s it
+/// forks inherit it instead of building their own.
+pub fn init_logging() {
+    if tracing::dispatcher::has_been_set() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .try_init();
+}
+
+/// `--jupyter-port` as the binary reads it without the flag: `$JUPYTER_PORT`, else the default;
+/// 0 (or a value that is not a port) turns the health port off.
+pub fn jupyter_port_from_env() -> Option<u16> {
+    match std::env::var("JUPYTER_PORT") {
+        Ok(v) => v.trim().parse::<u16>().ok().filter(|p| *p != 0),
+        Err(_) => Some(crate::interpreter::jupyter_port::DEFAULT_PORT),
+    }
+}
+
+/// Runs the daemon on a current-thread runtime until the entrypoint exits; returns the exit code.
+/// Must be called from the only thread of its process.
+pub fn serve(config: Config) -> i32 {
     // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
     // threads would cost each sandbox their creation, and each request hand-offs between them.
     // Blocking file work still runs on tokio's blocking pool.

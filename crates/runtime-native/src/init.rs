@@ -100,11 +100,12 @@ fn run(join: Vec<String>) -> Result<i32, String> {
             drop(read_end);
             let mut errors = fs::File::from(write_end);
             match prepare_execd(&spec, &programs, errors.as_raw_fd()) {
-                Ok(argv) => {
+                Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
                     // closing it used to). From here on failures show in the sandbox log.
                     drop(errors);
-                    let code = warren_execd::cli::run(argv);
+                    warren_execd::cli::init_logging();
+                    let code = warren_execd::cli::serve(config);
                     // SAFETY: _exit ends PID 1 (and so the sandbox) without the zygote's atexit
                     // handlers or stdio buffers.
                     unsafe { libc::_exit(code) }
@@ -131,12 +132,12 @@ fn run(join: Vec<String>) -> Result<i32, String> {
 }
 
 /// In the sandbox's PID 1: everything up to running execd — namespaces' contents, root file
-/// system, then the privilege boundary. Returns execd's command line, or the error text.
+/// system, then the privilege boundary. Returns execd's configuration, or the error text.
 fn prepare_execd(
     spec: &InitSpec,
     programs: &[seccompiler::BpfProgram],
     error_pipe: std::os::fd::RawFd,
-) -> Result<Vec<String>, String> {
+) -> Result<warren_execd::daemon::Config, String> {
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
     rootfs::build(spec).map_err(|e| format!("{e}"))?;
@@ -153,6 +154,7 @@ fn prepare_execd(
     if ready_fd < 0 {
         return Err(format!("dup: {}", std::io::Error::last_os_error()));
     }
+    // The command line the binary would have had, for /proc/1/cmdline.
     let ready = ready_fd.to_string();
     let mut argv: Vec<String> = [
         "warren-execd",
@@ -205,5 +207,14 @@ fn prepare_execd(
             }
         }
     }
-    Ok(argv)
+    // What `warren-execd --socket … --workdir … --ready-fd N -- ENTRYPOINT` would parse, built
+    // without its argument parser (clap's set-up was ~0.5 % of the machine's CPU per sandbox).
+    Ok(warren_execd::daemon::Config {
+        sockets: vec![socket.into()],
+        listen: None,
+        workdir: spec.workdir.clone().into(),
+        entrypoint: spec.entrypoint.clone(),
+        jupyter_port: warren_execd::cli::jupyter_port_from_env(),
+        ready_fd: warren_execd::daemon::adopt_ready_fd(ready_fd),
+    })
 }

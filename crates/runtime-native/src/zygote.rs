@@ -299,6 +299,13 @@ pub fn main() -> ! {
     // still share it is copied for it (copy-on-write), so a buffer zeroed anew per request cost 16
     // page copies per sandbox; this one costs the one page a request lands in.
     let mut buf = vec![0u8; MAX_REQUEST];
+    // State every sandbox's PID 1 would otherwise build for itself after the fork, made once here
+    // and inherited: execd's log subscriber (to stderr, which in a sandbox is its log; `info`, the
+    // zygote's environment being empty) and the CPU feature cache (each probe is a `cpuid`, a
+    // hypervisor exit in a VM).
+    warren_execd::cli::init_logging();
+    #[cfg(target_arch = "x86_64")]
+    let _ = std::arch::is_x86_feature_detected!("avx2");
     loop {
         reap();
         // Wake at least once a second to reap helpers that exited.
