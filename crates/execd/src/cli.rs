@@ -46,7 +46,7 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    init_logging();
+    init_logging(None);
     let args = Args::parse_from(args);
     // Before anything is spawned: the entrypoint and commands must not inherit it.
     let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
@@ -64,20 +64,23 @@ where
     })
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`). Does nothing when the process already
-/// has a subscriber: the embedded runtime's zygote sets one up once, and the sandboxes' PID 1s it
-/// forks inherit it instead of building their own.
-pub fn init_logging() {
+/// Logs to stderr, filtered by `filter`, or else by `RUST_LOG` (default `info`). Does nothing when
+/// the process already has a subscriber: the embedded runtime's zygote sets one up once, and the
+/// sandboxes' PID 1s it forks inherit it instead of building their own. (The embedded runtime
+/// passes `info`: a sandbox's `RUST_LOG` is meant for its own programs.)
+pub fn init_logging(filter: Option<&str>) {
     if tracing::dispatcher::has_been_set() {
         return;
     }
+    let filter = match filter {
+        Some(f) => tracing_subscriber::EnvFilter::new(f),
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    };
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .try_init();
 }
 

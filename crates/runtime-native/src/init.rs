@@ -19,6 +19,9 @@ use crate::rootfs;
 use crate::security;
 use crate::spec::{InitReply, InitSpec, EXECD_SOCKET_NAME, JOINED_LINE, SOCKET_DIR_IN_SANDBOX};
 
+/// execd's log level in sandboxes of the embedded runtime (set once in the zygote; see `zygote`).
+pub(crate) const EXECD_LOG_LEVEL: &str = "info";
+
 /// Entry point of `warren __sandbox-init`. Never returns.
 pub fn main() -> ! {
     // `--join <cgroup.procs file>`, repeated.
@@ -104,7 +107,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
                     // closing it used to). From here on failures show in the sandbox log.
                     drop(errors);
-                    warren_execd::cli::init_logging();
+                    warren_execd::cli::init_logging(Some(EXECD_LOG_LEVEL));
                     let code = warren_execd::cli::serve(config);
                     // SAFETY: _exit ends PID 1 (and so the sandbox) without the zygote's atexit
                     // handlers or stdio buffers.

@@ -1171,7 +1171,8 @@ mod tests {
         // SAFETY: FS_IOC_GETFLAGS writes one int to a valid pointer.
         let rc = unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) };
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
-        assert_ne!(flags & 0x0002_0000, 0, "FS_TOPDIR_FL not set: {flags:#x}");
+        const TOPDIR: libc::c_int = 0x0002_0000;
+        assert_ne!(flags & TOPDIR, 0, "FS_TOPDIR_FL not set: {flags:#x}");
         // twice is fine (a restarted server)
         spread_subdirectories(dir.path()).expect("second time");
     }

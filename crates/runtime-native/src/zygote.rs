@@ -293,19 +293,18 @@ fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedF
 
 /// Entry point of `warren __sandbox-zygote`. Never returns.
 pub fn main() -> ! {
-    // The zygote ends when the server's end of the socket closes — when the server exits, however it
-    // exits. (Not PR_SET_PDEATHSIG: that fires when the server *thread* that started us ends.)
     // One receive buffer for the zygote's life: every page the zygote writes while helpers it forked
     // still share it is copied for it (copy-on-write), so a buffer zeroed anew per request cost 16
     // page copies per sandbox; this one costs the one page a request lands in.
     let mut buf = vec![0u8; MAX_REQUEST];
     // State every sandbox's PID 1 would otherwise build for itself after the fork, made once here
-    // and inherited: execd's log subscriber (to stderr, which in a sandbox is its log; `info`, the
-    // zygote's environment being empty) and the CPU feature cache (each probe is a `cpuid`, a
-    // hypervisor exit in a VM).
-    warren_execd::cli::init_logging();
+    // and inherited: execd's log subscriber (to stderr, which in a sandbox is its log) and the CPU
+    // feature cache (each probe is a `cpuid`, a hypervisor exit in a VM).
+    warren_execd::cli::init_logging(Some(crate::init::EXECD_LOG_LEVEL));
     #[cfg(target_arch = "x86_64")]
     let _ = std::arch::is_x86_feature_detected!("avx2");
+    // The zygote ends when the server's end of the socket closes — when the server exits, however it
+    // exits. (Not PR_SET_PDEATHSIG: that fires when the server *thread* that started us ends.)
     loop {
         reap();
         // Wake at least once a second to reap helpers that exited.
