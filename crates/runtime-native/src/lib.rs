@@ -870,6 +870,9 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
+/// `FS_TOPDIR_FL` from linux/fs.h (`chattr +T`).
+const TOPDIR: libc::c_int = 0x0002_0000;
+
 /// Asks ext2/3/4 to place each subdirectory of `dir` in a block group of its own choosing, as it
 /// does for top-level directories (`chattr +T`, the Orlov allocator), instead of next to `dir`.
 ///
@@ -883,8 +886,6 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
 /// answer ENOTTY or EOPNOTSUPP, and nothing changes.
 fn spread_subdirectories(dir: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    /// `FS_TOPDIR_FL` from linux/fs.h.
-    const TOPDIR: libc::c_int = 0x0002_0000;
     let f = fs::File::open(dir)?;
     let mut flags: libc::c_int = 0;
     // SAFETY: FS_IOC_GETFLAGS writes one int to the pointer we pass, valid for the call.
@@ -1171,7 +1172,6 @@ mod tests {
         // SAFETY: FS_IOC_GETFLAGS writes one int to a valid pointer.
         let rc = unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) };
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
-        const TOPDIR: libc::c_int = 0x0002_0000;
         assert_ne!(flags & TOPDIR, 0, "FS_TOPDIR_FL not set: {flags:#x}");
         // twice is fine (a restarted server)
         spread_subdirectories(dir.path()).expect("second time");
