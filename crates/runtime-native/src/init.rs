@@ -82,7 +82,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     }
 
     // Compile seccomp before unsharing so a failure costs nothing.
-    let programs = security::seccomp_programs().map_err(|e| format!("{e}"))?;
+    let filter = security::seccomp_filter().map_err(|e| format!("{e}"))?;
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS
@@ -102,7 +102,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         ForkResult::Child => {
             drop(read_end);
             let mut errors = fs::File::from(write_end);
-            match prepare_execd(&spec, &programs, errors.as_raw_fd()) {
+            match prepare_execd(&spec, &filter, errors.as_raw_fd()) {
                 Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
                     // closing it used to). From here on failures show in the sandbox log.
@@ -138,7 +138,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
 /// system, then the privilege boundary. Returns execd's configuration, or the error text.
 fn prepare_execd(
     spec: &InitSpec,
-    programs: &[seccompiler::BpfProgram],
+    filter: &crate::seccomp::Program,
     error_pipe: std::os::fd::RawFd,
 ) -> Result<warren_execd::daemon::Config, String> {
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
@@ -199,7 +199,7 @@ fn prepare_execd(
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| format!("{e}"))?;
     security::restrict_privileges().map_err(|e| format!("{e}"))?;
-    security::install_seccomp(programs).map_err(|e| format!("{e}"))?;
+    security::install_seccomp(filter).map_err(|e| format!("{e}"))?;
     for (key, _) in std::env::vars_os() {
         std::env::remove_var(key);
     }

@@ -17,6 +17,7 @@ mod cgroup;
 pub mod init;
 mod oci;
 mod rootfs;
+mod seccomp;
 mod security;
 mod spec;
 mod volumes;

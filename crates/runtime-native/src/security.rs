@@ -11,16 +11,14 @@
 //! Seccomp: a deny list mirroring what Docker's default profile blocks for a container without
 //! `CAP_SYS_ADMIN`: kernel modules, kexec, mount and namespace syscalls, keyrings, bpf, perf, clock
 //! changes, handle-based opens, userfaultfd, new user namespaces through `clone`; `clone3` answers
-//! ENOSYS so libc falls back to `clone`, where flags can be inspected.
+//! ENOSYS so libc falls back to `clone`, where flags can be inspected. One BPF program, built by
+//! `crate::seccomp` as a search tree (what each install costs grows with the program).
 
 use std::collections::BTreeMap;
 use std::os::fd::RawFd;
 
+use crate::seccomp::{self, Verdict};
 use caps::{CapSet, Capability, CapsHashSet};
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
-};
 
 pub const KEPT_CAPABILITIES: [Capability; 13] = [
     Capability::CAP_CHOWN,
@@ -92,51 +90,22 @@ pub enum SecurityError {
     Caps(String),
     #[error("no_new_privs")]
     NoNewPrivs(#[source] nix::Error),
-    #[error("seccomp filter")]
-    Seccomp(#[source] seccompiler::Error),
-    #[error("seccomp filter compile")]
-    SeccompBackend(#[source] seccompiler::BackendError),
+    #[error(transparent)]
+    Seccomp(seccomp::FilterError),
     #[error("making the sandbox's PID 1 undumpable: {0}")]
     Prctl(std::io::Error),
 }
 
-/// Compiles the two BPF programs (deny list → EPERM; `clone3` → ENOSYS).
-pub fn seccomp_programs() -> Result<Vec<BpfProgram>, SecurityError> {
-    let arch = TargetArch::x86_64;
-    let mut deny: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS
+/// Builds the sandbox's seccomp filter: the deny list → EPERM, `clone` with `CLONE_NEWUSER` → EPERM,
+/// `clone3` → ENOSYS (libc then falls back to `clone`, whose flags a filter can read).
+pub fn seccomp_filter() -> Result<seccomp::Program, SecurityError> {
+    let mut verdicts: BTreeMap<u32, Verdict> = DENIED_SYSCALLS
         .iter()
-        .map(|(_, nr)| (*nr, Vec::new()))
+        .map(|(_, nr)| (*nr as u32, Verdict::Errno(libc::EPERM as u16)))
         .collect();
-    let newuser = libc::CLONE_NEWUSER as u64;
-    let clone_rule = SeccompRule::new(vec![SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Qword,
-        SeccompCmpOp::MaskedEq(newuser),
-        newuser,
-    )
-    .map_err(SecurityError::SeccompBackend)?])
-    .map_err(SecurityError::SeccompBackend)?;
-    deny.insert(libc::SYS_clone, vec![clone_rule]);
-    let deny = SeccompFilter::new(
-        deny,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::EPERM as u32),
-        arch,
-    )
-    .map_err(SecurityError::SeccompBackend)?;
-    let clone3: BTreeMap<i64, Vec<SeccompRule>> =
-        [(libc::SYS_clone3, Vec::new())].into_iter().collect();
-    let clone3 = SeccompFilter::new(
-        clone3,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        arch,
-    )
-    .map_err(SecurityError::SeccompBackend)?;
-    Ok(vec![
-        deny.try_into().map_err(SecurityError::SeccompBackend)?,
-        clone3.try_into().map_err(SecurityError::SeccompBackend)?,
-    ])
+    verdicts.insert(libc::SYS_clone as u32, Verdict::CloneUnlessNewUser);
+    verdicts.insert(libc::SYS_clone3 as u32, Verdict::Errno(libc::ENOSYS as u16));
+    seccomp::build(&verdicts).map_err(SecurityError::Seccomp)
 }
 
 /// Closes every descriptor above stderr but `keep`: what an `execve` with close-on-exec
@@ -229,12 +198,9 @@ pub fn restrict_privileges() -> Result<(), SecurityError> {
     Ok(())
 }
 
-/// Installs precompiled filters; the last thing before `execve`.
-pub fn install_seccomp(programs: &[BpfProgram]) -> Result<(), SecurityError> {
-    for p in programs {
-        seccompiler::apply_filter(p).map_err(SecurityError::Seccomp)?;
-    }
-    Ok(())
+/// Installs the precompiled filter; the last step of the privilege boundary.
+pub fn install_seccomp(program: &seccomp::Program) -> Result<(), SecurityError> {
+    seccomp::install(program).map_err(SecurityError::Seccomp)
 }
 
 #[cfg(test)]
@@ -250,10 +216,14 @@ mod tests {
     }
 
     #[test]
-    fn seccomp_programs_compile() {
-        let progs = seccomp_programs().expect("compile");
-        assert_eq!(progs.len(), 2);
-        assert!(progs.iter().all(|p| !p.is_empty()));
+    fn seccomp_filter_builds() {
+        let prog = seccomp_filter().expect("build");
+        // Two instructions or so per denied number: a tree, not a chain of rules.
+        assert!(
+            prog.len() < 2 * DENIED_SYSCALLS.len() + 32,
+            "{}",
+            prog.len()
+        );
     }
 
     #[test]
