@@ -298,9 +298,10 @@ pub fn main() -> ! {
     // page copies per sandbox; this one costs the one page a request lands in.
     let mut buf = vec![0u8; MAX_REQUEST];
     // State every sandbox's PID 1 would otherwise build for itself after the fork, made once here
-    // and inherited: execd's log subscriber (to stderr, which in a sandbox is its log) and the CPU
-    // feature cache (each probe is a `cpuid`, a hypervisor exit in a VM).
+    // and inherited: execd's log subscriber (to stderr, which in a sandbox is its log), its routes,
+    // and the CPU feature cache (each probe is a `cpuid`, a hypervisor exit in a VM).
     warren_execd::cli::init_logging(Some(crate::init::EXECD_LOG_LEVEL));
+    warren_execd::prebuild_routes();
     #[cfg(target_arch = "x86_64")]
     let _ = std::arch::is_x86_feature_detected!("avx2");
     // The zygote ends when the server's end of the socket closes — when the server exits, however it
