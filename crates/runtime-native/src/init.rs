@@ -24,7 +24,7 @@ pub(crate) const EXECD_LOG_LEVEL: &str = "info";
 
 /// Entry point of `warren __sandbox-init`. Never returns.
 pub fn main() -> ! {
-    // `--join <cgroup.procs file>`, repeated.
+    // `--join <file>` (see `Cgroup::join_files`), repeated.
     let args: Vec<String> = std::env::args().skip(2).collect();
     let join = args
         .chunks(2)

@@ -453,11 +453,11 @@ impl NativeRuntime {
         .map_err(|e| {
             RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
         })?;
-        self.spawn_helper(&cg.procs_files(), log.into())
+        self.spawn_helper(&cg.join_files(), log.into())
             .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))
     }
 
-    /// A setup helper joining the cgroups whose `cgroup.procs` files are `join`: forked by the
+    /// A setup helper joining the cgroups through the files `join` (see `Cgroup::join_files`): forked by the
     /// zygote, or exec'd when the zygote fails.
     fn spawn_helper(&self, join: &[PathBuf], stderr: OwnedFd) -> std::io::Result<zygote::Helper> {
         match self.inner.zygote.fork_helper(join, &stderr) {
@@ -554,7 +554,7 @@ impl NativeRuntime {
         )
         .map_err(|e| RuntimeError::backend_with("creating a standby cgroup", e))?;
         let null = fs::OpenOptions::new().write(true).open("/dev/null");
-        let spawned = null.and_then(|null| self.spawn_helper(&cgroup.procs_files(), null.into()));
+        let spawned = null.and_then(|null| self.spawn_helper(&cgroup.join_files(), null.into()));
         let mut helper = match spawned {
             Ok(h) => h,
             Err(e) => {

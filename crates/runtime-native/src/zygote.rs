@@ -179,7 +179,7 @@ impl Zygote {
         })
     }
 
-    /// A helper that joins the cgroups whose `cgroup.procs` files are `join`, with its stderr on
+    /// A helper that joins the cgroups through the files `join` (`Cgroup::join_files`), with its stderr on
     /// `stderr`.
     pub fn fork_helper(&self, join: &[PathBuf], stderr: &OwnedFd) -> io::Result<Helper> {
         let (stdin_r, stdin_w) = io::pipe()?;
