@@ -231,6 +231,17 @@ impl Cgroup {
         self.dirs.iter().map(|d| d.join(name)).collect()
     }
 
+    /// On v2, the directory a new process can be created straight into (`CLONE_INTO_CGROUP`, Linux
+    /// 5.7+), so it need not join through `cgroup.procs` — that write takes the same global lock,
+    /// and waits out the same grace period under `cgroup_mutex`, as described at `join_files`.
+    /// `None` on v1, which has no such clone flag.
+    pub fn clone_into_dir(&self) -> Option<&Path> {
+        match self.layout {
+            Layout::V2 { .. } => self.dirs.first().map(PathBuf::as_path),
+            Layout::V1 { .. } => None,
+        }
+    }
+
     pub fn dirs(&self) -> &[PathBuf] {
         &self.dirs
     }
@@ -391,6 +402,7 @@ mod tests {
             .join_files()
             .iter()
             .all(|p| p.ends_with("warren/abc/tasks")));
+        assert_eq!(cg.clone_into_dir(), None);
     }
 
     #[test]
@@ -428,7 +440,9 @@ mod tests {
         );
         cg.set_frozen(true).expect("freeze");
         assert!(cg.is_frozen());
-        // v2 has no per-thread move outside threaded subtrees: the helper joins by cgroup.procs.
+        // v2 has no per-thread move outside threaded subtrees: a helper is cloned into the cgroup,
+        // or (where the kernel cannot) joins by cgroup.procs.
         assert_eq!(cg.join_files(), vec![dir.join("cgroup.procs")]);
+        assert_eq!(cg.clone_into_dir(), Some(dir.as_path()));
     }
 }

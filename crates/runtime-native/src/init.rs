@@ -56,11 +56,12 @@ pub(crate) fn helper(join: Vec<String>) -> ! {
 
 fn run(join: Vec<String>) -> Result<i32, String> {
     // A standby helper joins its cgroup before it has a sandbox: the migration is the slow part of
-    // setup on cgroup v1, and this way it is off the create path.
-    for procs in &join {
-        fs::write(procs, "0").map_err(|e| format!("joining cgroup {procs}: {e}"))?;
+    // setup on cgroup v1, and this way it is off the create path. (A helper the zygote created
+    // inside its cgroup, on v2, has nothing to join.)
+    for file in &join {
+        fs::write(file, "0").map_err(|e| format!("joining cgroup {file}: {e}"))?;
     }
-    if !join.is_empty() {
+    {
         // Tells the server the cgroup may now be renamed to a sandbox's (see `JOINED_LINE`).
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{JOINED_LINE}");

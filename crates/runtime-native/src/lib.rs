@@ -453,14 +453,20 @@ impl NativeRuntime {
         .map_err(|e| {
             RuntimeError::backend_with(format!("creating the cgroup of sandbox {}", spec.id), e)
         })?;
-        self.spawn_helper(&cg.join_files(), log.into())
+        self.spawn_helper(&cg, log.into())
             .map_err(|e| RuntimeError::backend_with("starting the sandbox setup helper", e))
     }
 
-    /// A setup helper joining the cgroups through the files `join` (see `Cgroup::join_files`): forked by the
-    /// zygote, or exec'd when the zygote fails.
-    fn spawn_helper(&self, join: &[PathBuf], stderr: OwnedFd) -> std::io::Result<zygote::Helper> {
-        match self.inner.zygote.fork_helper(join, &stderr) {
+    /// A setup helper in the cgroup `cg`: forked by the zygote (straight into it on v2), or exec'd
+    /// when the zygote fails; either joins through `Cgroup::join_files` where it was not created
+    /// inside.
+    fn spawn_helper(&self, cg: &Cgroup, stderr: OwnedFd) -> std::io::Result<zygote::Helper> {
+        let join = cg.join_files();
+        match self
+            .inner
+            .zygote
+            .fork_helper(&join, cg.clone_into_dir(), &stderr)
+        {
             Ok(helper) => return Ok(helper),
             Err(e) => {
                 tracing::warn!(error = %e, "the zygote could not fork a setup helper; exec'ing one")
@@ -468,8 +474,8 @@ impl NativeRuntime {
         }
         let mut cmd = Command::new(&self.inner.config.helper_exe);
         cmd.arg(INIT_SUBCOMMAND);
-        for procs in join {
-            cmd.arg("--join").arg(procs);
+        for file in &join {
+            cmd.arg("--join").arg(file);
         }
         let child = cmd
             .stdin(Stdio::piped())
@@ -554,7 +560,7 @@ impl NativeRuntime {
         )
         .map_err(|e| RuntimeError::backend_with("creating a standby cgroup", e))?;
         let null = fs::OpenOptions::new().write(true).open("/dev/null");
-        let spawned = null.and_then(|null| self.spawn_helper(&cgroup.join_files(), null.into()));
+        let spawned = null.and_then(|null| self.spawn_helper(&cgroup, null.into()));
         let mut helper = match spawned {
             Ok(h) => h,
             Err(e) => {

@@ -7,8 +7,9 @@
 //! a measurable share of a create. So the server starts one zygote (`warren __sandbox-zygote`, a
 //! single-threaded process that does nothing else) and asks it, over a `SOCK_SEQPACKET` socket, to
 //! fork a helper: the request carries the cgroup files to join and the helper's stdin, stdout and
-//! stderr as file descriptors; the answer carries a pidfd of the new helper. The helper then runs
-//! exactly as an exec'd one would (`init::helper`).
+//! stderr as file descriptors (on cgroup v2 also the cgroup's directory, which the helper is cloned
+//! straight into); the answer carries a pidfd of the new helper. The helper then runs exactly as an
+//! exec'd one would (`init::helper`).
 //!
 //! The zygote is the server's child and exits when the server's end of the socket closes; it reaps
 //! its helpers.
@@ -41,7 +42,11 @@ const ANSWER_TIMEOUT_SECS: i64 = 5;
 
 #[derive(Serialize, Deserialize)]
 struct Request {
+    /// Files the helper writes `0` into to join its cgroups, unless it was cloned into them.
     join: Vec<PathBuf>,
+    /// A fourth descriptor, the cgroup directory to clone the helper into (v2).
+    #[serde(default)]
+    into_cgroup: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -179,13 +184,24 @@ impl Zygote {
         })
     }
 
-    /// A helper that joins the cgroups through the files `join` (`Cgroup::join_files`), with its stderr on
-    /// `stderr`.
-    pub fn fork_helper(&self, join: &[PathBuf], stderr: &OwnedFd) -> io::Result<Helper> {
+    /// A helper in the cgroups that the files `join` name (`Cgroup::join_files`) — created inside
+    /// `into` when given and the kernel can (`Cgroup::clone_into_dir`), joining through `join`
+    /// otherwise — with its stderr on `stderr`.
+    pub fn fork_helper(
+        &self,
+        join: &[PathBuf],
+        into: Option<&Path>,
+        stderr: &OwnedFd,
+    ) -> io::Result<Helper> {
         let (stdin_r, stdin_w) = io::pipe()?;
         let (stdout_r, stdout_w) = io::pipe()?;
+        let into = match into {
+            Some(dir) => Some(File::open(dir)?),
+            None => None,
+        };
         let request = serde_json::to_vec(&Request {
             join: join.to_vec(),
+            into_cgroup: into.is_some(),
         })
         .map_err(io::Error::other)?;
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
@@ -195,11 +211,12 @@ impl Zygote {
         let Some(zygote) = running.as_ref() else {
             return Err(io::Error::other("zygote not running"));
         };
-        let fds = [
+        let mut fds = vec![
             stdin_r.as_raw_fd(),
             stdout_w.as_raw_fd(),
             stderr.as_raw_fd(),
         ];
+        fds.extend(into.as_ref().map(AsRawFd::as_raw_fd));
         match ask(&zygote.control, &request, &fds) {
             Ok(pidfd) => Ok(Helper {
                 stdin: Some(File::from(OwnedFd::from(stdin_w))),
@@ -246,10 +263,10 @@ fn send(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
-/// Receives one message (at most 3 descriptors with it) into `buf`: its length (0 once the other
+/// Receives one message (at most 4 descriptors with it) into `buf`: its length (0 once the other
 /// end has closed) and the descriptors, owned.
 fn receive(socket: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut space = nix::cmsg_space!([RawFd; 3]);
+    let mut space = nix::cmsg_space!([RawFd; 4]);
     let mut iov = [IoSliceMut::new(buf)];
     let msg = recvmsg::<()>(
         socket,
@@ -272,7 +289,7 @@ fn receive(socket: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
 }
 
 /// One request and its answer; the answer's pidfd, or why there is none.
-fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd; 3]) -> io::Result<OwnedFd> {
+fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd]) -> io::Result<OwnedFd> {
     send(control.as_raw_fd(), request, fds)?;
     let mut buf = vec![0u8; 4096];
     let (len, received) = receive(control.as_raw_fd(), &mut buf)?;
@@ -340,13 +357,19 @@ fn serve_one(buf: &mut [u8]) -> io::Result<bool> {
     if len == 0 {
         return Ok(false);
     }
-    let reply = match (serde_json::from_slice::<Request>(&buf[..len]), fds.len()) {
-        (Ok(request), 3) => fork_helper(request, &fds),
-        (Err(e), _) => Reply::Failed {
-            error: format!("bad request: {e}"),
+    let reply = match serde_json::from_slice::<Request>(&buf[..len]) {
+        Ok(request) if fds.len() == 3 + usize::from(request.into_cgroup) => {
+            fork_helper(request, &fds)
+        }
+        Ok(request) => Reply::Failed {
+            error: format!(
+                "expected {} descriptors, got {}",
+                3 + usize::from(request.into_cgroup),
+                fds.len()
+            ),
         },
-        (_, n) => Reply::Failed {
-            error: format!("expected 3 descriptors, got {n}"),
+        Err(e) => Reply::Failed {
+            error: format!("bad request: {e}"),
         },
     };
     drop(fds);
@@ -377,15 +400,24 @@ fn serve_one(buf: &mut [u8]) -> io::Result<bool> {
 }
 
 fn fork_helper(request: Request, fds: &[OwnedFd]) -> Reply {
-    // SAFETY: the zygote is single-threaded (it dispatches here at start, before any thread or
-    // runtime exists), so the child may run arbitrary code.
-    match unsafe { nix::unistd::fork() } {
-        Ok(nix::unistd::ForkResult::Child) => {
+    // Created inside its cgroup when the request brought the cgroup's directory and the kernel
+    // can; forked and left to join through `request.join` otherwise (an older kernel, or a cgroup
+    // the clone may not enter).
+    let (forked, join) = match fds.get(3) {
+        Some(cgroup) => match clone_into_cgroup(cgroup) {
+            Ok(forked) => (Ok(forked), Vec::new()),
+            Err(_) => (fork(), request.join),
+        },
+        None => (fork(), request.join),
+    };
+    match forked {
+        Ok(Forked::Child) => {
             // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated name: `ps` tells helpers apart.
             unsafe { libc::prctl(libc::PR_SET_NAME, c"warren-setup".as_ptr(), 0, 0, 0) };
             // The helper's stdin, stdout and stderr; dup2 onto 0 also closes our control socket
-            // there, so the helper holds nothing of the zygote.
-            for (fd, target) in fds.iter().zip(0..) {
+            // there, so the helper holds nothing of the zygote. (A fourth descriptor, the cgroup
+            // directory, is only closed below.)
+            for (fd, target) in fds.iter().take(3).zip(0..) {
                 // SAFETY: dup2 of descriptors we own onto the standard ones.
                 if unsafe { libc::dup2(fd.as_raw_fd(), target) } < 0 {
                     // SAFETY: _exit in the forked child.
@@ -393,21 +425,77 @@ fn fork_helper(request: Request, fds: &[OwnedFd]) -> Reply {
                 }
             }
             for fd in fds {
-                // SAFETY: closing our copies (all above 2: received after 0, 1, 2 were open).
+                // SAFETY: closing our copies (all above 2: received while 0, 1, 2 were open).
                 unsafe { libc::close(fd.as_raw_fd()) };
             }
-            let join = request
-                .join
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect();
+            let join = join.iter().map(|p| p.display().to_string()).collect();
             crate::init::helper(join)
         }
-        Ok(nix::unistd::ForkResult::Parent { child }) => Reply::Forked {
-            pid: child.as_raw(),
-        },
+        Ok(Forked::Parent(pid)) => Reply::Forked { pid },
         Err(e) => Reply::Failed {
             error: format!("fork: {e}"),
         },
+    }
+}
+
+enum Forked {
+    Child,
+    Parent(i32),
+}
+
+fn fork() -> io::Result<Forked> {
+    // SAFETY: the zygote is single-threaded (it dispatches here at start, before any thread or
+    // runtime exists), so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => Ok(Forked::Child),
+        nix::unistd::ForkResult::Parent { child } => Ok(Forked::Parent(child.as_raw())),
+    }
+}
+
+/// `struct clone_args` of clone3(2), up to `cgroup` (Linux 5.7).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// `CLONE_INTO_CGROUP` (linux/sched.h; not in every libc crate's list).
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// A fork that starts the child in the cgroup v2 directory `cgroup` (clone3 with
+/// `CLONE_INTO_CGROUP`): no migration afterwards, so no write-lock of the kernel's global
+/// thread-group semaphore, whose grace period every cgroup operation on the machine waits behind.
+/// Like `fork()` but for what glibc's wrapper adds (fork handlers, the TID cached in the thread
+/// block), which the single-threaded zygote's children do not use.
+fn clone_into_cgroup(cgroup: &OwnedFd) -> io::Result<Forked> {
+    let args = CloneArgs {
+        flags: CLONE_INTO_CGROUP,
+        exit_signal: libc::SIGCHLD as u64,
+        cgroup: cgroup.as_raw_fd() as u64,
+        ..Default::default()
+    };
+    // SAFETY: clone3(2) without CLONE_VM or a new stack behaves as fork: the child continues on a
+    // copy of this (single-threaded) process; `args` outlives the call and its size is passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const CloneArgs,
+            std::mem::size_of::<CloneArgs>(),
+        )
+    };
+    match rc {
+        0 => Ok(Forked::Child),
+        pid if pid > 0 => Ok(Forked::Parent(pid as i32)),
+        _ => Err(io::Error::last_os_error()),
     }
 }

@@ -8,3 +8,4 @@ mod harness;
 mod lifecycle;
 mod sdk;
 mod serve;
+mod zygote;
