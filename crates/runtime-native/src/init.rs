@@ -61,12 +61,12 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     for file in &join {
         fs::write(file, "0").map_err(|e| format!("joining cgroup {file}: {e}"))?;
     }
-    {
-        // Tells the server the cgroup may now be renamed to a sandbox's (see `JOINED_LINE`).
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{JOINED_LINE}");
-        let _ = out.flush();
-    }
+    // Tells the server the helper is in its cgroup, which may now be renamed to a sandbox's (see
+    // `JOINED_LINE`).
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{JOINED_LINE}");
+    let _ = out.flush();
+    drop(out);
     let mut input = String::new();
     std::io::stdin()
         .read_to_string(&mut input)
