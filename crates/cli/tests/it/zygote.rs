@@ -27,6 +27,14 @@ fn a_helper_is_created_inside_its_v2_cgroup() {
         eprintln!("skipped: cannot create {}: {e}", dir.display());
         return;
     }
+    // Removed however the test ends (the helper is gone by then, or killed with the zygote).
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(dir.clone());
     let zygote = Zygote::new(std::path::Path::new(env!("CARGO_BIN_EXE_warren")));
     let null: OwnedFd = std::fs::OpenOptions::new()
         .write(true)
@@ -51,7 +59,6 @@ fn a_helper_is_created_inside_its_v2_cgroup() {
     let _ = out.read_to_string(&mut rest);
     helper.wait();
     zygote.stop();
-    let _ = std::fs::remove_dir(&dir);
     assert_eq!(
         String::from_utf8_lossy(&first),
         warren_runtime_native::JOINED_LINE
