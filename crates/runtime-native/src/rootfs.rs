@@ -99,15 +99,28 @@ fn onto(target: &Path, mount: impl Fn() -> Result<()>) -> Result<()> {
     }
 }
 
-/// A mount over something that may not exist (a /proc or /sys entry this kernel lacks, a folder
-/// that is a file): skipped then, as a stat beforehand would have skipped it, without the stat.
+/// A mount over a /proc or /sys entry this kernel may lack: skipped when the mount finds nothing
+/// there (ENOENT), as an `exists()` beforehand skipped it, without the stat. Any other failure
+/// (a masked file that turned out to be a folder, say) still fails the sandbox.
 fn unless_absent(mounted: Result<()>) -> Result<()> {
     match mounted {
         Err(RootfsError::Mount {
-            source: nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR,
+            source: nix::errno::Errno::ENOENT,
             ..
         }) => Ok(()),
         other => other,
+    }
+}
+
+/// The same for a tmpfs laid over a folder, which an `is_dir()` beforehand also skipped when the
+/// entry was something else: that mount's ENOTDIR is skipped too.
+fn unless_not_a_folder(mounted: Result<()>) -> Result<()> {
+    match mounted {
+        Err(RootfsError::Mount {
+            source: nix::errno::Errno::ENOTDIR,
+            ..
+        }) => Ok(()),
+        other => unless_absent(other),
     }
 }
 
@@ -291,7 +304,7 @@ fn mount_proc(root: &Path) -> Result<()> {
     }
     for d in ["acpi", "scsi"] {
         let p = proc_dir.join(d);
-        unless_absent(mnt(
+        unless_not_a_folder(mnt(
             Some("tmpfs"),
             &p,
             Some("tmpfs"),
@@ -380,7 +393,7 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
     onto(&sys, || {
         mnt(Some("sysfs"), &sys, Some("sysfs"), flags, None)
     })?;
-    unless_absent(mnt(
+    unless_not_a_folder(mnt(
         Some("tmpfs"),
         &sys.join("firmware"),
         Some("tmpfs"),
@@ -545,18 +558,20 @@ mod tests {
     #[test]
     fn absent_mask_targets_are_skipped_and_other_failures_are_not() {
         let p = Path::new("/proc/nothing-here");
+        let failed = |errno| {
+            Err(RootfsError::Mount {
+                what: "test".into(),
+                target: p.to_path_buf(),
+                source: errno,
+            })
+        };
         assert!(unless_absent(Err(missing(p))).is_ok());
-        assert!(unless_absent(Err(RootfsError::Mount {
-            what: "test".into(),
-            target: p.to_path_buf(),
-            source: nix::errno::Errno::ENOTDIR,
-        }))
-        .is_ok());
-        assert!(unless_absent(Err(RootfsError::Mount {
-            what: "test".into(),
-            target: p.to_path_buf(),
-            source: nix::errno::Errno::EPERM,
-        }))
-        .is_err());
+        assert!(unless_not_a_folder(Err(missing(p))).is_ok());
+        // A tmpfs over something that is not a folder is skipped, as is_dir() skipped it; a file
+        // mask over a folder is not (exists() did not skip that either).
+        assert!(unless_not_a_folder(failed(nix::errno::Errno::ENOTDIR)).is_ok());
+        assert!(unless_absent(failed(nix::errno::Errno::ENOTDIR)).is_err());
+        assert!(unless_absent(failed(nix::errno::Errno::EPERM)).is_err());
+        assert!(unless_not_a_folder(failed(nix::errno::Errno::EPERM)).is_err());
     }
 }
