@@ -14,6 +14,7 @@
 //! a standby helper by renaming its cgroup to the sandbox's instead.
 
 mod cgroup;
+mod hugetext;
 pub mod init;
 mod oci;
 mod rootfs;

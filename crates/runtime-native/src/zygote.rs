@@ -102,6 +102,21 @@ impl Helper {
         }
     }
 
+    /// Its process ID (for a forked helper, as its pidfd's `fdinfo` reports it).
+    pub fn pid(&self) -> Option<u32> {
+        match &self.process {
+            Process::Spawned(c) => Some(c.id()),
+            Process::Forked { pidfd } => {
+                let info =
+                    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd()))
+                        .ok()?;
+                info.lines()
+                    .find_map(|l| l.strip_prefix("Pid:"))
+                    .and_then(|p| p.trim().parse().ok())
+            }
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         match &mut self.process {
             Process::Spawned(c) => matches!(c.try_wait(), Ok(None)),
@@ -177,6 +192,7 @@ impl Zygote {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .env_clear()
+            .envs(std::env::var_os(crate::hugetext::ENV).map(|v| (crate::hugetext::ENV, v)))
             .spawn()?;
         Ok(Running {
             child,
@@ -310,6 +326,11 @@ fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd]) -> io::Result<OwnedFd> 
 
 /// Entry point of `warren __sandbox-zygote`. Never returns.
 pub fn main() -> ! {
+    // First, while the zygote is one thread: every sandbox's PID 1 then inherits the binary's code
+    // mapped through huge pages instead of faulting it in (see `hugetext`). Failure only costs speed.
+    if let Err(err) = crate::hugetext::remap_self() {
+        eprintln!("warren zygote: binary kept on small pages: {err}");
+    }
     // One receive buffer for the zygote's life: every page the zygote writes while helpers it forked
     // still share it is copied for it (copy-on-write), so a buffer zeroed anew per request cost 16
     // page copies per sandbox; this one costs the one page a request lands in.

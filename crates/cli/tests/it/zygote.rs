@@ -70,3 +70,64 @@ fn a_helper_is_created_inside_its_v2_cgroup() {
         dir.display()
     );
 }
+
+/// Huge pages are granted to an `madvise`d range unless THP is off altogether.
+fn transparent_huge_pages_enabled() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| !s.contains("[never]"))
+}
+
+#[test]
+fn a_helper_inherits_the_binary_on_huge_pages() {
+    if !transparent_huge_pages_enabled() {
+        eprintln!("skipped: transparent huge pages are off");
+        return;
+    }
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_warren"));
+    let zygote = Zygote::new(exe);
+    let null: OwnedFd = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/null")
+        .expect("/dev/null")
+        .into();
+    let mut helper = zygote.fork_helper(&[], None, &null).expect("fork a helper");
+    // Once it has said it is ready it has run code from the moved range; its mappings now are what
+    // every sandbox's PID 1 starts with.
+    let mut out = helper.stdout.take().expect("stdout");
+    let mut first = Vec::new();
+    let mut byte = [0u8; 1];
+    while out.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+        first.push(byte[0]);
+    }
+    let pid = helper.pid().expect("the helper's pid");
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
+    drop(helper.stdin.take());
+    let mut rest = String::new();
+    let _ = out.read_to_string(&mut rest);
+    helper.wait();
+    zygote.stop();
+    assert_eq!(
+        String::from_utf8_lossy(&first),
+        warren_runtime_native::JOINED_LINE
+    );
+    // The executable mapping that the moved code sits in: anonymous now, so listed without a path,
+    // and mapped through huge pages the helper did not fault in itself.
+    let huge_exec: u64 = smaps
+        .lines()
+        .fold((false, 0u64), |(in_exec, sum), line| {
+            if line.starts_with(|c: char| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()) {
+                let perms = line.split_whitespace().nth(1).unwrap_or("");
+                (perms == "r-xp", sum)
+            } else if let (true, Some(kb)) = (in_exec, line.strip_prefix("AnonHugePages:")) {
+                let kb: u64 = kb.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
+                (in_exec, sum + kb * 1024)
+            } else {
+                (in_exec, sum)
+            }
+        })
+        .1;
+    assert!(
+        huge_exec >= 4 << 20,
+        "expected the helper's code on huge pages, found {huge_exec} bytes"
+    );
+}
