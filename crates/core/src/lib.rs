@@ -45,22 +45,50 @@ pub fn reachable_socket_path(
     Ok((Some(handle), short))
 }
 
+/// The fields of a `/proc/PID/stat` line after the parenthesised command name, which may itself hold
+/// spaces and parentheses: index 0 is field 3 (`state`) in proc(5)'s numbering.
+pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    let (_, after_name) = stat.rsplit_once(") ")?;
+    Some(after_name.split_whitespace().collect())
+}
+
+/// Field `n` of a `/proc/PID/stat` line as proc(5) numbers them (from 3), from [`stat_fields`].
+pub fn stat_field<T: std::str::FromStr>(fields: &[&str], n: usize) -> Option<T> {
+    fields.get(n.checked_sub(3)?)?.parse().ok()
+}
+
 /// The kernel start time of `pid` (clock ticks since boot), to tell a process from a later one that
 /// got the same pid; `None` when it is gone or a zombie.
 pub fn process_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    // `after` starts at field 3 (state); field 22 is index 19. A zombie has exited already.
+    let fields = stat_fields(&stat)?;
+    // A zombie has exited already.
     if fields.first() == Some(&"Z") {
         return None;
     }
-    fields.get(19)?.parse().ok()
+    stat_field(&fields, 22)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_fields_are_counted_past_a_name_with_spaces_and_parentheses() {
+        let stat = "42 (a) b (c)) S 1 42 42 0 -1 4194560 7 0 0 0 0 0 0 0 20 0 1 0 123456 0";
+        let fields = stat_fields(stat).expect("fields");
+        assert_eq!(fields[0], "S");
+        assert_eq!(stat_field::<i32>(&fields, 4), Some(1));
+        assert_eq!(stat_field::<u64>(&fields, 22), Some(123456));
+        assert_eq!(stat_field::<u64>(&fields, 2), None);
+        assert_eq!(stat_field::<u64>(&fields, 60), None);
+        assert!(stat_fields("no name here").is_none());
+    }
+
+    #[test]
+    fn our_own_start_time_is_read() {
+        assert!(process_start_time(std::process::id() as i32).is_some_and(|t| t > 0));
+    }
 
     #[test]
     fn long_socket_paths_are_shortened_and_connectable() {

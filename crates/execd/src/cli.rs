@@ -26,8 +26,8 @@ struct Args {
     workdir: PathBuf,
     /// Where the code-interpreter SDK's health check connects once a Jupyter kernel can start
     /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
-    #[arg(long, value_name = "PORT", env = "JUPYTER_PORT", default_value_t = crate::interpreter::jupyter_port::DEFAULT_PORT)]
-    jupyter_port: u16,
+    #[arg(long, value_name = "PORT")]
+    jupyter_port: Option<u16>,
     /// A descriptor execd closes once it listens: whoever holds the other end of this pipe learns
     /// that execd is ready without polling its socket.
     #[arg(long, value_name = "FD")]
@@ -59,7 +59,10 @@ where
         listen,
         workdir: args.workdir,
         entrypoint: args.entrypoint,
-        jupyter_port: (args.jupyter_port != 0).then_some(args.jupyter_port),
+        jupyter_port: match args.jupyter_port {
+            Some(port) => (port != 0).then_some(port),
+            None => jupyter_port_from_env(),
+        },
         ready_fd,
     })
 }
@@ -84,8 +87,8 @@ pub fn init_logging(filter: Option<&str>) {
         .try_init();
 }
 
-/// `--jupyter-port` as the binary reads it without the flag: `$JUPYTER_PORT`, else the default;
-/// 0 (or a value that is not a port) turns the health port off.
+/// The health port without `--jupyter-port` (the binary's and the embedded runtime's one rule):
+/// `$JUPYTER_PORT`, else the default; 0 (or a value that is not a port) turns it off.
 pub fn jupyter_port_from_env() -> Option<u16> {
     match std::env::var("JUPYTER_PORT") {
         Ok(v) => v.trim().parse::<u16>().ok().filter(|p| *p != 0),

@@ -156,12 +156,11 @@ fn rewrite_command_line(argv: &[String]) {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return;
     };
-    // Fields after the parenthesised name; arg_start and arg_end are fields 48 and 49 (proc(5)).
-    let Some((_, after_name)) = stat.rsplit_once(") ") else {
+    // arg_start and arg_end are fields 48 and 49 (proc(5)).
+    let Some(fields) = warren_core::stat_fields(&stat) else {
         return;
     };
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<usize>().ok());
+    let field = |n| warren_core::stat_field::<usize>(&fields, n);
     let (Some(start), Some(end)) = (field(48), field(49)) else {
         return;
     };
