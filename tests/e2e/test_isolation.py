@@ -301,3 +301,45 @@ def test_sandbox_init_is_opaque_to_the_sandbox(server, make_sandbox, any_image):
     assert not [l for l in lines if l.endswith("-readable")], out
     # commands still get the sandbox's environment (set in PID 1 before execd started)
     assert "probe=visible-to-its-own-commands" in lines, out
+
+
+def test_socket_folder_cannot_point_the_server_at_a_host_socket(server, api, make_sandbox, any_image, tmp_path):
+    """The folder execd's socket appears in is writable from inside (execd creates the socket
+    there). Root in the sandbox replaces the socket with a symlink to a host socket — here one of
+    the test's own, standing in for Docker's — and then uses its endpoint: the server must refuse to
+    connect through the link (502), and the host socket must see nothing."""
+    import threading
+
+    hits: list[bytes] = []
+    host_sock = tmp_path / "host.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(host_sock))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    done = threading.Event()
+
+    def serve():
+        # Answers like a daemon would, so that a server that does connect gets a reply at once.
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                hits.append(conn.recv(200))
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\nHOST")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        sbx = make_sandbox(any_image)
+        code, out, err = sh(sbx, f"rm -f /.warren/run/execd.sock && ln -s {host_sock} /.warren/run/execd.sock && readlink /.warren/run/execd.sock")
+        assert code == 0 and out.strip() == str(host_sock), (out, err)
+        r = api.get(f"/sandboxes/{sbx.id}/proxy/44772/ping", timeout=20)
+        assert hits == [], f"the server connected to the host socket through the sandbox's symlink: {hits}"
+        assert r.status_code == 502, f"{r.status_code} {r.text[:300]}"
+        assert r.json()["code"], r.text
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        listener.close()

@@ -23,26 +23,32 @@ pub fn is_valid_sandbox_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
-/// Unix socket paths are limited to 108 bytes, and a sandbox's socket lives deep in the data dir.
-/// Returns a path that reaches the same socket through `/proc/self/fd/<dir>/name`, plus the directory
-/// handle that must stay open until the connect is done. Short paths are returned unchanged.
-pub fn reachable_socket_path(
+/// Where to connect to reach the Unix socket at `path`: `/proc/self/fd/N` of an `O_PATH` handle on
+/// the socket itself, and that handle, which must stay open until the connect is done.
+///
+/// A symbolic link at `path` is not followed, and what is there must be a socket. A sandbox can
+/// write in the folder its execd socket appears in (it is bind-mounted in, so that execd can create
+/// the socket), so it could put a symlink to any host socket — Docker's, say — in the socket's
+/// place; connecting through it would forward the sandbox's own requests there. The folders above
+/// the socket are the server's. The returned path is short whatever `path`'s length (a Unix socket
+/// address holds 108 bytes, and a sandbox's socket lives deep in the data dir).
+pub fn socket_connect_path(
     path: &std::path::Path,
-) -> std::io::Result<(Option<std::fs::File>, std::path::PathBuf)> {
+) -> std::io::Result<(std::fs::File, std::path::PathBuf)> {
     use std::os::fd::AsRawFd;
-    const SUN_PATH_MAX: usize = 107;
-    if path.as_os_str().len() <= SUN_PATH_MAX {
-        return Ok((None, path.to_path_buf()));
-    }
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let handle = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+        .open(path)?;
+    if !handle.metadata()?.file_type().is_socket() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
-            "socket path has no parent",
+            format!("{} is not a socket", path.display()),
         ));
-    };
-    let handle = std::fs::File::open(dir)?;
-    let short = std::path::Path::new(&format!("/proc/self/fd/{}", handle.as_raw_fd())).join(name);
-    Ok((Some(handle), short))
+    }
+    let short = std::path::PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()));
+    Ok((handle, short))
 }
 
 /// The fields of a `/proc/PID/stat` line after the parenthesised command name, which may itself hold
@@ -90,18 +96,49 @@ mod tests {
         assert!(process_start_time(std::process::id() as i32).is_some_and(|t| t > 0));
     }
 
+    /// A folder with a long path, and a listener bound in it (through the folder's handle: the
+    /// path itself is too long for a socket address).
+    fn long_folder_with_socket(tag: &str) -> (std::path::PathBuf, std::os::unix::net::UnixListener) {
+        use std::os::fd::AsRawFd;
+        let base = std::env::temp_dir().join(format!(
+            "warren-core-{tag}-{}-{}",
+            std::process::id(),
+            "x".repeat(120)
+        ));
+        std::fs::create_dir_all(&base).expect("mkdir");
+        let dir = std::fs::File::open(&base).expect("open folder");
+        let listener = std::os::unix::net::UnixListener::bind(format!(
+            "/proc/self/fd/{}/s.sock",
+            dir.as_raw_fd()
+        ))
+        .expect("bind");
+        (base, listener)
+    }
+
     #[test]
     fn long_socket_paths_are_shortened_and_connectable() {
-        let base = std::env::temp_dir().join("warren-core-test-".to_string() + &"x".repeat(120));
-        std::fs::create_dir_all(&base).expect("mkdir");
-        let sock = base.join("s.sock");
-        let _ = std::fs::remove_file(&sock);
-        let listener =
-            std::os::unix::net::UnixListener::bind(reachable_socket_path(&sock).expect("path").1);
-        let listener = listener.expect("bind through /proc/self/fd");
-        let (_guard, short) = reachable_socket_path(&sock).expect("short");
+        let (base, listener) = long_folder_with_socket("long");
+        let (_handle, short) = socket_connect_path(&base.join("s.sock")).expect("short");
         assert!(short.as_os_str().len() < 108);
         std::os::unix::net::UnixStream::connect(&short).expect("connect");
+        drop(listener);
+        std::fs::remove_dir_all(&base).expect("cleanup");
+    }
+
+    #[test]
+    fn a_symlink_or_a_file_in_a_socket_s_place_is_refused() {
+        let (base, listener) = long_folder_with_socket("link");
+        // Another socket (standing in for a host socket a sandbox must not reach), a symlink to
+        // it where the sandbox's socket should be, and a plain file.
+        let target = base.join("s.sock");
+        let link = base.join("execd.sock");
+        std::os::unix::fs::symlink(&target, &link).expect("symlink");
+        let err = socket_connect_path(&link).expect_err("a symlink must not be followed");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{err}");
+        let file = base.join("plain");
+        std::fs::write(&file, b"").expect("file");
+        assert!(socket_connect_path(&file).is_err());
+        assert!(socket_connect_path(&base.join("missing")).is_err());
         drop(listener);
         std::fs::remove_dir_all(&base).expect("cleanup");
     }

@@ -389,7 +389,7 @@ impl DockerRuntime {
         let deadline = Instant::now() + self.config.ready_timeout;
         let mut checks = 0u32;
         loop {
-            if let Ok((_dir, reachable)) = warren_core::reachable_socket_path(socket) {
+            if let Ok((_handle, reachable)) = warren_core::socket_connect_path(socket) {
                 if tokio::net::UnixStream::connect(&reachable).await.is_ok() {
                     return Ok(());
                 }

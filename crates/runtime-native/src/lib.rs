@@ -614,7 +614,7 @@ impl NativeRuntime {
         }
         let mut delay = Duration::from_micros(200);
         loop {
-            if let Ok((_dir, reachable)) = warren_core::reachable_socket_path(socket) {
+            if let Ok((_handle, reachable)) = warren_core::socket_connect_path(socket) {
                 if UnixStream::connect(&reachable).is_ok() {
                     return Ok(());
                 }

@@ -198,8 +198,9 @@ async fn open_execd(
 }
 
 async fn connect(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixStream> {
-    // `_dir` keeps the /proc/self/fd handle of a long path alive until the connect completes.
-    let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
+    // `_handle` keeps the socket's /proc/self/fd path alive until the connect completes; it never
+    // follows a symlink the sandbox may have put in the socket's place (see `socket_connect_path`).
+    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
     tokio::net::UnixStream::connect(&reachable).await
 }
 

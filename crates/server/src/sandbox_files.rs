@@ -22,7 +22,7 @@ async fn call_unbounded(
     socket: &std::path::Path,
     req: http::Request<Body>,
 ) -> Result<(u16, Vec<u8>), Error> {
-    let (_dir, reachable) = warren_core::reachable_socket_path(socket)?;
+    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
     let stream = tokio::net::UnixStream::connect(&reachable).await?;
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
