@@ -22,14 +22,20 @@ use std::io;
 
 const HUGE: usize = 2 << 20;
 
-/// Environment variable that turns the move off when `0`.
-pub const ENV: &str = "WARREN_HUGE_TEXT";
+/// Environment variable of the server that turns the move off when `0`.
+const ENV: &str = "WARREN_HUGE_TEXT";
+
+/// The zygote's argument that turns the move off. (An argument, not the variable itself: the
+/// zygote's environment stays empty, so that no server setting reaches a sandbox's PID 1.)
+pub const OFF_FLAG: &str = "--file-backed-text";
+
+/// Whether the server's environment asks to keep the file mapping.
+pub fn turned_off() -> bool {
+    std::env::var_os(ENV).is_some_and(|v| v == "0")
+}
 
 /// Moves the binary's read-only mappings onto huge pages; the number of bytes moved.
 pub fn remap_self() -> io::Result<usize> {
-    if std::env::var_os(ENV).is_some_and(|v| v == "0") {
-        return Ok(0);
-    }
     let maps = std::fs::read_to_string("/proc/self/maps")?;
     let exe = std::fs::read_link("/proc/self/exe")?;
     let exe = exe.to_string_lossy();

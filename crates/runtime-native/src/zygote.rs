@@ -192,7 +192,7 @@ impl Zygote {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .env_clear()
-            .envs(std::env::var_os(crate::hugetext::ENV).map(|v| (crate::hugetext::ENV, v)))
+            .args(crate::hugetext::turned_off().then_some(crate::hugetext::OFF_FLAG))
             .spawn()?;
         Ok(Running {
             child,
@@ -328,8 +328,10 @@ fn ask(control: &OwnedFd, request: &[u8], fds: &[RawFd]) -> io::Result<OwnedFd> 
 pub fn main() -> ! {
     // First, while the zygote is one thread: every sandbox's PID 1 then inherits the binary's code
     // mapped through huge pages instead of faulting it in (see `hugetext`). Failure only costs speed.
-    if let Err(err) = crate::hugetext::remap_self() {
-        eprintln!("warren zygote: binary kept on small pages: {err}");
+    if !std::env::args().any(|a| a == crate::hugetext::OFF_FLAG) {
+        if let Err(err) = crate::hugetext::remap_self() {
+            eprintln!("warren zygote: binary kept on small pages: {err}");
+        }
     }
     // One receive buffer for the zygote's life: every page the zygote writes while helpers it forked
     // still share it is copied for it (copy-on-write), so a buffer zeroed anew per request cost 16
