@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 import uuid
 
 import pytest
 from opensandbox.exceptions import SandboxException
+from opensandbox.models.execd import RunCommandOpts
 from opensandbox.models.sandboxes import PVC, Host, Volume
 
 import warren_e2e as W
@@ -165,3 +167,89 @@ def test_sdk_rejects_nothing_it_should_not(make_sandbox, host_dir):
     assert sh(sbx, "cat /v/inner.txt")[1] == "inner\n"
     with pytest.raises(SandboxException):
         sbx.files.write_file("/v/new.txt", "x")
+
+
+def _decoy(tmp_path):
+    """A host folder no sandbox may reach: the target of the links the tests plant."""
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "secret.txt").write_text("host secret\n")
+    return decoy
+
+
+def test_a_link_left_in_a_named_volume_leads_nowhere(server, api, claim, make_sandbox, tmp_path):
+    """Root in one sandbox plants links in a shared volume; a later create whose `subPath` goes
+    through one is refused, and nothing is made or mounted on the host where the link points."""
+    decoy = _decoy(tmp_path)
+    first = make_sandbox("host", volumes=[Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/v")])
+    code, out, err = sh(first, f"ln -s {decoy} /v/esc && ln -s {decoy}/secret.txt /v/file && mkdir /v/real && echo ok")
+    assert code == 0, (out, err)
+    for sub in ("esc", "esc/newdir", "file", "real/../esc"):
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"), volumes=[
+            {"name": "v", "pvc": {"claimName": claim}, "subPath": sub, "mountPath": "/m"}]))
+        W.assert_error_body(r, codes=[400])
+    assert sorted(p.name for p in decoy.iterdir()) == ["secret.txt"], "something was made through the link"
+    # the real folder still works
+    ok = make_sandbox("host", volumes=[Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/m", sub_path="real")])
+    assert sh(ok, "echo in > /m/f && cat /m/f")[1] == "in\n"
+
+
+# Swaps /v/real (a folder) and /v/swap (a link to the decoy) in a loop with renameat2(RENAME_EXCHANGE),
+# each state held for a random 0-4 ms, so that whatever looks at /v/real sees one or the other.
+_RACER = r"""
+import ctypes, os, random, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+os.makedirs('/v/real/x', exist_ok=True)
+if not os.path.lexists('/v/swap'):
+    os.symlink(sys.argv[1], '/v/swap')
+open('/v/racing', 'w').close()
+while os.path.exists('/v/racing'):
+    libc.syscall(316, -100, b'/v/real', -100, b'/v/swap', 2)
+    time.sleep(random.random() * 0.004)
+"""
+
+
+def test_a_folder_swapped_for_a_link_during_create_is_never_mounted(server, api, claim, make_sandbox, tmp_path):
+    """A sandbox races later creates: it swaps a folder of a shared volume for a link to a host folder
+    over and over. Whatever the moment, a create that mounts that folder (as a volume's `subPath`, and
+    as the way to another volume's mount point) either fails or gets the real folder — never the host
+    folder, and nothing is made there."""
+    if server.is_docker or server.runtime != "embedded":
+        pytest.skip("the embedded runtime mounts from handles; runc, runsc and Docker take paths "
+                    "(checked when the sandbox is created, not raced here)")
+    decoy = _decoy(tmp_path)
+    racer = make_sandbox("host", volumes=[Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/v")])
+    racer_dir = server.data_dir / "volumes" / claim
+    racer.commands.run(f"python3 -c \"{_RACER}\" {decoy}", opts=RunCommandOpts(background=True))
+    for _ in range(100):
+        if (racer_dir / "racing").exists():
+            break
+        time.sleep(0.05)
+    assert (racer_dir / "racing").exists(), "the racer did not start"
+    outcomes = []
+    try:
+        for i in range(40):
+            r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"), volumes=[
+                {"name": "a", "pvc": {"claimName": claim}, "subPath": "real", "mountPath": "/m"},
+                {"name": "b", "pvc": {"claimName": claim}, "mountPath": "/n"},
+                {"name": "c", "pvc": {"claimName": claim}, "subPath": "real", "mountPath": f"/n/real/x/nested{i}"},
+            ]))
+            if r.status_code != 202:
+                outcomes.append(r.status_code)
+                continue
+            sid = r.json()["id"]
+            try:
+                body = api.post(f"/sandboxes/{sid}/proxy/44772/command", json={"command": "cat /m/secret.txt /n/real/secret.txt 2>/dev/null; ls /m"},
+                                timeout=30).text
+                outcomes.append("mounted")
+                assert "host secret" not in body, f"the host folder was mounted: {body[:500]}"
+            finally:
+                api.delete(f"/v1/sandboxes/{sid}")
+    finally:
+        (racer_dir / "racing").unlink(missing_ok=True)
+    assert sorted(p.name for p in decoy.iterdir()) == ["secret.txt"], "something was made in the host folder"
+    print("outcomes:", outcomes)
+    # Refused when the server looked (400) or when the sandbox's setup did (500), or mounted with the
+    # real folder: the race must have reached the setup at least once for this to show anything.
+    assert set(outcomes) <= {400, 500, "mounted"}, outcomes
+    assert any(o in (500, "mounted") for o in outcomes), f"the race never reached a sandbox's setup: {outcomes}"

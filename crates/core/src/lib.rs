@@ -2,6 +2,7 @@
 //! `Runtime` trait that every backend (native, docker, …) implements. The server drives runtimes only
 //! through this trait and maps `RuntimeError` kinds, never backend strings, onto API errors.
 
+pub mod beneath;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;

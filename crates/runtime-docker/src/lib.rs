@@ -279,14 +279,21 @@ impl DockerRuntime {
                         None => json!({"Type": "volume", "Source": claim, "Target": v.target,
                                        "ReadOnly": v.read_only}),
                         // Docker 20.10 has no volume subpaths: bind the folder inside the volume's
-                        // mount point (local driver, daemon on this host), creating it like k8s does.
+                        // mount point (local driver, daemon on this host), creating it like k8s does
+                        // — inside the volume only: its contents are sandboxes', and a link there
+                        // must not make the server create, or Docker mount, a host folder.
                         Some(sub) => {
                             let base = info["Mountpoint"].as_str().unwrap_or_default();
                             let dir = Path::new(base).join(sub);
-                            if base.is_empty() || std::fs::create_dir_all(&dir).is_err() {
+                            let opened = if base.is_empty() {
+                                Err(std::io::Error::other("not a local volume"))
+                            } else {
+                                warren_core::beneath::open_beneath(Path::new(base), Path::new(sub), true)
+                            };
+                            if let Err(e) = opened {
                                 self.remove_volumes(&out.created).await;
                                 return Err(RuntimeError::Invalid(format!(
-                                    "volume {claim:?}: subPath needs a local volume on this host"
+                                    "volume {claim:?}: subPath {sub:?} (it needs a local volume on this host): {e}"
                                 )));
                             }
                             bind_mount(&dir, &v.target, v.read_only)

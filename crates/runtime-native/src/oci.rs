@@ -340,6 +340,8 @@ mod tests {
             log_path: None,
             volumes: vec![crate::spec::HostMount {
                 source: "/srv/data".into(),
+                beneath: "/".into(),
+                create: false,
                 target: "/mnt/data".into(),
                 read_only: true,
             }],

@@ -62,11 +62,42 @@ fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()>
         source,
     })?;
     if readonly || !extra.is_empty() {
-        let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | extra;
-        if readonly {
-            flags |= MsFlags::MS_RDONLY;
+        // On every mount of the bind, not just its top: a remount would leave a mount below the
+        // source (a host's separate /usr/local, say) writable inside the sandbox.
+        let mut attrs = 0;
+        for (flag, attr) in [
+            (MsFlags::MS_NOSUID, mount_api::MOUNT_ATTR_NOSUID),
+            (MsFlags::MS_NODEV, mount_api::MOUNT_ATTR_NODEV),
+            (MsFlags::MS_NOEXEC, mount_api::MOUNT_ATTR_NOEXEC),
+        ] {
+            if extra.contains(flag) {
+                attrs |= attr;
+            }
         }
-        mnt(None, target, None, flags, None)?;
+        if readonly {
+            attrs |= mount_api::MOUNT_ATTR_RDONLY;
+        }
+        let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| {
+            RootfsError::Io {
+                path: target.to_path_buf(),
+                source: io::Error::other("holds a NUL byte"),
+            }
+        })?;
+        match mount_api::set_recursive(libc::AT_FDCWD, &path, attrs) {
+            // Before Linux 5.12: the top mount only.
+            Err(nix::errno::Errno::ENOSYS) => {
+                let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | extra;
+                if readonly {
+                    flags |= MsFlags::MS_RDONLY;
+                }
+                mnt(None, target, None, flags, None)?;
+            }
+            other => other.map_err(|source| RootfsError::Mount {
+                what: format!("attributes of bind {}", src.display()),
+                target: target.to_path_buf(),
+                source,
+            })?,
+        }
     }
     Ok(())
 }
@@ -124,14 +155,6 @@ fn unless_not_a_folder(mounted: Result<()>) -> Result<()> {
     }
 }
 
-/// A mount point for a file bind: creates an empty file if nothing is there.
-fn touch(path: &Path) -> Result<()> {
-    if path.symlink_metadata().is_err() {
-        fs::File::create(path).map_err(io_at(path))?;
-    }
-    Ok(())
-}
-
 /// Strips the leading `/` so a host path can be joined under the new root.
 fn inside(root: &Path, abs: &Path) -> PathBuf {
     root.join(abs.strip_prefix("/").unwrap_or(abs))
@@ -167,42 +190,129 @@ pub fn build(spec: &InitSpec) -> Result<()> {
     pivot(root)
 }
 
-/// Volumes go over the image's folders: each target is created inside the new root without following
-/// any symlink the image put on the way (a link could otherwise aim the mount at a host folder).
+/// Volumes go over the image's folders. Both ends are opened without following links and mounted
+/// handle to handle: a volume's contents are sandboxes' (a link or a folder swapped for one while
+/// this runs must not aim the mount at, or make a mount point in, a host folder), and so may be the
+/// folders on the way to a mount point (a volume nested in another, or links in the image).
 fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
     for v in &spec.volumes {
-        let is_file = v.source.metadata().map(|m| m.is_file()).unwrap_or(false);
-        let target = mountpoint_in(root, &v.target, is_file)?;
-        bind(
-            &v.source,
-            &target,
-            v.read_only,
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        )?;
+        let source = v.open_source().map_err(io_at(&v.source))?;
+        let rel = Path::new(v.target.trim_start_matches('/'));
+        let target = if rel.as_os_str().is_empty() {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a volume cannot cover the root",
+            ))
+        } else if source.is_dir {
+            warren_core::beneath::open_beneath(root, rel, true).and_then(|t| {
+                if t.is_dir {
+                    Ok(t)
+                } else {
+                    Err(io::Error::other("is a file; the volume is a folder"))
+                }
+            })
+        } else {
+            warren_core::beneath::make_file_beneath(root, rel)
+        }
+        .map_err(io_at(Path::new(&v.target)))?;
+        let mut attrs = mount_api::MOUNT_ATTR_NOSUID | mount_api::MOUNT_ATTR_NODEV;
+        if v.read_only {
+            attrs |= mount_api::MOUNT_ATTR_RDONLY;
+        }
+        mount_api::bind_handle(&source.fd, &target.fd, attrs).map_err(|source| {
+            RootfsError::Mount {
+                what: format!("bind {}", v.source.display()),
+                target: PathBuf::from(&v.target),
+                source,
+            }
+        })?;
     }
     Ok(())
 }
 
-fn mountpoint_in(root: &Path, target: &str, file: bool) -> Result<PathBuf> {
-    let parts: Vec<&str> = target.split('/').filter(|p| !p.is_empty()).collect();
-    let mut cur = root.to_path_buf();
-    for (i, part) in parts.iter().enumerate() {
-        cur.push(part);
-        match cur.symlink_metadata() {
-            Ok(m) if m.file_type().is_symlink() => {
-                return Err(RootfsError::Io {
-                    path: cur,
-                    source: io::Error::other(
-                        "is a symbolic link in the image; volumes are not mounted through links",
-                    ),
-                })
-            }
-            Ok(_) => {}
-            Err(_) if file && i + 1 == parts.len() => touch(&cur)?,
-            Err(_) => fs::create_dir(&cur).map_err(io_at(&cur))?,
+/// Linux's descriptor-based mount calls (5.2 on; `mount_setattr` 5.12 on), which libc does not wrap.
+mod mount_api {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    pub const MOUNT_ATTR_NODEV: u64 = 0x4;
+    pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+
+    fn check(rc: libc::c_long) -> nix::Result<libc::c_long> {
+        if rc < 0 {
+            Err(nix::errno::Errno::last())
+        } else {
+            Ok(rc)
         }
     }
-    Ok(cur)
+
+    /// Sets `attrs` on the mount at `dfd`/`path` and every mount below it.
+    pub fn set_recursive(dfd: libc::c_int, path: &std::ffi::CStr, attrs: u64) -> nix::Result<()> {
+        let attr = MountAttr {
+            attr_set: attrs,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        let flags = libc::AT_RECURSIVE | if path.is_empty() { libc::AT_EMPTY_PATH } else { 0 };
+        // SAFETY: mount_setattr(2) with a valid descriptor, a NUL-terminated path and a struct of
+        // the size passed.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                dfd,
+                path.as_ptr(),
+                flags as libc::c_uint,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        })
+        .map(drop)
+    }
+
+    /// Binds what `source` names (with the mounts below it) onto what `target` names, with `attrs`
+    /// on every mount of the copy: a detached copy is made, set up, then attached in one step.
+    pub fn bind_handle(source: &OwnedFd, target: &OwnedFd, attrs: u64) -> nix::Result<()> {
+        // SAFETY: open_tree(2) on a descriptor we own, with an empty path; the result is owned here.
+        let tree = check(unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                source.as_raw_fd(),
+                c"".as_ptr(),
+                OPEN_TREE_CLONE
+                    | libc::O_CLOEXEC as libc::c_uint
+                    | libc::AT_EMPTY_PATH as libc::c_uint
+                    | libc::AT_RECURSIVE as libc::c_uint,
+            )
+        })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        let tree = unsafe { OwnedFd::from_raw_fd(tree as libc::c_int) };
+        set_recursive(tree.as_raw_fd(), c"", attrs)?;
+        // SAFETY: move_mount(2) between two descriptors we own, with empty paths.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                target.as_raw_fd(),
+                c"".as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+            )
+        })
+        .map(drop)
+    }
 }
 
 /// Mounts the sandbox's overlay root at `target`, `volatile` where the kernel has it (5.10 on;

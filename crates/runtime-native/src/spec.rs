@@ -83,9 +83,28 @@ impl InitSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostMount {
     pub source: PathBuf,
+    /// A folder above `source` that sandboxes cannot change: the rest of the way to `source` may be
+    /// theirs (a volume's contents), so it is walked without following links
+    /// (`warren_core::beneath`) and mounted from the handle that walk gives.
+    pub beneath: PathBuf,
+    /// Make missing folders on the way from `beneath` (a named volume's `subPath`).
+    pub create: bool,
     /// Absolute and normalised (validated by the server).
     pub target: String,
     pub read_only: bool,
+}
+
+impl HostMount {
+    /// `source` opened from `beneath` as the field says.
+    pub fn open_source(&self) -> std::io::Result<warren_core::beneath::Opened> {
+        let rel = self.source.strip_prefix(&self.beneath).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} is not under {}", self.source.display(), self.beneath.display()),
+            )
+        })?;
+        warren_core::beneath::open_beneath(&self.beneath, rel, self.create)
+    }
 }
 
 /// The helper's one-line answer on stdout.

@@ -49,8 +49,10 @@ impl Volumes {
         };
         let result = (|| {
             for v in volumes {
-                let source = match &v.source {
-                    VolumeSource::Host(p) => p.clone(),
+                let (beneath, source, create) = match &v.source {
+                    // Canonical when the server checked it: from `/`, with no link on the way, it
+                    // is still what was checked (see `warren_core::beneath`).
+                    VolumeSource::Host(p) => (PathBuf::from("/"), p.clone(), false),
                     VolumeSource::Named {
                         claim,
                         sub_path,
@@ -73,28 +75,31 @@ impl Volumes {
                             }
                         }
                         self.lease(claim, id)?;
-                        match sub_path {
-                            Some(sub) => {
-                                let p = dir.join(sub);
-                                // k8s creates a missing subPath; so do we (it cannot leave the
-                                // volume: the server refused `..`, and the volume is ours).
-                                fs::create_dir_all(&p).map_err(|e| {
-                                    RuntimeError::backend_with(
-                                        format!("creating {}", p.display()),
-                                        e,
-                                    )
-                                })?;
-                                p
-                            }
-                            None => dir,
-                        }
+                        // k8s creates a missing subPath; so do we, inside the volume only: its
+                        // contents are the sandboxes', and a link there must lead nowhere.
+                        let source = match sub_path {
+                            Some(sub) => dir.join(sub),
+                            None => dir.clone(),
+                        };
+                        (dir, source, sub_path.is_some())
                     }
                 };
-                out.mounts.push(HostMount {
+                let mount = HostMount {
                     source,
+                    beneath,
+                    create,
                     target: v.target.clone(),
                     read_only: v.read_only,
-                });
+                };
+                // Checked (and a subPath made) now for a clear error; the sandbox's setup opens it
+                // the same way again and mounts what it opened.
+                mount.open_source().map_err(|e| match e.kind() {
+                    io::ErrorKind::InvalidInput | io::ErrorKind::NotFound => {
+                        RuntimeError::Invalid(format!("volume at {}: {e}", v.target))
+                    }
+                    _ => RuntimeError::backend_with(format!("volume at {}", v.target), e),
+                })?;
+                out.mounts.push(mount);
             }
             Ok(())
         })();

@@ -1,0 +1,216 @@
+//! Opening a path inside a folder that sandboxes can write to, without being led out of it.
+//!
+//! A sandbox that has a folder mounted (a named volume, an allowed host folder) can put symbolic
+//! links in it, or swap a folder for one while the server is looking. Anything the server (root on
+//! the host) then does by path there — create a `subPath`, bind-mount it into another sandbox —
+//! would follow the link to wherever it points on the host. [`open_beneath`] walks the path one
+//! component at a time from a trusted folder, refusing links, and hands back a handle: mounting from
+//! the handle (`/proc/self/fd/N`, or `open_tree`) mounts exactly what was checked.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path};
+
+/// What [`open_beneath`] found: an `O_PATH` handle and whether it is a folder.
+#[derive(Debug)]
+pub struct Opened {
+    pub fd: OwnedFd,
+    pub is_dir: bool,
+}
+
+impl Opened {
+    /// A path naming the opened object through this process's descriptor table, valid while
+    /// `self` lives.
+    pub fn proc_path(&self) -> std::path::PathBuf {
+        format!("/proc/self/fd/{}", self.fd.as_raw_fd()).into()
+    }
+}
+
+fn refused(path: &Path, why: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{}: {why}", path.display()),
+    )
+}
+
+fn openat(dir: &OwnedFd, name: &CString, flags: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: openat(2) on a descriptor we own and a NUL-terminated name; the result is owned here.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Opens `root/rel` without following a symbolic link in `rel` (`root` itself is trusted and opened
+/// as usual). With `create`, missing folders on the way — the last component included — are made
+/// (mode 0755), as Kubernetes does for a `subPath`. `rel` must be relative and free of `..`.
+pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened> {
+    let start = File::open(root)?;
+    let mut cur: OwnedFd = start.into();
+    let parts: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .filter(|c| !matches!(c, Component::CurDir))
+        .map(|c| match c {
+            Component::Normal(name) => Ok(name),
+            _ => Err(refused(rel, "must be a relative path without `..`")),
+        })
+        .collect::<io::Result<_>>()?;
+    let mut walked = root.to_path_buf();
+    for (i, name) in parts.iter().enumerate() {
+        walked.push(name);
+        let last = i + 1 == parts.len();
+        let cname = CString::new(name.as_bytes()).map_err(|_| refused(rel, "holds a NUL byte"))?;
+        // Folders on the way must be folders (a link is not: O_NOFOLLOW opens the link itself, and
+        // O_DIRECTORY then refuses it); the last component may also be a file.
+        let flags = if last { 0 } else { libc::O_DIRECTORY };
+        let next = match openat(&cur, &cname, flags) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
+                // SAFETY: mkdirat(2) on a descriptor we own and a NUL-terminated name.
+                if unsafe { libc::mkdirat(cur.as_raw_fd(), cname.as_ptr(), 0o755) } != 0 {
+                    let err = io::Error::last_os_error();
+                    if err.raw_os_error() != Some(libc::EEXIST) {
+                        return Err(io::Error::new(
+                            err.kind(),
+                            format!("creating {}: {err}", walked.display()),
+                        ));
+                    }
+                }
+                openat(&cur, &cname, libc::O_DIRECTORY)
+            }
+            other => other,
+        };
+        cur = next.map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOTDIR) | Some(libc::ELOOP) => {
+                refused(&walked, "is a symbolic link or not a folder")
+            }
+            _ => io::Error::new(e.kind(), format!("{}: {e}", walked.display())),
+        })?;
+    }
+    let kind = File::from(cur.try_clone()?).metadata()?.file_type();
+    if kind.is_symlink() {
+        return Err(refused(&walked, "is a symbolic link"));
+    }
+    Ok(Opened {
+        fd: cur,
+        is_dir: kind.is_dir(),
+    })
+}
+
+/// Opens the file `root/rel`, creating it empty (mode 0644) and the folders on the way when missing,
+/// with the same refusals as [`open_beneath`]: a mount point for a file bind. An existing folder
+/// there is refused.
+pub fn make_file_beneath(root: &Path, rel: &Path) -> io::Result<Opened> {
+    let (Some(parent), Some(name)) = (rel.parent(), rel.file_name()) else {
+        return Err(refused(rel, "names no file"));
+    };
+    let dir = open_beneath(root, parent, true)?;
+    if !dir.is_dir {
+        return Err(refused(&root.join(parent), "is not a folder"));
+    }
+    let cname = CString::new(name.as_bytes()).map_err(|_| refused(rel, "holds a NUL byte"))?;
+    // SAFETY: openat(2) on a descriptor we own and a NUL-terminated name; closed at once.
+    let fd = unsafe {
+        libc::openat(
+            dir.fd.as_raw_fd(),
+            cname.as_ptr(),
+            libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY | libc::O_CLOEXEC,
+            0o644,
+        )
+    };
+    if fd >= 0 {
+        // SAFETY: a fresh descriptor, closed here.
+        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+    } else {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EEXIST) {
+            return Err(io::Error::new(
+                err.kind(),
+                format!("creating {}: {err}", root.join(rel).display()),
+            ));
+        }
+    }
+    let file = open_beneath(root, rel, false)?;
+    if file.is_dir {
+        return Err(refused(&root.join(rel), "is a folder, not a file"));
+    }
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_on_the_way_or_at_the_end_are_refused_and_nothing_is_made_through_them() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let vol = base.path().join("vol");
+        let outside = base.path().join("outside");
+        std::fs::create_dir_all(vol.join("a/b")).expect("mkdir");
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        std::fs::write(vol.join("a/file"), b"x").expect("file");
+        std::os::unix::fs::symlink(&outside, vol.join("esc")).expect("symlink");
+        std::os::unix::fs::symlink(&outside, vol.join("a/b/esc")).expect("symlink");
+
+        let ok = open_beneath(&vol, Path::new("a/b"), false).expect("a/b");
+        assert!(ok.is_dir);
+        let file = open_beneath(&vol, Path::new("./a/file"), false).expect("a/file");
+        assert!(!file.is_dir);
+        for bad in ["esc", "esc/new", "a/b/esc", "a/b/esc/new", "a/file/x"] {
+            let err = open_beneath(&vol, Path::new(bad), true).expect_err(bad);
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{bad}: {err}");
+        }
+        assert!(std::fs::read_dir(&outside).expect("outside").next().is_none(), "made something outside");
+        for bad in ["../outside", "/etc"] {
+            assert!(open_beneath(&vol, Path::new(bad), true).is_err(), "{bad}");
+        }
+        assert!(open_beneath(&vol, Path::new("missing"), false).is_err());
+    }
+
+    #[test]
+    fn file_mount_points_are_made_but_never_through_a_link() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let root = base.path().join("root");
+        let outside = base.path().join("outside");
+        std::fs::create_dir_all(root.join("etc")).expect("mkdir");
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        std::fs::write(outside.join("victim"), b"keep").expect("victim");
+        std::os::unix::fs::symlink(outside.join("victim"), root.join("etc/link")).expect("symlink");
+        std::os::unix::fs::symlink(&outside, root.join("out")).expect("symlink");
+
+        let made = make_file_beneath(&root, Path::new("a/b/file")).expect("made");
+        assert!(!made.is_dir && root.join("a/b/file").is_file());
+        // an existing file is taken as it is
+        std::fs::write(root.join("a/b/file"), b"content").expect("write");
+        make_file_beneath(&root, Path::new("a/b/file")).expect("again");
+        assert_eq!(std::fs::read(root.join("a/b/file")).expect("read"), b"content");
+        for bad in ["etc/link", "out/new", "a/b"] {
+            assert!(make_file_beneath(&root, Path::new(bad)).is_err(), "{bad}");
+        }
+        assert_eq!(std::fs::read(outside.join("victim")).expect("victim"), b"keep");
+        assert_eq!(std::fs::read_dir(&outside).expect("outside").count(), 1);
+    }
+
+    #[test]
+    fn missing_folders_are_made_when_asked() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let made = open_beneath(base.path(), Path::new("x/y/z"), true).expect("made");
+        assert!(made.is_dir);
+        assert!(base.path().join("x/y/z").is_dir());
+        // the handle names what was made
+        assert_eq!(
+            std::fs::read_link(made.proc_path()).expect("readlink"),
+            base.path().join("x/y/z")
+        );
+    }
+}
