@@ -343,3 +343,12 @@ def test_socket_folder_cannot_point_the_server_at_a_host_socket(server, api, mak
         done.set()
         thread.join(timeout=5)
         listener.close()
+
+
+def test_data_dir_is_private(server, make_sandbox, any_image):
+    """Root in a sandbox is root on the host (no user namespace), so a file it makes setuid in its
+    writable layer is a setuid-root file in the data dir: only root may reach inside it."""
+    sbx = make_sandbox(any_image)
+    code, out, err = sh(sbx, "cp /bin/sh /tmp/e2e-setuid && chmod 4755 /tmp/e2e-setuid && echo ok")
+    assert code == 0, (out, err)
+    assert os.stat(server.data_dir).st_mode & 0o777 == 0o700, oct(os.stat(server.data_dir).st_mode)

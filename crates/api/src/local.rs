@@ -23,6 +23,20 @@ pub fn default_data_dir(env: impl Fn(&str) -> Option<String>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".warren"))
 }
 
+/// Creates `data_dir` if needed and makes it 0700. Sandboxes have no user namespace: a file root in a
+/// sandbox makes setuid (in its writable layer, a volume, or a snapshot's layer) is a setuid-root
+/// file on the host, which any local user could run if they could reach it; nobody but root can
+/// inside a 0700 data dir. An existing data dir is tightened too.
+pub fn prepare_data_dir(data_dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(data_dir)?;
+    let mode = std::fs::metadata(data_dir)?.permissions().mode() & 0o7777;
+    if mode != 0o700 {
+        std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
 /// Where a server started on `data_dir` without a configured key stores the one it generated.
 pub fn key_file(data_dir: &Path) -> PathBuf {
     data_dir.join(API_KEY_FILE)
@@ -34,4 +48,24 @@ pub fn stored_key(data_dir: &Path) -> Option<String> {
         .ok()
         .map(|k| k.trim().to_string())
         .filter(|k| !k.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_data_dir_is_made_private_and_an_open_one_tightened() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().expect("tmp");
+        let fresh = t.path().join("a/b");
+        prepare_data_dir(&fresh).expect("fresh");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
+        assert_eq!(mode(&fresh), 0o700);
+        let open = t.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        prepare_data_dir(&open).expect("existing");
+        assert_eq!(mode(&open), 0o700);
+    }
 }

@@ -128,6 +128,8 @@ pub struct Server {
 
 impl Server {
     pub async fn bind(config: ServerConfig) -> anyhow::Result<Self> {
+        warren_api::local::prepare_data_dir(&config.data_dir)
+            .with_context(|| format!("preparing data dir {}", config.data_dir.display()))?;
         let api_key: Option<Arc<str>> = if config.insecure_no_auth {
             tracing::warn!("serving WITHOUT authentication (--insecure-no-auth, loopback only)");
             None
@@ -150,8 +152,6 @@ impl Server {
         if api_key.is_none() && !config.listen.ip().is_loopback() {
             anyhow::bail!("refusing to listen on {} without an API key", config.listen);
         }
-        std::fs::create_dir_all(&config.data_dir)
-            .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
         let runtime = make_runtime(&config)?;
         let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         let store = Store::open(&config.data_dir).context("opening the state store")?;
