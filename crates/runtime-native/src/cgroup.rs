@@ -19,6 +19,8 @@ pub enum CgroupError {
     NoHierarchy(PathBuf),
     #[error("cgroup controller {0} is not available")]
     MissingController(&'static str),
+    #[error("the sandbox's processes did not reach {want} within {secs} s")]
+    NotSettled { want: &'static str, secs: u64 },
     #[error("cgroup file {path}")]
     Io {
         path: PathBuf,
@@ -246,32 +248,49 @@ impl Cgroup {
         &self.dirs
     }
 
-    /// Freezes (pause) or thaws (resume) every process of the sandbox.
+    /// Freezes (pause) or thaws (resume) every process of the sandbox, and returns once they all
+    /// are: freezing is asynchronous on both versions, and a snapshot taken from a sandbox that is
+    /// still running could copy a folder it is swapping at that moment. An error if that takes more
+    /// than 5 s.
     pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
-        match &self.layout {
-            Layout::V2 { .. } => write(
-                &self.dirs[0].join("cgroup.freeze"),
-                if frozen { "1" } else { "0" },
-            ),
-            Layout::V1 { .. } => {
-                let dir = self
-                    .v1("freezer")
-                    .ok_or(CgroupError::MissingController("freezer"))?;
-                write(
-                    &dir.join("freezer.state"),
-                    if frozen { "FROZEN" } else { "THAWED" },
-                )?;
-                // v1 freezing is asynchronous; report success only once it took effect.
-                let deadline = Instant::now() + Duration::from_secs(5);
-                let want = if frozen { "FROZEN" } else { "THAWED" };
-                loop {
-                    let state = fs::read_to_string(dir.join("freezer.state")).unwrap_or_default();
-                    if state.trim() == want || Instant::now() > deadline {
-                        return Ok(());
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
+        const SECS: u64 = 5;
+        let (file, value, state_file, settled): (PathBuf, &str, PathBuf, fn(&str, bool) -> bool) =
+            match &self.layout {
+                Layout::V2 { .. } => (
+                    self.dirs[0].join("cgroup.freeze"),
+                    if frozen { "1" } else { "0" },
+                    self.dirs[0].join("cgroup.events"),
+                    |events, frozen| {
+                        let want = if frozen { "frozen 1" } else { "frozen 0" };
+                        events.lines().any(|l| l.trim() == want)
+                    },
+                ),
+                Layout::V1 { .. } => {
+                    let dir = self
+                        .v1("freezer")
+                        .ok_or(CgroupError::MissingController("freezer"))?;
+                    (
+                        dir.join("freezer.state"),
+                        if frozen { "FROZEN" } else { "THAWED" },
+                        dir.join("freezer.state"),
+                        |state, frozen| state.trim() == if frozen { "FROZEN" } else { "THAWED" },
+                    )
                 }
+            };
+        write(&file, value)?;
+        let deadline = Instant::now() + Duration::from_secs(SECS);
+        loop {
+            let state = fs::read_to_string(&state_file).map_err(io_err(&state_file))?;
+            if settled(&state, frozen) {
+                return Ok(());
             }
+            if Instant::now() > deadline {
+                return Err(CgroupError::NotSettled {
+                    want: if frozen { "frozen" } else { "thawed" },
+                    secs: SECS,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
@@ -438,6 +457,8 @@ mod tests {
             fs::read_to_string(t.path().join("cgroup.subtree_control")).expect("subtree"),
             "+cpu +memory +pids"
         );
+        // What the kernel reports once every process stopped (`set_frozen` waits for it).
+        fs::write(dir.join("cgroup.events"), "populated 1\nfrozen 1\n").expect("events");
         cg.set_frozen(true).expect("freeze");
         assert!(cg.is_frozen());
         // v2 has no per-thread move outside threaded subtrees: a helper is cloned into the cgroup,
