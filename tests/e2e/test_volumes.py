@@ -253,3 +253,23 @@ def test_a_folder_swapped_for_a_link_during_create_is_never_mounted(server, api,
     # real folder: the race must have reached the setup at least once for this to show anything.
     assert set(outcomes) <= {400, 500, "mounted"}, outcomes
     assert any(o in (500, "mounted") for o in outcomes), f"the race never reached a sandbox's setup: {outcomes}"
+
+
+def test_read_only_reaches_mounts_below_the_volume(server, make_sandbox, host_dir):
+    """A read-only host folder with a separate filesystem mounted below it (as /usr/local often is
+    below /usr): the mount below is read-only inside the sandbox too."""
+    if server.is_docker:
+        pytest.skip("Docker 20.10's read-only binds are read-only at the top only (recursive from Engine 25)")
+    below = host_dir / "sub"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "e2e-below", str(below)], check=True)
+    try:
+        (below / "there.txt").write_text("below\n")
+        sbx = make_sandbox("host", volumes=[
+            Volume(name="ro", host=Host(path=str(host_dir)), mount_path="/mnt/ro", read_only=True)])
+        code, out, _ = sh(sbx, "cat /mnt/ro/sub/there.txt")
+        assert code == 0 and out == "below\n", out
+        code, _, err = sh(sbx, "echo nope > /mnt/ro/sub/blocked.txt")
+        assert code != 0 and "Read-only" in err, err
+        assert not (below / "blocked.txt").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(below)], check=False)

@@ -231,9 +231,15 @@ fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
         .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
 }
 
-fn bind(dest: &str, source: &Path, ro: bool) -> Value {
+fn bind(dest: &str, source: &Path, ro: bool, kind: OciKind) -> Value {
     let mut options = vec!["rbind", "nosuid", "nodev"];
     options.push(if ro { "ro" } else { "rw" });
+    // runc makes only the top mount of a recursive bind read-only; `rro` (runc 1.1, Linux 5.12)
+    // makes every mount below it read-only too (a host's separate /usr/local, say). gVisor's sentry
+    // enforces `ro` on the whole bind itself.
+    if ro && kind == OciKind::Runc {
+        options.push("rro");
+    }
     json!({"destination": dest, "type": "bind", "source": source, "options": options})
 }
 
@@ -266,7 +272,7 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
     } = &spec.root
     {
         for b in binds {
-            mounts.push(bind(&b.display().to_string(), b, true));
+            mounts.push(bind(&b.display().to_string(), b, true, kind));
         }
         // Explicit mounts rather than maskedPaths: gVisor does not mask paths inside bind mounts. Only
         // paths the binds make visible: a mount elsewhere would create the very path it hides.
@@ -278,10 +284,10 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
             mounts.push(json!({"destination": d, "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "noexec", "size=4k", "mode=700"]}));
         }
     }
-    mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true));
-    mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false));
+    mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true, kind));
+    mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false, kind));
     for v in &spec.volumes {
-        mounts.push(bind(&v.target, &v.source, v.read_only));
+        mounts.push(bind(&v.target, &v.source, v.read_only, kind));
     }
 
     let mut resources = json!({"pids": {"limit": limits.pids}});
@@ -369,10 +375,9 @@ mod tests {
             .find(|m| m["destination"] == "/mnt/data")
             .expect("the volume is a bind mount");
         assert_eq!(vol["source"], "/srv/data");
-        assert!(vol["options"]
-            .as_array()
-            .expect("opts")
-            .contains(&serde_json::json!("ro")));
+        let opts = vol["options"].as_array().expect("opts");
+        assert!(opts.contains(&serde_json::json!("ro")));
+        assert!(opts.contains(&serde_json::json!("rro")), "read-only all the way down");
         let caps = c["process"]["capabilities"]["bounding"]
             .as_array()
             .expect("caps");
