@@ -221,7 +221,11 @@ fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
         }
         mount_api::bind_handle(&source.fd, &target.fd, attrs).map_err(|source| {
             RootfsError::Mount {
-                what: format!("bind {}", v.source.display()),
+                what: if source == nix::errno::Errno::ENOSYS {
+                    format!("bind {} (volumes need Linux 5.12 or later)", v.source.display())
+                } else {
+                    format!("bind {}", v.source.display())
+                },
                 target: PathBuf::from(&v.target),
                 source,
             }
