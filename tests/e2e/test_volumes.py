@@ -213,10 +213,14 @@ def test_a_folder_swapped_for_a_link_during_create_is_never_mounted(server, api,
     """A sandbox races later creates: it swaps a folder of a shared volume for a link to a host folder
     over and over. Whatever the moment, a create that mounts that folder (as a volume's `subPath`, and
     as the way to another volume's mount point) either fails or gets the real folder — never the host
-    folder, and nothing is made there."""
-    if server.is_docker or server.runtime != "embedded":
-        pytest.skip("the embedded runtime mounts from handles; runc, runsc and Docker take paths "
-                    "(checked when the sandbox is created, not raced here)")
+    folder, and nothing is made there. (The native runtime mounts volumes from handles, with runc
+    and runsc too: inside the root before the runtime starts.)"""
+    if server.is_docker:
+        pytest.skip("Docker takes volume sources as paths (checked when the sandbox is created, not "
+                    "raced here)")
+    if server.gvisor:
+        pytest.skip("under gVisor a command reading a volume that another sandbox renames in a tight "
+                    "loop stalls (whether the volume is mounted by path or from a handle)")
     decoy = _decoy(tmp_path)
     racer = make_sandbox("host", volumes=[Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/v")])
     racer_dir = server.data_dir / "volumes" / claim

@@ -68,6 +68,8 @@ pub enum OciError {
     Mount(PathBuf, #[source] nix::Error),
     #[error("writing the bundle")]
     Bundle(#[source] std::io::Error),
+    #[error("mounting the volumes")]
+    Volumes(#[source] crate::rootfs::RootfsError),
 }
 
 impl OciRuntime {
@@ -226,9 +228,18 @@ impl OciRuntime {
     }
 }
 
+/// The overlay root, on the host, with the volumes already mounted inside it as the embedded runtime
+/// mounts them (from handles, see `rootfs::mount_volumes`): given to the runtime as paths, a volume
+/// would be looked up again when it mounts it, after a sandbox sharing the volume could have swapped
+/// a folder on it for a link. The runtime's recursive bind of the root takes them along; teardown's
+/// lazy unmount of the root takes them away.
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
     crate::rootfs::mount_overlay(spec, &spec.rootfs_dir)
-        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))
+        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))?;
+    crate::rootfs::mount_volumes(spec, &spec.rootfs_dir).map_err(|e| {
+        let _ = umount2(&spec.rootfs_dir, MntFlags::MNT_DETACH);
+        OciError::Volumes(e)
+    })
 }
 
 fn bind(dest: &str, source: &Path, ro: bool, kind: OciKind) -> Value {
@@ -286,9 +297,6 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
     }
     mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true, kind));
     mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false, kind));
-    for v in &spec.volumes {
-        mounts.push(bind(&v.target, &v.source, v.read_only, kind));
-    }
 
     let mut resources = json!({"pids": {"limit": limits.pids}});
     if let Some(m) = limits.memory_bytes {
@@ -368,14 +376,14 @@ mod tests {
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
         assert_eq!(c["process"]["args"][6], "tail");
-        let vol = c["mounts"]
-            .as_array()
-            .expect("mounts")
+        let mounts = c["mounts"].as_array().expect("mounts");
+        // Volumes are mounted inside the root before the runtime starts, from handles: never by path.
+        assert!(!mounts.iter().any(|m| m["destination"] == "/mnt/data"));
+        let execd = mounts
             .iter()
-            .find(|m| m["destination"] == "/mnt/data")
-            .expect("the volume is a bind mount");
-        assert_eq!(vol["source"], "/srv/data");
-        let opts = vol["options"].as_array().expect("opts");
+            .find(|m| m["destination"] == EXECD_IN_SANDBOX)
+            .expect("execd is bound");
+        let opts = execd["options"].as_array().expect("opts");
         assert!(opts.contains(&serde_json::json!("ro")));
         assert!(opts.contains(&serde_json::json!("rro")), "read-only all the way down");
         let caps = c["process"]["capabilities"]["bounding"]

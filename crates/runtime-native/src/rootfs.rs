@@ -194,7 +194,7 @@ pub fn build(spec: &InitSpec) -> Result<()> {
 /// handle to handle: a volume's contents are sandboxes' (a link or a folder swapped for one while
 /// this runs must not aim the mount at, or make a mount point in, a host folder), and so may be the
 /// folders on the way to a mount point (a volume nested in another, or links in the image).
-fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
+pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
     for v in &spec.volumes {
         let source = v.open_source().map_err(io_at(&v.source))?;
         let rel = Path::new(v.target.trim_start_matches('/'));
