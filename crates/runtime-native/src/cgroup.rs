@@ -254,34 +254,32 @@ impl Cgroup {
     /// than 5 s.
     pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
         const SECS: u64 = 5;
-        let (file, value, state_file, settled): (PathBuf, &str, PathBuf, fn(&str, bool) -> bool) =
-            match &self.layout {
-                Layout::V2 { .. } => (
-                    self.dirs[0].join("cgroup.freeze"),
-                    if frozen { "1" } else { "0" },
-                    self.dirs[0].join("cgroup.events"),
-                    |events, frozen| {
-                        let want = if frozen { "frozen 1" } else { "frozen 0" };
-                        events.lines().any(|l| l.trim() == want)
-                    },
-                ),
-                Layout::V1 { .. } => {
-                    let dir = self
-                        .v1("freezer")
-                        .ok_or(CgroupError::MissingController("freezer"))?;
-                    (
-                        dir.join("freezer.state"),
-                        if frozen { "FROZEN" } else { "THAWED" },
-                        dir.join("freezer.state"),
-                        |state, frozen| state.trim() == if frozen { "FROZEN" } else { "THAWED" },
-                    )
-                }
-            };
+        // The file to write, what to write, and the file and line that say it took effect.
+        let (file, value, state_file, want) = match &self.layout {
+            Layout::V2 { .. } => (
+                self.dirs[0].join("cgroup.freeze"),
+                if frozen { "1" } else { "0" },
+                self.dirs[0].join("cgroup.events"),
+                if frozen { "frozen 1" } else { "frozen 0" },
+            ),
+            Layout::V1 { .. } => {
+                let dir = self
+                    .v1("freezer")
+                    .ok_or(CgroupError::MissingController("freezer"))?;
+                let state = if frozen { "FROZEN" } else { "THAWED" };
+                (
+                    dir.join("freezer.state"),
+                    state,
+                    dir.join("freezer.state"),
+                    state,
+                )
+            }
+        };
         write(&file, value)?;
         let deadline = Instant::now() + Duration::from_secs(SECS);
         loop {
             let state = fs::read_to_string(&state_file).map_err(io_err(&state_file))?;
-            if settled(&state, frozen) {
+            if state.lines().any(|l| l.trim() == want) {
                 return Ok(());
             }
             if Instant::now() > deadline {
