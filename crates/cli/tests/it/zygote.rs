@@ -4,9 +4,9 @@
 
 use std::io::Read;
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use warren_runtime_native::zygote::Zygote;
+use warren_runtime_native::zygote::{Helper, Zygote};
 
 fn cgroup2_mount() -> Option<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
@@ -14,6 +14,31 @@ fn cgroup2_mount() -> Option<PathBuf> {
         let f: Vec<&str> = l.split_whitespace().collect();
         (f.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(f[1]))
     })
+}
+
+/// Forks a setup helper from a fresh zygote (inside the cgroup folder `into`, if given), reads its
+/// first line, runs `inspect` while the helper waits for its spec, then ends both.
+fn with_ready_helper<T>(into: Option<&Path>, inspect: impl FnOnce(&Helper) -> T) -> (String, T) {
+    let zygote = Zygote::new(Path::new(env!("CARGO_BIN_EXE_warren")));
+    let null: OwnedFd = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/null")
+        .expect("/dev/null")
+        .into();
+    let mut helper = zygote.fork_helper(&[], into, &null).expect("fork a helper");
+    let mut out = helper.stdout.take().expect("stdout");
+    let mut first = Vec::new();
+    let mut byte = [0u8; 1];
+    while out.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+        first.push(byte[0]);
+    }
+    let seen = inspect(&helper);
+    drop(helper.stdin.take());
+    let mut rest = String::new();
+    let _ = out.read_to_string(&mut rest);
+    helper.wait();
+    zygote.stop();
+    (String::from_utf8_lossy(&first).into_owned(), seen)
 }
 
 #[test]
@@ -35,34 +60,13 @@ fn a_helper_is_created_inside_its_v2_cgroup() {
         }
     }
     let _cleanup = Cleanup(dir.clone());
-    let zygote = Zygote::new(std::path::Path::new(env!("CARGO_BIN_EXE_warren")));
-    let null: OwnedFd = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/null")
-        .expect("/dev/null")
-        .into();
-    // No join files: a helper that was not created inside would stay outside.
-    let mut helper = zygote
-        .fork_helper(&[], Some(&dir), &null)
-        .expect("fork a helper");
-    // It reports itself in its cgroup (what a standby helper is waited for), then waits for its
-    // spec on stdin; meanwhile it is the cgroup's only member.
-    let mut out = helper.stdout.take().expect("stdout");
-    let mut first = Vec::new();
-    let mut byte = [0u8; 1];
-    while out.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        first.push(byte[0]);
-    }
-    let members = std::fs::read_to_string(dir.join("cgroup.procs")).expect("cgroup.procs");
-    drop(helper.stdin.take());
-    let mut rest = String::new();
-    let _ = out.read_to_string(&mut rest);
-    helper.wait();
-    zygote.stop();
-    assert_eq!(
-        String::from_utf8_lossy(&first),
-        warren_runtime_native::JOINED_LINE
-    );
+    // No join files: a helper that was not created inside would stay outside. It reports itself in
+    // its cgroup (what a standby helper is waited for), then waits for its spec on stdin; meanwhile
+    // it is the cgroup's only member.
+    let (first, members) = with_ready_helper(Some(&dir), |_| {
+        std::fs::read_to_string(dir.join("cgroup.procs")).expect("cgroup.procs")
+    });
+    assert_eq!(first, warren_runtime_native::JOINED_LINE);
     assert_eq!(
         members.lines().count(),
         1,
@@ -83,33 +87,13 @@ fn a_helper_inherits_the_binary_on_huge_pages() {
         eprintln!("skipped: transparent huge pages are off");
         return;
     }
-    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_warren"));
-    let zygote = Zygote::new(exe);
-    let null: OwnedFd = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/null")
-        .expect("/dev/null")
-        .into();
-    let mut helper = zygote.fork_helper(&[], None, &null).expect("fork a helper");
     // Once it has said it is ready it has run code from the moved range; its mappings now are what
     // every sandbox's PID 1 starts with.
-    let mut out = helper.stdout.take().expect("stdout");
-    let mut first = Vec::new();
-    let mut byte = [0u8; 1];
-    while out.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        first.push(byte[0]);
-    }
-    let pid = helper.pid().expect("the helper's pid");
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
-    drop(helper.stdin.take());
-    let mut rest = String::new();
-    let _ = out.read_to_string(&mut rest);
-    helper.wait();
-    zygote.stop();
-    assert_eq!(
-        String::from_utf8_lossy(&first),
-        warren_runtime_native::JOINED_LINE
-    );
+    let (first, smaps) = with_ready_helper(None, |helper| {
+        let pid = helper.pid().expect("the helper's pid");
+        std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps")
+    });
+    assert_eq!(first, warren_runtime_native::JOINED_LINE);
     // The executable mapping that the moved code sits in: anonymous now, so listed without a path,
     // and mapped through huge pages the helper did not fault in itself.
     let huge_exec: u64 = smaps
