@@ -21,14 +21,6 @@ pub struct Opened {
     pub is_dir: bool,
 }
 
-impl Opened {
-    /// A path naming the opened object through this process's descriptor table, valid while
-    /// `self` lives.
-    pub fn proc_path(&self) -> std::path::PathBuf {
-        format!("/proc/self/fd/{}", self.fd.as_raw_fd()).into()
-    }
-}
-
 fn refused(path: &Path, why: &str) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidInput,
@@ -36,20 +28,39 @@ fn refused(path: &Path, why: &str) -> io::Error {
     )
 }
 
-fn openat(dir: &OwnedFd, name: &CString, flags: libc::c_int) -> io::Result<OwnedFd> {
+/// `openat(2)` of `name` in `dir` (always close-on-exec), as an owned descriptor.
+fn openat(
+    dir: &OwnedFd,
+    name: &CString,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<OwnedFd> {
     // SAFETY: openat(2) on a descriptor we own and a NUL-terminated name; the result is owned here.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags | libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC, mode) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor, owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// One step of a walk: an `O_PATH` handle on `name` in `dir`, never following a link (a link there
+/// is opened as itself).
+fn step(dir: &OwnedFd, name: &CString, flags: libc::c_int) -> io::Result<OwnedFd> {
+    openat(dir, name, flags | libc::O_PATH | libc::O_NOFOLLOW, 0)
+}
+
+/// What the walk ended on, `path` for errors: refused if it is a link.
+fn opened(fd: OwnedFd, path: &Path) -> io::Result<Opened> {
+    let file = File::from(fd);
+    let kind = file.metadata()?.file_type();
+    if kind.is_symlink() {
+        return Err(refused(path, "is a symbolic link"));
+    }
+    Ok(Opened {
+        fd: file.into(),
+        is_dir: kind.is_dir(),
+    })
 }
 
 /// Opens `root/rel` without following a symbolic link in `rel` (`root` itself is trusted and opened
@@ -74,7 +85,7 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
         // Folders on the way must be folders (a link is not: O_NOFOLLOW opens the link itself, and
         // O_DIRECTORY then refuses it); the last component may also be a file.
         let flags = if last { 0 } else { libc::O_DIRECTORY };
-        let next = match openat(&cur, &cname, flags) {
+        let next = match step(&cur, &cname, flags) {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
                 // SAFETY: mkdirat(2) on a descriptor we own and a NUL-terminated name.
                 if unsafe { libc::mkdirat(cur.as_raw_fd(), cname.as_ptr(), 0o755) } != 0 {
@@ -86,7 +97,7 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
                         ));
                     }
                 }
-                openat(&cur, &cname, libc::O_DIRECTORY)
+                step(&cur, &cname, libc::O_DIRECTORY)
             }
             other => other,
         };
@@ -97,14 +108,7 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
             _ => io::Error::new(e.kind(), format!("{}: {e}", walked.display())),
         })?;
     }
-    let kind = File::from(cur.try_clone()?).metadata()?.file_type();
-    if kind.is_symlink() {
-        return Err(refused(&walked, "is a symbolic link"));
-    }
-    Ok(Opened {
-        fd: cur,
-        is_dir: kind.is_dir(),
-    })
+    opened(cur, &walked)
 }
 
 /// Opens the file `root/rel`, creating it empty (mode 0644) and the folders on the way when missing,
@@ -119,30 +123,29 @@ pub fn make_file_beneath(root: &Path, rel: &Path) -> io::Result<Opened> {
         return Err(refused(&root.join(parent), "is not a folder"));
     }
     let cname = CString::new(name.as_bytes()).map_err(|_| refused(rel, "holds a NUL byte"))?;
-    // SAFETY: openat(2) on a descriptor we own and a NUL-terminated name; closed at once.
-    let fd = unsafe {
-        libc::openat(
-            dir.fd.as_raw_fd(),
-            cname.as_ptr(),
-            libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY | libc::O_CLOEXEC,
-            0o644,
-        )
-    };
-    if fd >= 0 {
-        // SAFETY: a fresh descriptor, closed here.
-        drop(unsafe { OwnedFd::from_raw_fd(fd) });
-    } else {
-        let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EEXIST) {
+    let path = root.join(rel);
+    let made = openat(
+        &dir.fd,
+        &cname,
+        libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY,
+        0o644,
+    );
+    match made {
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        Err(e) => {
             return Err(io::Error::new(
-                err.kind(),
-                format!("creating {}: {err}", root.join(rel).display()),
-            ));
+                e.kind(),
+                format!("creating {}: {e}", path.display()),
+            ))
         }
     }
-    let file = open_beneath(root, rel, false)?;
+    // From the folder's handle, not walked again from `root`.
+    let fd = step(&dir.fd, &cname, 0)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let file = opened(fd, &path)?;
     if file.is_dir {
-        return Err(refused(&root.join(rel), "is a folder, not a file"));
+        return Err(refused(&path, "is a folder, not a file"));
     }
     Ok(file)
 }
@@ -209,7 +212,7 @@ mod tests {
         assert!(base.path().join("x/y/z").is_dir());
         // the handle names what was made
         assert_eq!(
-            std::fs::read_link(made.proc_path()).expect("readlink"),
+            std::fs::read_link(format!("/proc/self/fd/{}", made.fd.as_raw_fd())).expect("readlink"),
             base.path().join("x/y/z")
         );
     }

@@ -64,19 +64,7 @@ fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()>
     if readonly || !extra.is_empty() {
         // On every mount of the bind, not just its top: a remount would leave a mount below the
         // source (a host's separate /usr/local, say) writable inside the sandbox.
-        let mut attrs = 0;
-        for (flag, attr) in [
-            (MsFlags::MS_NOSUID, mount_api::MOUNT_ATTR_NOSUID),
-            (MsFlags::MS_NODEV, mount_api::MOUNT_ATTR_NODEV),
-            (MsFlags::MS_NOEXEC, mount_api::MOUNT_ATTR_NOEXEC),
-        ] {
-            if extra.contains(flag) {
-                attrs |= attr;
-            }
-        }
-        if readonly {
-            attrs |= mount_api::MOUNT_ATTR_RDONLY;
-        }
+        let attrs = mount_api::attrs(readonly, extra);
         let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| {
             RootfsError::Io {
                 path: target.to_path_buf(),
@@ -215,10 +203,7 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
             warren_core::beneath::make_file_beneath(root, rel)
         }
         .map_err(io_at(Path::new(&v.target)))?;
-        let mut attrs = mount_api::MOUNT_ATTR_NOSUID | mount_api::MOUNT_ATTR_NODEV;
-        if v.read_only {
-            attrs |= mount_api::MOUNT_ATTR_RDONLY;
-        }
+        let attrs = mount_api::attrs(v.read_only, MsFlags::MS_NOSUID | MsFlags::MS_NODEV);
         mount_api::bind_handle(&source.fd, &target.fd, attrs).map_err(|source| {
             RootfsError::Mount {
                 what: if source == nix::errno::Errno::ENOSYS {
@@ -238,10 +223,10 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
 mod mount_api {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-    pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
-    pub const MOUNT_ATTR_NODEV: u64 = 0x4;
-    pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    const MOUNT_ATTR_NOEXEC: u64 = 0x8;
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
     const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
@@ -252,6 +237,21 @@ mod mount_api {
         attr_clr: u64,
         propagation: u64,
         userns_fd: u64,
+    }
+
+    /// The `MOUNT_ATTR_*` bits for a bind that is read-only or not, with `extra`'s nosuid, nodev
+    /// and noexec.
+    pub fn attrs(readonly: bool, extra: nix::mount::MsFlags) -> u64 {
+        use nix::mount::MsFlags;
+        [
+            (readonly, MOUNT_ATTR_RDONLY),
+            (extra.contains(MsFlags::MS_NOSUID), MOUNT_ATTR_NOSUID),
+            (extra.contains(MsFlags::MS_NODEV), MOUNT_ATTR_NODEV),
+            (extra.contains(MsFlags::MS_NOEXEC), MOUNT_ATTR_NOEXEC),
+        ]
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .fold(0, |all, (_, bit)| all | bit)
     }
 
     fn check(rc: libc::c_long) -> nix::Result<libc::c_long> {
@@ -617,6 +617,19 @@ pub fn loopback_up() -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn bind_attributes_follow_the_flags_asked_for() {
+        assert_eq!(mount_api::attrs(false, MsFlags::empty()), 0);
+        assert_eq!(
+            mount_api::attrs(true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV),
+            0x1 | 0x2 | 0x4
+        );
+        assert_eq!(
+            mount_api::attrs(false, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC),
+            0x2 | 0x4 | 0x8
+        );
+    }
     use super::*;
     use std::cell::Cell;
 
