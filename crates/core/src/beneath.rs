@@ -36,7 +36,14 @@ fn openat(
     mode: libc::mode_t,
 ) -> io::Result<OwnedFd> {
     // SAFETY: openat(2) on a descriptor we own and a NUL-terminated name; the result is owned here.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            mode,
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -173,7 +180,13 @@ mod tests {
             let err = open_beneath(&vol, Path::new(bad), true).expect_err(bad);
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{bad}: {err}");
         }
-        assert!(std::fs::read_dir(&outside).expect("outside").next().is_none(), "made something outside");
+        assert!(
+            std::fs::read_dir(&outside)
+                .expect("outside")
+                .next()
+                .is_none(),
+            "made something outside"
+        );
         for bad in ["../outside", "/etc"] {
             assert!(open_beneath(&vol, Path::new(bad), true).is_err(), "{bad}");
         }
@@ -196,11 +209,17 @@ mod tests {
         // an existing file is taken as it is
         std::fs::write(root.join("a/b/file"), b"content").expect("write");
         make_file_beneath(&root, Path::new("a/b/file")).expect("again");
-        assert_eq!(std::fs::read(root.join("a/b/file")).expect("read"), b"content");
+        assert_eq!(
+            std::fs::read(root.join("a/b/file")).expect("read"),
+            b"content"
+        );
         for bad in ["etc/link", "out/new", "a/b"] {
             assert!(make_file_beneath(&root, Path::new(bad)).is_err(), "{bad}");
         }
-        assert_eq!(std::fs::read(outside.join("victim")).expect("victim"), b"keep");
+        assert_eq!(
+            std::fs::read(outside.join("victim")).expect("victim"),
+            b"keep"
+        );
         assert_eq!(std::fs::read_dir(&outside).expect("outside").count(), 1);
     }
 

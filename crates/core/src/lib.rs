@@ -99,7 +99,9 @@ mod tests {
 
     /// A folder with a long path, and a listener bound in it (through the folder's handle: the
     /// path itself is too long for a socket address).
-    fn long_folder_with_socket(tag: &str) -> (std::path::PathBuf, std::os::unix::net::UnixListener) {
+    fn long_folder_with_socket(
+        tag: &str,
+    ) -> (std::path::PathBuf, std::os::unix::net::UnixListener) {
         use std::os::fd::AsRawFd;
         let base = std::env::temp_dir().join(format!(
             "warren-core-{tag}-{}-{}",

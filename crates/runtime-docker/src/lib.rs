@@ -288,7 +288,11 @@ impl DockerRuntime {
                             let opened = if base.is_empty() {
                                 Err(std::io::Error::other("not a local volume"))
                             } else {
-                                warren_core::beneath::open_beneath(Path::new(base), Path::new(sub), true)
+                                warren_core::beneath::open_beneath(
+                                    Path::new(base),
+                                    Path::new(sub),
+                                    true,
+                                )
                             };
                             if let Err(e) = opened {
                                 self.remove_volumes(&out.created).await;

@@ -385,7 +385,10 @@ mod tests {
             .expect("execd is bound");
         let opts = execd["options"].as_array().expect("opts");
         assert!(opts.contains(&serde_json::json!("ro")));
-        assert!(opts.contains(&serde_json::json!("rro")), "read-only all the way down");
+        assert!(
+            opts.contains(&serde_json::json!("rro")),
+            "read-only all the way down"
+        );
         let caps = c["process"]["capabilities"]["bounding"]
             .as_array()
             .expect("caps");

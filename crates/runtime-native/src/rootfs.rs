@@ -207,7 +207,10 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
         mount_api::bind_handle(&source.fd, &target.fd, attrs).map_err(|source| {
             RootfsError::Mount {
                 what: if source == nix::errno::Errno::ENOSYS {
-                    format!("bind {} (volumes need Linux 5.12 or later)", v.source.display())
+                    format!(
+                        "bind {} (volumes need Linux 5.12 or later)",
+                        v.source.display()
+                    )
                 } else {
                     format!("bind {}", v.source.display())
                 },
@@ -270,7 +273,12 @@ mod mount_api {
             propagation: 0,
             userns_fd: 0,
         };
-        let flags = libc::AT_RECURSIVE | if path.is_empty() { libc::AT_EMPTY_PATH } else { 0 };
+        let flags = libc::AT_RECURSIVE
+            | if path.is_empty() {
+                libc::AT_EMPTY_PATH
+            } else {
+                0
+            };
         // SAFETY: mount_setattr(2) with a valid descriptor, a NUL-terminated path and a struct of
         // the size passed.
         check(unsafe {
@@ -626,7 +634,10 @@ mod tests {
             0x1 | 0x2 | 0x4
         );
         assert_eq!(
-            mount_api::attrs(false, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC),
+            mount_api::attrs(
+                false,
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC
+            ),
             0x2 | 0x4 | 0x8
         );
     }

@@ -100,7 +100,11 @@ impl HostMount {
         let rel = self.source.strip_prefix(&self.beneath).map_err(|_| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                format!("{} is not under {}", self.source.display(), self.beneath.display()),
+                format!(
+                    "{} is not under {}",
+                    self.source.display(),
+                    self.beneath.display()
+                ),
             )
         })?;
         warren_core::beneath::open_beneath(&self.beneath, rel, self.create)
