@@ -8,6 +8,7 @@ import concurrent.futures
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,38 @@ def test_pool_serves_creates_refills_and_queues(server, api, pool):
         for i in ids:
             api.delete(f"/v1/sandboxes/{i}")
         sbx.close()
+
+
+def _cpu_shares() -> dict[str, str]:
+    """Sandbox cgroup → CPU weight, on the host: v1 `cpu.shares` (default 1024, least 2) or v2
+    `cpu.weight` (default 100, least 1)."""
+    cg = Path("/sys/fs/cgroup")
+    files = [*cg.glob("cpu*/warren*/*/cpu.shares"), *cg.glob("warren*/*/cpu.weight")]
+    return {f.parent.name: f.read_text().strip() for f in files if not f.parent.name.startswith(".")}
+
+
+@pytest.mark.timeout(180)
+def test_warm_sandboxes_yield_the_cpu_until_claimed(server, api, pool):
+    """A warm sandbox is made, and idles, at the least CPU weight, so a pool's refill yields to the
+    sandboxes in use; the one a create claims gets the weight every sandbox has."""
+    if server.is_docker:
+        pytest.skip("Docker sandboxes keep the CPU weight Docker gives them")
+    name, spec = pool["name"], pool["spec"]
+    _warm_up(api, name, 3)
+    warm = {sid for sid, w in _cpu_shares().items() if w in ("2", "1")}
+    assert len(warm) >= 3, _cpu_shares()
+    r = api.post("/v1/sandboxes", json={**spec["template"], "extensions": {"poolRef": name}})
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+    W.track_sandbox(sid)
+    try:
+        assert sid in warm, "a warm sandbox was handed out"
+        assert _cpu_shares().get(sid) in ("1024", "100"), _cpu_shares()
+        # and the refill that follows is in the background again
+        W.wait_until(lambda: len({s for s, w in _cpu_shares().items() if w in ("2", "1")} - warm) >= 1,
+                     60, interval=0.1, message="a new warm sandbox, at the least weight")
+    finally:
+        assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 
 @pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ pub mod runtime;
 
 pub use quantity::{parse_cpu_millis, parse_memory_bytes, QuantityError};
 pub use runtime::{
-    ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState,
-    SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
+    Background, ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError,
+    RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
 };
 
 /// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its

@@ -68,6 +68,31 @@ pub struct SandboxSpec {
     pub env: BTreeMap<String, String>,
     pub limits: ResourceLimits,
     pub volumes: Vec<VolumeMount>,
+    /// Made ahead of need (a warm pool's sandbox): while this is on, where the runtime can, the
+    /// sandbox's CPU yields to the sandboxes in use, from its setup on, until [`Runtime::promote`].
+    pub background: Background,
+}
+
+/// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone
+/// waits for never yields). Shared between the server and the creates in flight: the server turns
+/// it off when clients start waiting for those sandboxes, even mid-create, then promotes the ones
+/// already lowered; a runtime reads it before lowering a new sandbox's share and again after, so
+/// that either order ends at the normal share.
+#[derive(Debug, Clone, Default)]
+pub struct Background(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Background {
+    pub fn new(on: bool) -> Self {
+        Self(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(on)))
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn set(&self, on: bool) {
+        self.0.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// Backend-specific facts about a live sandbox (pids, paths, container ids), persisted by the server.
@@ -169,6 +194,12 @@ pub trait Runtime: Send + Sync + 'static {
 
     async fn pause(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
     async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;
+
+    /// A sandbox created with [`SandboxSpec::background`] is someone's now: it gets the CPU share
+    /// every sandbox has. A few microseconds; runtimes that make no difference do nothing.
+    fn promote(&self, _id: &str) -> Result<(), RuntimeError> {
+        Ok(())
+    }
 
     /// Kills everything and removes every host resource the sandbox held. Idempotent.
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError>;

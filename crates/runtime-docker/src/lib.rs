@@ -779,6 +779,7 @@ mod tests {
                 pids: 100,
             },
             volumes: Vec::new(),
+            background: Default::default(),
         };
         let b = rt.create_body(
             &spec,

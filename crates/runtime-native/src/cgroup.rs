@@ -40,6 +40,17 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     fs::write(path, value).map_err(io_err(path))
 }
 
+/// A sandbox's claim on the CPU when the machine is busy, relative to other sandboxes (a weight,
+/// not a limit: an idle machine gives either all it has).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuShare {
+    /// The kernel's default weight, as every other process has.
+    Normal,
+    /// The smallest weight there is: made ahead of need (a warm pool's sandbox), so its setup and
+    /// whatever it runs while nobody uses it yield to the sandboxes in use.
+    Background,
+}
+
 /// Which layout the host uses, found once at start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layout {
@@ -186,6 +197,36 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// Sets the cgroup's CPU weight: v2 `cpu.weight` (1–10000, default 100), v1 `cpu.shares` (2–
+    /// 262144, default 1024). A cgroup that is not there (an OCI runtime's that is already gone)
+    /// is fine.
+    pub fn set_cpu_share(&self, share: CpuShare) -> Result<(), CgroupError> {
+        let (file, value) = match &self.layout {
+            Layout::V2 { .. } => (
+                self.dirs[0].join("cpu.weight"),
+                if share == CpuShare::Normal {
+                    "100"
+                } else {
+                    "1"
+                },
+            ),
+            Layout::V1 { .. } => (
+                self.v1("cpu")
+                    .ok_or(CgroupError::MissingController("cpu"))?
+                    .join("cpu.shares"),
+                if share == CpuShare::Normal {
+                    "1024"
+                } else {
+                    "2"
+                },
+            ),
+        };
+        match fs::write(&file, value) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other.map_err(io_err(&file)),
+        }
     }
 
     fn v1(&self, ctrl: &'static str) -> Option<PathBuf> {
@@ -420,6 +461,16 @@ mod tests {
             .iter()
             .all(|p| p.ends_with("warren/abc/tasks")));
         assert_eq!(cg.clone_into_dir(), None);
+        fs::create_dir_all(t.path().join("cpu/warren/abc")).expect("mkdir");
+        cg.set_cpu_share(CpuShare::Background).expect("share");
+        assert_eq!(
+            fs::read_to_string(t.path().join("cpu/warren/abc/cpu.shares")).expect("shares"),
+            "2"
+        );
+        // Gone already (an OCI runtime removed it): nothing to do.
+        Cgroup::at(&layout, "warren", "gone")
+            .set_cpu_share(CpuShare::Normal)
+            .expect("a missing cgroup is fine");
     }
 
     #[test]
@@ -459,6 +510,16 @@ mod tests {
         fs::write(dir.join("cgroup.events"), "populated 1\nfrozen 1\n").expect("events");
         cg.set_frozen(true).expect("freeze");
         assert!(cg.is_frozen());
+        cg.set_cpu_share(CpuShare::Background).expect("share");
+        assert_eq!(
+            fs::read_to_string(dir.join("cpu.weight")).expect("weight"),
+            "1"
+        );
+        cg.set_cpu_share(CpuShare::Normal).expect("share");
+        assert_eq!(
+            fs::read_to_string(dir.join("cpu.weight")).expect("weight"),
+            "100"
+        );
         // v2 has no per-thread move outside threaded subtrees: a helper is cloned into the cgroup,
         // or (where the kernel cannot) joins by cgroup.procs.
         assert_eq!(cg.join_files(), vec![dir.join("cgroup.procs")]);

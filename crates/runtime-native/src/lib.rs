@@ -43,7 +43,7 @@ use warren_core::{
 };
 use warren_image::ResolvedImage;
 
-pub use cgroup::{Cgroup, CgroupError, Layout as CgroupLayout};
+pub use cgroup::{Cgroup, CgroupError, CpuShare, Layout as CgroupLayout};
 pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME, JOINED_LINE};
 
 /// The hidden subcommand of the `warren` binary that runs `init::main`.
@@ -361,7 +361,17 @@ impl NativeRuntime {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let mut init_spec = self.init_spec(spec);
                 init_spec.volumes = volumes.mounts.clone();
-                let pid = oci.start(&init_spec, dir, log, &spec.limits).map_err(|e| {
+                let share = if spec.background.is_on() {
+                    CpuShare::Background
+                } else {
+                    CpuShare::Normal
+                };
+                let run = oci.start(&init_spec, dir, log, &spec.limits, share);
+                if share == CpuShare::Background && !spec.background.is_on() {
+                    // Wanted meanwhile: the server's promote may have come before the cgroup.
+                    let _ = self.promote(&spec.id);
+                }
+                let pid = run.map_err(|e| {
                     RuntimeError::backend_with(
                         format!("starting sandbox {} with {}", spec.id, oci.binary.display()),
                         e,
@@ -405,6 +415,8 @@ impl NativeRuntime {
             Some(warm) => warm,
             None => self.cold_helper(spec, log)?,
         };
+        // Before the spec goes out, so the helper's whole setup runs at that share.
+        self.lower_share(&spec.id, &spec.background);
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();
@@ -436,6 +448,22 @@ impl NativeRuntime {
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
+        }
+    }
+
+    /// Gives a sandbox made ahead of need the background CPU share while `background` is on; see
+    /// [`warren_core::Background`] for why it is read twice. Failing only costs speed: logged.
+    fn lower_share(&self, id: &str, background: &warren_core::Background) {
+        if !background.is_on() {
+            return;
+        }
+        let cg = self.cgroup(id);
+        let mut set = cg.set_cpu_share(CpuShare::Background);
+        if !background.is_on() {
+            set = set.and_then(|()| cg.set_cpu_share(CpuShare::Normal));
+        }
+        if let Err(e) = set {
+            tracing::warn!(sandbox_id = id, error = %e, "setting a warm sandbox's CPU share failed");
         }
     }
 
@@ -771,6 +799,13 @@ impl Runtime for NativeRuntime {
         tokio::task::spawn_blocking(move || this.create_blocking(&spec))
             .await
             .map_err(|e| RuntimeError::backend_with("create task", e))?
+    }
+
+    fn promote(&self, id: &str) -> Result<(), RuntimeError> {
+        // The same directories for an OCI runtime's cgroup (`cgroupsPath` is ours).
+        self.cgroup(id)
+            .set_cpu_share(CpuShare::Normal)
+            .map_err(|e| RuntimeError::backend_with("raising the sandbox's CPU share", e))
     }
 
     fn execd_socket(&self, id: &str) -> PathBuf {

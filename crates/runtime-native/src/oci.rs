@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use nix::mount::{umount2, MntFlags};
 use serde_json::{json, Value};
 
+use crate::cgroup::CpuShare;
 use crate::security::KEPT_CAPABILITIES;
 use crate::spec::{
     InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
@@ -134,9 +135,10 @@ impl OciRuntime {
         bundle: &Path,
         log: fs::File,
         limits: &warren_core::ResourceLimits,
+        share: CpuShare,
     ) -> Result<i32, OciError> {
         mount_rootfs(spec)?;
-        let config = config_json(spec, limits, self.kind);
+        let config = config_json(spec, limits, share, self.kind);
         let text = serde_json::to_vec_pretty(&config).map_err(|e| OciError::Bundle(e.into()))?;
         fs::write(bundle.join("config.json"), text).map_err(OciError::Bundle)?;
         fs::create_dir_all(&self.state_root).map_err(OciError::Bundle)?;
@@ -254,7 +256,12 @@ fn bind(dest: &str, source: &Path, ro: bool, kind: OciKind) -> Value {
     json!({"destination": dest, "type": "bind", "source": source, "options": options})
 }
 
-pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: OciKind) -> Value {
+pub fn config_json(
+    spec: &InitSpec,
+    limits: &warren_core::ResourceLimits,
+    share: CpuShare,
+    kind: OciKind,
+) -> Value {
     let mut args = vec![
         EXECD_IN_SANDBOX.to_string(),
         "--socket".into(),
@@ -304,6 +311,10 @@ pub fn config_json(spec: &InitSpec, limits: &warren_core::ResourceLimits, kind: 
     }
     if let Some(c) = limits.cpu_millis {
         resources["cpu"] = json!({"quota": c * 100, "period": 100_000});
+    }
+    if share == CpuShare::Background {
+        // v1 cpu.shares; runc turns it into the matching cpu.weight on v2 (2 → 1).
+        resources["cpu"]["shares"] = json!(2);
     }
     let mut linux = json!({
         "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}],
@@ -370,8 +381,9 @@ mod tests {
             memory_bytes: Some(1 << 30),
             pids: 100,
         };
-        let c = config_json(&spec(), &limits, OciKind::Runc);
+        let c = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runc);
         assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
+        assert!(c["linux"]["resources"]["cpu"].get("shares").is_none());
         assert_eq!(c["linux"]["resources"]["memory"]["limit"], 1u64 << 30);
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
@@ -399,7 +411,7 @@ mod tests {
             .expect("names")
             .iter()
             .any(|n| n == "mount"));
-        let runsc = config_json(&spec(), &limits, OciKind::Runsc);
+        let runsc = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runsc);
         assert_eq!(
             runsc["linux"]["seccomp"]["syscalls"]
                 .as_array()
@@ -409,6 +421,20 @@ mod tests {
         assert_eq!(
             c["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len),
             Some(3)
+        );
+    }
+
+    #[test]
+    fn a_background_sandbox_asks_for_the_smallest_cpu_share() {
+        let unlimited = warren_core::ResourceLimits {
+            cpu_millis: None,
+            memory_bytes: None,
+            pids: 100,
+        };
+        let c = config_json(&spec(), &unlimited, CpuShare::Background, OciKind::Runc);
+        assert_eq!(
+            c["linux"]["resources"]["cpu"],
+            serde_json::json!({"shares": 2})
         );
     }
 }

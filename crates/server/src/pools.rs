@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use warren_api::lifecycle::{CapacitySpec, Pool as WirePool, PoolSpec, PoolStatus, SandboxState};
 use warren_api::ErrorCode;
+use warren_core::Background;
 use warren_store::SandboxRecord;
 
 use crate::config::LimitsSection;
@@ -57,6 +58,48 @@ struct Pool {
     /// Something changed that may call for more warm sandboxes.
     refill: tokio::sync::Notify,
     closed: AtomicBool,
+    demand: Demand,
+}
+
+/// Whether anyone waits for a pool's next sandbox. While nobody does, the sandboxes it makes
+/// yield their CPU to the sandboxes in use (a claimed one's first command above all) until they
+/// are claimed; a waiting create turns that off, and it stays off until the last one is served.
+struct Demand {
+    background: Background,
+    waiting: Mutex<u32>,
+}
+
+impl Demand {
+    fn new() -> Self {
+        Demand {
+            background: Background::new(true),
+            waiting: Mutex::new(0),
+        }
+    }
+
+    /// Counts a waiting create for as long as the guard lives (a create's future may be dropped at
+    /// any await, when its client goes away). `true` with the first one: the sandboxes being
+    /// made already yield, and need promoting.
+    fn wait(&self) -> (Waiting<'_>, bool) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        *waiting += 1;
+        if *waiting == 1 {
+            self.background.set(false);
+        }
+        (Waiting(self), *waiting == 1)
+    }
+}
+
+struct Waiting<'a>(&'a Demand);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut waiting = self.0.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        *waiting -= 1;
+        if *waiting == 0 {
+            self.0.background.set(true);
+        }
+    }
 }
 
 impl Pools {
@@ -163,6 +206,7 @@ impl Pools {
             available: tokio::sync::Notify::new(),
             refill: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
+            demand: Demand::new(),
         });
         {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
@@ -287,6 +331,7 @@ impl Pools {
             .map(Duration::from_secs)
             .unwrap_or(DEFAULT_MAX_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
+        let mut waiting = None;
         loop {
             // Registered before looking, so a sandbox added in between is not missed.
             let notified = pool.available.notified();
@@ -317,6 +362,13 @@ impl Pools {
             }
             if pool.closed.load(Ordering::SeqCst) {
                 return Err(not_found(name));
+            }
+            if waiting.is_none() {
+                let (guard, first) = pool.demand.wait();
+                if first {
+                    self.inner.sandboxes.promote_pending(name);
+                }
+                waiting = Some(guard);
             }
             pool.refill.notify_one();
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -359,7 +411,11 @@ impl Pools {
                 let me = self.clone();
                 let p = pool.clone();
                 let made = tokio::spawn(async move {
-                    let out = me.inner.sandboxes.create(p.plan.clone()).await;
+                    let out = me
+                        .inner
+                        .sandboxes
+                        .create_in_background(p.plan.clone(), p.demand.background.clone())
+                        .await;
                     p.creating.fetch_sub(1, Ordering::SeqCst);
                     match out {
                         Ok(rec) if p.closed.load(Ordering::SeqCst) => {
@@ -500,4 +556,25 @@ fn fits(template: &CreatePlan, rec: &SandboxRecord) -> bool {
             .is_none_or(|e| *e == rec.entrypoint)
         && rec.env == template.env
         && rec.limits == template.limits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_makes_sandboxes_in_the_background_only_while_nobody_waits() {
+        let demand = Demand::new();
+        let made_now = demand.background.clone(); // what a create in flight holds
+        assert!(made_now.is_on());
+        let (first, is_first) = demand.wait();
+        assert!(is_first, "the first waiter promotes what is being made");
+        assert!(!made_now.is_on(), "creates in flight see it at once");
+        let (second, is_first) = demand.wait();
+        assert!(!is_first);
+        drop(first);
+        assert!(!made_now.is_on(), "someone still waits");
+        drop(second);
+        assert!(made_now.is_on(), "nobody waits: background again");
+    }
 }

@@ -10,7 +10,9 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
-use warren_core::{ImageSource, Liveness, Runtime, RuntimeError, SandboxImage, SandboxSpec};
+use warren_core::{
+    Background, ImageSource, Liveness, Runtime, RuntimeError, SandboxImage, SandboxSpec,
+};
 use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
@@ -217,6 +219,16 @@ impl Sandboxes {
     /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
     /// lease, no runtime resource.
     pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
+        self.create_in_background(plan, Background::default()).await
+    }
+
+    /// [`Sandboxes::create`] for a sandbox made ahead of need: while `background` is on, its CPU
+    /// yields to the sandboxes in use (see [`Background`]).
+    pub async fn create_in_background(
+        &self,
+        plan: CreatePlan,
+        background: Background,
+    ) -> Result<SandboxRecord, ApiError> {
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.inner.runtime.image_source() {
             ImageSource::Store => {
@@ -307,6 +319,7 @@ impl Sandboxes {
             env: plan.env,
             limits: plan.limits,
             volumes: plan.volumes,
+            background,
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {
@@ -654,6 +667,33 @@ impl Sandboxes {
         }
     }
 
+    /// Gives a sandbox made ahead of need the CPU share every sandbox has.
+    fn promote(&self, id: &str) {
+        if let Err(e) = self.inner.runtime.promote(id) {
+            // It still works, only with less CPU while the machine is busy.
+            tracing::warn!(sandbox_id = %id, error = %e, "giving a warm sandbox its CPU share failed");
+        }
+    }
+
+    /// Promotes the warm sandboxes of `pool` still being made: creates wait for them now.
+    pub fn promote_pending(&self, pool: &str) {
+        let pending: Vec<String> = self
+            .inner
+            .entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|e| {
+                let r = lock(&e.record);
+                (r.state == SandboxState::Pending && r.warm_pool.as_deref() == Some(pool))
+                    .then(|| r.id.clone())
+            })
+            .collect();
+        for id in pending {
+            self.promote(&id);
+        }
+    }
+
     /// Hands warm sandbox `id` of `pool` to a client: it becomes visible, with the client's
     /// metadata, extensions and expiry. `None` if it is no longer a usable warm sandbox (it died, or
     /// someone else took it).
@@ -672,6 +712,7 @@ impl Sandboxes {
             return None;
         }
         let now = Utc::now();
+        self.promote(id);
         Some(self.update(&entry, |r| {
             r.warm_pool = None;
             r.pool_ref = Some(pool.to_owned());
