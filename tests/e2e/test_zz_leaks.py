@@ -18,6 +18,17 @@ import warren_e2e as W
 def test_nothing_left_behind():
     problems: list[str] = []
 
+    # zombies die with their parent: look while the servers still run
+    deadline = time.monotonic() + 10
+    while True:
+        zombies = {s.name: W.zombie_children(s.proc.pid) for s in W.REGISTRY.servers if s.alive()}
+        zombies = {k: v for k, v in zombies.items() if v}
+        if not zombies or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for name, pids in zombies.items():
+        problems.append(f"server {name} keeps {len(pids)} zombie children: {pids[:20]}")
+
     for srv in W.REGISTRY.servers:
         if srv.alive():
             try:

@@ -452,6 +452,20 @@ def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
+def zombie_children(parent: int) -> list[int]:
+    """Exited children of `parent` that nobody reaped (state Z)."""
+    out = []
+    for pid in all_pids():
+        stat = _read(f"/proc/{pid}/stat")
+        if not stat:
+            continue
+        # pid (comm) state ppid …; comm may hold spaces and parentheses: split after the last ')'
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) >= 2 and fields[0] == "Z" and fields[1] == str(parent):
+            out.append(pid)
+    return out
+
+
 def proc_cmdline(pid: int) -> str:
     raw = _read(f"/proc/{pid}/cmdline", binary=True)
     return raw.replace(b"\0", b" ").decode(errors="replace").strip() if raw else ""

@@ -174,10 +174,16 @@ impl NativeRuntime {
         let mount_point = config.data_dir.join("mnt");
         fs::create_dir_all(&mount_point)
             .map_err(|e| RuntimeError::backend_with("creating the sandbox mount point", e))?;
-        // Sandboxes we start are reparented to us when their setup helper exits, so their exit status
-        // reaches `wait_exit` instead of a possibly non-reaping PID 1.
-        // SAFETY: prctl with constant arguments.
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        // Sandboxes we start are reparented to us when their setup helper (or `runc run --detach`)
+        // exits, so their exit status reaches `wait_exit` instead of a possibly non-reaping PID 1.
+        // Not with gVisor: runsc leaves processes of its own (its gofer, its unmount helpers) to the
+        // nearest subreaper, where only a reaper of every orphan would collect them — Warren kept
+        // them as zombies, four per sandbox, and `runsc delete` waited 5 s for each gofer to go.
+        // gVisor's sandbox process is not execd anyway; its end is seen through a pidfd.
+        if !oci.as_ref().is_some_and(|o| o.kind == oci::OciKind::Runsc) {
+            // SAFETY: prctl with constant arguments.
+            unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        }
         let this = Self {
             inner: Arc::new(Inner {
                 zygote: zygote::Zygote::new(&config.helper_exe),
