@@ -4,6 +4,7 @@
 One `warren serve` of its own (release build, embedded runtime), raw REST API through httpx, and,
 side by side in the same run, `docker run --rm` when a Docker engine answers (DOCKER_HOST honoured).
 Rows:
+  * the floor: `sh -c 'echo hi'` as a plain subprocess, serial;
   * create → first output → delete without a pool, serial and at 10/50/100 concurrent;
   * the same from a warm pool (bufferMax = poolMax = P): serial claims, and bursts of 1×, 2×, 4× P
     concurrent creates against it (queued up to maxWaitSeconds; success ratio);
@@ -33,7 +34,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from lifecycle import Server, docker_available, docker_once, measure, rust_client_run  # noqa: E402
+from lifecycle import Server, docker_available, docker_once, fork_once, measure, rust_client_run  # noqa: E402
 
 
 def mem_used_kib() -> int:
@@ -102,6 +103,9 @@ async def main() -> None:
     try:
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             plain = body(image)
+            # The floor, in the same run: this machine's speed at starting a process moves every row
+            # (it has differed by 2x from one day to the next), so read the rows against it.
+            results["fork+exec c=1 (sh -c, no sandbox)"] = await measure(fork_once, args.n, 1)
             for _ in range(3):
                 await cycle(client, base, h, plain)
             print("no pool …", flush=True)
