@@ -73,7 +73,9 @@ async def cycle(client, base, h, create_body) -> float:
         await first_output(client, base, h, sid)
         return time.perf_counter() - t0
     finally:
-        await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+        d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+        if d.status_code != 204:
+            raise RuntimeError(f"delete: {d.status_code} {d.text[:200]}")
 
 
 async def main() -> None:
@@ -248,8 +250,15 @@ async def main() -> None:
 
             async def drop(sid):
                 async with dsem:
-                    await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+                    d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+                    if d.status_code != 204:
+                        notes.setdefault("delete_errors", []).append(f"{d.status_code} {d.text[:200]}")
             await asyncio.gather(*(drop(s) for s in ids))
+        # Everything made was deleted, warm sandboxes (unlisted) included: the server keeps none.
+        left = sorted(p.name for p in (server.dir / "data" / "sandboxes").iterdir())
+        notes["sandboxes_left_behind"] = left
+        if left:
+            print(f"# WARNING: {len(left)} sandboxes left behind: {left[:5]}", flush=True)
     finally:
         server.stop()
 

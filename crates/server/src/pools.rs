@@ -260,9 +260,15 @@ impl Pools {
             .unwrap_or_else(|e| e.into_inner())
             .drain(..)
             .collect();
-        for id in warm {
-            let _ = self.inner.sandboxes.delete(&id, REASON_USER_DELETE).await;
-        }
+        // In a task of its own: were this request dropped (its client gone), the sandboxes drained
+        // above would be nobody's, unlisted and running until a restart.
+        let sandboxes = self.inner.sandboxes.clone();
+        let deleting = tokio::spawn(async move {
+            for id in warm {
+                let _ = sandboxes.delete(&id, REASON_USER_DELETE).await;
+            }
+        });
+        let _ = deleting.await;
         Ok(())
     }
 
@@ -418,15 +424,17 @@ impl Pools {
                         .await;
                     p.creating.fetch_sub(1, Ordering::SeqCst);
                     match out {
-                        Ok(rec) if p.closed.load(Ordering::SeqCst) => {
-                            let _ = me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
-                            true
-                        }
                         Ok(rec) => {
-                            p.warm
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .push_back(rec.id);
+                            // Looked at under the lock `delete` drains the list with, after it
+                            // marks the pool closed: a sandbox is either drained or deleted here.
+                            let mut warm = p.warm.lock().unwrap_or_else(|e| e.into_inner());
+                            if p.closed.load(Ordering::SeqCst) {
+                                drop(warm);
+                                let _ = me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
+                                return true;
+                            }
+                            warm.push_back(rec.id);
+                            drop(warm);
                             p.available.notify_one();
                             p.refill.notify_one();
                             true

@@ -369,6 +369,8 @@ fn table_output_matches_snapshots() {
             .join("\n")
             + "\n"
     };
+    // Owned by ids no host names (the `host` image shows the host's /etc/passwd, whose names for
+    // uid 0 differ from one machine to the next).
     cli.ok(&[
         "file",
         "write",
@@ -378,8 +380,14 @@ fn table_output_matches_snapshots() {
         "hello\n",
         "--mode",
         "640",
+        "--owner",
+        "4242",
+        "--group",
+        "4242",
     ]);
-    cli.ok(&["file", "mkdir", &id, "/tmp/snap/sub"]);
+    cli.ok(&[
+        "file", "mkdir", &id, "/tmp/snap/sub", "--owner", "4242", "--group", "4242",
+    ]);
     let mut stale = Vec::new();
     for (name, args) in [
         (
