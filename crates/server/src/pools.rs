@@ -430,7 +430,8 @@ impl Pools {
                             let mut warm = p.warm.lock().unwrap_or_else(|e| e.into_inner());
                             if p.closed.load(Ordering::SeqCst) {
                                 drop(warm);
-                                let _ = me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
+                                let _ =
+                                    me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
                                 return true;
                             }
                             warm.push_back(rec.id);

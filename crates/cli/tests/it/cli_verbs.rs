@@ -386,7 +386,14 @@ fn table_output_matches_snapshots() {
         "4242",
     ]);
     cli.ok(&[
-        "file", "mkdir", &id, "/tmp/snap/sub", "--owner", "4242", "--group", "4242",
+        "file",
+        "mkdir",
+        &id,
+        "/tmp/snap/sub",
+        "--owner",
+        "4242",
+        "--group",
+        "4242",
     ]);
     let mut stale = Vec::new();
     for (name, args) in [
