@@ -245,8 +245,11 @@ def test_deleted_sandboxes_leave_no_zombies(server, make_sandbox):
         code, out, _ = sh(sbx, "echo up")
         assert (code, out.strip()) == (0, "up")
         sbx.kill()
-    W.wait_until(lambda: not W.zombie_children(server.proc.pid), 15, interval=0.2,
-                 message=f"no zombie children of the server; left: {W.zombie_children(server.proc.pid)}")
+    try:
+        W.wait_until(lambda: not W.zombie_children(server.proc.pid), 15, interval=0.2,
+                     message="the server's zombie children to be reaped")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still there: {W.zombie_children(server.proc.pid)}") from None
 
 
 def test_concurrent_creates(make_sandbox):

@@ -127,14 +127,16 @@ def _zygotes(server_pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        st = W.state_and_ppid(int(entry))
+        if st is None:
+            continue
+        ppid = st[1]
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
             with open(f"/proc/{entry}/comm") as f:
                 comm = f.read().strip()
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
         # helpers it forked share its command line but are named warren-setup; those of a killed
         # zygote are reparented to the server
@@ -188,8 +190,5 @@ def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_se
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    st = W.state_and_ppid(pid)
+    return st is not None and st[0] != "Z"

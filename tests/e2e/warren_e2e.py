@@ -452,18 +452,18 @@ def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
+def state_and_ppid(pid: int) -> tuple[str, int] | None:
+    """A process's state letter (`Z` for a zombie) and parent pid, from /proc/PID/stat; `None` when
+    it is gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    # pid (comm) state ppid …; comm may hold spaces and parentheses: split after the last ')'
+    fields = stat.rsplit(")", 1)[-1].split() if stat else []
+    return (fields[0], int(fields[1])) if len(fields) >= 2 else None
+
+
 def zombie_children(parent: int) -> list[int]:
     """Exited children of `parent` that nobody reaped (state Z)."""
-    out = []
-    for pid in all_pids():
-        stat = _read(f"/proc/{pid}/stat")
-        if not stat:
-            continue
-        # pid (comm) state ppid …; comm may hold spaces and parentheses: split after the last ')'
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) >= 2 and fields[0] == "Z" and fields[1] == str(parent):
-            out.append(pid)
-    return out
+    return [pid for pid in all_pids() if state_and_ppid(pid) == ("Z", parent)]
 
 
 def proc_cmdline(pid: int) -> str:
