@@ -96,21 +96,32 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def work_root(request):
     """Temp folder holding every data dir, config and server log of this run.
-    Removed at the end only if nothing failed (or the leak check passed) and
-    nothing is mounted below it; after a failure it is kept less its image
-    layers; WARREN_E2E_KEEP=1 always keeps it whole."""
+    Removed at the end only if nothing failed and nothing is mounted below it.
+    After a failure it is kept less its image layers; when the leak check passed
+    (nothing of the sandboxes is left), only its server logs and configs are kept,
+    beside it in `<root>-logs`. WARREN_E2E_KEEP=1 always keeps it whole."""
     root = W.work_root()
     yield root
     if os.environ.get("WARREN_E2E_KEEP") == "1":
         return
-    clean = W.REGISTRY.leak_check_passed or request.session.testsfailed == 0
+    failed = request.session.testsfailed > 0
     if W.leaked_mounts([root]):
         print(f"\nwarren e2e: mounts remain below {root}; not deleting it", file=sys.stderr)
         return
     if any(s.alive() for s in W.REGISTRY.servers):
         print(f"\nwarren e2e: a server still runs; keeping {root} for inspection", file=sys.stderr)
         return
-    if not clean:
+    if failed and W.REGISTRY.leak_check_passed:
+        # A test failed, but nothing below the root matters any more except what the servers
+        # said: keep their logs and configs (small), so that a rare failure can be read after.
+        logs = root.with_name(root.name + "-logs")
+        logs.mkdir(exist_ok=True)
+        for f in list(root.glob("*.log")) + list(root.glob("*.toml")):
+            shutil.copy2(f, logs / f.name)
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"\nwarren e2e: a test failed; server logs kept in {logs}", file=sys.stderr)
+        return
+    if failed:
         # Logs, configs and sandbox records tell what went wrong; the imported image layers
         # (hundreds of MiB per server) do not, and failed runs kept whole have filled disks.
         for images in root.glob("data-*/images"):

@@ -92,7 +92,7 @@ def test_sandbox_killed_while_server_down(fresh_server):
         pids = W.sandbox_host_pids(marker, victim.id)
     assert pids or srv.is_docker, (f"could not find the host processes of sandbox {victim.id} (runtime {srv.runtime}); "
                   f"the test looks for a PID namespace shared with a process named {marker} and for "
-                  f"command lines mentioning the sandbox id")
+                  f"command lines mentioning the sandbox id\n{_whereabouts(srv, victim.id)}")
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
@@ -118,6 +118,21 @@ def test_sandbox_killed_while_server_down(fresh_server):
         assert W.sh(s2, "echo ok")[1].strip() == "ok"
     finally:
         s2.close()
+
+
+def _whereabouts(srv, sandbox_id: str) -> str:
+    """What is left of a sandbox on the host, for a failure message: its folder, its log's tail,
+    the processes of the host (a rare failure, seen once in CI on runc, is otherwise unreadable)."""
+    folder = srv.data_dir / "sandboxes" / sandbox_id
+    try:
+        log = (folder / "sandbox.log").read_text(errors="replace").splitlines()[-20:]
+    except OSError as exc:
+        log = [f"(no log: {exc})"]
+    procs = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
+    procs = [l for l in procs.splitlines() if "[" not in l.split(None, 3)[-1][:1]]
+    return (f"--- {folder}: {sorted(p.name for p in folder.iterdir()) if folder.is_dir() else 'absent'}\n"
+            f"--- sandbox log tail:\n" + "\n".join(log) + "\n--- host processes:\n" + "\n".join(procs[-60:])
+            + f"\n--- server log tail:\n{srv.log_tail(40)}")
 
 
 def _zygotes(server_pid: int) -> list[int]:
