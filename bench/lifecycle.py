@@ -3,6 +3,10 @@
 
 Side by side in one process and one run:
   * fork+exec   - a plain subprocess running the same command (the floor),
+  * unshare+overlay+chroot - the bare bones of a sandbox, as issue 2 measures its scale: `unshare` into
+                 new mount, PID, network, UTS and IPC namespaces, an overlay of the test image
+                 ($WARREN_TEST_ROOTFS) on a fresh upper dir, `chroot` and the command; its folder
+                 removed after (no cgroup, no API, no agent). Omitted when the test image is absent.
   * raw API     - httpx against Warren's REST API and its endpoint proxy,
   * SDK         - the official OpenSandbox Python SDK (opensandbox==1.1.1),
   * docker run  - `docker run --rm --network none` of the same command, when a Docker engine answers,
@@ -168,6 +172,26 @@ async def fork_once() -> float:
     return elapsed
 
 
+async def bare_once(lower: str, scratch: Path) -> float:
+    d = Path(tempfile.mkdtemp(dir=scratch))
+    script = (f"mkdir {d}/u {d}/w {d}/m && "
+              f"mount -t overlay overlay -o lowerdir={lower},upperdir={d}/u,workdir={d}/w {d}/m && "
+              f"exec chroot {d}/m sh -c '{COMMAND}'")
+    try:
+        t0 = time.perf_counter()
+        p = await asyncio.create_subprocess_exec(
+            "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--net", "--uts", "--ipc",
+            "sh", "-c", script, stdout=asyncio.subprocess.PIPE)
+        line = await p.stdout.readline()
+        elapsed = time.perf_counter() - t0
+        if await p.wait() != 0 or not line:
+            raise RuntimeError("unshare+overlay+chroot failed")
+        return elapsed
+    finally:
+        # the overlay went with the mount namespace
+        await asyncio.to_thread(shutil.rmtree, d, True)
+
+
 async def docker_once(image: str) -> float:
     t0 = time.perf_counter()
     p = await asyncio.create_subprocess_exec("docker", "run", "--rm", "--network", "none", image, "sh", "-c", COMMAND,
@@ -269,8 +293,17 @@ async def main() -> None:
             for _ in range(3):  # warm-up: page cache, first-use paths
                 await raw_once(client, base, server.key, image)
                 await fork_once()
-            kinds = {
-                "fork+exec": fork_once,
+            kinds = {"fork+exec": fork_once}
+            bare_lower = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
+            if Path(bare_lower, "bin/sh").exists() and shutil.which("unshare"):
+                scratch = server.dir / "bare"
+                scratch.mkdir()
+                for _ in range(3):
+                    await bare_once(bare_lower, scratch)
+                kinds["unshare+overlay+chroot"] = lambda: bare_once(bare_lower, scratch)
+            else:
+                print(f"# no test image at {bare_lower}: the unshare+overlay+chroot rows are omitted")
+            kinds |= {
                 "warren raw API": lambda: raw_once(client, base, server.key, image),
                 "warren SDK": lambda: sdk_once(cfg, image),
                 "warren SDK shared": lambda: sdk_once(cfg_shared, image),
