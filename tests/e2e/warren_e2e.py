@@ -659,6 +659,33 @@ def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
                           ("volume", ["docker", "volume", "ls", "-q", "--filter", label])):
             r = subprocess.run(cmd, capture_output=True, text=True)
             out += [f"docker {kind} {x} of {d}" for x in r.stdout.split()]
+    return out + orphan_shims()
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+
+
+def orphan_shims() -> list[str]:
+    """containerd shims started since this test process did whose container the daemon no longer
+    has: the daemon removed a container but containerd kept its task (as a forced removal of a
+    paused gVisor container did). Shims older than the run are another run's business."""
+    known = subprocess.run(["docker", "ps", "-aq", "--no-trunc"], capture_output=True, text=True)
+    if known.returncode != 0:
+        return []
+    known_ids = set(known.stdout.split())
+    since = _start_ticks(os.getpid()) or 0
+    out = []
+    for pid in all_pids():
+        args = (_read(f"/proc/{pid}/cmdline", binary=True) or b"").decode(errors="replace").split("\0")
+        if not args or not args[0].endswith(("containerd-shim-runc-v2", "containerd-shim")) or "-id" not in args:
+            continue
+        cid = args[args.index("-id") + 1] if args.index("-id") + 1 < len(args) else ""
+        if cid not in known_ids and (_start_ticks(pid) or 0) >= since:
+            out.append(f"containerd shim pid {pid} of container {cid[:12]}, which the daemon no longer has")
     return out
 
 
