@@ -473,14 +473,7 @@ impl DockerRuntime {
         // kills runsc's processes directly, fails to resume what is then gone, and removes the
         // container while containerd keeps its task and its shim process — one leaked per deleted
         // paused sandbox. Not paused (the usual case), this answers 409 and costs one round trip.
-        let _ = self
-            .client
-            .call::<Value>(
-                Method::POST,
-                &format!("/containers/{container}/unpause"),
-                None,
-            )
-            .await;
+        self.try_action(container, "unpause").await;
         let path = format!("/containers/{container}?force=true&v=true");
         let mut attempt = 0;
         loop {
@@ -493,20 +486,25 @@ impl DockerRuntime {
                 Err(e @ DockerError::Api { status: 500, .. }) if attempt < 4 => {
                     tracing::warn!(container, error = %e, attempt, "removing the container failed; retrying");
                     for action in ["unpause", "kill"] {
-                        let _ = self
-                            .client
-                            .call::<Value>(
-                                Method::POST,
-                                &format!("/containers/{container}/{action}"),
-                                None,
-                            )
-                            .await;
+                        self.try_action(container, action).await;
                     }
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(e) => return Err(self.map_err("removing the container", e)),
             }
         }
+    }
+
+    /// `POST /containers/{container}/{action}`, whose failure (not paused, already gone) is fine.
+    async fn try_action(&self, container: &str, action: &str) {
+        let _ = self
+            .client
+            .call::<Value>(
+                Method::POST,
+                &format!("/containers/{container}/{action}"),
+                None,
+            )
+            .await;
     }
 
     fn remove_dir(&self, id: &str) {
