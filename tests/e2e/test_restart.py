@@ -77,8 +77,11 @@ def test_sandbox_killed_while_server_down(fresh_server):
     survivor = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config(), timeout=None)
     W.track_sandbox(survivor.id)
     victim.commands.run(f"bash -c 'exec -a {marker} sleep 100000'", opts=RunCommandOpts(background=True))
-    W.wait_until(lambda: W.pids_with_cmdline(marker) or (srv.gvisor), 10,
-                 message=f"marker process {marker} visible on the host")
+    # Wait for the command's last exec (argv[0] is the marker), not its first process: the bash
+    # before it also names the marker, and a process in the middle of execve shows an empty
+    # command line, so a look taken during bash's exec of `sleep` would find nothing.
+    W.wait_until(lambda: [p for p in W.pids_with_cmdline(marker) if W.proc_cmdline(p).startswith(marker)]
+                 or srv.gvisor, 10, message=f"marker process {marker} visible on the host")
     victim.close()
     survivor.close()
 
