@@ -80,8 +80,8 @@ def test_sandbox_killed_while_server_down(fresh_server):
     # Wait for the command's last exec (argv[0] is the marker), not its first process: the bash
     # before it also names the marker, and a process in the middle of execve shows an empty
     # command line, so a look taken during bash's exec of `sleep` would find nothing.
-    W.wait_until(lambda: [p for p in W.pids_with_cmdline(marker) if W.proc_cmdline(p).startswith(marker)]
-                 or srv.gvisor, 10, message=f"marker process {marker} visible on the host")
+    W.wait_until(lambda: [p for p in W.all_pids() if W.proc_argv(p)[:1] == [marker]] or srv.gvisor, 10,
+                 message=f"marker process {marker} visible on the host")
     victim.close()
     survivor.close()
 
@@ -142,24 +142,19 @@ def _zygotes(server_pid: int) -> list[int]:
     """The setup-helper zygotes a server started (embedded runtime): its children running
     `warren __sandbox-zygote`."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for pid in W.all_pids():
+        st = W.state_and_ppid(pid)
+        if st is None or st[1] != server_pid or "__sandbox-zygote" not in W.proc_argv(pid):
             continue
-        st = W.state_and_ppid(int(entry))
-        if st is None:
-            continue
-        ppid = st[1]
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{entry}/comm") as f:
+            with open(f"/proc/{pid}/comm") as f:
                 comm = f.read().strip()
         except OSError:
             continue
         # helpers it forked share its command line but are named warren-setup; those of a killed
         # zygote are reparented to the server
-        if ppid == server_pid and b"__sandbox-zygote" in cmd and comm != "warren-setup":
-            found.append(int(entry))
+        if comm != "warren-setup":
+            found.append(pid)
     return found
 
 

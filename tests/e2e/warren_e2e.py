@@ -452,12 +452,16 @@ def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def state_and_ppid(pid: int) -> tuple[str, int] | None:
-    """A process's state letter (`Z` for a zombie) and parent pid, from /proc/PID/stat; `None` when
-    it is gone."""
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat from field 3 (state) on; empty when the process is gone."""
     stat = _read(f"/proc/{pid}/stat")
     # pid (comm) state ppid …; comm may hold spaces and parentheses: split after the last ')'
-    fields = stat.rsplit(")", 1)[-1].split() if stat else []
+    return stat.rsplit(")", 1)[-1].split() if stat else []
+
+
+def state_and_ppid(pid: int) -> tuple[str, int] | None:
+    """A process's state letter (`Z` for a zombie) and parent pid; `None` when it is gone."""
+    fields = _stat_fields(pid)
     return (fields[0], int(fields[1])) if len(fields) >= 2 else None
 
 
@@ -466,9 +470,14 @@ def zombie_children(parent: int) -> list[int]:
     return [pid for pid in all_pids() if state_and_ppid(pid) == ("Z", parent)]
 
 
-def proc_cmdline(pid: int) -> str:
+def proc_argv(pid: int) -> list[str]:
+    """A process's arguments; empty when it is gone (or in the middle of an execve)."""
     raw = _read(f"/proc/{pid}/cmdline", binary=True)
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip() if raw else ""
+    return raw.decode(errors="replace").rstrip("\0").split("\0") if raw else []
+
+
+def proc_cmdline(pid: int) -> str:
+    return " ".join(proc_argv(pid)).strip()
 
 
 def proc_state(pid: int) -> str | None:
@@ -662,11 +671,9 @@ def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
     return out + orphan_shims()
 
 
-def _start_ticks(pid: int) -> int | None:
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+def _start_ticks(pid: int) -> int:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if len(fields) > 19 else 0  # field 22, starttime
 
 
 def orphan_shims() -> list[str]:
@@ -677,14 +684,14 @@ def orphan_shims() -> list[str]:
     if known.returncode != 0:
         return []
     known_ids = set(known.stdout.split())
-    since = _start_ticks(os.getpid()) or 0
+    since = _start_ticks(os.getpid())
     out = []
     for pid in all_pids():
-        args = (_read(f"/proc/{pid}/cmdline", binary=True) or b"").decode(errors="replace").split("\0")
+        args = proc_argv(pid)
         if not args or not args[0].endswith(("containerd-shim-runc-v2", "containerd-shim")) or "-id" not in args:
             continue
-        cid = args[args.index("-id") + 1] if args.index("-id") + 1 < len(args) else ""
-        if cid not in known_ids and (_start_ticks(pid) or 0) >= since:
+        cid = (args[args.index("-id") + 1:] or [""])[0]
+        if cid not in known_ids and _start_ticks(pid) >= since:
             out.append(f"containerd shim pid {pid} of container {cid[:12]}, which the daemon no longer has")
     return out
 
@@ -710,7 +717,7 @@ def leaked_network(data_dirs: Iterable[Path]) -> list[str]:
     out = [f"link {name}" for name in os.listdir("/sys/class/net")
            if re.fullmatch(r"w[0-9a-f]{4}-\d+", name) and name[:6] in prefixes]
     r = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
-    out += [f"nft {line.strip()}" for line in r.stdout.splitlines() if line.split()[-1:] and line.split()[-1] in tables]
+    out += [f"nft {line.strip()}" for line in r.stdout.splitlines() if (line.split() or [""])[-1] in tables]
     return out
 
 
