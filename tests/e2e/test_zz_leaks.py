@@ -44,7 +44,7 @@ def test_nothing_left_behind():
     while True:
         procs = W.leaked_processes(data_dirs)
         mounts = W.leaked_mounts(data_dirs)
-        cgroups = W.leaked_cgroups(ids)
+        cgroups = W.leaked_cgroups(ids, W.REGISTRY.server_pids - W.REGISTRY.killed_pids)
         dirs = W.leaked_sandbox_dirs(data_dirs, ids)
         docker = W.leaked_docker(data_dirs)
         leases = W.leaked_volume_leases(data_dirs)

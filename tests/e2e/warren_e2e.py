@@ -82,6 +82,8 @@ def work_root() -> Path:
 @dataclass
 class Registry:
     server_pids: set[int] = field(default_factory=set)
+    # Servers that got SIGKILL: they cannot clean up after themselves (the next start does).
+    killed_pids: set[int] = field(default_factory=set)
     data_dirs: set[Path] = field(default_factory=set)
     sandbox_ids: set[str] = field(default_factory=set)
     servers: list["WarrenServer"] = field(default_factory=list)
@@ -352,6 +354,7 @@ class WarrenServer:
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            REGISTRY.killed_pids.add(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
@@ -362,6 +365,7 @@ class WarrenServer:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            REGISTRY.killed_pids.add(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             raise AssertionError(
@@ -593,8 +597,11 @@ def leaked_mounts(data_dirs: Iterable[Path]) -> list[str]:
     return out
 
 
-def leaked_cgroups(sandbox_ids: Iterable[str]) -> list[str]:
+def leaked_cgroups(sandbox_ids: Iterable[str], server_pids: Iterable[int] = ()) -> list[str]:
+    """Cgroups named for one of the sandboxes, and the standby setup helpers' cgroups
+    (`.standby-N-PID`) of the given servers, which a server that stopped cleanly removes."""
     ids = [s for s in sandbox_ids if s]
+    standby = tuple(f"-{pid}" for pid in server_pids)
     out = []
     roots: list[Path] = []
     cg = Path("/sys/fs/cgroup")
@@ -611,7 +618,7 @@ def leaked_cgroups(sandbox_ids: Iterable[str]) -> list[str]:
                 if full in seen:
                     continue
                 seen.add(full)
-                if any(sid in d for sid in ids):
+                if any(sid in d for sid in ids) or (d.startswith(".standby-") and d.endswith(standby)):
                     out.append(full)
         if any(sid in r.name for sid in ids):
             out.append(str(r))

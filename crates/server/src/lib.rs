@@ -222,6 +222,9 @@ impl Server {
             .await;
         self.reaper.abort();
         self.state.sandboxes.network_shutdown();
+        // What the runtime keeps for sandboxes not yet asked for (standby setup helpers and their
+        // cgroups, the zygote); the sandboxes themselves keep running.
+        self.state.sandboxes.runtime().shutdown().await;
         result.context("serving HTTP")
     }
 }
