@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
+import uuid
 
 import httpx
 import pytest
@@ -236,6 +238,49 @@ def test_client_disconnect_mid_stream(server, api, raw_sandbox):
         r = c.post(f"{base}/command", json={"command": "echo still-alive"},
                    headers={"Accept": "text/event-stream"})
         assert r.status_code == 200 and "still-alive" in r.text, r.text[:500]
+
+
+def test_client_gone_mid_create(server, api):
+    """Creates whose clients hang up (an SDK timeout, Ctrl-C) before the answer: each one that
+    reached the server still ends as a Running sandbox that is listed, answers and can be deleted.
+    None stays Pending (a create dropped while it waited for a slot or for the runtime did, before:
+    never expiring, and sometimes with a running sandbox nobody watched). The leak check at the end
+    of the suite covers what deleting them leaves."""
+    marker = uuid.uuid4().hex
+    body = json.dumps(W.create_body(timeout=300, metadata={"e2e-gone": marker})).encode()
+    host, port = server.domain.rsplit(":", 1)
+    request = (f"POST /v1/sandboxes HTTP/1.1\r\nHost: {server.domain}\r\n"
+               f"OPEN-SANDBOX-API-KEY: {server.api_key}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    # More at once than the server creates in parallel, so most wait for a slot when their
+    # clients leave.
+    conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(30)]
+    for c in conns:
+        c.sendall(request)
+    time.sleep(0.01)
+    for c in conns:
+        c.close()
+
+    def ours() -> list[dict]:
+        r = api.get("/v1/sandboxes", params={"metadata": f"e2e-gone={marker}", "pageSize": 100})
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        for i in items:
+            W.track_sandbox(i["id"])
+        return items
+
+    try:
+        settled = W.wait_until(
+            lambda: (lambda items: items if items and all(
+                i["status"]["state"] != "Pending" for i in items) else None)(ours()),
+            120, interval=0.5, message="every abandoned create to leave Pending")
+        assert [i["status"]["state"] for i in settled] == ["Running"] * len(settled), settled
+        ep = api.get(f"/v1/sandboxes/{settled[0]['id']}/endpoints/44772").json()
+        r = httpx.get(f"http://{ep['endpoint']}/ping", headers=ep.get("headers") or {}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for i in ours():
+            assert api.delete(f"/v1/sandboxes/{i['id']}").status_code in (204, 404)
 
 
 def test_execd_stream_format(server, api, raw_sandbox):

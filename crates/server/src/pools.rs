@@ -350,18 +350,20 @@ impl Pools {
                 .pop_front();
             if let Some(id) = next {
                 pool.refill.notify_one();
-                if let Some(rec) = self
-                    .inner
-                    .sandboxes
-                    .claim(
-                        &id,
-                        name,
-                        plan.metadata.clone(),
-                        plan.extensions.clone(),
-                        plan.timeout_seconds,
-                    )
-                    .await
-                {
+                // Off the warm list and not yet the client's: if this request were dropped in
+                // between (its client went away), the sandbox would run on, in no list. The
+                // hand-over is a task of its own; a claimant that left gets a sandbox that expires.
+                let (sandboxes, pool_name) = (self.inner.sandboxes.clone(), name.to_owned());
+                let (metadata, extensions) = (plan.metadata.clone(), plan.extensions.clone());
+                let timeout = plan.timeout_seconds;
+                let handed = tokio::spawn(async move {
+                    sandboxes
+                        .claim(&id, &pool_name, metadata, extensions, timeout)
+                        .await
+                })
+                .await
+                .map_err(|e| ApiError::internal("handing out a warm sandbox", &e))?;
+                if let Some(rec) = handed {
                     return Ok(rec);
                 }
                 continue; // it died while warm: the next one

@@ -23,6 +23,20 @@ use crate::AppState;
 
 const MAX_PAGE_SIZE: u32 = 1000;
 
+/// Runs a state-changing operation to its end even when the client goes away. hyper drops a
+/// handler's future once its connection closes, and an operation cut off between two of its awaits
+/// would stay half-done: a create dropped while it waits for a slot or for the runtime leaves a
+/// `Pending` record that never expires (and, in the second case, a running sandbox nobody watches);
+/// a delete, pause or resume leaves the record in a state the sandbox is not in. So the work runs as
+/// a task of its own, and only waiting for its answer belongs to the request.
+async fn to_completion<T: Send + 'static>(
+    op: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(op)
+        .await
+        .map_err(|e| ApiError::internal("the operation's task", &e))?
+}
+
 /// `page` (from 1) and `pageSize` (1 to [`MAX_PAGE_SIZE`]) of a list query.
 struct Paging {
     page: u32,
@@ -132,8 +146,12 @@ pub async fn create(
         plan.image = app.snapshots.image_for_restore(snapshot)?;
     }
     let rec = match app.pools.route(&plan)? {
+        // Waiting for a warm sandbox may be cut off; the hand-over itself is not (see `claim`).
         Some(pool) => app.pools.claim(&pool, &plan).await?,
-        None => app.sandboxes.create(plan).await?,
+        None => {
+            let sandboxes = app.sandboxes.clone();
+            to_completion(async move { sandboxes.create(plan).await }).await?
+        }
     };
     let mut body = to_wire(&rec);
     body.image = None;
@@ -235,7 +253,8 @@ pub async fn delete(
     State(app): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    app.sandboxes.delete(&id, REASON_USER_DELETE).await?;
+    let sandboxes = app.sandboxes.clone();
+    to_completion(async move { sandboxes.delete(&id, REASON_USER_DELETE).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -245,7 +264,8 @@ pub async fn pause(
     State(app): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    app.sandboxes.pause(&id).await?;
+    let sandboxes = app.sandboxes.clone();
+    to_completion(async move { sandboxes.pause(&id).await }).await?;
     Ok(StatusCode::ACCEPTED)
 }
 
@@ -255,7 +275,8 @@ pub async fn resume(
     State(app): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    app.sandboxes.resume(&id).await?;
+    let sandboxes = app.sandboxes.clone();
+    to_completion(async move { sandboxes.resume(&id).await }).await?;
     Ok(StatusCode::ACCEPTED)
 }
 
@@ -275,7 +296,8 @@ pub async fn renew(
             )
         })?
         .with_timezone(&Utc);
-    let at = app.sandboxes.renew(&id, at).await?;
+    let sandboxes = app.sandboxes.clone();
+    let at = to_completion(async move { sandboxes.renew(&id, at).await }).await?;
     Ok(Json(RenewExpirationResponse {
         expires_at: rfc3339(at),
     }))
@@ -290,10 +312,13 @@ pub async fn patch_metadata(
     ApiJson(patch): ApiJson<BTreeMap<String, Option<String>>>,
 ) -> Result<Json<Sandbox>, ApiError> {
     validate_metadata(patch.iter().map(|(k, v)| (k.as_str(), v.as_deref())))?;
-    let rec = app
-        .sandboxes
-        .patch_metadata(&id, patch.into_iter().collect())
-        .await?;
+    let sandboxes = app.sandboxes.clone();
+    let rec = to_completion(async move {
+        sandboxes
+            .patch_metadata(&id, patch.into_iter().collect())
+            .await
+    })
+    .await?;
     Ok(Json(to_wire(&rec)))
 }
 
@@ -305,8 +330,12 @@ pub async fn network_policy(
     method: http::Method,
     body: axum::body::Bytes,
 ) -> Result<Json<crate::network::PolicyStatus>, ApiError> {
+    let sandboxes = app.sandboxes.clone();
     Ok(Json(
-        crate::network::policy_call(&app.sandboxes, &id, &method, &body).await?,
+        to_completion(
+            async move { crate::network::policy_call(&sandboxes, &id, &method, &body).await },
+        )
+        .await?,
     ))
 }
 
@@ -400,7 +429,8 @@ pub async fn create_snapshot(
                 ApiError::bad_request(ErrorCode::InvalidRequestBody, format!("invalid body: {e}"))
             })?
         };
-    let rec = app.snapshots.create(&id, req.name).await?;
+    let snapshots = app.snapshots.clone();
+    let rec = to_completion(async move { snapshots.create(&id, req.name).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(rec.to_wire())).into_response())
 }
 
@@ -455,7 +485,8 @@ pub async fn delete_snapshot(
     State(app): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    app.snapshots.delete(&id).await?;
+    let snapshots = app.snapshots.clone();
+    to_completion(async move { snapshots.delete(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -498,7 +529,10 @@ pub async fn replace_pool(
     Path(name): Path<String>,
     ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
 ) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
-    app.pools.replace(&name, spec).await.map(Json)
+    let pools = app.pools.clone();
+    to_completion(async move { pools.replace(&name, spec).await })
+        .await
+        .map(Json)
 }
 
 #[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
@@ -507,6 +541,7 @@ pub async fn delete_pool(
     State(app): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    app.pools.delete(&name).await?;
+    let pools = app.pools.clone();
+    to_completion(async move { pools.delete(&name).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
