@@ -88,6 +88,13 @@ impl Layout {
         }
     }
 
+    /// Whether a cgroup can be renamed ([`Cgroup::rename`]): v1 only. The unified hierarchy has no
+    /// rename (the kernel answers EPERM), and needs none for standby helpers: there the zygote
+    /// starts each setup helper inside its cgroup (`clone3(CLONE_INTO_CGROUP)`), no migration.
+    pub fn can_rename(&self) -> bool {
+        matches!(self, Layout::V1 { .. })
+    }
+
     fn v1_dir(&self, ctrl: &'static str) -> Option<&Path> {
         match self {
             Layout::V1 { hierarchies } => hierarchies

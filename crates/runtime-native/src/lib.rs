@@ -9,9 +9,10 @@
 //! directories. Mounts live in the sandbox's own mount namespace and vanish with it (with an external
 //! OCI runtime, the overlay root is mounted on the host instead, and teardown unmounts it).
 //!
-//! A few setup helpers are kept started ahead of need ("standby"), each already inside a cgroup of
-//! its own: on cgroup v1, joining a cgroup can wait ~10 ms for an RCU grace period, so a create adopts
-//! a standby helper by renaming its cgroup to the sandbox's instead.
+//! On cgroup v1 a few setup helpers are kept started ahead of need ("standby"), each already inside a
+//! cgroup of its own: there, joining a cgroup can wait ~10 ms for an RCU grace period, so a create
+//! adopts a standby helper by renaming its cgroup to the sandbox's instead. (v2 cannot rename a
+//! cgroup, and needs no standby: helpers start inside their cgroup.)
 
 mod cgroup;
 mod hugetext;
@@ -547,7 +548,12 @@ impl NativeRuntime {
 
     /// Tops the standby pool up to its target in a background thread.
     fn refill_standby(&self) {
-        let target = self.inner.config.standby_helpers;
+        // On v2 every adoption would fail (no rename) after costing a helper and its cgroup.
+        let target = if self.inner.layout.can_rename() {
+            self.inner.config.standby_helpers
+        } else {
+            0
+        };
         let missing = {
             let mut pool = lock(&self.inner.standby);
             let missing = target.saturating_sub(pool.ready.len() + pool.starting);
@@ -694,7 +700,14 @@ impl NativeRuntime {
         }
         match (pid, &pidfd) {
             (Some(_), Some(fd)) => {
-                zygote::pidfd_exited(fd, 5000);
+                // Reaped here too: the server (its subreaper) is PID 1's parent, and a create that
+                // failed after PID 1 started has no `wait_exit` to do it, which left a zombie per
+                // failure until the server exited. Where `wait_exit` waits as well, one of the two
+                // finds nothing to reap; where the server is not the parent (gVisor, a sandbox
+                // adopted after a restart), the kernel says so and nothing happens.
+                if zygote::pidfd_exited(fd, 5000) {
+                    let _ = reap_pidfd_with(fd, libc::WEXITED | libc::WNOHANG);
+                }
             }
             (Some(pid), None) => wait_gone(pid, Duration::from_secs(5)),
             (None, _) => {}
@@ -1159,19 +1172,20 @@ fn pidfd_open(pid: i32) -> Option<OwnedFd> {
 /// Collects the exit status when the process is our child (we are its subreaper); otherwise its
 /// parent reaps it and we only know it ended.
 fn reap_pidfd(fd: &OwnedFd) -> Option<ExitInfo> {
+    reap_pidfd_with(fd, libc::WEXITED)
+}
+
+/// `waitid` on a pidfd with `flags`; `None` when there was nothing to reap (not our child, already
+/// reaped, or with `WNOHANG` still running).
+fn reap_pidfd_with(fd: &OwnedFd, flags: libc::c_int) -> Option<ExitInfo> {
     // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     const P_PIDFD: libc::idtype_t = 3;
     // SAFETY: waitid on a pidfd we own with a valid siginfo pointer.
-    let rc = unsafe {
-        libc::waitid(
-            P_PIDFD,
-            fd.as_raw_fd() as libc::id_t,
-            &mut info,
-            libc::WEXITED,
-        )
-    };
-    if rc != 0 {
+    let rc = unsafe { libc::waitid(P_PIDFD, fd.as_raw_fd() as libc::id_t, &mut info, flags) };
+    // With WNOHANG and the child still running, waitid succeeds and leaves si_pid 0.
+    // SAFETY: `info` was zeroed and, on success, filled by waitid.
+    if rc != 0 || unsafe { info.si_pid() } == 0 {
         return None;
     }
     // SAFETY: waitid filled `info` for a CLD_* event.

@@ -147,8 +147,9 @@ pub struct RuntimeSection {
     #[serde(default = "default_oci")]
     pub oci_runtime: String,
     pub execd_path: Option<PathBuf>,
-    /// Sandbox setup helpers started ahead of need (embedded runtime): each already sits in a cgroup
-    /// of its own, which takes the slow cgroup migration off the create path. 0 disables.
+    /// Sandbox setup helpers started ahead of need (embedded runtime, cgroup v1): each already sits
+    /// in a cgroup of its own, which takes the slow cgroup migration off the create path. 0 disables.
+    /// Ignored on cgroup v2, where helpers start inside their cgroup and a cgroup cannot be renamed.
     #[serde(default = "default_standby")]
     pub standby_helpers: usize,
     /// Native runtime: creates in flight at once (the rest wait their turn, first come first served);
