@@ -327,3 +327,44 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
         sbx.kill()
     server_log = net_server.log_path.read_text()
     assert SECRET not in server_log, "a secret reached the server's log"
+
+
+def test_full_subnet_refuses_creates_cleanly(server, work_root):
+    """When every link address of the server's subnet is taken, a create with a network policy gets
+    429 and a message that names the setting; the sandbox it had already started is removed and
+    reaped (each such failure used to leave a zombie PID 1 with the server until it exited)."""
+    if server.gvisor or server.is_docker:
+        pytest.skip("sandbox network links: native runtimes without gVisor only")
+    srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-subnet-{uuid.uuid4().hex[:6]}")
+    # A /28 holds three /30 links; DNS goes nowhere (no query is made).
+    srv.extra_config = (f'[network]\nsubnet = "10.232.{abs(hash(server.runtime)) % 200}.0/28"\n'
+                        'dns_upstream = "127.0.0.1:9"\n')
+    srv.start()
+    try:
+        body = W.create_body(networkPolicy={"defaultAction": "deny",
+                                            "egress": [{"action": "allow", "target": "allowed.test"}]})
+        with srv.client() as api:
+            made = []
+            for _ in range(3):
+                r = api.post("/v1/sandboxes", json=body)
+                assert r.status_code == 202, r.text
+                made.append(r.json()["id"])
+                W.track_sandbox(made[-1])
+            before = {i["id"] for i in api.get("/v1/sandboxes", params={"pageSize": 100}).json()["items"]}
+            for _ in range(3):
+                r = api.post("/v1/sandboxes", json=body)
+                W.assert_error_body(r, codes=[429])
+                assert "subnet" in r.json()["message"], r.text
+            after = {i["id"] for i in api.get("/v1/sandboxes", params={"pageSize": 100}).json()["items"]}
+            assert after == before, "a refused create must leave no sandbox behind"
+            zombies = W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,
+                                   message="the refused sandboxes' PID 1s to be reaped")
+            assert zombies, W.zombie_children(srv.proc.pid)
+            # a freed address is used again
+            assert api.delete(f"/v1/sandboxes/{made[0]}").status_code == 204
+            r = api.post("/v1/sandboxes", json=body)
+            assert r.status_code == 202, r.text
+            W.track_sandbox(r.json()["id"])
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()

@@ -5,11 +5,14 @@ queues creates for a bounded wait and then answers 429 with Retry-After — neve
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 
 import warren_e2e as W
@@ -184,3 +187,91 @@ def test_pool_api_errors(server, api, test_image):
         W.assert_error_body(r, codes=[400])
     finally:
         assert api.delete("/v1/pools/e2e-bad").status_code == 204
+
+
+def test_pool_replace_checks_the_new_spec_first(server, api, pool):
+    """PUT with a bad spec is refused and changes nothing (it used to delete the pool first, so a
+    400 left no pool at all); a good one replaces the pool under the same name."""
+    name, spec = pool["name"], pool["spec"]
+    _warm_up(api, name, 2)
+    bad = {**spec, "capacitySpec": {**spec["capacitySpec"], "bufferMax": 9}}  # above poolMax
+    W.assert_error_body(api.put(f"/v1/pools/{name}", json=bad), codes=[400])
+    r = api.get(f"/v1/pools/{name}")
+    assert r.status_code == 200, r.text
+    assert r.json()["capacitySpec"] == spec["capacitySpec"]
+    assert r.json()["status"]["available"] >= 2, r.json()
+    good = {**spec, "capacitySpec": {**spec["capacitySpec"], "bufferMin": 1, "bufferMax": 1}}
+    r = api.put(f"/v1/pools/{name}", json=good)
+    assert r.status_code == 200, r.text
+    assert api.get(f"/v1/pools/{name}").json()["capacitySpec"]["bufferMax"] == 1
+    _warm_up(api, name, 1)
+    # the old pool's warm sandboxes are gone, not left running beside the new one's
+    W.wait_until(lambda: len(_warm_pids(pool["marker"])) == 1, 30, interval=0.2,
+                 message="one warm sandbox after shrinking the pool to bufferMax 1")
+
+
+def _warm_pids(marker: str) -> list[int]:
+    """Host PIDs of the pool's warm sandboxes' entrypoints (they carry the template's env)."""
+    out = []
+    for pid in W.all_pids():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"E2E_POOL={marker}".encode() in env and W.proc_argv(pid)[:1] == ["tail"]:
+            out.append(pid)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_warm_sandbox_that_dies_is_replaced(server, api, pool):
+    """A warm sandbox whose main process ends is no longer counted as available: the pool makes a
+    replacement, and a claim gets a sandbox that works."""
+    if server.gvisor:
+        pytest.skip("gVisor's processes are not host processes this test can signal")
+    name = pool["name"]
+    _warm_up(api, name, 3)
+    victims = W.wait_until(lambda: (lambda p: p if len(p) >= 3 else None)(_warm_pids(pool["marker"])),
+                           30, message="the warm sandboxes' entrypoints")
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    # all three end, three new ones are made: the entrypoints seen now are all new
+    W.wait_until(lambda: len(set(_warm_pids(pool["marker"])) - set(victims)) >= 3
+                 and _status(api, name)["available"] >= 3, 60, interval=0.2,
+                 message="replacements for the warm sandboxes that died")
+    r = api.post("/v1/sandboxes", json={**pool["spec"]["template"], "extensions": {"poolRef": name}})
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+    W.track_sandbox(sid)
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/44772").json()
+    r = httpx.post(f"http://{ep['endpoint']}/command", headers=ep.get("headers") or {},
+                   json={"command": "echo claimed"}, timeout=30)
+    assert r.status_code == 200 and "claimed" in r.text, r.text[:300]
+    assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+@pytest.mark.timeout(240)
+def test_pool_keeps_its_size_across_restarts(fresh_server, test_image):
+    """Warm sandboxes survive a server restart and are taken back; the refill must not start before
+    they are, or every restart adds a pool's worth of extra warm sandboxes."""
+    srv = fresh_server
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    marker = uuid.uuid4().hex
+    name = f"e2e-r{marker[:6]}"
+    spec = {"name": name, "template": _template(test_image, marker),
+            "capacitySpec": {"bufferMin": 2, "bufferMax": 2, "poolMin": 0, "poolMax": 2}}
+    with srv.client() as api:
+        assert api.post("/v1/pools", json=spec).status_code == 201
+        _warm_up(api, name, 2)
+    sandboxes = srv.data_dir / "sandboxes"
+    for _ in range(2):
+        srv.terminate()
+        srv.start()
+        with srv.client() as api:
+            _warm_up(api, name, 2)
+            time.sleep(2)  # a refill that started too early has made its extra ones by now
+            st = _status(api, name)
+            assert (st["available"], st["total"]) == (2, 2), st
+        assert len(list(sandboxes.iterdir())) == 2, sorted(p.name for p in sandboxes.iterdir())
+    with srv.client() as api:
+        assert api.delete(f"/v1/pools/{name}").status_code == 204

@@ -8,7 +8,9 @@ import signal
 import subprocess
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
+import httpx
 import pytest
 from opensandbox.models.execd import RunCommandOpts
 
@@ -205,3 +207,43 @@ def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_se
 def _running(pid: int) -> bool:
     st = W.state_and_ppid(pid)
     return st is not None and st[0] != "Z"
+
+
+def _freezer(sid: str):
+    """The file that freezes sandbox `sid`'s cgroup (v1 freezer or v2 cgroup.freeze) and its
+    frozen value, for the native runtimes whose cgroups Warren names (embedded, runc)."""
+    v1 = Path(f"/sys/fs/cgroup/freezer/warren/{sid}/freezer.state")
+    if v1.exists():
+        return v1, "FROZEN"
+    v2 = Path(f"/sys/fs/cgroup/warren/{sid}/cgroup.freeze")
+    if v2.exists():
+        return v2, "1"
+    return None, None
+
+
+@pytest.mark.timeout(120)
+def test_sandbox_left_frozen_by_a_dead_server_is_thawed(fresh_server):
+    """The server freezes a sandbox for a step it then finishes (a snapshot's copy; a pause before
+    it records it). Killed in between, it used to find the sandbox frozen at its next start and
+    report it Paused though nobody paused it; now it thaws it, as its record says Running."""
+    srv = fresh_server
+    if srv.is_docker or srv.gvisor:
+        pytest.skip("freezes the sandbox's cgroup directly: native runtimes whose cgroups Warren names")
+    with srv.client() as api:
+        r = api.post("/v1/sandboxes", json=W.create_body(timeout=600))
+        assert r.status_code == 202, r.text
+        sid = r.json()["id"]
+    W.track_sandbox(sid)
+    path, frozen = _freezer(sid)
+    assert path is not None, f"no freezer file for sandbox {sid}"
+    srv.kill9()
+    path.write_text(frozen)
+    srv.start()
+    with srv.client() as api:
+        st = api.get(f"/v1/sandboxes/{sid}").json()["status"]
+        assert st["state"] == "Running", st
+        ep = api.get(f"/v1/sandboxes/{sid}/endpoints/44772").json()
+        r = httpx.post(f"http://{ep['endpoint']}/command", headers=ep.get("headers") or {},
+                       json={"command": "echo thawed"}, timeout=30)
+        assert r.status_code == 200 and "thawed" in r.text, r.text[:300]
+        assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204

@@ -53,6 +53,9 @@ struct Pool {
     from_config: bool,
     warm: Mutex<VecDeque<String>>,
     creating: AtomicU32,
+    /// Taken off the warm list and being handed to a client: counted as allocated, since its
+    /// record says so only once the hand-over is done (else a refill would replace it early).
+    claiming: Arc<AtomicU32>,
     /// A warm sandbox was added (wakes one waiting create).
     available: tokio::sync::Notify,
     /// Something changed that may call for more warm sandboxes.
@@ -126,10 +129,17 @@ impl Pools {
     /// that survived a restart and removing those no pool wants any more.
     pub async fn start(&self, from_config: &[PoolSpec]) -> anyhow::Result<()> {
         use anyhow::Context;
+        // Refills start only once the warm sandboxes that survived are back on their lists: a
+        // refill that looked first would see none and make a pool's worth more.
+        let mut started = Vec::new();
         for spec in from_config {
-            self.add(spec.clone(), true).map_err(|e| {
+            let pool = self.prepare(spec.clone(), true).map_err(|e| {
                 anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
             })?;
+            self.insert(pool.clone()).map_err(|e| {
+                anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
+            })?;
+            started.push(pool);
         }
         let saved: Vec<PoolSpec> = match std::fs::read(&self.inner.file) {
             Ok(bytes) => serde_json::from_slice(&bytes)
@@ -140,8 +150,14 @@ impl Pools {
             }
         };
         for spec in saved {
-            if let Err(e) = self.add(spec.clone(), false) {
-                tracing::error!(pool = %spec.name, "saved pool not started: {}", e.message);
+            match self
+                .prepare(spec.clone(), false)
+                .and_then(|p| self.insert(p))
+            {
+                Ok(pool) => started.push(pool),
+                Err(e) => {
+                    tracing::error!(pool = %spec.name, "saved pool not started: {}", e.message)
+                }
             }
         }
         for rec in self.inner.sandboxes.all() {
@@ -151,20 +167,25 @@ impl Pools {
             let pool = self.pool(&pool_name);
             let usable = rec.state == SandboxState::Running
                 && pool.as_ref().is_some_and(|p| fits(&p.plan, &rec));
-            match pool {
-                Some(p) if usable => p
-                    .warm
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push_back(rec.id),
-                _ => {
-                    let _ = self
-                        .inner
-                        .sandboxes
-                        .delete(&rec.id, REASON_USER_DELETE)
-                        .await;
+            // Beyond bufferMax (the config shrank), the extra ones go too.
+            let adopted = pool.as_ref().filter(|_| usable).is_some_and(|p| {
+                let mut warm = p.warm.lock().unwrap_or_else(|e| e.into_inner());
+                let room = (warm.len() as u32) < p.spec.capacity_spec.buffer_max;
+                if room {
+                    warm.push_back(rec.id.clone());
                 }
+                room
+            });
+            if !adopted {
+                let _ = self
+                    .inner
+                    .sandboxes
+                    .delete(&rec.id, REASON_USER_DELETE)
+                    .await;
             }
+        }
+        for pool in started {
+            tokio::spawn(self.clone().refill_loop(pool));
         }
         Ok(())
     }
@@ -178,8 +199,8 @@ impl Pools {
             .cloned()
     }
 
-    /// Validates and starts a pool (its refill task begins at once).
-    fn add(&self, spec: PoolSpec, from_config: bool) -> Result<Arc<Pool>, ApiError> {
+    /// A validated pool, not yet in the registry and not refilling.
+    fn prepare(&self, spec: PoolSpec, from_config: bool) -> Result<Arc<Pool>, ApiError> {
         validate_spec(&spec)?;
         let mut plan = create_plan(
             spec.template.clone(),
@@ -197,63 +218,85 @@ impl Pools {
         plan.timeout_seconds = None;
         plan.metadata = BTreeMap::new();
         plan.extensions = BTreeMap::new();
-        let pool = Arc::new(Pool {
+        Ok(Arc::new(Pool {
             spec,
             plan,
             from_config,
             warm: Mutex::new(VecDeque::new()),
             creating: AtomicU32::new(0),
+            claiming: Arc::new(AtomicU32::new(0)),
             available: tokio::sync::Notify::new(),
             refill: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
             demand: Demand::new(),
-        });
-        {
-            let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-            if pools.contains_key(&pool.spec.name) {
-                return Err(ApiError::conflict(
-                    ErrorCode::InvalidState,
-                    format!("pool {} exists", pool.spec.name),
-                ));
-            }
-            pools.insert(pool.spec.name.clone(), pool.clone());
+        }))
+    }
+
+    /// Registers a prepared pool under its name (409 if the name is taken).
+    fn insert(&self, pool: Arc<Pool>) -> Result<Arc<Pool>, ApiError> {
+        let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+        if pools.contains_key(&pool.spec.name) {
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!("pool {} exists", pool.spec.name),
+            ));
         }
-        tokio::spawn(self.clone().refill_loop(pool.clone()));
+        pools.insert(pool.spec.name.clone(), pool.clone());
         Ok(pool)
     }
 
     pub fn create(&self, spec: PoolSpec) -> Result<WirePool, ApiError> {
-        let pool = self.add(spec, false)?;
+        let pool = self.insert(self.prepare(spec, false)?)?;
+        tokio::spawn(self.clone().refill_loop(pool.clone()));
         self.save();
         Ok(self.wire(&pool))
     }
 
-    /// Replaces a pool's template or sizes: its warm sandboxes go and new ones are made.
+    /// Replaces a pool's template or sizes: its warm sandboxes go and new ones are made. The new
+    /// spec is checked first (a bad one changes nothing), and the new pool takes the name in the
+    /// same step the old one gives it up, so no create meanwhile finds no pool of that name;
+    /// creates waiting on the old one move to the new one.
     pub async fn replace(&self, name: &str, spec: PoolSpec) -> Result<WirePool, ApiError> {
         if spec.name != name {
             return Err(ApiError::invalid("the body's name must be the pool's name"));
         }
-        self.delete(name).await?;
-        self.create(spec)
+        let new = self.prepare(spec, false)?;
+        let old = {
+            let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+            let old = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
+            if old.from_config {
+                return Err(from_config(name));
+            }
+            pools.insert(name.to_owned(), new.clone());
+            old
+        };
+        tokio::spawn(self.clone().refill_loop(new.clone()));
+        self.save();
+        self.retire(old).await;
+        Ok(self.wire(&new))
     }
 
     pub async fn delete(&self, name: &str) -> Result<(), ApiError> {
-        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
-        if pool.from_config {
-            return Err(ApiError::conflict(
-                ErrorCode::InvalidState,
-                format!("pool {name} is defined in the config file; change it there"),
-            ));
-        }
-        self.inner
-            .pools
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        let pool = {
+            let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
+            let pool = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
+            if pool.from_config {
+                return Err(from_config(name));
+            }
+            pools.remove(name);
+            pool
+        };
+        self.save();
+        self.retire(pool).await;
+        Ok(())
+    }
+
+    /// Ends a pool that is no longer registered: its refill stops, its waiters wake (to find the
+    /// pool's successor or none), its warm sandboxes are deleted.
+    async fn retire(&self, pool: Arc<Pool>) {
         pool.closed.store(true, Ordering::SeqCst);
         pool.refill.notify_one();
         pool.available.notify_waiters();
-        self.save();
         let warm: Vec<String> = pool
             .warm
             .lock()
@@ -269,7 +312,6 @@ impl Pools {
             }
         });
         let _ = deleting.await;
-        Ok(())
     }
 
     pub fn get(&self, name: &str) -> Result<WirePool, ApiError> {
@@ -330,46 +372,74 @@ impl Pools {
     /// Hands out a warm sandbox of `name` with the create's metadata, extensions and expiry; waits
     /// (FIFO) up to the pool's limit when none is warm, then 429.
     pub async fn claim(&self, name: &str, plan: &CreatePlan) -> Result<SandboxRecord, ApiError> {
-        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
+        let mut pool = self.pool(name).ok_or_else(|| not_found(name))?;
         let wait = pool
             .spec
             .max_wait_seconds
             .map(Duration::from_secs)
             .unwrap_or(DEFAULT_MAX_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if let Some(rec) = self.claim_from(&pool, plan, deadline, wait).await? {
+                return Ok(rec);
+            }
+            // Replaced (PUT) while this create waited: wait on its successor, if this create
+            // still routes there.
+            match (self.pool(name), self.route(plan)) {
+                (Some(next), Ok(Some(n))) if n == name && !Arc::ptr_eq(&next, &pool) => pool = next,
+                _ => return Err(not_found(name)),
+            }
+        }
+    }
+
+    /// [`Pools::claim`] from one pool; `None` once that pool is closed.
+    async fn claim_from(
+        &self,
+        pool: &Arc<Pool>,
+        plan: &CreatePlan,
+        deadline: tokio::time::Instant,
+        wait: Duration,
+    ) -> Result<Option<SandboxRecord>, ApiError> {
+        let name = pool.spec.name.as_str();
         let mut waiting = None;
         loop {
             // Registered before looking, so a sandbox added in between is not missed.
             let notified = pool.available.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let next = pool
-                .warm
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .pop_front();
+            let next = {
+                let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
+                let next = warm.pop_front();
+                if next.is_some() {
+                    pool.claiming.fetch_add(1, Ordering::SeqCst);
+                }
+                next
+            };
             if let Some(id) = next {
-                pool.refill.notify_one();
                 // Off the warm list and not yet the client's: if this request were dropped in
                 // between (its client went away), the sandbox would run on, in no list. The
                 // hand-over is a task of its own; a claimant that left gets a sandbox that expires.
                 let (sandboxes, pool_name) = (self.inner.sandboxes.clone(), name.to_owned());
                 let (metadata, extensions) = (plan.metadata.clone(), plan.extensions.clone());
                 let timeout = plan.timeout_seconds;
+                let claiming = pool.claiming.clone();
                 let handed = tokio::spawn(async move {
-                    sandboxes
+                    let rec = sandboxes
                         .claim(&id, &pool_name, metadata, extensions, timeout)
-                        .await
+                        .await;
+                    claiming.fetch_sub(1, Ordering::SeqCst);
+                    rec
                 })
                 .await
                 .map_err(|e| ApiError::internal("handing out a warm sandbox", &e))?;
+                pool.refill.notify_one();
                 if let Some(rec) = handed {
-                    return Ok(rec);
+                    return Ok(Some(rec));
                 }
                 continue; // it died while warm: the next one
             }
             if pool.closed.load(Ordering::SeqCst) {
-                return Err(not_found(name));
+                return Ok(None);
             }
             if waiting.is_none() {
                 let (guard, first) = pool.demand.wait();
@@ -410,9 +480,9 @@ impl Pools {
             tokio::pin!(ended);
             ended.as_mut().enable();
             let cap = pool.spec.capacity_spec;
-            let warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner()).len() as u32;
+            let warm = self.live_warm(&pool);
             let creating = pool.creating.load(Ordering::SeqCst);
-            let allocated = self.allocated(&pool.spec.name);
+            let allocated = self.allocated(&pool.spec.name) + pool.claiming.load(Ordering::SeqCst);
             let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
             if warm + creating < want && creating < REFILL_PARALLEL {
                 pool.creating.fetch_add(1, Ordering::SeqCst);
@@ -475,8 +545,22 @@ impl Pools {
         }
     }
 
+    /// How many warm sandboxes `pool` holds, after dropping from its list those that ended while
+    /// warm (their main process exited): they are no one's to claim, and counting them would keep
+    /// the pool from making replacements.
+    fn live_warm(&self, pool: &Pool) -> u32 {
+        let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
+        warm.retain(|id| {
+            self.inner
+                .sandboxes
+                .get(id)
+                .is_some_and(|r| r.state == SandboxState::Running)
+        });
+        warm.len() as u32
+    }
+
     fn wire(&self, pool: &Pool) -> WirePool {
-        let available = pool.warm.lock().unwrap_or_else(|e| e.into_inner()).len() as u32;
+        let available = self.live_warm(pool);
         let allocated = self.allocated(&pool.spec.name);
         WirePool {
             spec: pool.spec.clone(),
@@ -549,6 +633,13 @@ fn validate_spec(spec: &PoolSpec) -> Result<(), ApiError> {
 }
 
 /// A request for exactly the sandbox a pool makes (metadata, extensions and timeout aside).
+fn from_config(name: &str) -> ApiError {
+    ApiError::conflict(
+        ErrorCode::InvalidState,
+        format!("pool {name} is defined in the config file; change it there"),
+    )
+}
+
 fn same_sandbox(template: &CreatePlan, plan: &CreatePlan) -> bool {
     let mut candidate = plan.clone();
     candidate.warm_pool = template.warm_pool.clone();

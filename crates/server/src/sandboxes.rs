@@ -162,8 +162,9 @@ impl Sandboxes {
             (rec.clone(), !was_terminal && rec.state.is_terminal())
         };
         self.persist(&snapshot);
-        if ended && snapshot.pool_ref.is_some() {
-            // However it ended (deleted, expired, died), its pool may make another now.
+        if ended && (snapshot.pool_ref.is_some() || snapshot.warm_pool.is_some()) {
+            // However it ended (deleted, expired, died; claimed or still warm), its pool may make
+            // another now.
             self.inner.pool_sandbox_ended.notify_waiters();
         }
         snapshot
@@ -391,7 +392,16 @@ impl Sandboxes {
         let link = tokio::task::spawn_blocking(move || eg.attach(&id2, pid, policy, index))
             .await
             .map_err(|e| ApiError::internal("linking the sandbox", &e))?
-            .map_err(|e| ApiError::internal("giving the sandbox its network link", &e))?;
+            .map_err(|e| match e {
+                // Capacity, not a fault: every address of the subnet is some sandbox's; as with
+                // other exhausted capacity, 429 and a retry later.
+                warren_egress::EgressError::Exhausted(_) => ApiError::new(
+                    http::StatusCode::TOO_MANY_REQUESTS,
+                    ErrorCode::Unknown,
+                    format!("giving the sandbox its network link: {e}; [network] subnet sets how many sandboxes with a network policy can exist at once"),
+                ),
+                e => ApiError::internal("giving the sandbox its network link", &e),
+            })?;
         Ok(link.index)
     }
 
@@ -850,6 +860,19 @@ impl Sandboxes {
                         .await
                 };
                 match (rec.state, liveness) {
+                    (SandboxState::Stopping, _) => {
+                        // A delete was in flight: finish it, whether or not its kill already
+                        // landed (the reason stays the delete's, not "lost").
+                        let _ = self
+                            .inner
+                            .runtime
+                            .destroy(&rec.id, &rec.runtime_state)
+                            .await;
+                        let _ = self.inner.images.release(&rec.id);
+                        let reason = rec.reason.clone();
+                        rec.transition(SandboxState::Terminated, reason.as_deref(), None);
+                        self.persist(&rec);
+                    }
                     (_, Liveness::Gone) => {
                         let _ = self
                             .inner
@@ -865,17 +888,19 @@ impl Sandboxes {
                         );
                         self.persist(&rec);
                     }
-                    (SandboxState::Stopping, _) => {
-                        // A delete was in flight: finish it.
-                        let _ = self
-                            .inner
-                            .runtime
-                            .destroy(&rec.id, &rec.runtime_state)
-                            .await;
-                        let _ = self.inner.images.release(&rec.id);
-                        let reason = rec.reason.clone();
-                        rec.transition(SandboxState::Terminated, reason.as_deref(), None);
-                        self.persist(&rec);
+                    (SandboxState::Running, Liveness::Paused) => {
+                        // Frozen by a step the server did not finish (a snapshot's copy, a pause
+                        // it had not recorded, so never answered): thawed, as the record says.
+                        if let Err(e) = self.inner.runtime.resume(&rec.id, &rec.runtime_state).await
+                        {
+                            tracing::warn!(sandbox_id = %rec.id, error = %e, "thawing a sandbox left frozen failed");
+                            rec.transition(
+                                SandboxState::Paused,
+                                rec.reason.clone().as_deref(),
+                                None,
+                            );
+                            self.persist(&rec);
+                        }
                     }
                     (_, Liveness::Paused) => {
                         rec.transition(SandboxState::Paused, rec.reason.clone().as_deref(), None);
