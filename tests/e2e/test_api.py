@@ -80,7 +80,8 @@ def test_unknown_image(api):
     {"cpu": "1", "memory": "lots"},
     {"cpu": "many", "memory": "512Mi"},
     {"cpu": "1", "memory": "-5Gi"},
-], ids=["memory=lots", "cpu=many", "memory=negative"])
+    {"cpu": "5m", "memory": "512Mi"},  # below the kernel's smallest quota: was a 500 from the runtime
+], ids=["memory=lots", "cpu=many", "memory=negative", "cpu=below-10m"])
 def test_bad_resource_limits(api, limits):
     before = _ids(api)
     r = api.post("/v1/sandboxes", json=W.create_body(resourceLimits=limits))

@@ -40,8 +40,10 @@ pub fn parse_cpu_millis(value: &str) -> Result<u64, QuantityError> {
         "m" => n,
         _ => return Err(err("unknown suffix (use \"m\" for millicores)")),
     };
-    if millis < 1.0 {
-        return Err(err("must be at least 1m"));
+    // The kernel's smallest CFS quota is 1 ms per (Warren's) 100 ms period; Docker's NanoCPUs
+    // floor is the same 0.01 CPU. Below it a create would fail in the runtime with a 500.
+    if millis < 10.0 {
+        return Err(err("must be at least 10m (0.01 CPU)"));
     }
     if millis > 1024.0 * 1000.0 {
         return Err(err("more than 1024 cores"));
@@ -93,8 +95,10 @@ mod tests {
         assert_eq!(parse_cpu_millis("500m"), Ok(500));
         assert_eq!(parse_cpu_millis("0.25"), Ok(250));
         assert_eq!(parse_cpu_millis("2.5"), Ok(2500));
+        assert_eq!(parse_cpu_millis("10m"), Ok(10));
+        assert_eq!(parse_cpu_millis("0.01"), Ok(10));
         for bad in [
-            "", "m", "abc", "1x", "-1", "0", "0.0001", "1..2", ".5", "1e3",
+            "", "m", "abc", "1x", "-1", "0", "0.0001", "1..2", ".5", "1e3", "1m", "9m", "0.005",
         ] {
             assert!(parse_cpu_millis(bad).is_err(), "{bad} should be rejected");
         }
