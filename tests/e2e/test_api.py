@@ -248,7 +248,8 @@ def test_client_gone_mid_create(server, api):
     never expiring, and sometimes with a running sandbox nobody watched). The leak check at the end
     of the suite covers what deleting them leaves."""
     marker = uuid.uuid4().hex
-    body = json.dumps(W.create_body(timeout=300, metadata={"e2e-gone": marker})).encode()
+    body = json.dumps(W.create_body(server.sandbox_image("host"), timeout=300,
+                                    metadata={"e2e-gone": marker})).encode()
     host, port = server.domain.rsplit(":", 1)
     request = (f"POST /v1/sandboxes HTTP/1.1\r\nHost: {server.domain}\r\n"
                f"OPEN-SANDBOX-API-KEY: {server.api_key}\r\nContent-Type: application/json\r\n"

@@ -205,6 +205,8 @@ def test_pool_replace_checks_the_new_spec_first(server, api, pool):
     assert r.status_code == 200, r.text
     assert api.get(f"/v1/pools/{name}").json()["capacitySpec"]["bufferMax"] == 1
     _warm_up(api, name, 1)
+    if server.gvisor:
+        return  # gVisor's processes are not host processes to count
     # the old pool's warm sandboxes are gone, not left running beside the new one's
     W.wait_until(lambda: len(_warm_pids(pool["marker"])) == 1, 30, interval=0.2,
                  message="one warm sandbox after shrinking the pool to bufferMax 1")
