@@ -892,6 +892,27 @@ def test_image_entrypoint_and_cmd(srv, regs, builder, bb_base):
         delete(srv, sid)
 
 
+@pytest.mark.timeout(300)
+def test_image_with_more_layers_than_a_page_of_mount_options(srv, regs, builder, bb_base):
+    """61 layers: their store paths make overlay options of ~8 KB, more than the one page
+    mount(2) reads (the create failed with a 500 "mount overlay" past ~40 layers, which a chain of
+    snapshots of snapshots also reaches); every layer is there, in order."""
+    tag = uid()
+    layers = [builder.layer({f"opt/many/{i:02d}": f"{i}\n", "opt/many/top": f"{i}\n"}, "none")
+              for i in range(60)]
+    img = builder.image([bb_base, *layers], env=[f"PATH={R.DEFAULT_PATH}"])
+    R.registry_push(regs.plain, "e2e/many", tag, img)
+    sid = created(create(srv, f"{regs.front.host}/e2e/many:{tag}"))
+    try:
+        sbx = connect(srv, sid)
+        assert run(sbx, "cat /opt/many/top") == "59\n", "the topmost layer wins"
+        assert run(sbx, "ls /opt/many | wc -l").strip() == "61", "every layer is mounted"
+        assert run(sbx, "cat /opt/many/00 /opt/many/59") == "0\n59\n"
+        assert run(sbx, "echo written > /opt/many/new && cat /opt/many/new") == "written\n"
+    finally:
+        delete(srv, sid)
+
+
 # --------------------------------------------------------------------------
 # pinned by digest
 # --------------------------------------------------------------------------

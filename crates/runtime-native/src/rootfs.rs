@@ -222,6 +222,9 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// What `mount(2)` reads of its options: one page, the last byte of it a NUL.
+const MOUNT_OPTIONS_MAX: usize = 4095;
+
 /// Linux's descriptor-based mount calls (5.2 on; `mount_setattr` 5.12 on), which libc does not wrap.
 mod mount_api {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -325,6 +328,108 @@ mod mount_api {
         })
         .map(drop)
     }
+
+    const FSOPEN_CLOEXEC: libc::c_uint = 1;
+    const FSCONFIG_SET_FLAG: libc::c_uint = 0;
+    const FSCONFIG_SET_STRING: libc::c_uint = 1;
+    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+
+    fn fsconfig(
+        fs: &OwnedFd,
+        cmd: libc::c_uint,
+        key: Option<&str>,
+        value: Option<&str>,
+    ) -> nix::Result<()> {
+        let c = |s: &str| std::ffi::CString::new(s).map_err(|_| nix::errno::Errno::EINVAL);
+        let key = key.map(c).transpose()?;
+        let value = value.map(c).transpose()?;
+        let ptr =
+            |s: &Option<std::ffi::CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        // SAFETY: fsconfig(2) on a filesystem context we own, with NUL-terminated strings or nulls.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_fsconfig,
+                fs.as_raw_fd(),
+                cmd,
+                ptr(&key),
+                ptr(&value),
+                0,
+            )
+        })
+        .map(drop)
+    }
+
+    /// Mounts an overlay at `target` one option at a time (`lowerdir+`, Linux 6.8 on), for layer
+    /// lists that do not fit the single page `mount(2)` copies of its options. `volatile` where
+    /// the kernel has it.
+    pub fn overlay(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+        target: &std::path::Path,
+    ) -> nix::Result<()> {
+        // SAFETY: fsopen(2) with a NUL-terminated name; the result is owned here.
+        let fs =
+            check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        let fs = unsafe { OwnedFd::from_raw_fd(fs as libc::c_int) };
+        let path = |p: &std::path::Path| {
+            p.to_str()
+                .map(str::to_owned)
+                .ok_or(nix::errno::Errno::EINVAL)
+        };
+        for lower in lowers {
+            fsconfig(
+                &fs,
+                FSCONFIG_SET_STRING,
+                Some("lowerdir+"),
+                Some(&path(lower)?),
+            )?;
+        }
+        fsconfig(
+            &fs,
+            FSCONFIG_SET_STRING,
+            Some("upperdir"),
+            Some(&path(upper)?),
+        )?;
+        fsconfig(
+            &fs,
+            FSCONFIG_SET_STRING,
+            Some("workdir"),
+            Some(&path(work)?),
+        )?;
+        match fsconfig(&fs, FSCONFIG_SET_FLAG, Some("volatile"), None) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
+            Err(e) => return Err(e),
+        }
+        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None)?;
+        // SAFETY: fsmount(2) on a created context we own; the result is owned here.
+        let mnt = check(unsafe {
+            libc::syscall(
+                libc::SYS_fsmount,
+                fs.as_raw_fd(),
+                FSMOUNT_CLOEXEC,
+                MOUNT_ATTR_NODEV,
+            )
+        })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        let mnt = unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) };
+        let target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+            .map_err(|_| nix::errno::Errno::EINVAL)?;
+        // SAFETY: move_mount(2) from a descriptor we own to a NUL-terminated path.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                mnt.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                target.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        })
+        .map(drop)
+    }
 }
 
 /// Mounts the sandbox's overlay root at `target`, `volatile` where the kernel has it (5.10 on;
@@ -333,8 +438,15 @@ mod mount_api {
 /// the whole filesystem under the upper layer (all of it, not just this sandbox's files) once per
 /// sandbox, and every `fsync` inside the sandbox goes to disk. Volumes are bind mounts and keep
 /// their syncs. Used by the embedded runtime and for OCI runtimes' bundles alike.
+///
+/// `mount(2)` copies at most one page of options, so with many layers (over ~40 with the store's
+/// paths: a deep image, or a long chain of snapshots of snapshots) the list would be cut short;
+/// those overlays are built one option at a time instead.
 pub(crate) fn mount_overlay(spec: &InitSpec, target: &Path) -> nix::Result<()> {
     let plain = spec.overlay_options();
+    if plain.len() + ",volatile".len() >= MOUNT_OPTIONS_MAX {
+        return mount_api::overlay(&spec.lower_dirs(), &spec.upper_dir, &spec.work_dir, target);
+    }
     let overlay = |data: &str| {
         mount(
             Some("overlay"),
