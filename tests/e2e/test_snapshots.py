@@ -198,3 +198,43 @@ def test_pause_keeps_memory_and_uses_no_cpu(server, test_image, make_sandbox):
     value = int(W.sh(sbx, "cat /tmp/mem")[1])
     W.wait_until(lambda: int(W.sh(sbx, "cat /tmp/mem")[1]) > value, 30, message="the counter to continue")
     assert W.sh(sbx, "pgrep -f 'while True' | head -1")[1].strip() == pid_before, "the same process continues"
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_images_without_a_snapshot_are_removed(fresh_server, work_root):
+    """A snapshot deleted while it is being taken leaves no image once the capture ends; and an
+    image of the snapshot repository that no snapshot owns (a capture cut off by a stop after its
+    snapshot was deleted) is removed at the next start, not kept forever."""
+    import uuid
+    from opensandbox import SandboxSync
+    srv = fresh_server
+    _snapshot_capable(srv)
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config(),
+                             timeout=timedelta(minutes=10))
+    W.track_sandbox(sbx.id)
+    try:
+        code, _, err = W.sh(sbx, "head -c 64M /dev/urandom > /root/big && echo done")
+        assert code == 0, err
+        with srv.client() as api:
+            r = api.post(f"/v1/sandboxes/{sbx.id}/snapshots")
+            assert r.status_code == 202, r.text
+            snap = r.json()["id"]
+            assert api.delete(f"/v1/snapshots/{snap}").status_code == 204
+            W.wait_until(lambda: f"warren-snapshot/{snap}" not in srv.cli("image", "ls").stdout, 60,
+                         interval=0.5, message="the deleted snapshot's image to go")
+            time.sleep(1)
+            assert api.get(f"/v1/snapshots/{snap}").status_code == 404
+            assert f"warren-snapshot/{snap}" not in srv.cli("image", "ls").stdout
+    finally:
+        sbx.kill()
+        sbx.close()
+    srv.terminate()
+    folder = work_root / f"orphan-{uuid.uuid4().hex[:6]}"
+    folder.mkdir()
+    (folder / "marker").write_text("x")
+    orphan = f"warren-snapshot/{uuid.uuid4()}"
+    srv.cli("image", "import", orphan, str(folder))
+    assert orphan in srv.cli("image", "ls").stdout
+    srv.start()
+    assert orphan not in srv.cli("image", "ls").stdout, "an image no snapshot owns survived a start"

@@ -110,6 +110,26 @@ impl Snapshots {
             let _ = snapshots.inner.images.remove(&rec.image);
             snapshots.persist(&rec);
         }
+        // A capture whose snapshot was deleted while it ran, cut off by a stop before it could
+        // drop its image: the image has no record, so nothing else would ever remove it.
+        let known: std::collections::HashSet<String> = snapshots
+            .inner
+            .records
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        for image in snapshots.inner.images.list().unwrap_or_default() {
+            let Some(rest) = image.name.strip_prefix(SNAPSHOT_REPOSITORY) else {
+                continue;
+            };
+            let id = rest.split(':').next().unwrap_or(rest);
+            if !known.contains(id) {
+                tracing::info!(image = %image.name, "removing a snapshot image with no snapshot");
+                let _ = snapshots.inner.images.remove(&image.name);
+            }
+        }
         Ok(snapshots)
     }
 
@@ -166,14 +186,14 @@ impl Snapshots {
                     done.message = Some(e.message);
                 }
             }
-            // Deleted while it was being taken: drop what the capture made.
-            if me.get(&done.id).is_none() {
+            // Deleted while it was being taken: drop what the capture made. Checked and written
+            // under the lock `delete` removes the record with, so the record cannot come back
+            // after a delete, and exactly one of the two removes the image.
+            if !me.put_if_present(&done) {
                 let images = me.inner.images.clone();
                 let image = done.image.clone();
                 let _ = tokio::task::spawn_blocking(move || images.remove(&image)).await;
-                return;
             }
-            me.put(done);
         });
         Ok(rec)
     }
@@ -226,18 +246,29 @@ impl Snapshots {
     /// Deletes the record and the image name; sandboxes restored from it keep their layers (their
     /// leases) until they are gone. A capture in progress ends as if it never happened.
     pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
-        let rec = self.lookup(id)?;
-        self.inner
-            .records
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
-        let path = self.path(id);
-        if let Err(e) = std::fs::remove_file(&path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                return Err(ApiError::internal("removing the snapshot record", &e));
+        // The state that decides who removes the image is the one at removal, under the lock
+        // the capture's end writes with (see `create`).
+        let rec = {
+            let mut records = self
+                .inner
+                .records
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let rec = records.remove(id).ok_or_else(|| {
+                ApiError::new(
+                    http::StatusCode::NOT_FOUND,
+                    ErrorCode::SnapshotNotFound,
+                    format!("snapshot {id} not found"),
+                )
+            })?;
+            if let Err(e) = std::fs::remove_file(self.path(id)) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    records.insert(id.to_owned(), rec);
+                    return Err(ApiError::internal("removing the snapshot record", &e));
+                }
             }
-        }
+            rec
+        };
         if rec.state != CREATING {
             let images = self.inner.images.clone();
             let removed = tokio::task::spawn_blocking(move || images.remove(&rec.image))
@@ -249,6 +280,21 @@ impl Snapshots {
             }
         }
         Ok(())
+    }
+
+    /// Writes `rec` if its record still exists (it was not deleted meanwhile); false if not.
+    fn put_if_present(&self, rec: &SnapshotRecord) -> bool {
+        let mut records = self
+            .inner
+            .records
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if !records.contains_key(&rec.id) {
+            return false;
+        }
+        self.persist(rec);
+        records.insert(rec.id.clone(), rec.clone());
+        true
     }
 
     fn put(&self, rec: SnapshotRecord) {
