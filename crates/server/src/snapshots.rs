@@ -208,13 +208,7 @@ impl Snapshots {
     }
 
     pub fn lookup(&self, id: &str) -> Result<SnapshotRecord, ApiError> {
-        self.get(id).ok_or_else(|| {
-            ApiError::new(
-                http::StatusCode::NOT_FOUND,
-                ErrorCode::SnapshotNotFound,
-                format!("snapshot {id} not found"),
-            )
-        })
+        self.get(id).ok_or_else(|| not_found(id))
     }
 
     /// Every record, oldest first.
@@ -254,13 +248,7 @@ impl Snapshots {
                 .records
                 .write()
                 .unwrap_or_else(|p| p.into_inner());
-            let rec = records.remove(id).ok_or_else(|| {
-                ApiError::new(
-                    http::StatusCode::NOT_FOUND,
-                    ErrorCode::SnapshotNotFound,
-                    format!("snapshot {id} not found"),
-                )
-            })?;
+            let rec = records.remove(id).ok_or_else(|| not_found(id))?;
             if let Err(e) = std::fs::remove_file(self.path(id)) {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     records.insert(id.to_owned(), rec);
@@ -321,4 +309,12 @@ impl Snapshots {
     fn path(&self, id: &str) -> PathBuf {
         self.inner.dir.join(format!("{id}.json"))
     }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(
+        http::StatusCode::NOT_FOUND,
+        ErrorCode::SnapshotNotFound,
+        format!("snapshot {id} not found"),
+    )
 }
