@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -86,6 +87,48 @@ def test_server_proxy_mode(server, make_sandbox):
     assert code == 0 and out.strip() == "via-server-proxy"
     sbx.files.write_file("/tmp/p.txt", "p")
     assert sbx.files.read_file("/tmp/p.txt") == "p"
+
+
+def _execd_connections(sandbox_id: str) -> set[str]:
+    """Inodes of the connections execd (in the sandbox with this id) has accepted and still holds
+    open. An accepted Unix socket lives in the connecting side's network namespace, so it is listed
+    in the host's /proc/net/unix under the listener's path; the descriptors of the sandbox's
+    processes (execd and an entrypoint that holds no sockets) say which are this sandbox's."""
+    procs = [p for p in Path("/sys/fs/cgroup").glob(f"*/warren*/{sandbox_id}/cgroup.procs")]
+    assert procs, f"no cgroup for sandbox {sandbox_id}"
+    held = set()
+    for pid in procs[0].read_text().split():
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    held.add(target[len("socket:["):-1])
+        except OSError:
+            continue
+    accepted = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()
+        if len(f) == 8 and f[5] == "03" and f[7].endswith("/execd.sock"):
+            accepted.add(f[6])
+    return held & accepted
+
+
+def test_sequential_requests_reuse_one_connection_to_execd(server, make_sandbox):
+    """The proxy keeps its connections to execd alive: sequential commands and file calls ride one
+    connection rather than a connect and an accept each, and it stays open between them."""
+    if server.runtime not in ("embedded", "runc"):
+        pytest.skip("execd's descriptors are visible from the host only with the native runtime")
+    sbx = make_sandbox("host")
+    seen = []
+    for _ in range(3):
+        code, out, _ = W.sh(sbx, "echo hi")
+        assert code == 0 and out.strip() == "hi"
+        seen.append(_execd_connections(sbx.id))
+    sbx.files.write_file("/tmp/reuse.txt", "x")
+    assert sbx.files.read_file("/tmp/reuse.txt") == "x"
+    seen.append(_execd_connections(sbx.id))
+    assert all(seen), f"no connection to execd stayed open between requests: {seen}"
+    assert set.intersection(*seen), f"requests came on new connections: {seen}"
 
 
 def test_endpoint_unknown_sandbox(api):

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+mod execd_conns;
 pub mod network;
 mod openapi;
 mod pools;

@@ -14,6 +14,7 @@ use warren_api::lifecycle::SandboxState;
 use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 
 use crate::error::ApiError;
+use crate::execd_conns;
 use crate::AppState;
 
 pub async fn proxy_root(
@@ -125,13 +126,29 @@ async fn forward(
     let mut upstream_req = Request::from_parts(parts, body);
 
     let socket = app.sandboxes.runtime().execd_socket(&id);
+    let conns = app.sandboxes.execd_conns();
+    // An upgrade takes its connection over for good, so it gets a fresh one and never gives it back.
+    let reusable = client_upgrade.is_none();
     // A connection that execd closes before it took the request gives the request back; it is sent
-    // once more on a fresh connection (seen rarely through gVisor's host-UDS relay). A request that
-    // was already (partly) sent is never replayed.
-    let mut attempts = 0;
+    // once more on a fresh connection (a parked connection execd closed meanwhile; also seen rarely
+    // through gVisor's host-UDS relay). A request that was already (partly) sent is never replayed.
+    let mut fresh = 0;
+    let mut try_parked = reusable;
     let mut resp = loop {
-        attempts += 1;
-        let mut sender = match open_execd(&socket).await {
+        let parked = if std::mem::take(&mut try_parked) {
+            conns.take(&id)
+        } else {
+            None
+        };
+        let was_parked = parked.is_some();
+        let opened = match parked {
+            Some(s) => Ok(s),
+            None => {
+                fresh += 1;
+                execd_conns::open(&socket).await
+            }
+        };
+        let mut sender = match opened {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
@@ -144,11 +161,20 @@ async fn forward(
             }
         };
         match sender.try_send_request(upstream_req).await {
-            Ok(r) => break r,
+            Ok(r) => {
+                if reusable {
+                    conns.put_back(id.clone(), sender, app.sandboxes.execd_live(&id));
+                }
+                break r;
+            }
             Err(mut e) => {
-                tracing::warn!(sandbox_id = %id, error = %e.error(), attempts, "proxied request failed");
+                if was_parked {
+                    tracing::debug!(sandbox_id = %id, error = %e.error(), "a parked execd connection failed");
+                } else {
+                    tracing::warn!(sandbox_id = %id, error = %e.error(), attempts = fresh, "proxied request failed");
+                }
                 match e.take_message() {
-                    Some(req) if attempts < 2 => upstream_req = req,
+                    Some(req) if fresh < 2 => upstream_req = req,
                     _ => {
                         return ApiError::new(
                             StatusCode::BAD_GATEWAY,
@@ -180,28 +206,6 @@ async fn forward(
     }
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Body::new(body))
-}
-
-/// A fresh HTTP/1 connection to execd; upgrades (WebSocket) stay possible on it.
-async fn open_execd(
-    socket: &std::path::Path,
-) -> Result<hyper::client::conn::http1::SendRequest<Body>, Box<dyn std::error::Error + Send + Sync>>
-{
-    let stream = connect(socket).await?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "execd connection ended");
-        }
-    });
-    Ok(sender)
-}
-
-async fn connect(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixStream> {
-    // `_handle` keeps the socket's /proc/self/fd path alive until the connect completes; it never
-    // follows a symlink the sandbox may have put in the socket's place (see `socket_connect_path`).
-    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
-    tokio::net::UnixStream::connect(&reachable).await
 }
 
 /// Port 18080 is the egress surface, served by Warren itself (nothing listens in the sandbox):

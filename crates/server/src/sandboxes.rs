@@ -17,6 +17,7 @@ use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
 use crate::error::ApiError;
+use crate::execd_conns::ExecdConns;
 use crate::network::{needs_link, Network};
 use crate::validate::CreatePlan;
 
@@ -47,6 +48,8 @@ struct Inner {
     /// Pulls images a create names but the store lacks; `None` when pulls are off.
     puller: Option<warren_registry::Puller>,
     pool_sandbox_ended: tokio::sync::Notify,
+    /// Keep-alive connections to each live sandbox's execd, for the endpoint proxy.
+    execd_conns: Arc<ExecdConns>,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -77,6 +80,7 @@ impl Sandboxes {
                 images,
                 puller,
                 pool_sandbox_ended: tokio::sync::Notify::new(),
+                execd_conns: Arc::default(),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
@@ -86,6 +90,28 @@ impl Sandboxes {
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.inner.runtime
+    }
+
+    pub fn execd_conns(&self) -> &Arc<ExecdConns> {
+        &self.inner.execd_conns
+    }
+
+    /// Whether a connection to `id`'s execd may be parked: the sandbox is up (paused ones keep theirs).
+    /// Every way out of these states calls `ExecdConns::forget` after the record moved on.
+    pub fn execd_live(&self, id: &str) -> impl FnOnce() -> bool + Send + 'static {
+        let this = self.clone();
+        let id = id.to_string();
+        move || {
+            this.get(&id).is_some_and(|r| {
+                matches!(
+                    r.state,
+                    SandboxState::Running
+                        | SandboxState::Pausing
+                        | SandboxState::Paused
+                        | SandboxState::Resuming
+                )
+            })
+        }
     }
 
     fn entry(&self, id: &str) -> Option<Arc<Entry>> {
@@ -358,6 +384,11 @@ impl Sandboxes {
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
                 self.watch(&rec);
+                self.inner.execd_conns.prewarm(
+                    id.clone(),
+                    self.inner.runtime.execd_socket(&id),
+                    self.execd_live(&id),
+                );
                 Ok(rec)
             }
             Err(e) => {
@@ -555,6 +586,7 @@ impl Sandboxes {
             this.update(&entry, |r| {
                 r.transition(state, Some("process_exited"), Some(message))
             });
+            this.inner.execd_conns.forget(&id);
         });
     }
 
@@ -577,6 +609,7 @@ impl Sandboxes {
         self.update(&entry, |r| {
             r.transition(SandboxState::Stopping, Some(reason), None)
         });
+        self.inner.execd_conns.forget(id);
         let result = self.inner.runtime.destroy(id, &rec.runtime_state).await;
         if let Err(RuntimeError::Unavailable(_)) = &result {
             // Nothing was removed: the sandbox stays as it was, and the delete can be retried.

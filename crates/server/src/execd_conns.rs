@@ -1,0 +1,342 @@
+//! Keep-alive HTTP/1 connections from the server to each sandbox's execd, for the endpoint proxy.
+//!
+//! A fresh connection per proxied request costs a connect, a handshake task on each side and an extra
+//! wake-up of execd before the request can be read: about a tenth of a millisecond per request on a
+//! loaded 2-core machine, a quarter of a proxied `/ping`. So a connection whose response has been read
+//! to its end is parked here, keyed by sandbox, and the next request to that sandbox takes it; a new
+//! sandbox gets one parked as soon as it is Running, so even its first request skips the connect.
+//!
+//! Rules that keep reuse safe:
+//! - Only a connection hyper reports ready (previous response complete, peer not gone) is parked, and
+//!   only while its sandbox is live; `forget` drops a sandbox's connections when it stops, under the
+//!   same lock, so nothing is parked for a sandbox after it ended.
+//! - Upgraded connections (WebSocket) are never parked: they belong to their upgrade.
+//! - A parked connection is used for at most [`MAX_IDLE`] idle time, and a sandbox keeps at most
+//!   [`MAX_PER_SANDBOX`] of them; the rest are closed.
+//! - A request that a parked connection could not carry (execd closed it at that moment) comes back
+//!   unsent from hyper and the proxy sends it once more on a fresh connection.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+
+/// Idle connections kept per sandbox: enough for a client with a few requests in flight.
+pub const MAX_PER_SANDBOX: usize = 4;
+/// A parked connection older than this is closed rather than reused.
+pub const MAX_IDLE: Duration = Duration::from_secs(60);
+
+pub type Sender = SendRequest<Body>;
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+struct Parked {
+    sender: Sender,
+    since: Instant,
+}
+
+#[derive(Default)]
+pub struct ExecdConns {
+    idle: Mutex<HashMap<String, Vec<Parked>>>,
+}
+
+impl ExecdConns {
+    fn idle(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<Parked>>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A parked connection to `id`'s execd that is still usable, if there is one.
+    pub fn take(&self, id: &str) -> Option<Sender> {
+        let mut idle = self.idle();
+        let list = idle.get_mut(id)?;
+        let mut found = None;
+        while let Some(p) = list.pop() {
+            if p.since.elapsed() < MAX_IDLE && p.sender.is_ready() {
+                found = Some(p.sender);
+                break;
+            }
+        }
+        if list.is_empty() {
+            idle.remove(id);
+        }
+        found
+    }
+
+    /// Parks `sender` for `id` once its current response has been read to the end, if `live()` still
+    /// holds then (checked under the lock `forget` takes, so a sandbox that stopped gets nothing).
+    pub fn put_back(
+        self: &Arc<Self>,
+        id: String,
+        mut sender: Sender,
+        live: impl FnOnce() -> bool + Send + 'static,
+    ) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            // Resolves when the connection can carry another request; an error means it closed
+            // (the response was cut short, the client went away, execd exited).
+            if sender.ready().await.is_err() {
+                return;
+            }
+            this.park(id, sender, live);
+        });
+    }
+
+    fn park(&self, id: String, sender: Sender, live: impl FnOnce() -> bool) {
+        let mut idle = self.idle();
+        if !live() {
+            return;
+        }
+        let list = idle.entry(id).or_default();
+        list.retain(|p| p.since.elapsed() < MAX_IDLE && !p.sender.is_closed());
+        if list.len() < MAX_PER_SANDBOX {
+            list.push(Parked {
+                sender,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Opens a connection to execd at `socket` and parks it for `id`: the sandbox's first proxied
+    /// request then finds one ready.
+    pub fn prewarm(
+        self: &Arc<Self>,
+        id: String,
+        socket: std::path::PathBuf,
+        live: impl FnOnce() -> bool + Send + 'static,
+    ) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            match open(&socket).await {
+                Ok(sender) => this.park(id, sender, live),
+                Err(e) => tracing::debug!(sandbox_id = %id, error = %e, "no connection to park"),
+            }
+        });
+    }
+
+    /// Closes `id`'s parked connections; call once the sandbox is no longer live.
+    pub fn forget(&self, id: &str) {
+        let gone = self.idle().remove(id);
+        drop(gone);
+    }
+
+    /// Parked connections for `id` (tests).
+    #[cfg(test)]
+    fn parked(&self, id: &str) -> usize {
+        self.idle().get(id).map_or(0, Vec::len)
+    }
+}
+
+/// A fresh HTTP/1 connection to execd; upgrades (WebSocket) stay possible on it.
+pub async fn open(socket: &Path) -> Result<Sender, Error> {
+    // `_handle` keeps the socket's /proc/self/fd path alive until the connect completes; it never
+    // follows a symlink the sandbox may have put in the socket's place (see `socket_connect_path`).
+    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
+    let stream = tokio::net::UnixStream::connect(&reachable).await?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "execd connection ended");
+        }
+    });
+    Ok(sender)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+
+    /// A tiny execd stand-in on a Unix socket: counts accepted connections; `/close` answers and
+    /// then closes its connection, `/stream` sends a body in two parts with a pause between.
+    struct Upstream {
+        _dir: tempfile::TempDir,
+        socket: std::path::PathBuf,
+        accepted: Arc<AtomicUsize>,
+        open: Arc<AtomicUsize>,
+    }
+
+    async fn upstream() -> Upstream {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("execd.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let open = Arc::new(AtomicUsize::new(0));
+        let (a, o) = (accepted.clone(), open.clone());
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.expect("accept");
+                a.fetch_add(1, Ordering::SeqCst);
+                o.fetch_add(1, Ordering::SeqCst);
+                let o = o.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|req: http::Request<_>| async move {
+                        let mut resp = match req.uri().path() {
+                            "/stream" => {
+                                // "a" at once, "b" after a pause, then the end.
+                                let parts = futures::stream::unfold(0, |i| async move {
+                                    let data = match i {
+                                        0 => "a",
+                                        1 => {
+                                            tokio::time::sleep(Duration::from_millis(300)).await;
+                                            "b"
+                                        }
+                                        _ => return None,
+                                    };
+                                    let frame = hyper::body::Frame::data(bytes::Bytes::from(data));
+                                    Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
+                                });
+                                http::Response::new(Body::new(http_body_util::StreamBody::new(
+                                    parts,
+                                )))
+                            }
+                            _ => http::Response::new(Body::from("ok")),
+                        };
+                        if req.uri().path() == "/close" {
+                            resp.headers_mut().insert(
+                                http::header::CONNECTION,
+                                http::HeaderValue::from_static("close"),
+                            );
+                        }
+                        Ok::<_, std::convert::Infallible>(resp)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Upstream {
+            _dir: dir,
+            socket,
+            accepted,
+            open,
+        }
+    }
+
+    fn get(path: &str) -> http::Request<Body> {
+        http::Request::get(path)
+            .header(http::header::HOST, "localhost")
+            .body(Body::empty())
+            .expect("request")
+    }
+
+    /// What the proxy does: a parked connection or a new one, then back to the pool.
+    async fn call(conns: &Arc<ExecdConns>, up: &Upstream, path: &str) -> String {
+        let mut sender = match conns.take("sb") {
+            Some(s) => s,
+            None => open(&up.socket).await.expect("connect"),
+        };
+        let resp = sender.send_request(get(path)).await.expect("response");
+        conns.put_back("sb".into(), sender, || true);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8(body.to_vec()).expect("utf-8")
+    }
+
+    async fn settle() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_share_one_connection() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        for _ in 0..5 {
+            assert_eq!(call(&conns, &up, "/ping").await, "ok");
+            settle().await;
+        }
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(conns.parked("sb"), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_peer_closed_is_not_reused() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        assert_eq!(call(&conns, &up, "/close").await, "ok");
+        settle().await;
+        assert_eq!(
+            conns.parked("sb"),
+            0,
+            "a closing connection must not be parked"
+        );
+        assert_eq!(call(&conns, &up, "/ping").await, "ok");
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_response_dropped_before_its_end_does_not_park_the_connection() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        let mut sender = open(&up.socket).await.expect("connect");
+        let resp = sender.send_request(get("/stream")).await.expect("response");
+        conns.put_back("sb".into(), sender, || true);
+        let mut body = resp.into_body();
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().expect("data"), "a");
+        drop(body);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(conns.parked("sb"), 0);
+        assert!(conns.take("sb").is_none());
+        assert_eq!(
+            up.open.load(Ordering::SeqCst),
+            0,
+            "the cut connection was closed"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_read_to_its_end_parks_the_connection_afterwards() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        assert_eq!(call(&conns, &up, "/stream").await, "ab");
+        settle().await;
+        assert_eq!(conns.parked("sb"), 1);
+        assert_eq!(call(&conns, &up, "/ping").await, "ok");
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn nothing_is_parked_for_a_sandbox_that_is_not_live_and_forget_closes() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        let sender = open(&up.socket).await.expect("connect");
+        conns.put_back("sb".into(), sender, || false);
+        settle().await;
+        assert_eq!(conns.parked("sb"), 0);
+        settle().await;
+        assert_eq!(up.open.load(Ordering::SeqCst), 0);
+
+        conns.prewarm("sb".into(), up.socket.clone(), || true);
+        settle().await;
+        assert_eq!(conns.parked("sb"), 1);
+        assert_eq!(up.open.load(Ordering::SeqCst), 1);
+        conns.forget("sb");
+        settle().await;
+        assert_eq!(conns.parked("sb"), 0);
+        assert_eq!(
+            up.open.load(Ordering::SeqCst),
+            0,
+            "forget closes the connections"
+        );
+    }
+
+    #[tokio::test]
+    async fn at_most_max_per_sandbox_are_kept() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        for _ in 0..MAX_PER_SANDBOX + 2 {
+            let sender = open(&up.socket).await.expect("connect");
+            conns.put_back("sb".into(), sender, || true);
+        }
+        settle().await;
+        assert_eq!(conns.parked("sb"), MAX_PER_SANDBOX);
+        settle().await;
+        assert_eq!(up.open.load(Ordering::SeqCst), MAX_PER_SANDBOX);
+    }
+}
