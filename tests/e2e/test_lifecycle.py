@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -280,3 +281,46 @@ def test_streams_close_when_the_command_ends(make_sandbox):
     slow = time.monotonic() - t0
     assert quick < 0.5 * slow, (f"`true` took {quick:.2f}s against {slow:.2f}s for `sleep 1`: the "
                                 f"stream must close the moment the command ends")
+
+
+def _warren_cgroups() -> set[str]:
+    """Sandbox cgroups of every Warren server on this host (standby helpers' excluded)."""
+    return {str(p) for p in Path("/sys/fs/cgroup").glob("*/warren*/*")
+            if p.is_dir() and not p.name.startswith(".")}
+
+
+def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
+    """A sandbox whose setup does not finish within `[runtime] start_timeout_seconds` fails its create
+    with a message naming the setting; the setup helper is killed and everything the start made is
+    removed (a setup that hangs used to hold its create, and a create slot, for ever). A timeout that
+    is not a positive number keeps the server from starting."""
+    if server.runtime != "embedded":
+        pytest.skip("the setup helper's answer is awaited with this deadline on the embedded runtime")
+    bad = W.WarrenServer(server.runtime, work_root, f"badstart-{uuid.uuid4().hex[:6]}")
+    bad.runtime_config = "start_timeout_seconds = 0\n"
+    with pytest.raises(AssertionError, match="start_timeout_seconds"):
+        bad.start(ready_timeout=10)
+    bad.terminate()
+
+    srv = W.WarrenServer(server.runtime, work_root, f"slowstart-{uuid.uuid4().hex[:6]}")
+    # Half a millisecond: no setup (mounts, pivot_root, execd listening) is that fast.
+    srv.runtime_config = "start_timeout_seconds = 0.0005\n"
+    srv.start()
+    try:
+        before = _warren_cgroups()
+        with srv.client() as api:
+            for _ in range(3):
+                r = api.post("/v1/sandboxes", json=W.create_body())
+                W.assert_error_body(r, codes=[500])
+                assert "start_timeout_seconds" in r.json()["message"], r.text
+            assert api.get("/v1/sandboxes").json()["items"] == []
+        sandboxes = srv.data_dir / "sandboxes"
+        assert not sandboxes.exists() or not any(sandboxes.iterdir()), list(sandboxes.iterdir())
+        assert W.wait_until(lambda: not (_warren_cgroups() - before), 10,
+                            message="the failed starts' cgroups to go"), _warren_cgroups() - before
+        assert W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,
+                            message="the killed setup helpers to be reaped"), W.zombie_children(srv.proc.pid)
+        assert not W.leaked_mounts([srv.data_dir]), W.leaked_mounts([srv.data_dir])
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()

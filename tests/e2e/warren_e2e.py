@@ -201,6 +201,8 @@ class WarrenServer:
         self.docker_pull = False
         # appended to the generated config (e.g. a [network] section)
         self.extra_config = ""
+        # Extra lines for the `[runtime]` section (which the harness writes itself).
+        self.runtime_config = ""
         # native runtime: pull missing images ([images] pull = "missing"); only for tests that bring
         # their own registry on loopback and configure it in `extra_config`
         self.native_pull = False
@@ -257,7 +259,7 @@ class WarrenServer:
         # loopback) unless the test gives the server its own upstream (`extra_config`).
         network = self.extra_config or '[network]\ndns_upstream = "127.0.0.1:9"\n'
         if self.is_docker:
-            text = '[runtime]\nkind = "docker"\n[docker]\n'
+            text = '[runtime]\nkind = "docker"\n' + self.runtime_config + '[docker]\n'
             if os.environ.get("DOCKER_HOST"):
                 text += f'host = "{os.environ["DOCKER_HOST"]}"\n'
             if self.runtime == "docker-runsc":
@@ -274,7 +276,7 @@ class WarrenServer:
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n' + storage + network + images)
+            f'oci_runtime = "{self.runtime}"\n' + self.runtime_config + storage + network + images)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""

@@ -362,8 +362,10 @@ impl NativeRuntime {
             .open(&log_path)
             .map_err(|e| RuntimeError::backend_with("opening the sandbox log", e))?;
         let started = Instant::now();
+        // One budget for the whole start: the setup helper's answer, then execd listening.
+        let deadline = started + self.inner.config.ready_timeout;
         let (pid, ready) = match &self.inner.oci {
-            None => self.start_embedded(spec, log, &log_path, &volumes.mounts)?,
+            None => self.start_embedded(spec, log, &log_path, &volumes.mounts, deadline)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let mut init_spec = self.init_spec(spec);
@@ -398,6 +400,7 @@ impl NativeRuntime {
         self.wait_ready(
             pid,
             ready,
+            deadline,
             &dir.join("run").join(EXECD_SOCKET_NAME),
             &dir.join("sandbox.log"),
         )?;
@@ -417,6 +420,7 @@ impl NativeRuntime {
         log: fs::File,
         log_path: &Path,
         volumes: &[spec::HostMount],
+        deadline: Instant,
     ) -> Result<(i32, Option<fs::File>), RuntimeError> {
         let mut helper = match self.take_standby(&spec.id, &spec.limits) {
             Some(warm) => warm,
@@ -439,9 +443,25 @@ impl NativeRuntime {
                 .map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
         }
         let mut out = helper.stdout.take();
-        let reply_line = match out.as_mut() {
-            Some(pipe) => read_reply(pipe)
-                .map_err(|e| RuntimeError::backend_with("reading the helper reply", e))?,
+        let reply_line = match out.as_mut().map(|pipe| read_reply(pipe, deadline)) {
+            Some(Ok(line)) => line,
+            Some(Err(e)) => {
+                // A setup that hangs (a mount on a dead file system, say) must not hold the create,
+                // and its slot, for ever: the helper goes now, what it made goes with the caller's
+                // teardown (the cgroup it joined is emptied with SIGKILL).
+                helper.kill();
+                if !helper.wait_for(Duration::from_secs(5)) {
+                    tracing::warn!(sandbox_id = %spec.id, "the setup helper did not exit after SIGKILL");
+                }
+                return Err(if e.kind() == std::io::ErrorKind::TimedOut {
+                    RuntimeError::backend(format!(
+                        "sandbox setup did not finish within the start timeout ({} s, [runtime] start_timeout_seconds)",
+                        self.inner.config.ready_timeout.as_secs_f64()
+                    ))
+                } else {
+                    RuntimeError::backend_with("reading the helper reply", e)
+                });
+            }
             None => String::new(),
         };
         helper.wait();
@@ -645,10 +665,10 @@ impl NativeRuntime {
         &self,
         pid: i32,
         ready: Option<fs::File>,
+        deadline: Instant,
         socket: &Path,
         log: &Path,
     ) -> Result<(), RuntimeError> {
-        let deadline = Instant::now() + self.inner.config.ready_timeout;
         if let Some(pipe) = ready {
             wait_closed(pipe, deadline);
         }
@@ -667,7 +687,8 @@ impl NativeRuntime {
             }
             if Instant::now() > deadline {
                 return Err(RuntimeError::backend(format!(
-                    "execd did not become ready: {}",
+                    "execd did not become ready within the start timeout ({} s, [runtime] start_timeout_seconds): {}",
+                    self.inner.config.ready_timeout.as_secs_f64(),
                     log_tail(log)
                 )));
             }
@@ -1076,10 +1097,16 @@ fn build_host_skeleton(base: &Path) -> std::io::Result<PathBuf> {
 /// Reads the setup helper's stdout up to its reply line (a complete line other than
 /// `JOINED_LINE`), or to EOF; returns that line, empty if none came. Reads no further: the pipe
 /// stays open while execd starts.
-fn read_reply(pipe: &mut fs::File) -> std::io::Result<String> {
+fn read_reply(pipe: &mut fs::File, deadline: Instant) -> std::io::Result<String> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 512];
     loop {
+        if !wait_readable(pipe, deadline)? {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no answer before the start timeout",
+            ));
+        }
         let n = match pipe.read(&mut chunk) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -1103,23 +1130,37 @@ fn read_reply(pipe: &mut fs::File) -> std::io::Result<String> {
     }
 }
 
-/// Waits until every writer of `pipe` has closed it, or `deadline`.
-fn wait_closed(mut pipe: fs::File, deadline: Instant) {
-    let mut scratch = [0u8; 64];
+/// Waits until `pipe` can be read (data or EOF); `false` once `deadline` passed first.
+fn wait_readable(pipe: &fs::File, deadline: Instant) -> std::io::Result<bool> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
+        // Rounded up: a deadline less than a millisecond away must not become a busy zero wait.
+        let ms = i32::try_from(left.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
         let mut p = libc::pollfd {
             fd: pipe.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
-        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: poll on one valid pollfd.
         let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
+        match n {
+            n if n > 0 => return Ok(true),
+            0 => return Ok(false),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
         }
-        if n <= 0 {
+    }
+}
+
+/// Waits until every writer of `pipe` has closed it, or `deadline`.
+fn wait_closed(mut pipe: fs::File, deadline: Instant) {
+    let mut scratch = [0u8; 64];
+    loop {
+        if !matches!(wait_readable(&pipe, deadline), Ok(true)) {
             return; // timed out (or poll failed): the caller's own checks decide
         }
         match pipe.read(&mut scratch) {
@@ -1238,5 +1279,53 @@ mod tests {
         assert_ne!(flags & TOPDIR, 0, "FS_TOPDIR_FL not set: {flags:#x}");
         // twice is fine (a restarted server)
         spread_subdirectories(dir.path()).expect("second time");
+    }
+
+    fn pipe() -> (fs::File, fs::File) {
+        let (r, w) = std::io::pipe().expect("pipe");
+        (
+            fs::File::from(OwnedFd::from(r)),
+            fs::File::from(OwnedFd::from(w)),
+        )
+    }
+
+    #[test]
+    fn a_reply_is_read_whole_even_in_pieces() {
+        let (mut r, mut w) = pipe();
+        let writer = std::thread::spawn(move || {
+            w.write_all(b"{\"started\":").expect("write");
+            std::thread::sleep(Duration::from_millis(20));
+            w.write_all(b"1}\n").expect("write");
+            w
+        });
+        let line = read_reply(&mut r, Instant::now() + Duration::from_secs(5)).expect("reply");
+        assert_eq!(line, "{\"started\":1}");
+        drop(writer.join());
+    }
+
+    #[test]
+    fn a_setup_that_never_answers_times_out_at_the_deadline() {
+        let (mut r, _w) = pipe(); // the writer stays open and silent
+        let started = Instant::now();
+        let err = read_reply(&mut r, started + Duration::from_millis(100)).expect_err("a timeout");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(100),
+            "returned early: {took:?}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "did not honour the deadline: {took:?}"
+        );
+    }
+
+    #[test]
+    fn a_partial_line_then_silence_also_times_out() {
+        let (mut r, mut w) = pipe();
+        w.write_all(b"{\"started\"").expect("write");
+        let err =
+            read_reply(&mut r, Instant::now() + Duration::from_millis(50)).expect_err("a timeout");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
     }
 }

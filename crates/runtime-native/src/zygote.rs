@@ -23,6 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
@@ -139,6 +140,27 @@ impl Helper {
                     0,
                 );
             },
+        }
+    }
+
+    /// Waits up to `limit` for it to exit; whether it has.
+    pub fn wait_for(&mut self, limit: Duration) -> bool {
+        match &mut self.process {
+            Process::Spawned(c) => {
+                let deadline = std::time::Instant::now() + limit;
+                loop {
+                    match c.try_wait() {
+                        Ok(None) if std::time::Instant::now() < deadline => {
+                            std::thread::sleep(Duration::from_millis(5))
+                        }
+                        Ok(None) => return false,
+                        _ => return true,
+                    }
+                }
+            }
+            Process::Forked { pidfd } => {
+                pidfd_exited(pidfd, i32::try_from(limit.as_millis()).unwrap_or(i32::MAX))
+            }
         }
     }
 

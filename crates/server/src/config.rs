@@ -155,6 +155,9 @@ pub struct RuntimeSection {
     /// Native runtime: creates in flight at once (the rest wait their turn, first come first served);
     /// default: the number of CPUs; 0: no limit.
     pub max_parallel_creates: Option<usize>,
+    /// How long a sandbox may take to start (setup, then execd listening) before its create fails
+    /// and what it made is removed; default 15 (native) or 30 (docker, which may also pull).
+    pub start_timeout_seconds: Option<f64>,
 }
 
 fn default_standby() -> usize {
@@ -176,6 +179,7 @@ impl Default for RuntimeSection {
             execd_path: None,
             standby_helpers: default_standby(),
             max_parallel_creates: None,
+            start_timeout_seconds: None,
         }
     }
 }

@@ -255,6 +255,15 @@ fn storage_policy(config: &ServerConfig) -> anyhow::Result<volumes::StoragePolic
 
 fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     let exe = std::env::current_exe().context("locating the warren binary")?;
+    let start_timeout = |default: u64| match config.runtime.start_timeout_seconds {
+        None => Ok(std::time::Duration::from_secs(default)),
+        Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => {
+            Ok(std::time::Duration::from_secs_f64(s))
+        }
+        Some(s) => Err(anyhow::anyhow!(
+            "[runtime] start_timeout_seconds = {s}: use a number of seconds above 0 (at most a day)"
+        )),
+    };
     let execd_path = match &config.runtime.execd_path {
         Some(p) => p.clone(),
         None => exe.with_file_name("warren-execd"),
@@ -276,7 +285,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 // The daemon bind-mounts it: it must be an absolute host path.
                 execd_path: std::fs::canonicalize(&execd_path)
                     .with_context(|| format!("locating execd at {}", execd_path.display()))?,
-                ready_timeout: std::time::Duration::from_secs(30),
+                ready_timeout: start_timeout(30)?,
             };
             return Ok(Arc::new(DockerRuntime::new(docker)?));
         }
@@ -297,7 +306,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         cgroup_parent: "warren".into(),
         cgroup_root: "/sys/fs/cgroup".into(),
         extra_masked_files,
-        ready_timeout: std::time::Duration::from_secs(15),
+        ready_timeout: start_timeout(15)?,
         oci_runtime: config.runtime.oci_runtime.clone(),
         standby_helpers: config.runtime.standby_helpers,
         max_parallel_creates: match config.runtime.max_parallel_creates {
