@@ -4,6 +4,8 @@ pause/resume, list filters, metadata, kill (issue 2 items 2, 7, 9, 11)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 import uuid
@@ -292,8 +294,9 @@ def _warren_cgroups() -> set[str]:
 def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
     """A sandbox whose setup does not finish within `[runtime] start_timeout_seconds` fails its create
     with a message naming the setting; the setup helper is killed and everything the start made is
-    removed (a setup that hangs used to hold its create, and a create slot, for ever). A timeout that
-    is not a positive number keeps the server from starting."""
+    removed, the sandbox's PID 1 (which the killed helper may have forked) reaped (a setup that hangs
+    used to hold its create, and a create slot, for ever). A timeout that is not a positive number
+    keeps the server from starting."""
     if server.runtime != "embedded":
         pytest.skip("the setup helper's answer is awaited with this deadline on the embedded runtime")
     bad = W.WarrenServer(server.runtime, work_root, f"badstart-{uuid.uuid4().hex[:6]}")
@@ -319,8 +322,42 @@ def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
         assert W.wait_until(lambda: not (_warren_cgroups() - before), 10,
                             message="the failed starts' cgroups to go"), _warren_cgroups() - before
         assert W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,
-                            message="the killed setup helpers to be reaped"), W.zombie_children(srv.proc.pid)
+                            message="the killed setups' processes to be reaped"), W.zombie_children(srv.proc.pid)
         assert not W.leaked_mounts([srv.data_dir]), W.leaked_mounts([srv.data_dir])
     finally:
         srv.delete_all_sandboxes()
+        srv.stop()
+
+
+def test_a_zygote_that_dies_leaves_no_zombies(server, work_root):
+    """When the sandbox zygote dies (OOM killer, an operator's kill), the setup helpers it had forked
+    are reparented to the server; the next creates use them and a new zygote, and each helper that
+    ends is reaped (they used to stay zombies until the server exited)."""
+    if server.runtime != "embedded":
+        pytest.skip("the zygote and its setup helpers belong to the embedded runtime")
+    srv = W.WarrenServer(server.runtime, work_root, f"zygote-{uuid.uuid4().hex[:6]}")
+    srv.start()
+    try:
+        with srv.client() as api:
+            def cycle():
+                r = api.post("/v1/sandboxes", json=W.create_body())
+                assert r.status_code == 202, r.text
+                W.track_sandbox(r.json()["id"])
+                assert api.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 204
+
+            cycle()  # the zygote and its standby helpers exist now
+            def parent(p):
+                return (W.state_and_ppid(p) or ("", 0))[1]
+
+            zygotes = [p for p in W.all_pids() if parent(p) == srv.proc.pid
+                       and "__sandbox-zygote" in W.proc_cmdline(p)]
+            # The zygote is the server's child; its helpers are the zygote's until it dies.
+            zygote = [p for p in zygotes if any(parent(c) == p for c in W.all_pids())]
+            assert len(zygote) == 1, f"expected one zygote with helpers among {zygotes}"
+            os.kill(zygote[0], signal.SIGKILL)
+            for _ in range(6):
+                cycle()
+        assert W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,
+                            message="ended setup helpers to be reaped"), W.zombie_children(srv.proc.pid)
+    finally:
         srv.stop()

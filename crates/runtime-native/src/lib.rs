@@ -453,6 +453,7 @@ impl NativeRuntime {
                 if !helper.wait_for(Duration::from_secs(5)) {
                     tracing::warn!(sandbox_id = %spec.id, "the setup helper did not exit after SIGKILL");
                 }
+                self.reap_strays(&spec.id, Duration::from_secs(2));
                 return Err(if e.kind() == std::io::ErrorKind::TimedOut {
                     RuntimeError::backend(format!(
                         "sandbox setup did not finish within the start timeout ({} s, [runtime] start_timeout_seconds)",
@@ -475,6 +476,44 @@ impl NativeRuntime {
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
+        }
+    }
+
+    /// Kills and reaps the server's children that sit in sandbox `id`'s cgroup. A setup helper killed
+    /// before it answered may have forked the sandbox's PID 1 already; that process was reparented to
+    /// the server (the subreaper), and with no `wait_exit` for a create that failed, nothing else
+    /// would reap it. Only our own children are touched, each through a pidfd: a child's pid cannot
+    /// be reused before we reap it.
+    fn reap_strays(&self, id: &str, within: Duration) {
+        let marker = format!("/{}/{id}\n", self.inner.config.cgroup_parent);
+        let deadline = Instant::now() + within;
+        loop {
+            let strays: Vec<i32> = children_of_self()
+                .into_iter()
+                .filter(|pid| {
+                    fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                        .is_ok_and(|c| c.contains(&marker))
+                })
+                .collect();
+            if strays.is_empty() {
+                return;
+            }
+            for pid in strays {
+                let Some(fd) = pidfd_open(pid) else { continue };
+                // SAFETY: kill(2) of our own unreaped child, which the pid still names.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                let left = deadline.saturating_duration_since(Instant::now());
+                if zygote::pidfd_exited(&fd, i32::try_from(left.as_millis()).unwrap_or(i32::MAX)) {
+                    let _ = reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
+                }
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    sandbox_id = id,
+                    "processes of a failed start are still alive"
+                );
+                return;
+            }
         }
     }
 
@@ -1198,6 +1237,26 @@ fn wait_gone(pid: i32, within: Duration) {
     while is_alive(pid) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// The processes whose parent is this one.
+fn children_of_self() -> Vec<i32> {
+    let me = std::process::id().to_string();
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            // The parent is the second field after the command name, which may hold spaces or ')'.
+            fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    == Some(me.as_str())
+            })
+        })
+        .collect()
 }
 
 fn pidfd_open(pid: i32) -> Option<OwnedFd> {

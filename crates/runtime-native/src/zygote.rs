@@ -159,7 +159,12 @@ impl Helper {
                 }
             }
             Process::Forked { pidfd } => {
-                pidfd_exited(pidfd, i32::try_from(limit.as_millis()).unwrap_or(i32::MAX))
+                let gone =
+                    pidfd_exited(pidfd, i32::try_from(limit.as_millis()).unwrap_or(i32::MAX));
+                if gone {
+                    reap_if_orphaned(pidfd);
+                }
+                gone
             }
         }
     }
@@ -172,9 +177,29 @@ impl Helper {
             }
             Process::Forked { pidfd } => {
                 pidfd_exited(pidfd, -1);
+                reap_if_orphaned(pidfd);
             }
         }
     }
+}
+
+/// Reaps a forked helper that has exited, if it is ours to reap: the zygote reaps its children, but
+/// when the zygote died first they were reparented to the server (their subreaper), and without this
+/// each one stayed a zombie until the server exited. While the zygote lives, the helper is not our
+/// child and waitid says so (ECHILD); nothing happens.
+fn reap_if_orphaned(pidfd: &OwnedFd) {
+    // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    const P_PIDFD: libc::idtype_t = 3;
+    // SAFETY: waitid on a pidfd we own, with a valid siginfo pointer; WNOHANG never blocks.
+    unsafe {
+        libc::waitid(
+            P_PIDFD,
+            pidfd.as_raw_fd() as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG,
+        )
+    };
 }
 
 /// The server's side: starts the zygote on first use and again after it died.
