@@ -277,3 +277,49 @@ def test_pool_keeps_its_size_across_restarts(fresh_server, test_image):
         assert len(list(sandboxes.iterdir())) == 2, sorted(p.name for p in sandboxes.iterdir())
     with srv.client() as api:
         assert api.delete(f"/v1/pools/{name}").status_code == 204
+
+
+@pytest.mark.timeout(180)
+def test_creates_waiting_on_a_deleted_pool(server, api, test_image):
+    """A create queued on an exhausted pool when the pool is deleted: one that merely matched the
+    pool's template is made like any other create (it used to fail with 404 "pool not found"); one
+    that named the pool with poolRef gets a 404 saying the pool was deleted while it waited."""
+    import threading
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    template = _template(test_image, uuid.uuid4().hex)
+    spec = {"name": name, "template": template, "maxWaitSeconds": 60,
+            "capacitySpec": {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 1}}
+    assert api.post("/v1/pools", json=spec).status_code == 201
+    ids = []
+    try:
+        _warm_up(api, name, 1)
+        r = api.post("/v1/sandboxes", json=template)  # takes the pool's only sandbox
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+        W.track_sandbox(ids[-1])
+
+        results = {}
+
+        def create(key, body):
+            results[key] = api.post("/v1/sandboxes", json=body, timeout=90)
+
+        waiters = [threading.Thread(target=create, args=("match", template)),
+                   threading.Thread(target=create, args=("ref", {**template, "extensions": {"poolRef": name}}))]
+        for t in waiters:
+            t.start()
+        time.sleep(1.5)  # both queue: the pool has nothing warm and may make no more
+        assert all(t.is_alive() for t in waiters), {k: (v.status_code, v.text[:200]) for k, v in results.items()}
+        assert api.delete(f"/v1/pools/{name}").status_code == 204
+        for t in waiters:
+            t.join(60)
+        match, ref = results["match"], results["ref"]
+        assert match.status_code == 202, match.text
+        ids.append(match.json()["id"])
+        W.track_sandbox(ids[-1])
+        assert api.get(f"/v1/sandboxes/{ids[-1]}").json()["status"]["state"] == "Running"
+        body = W.assert_error_body(ref, codes=[404])
+        assert "deleted while this create waited" in body["message"], body
+    finally:
+        for i in ids:
+            api.delete(f"/v1/sandboxes/{i}")
+        api.delete(f"/v1/pools/{name}")

@@ -370,8 +370,15 @@ impl Pools {
     }
 
     /// Hands out a warm sandbox of `name` with the create's metadata, extensions and expiry; waits
-    /// (FIFO) up to the pool's limit when none is warm, then 429.
-    pub async fn claim(&self, name: &str, plan: &CreatePlan) -> Result<SandboxRecord, ApiError> {
+    /// (FIFO) up to the pool's limit when none is warm, then 429. `None` when the pool went away while
+    /// the create waited and no pool serves it any more: a create that only matched the pool's
+    /// template is then made like any other (its client asked for a sandbox, not for that pool);
+    /// one that named the pool (`poolRef`) gets a 404 that says so.
+    pub async fn claim(
+        &self,
+        name: &str,
+        plan: &CreatePlan,
+    ) -> Result<Option<SandboxRecord>, ApiError> {
         let mut pool = self.pool(name).ok_or_else(|| not_found(name))?;
         let wait = pool
             .spec
@@ -381,13 +388,27 @@ impl Pools {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             if let Some(rec) = self.claim_from(&pool, plan, deadline, wait).await? {
-                return Ok(rec);
+                return Ok(Some(rec));
             }
-            // Replaced (PUT) while this create waited: wait on its successor, if this create
-            // still routes there.
-            match (self.pool(name), self.route(plan)) {
-                (Some(next), Ok(Some(n))) if n == name && !Arc::ptr_eq(&next, &pool) => pool = next,
-                _ => return Err(not_found(name)),
+            // Closed while this create waited: replaced (PUT) or deleted. It goes where it routes
+            // now: the successor, another pool whose template it matches, or no pool.
+            let gone = || {
+                ApiError::new(
+                    http::StatusCode::NOT_FOUND,
+                    ErrorCode::PoolNotFound,
+                    format!(
+                        "pool {} was deleted while this create waited for a warm sandbox",
+                        pool.spec.name
+                    ),
+                )
+            };
+            match self.route(plan) {
+                Ok(Some(next)) => match self.pool(&next) {
+                    Some(p) if !Arc::ptr_eq(&p, &pool) => pool = p,
+                    _ => return Err(gone()),
+                },
+                Ok(None) => return Ok(None),
+                Err(_) => return Err(gone()),
             }
         }
     }

@@ -145,9 +145,13 @@ pub async fn create(
     if let Some(snapshot) = &plan.snapshot_id {
         plan.image = app.snapshots.image_for_restore(snapshot)?;
     }
-    let rec = match app.pools.route(&plan)? {
+    let claimed = match app.pools.route(&plan)? {
         // Waiting for a warm sandbox may be cut off; the hand-over itself is not (see `claim`).
         Some(pool) => app.pools.claim(&pool, &plan).await?,
+        None => None,
+    };
+    let rec = match claimed {
+        Some(rec) => rec,
         None => {
             let sandboxes = app.sandboxes.clone();
             to_completion(async move { sandboxes.create(plan).await }).await?
