@@ -3,8 +3,9 @@
 //! A fresh connection per proxied request costs a connect, a handshake task on each side and an extra
 //! wake-up of execd before the request can be read: about a tenth of a millisecond per request on a
 //! loaded 2-core machine, a quarter of a proxied `/ping`. So a connection whose response has been read
-//! to its end is parked here, keyed by sandbox, and the next request to that sandbox takes it; a new
-//! sandbox gets one parked as soon as it is Running, so even its first request skips the connect.
+//! to its end is parked here, keyed by sandbox, and the next request to that sandbox takes it; a
+//! pool's warm sandbox gets one parked as soon as it runs, so even a claim's first request skips the
+//! connect.
 //!
 //! Rules that keep reuse safe:
 //! - Only a connection hyper reports ready (previous response complete, peer not gone) is parked, and

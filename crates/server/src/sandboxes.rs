@@ -384,11 +384,16 @@ impl Sandboxes {
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
                 self.watch(&rec);
-                self.inner.execd_conns.prewarm(
-                    id.clone(),
-                    self.inner.runtime.execd_socket(&id),
-                    self.execd_live(&id),
-                );
+                if rec.warm_pool.is_some() {
+                    // A pool's sandbox waits for a client whose first command should not pay for
+                    // the connect. Others open theirs on first use: a parked connection is ~17 KiB
+                    // of server memory, which an idle sandbox nobody has called yet need not hold.
+                    self.inner.execd_conns.prewarm(
+                        id.clone(),
+                        self.inner.runtime.execd_socket(&id),
+                        self.execd_live(&id),
+                    );
+                }
                 Ok(rec)
             }
             Err(e) => {
