@@ -188,18 +188,7 @@ impl Helper {
 /// each one stayed a zombie until the server exited. While the zygote lives, the helper is not our
 /// child and waitid says so (ECHILD); nothing happens.
 fn reap_if_orphaned(pidfd: &OwnedFd) {
-    // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    const P_PIDFD: libc::idtype_t = 3;
-    // SAFETY: waitid on a pidfd we own, with a valid siginfo pointer; WNOHANG never blocks.
-    unsafe {
-        libc::waitid(
-            P_PIDFD,
-            pidfd.as_raw_fd() as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG,
-        )
-    };
+    let _ = crate::reap_pidfd_with(pidfd, libc::WEXITED | libc::WNOHANG);
 }
 
 /// The server's side: starts the zygote on first use and again after it died.
