@@ -12,13 +12,14 @@
 //!   only while its sandbox is live; `forget` drops a sandbox's connections when it stops, under the
 //!   same lock, so nothing is parked for a sandbox after it ended.
 //! - Upgraded connections (WebSocket) are never parked: they belong to their upgrade.
-//! - A parked connection is used for at most [`MAX_IDLE`] idle time, and a sandbox keeps at most
-//!   [`MAX_PER_SANDBOX`] of them; the rest are closed.
+//! - A connection parked longer than [`MAX_IDLE`] is closed (a sweep every half of that), and a
+//!   sandbox keeps at most [`MAX_PER_SANDBOX`]; the rest are closed.
 //! - A request that a parked connection could not carry (execd closed it at that moment) comes back
 //!   unsent from hyper and the proxy sends it once more on a fresh connection.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,11 +38,22 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 struct Parked {
     sender: Sender,
     since: Instant,
+    /// Opened ahead of use for a pool's warm sandbox, which may wait for its claim far longer than
+    /// [`MAX_IDLE`]: kept until used (at most one per such sandbox, so pools bound their number).
+    ahead: bool,
+}
+
+impl Parked {
+    fn fresh(&self, max_idle: Duration) -> bool {
+        (self.ahead || self.since.elapsed() < max_idle) && !self.sender.is_closed()
+    }
 }
 
 #[derive(Default)]
 pub struct ExecdConns {
     idle: Mutex<HashMap<String, Vec<Parked>>>,
+    /// Whether the task that closes connections idle past [`MAX_IDLE`] runs (started on first park).
+    sweeping: AtomicBool,
 }
 
 impl ExecdConns {
@@ -55,7 +67,7 @@ impl ExecdConns {
         let list = idle.get_mut(id)?;
         let mut found = None;
         while let Some(p) = list.pop() {
-            if p.since.elapsed() < MAX_IDLE && p.sender.is_ready() {
+            if p.fresh(MAX_IDLE) && p.sender.is_ready() {
                 found = Some(p.sender);
                 break;
             }
@@ -81,21 +93,29 @@ impl ExecdConns {
             if sender.ready().await.is_err() {
                 return;
             }
-            this.park(id, sender, live);
+            this.park(id, sender, false, live);
         });
     }
 
-    fn park(&self, id: String, sender: Sender, live: impl FnOnce() -> bool) {
+    fn park(
+        self: &Arc<Self>,
+        id: String,
+        sender: Sender,
+        ahead: bool,
+        live: impl FnOnce() -> bool,
+    ) {
+        self.keep_swept();
         let mut idle = self.idle();
         if !live() {
             return;
         }
         let list = idle.entry(id).or_default();
-        list.retain(|p| p.since.elapsed() < MAX_IDLE && !p.sender.is_closed());
+        list.retain(|p| p.fresh(MAX_IDLE));
         if list.len() < MAX_PER_SANDBOX {
             list.push(Parked {
                 sender,
                 since: Instant::now(),
+                ahead,
             });
         }
     }
@@ -111,10 +131,51 @@ impl ExecdConns {
         let this = self.clone();
         tokio::spawn(async move {
             match open(&socket).await {
-                Ok(sender) => this.park(id, sender, live),
+                Ok(sender) => this.park(id, sender, true, live),
                 Err(e) => tracing::debug!(sandbox_id = %id, error = %e, "no connection to park"),
             }
         });
+    }
+
+    /// Starts, once, the task that closes connections parked longer than [`MAX_IDLE`]: without it a
+    /// sandbox used once and then left idle would hold its connection (memory on both sides) until
+    /// its next request or its end.
+    fn keep_swept(self: &Arc<Self>) {
+        if self.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(MAX_IDLE / 2);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match this.upgrade() {
+                    Some(conns) => conns.sweep(MAX_IDLE),
+                    None => return,
+                }
+            }
+        });
+    }
+
+    /// Closes the connections parked longer than `max_idle` (except those opened ahead of use), and
+    /// those execd closed.
+    fn sweep(&self, max_idle: Duration) {
+        let stale: Vec<Parked> = {
+            let mut idle = self.idle();
+            let mut stale = Vec::new();
+            idle.retain(|_, list| {
+                let (keep, old): (Vec<Parked>, Vec<Parked>) = std::mem::take(list)
+                    .into_iter()
+                    .partition(|p| p.fresh(max_idle));
+                *list = keep;
+                stale.extend(old);
+                !list.is_empty()
+            });
+            stale
+        };
+        // Dropped outside the lock: closing is the connection tasks' business.
+        drop(stale);
     }
 
     /// Closes `id`'s parked connections; call once the sandbox is no longer live.
@@ -324,6 +385,30 @@ mod tests {
             up.open.load(Ordering::SeqCst),
             0,
             "forget closes the connections"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_sweep_closes_connections_parked_too_long_but_not_those_opened_ahead() {
+        let up = upstream().await;
+        let conns = Arc::new(ExecdConns::default());
+        conns.prewarm("warm".into(), up.socket.clone(), || true);
+        assert_eq!(call(&conns, &up, "/ping").await, "ok"); // parks one for "sb"
+        settle().await;
+        conns.sweep(Duration::from_secs(60));
+        assert_eq!(conns.parked("sb"), 1, "a fresh connection stays");
+        conns.sweep(Duration::ZERO);
+        assert_eq!(conns.parked("sb"), 0);
+        assert_eq!(
+            conns.parked("warm"),
+            1,
+            "one opened ahead waits for its first use"
+        );
+        settle().await;
+        assert_eq!(
+            up.open.load(Ordering::SeqCst),
+            1,
+            "the swept one was closed"
         );
     }
 
