@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -335,7 +336,14 @@ def test_socket_folder_cannot_point_the_server_at_a_host_socket(server, api, mak
         sbx = make_sandbox(any_image)
         code, out, err = sh(sbx, f"rm -f /.warren/run/execd.sock && ln -s {host_sock} /.warren/run/execd.sock && readlink /.warren/run/execd.sock")
         assert code == 0 and out.strip() == str(host_sock), (out, err)
-        r = api.get(f"/sandboxes/{sbx.id}/proxy/44772/ping", timeout=20)
+        # The proxy keeps connections it made before the swap (to the real execd: harmless). Keep
+        # every one it may hold busy, so that the request after needs a new connection, which has
+        # to go through the path that is now a link.
+        with contextlib.ExitStack() as busy:
+            for _ in range(5):
+                busy.enter_context(api.stream("POST", f"/sandboxes/{sbx.id}/proxy/44772/command",
+                                              json={"command": "sleep 5"}, timeout=20))
+            r = api.get(f"/sandboxes/{sbx.id}/proxy/44772/ping", timeout=20)
         assert hits == [], f"the server connected to the host socket through the sandbox's symlink: {hits}"
         assert r.status_code == 502, f"{r.status_code} {r.text[:300]}"
         assert r.json()["code"], r.text

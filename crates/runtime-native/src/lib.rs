@@ -625,17 +625,30 @@ impl NativeRuntime {
         let this = self.clone();
         std::thread::spawn(move || {
             for _ in 0..missing {
+                // `starting` counts down only once a helper is in the pool or gone for good:
+                // `close_standby` waits for it to reach zero.
+                if lock(&this.inner.standby).closed {
+                    lock(&this.inner.standby).starting -= 1;
+                    continue;
+                }
                 let started = this.start_standby();
                 let mut pool = lock(&this.inner.standby);
-                pool.starting -= 1;
                 match started {
-                    Ok(s) if !pool.closed => pool.ready.push(s),
+                    Ok(s) if !pool.closed => {
+                        pool.ready.push(s);
+                        pool.starting -= 1;
+                    }
                     Ok(mut s) => {
+                        drop(pool);
                         s.helper.kill();
                         s.helper.wait();
                         let _ = s.cgroup.remove(Duration::from_secs(1));
+                        lock(&this.inner.standby).starting -= 1;
                     }
-                    Err(e) => tracing::warn!(error = %e, "starting a standby setup helper failed"),
+                    Err(e) => {
+                        pool.starting -= 1;
+                        tracing::warn!(error = %e, "starting a standby setup helper failed");
+                    }
                 }
             }
         });
@@ -694,6 +707,13 @@ impl NativeRuntime {
             s.helper.kill();
             s.helper.wait();
             let _ = s.cgroup.remove(Duration::from_secs(1));
+        }
+        // Helpers still starting are ended by their refill thread once it sees `closed`; the server
+        // exits right after this returns, which would kill that thread first and leave the
+        // helper's cgroup behind (seen in CI after a test stopped its server mid-refill).
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while lock(&self.inner.standby).starting > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
         }
         self.inner.zygote.stop();
     }

@@ -191,6 +191,37 @@ fn reap_if_orphaned(pidfd: &OwnedFd) {
     let _ = crate::reap_pidfd_with(pidfd, libc::WEXITED | libc::WNOHANG);
 }
 
+/// The name a forked setup helper gives itself (`ps`, and `reap_orphaned_helpers`).
+const HELPER_NAME: &str = "warren-setup";
+const HELPER_NAME_C: &std::ffi::CStr = c"warren-setup";
+
+/// Reaps, for `within`, the server's children that are setup helpers (`warren-setup`) and have
+/// exited. Only zombies are touched, each through a pidfd; a helper some `Helper` still tracks and
+/// that ends meanwhile is reaped either here or by its own `wait`, whichever comes first.
+fn reap_orphaned_helpers(within: Duration) {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        for pid in crate::children_of_self() {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let zombie_helper = stat.split_once(" (").is_some_and(|(_, rest)| {
+                rest.rsplit_once(") ")
+                    .is_some_and(|(comm, tail)| comm == HELPER_NAME && tail.starts_with('Z'))
+            });
+            if zombie_helper {
+                if let Some(fd) = crate::pidfd_open(pid) {
+                    let _ = crate::reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
+                }
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The server's side: starts the zygote on first use and again after it died.
 pub struct Zygote {
     exe: PathBuf,
@@ -280,6 +311,10 @@ impl Zygote {
                 if let Some(mut z) = running.take() {
                     let _ = z.child.kill();
                     let _ = z.child.wait();
+                    // Its helpers are the server's now. One it forked for this very request, whose
+                    // pidfd never reached us, ends when this request's pipes close and is tracked
+                    // by no `Helper`: reaped here.
+                    std::thread::spawn(|| reap_orphaned_helpers(Duration::from_secs(2)));
                 }
                 Err(e)
             }
@@ -472,7 +507,7 @@ fn fork_helper(request: Request, fds: &[OwnedFd]) -> Reply {
     match forked {
         Ok(Forked::Child) => {
             // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated name: `ps` tells helpers apart.
-            unsafe { libc::prctl(libc::PR_SET_NAME, c"warren-setup".as_ptr(), 0, 0, 0) };
+            unsafe { libc::prctl(libc::PR_SET_NAME, HELPER_NAME_C.as_ptr(), 0, 0, 0) };
             // The helper's stdin, stdout and stderr; dup2 onto 0 also closes our control socket
             // there, so the helper holds nothing of the zygote. (A fourth descriptor, the cgroup
             // directory, is only closed below.)
