@@ -393,14 +393,10 @@ impl Pools {
             // Closed while this create waited: replaced (PUT) or deleted. It goes where it routes
             // now: the successor, another pool whose template it matches, or no pool.
             let gone = || {
-                ApiError::new(
-                    http::StatusCode::NOT_FOUND,
-                    ErrorCode::PoolNotFound,
-                    format!(
-                        "pool {} was deleted while this create waited for a warm sandbox",
-                        pool.spec.name
-                    ),
-                )
+                pool_not_found(format!(
+                    "pool {} was deleted while this create waited for a warm sandbox",
+                    pool.spec.name
+                ))
             };
             match self.route(plan) {
                 Ok(Some(next)) => match self.pool(&next) {
@@ -616,10 +612,14 @@ impl Pools {
 }
 
 fn not_found(name: &str) -> ApiError {
+    pool_not_found(format!("pool {name} not found"))
+}
+
+fn pool_not_found(message: String) -> ApiError {
     ApiError::new(
         http::StatusCode::NOT_FOUND,
         ErrorCode::PoolNotFound,
-        format!("pool {name} not found"),
+        message,
     )
 }
 
