@@ -329,6 +329,87 @@ def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
         srv.stop()
 
 
+def _sandbox_cgroup_dirs(sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup directory in every hierarchy (one on cgroup v2)."""
+    return [p for p in Path("/sys/fs/cgroup").glob(f"*/warren/{sandbox_id}")] + \
+        [p for p in [Path("/sys/fs/cgroup/warren") / sandbox_id] if p.is_dir()]
+
+
+def _hold_frozen(sandbox_id: str, pid: int) -> tuple[Path, callable]:
+    """Moves `pid` into a cgroup nested in the sandbox's and freezes it there: it cannot die until
+    thawed, like a process in uninterruptible sleep on a hung mount. Returns the nested cgroup and a
+    function that thaws it."""
+    v1 = Path("/sys/fs/cgroup/freezer/warren") / sandbox_id
+    if v1.is_dir():
+        hold = v1 / "hold"
+        hold.mkdir()
+        (hold / "cgroup.procs").write_text(str(pid))
+        (hold / "freezer.state").write_text("FROZEN")
+        W.wait_until(lambda: (hold / "freezer.state").read_text().strip() == "FROZEN", 10,
+                     message="the nested cgroup to freeze")
+        return hold, lambda: (hold / "freezer.state").write_text("THAWED")
+    hold = Path("/sys/fs/cgroup/warren") / sandbox_id / "hold"
+    hold.mkdir()
+    (hold / "cgroup.procs").write_text(str(pid))
+    (hold / "cgroup.freeze").write_text("1")
+    return hold, lambda: (hold / "cgroup.freeze").write_text("0")
+
+
+def test_a_cgroup_that_outlives_its_delete_is_removed_later(server, work_root):
+    """A deleted sandbox's cgroup can only go once its last process has died, and its PID 1 only
+    exits then too. With a process that cannot die yet (frozen in a cgroup nested in the sandbox's,
+    standing in for one stuck on a hung NFS mount), the delete still answers 204; the cgroup is
+    recorded under the data dir and removed once the process can die, with PID 1 reaped — by the
+    same server, and by the next one started on that data dir. Before, the cgroup stayed for ever."""
+    if server.runtime != "embedded":
+        pytest.skip("the cgroups and processes of the embedded runtime's sandboxes")
+    srv = W.WarrenServer(server.runtime, work_root, f"leftover-{uuid.uuid4().hex[:6]}")
+    srv.start()
+    leftovers = srv.data_dir / "cgroup-leftovers"
+    thaws = []
+    try:
+        def stuck_delete(api) -> tuple[str, int]:
+            r = api.post("/v1/sandboxes", json=W.create_body(entrypoint=["sleep", "600"]))
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            dirs = _sandbox_cgroup_dirs(sid)
+            assert dirs, "the sandbox has a cgroup"
+            procs = [int(p) for p in (dirs[0] / "cgroup.procs").read_text().split()]
+            sleeper = [p for p in procs if W.proc_argv(p)[:1] == ["sleep"]]
+            assert len(sleeper) == 1, [(p, W.proc_argv(p)) for p in procs]
+            _, thaw = _hold_frozen(sid, sleeper[0])
+            thaws.append(thaw)
+            assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
+            assert any(d.is_dir() for d in dirs), "the stuck process keeps the cgroup"
+            assert (leftovers / sid).exists(), sorted(os.listdir(leftovers)) if leftovers.is_dir() else []
+            return sid, sleeper[0]
+
+        def gone(sid: str) -> bool:
+            return not _sandbox_cgroup_dirs(sid) and not (leftovers / sid).exists()
+
+        with srv.client() as api:
+            # The same server clears it once the process can die, and reaps the sandbox's PID 1.
+            sid, _ = stuck_delete(api)
+            thaws.pop()()
+            assert W.wait_until(lambda: gone(sid), 20, message="the cgroup to go"), \
+                (_sandbox_cgroup_dirs(sid), srv.log_tail())
+            assert W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,
+                                message="the sandbox's PID 1 to be reaped"), W.zombie_children(srv.proc.pid)
+
+            # A server stopped meanwhile: the next one on the data dir carries on.
+            sid, _ = stuck_delete(api)
+        srv.terminate()
+        srv.start()
+        thaws.pop()()
+        assert W.wait_until(lambda: gone(sid), 20, message="the restarted server to remove the cgroup"), \
+            (_sandbox_cgroup_dirs(sid), srv.log_tail())
+    finally:
+        for thaw in thaws:
+            thaw()
+        srv.stop()
+
+
 def test_a_zygote_that_dies_leaves_no_zombies(server, work_root):
     """When the sandbox zygote dies (OOM killer, an operator's kill), the setup helpers it had forked
     are reparented to the server; the next creates use them and a new zygote, and each helper that

@@ -355,47 +355,75 @@ impl Cgroup {
 
     /// Pids currently in the sandbox's cgroup (from the first hierarchy; every process joins all).
     pub fn pids(&self) -> Vec<i32> {
-        let Some(dir) = self.dirs.first() else {
-            return Vec::new();
-        };
-        fs::read_to_string(dir.join("cgroup.procs"))
-            .map(|s| {
-                s.lines()
-                    .filter_map(|l| l.trim().parse().ok())
-                    .filter(|p: &i32| *p > 1)
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.dirs.first().map(|d| procs_in(d)).unwrap_or_default()
     }
 
     /// Kills whatever is still inside, then removes the directories, retrying while the kernel drains
-    /// the cgroup. Missing directories are fine (idempotent).
+    /// the cgroup. Cgroups nested inside (an OCI runtime's, an operator's) go first, with their
+    /// processes: the kernel refuses to remove a cgroup that has children. Missing directories are
+    /// fine (idempotent). An error if something is still there at `within`: a process that cannot
+    /// die yet (in uninterruptible sleep on a hung mount, or frozen in a nested cgroup).
     pub fn remove(&self, within: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + within;
-        for dir in &self.dirs {
-            loop {
-                match fs::remove_dir(dir) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
-                    Err(e) if Instant::now() < deadline => {
-                        tracing::trace!(dir = %dir.display(), error = %e, "cgroup busy, retrying");
-                        for pid in self.pids() {
-                            // SAFETY: kill(2) with a pid read from the sandbox's own cgroup.
-                            unsafe { libc::kill(pid, libc::SIGKILL) };
+        for top in &self.dirs {
+            for dir in subtree_deepest_first(top) {
+                loop {
+                    match fs::remove_dir(&dir) {
+                        Ok(()) => break,
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                        Err(e) if Instant::now() < deadline => {
+                            tracing::trace!(dir = %dir.display(), error = %e, "cgroup busy, retrying");
+                            for pid in procs_in(&dir) {
+                                // SAFETY: kill(2) with a pid read from the sandbox's own cgroup.
+                                unsafe { libc::kill(pid, libc::SIGKILL) };
+                            }
+                            std::thread::sleep(Duration::from_millis(5));
                         }
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => {
-                        return Err(CgroupError::Io {
-                            path: dir.clone(),
-                            source: e,
-                        })
+                        Err(e) => {
+                            return Err(CgroupError::Io {
+                                path: dir,
+                                source: e,
+                            })
+                        }
                     }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// The processes in one cgroup directory (not its children), never pid 0 or 1.
+fn procs_in(dir: &Path) -> Vec<i32> {
+    fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|s| {
+            s.lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .filter(|p: &i32| *p > 1)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `top` and the cgroups nested in it, children before their parents. Only directories count: the
+/// control files in a cgroup directory go with it.
+fn subtree_deepest_first(top: &Path) -> Vec<PathBuf> {
+    let mut order = Vec::new();
+    let mut stack = vec![top.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        if let Ok(entries) = fs::read_dir(&dir) {
+            stack.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+        order.push(dir);
+    }
+    // Pre-order reversed: every directory comes after all of its descendants.
+    order.reverse();
+    order
 }
 
 /// Removes `<hierarchy>/<parent>/<id>` in every hierarchy under `root`, not only the ones Warren uses:

@@ -15,8 +15,10 @@
 //! cgroup, and needs no standby: helpers start inside their cgroup.)
 
 mod cgroup;
+mod children;
 mod hugetext;
 pub mod init;
+mod leftovers;
 mod oci;
 mod rootfs;
 mod seccomp;
@@ -28,7 +30,7 @@ pub mod zygote;
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -43,6 +45,8 @@ use warren_core::{
     SandboxSpec,
 };
 use warren_image::ResolvedImage;
+
+use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
 
 pub use cgroup::{Cgroup, CgroupError, CpuShare, Layout as CgroupLayout};
 pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME, JOINED_LINE};
@@ -143,6 +147,8 @@ struct Inner {
     /// Forks setup helpers (embedded runtime only).
     zygote: zygote::Zygote,
     volumes: volumes::Volumes,
+    /// Cgroups of deleted sandboxes that could not be removed with them.
+    leftovers: Arc<leftovers::Leftovers>,
 }
 
 impl NativeRuntime {
@@ -189,6 +195,11 @@ impl NativeRuntime {
             inner: Arc::new(Inner {
                 zygote: zygote::Zygote::new(&config.helper_exe),
                 standby: Default::default(),
+                leftovers: leftovers::Leftovers::open(
+                    config.data_dir.join("cgroup-leftovers"),
+                    layout.clone(),
+                    config.cgroup_parent.clone(),
+                ),
                 volumes: volumes::Volumes::new(&config.data_dir),
                 config,
                 layout,
@@ -486,34 +497,15 @@ impl NativeRuntime {
     /// be reused before we reap it.
     fn reap_strays(&self, id: &str, within: Duration) {
         let marker = format!("/{}/{id}\n", self.inner.config.cgroup_parent);
-        let deadline = Instant::now() + within;
-        loop {
-            let strays: Vec<i32> = children_of_self()
-                .into_iter()
-                .filter(|pid| {
-                    fs::read_to_string(format!("/proc/{pid}/cgroup"))
-                        .is_ok_and(|c| c.contains(&marker))
-                })
-                .collect();
-            if strays.is_empty() {
-                return;
-            }
-            for pid in strays {
-                let Some(fd) = pidfd_open(pid) else { continue };
-                // SAFETY: kill(2) of our own unreaped child, which the pid still names.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                let left = deadline.saturating_duration_since(Instant::now());
-                if zygote::pidfd_exited(&fd, i32::try_from(left.as_millis()).unwrap_or(i32::MAX)) {
-                    let _ = reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
-                }
-            }
-            if Instant::now() >= deadline {
-                tracing::warn!(
-                    sandbox_id = id,
-                    "processes of a failed start are still alive"
-                );
-                return;
-            }
+        let in_sandbox = |c: &children::OwnChild| {
+            fs::read_to_string(format!("/proc/{}/cgroup", c.pid))
+                .is_ok_and(|cg| cg.contains(&marker))
+        };
+        if !children::reap_own_children(in_sandbox, true, within) {
+            tracing::warn!(
+                sandbox_id = id,
+                "processes of a failed start are still alive"
+            );
         }
     }
 
@@ -778,22 +770,33 @@ impl NativeRuntime {
         if cg.is_frozen() {
             let _ = cg.set_frozen(false);
         }
-        match (pid, &pidfd) {
+        // A PID 1 that cannot die yet (see `leftovers`) is reaped later.
+        let mut unreaped = None;
+        match (pid, pidfd) {
             (Some(_), Some(fd)) => {
                 // Reaped here too: the server (its subreaper) is PID 1's parent, and a create that
                 // failed after PID 1 started has no `wait_exit` to do it, which left a zombie per
                 // failure until the server exited. Where `wait_exit` waits as well, one of the two
                 // finds nothing to reap; where the server is not the parent (gVisor, a sandbox
                 // adopted after a restart), the kernel says so and nothing happens.
-                if zygote::pidfd_exited(fd, 5000) {
-                    let _ = reap_pidfd_with(fd, libc::WEXITED | libc::WNOHANG);
+                if pidfd_exited(&fd, 5000) {
+                    let _ = reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
+                } else {
+                    unreaped = Some(fd);
                 }
             }
             (Some(pid), None) => wait_gone(pid, Duration::from_secs(5)),
             (None, _) => {}
         }
-        if let Err(e) = cg.remove(Duration::from_secs(3)) {
-            tracing::warn!(sandbox_id = id, error = %e, "cgroup removal failed");
+        let cgroup_left = match cg.remove(Duration::from_secs(3)) {
+            Ok(()) => false,
+            Err(e) => {
+                tracing::warn!(sandbox_id = id, error = %e, "cgroup removal failed; retried in the background");
+                true
+            }
+        };
+        if cgroup_left || unreaped.is_some() {
+            self.inner.leftovers.add(id, unreaped);
         }
         if self.inner.oci.is_some() {
             cgroup::remove_everywhere(
@@ -1257,72 +1260,6 @@ fn wait_gone(pid: i32, within: Duration) {
     while is_alive(pid) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// The processes whose parent is this one.
-fn children_of_self() -> Vec<i32> {
-    let me = std::process::id().to_string();
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            // The parent is the second field after the command name, which may hold spaces or ')'.
-            fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                stat.rsplit_once(')')
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                    == Some(me.as_str())
-            })
-        })
-        .collect()
-}
-
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open returns a new fd we take ownership of, or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd is a freshly opened descriptor owned by nobody else.
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Collects the exit status when the process is our child (we are its subreaper); otherwise its
-/// parent reaps it and we only know it ended.
-fn reap_pidfd(fd: &OwnedFd) -> Option<ExitInfo> {
-    reap_pidfd_with(fd, libc::WEXITED)
-}
-
-/// `waitid` on a pidfd with `flags`; `None` when there was nothing to reap (not our child, already
-/// reaped, or with `WNOHANG` still running).
-fn reap_pidfd_with(fd: &OwnedFd, flags: libc::c_int) -> Option<ExitInfo> {
-    // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    const P_PIDFD: libc::idtype_t = 3;
-    // SAFETY: waitid on a pidfd we own with a valid siginfo pointer.
-    let rc = unsafe { libc::waitid(P_PIDFD, fd.as_raw_fd() as libc::id_t, &mut info, flags) };
-    // With WNOHANG and the child still running, waitid succeeds and leaves si_pid 0.
-    // SAFETY: `info` was zeroed and, on success, filled by waitid.
-    if rc != 0 || unsafe { info.si_pid() } == 0 {
-        return None;
-    }
-    // SAFETY: waitid filled `info` for a CLD_* event.
-    let (code, status) = unsafe { (info.si_code, info.si_status()) };
-    Some(if code == libc::CLD_EXITED {
-        ExitInfo {
-            code: Some(status),
-            signal: None,
-            vanished: false,
-        }
-    } else {
-        ExitInfo {
-            code: None,
-            signal: Some(status),
-            vanished: false,
-        }
-    })
 }
 
 fn log_tail(path: &Path) -> String {

@@ -31,6 +31,8 @@ use nix::sys::socket::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::children::{pidfd_exited, reap_pidfd_with};
+
 /// The hidden subcommand of the `warren` binary that runs `zygote::main`.
 pub const ZYGOTE_SUBCOMMAND: &str = "__sandbox-zygote";
 
@@ -73,25 +75,6 @@ enum Process {
     Spawned(Child),
     /// Forked by the zygote, which reaps it; watched through its pidfd.
     Forked { pidfd: OwnedFd },
-}
-
-/// Waits up to `timeout_ms` (-1: for ever) for the process behind `pidfd` to exit; whether it has.
-pub(crate) fn pidfd_exited(pidfd: &OwnedFd, timeout_ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: poll on one valid pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-        if n >= 0 {
-            return n > 0;
-        }
-        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            return true;
-        }
-    }
 }
 
 impl Helper {
@@ -188,38 +171,18 @@ impl Helper {
 /// each one stayed a zombie until the server exited. While the zygote lives, the helper is not our
 /// child and waitid says so (ECHILD); nothing happens.
 fn reap_if_orphaned(pidfd: &OwnedFd) {
-    let _ = crate::reap_pidfd_with(pidfd, libc::WEXITED | libc::WNOHANG);
+    let _ = reap_pidfd_with(pidfd, libc::WEXITED | libc::WNOHANG);
 }
 
 /// The name a forked setup helper gives itself (`ps`, and `reap_orphaned_helpers`).
 const HELPER_NAME: &str = "warren-setup";
 const HELPER_NAME_C: &std::ffi::CStr = c"warren-setup";
 
-/// Reaps, for `within`, the server's children that are setup helpers (`warren-setup`) and have
-/// exited. Only zombies are touched, each through a pidfd; a helper some `Helper` still tracks and
-/// that ends meanwhile is reaped either here or by its own `wait`, whichever comes first.
+/// Reaps, for up to `within`, the server's children that are setup helpers (`warren-setup`) once
+/// they have exited. A helper some `Helper` still tracks and that ends meanwhile is reaped either
+/// here or by its own `wait`, whichever comes first.
 fn reap_orphaned_helpers(within: Duration) {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        for pid in crate::children_of_self() {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            let zombie_helper = stat.split_once(" (").is_some_and(|(_, rest)| {
-                rest.rsplit_once(") ")
-                    .is_some_and(|(comm, tail)| comm == HELPER_NAME && tail.starts_with('Z'))
-            });
-            if zombie_helper {
-                if let Some(fd) = crate::pidfd_open(pid) {
-                    let _ = crate::reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
-                }
-            }
-        }
-        if std::time::Instant::now() >= deadline {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    crate::children::reap_own_children(|c| c.comm == HELPER_NAME, false, within);
 }
 
 /// The server's side: starts the zygote on first use and again after it died.
