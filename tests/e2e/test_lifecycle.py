@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -327,6 +328,23 @@ def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
     finally:
         srv.delete_all_sandboxes()
         srv.stop()
+
+
+def test_a_server_whose_port_is_taken_leaves_nothing(server, work_root):
+    """`warren serve` on a port another process holds exits with an error naming the address, and
+    leaves no standby setup helper's cgroup behind: the port is bound before the runtime starts
+    anything (they used to stay until the next server started on the host)."""
+    if server.runtime != "embedded":
+        pytest.skip("standby setup helpers belong to the embedded runtime")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        srv = W.WarrenServer(server.runtime, work_root, f"busyport-{uuid.uuid4().hex[:6]}")
+        with pytest.raises(AssertionError, match="exited with code"):
+            srv.start(port=busy.getsockname()[1], ready_timeout=20)
+    assert f"binding 127.0.0.1:{srv.port}" in srv.log_tail(), srv.log_tail()
+    assert not W.leaked_cgroups([], [srv.proc.pid]), W.leaked_cgroups([], [srv.proc.pid])
+    assert not any(W.state_and_ppid(p) and W.state_and_ppid(p)[1] == srv.proc.pid for p in W.all_pids())
 
 
 def _sandbox_cgroup_dirs(sandbox_id: str) -> list[Path]:

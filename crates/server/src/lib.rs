@@ -153,6 +153,13 @@ impl Server {
         if api_key.is_none() && !config.listen.ip().is_loopback() {
             anyhow::bail!("refusing to listen on {} without an API key", config.listen);
         }
+        // Bound before anything that starts processes or makes cgroups (the runtime's standby
+        // helpers, recovered sandboxes' watchers): a port already in use then costs nothing to undo.
+        // Connections wait in the backlog until `run` serves them.
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        let local_addr = listener.local_addr()?;
         let runtime = make_runtime(&config)?;
         let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         let store = Store::open(&config.data_dir).context("opening the state store")?;
@@ -168,10 +175,6 @@ impl Server {
         sandboxes.recover().await.context("recovering sandboxes")?;
         let snapshots = snapshots::Snapshots::open(&config.data_dir, sandboxes.clone())
             .context("opening the snapshot records")?;
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .with_context(|| format!("binding {}", config.listen))?;
-        let local_addr = listener.local_addr()?;
         let reaper = sandboxes.spawn_reaper();
         let storage = Arc::new(storage_policy(&config)?);
         let pools = pools::Pools::new(
