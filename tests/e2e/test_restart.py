@@ -247,3 +247,38 @@ def test_sandbox_left_frozen_by_a_dead_server_is_thawed(fresh_server):
                        json={"command": "echo thawed"}, timeout=30)
         assert r.status_code == 200 and "thawed" in r.text, r.text[:300]
         assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+@pytest.mark.timeout(240)
+def test_a_ctrl_c_in_the_servers_terminal_keeps_sandboxes_running(fresh_server):
+    """Ctrl-C in the terminal that runs `warren serve` sends SIGINT to its whole foreground process
+    group. The server stops ("sandboxes keep running and are re-adopted at the next start"), and
+    that must hold: sandboxes (PID 1, the entrypoint, the gVisor sandbox and gofer), the zygote and
+    setup helpers each sit in a group of their own. They used to sit in the server's, so the signal
+    ended every sandbox, and the next start found them all Failed."""
+    from opensandbox import SandboxSync
+
+    srv = fresh_server
+    sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config(), timeout=None)
+    W.track_sandbox(sbx.id)
+    sbx.files.write_file("/tmp/before.txt", "before ctrl-c")
+    bg = sbx.commands.run("sleep 100000", opts=RunCommandOpts(background=True))
+    sbx.close()
+
+    # What the terminal does: the server's session leader is the server (the harness starts it
+    # in a new session), so its process group id is its pid.
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    srv.proc.wait(timeout=30)
+    srv.start()
+
+    with srv.client() as c:
+        r = c.get(f"/v1/sandboxes/{sbx.id}")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"]["state"] == "Running", r.json()["status"]
+    again = SandboxSync.connect(sbx.id, connection_config=srv.sdk_config())
+    try:
+        code, out, _ = W.sh(again, "cat /tmp/before.txt; echo; echo after")
+        assert (code, out.split("\n")[0]) == (0, "before ctrl-c"), (code, out)
+        assert again.commands.get_command_status(bg.id).running is True
+    finally:
+        again.close()

@@ -142,6 +142,11 @@ fn prepare_execd(
     filter: &crate::seccomp::Program,
     error_pipe: std::os::fd::RawFd,
 ) -> Result<warren_execd::daemon::Config, String> {
+    // A session of its own, as container runtimes give a container's init: without it the sandbox
+    // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
+    // `warren serve` (a signal to that whole group) reached execd, which stops on SIGINT, and so
+    // ended every sandbox the server meant to keep running for its next start.
+    nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
     rootfs::build(spec).map_err(|e| format!("{e}"))?;

@@ -33,6 +33,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -569,6 +570,8 @@ impl NativeRuntime {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr))
             .env_clear()
+            // Out of the server's process group, as the zygote is: see `Zygote::start`.
+            .process_group(0)
             .spawn()?;
         Ok(zygote::Helper::spawned(child))
     }

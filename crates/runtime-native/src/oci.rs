@@ -4,6 +4,7 @@
 //! asks for the same isolation the embedded path builds.
 
 use std::fs;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -95,6 +96,10 @@ impl OciRuntime {
     fn base_command(&self) -> Command {
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--root").arg(&self.state_root);
+        // Out of the server's process group: the processes `run --detach` leaves behind (runsc's
+        // sandbox and gofer) would otherwise get a Ctrl-C or hangup of the terminal running
+        // `warren serve`, ending sandboxes the server means to keep for its next start.
+        cmd.process_group(0);
         if self.kind == OciKind::Runsc {
             // Loopback only (as the embedded runtime), and let execd create its socket in the host
             // folder bind-mounted at /.warren/run so the server can reach it.

@@ -20,6 +20,7 @@
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -222,6 +223,10 @@ impl Zygote {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .env_clear()
+            // A group of its own: a Ctrl-C in the terminal that runs `warren serve` (SIGINT to the
+            // foreground process group) is the server's to handle, and must not kill the zygote
+            // and the setup helpers it forks. It ends when the server's end of its socket closes.
+            .process_group(0)
             .args(crate::hugetext::turned_off().then_some(crate::hugetext::OFF_FLAG))
             .spawn()?;
         self.reap_when_it_dies(child.id() as i32);
