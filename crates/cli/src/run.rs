@@ -5,6 +5,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use warren_api::execd::RunCommandRequest;
 use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
 use warren_server::config::{self, EnvSource, ProcessEnv};
@@ -46,6 +47,9 @@ pub struct RunArgs {
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    // Listened for from the start: the sandbox runs in a session of its own, so a Ctrl-C reaches
+    // only us, and without this we would die at once and leave it running.
+    let mut stop = StopSignals::listen()?;
     let env = ProcessEnv;
     let api_key = args
         .api_key
@@ -117,7 +121,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
     let result = async {
-        let sb = client.create(&req).await.explain("creating the sandbox")?;
+        let create = client.create(&req);
+        tokio::pin!(create);
+        let (created, stopped) = tokio::select! {
+            created = &mut create => (created, None),
+            // A create already sent still makes a sandbox: let it finish, then delete it.
+            signal = stop.next() => (create.await, Some(signal)),
+        };
+        let sb = created.explain("creating the sandbox")?;
         let command = if args.command.len() == 1 {
             args.command[0].clone()
         } else {
@@ -128,9 +139,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             cwd: args.workdir.clone(),
             ..Default::default()
         };
-        let outcome = match sb.stream(&cmd).await.explain("running the command") {
-            Ok(events) => crate::command::stream_to_terminal(events, "running the command").await,
-            Err(e) => Err(e),
+        let outcome = match stopped {
+            Some(signal) => Ok(stopped_by(signal)),
+            None => tokio::select! {
+                outcome = async {
+                    let events = sb.stream(&cmd).await.explain("running the command")?;
+                    crate::command::stream_to_terminal(events, "running the command").await
+                } => outcome,
+                // Dropping the stream closes its connection, which interrupts the command.
+                signal = stop.next() => Ok(stopped_by(signal)),
+            },
         };
         let deleted = sb.kill().await.explain("deleting the sandbox");
         let code = outcome?;
@@ -147,6 +165,40 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(
         u8::try_from(code.clamp(0, 255)).unwrap_or(1),
     ))
+}
+
+/// Says so, and gives the exit code a shell gives a command a signal ended (128 + its number).
+fn stopped_by(signal: i32) -> i32 {
+    eprintln!("warren: stopped by signal {signal}; deleting the sandbox");
+    128 + signal
+}
+
+/// SIGINT (Ctrl-C), SIGTERM and SIGHUP, caught for as long as `warren run` lives: once its sandbox
+/// exists it must be deleted before we exit, and a second Ctrl-C during that is ignored.
+struct StopSignals {
+    interrupt: Signal,
+    terminate: Signal,
+    hangup: Signal,
+}
+
+impl StopSignals {
+    fn listen() -> anyhow::Result<Self> {
+        let on = |kind| signal(kind).context("installing a signal handler");
+        Ok(Self {
+            interrupt: on(SignalKind::interrupt())?,
+            terminate: on(SignalKind::terminate())?,
+            hangup: on(SignalKind::hangup())?,
+        })
+    }
+
+    /// The number of the next signal to arrive.
+    async fn next(&mut self) -> i32 {
+        tokio::select! {
+            _ = self.interrupt.recv() => libc::SIGINT,
+            _ = self.terminate.recv() => libc::SIGTERM,
+            _ = self.hangup.recv() => libc::SIGHUP,
+        }
+    }
 }
 
 fn client_for(domain: &str, key: Option<String>) -> Client {

@@ -128,6 +128,44 @@ fn run_streams_output_and_exits_with_the_command_code() {
     assert!(left.is_empty(), "warren run left sandboxes behind");
 }
 
+/// Ctrl-C while `warren run` streams: the command is interrupted, the sandbox deleted with nothing
+/// left of it, and the exit code is the shell's for SIGINT (130). The sandbox runs in a session of
+/// its own, so before `warren run` caught the signal it died at once and left the sandbox running.
+#[test]
+fn run_stopped_by_ctrl_c_deletes_its_sandbox() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = Command::new(warren_bin())
+        .args(["run", "--data-dir"])
+        .arg(dir.path())
+        .args(["--", "sh", "-c", "echo started; sleep 600"])
+        .env_remove("OPEN_SANDBOX_DOMAIN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("first line");
+    assert_eq!(line, "started\n");
+    let ids: Vec<String> = std::fs::read_dir(dir.path().join("sandboxes"))
+        .expect("sandboxes dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(ids.len(), 1, "one sandbox while the command runs: {ids:?}");
+
+    let pid = i32::try_from(child.id()).expect("pid");
+    // SAFETY: kill(2) of the child this test spawned and has not waited for.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "stderr: {stderr}");
+    assert!(stderr.contains("stopped by signal 2"), "stderr: {stderr}");
+    crate::harness::assert_no_trace(dir.path(), &ids[0]);
+}
+
 /// Client errors are one line saying what failed, with a hint, and a non-zero exit code.
 #[test]
 fn client_errors_are_one_clear_line() {
