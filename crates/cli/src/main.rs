@@ -314,10 +314,15 @@ async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
     );
     server
         .run(async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            // The terminal it ran in closed: the same clean stop (its default would be to die on
+            // the spot, leaving the recovery to the next start).
+            let mut hangup = signal(SignalKind::hangup()).expect("SIGHUP handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {},
                 _ = term.recv() => {},
+                _ = hangup.recv() => {},
             }
             eprintln!("warren: shutting down; sandboxes keep running and are re-adopted at the next start");
         })

@@ -102,9 +102,12 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // SAFETY: signalling the child we spawned, by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
+        // Only while unreaped: once waited for (a test stopped it), its pid may name another process.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: signalling the child we spawned and have not reaped, by its pid.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let _ = self.child.wait();
+        }
     }
 }
 

@@ -128,6 +128,20 @@ fn run_streams_output_and_exits_with_the_command_code() {
     assert!(left.is_empty(), "warren run left sandboxes behind");
 }
 
+/// SIGHUP (the terminal `warren serve` ran in closed) is a clean stop like SIGTERM and Ctrl-C, not
+/// a death on the spot.
+#[test]
+fn serve_stops_cleanly_on_hangup() {
+    let mut server = crate::harness::Server::start();
+    let pid = i32::try_from(server.child.id()).expect("pid");
+    // SAFETY: kill(2) of the server this test spawned and has not waited for.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);
+    let status = server.child.wait().expect("wait");
+    let log = std::fs::read_to_string(server.data().join("../server.log")).unwrap_or_default();
+    assert!(status.success(), "{status}: {log}");
+    assert!(log.contains("shutting down"), "{log}");
+}
+
 /// Ctrl-C while `warren run` streams: the command is interrupted, the sandbox deleted with nothing
 /// left of it, and the exit code is the shell's for SIGINT (130). The sandbox runs in a session of
 /// its own, so before `warren run` caught the signal it died at once and left the sandbox running.
