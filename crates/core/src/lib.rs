@@ -3,6 +3,7 @@
 //! through this trait and maps `RuntimeError` kinds, never backend strings, onto API errors.
 
 pub mod beneath;
+pub mod fd_limit;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;

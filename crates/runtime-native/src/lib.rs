@@ -561,6 +561,7 @@ impl NativeRuntime {
             }
         }
         let mut cmd = Command::new(&self.inner.config.helper_exe);
+        warren_core::fd_limit::restore_in_child(&mut cmd);
         cmd.arg(INIT_SUBCOMMAND);
         for file in &join {
             cmd.arg("--join").arg(file);

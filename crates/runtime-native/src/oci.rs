@@ -330,7 +330,7 @@ pub fn config_json(
     });
     // The same deny list as the embedded path (see `warren_core::policy::oci_seccomp` for gVisor).
     linux["seccomp"] = warren_core::policy::oci_seccomp(kind == OciKind::Runsc);
-    json!({
+    let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
             "terminal": false,
@@ -345,7 +345,14 @@ pub fn config_json(
         "hostname": spec.hostname,
         "mounts": mounts,
         "linux": linux,
-    })
+    });
+    // The open-file limit the server started with, not the one it raised for itself (see
+    // `warren_core::fd_limit`); the runtime's own processes keep the raised one.
+    if let Some((soft, hard)) = warren_core::fd_limit::for_children() {
+        config["process"]["rlimits"] =
+            json!([{"type": "RLIMIT_NOFILE", "soft": soft, "hard": hard}]);
+    }
+    config
 }
 
 #[cfg(test)]
@@ -441,5 +448,20 @@ mod tests {
             c["linux"]["resources"]["cpu"],
             serde_json::json!({"shares": 2})
         );
+    }
+
+    #[test]
+    fn the_container_gets_the_open_file_limit_the_server_started_with() {
+        let (original, _) = warren_core::fd_limit::raise().expect("raise");
+        let limits = warren_core::ResourceLimits {
+            cpu_millis: None,
+            memory_bytes: None,
+            pids: 100,
+        };
+        let c = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runsc);
+        let rl = &c["process"]["rlimits"][0];
+        assert_eq!(rl["type"], "RLIMIT_NOFILE");
+        assert_eq!(rl["soft"], original);
+        assert!(rl["hard"].as_u64().expect("hard") >= original);
     }
 }

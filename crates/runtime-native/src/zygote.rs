@@ -217,7 +217,10 @@ impl Zygote {
         let timeout = nix::sys::time::TimeVal::new(ANSWER_TIMEOUT_SECS, 0);
         nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
         nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::SendTimeout, &timeout)?;
-        let child = Command::new(&self.exe)
+        let mut cmd = Command::new(&self.exe);
+        // Sandboxes are forked from it: they get the open-file limit the server started with.
+        warren_core::fd_limit::restore_in_child(&mut cmd);
+        let child = cmd
             .arg(ZYGOTE_SUBCOMMAND)
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())

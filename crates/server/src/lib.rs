@@ -129,6 +129,14 @@ pub struct Server {
 
 impl Server {
     pub async fn bind(config: ServerConfig) -> anyhow::Result<Self> {
+        // Descriptors per sandbox and per client: see `warren_core::fd_limit`.
+        match warren_core::fd_limit::raise() {
+            Ok((before, after)) if after > before => {
+                tracing::info!(before, after, "raised the open-file limit");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+        }
         warren_api::local::prepare_data_dir(&config.data_dir)
             .with_context(|| format!("preparing data dir {}", config.data_dir.display()))?;
         let api_key: Option<Arc<str>> = if config.insecure_no_auth {

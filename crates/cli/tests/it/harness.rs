@@ -29,6 +29,11 @@ impl Server {
     }
 
     pub fn start_in(dir: tempfile::TempDir) -> Self {
+        Self::start_under(dir, &[])
+    }
+
+    /// Started through `wrapper` (a command that execs the rest, e.g. `prlimit --nofile=…`).
+    pub fn start_under(dir: tempfile::TempDir, wrapper: &[&str]) -> Self {
         let key = format!("it-{}", std::process::id());
         let port = free_port();
         let config = dir.path().join("config.toml");
@@ -38,7 +43,15 @@ impl Server {
             "[network]\ndns_upstream = \"127.0.0.1:9\"\n[images]\npull = \"never\"\n",
         )
         .expect("config");
-        let child = Command::new(warren_bin())
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(warren_bin());
+                c
+            }
+            None => Command::new(warren_bin()),
+        };
+        let child = cmd
             .args([
                 "serve",
                 "--listen",

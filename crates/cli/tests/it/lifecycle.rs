@@ -178,3 +178,78 @@ async fn restart_readopts_running_sandboxes_and_keeps_expiry() {
     assert_eq!(sb["status"]["reason"], "ttl_expiry");
     assert_no_trace(&server.data(), &id);
 }
+
+/// The server holds a descriptor or more per sandbox (a pidfd, parked proxy connections). Started
+/// with a soft open-file limit of 128 — what many systems give is 1024 — it still runs more
+/// sandboxes than that (it raises its soft limit to the hard one), while the sandboxes themselves
+/// get the limit it started with. Before, creates failed with EMFILE at about 100 sandboxes here.
+#[tokio::test]
+async fn more_sandboxes_than_the_open_file_limit_it_started_with() {
+    const SOFT: usize = 128;
+    let mut hard = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct.
+    assert_eq!(
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) },
+        0
+    );
+    if (hard.rlim_max as usize) < 4 * SOFT {
+        panic!(
+            "the hard open-file limit ({}) is too low for this test",
+            hard.rlim_max
+        );
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nofile = format!("--nofile={SOFT}:{}", hard.rlim_max);
+    let server = Server::start_under(dir, &["prlimit", &nofile]);
+    let soft_of = |pid: u32| -> String {
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+        let line = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .expect("open files line")
+            .to_string();
+        line.split_whitespace().nth(3).expect("soft").to_string()
+    };
+    assert_eq!(soft_of(server.child.id()), hard.rlim_max.to_string());
+
+    let c = server.client();
+    let mut ids = Vec::new();
+    let mut failed = None;
+    for n in 1..=SOFT + 32 {
+        let r = c.create(host(&["tail", "-f", "/dev/null"])).await;
+        if r.status != 202 {
+            failed = Some(format!("create #{n}: {} {:?}", r.status, r.json));
+            break;
+        }
+        ids.push(r.json["id"].as_str().expect("id").to_string());
+    }
+    // Every one answers through the proxy (which parks a connection per sandbox), with the limit
+    // the server started with.
+    let mut answers = Vec::new();
+    if failed.is_none() {
+        for id in ids.iter().step_by(8).chain(ids.last()) {
+            answers.push((id.clone(), c.exec(id, "ulimit -Sn").await));
+        }
+    }
+    // Deleted before any assertion, so a failure leaves no sandbox running.
+    for id in &ids {
+        let r = c
+            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(r.status, 204, "{:?}", r.json);
+    }
+    assert_eq!(failed, None);
+    for (id, (out, code)) in answers {
+        assert_eq!(
+            (code, out.trim()),
+            (0, SOFT.to_string().as_str()),
+            "sandbox {id}"
+        );
+    }
+    for id in &ids {
+        assert_no_trace(&server.data(), id);
+    }
+}

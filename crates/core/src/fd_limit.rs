@@ -1,0 +1,79 @@
+//! The open-file limit: raised for the server, given back to the sandboxes it starts.
+//!
+//! The server holds descriptors per sandbox — a pidfd to see its end, up to a few parked connections
+//! to its execd, its log while it starts — and one per client connection. The soft limit most
+//! systems hand a process is 1024 (systemd's default, kept low because `select(2)` cannot watch a
+//! descriptor above 1023), which would stop a server at a few hundred sandboxes with `EMFILE` on
+//! every accept and create. So the server raises its soft limit to the hard one at start, as Go
+//! programs, nginx or dockerd do. What it spawns gets the original soft limit back: sandboxes are
+//! other people's programs, and those may still use `select`.
+
+use std::io;
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The soft limit the process started with, once [`raise`] has run.
+static ORIGINAL_SOFT: OnceLock<libc::rlim_t> = OnceLock::new();
+
+/// Raises this process's soft `RLIMIT_NOFILE` to its hard limit; (before, after). Remembers the
+/// soft limit it found for [`restore_in_child`]. Calling it again changes nothing.
+pub fn raise() -> io::Result<(u64, u64)> {
+    let mut lim = get()?;
+    let before = lim.rlim_cur;
+    let original = *ORIGINAL_SOFT.get_or_init(|| before);
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit with a valid, initialised struct.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok((original, lim.rlim_cur))
+}
+
+/// Makes `cmd`'s process start with the soft limit this process had before [`raise`] (nothing to
+/// do if it never ran).
+pub fn restore_in_child(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let Some(&soft) = ORIGINAL_SOFT.get() else {
+        return;
+    };
+    // SAFETY: between fork and exec only getrlimit/setrlimit run, both async-signal-safe, on
+    // stack memory.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            lim.rlim_cur = soft.min(lim.rlim_max);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// (soft, hard) for a sandbox started by a runtime that applies limits itself (an OCI runtime's
+/// `process.rlimits`): the soft limit from before [`raise`]; `None` if it never ran.
+pub fn for_children() -> Option<(u64, u64)> {
+    let soft = *ORIGINAL_SOFT.get()?;
+    let hard = get().ok()?.rlim_max;
+    Some((soft.min(hard), hard))
+}
+
+fn get() -> io::Result<libc::rlimit> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(lim)
+}
