@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import uuid
@@ -311,3 +312,49 @@ def test_execd_stream_format(server, api, raw_sandbox):
     assert types[-1] == "error", types
     assert events[-1]["error"]["evalue"] == "4"
     assert "execution_complete" not in types
+
+
+def test_a_full_data_dir_refuses_creates_cleanly(server, work_root):
+    """With the data dir's filesystem full (here a sandbox filled it), a create or a snapshot
+    answers 507 SANDBOX::INSUFFICIENT_STORAGE with the numbers, before making anything; once there
+    is room again creates work. Creates used to fail half-way with a 500 "execd exited during start: no
+    output" (execd could not make its socket, nor the log say why)."""
+    import subprocess
+    from opensandbox import SandboxSync
+
+    if server.is_docker:
+        pytest.skip("a Docker sandbox writes into Docker's storage, not Warren's data dir")
+    if server.gvisor:
+        pytest.skip("gVisor keeps a sandbox's root writes in its own overlay, not in Warren's data dir")
+    srv = W.WarrenServer(server.runtime, work_root, f"full-{uuid.uuid4().hex[:6]}")
+    srv.data_dir.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(srv.data_dir)], check=True)
+    try:
+        srv.start()
+        with srv.client() as api:
+            filler = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+            W.track_sandbox(filler.id)
+            try:
+                code, _, err = W.sh(filler, "dd if=/dev/zero of=/tmp/fill bs=1M count=400")
+                assert code != 0 and "No space left" in err, (code, err)
+                r = api.post("/v1/sandboxes", json=W.create_body())
+                W.assert_error_body(r, codes=[507])
+                assert r.json()["code"] == "SANDBOX::INSUFFICIENT_STORAGE", r.text
+                assert "no room for a sandbox" in r.json()["message"] and str(srv.data_dir) in r.json()["message"], r.text
+                assert [i["id"] for i in api.get("/v1/sandboxes").json()["items"]] == [filler.id]
+                assert sorted(os.listdir(srv.data_dir / "sandboxes")) == [filler.id]
+                r = api.post(f"/v1/sandboxes/{filler.id}/snapshots", json={})
+                W.assert_error_body(r, codes=[507])
+                assert "no room for a snapshot" in r.json()["message"], r.text
+                assert api.get("/v1/snapshots").json()["items"] == []
+
+                code, _, _ = W.sh(filler, "rm /tmp/fill")
+                assert code == 0
+                r = api.post("/v1/sandboxes", json=W.create_body())
+                assert r.status_code == 202, r.text
+                W.track_sandbox(r.json()["id"])
+            finally:
+                filler.close()
+    finally:
+        srv.stop()
+        subprocess.run(["umount", str(srv.data_dir)], check=False)

@@ -49,6 +49,7 @@ pub enum ErrorCode {
     InvalidAccessToken,
     HostPathNotAllowed,
     RuntimeUnavailable,
+    InsufficientStorage,
     Unknown,
 }
 
@@ -81,6 +82,7 @@ impl ErrorCode {
             Self::InvalidAccessToken => "PROXY::INVALID_ACCESS_TOKEN",
             Self::HostPathNotAllowed => "VOLUME::HOST_PATH_NOT_ALLOWED",
             Self::RuntimeUnavailable => "RUNTIME::UNAVAILABLE",
+            Self::InsufficientStorage => "SANDBOX::INSUFFICIENT_STORAGE",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

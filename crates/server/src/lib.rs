@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod config;
+mod disk_space;
 pub mod error;
 mod execd_conns;
 pub mod network;
@@ -173,6 +174,7 @@ impl Server {
         let store = Store::open(&config.data_dir).context("opening the state store")?;
         let network = Arc::new(network::Network::new(&config.network, &config.data_dir)?);
         let sandboxes = Sandboxes::new(
+            &config.data_dir,
             runtime,
             store,
             images,

@@ -131,7 +131,8 @@ pub async fn health() -> Json<Health> {
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
     responses((status = 202, description = "Running: execd answers", body = Sandbox), (status = 400, body = ErrorBody),
-              (status = 401, body = ErrorBody), (status = 404, description = "unknown image", body = ErrorBody), (status = 500, body = ErrorBody)))]
+              (status = 401, body = ErrorBody), (status = 404, description = "unknown image", body = ErrorBody), (status = 500, body = ErrorBody),
+              (status = 507, description = "the data dir's filesystem is too full", body = ErrorBody)))]
 pub async fn create(
     State(app): State<AppState>,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
@@ -418,7 +419,8 @@ pub async fn not_found() -> ApiError {
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshots", tag = "snapshots", params(("id" = String, Path)),
     request_body = Option<warren_api::lifecycle::CreateSnapshotRequest>,
     responses((status = 202, description = "capture started (state Creating)", body = warren_api::lifecycle::Snapshot),
-        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 507, description = "the data dir's filesystem is too full", body = ErrorBody)))]
 pub async fn create_snapshot(
     State(app): State<AppState>,
     Path(id): Path<String>,

@@ -3,6 +3,7 @@
 //! Background tasks watch for sandboxes whose processes end on their own and for expiry.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::Duration;
 
@@ -37,6 +38,8 @@ pub struct Sandboxes {
 }
 
 struct Inner {
+    /// Checked for room before each create (`disk_space`).
+    data_dir: PathBuf,
     runtime: Arc<dyn Runtime>,
     store: Store,
     images: Arc<ImageStore>,
@@ -58,6 +61,7 @@ fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Sandboxes {
     pub fn new(
+        data_dir: &Path,
         runtime: Arc<dyn Runtime>,
         store: Store,
         images: ImageStore,
@@ -74,6 +78,7 @@ impl Sandboxes {
             .map(|n| tokio::sync::Semaphore::new(n.max(1)));
         Self {
             inner: Arc::new(Inner {
+                data_dir: data_dir.to_path_buf(),
                 create_slots,
                 runtime,
                 store,
@@ -243,6 +248,12 @@ impl Sandboxes {
         resolve().await?.map_err(|e| image_error(name, e))
     }
 
+    /// A 507 while the data dir's filesystem is too full for `what` ("a sandbox", "a snapshot")
+    /// to be made (see `disk_space`).
+    pub fn check_room(&self, what: &str) -> Result<(), ApiError> {
+        crate::disk_space::check(&self.inner.data_dir, what)
+    }
+
     /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
     /// lease, no runtime resource.
     pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
@@ -256,6 +267,7 @@ impl Sandboxes {
         plan: CreatePlan,
         background: Background,
     ) -> Result<SandboxRecord, ApiError> {
+        self.check_room("a sandbox")?;
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.inner.runtime.image_source() {
             ImageSource::Store => {
@@ -374,7 +386,15 @@ impl Sandboxes {
                 }
                 None => Ok((state, None)),
             },
-            Err(e) => Err(ApiError::from_runtime("creating the sandbox", e)),
+            Err(e) => Err(match crate::disk_space::shortage(&self.inner.data_dir) {
+                // Filled while this create ran: say so, as the runtime's own error rarely can.
+                Some(why) => ApiError::new(
+                    http::StatusCode::INSUFFICIENT_STORAGE,
+                    ErrorCode::InsufficientStorage,
+                    format!("creating the sandbox failed: {why} ({e})"),
+                ),
+                None => ApiError::from_runtime("creating the sandbox", e),
+            }),
         };
         match created {
             Ok((state, link)) => {

@@ -154,6 +154,8 @@ impl Snapshots {
             .get(sandbox_id)
             .ok_or_else(|| ApiError::not_found(sandbox_id))?;
         snapshot_source_state(&source)?;
+        // The capture copies the sandbox's writable layer into the image store.
+        self.inner.sandboxes.check_room("a snapshot")?;
         let id = uuid::Uuid::new_v4().to_string();
         let now = Utc::now();
         let rec = SnapshotRecord {
