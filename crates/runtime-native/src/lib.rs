@@ -148,7 +148,7 @@ struct Inner {
     /// Forks setup helpers (embedded runtime only).
     zygote: zygote::Zygote,
     volumes: volumes::Volumes,
-    /// Cgroups of deleted sandboxes that could not be removed with them.
+    /// What deleted sandboxes left behind because it could not die yet: cgroups, PID 1s to reap.
     leftovers: Arc<leftovers::Leftovers>,
 }
 
