@@ -64,6 +64,25 @@ def test_custom_entrypoint_env_and_resources(make_sandbox):
         assert val == str(256 * 1024 * 1024), f"memory limit inside the sandbox is {val}"
 
 
+def test_a_sandbox_at_its_memory_limit_loses_a_worker_not_execd(server, test_image, make_sandbox):
+    """At its memory limit a sandbox's OOM killer picks among its workload, never execd: what execd
+    starts scores 500 higher (`oom_score_adj`). execd counts ~23 MB on the embedded runtime (its code
+    in huge pages), so a dozen 10 MB workers used to get execd killed, and with it the sandbox."""
+    if server.gvisor:
+        pytest.skip("a gVisor sandbox is one host process: at its memory limit the host ends all of it")
+    sbx = make_sandbox(test_image, resource={"cpu": "1", "memory": "128Mi"})
+    code, out, _ = sh(sbx, "cat /proc/self/oom_score_adj")
+    assert (code, out.strip()) == (0, "500"), out
+    hog = ("import time; b = bytearray(10 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(8)")
+    code, out, err = sh(sbx, f"for i in $(seq 14); do python3 -c \"{hog}\" & done; wait; echo done",
+                        timeout=timedelta(seconds=60))
+    assert code == 0 and out.strip() == "done", (code, out, err)
+    assert "Killed" in err, f"the workload should have met the limit: {err}"
+    code, out, _ = sh(sbx, "echo still-here")
+    assert (code, out.strip()) == (0, "still-here")
+    assert sbx.get_info().status.state == "Running"
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

@@ -51,6 +51,7 @@ pub fn adopt_ready_fd(fd: i32) -> Option<OwnedFd> {
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
 pub async fn run(config: Config) -> anyhow::Result<i32> {
+    crate::oom::remember();
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
     }

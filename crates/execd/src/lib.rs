@@ -12,6 +12,7 @@ pub mod ids;
 pub mod interpreter;
 pub mod logbuf;
 pub mod metrics;
+pub mod oom;
 pub mod process;
 pub mod proxy;
 pub mod pty;

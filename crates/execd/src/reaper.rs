@@ -71,7 +71,8 @@ impl Reaper {
         start: impl FnOnce() -> std::io::Result<i32>,
     ) -> std::io::Result<(i32, oneshot::Receiver<Exit>)> {
         let mut table = self.lock();
-        let pid = start()?;
+        // Under the table's lock: spawns are serialised, as `oom::for_child` needs.
+        let pid = crate::oom::for_child(start)?;
         let (tx, rx) = oneshot::channel();
         table.waiters.insert(pid, tx);
         Ok((pid, rx))
