@@ -448,9 +448,9 @@ def test_a_cgroup_that_outlives_its_delete_is_removed_later(server, work_root):
 
 
 def test_a_zygote_that_dies_leaves_no_zombies(server, work_root):
-    """When the sandbox zygote dies (OOM killer, an operator's kill), it is reaped at once; the setup
-    helpers it had forked are reparented to the server; the next creates use them and a new zygote,
-    and each helper that ends is reaped (they used to stay zombies until the server exited)."""
+    """When the sandbox zygote dies (OOM killer, an operator's kill), the setup helpers it had forked
+    are reparented to the server; the next creates use them and a new zygote, and each helper that
+    ends is reaped (they used to stay zombies until the server exited)."""
     if server.runtime != "embedded":
         pytest.skip("the zygote and its setup helpers belong to the embedded runtime")
     srv = W.WarrenServer(server.runtime, work_root, f"zygote-{uuid.uuid4().hex[:6]}")
@@ -473,9 +473,6 @@ def test_a_zygote_that_dies_leaves_no_zombies(server, work_root):
             zygote = [p for p in zygotes if any(parent(c) == p for c in W.all_pids())]
             assert len(zygote) == 1, f"expected one zygote with helpers among {zygotes}"
             os.kill(zygote[0], signal.SIGKILL)
-            # Reaped at once, not at the next create (it used to stay a zombie until then).
-            assert W.wait_until(lambda: W.state_and_ppid(zygote[0]) is None, 5,
-                                message="the dead zygote to be reaped"), W.state_and_ppid(zygote[0])
             for _ in range(6):
                 cycle()
         assert W.wait_until(lambda: not W.zombie_children(srv.proc.pid), 10,

@@ -23,7 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nix::sys::socket::{
@@ -189,7 +189,7 @@ fn reap_orphaned_helpers(within: Duration) {
 /// The server's side: starts the zygote on first use and again after it died.
 pub struct Zygote {
     exe: PathBuf,
-    running: Arc<Mutex<Option<Running>>>,
+    running: Mutex<Option<Running>>,
 }
 
 struct Running {
@@ -201,7 +201,7 @@ impl Zygote {
     pub fn new(exe: &Path) -> Self {
         Self {
             exe: exe.to_path_buf(),
-            running: Arc::new(Mutex::new(None)),
+            running: Mutex::new(None),
         }
     }
 
@@ -232,36 +232,10 @@ impl Zygote {
             .process_group(0)
             .args(crate::hugetext::turned_off().then_some(crate::hugetext::OFF_FLAG))
             .spawn()?;
-        self.reap_when_it_dies(child.id() as i32);
         Ok(Running {
             child,
             control: ours,
         })
-    }
-
-    /// A zygote that dies (the OOM killer, an operator's kill) is reaped at once and replaced at
-    /// the next request, instead of staying a zombie until a request fails on it. The watcher
-    /// takes the zygote's slot only if it still holds this zygote (a stop or a failed request may
-    /// have replaced it), and reaps it through its `Child`, so its pid is never waited on twice.
-    fn reap_when_it_dies(&self, pid: i32) {
-        // Opened while the zygote is our unreaped child: the pidfd names it and nothing else.
-        let Some(pidfd) = crate::children::pidfd_open(pid) else {
-            return;
-        };
-        let running = Arc::clone(&self.running);
-        std::thread::spawn(move || {
-            pidfd_exited(&pidfd, -1);
-            let mut slot = running.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.as_ref().is_some_and(|z| z.child.id() as i32 == pid) {
-                if let Some(mut z) = slot.take() {
-                    let _ = z.child.wait();
-                    tracing::warn!(
-                        pid,
-                        "the sandbox zygote died; a new one starts with the next sandbox"
-                    );
-                }
-            }
-        });
     }
 
     /// A helper in the cgroups that the files `join` name (`Cgroup::join_files`) — created inside
