@@ -51,7 +51,10 @@ impl Leftovers {
                 entries
                     .flatten()
                     .filter_map(|e| e.file_name().into_string().ok())
-                    .filter(|name| !name.starts_with('.'))
+                    // Sandbox ids only (UUIDs): a name is joined onto cgroup paths.
+                    .filter(|name| {
+                        !name.is_empty() && name.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
+                    })
                     .collect()
             })
             .unwrap_or_default();
