@@ -39,16 +39,10 @@ pub fn restore_in_child(cmd: &mut Command) {
         return;
     };
     // SAFETY: between fork and exec only getrlimit/setrlimit run, both async-signal-safe, on
-    // stack memory.
+    // stack memory (`get` allocates nothing, nor does `last_os_error`).
     unsafe {
         cmd.pre_exec(move || {
-            let mut lim = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            let mut lim = get()?;
             lim.rlim_cur = soft.min(lim.rlim_max);
             if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
                 return Err(io::Error::last_os_error());
