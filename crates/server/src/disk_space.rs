@@ -43,15 +43,20 @@ fn free(dir: &Path) -> Option<(u64, u64)> {
 /// below the reserve; `Ok` when it is not, or when it cannot be measured.
 pub fn check(dir: &Path, what: &str) -> Result<(), ApiError> {
     match shortage(dir) {
-        Some(why) => Err(ApiError::new(
-            StatusCode::INSUFFICIENT_STORAGE,
-            ErrorCode::InsufficientStorage,
-            format!(
-                "no room for {what}: {why}; delete sandboxes, snapshots or images to make room"
-            ),
-        )),
+        Some(why) => Err(insufficient(format!(
+            "no room for {what}: {why}; delete sandboxes, snapshots or images to make room"
+        ))),
         None => Ok(()),
     }
+}
+
+/// The 507 `SANDBOX::INSUFFICIENT_STORAGE` error with `message`.
+pub fn insufficient(message: String) -> ApiError {
+    ApiError::new(
+        StatusCode::INSUFFICIENT_STORAGE,
+        ErrorCode::InsufficientStorage,
+        message,
+    )
 }
 
 /// Why the filesystem at `dir` is short of room, if it is.

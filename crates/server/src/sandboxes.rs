@@ -388,11 +388,9 @@ impl Sandboxes {
             },
             Err(e) => Err(match crate::disk_space::shortage(&self.inner.data_dir) {
                 // Filled while this create ran: say so, as the runtime's own error rarely can.
-                Some(why) => ApiError::new(
-                    http::StatusCode::INSUFFICIENT_STORAGE,
-                    ErrorCode::InsufficientStorage,
-                    format!("creating the sandbox failed: {why} ({e})"),
-                ),
+                Some(why) => crate::disk_space::insufficient(format!(
+                    "creating the sandbox failed: {why} ({e})"
+                )),
                 None => ApiError::from_runtime("creating the sandbox", e),
             }),
         };
