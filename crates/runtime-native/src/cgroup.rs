@@ -366,6 +366,13 @@ impl Cgroup {
     pub fn remove(&self, within: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + within;
         for top in &self.dirs {
+            // Almost always empty by now and without children: one rmdir, no walk of the subtree
+            // (this runs on every delete).
+            match fs::remove_dir(top) {
+                Ok(()) => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(_) => {}
+            }
             for dir in subtree_deepest_first(top) {
                 loop {
                     match fs::remove_dir(&dir) {
