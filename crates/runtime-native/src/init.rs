@@ -67,11 +67,10 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     let _ = writeln!(out, "{JOINED_LINE}");
     let _ = out.flush();
     drop(out);
-    let mut input = String::new();
-    std::io::stdin()
-        .read_to_string(&mut input)
-        .map_err(|e| format!("reading spec: {e}"))?;
-    let spec: InitSpec = serde_json::from_str(&input).map_err(|e| format!("parsing spec: {e}"))?;
+    let (input, premade_root) =
+        crate::zygote::receive_spec().map_err(|e| format!("reading spec: {e}"))?;
+    let spec: InitSpec =
+        serde_json::from_slice(&input).map_err(|e| format!("parsing spec: {e}"))?;
     if let Some(log) = &spec.log_path {
         // A standby helper was started before its sandbox had a log; from here on it writes there.
         let f = fs::OpenOptions::new()
@@ -103,7 +102,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         ForkResult::Child => {
             drop(read_end);
             let mut errors = fs::File::from(write_end);
-            match prepare_execd(&spec, &filter, errors.as_raw_fd()) {
+            match prepare_execd(&spec, &filter, errors.as_raw_fd(), premade_root.as_ref()) {
                 Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
                     // closing it used to). From here on failures show in the sandbox log.
@@ -123,6 +122,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         }
         ForkResult::Parent { child } => {
             drop(write_end);
+            drop(premade_root);
             let mut msg = String::new();
             let _ = fs::File::from(read_end).read_to_string(&mut msg);
             if msg.is_empty() {
@@ -141,6 +141,7 @@ fn prepare_execd(
     spec: &InitSpec,
     filter: &crate::seccomp::Program,
     error_pipe: std::os::fd::RawFd,
+    premade_root: Option<&OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
     // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
@@ -149,7 +150,7 @@ fn prepare_execd(
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
-    rootfs::build(spec).map_err(|e| format!("{e}"))?;
+    rootfs::build(spec, premade_root).map_err(|e| format!("{e}"))?;
     std::env::set_current_dir(&spec.workdir)
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;

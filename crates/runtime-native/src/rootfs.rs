@@ -5,6 +5,7 @@
 
 use std::fs;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -148,7 +149,9 @@ fn inside(root: &Path, abs: &Path) -> PathBuf {
     root.join(abs.strip_prefix("/").unwrap_or(abs))
 }
 
-pub fn build(spec: &InitSpec) -> Result<()> {
+/// Builds the sandbox's root and moves into it. `premade` is its overlay when the server made it
+/// (see `premade_root` in the crate root); otherwise it is mounted here.
+pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
     // Nothing we mount may propagate back to the host.
     mnt(
         None,
@@ -158,7 +161,7 @@ pub fn build(spec: &InitSpec) -> Result<()> {
         None,
     )?;
     let root = spec.rootfs_dir.as_path();
-    mount_root(spec, root)?;
+    mount_root(spec, root, premade)?;
     // /dev first: /proc's masked files are the sandbox's own /dev/null bound over them.
     mount_dev(root)?;
     mount_proc(root)?;
@@ -226,7 +229,7 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
 const MOUNT_OPTIONS_MAX: usize = 4095;
 
 /// Linux's descriptor-based mount calls (5.2 on; `mount_setattr` 5.12 on), which libc does not wrap.
-mod mount_api {
+pub(crate) mod mount_api {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
     const MOUNT_ATTR_RDONLY: u64 = 0x1;
@@ -369,6 +372,16 @@ mod mount_api {
         work: &std::path::Path,
         target: &std::path::Path,
     ) -> nix::Result<()> {
+        attach(&overlay_detached(lowers, upper, work)?, target)
+    }
+
+    /// The overlay [`overlay`] mounts, made but not attached anywhere: a descriptor that
+    /// [`attach`] puts in place, in whichever mount namespace its caller is in.
+    pub fn overlay_detached(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+    ) -> nix::Result<OwnedFd> {
         // SAFETY: fsopen(2) with a NUL-terminated name; the result is owned here.
         let fs =
             check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })?;
@@ -379,6 +392,8 @@ mod mount_api {
                 .map(str::to_owned)
                 .ok_or(nix::errno::Errno::EINVAL)
         };
+        // What mount(2) would have shown as the source (`findmnt`, `df`), instead of "none".
+        fsconfig(&fs, FSCONFIG_SET_STRING, Some("source"), Some("overlay"))?;
         for lower in lowers {
             fsconfig(
                 &fs,
@@ -414,7 +429,11 @@ mod mount_api {
             )
         })?;
         // SAFETY: a fresh descriptor, owned by nobody else.
-        let mnt = unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) };
+        Ok(unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) })
+    }
+
+    /// Attaches a detached mount (`fsmount(2)`'s descriptor) at `target`.
+    pub fn attach(mnt: &OwnedFd, target: &std::path::Path) -> nix::Result<()> {
         let target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
             .map_err(|_| nix::errno::Errno::EINVAL)?;
         // SAFETY: move_mount(2) from a descriptor we own to a NUL-terminated path.
@@ -462,8 +481,12 @@ pub(crate) fn mount_overlay(spec: &InitSpec, target: &Path) -> nix::Result<()> {
     }
 }
 
-fn mount_root(spec: &InitSpec, root: &Path) -> Result<()> {
-    mount_overlay(spec, root).map_err(|source| RootfsError::Mount {
+fn mount_root(spec: &InitSpec, root: &Path, premade: Option<&OwnedFd>) -> Result<()> {
+    match premade {
+        Some(mnt) => mount_api::attach(mnt, root),
+        None => mount_overlay(spec, root),
+    }
+    .map_err(|source| RootfsError::Mount {
         what: "overlay".to_string(),
         target: root.to_path_buf(),
         source,

@@ -79,9 +79,10 @@ enum Process {
 }
 
 impl Helper {
-    pub fn spawned(mut child: Child) -> Self {
+    /// An exec'd helper, given `stdin` (our end of [`spec_channel`]).
+    pub fn spawned(mut child: Child, stdin: File) -> Self {
         Self {
-            stdin: child.stdin.take().map(|s| File::from(OwnedFd::from(s))),
+            stdin: Some(stdin),
             stdout: child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
             process: Process::Spawned(child),
         }
@@ -247,7 +248,7 @@ impl Zygote {
         into: Option<&Path>,
         stderr: &OwnedFd,
     ) -> io::Result<Helper> {
-        let (stdin_r, stdin_w) = io::pipe()?;
+        let (stdin_w, stdin_r) = spec_channel()?;
         let (stdout_r, stdout_w) = io::pipe()?;
         let into = match into {
             Some(dir) => Some(File::open(dir)?),
@@ -344,6 +345,71 @@ fn receive(socket: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
         }
     }
     Ok((msg.bytes, fds))
+}
+
+/// A helper's stdin: a stream socket rather than a pipe, so that a descriptor (the sandbox's root
+/// mount) can travel with its spec. Our end first, the helper's second.
+pub fn spec_channel() -> io::Result<(File, OwnedFd)> {
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?;
+    Ok((File::from(ours), theirs))
+}
+
+/// Sends a helper its sandbox's spec, with `root` (a detached mount) attached to the first bytes,
+/// and closes the helper's stdin.
+pub fn send_spec(stdin: File, payload: &[u8], root: Option<&OwnedFd>) -> io::Result<()> {
+    use std::io::Write;
+    let mut sent = 0;
+    if let Some(root) = root {
+        let fds = [root.as_raw_fd()];
+        match sendmsg::<()>(
+            stdin.as_raw_fd(),
+            &[IoSlice::new(payload)],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        ) {
+            Ok(n) => sent = n,
+            // Not a socket: the spec alone, and the helper mounts the root itself.
+            Err(nix::errno::Errno::ENOTSOCK) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    (&stdin).write_all(&payload[sent..])
+}
+
+/// The helper's side of [`send_spec`]: its stdin read to the end, and the root mount if one came.
+pub(crate) fn receive_spec() -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    use std::io::Read;
+    let mut spec = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut fds = Vec::new();
+    loop {
+        let n = match receive(0, &mut buf) {
+            Ok((n, received)) => {
+                fds.extend(received);
+                n
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // A pipe (nothing can come with the spec then): read as a file.
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {
+                // SAFETY: fd 0 is our stdin, open for the whole process; ManuallyDrop keeps it so.
+                let stdin = std::mem::ManuallyDrop::new(unsafe { File::from_raw_fd(0) });
+                (&*stdin).read_to_end(&mut spec)?;
+                break;
+            }
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            break;
+        }
+        spec.extend_from_slice(&buf[..n]);
+    }
+    Ok((spec, fds.into_iter().next()))
 }
 
 /// One request and its answer; the answer's pidfd, or why there is none.
