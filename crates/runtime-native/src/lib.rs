@@ -981,7 +981,8 @@ impl Runtime for NativeRuntime {
                 this.inner.volumes.release_all(&id, &delete_volumes);
                 let _ = done.send(());
             })
-            .map_err(|e| RuntimeError::backend_with("starting the teardown", e))?;
+            // Nothing was touched yet: the sandbox stays as it is, and the delete can be retried.
+            .map_err(|e| RuntimeError::Unavailable(format!("starting the teardown: {e}")))?;
         finished
             .await
             .map_err(|e| RuntimeError::backend_with("destroy task", e))
