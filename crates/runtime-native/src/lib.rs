@@ -1043,7 +1043,8 @@ fn yield_cpu(cg: &Cgroup) {
 }
 
 /// The sandbox's root overlay, made here for its PID 1 to attach (`rootfs::build`), or `None` where
-/// the kernel cannot (no `lowerdir+` before Linux 6.8): PID 1 mounts it then.
+/// the kernel cannot (before Linux 5.2, or a layer list over 255 bytes before 6.8, see
+/// `overlay_detached`): PID 1 mounts it then.
 ///
 /// Made in the server, it is charged to the server's memory cgroup. Making an overlay writes its
 /// work-dir probes to disk (a few pages of ext4 metadata, ~16 KiB, cached after), and pages charged

@@ -382,6 +382,23 @@ pub(crate) mod mount_api {
         upper: &std::path::Path,
         work: &std::path::Path,
     ) -> nix::Result<OwnedFd> {
+        match overlay_with(lowers, upper, work, false) {
+            // Before Linux 6.8 overlayfs knows no `lowerdir+` (older kernels refuse it when the
+            // mount is created): the whole list as one `lowerdir`, which fsconfig(2) takes up to
+            // 255 bytes of (a longer one is refused too, EINVAL).
+            Err(nix::errno::Errno::EINVAL) => overlay_with(lowers, upper, work, true),
+            other => other,
+        }
+    }
+
+    /// [`overlay_detached`] with the lower layers given one by one (`lowerdir+`) or `joined` into
+    /// one `lowerdir`, topmost first.
+    pub(super) fn overlay_with(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+        joined: bool,
+    ) -> nix::Result<OwnedFd> {
         // SAFETY: fsopen(2) with a NUL-terminated name; the result is owned here.
         let fs =
             check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })?;
@@ -394,13 +411,26 @@ pub(crate) mod mount_api {
         };
         // What mount(2) would have shown as the source (`findmnt`, `df`), instead of "none".
         fsconfig(&fs, FSCONFIG_SET_STRING, Some("source"), Some("overlay"))?;
-        for lower in lowers {
+        if joined {
+            let list = lowers
+                .iter()
+                .map(|l| path(l))
+                .collect::<nix::Result<Vec<_>>>()?;
             fsconfig(
                 &fs,
                 FSCONFIG_SET_STRING,
-                Some("lowerdir+"),
-                Some(&path(lower)?),
+                Some("lowerdir"),
+                Some(&list.join(":")),
             )?;
+        } else {
+            for lower in lowers {
+                fsconfig(
+                    &fs,
+                    FSCONFIG_SET_STRING,
+                    Some("lowerdir+"),
+                    Some(&path(lower)?),
+                )?;
+            }
         }
         fsconfig(
             &fs,
@@ -760,6 +790,51 @@ pub fn loopback_up() -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_overlay_is_made_detached_with_its_lower_layers_one_by_one_or_joined() {
+        use std::os::fd::AsRawFd;
+        for joined in [false, true] {
+            let t = tempfile::tempdir().expect("tempdir");
+            let dir = |name: &str| {
+                let d = t.path().join(name);
+                fs::create_dir(&d).expect("mkdir");
+                d
+            };
+            let (top, bottom, upper, work) = (dir("top"), dir("bottom"), dir("upper"), dir("work"));
+            fs::write(top.join("a"), "top").expect("write");
+            fs::write(bottom.join("a"), "bottom").expect("write");
+            fs::write(bottom.join("b"), "bottom").expect("write");
+            let mnt = match mount_api::overlay_with(&[top, bottom], &upper, &work, joined) {
+                Ok(mnt) => mnt,
+                // not root, or no overlayfs here: nothing to check
+                Err(nix::errno::Errno::EPERM | nix::errno::Errno::ENODEV) => return,
+                Err(e) => panic!("joined {joined}: {e}"),
+            };
+            // Used through its descriptor, attached nowhere: the topmost layer wins, writes go up.
+            let open = |name: &str, flags: libc::c_int| {
+                let name = std::ffi::CString::new(name).expect("name");
+                // SAFETY: openat(2) relative to a descriptor we own, with a NUL-terminated name.
+                let fd = unsafe { libc::openat(mnt.as_raw_fd(), name.as_ptr(), flags, 0o644) };
+                assert!(fd >= 0, "joined {joined}: {}", io::Error::last_os_error());
+                // SAFETY: a fresh descriptor, owned by nobody else.
+                fs::File::from(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+            };
+            let read = |name: &str| {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut open(name, libc::O_RDONLY), &mut s)
+                    .expect("read");
+                s
+            };
+            assert_eq!(
+                (read("a"), read("b")),
+                ("top".into(), "bottom".into()),
+                "joined {joined}"
+            );
+            drop(open("c", libc::O_CREAT | libc::O_WRONLY));
+            assert!(upper.join("c").exists(), "joined {joined}");
+        }
+    }
 
     #[test]
     fn bind_attributes_follow_the_flags_asked_for() {
