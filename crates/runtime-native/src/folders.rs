@@ -19,9 +19,11 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crate::lock;
 
 /// How many spare folders are kept made: enough for a burst of creates while the background thread
 /// catches up (a folder takes it ~0.1 ms, or a few ms where a bitmap must be read from disk).
@@ -228,10 +230,6 @@ impl Folders {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `rename(2)` that fails with `AlreadyExists` instead of replacing an (empty) folder at `to`.

@@ -308,18 +308,18 @@ impl Zygote {
     }
 }
 
-/// Sends one message with `fds` attached.
-fn send(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+/// Sends one message with `fds` attached; how many of its bytes went (on a stream socket, maybe
+/// not all).
+fn send(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
     let rights = [ControlMessage::ScmRights(fds)];
     let cmsg: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
-    sendmsg::<()>(
+    Ok(sendmsg::<()>(
         socket,
         &[IoSlice::new(bytes)],
         cmsg,
         MsgFlags::empty(),
         None,
-    )?;
-    Ok(())
+    )?)
 }
 
 /// Receives one message (at most 4 descriptors with it) into `buf`: its length (0 once the other
@@ -363,22 +363,15 @@ pub fn spec_channel() -> io::Result<(File, OwnedFd)> {
 /// and closes the helper's stdin.
 pub fn send_spec(stdin: File, payload: &[u8], root: Option<&OwnedFd>) -> io::Result<()> {
     use std::io::Write;
-    let mut sent = 0;
-    if let Some(root) = root {
-        let fds = [root.as_raw_fd()];
-        match sendmsg::<()>(
-            stdin.as_raw_fd(),
-            &[IoSlice::new(payload)],
-            &[ControlMessage::ScmRights(&fds)],
-            MsgFlags::empty(),
-            None,
-        ) {
-            Ok(n) => sent = n,
+    let sent = match root {
+        Some(root) => match send(stdin.as_raw_fd(), payload, &[root.as_raw_fd()]) {
+            Ok(n) => n,
             // Not a socket: the spec alone, and the helper mounts the root itself.
-            Err(nix::errno::Errno::ENOTSOCK) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => 0,
+            Err(e) => return Err(e),
+        },
+        None => 0,
+    };
     (&stdin).write_all(&payload[sent..])
 }
 
