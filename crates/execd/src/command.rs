@@ -199,7 +199,11 @@ pub async fn run(
     let tx = stream.tx.clone();
     let _ = tx.send(sse::init(&id)).await;
 
-    let running = match process::spawn(&app.reaper, &spec, StdinMode::Null) {
+    let started = match app.spare.take(&spec) {
+        Some(running) => Ok(running),
+        None => process::spawn(&app.reaper, &spec, StdinMode::Null),
+    };
+    let running = match started {
         Ok(r) => r,
         Err(e) => {
             let msg = e.full_message();

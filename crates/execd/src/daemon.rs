@@ -93,6 +93,7 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
                         stdout: None,
                         stderr: None,
                         new_group: false,
+                        extra: &[],
                     },
                 )
             })
@@ -126,6 +127,10 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     }
     // Listening: whoever waits on the other end of the ready pipe may connect now.
     drop(config.ready_fd);
+    tokio::spawn({
+        let (state, reaper) = (state.clone(), reaper.clone());
+        async move { state.spare.keep(reaper, state.workdir.clone()).await }
+    });
     if let Some(port) = config.jupyter_port {
         // Not in `servers`: it waits for a kernel to appear and may never listen, which is not a failure.
         tokio::spawn(crate::interpreter::jupyter_port::serve(port));

@@ -19,6 +19,7 @@ pub mod pty;
 pub mod query;
 pub mod reaper;
 pub mod session;
+pub mod spare;
 pub mod spawn;
 pub mod sse;
 pub mod upload;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub ptys: pty::Ptys,
     pub contexts: interpreter::Contexts,
     pub metrics: metrics::Sources,
+    /// A shell started ahead of the next command.
+    pub spare: spare::SpareShell,
 }
 
 impl AppState {
@@ -55,6 +58,7 @@ impl AppState {
             ptys: Default::default(),
             contexts: Default::default(),
             metrics: Default::default(),
+            spare: Default::default(),
         }
     }
 
@@ -76,6 +80,7 @@ impl AppState {
         self.sessions.kill_all();
         self.ptys.kill_all();
         self.contexts.kill_all();
+        self.spare.stop();
     }
 }
 

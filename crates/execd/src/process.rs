@@ -209,7 +209,7 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
 
 /// Our ends of a started child's pipes, made non-blocking for tokio; if that fails, the child's
 /// process group is killed.
-fn running(
+pub(crate) fn running(
     pid: i32,
     exit: tokio::sync::oneshot::Receiver<Exit>,
     stdout: Option<OwnedFd>,
@@ -265,6 +265,7 @@ fn spawn_shell(
                 .map_or(out_w.as_raw_fd(), |(_, w)| w.as_raw_fd()),
         ),
         new_group: true,
+        extra: &[],
     };
     let argv = [program, "-c", script].map(std::ffi::OsStr::new);
     let (pid, exit) = reaper

@@ -22,13 +22,16 @@ pub enum Stdin {
 
 /// The child's standard descriptors (the caller keeps its own ends), and its process group.
 #[derive(Debug, Clone, Copy)]
-pub struct Stdio {
+pub struct Stdio<'a> {
     pub stdin: Stdin,
     /// `None`: execd's own.
     pub stdout: Option<RawFd>,
     pub stderr: Option<RawFd>,
     /// A process group of its own (pgid = pid), so an interrupt reaches everything it starts.
     pub new_group: bool,
+    /// Further descriptors the child gets as 3, 4, …; each must be numbered above the last of those
+    /// (else an earlier dup2 would overwrite it before it is copied).
+    pub extra: &'a [RawFd],
 }
 
 fn cstring(bytes: &[u8]) -> io::Result<CString> {
@@ -61,7 +64,14 @@ impl Drop for Plan {
 }
 
 impl Plan {
-    fn new(stdio: Stdio, cwd: &CString) -> io::Result<Box<Self>> {
+    fn new(stdio: Stdio<'_>, cwd: &CString) -> io::Result<Box<Self>> {
+        let first_free = 3 + stdio.extra.len() as RawFd;
+        if stdio.extra.iter().any(|fd| *fd < first_free) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "an extra descriptor is numbered among its targets",
+            ));
+        }
         // SAFETY: zeroed structs are initialised by the *_init calls before any other use; the plan is
         // boxed so the addresses glibc may keep inside them stay put.
         let mut plan: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
@@ -88,6 +98,9 @@ impl Plan {
                 if let Some(fd) = fd {
                     check(libc::posix_spawn_file_actions_adddup2(a, fd, target))?;
                 }
+            }
+            for (target, fd) in (3..).zip(stdio.extra) {
+                check(libc::posix_spawn_file_actions_adddup2(a, *fd, target))?;
             }
             check(libc::posix_spawn_file_actions_addchdir_np(a, cwd.as_ptr()))?;
 
@@ -140,7 +153,7 @@ pub fn spawn<'a>(
     argv: impl IntoIterator<Item = &'a OsStr>,
     env: impl IntoIterator<Item = (&'a str, &'a str)>,
     cwd: &Path,
-    stdio: Stdio,
+    stdio: Stdio<'_>,
 ) -> io::Result<i32> {
     let program = cstring(program.as_os_str().as_bytes())?;
     let cwd = cstring(cwd.as_os_str().as_bytes())?;
@@ -200,6 +213,7 @@ mod tests {
                 stdout: Some(w.as_raw_fd()),
                 stderr: Some(w.as_raw_fd()),
                 new_group: true,
+                extra: &[],
             },
         )?;
         drop(w);
@@ -252,6 +266,63 @@ mod tests {
         assert_eq!(resolve("./x", None).expect("a path"), Path::new("./x"));
         let err = resolve("sh", Some("/nonexistent")).expect_err("not there");
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn extra_descriptors_become_3_and_up() {
+        let (mut r, w) = std::io::pipe().expect("pipe");
+        let extra = std::fs::File::open("/dev/null").expect("open");
+        let above = |fd: RawFd| {
+            // SAFETY: duplicating a descriptor this test owns; the copy is closed below.
+            unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) }
+        };
+        let (a, b) = (above(w.as_raw_fd()), above(extra.as_raw_fd()));
+        let pid = spawn(
+            Path::new("/bin/sh"),
+            [
+                "/bin/sh",
+                "-c",
+                "echo via3 >&3; readlink /proc/self/fd/4 >&3",
+            ]
+            .map(OsStr::new),
+            [("PATH", "/usr/bin:/bin")],
+            Path::new("/"),
+            Stdio {
+                stdin: Stdin::Null,
+                stdout: None,
+                stderr: None,
+                new_group: false,
+                extra: &[a, b],
+            },
+        )
+        .expect("spawn");
+        // SAFETY: closing the copies made above; waiting for our own child.
+        unsafe {
+            libc::close(a);
+            libc::close(b);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        drop(w);
+        let mut out = String::new();
+        r.read_to_string(&mut out).expect("read");
+        assert_eq!(out, "via3\n/dev/null\n");
+
+        let clash = Stdio {
+            stdin: Stdin::Null,
+            stdout: None,
+            stderr: None,
+            new_group: false,
+            extra: &[4, 20],
+        };
+        let err = spawn(
+            Path::new("/bin/true"),
+            [OsStr::new("true")],
+            [],
+            Path::new("/"),
+            clash,
+        )
+        .expect_err("a source among the targets");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -6,4 +6,5 @@ mod files;
 mod lifecycle;
 mod proxy;
 mod sessions;
+mod spare;
 mod support;
