@@ -39,6 +39,9 @@ use crate::reaper::{Exit, Reaper};
 /// throws away, short enough that an agent's next command, or a pool sandbox's first, finds one.
 pub const IDLE: Duration = Duration::from_millis(100);
 
+/// `WARREN_SPARE_SHELL=0` in a sandbox's environment: every command starts its own shell.
+pub const OFF_VAR: &str = "WARREN_SPARE_SHELL";
+
 /// The longest pause between tries when spare shells fail to start (no bash, workdir gone, …).
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
@@ -108,9 +111,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl SpareShell {
     /// Keeps a spare shell ready in `workdir` whenever execd has been idle for [`IDLE`]; runs for
-    /// execd's whole life. Does nothing in an image without bash.
+    /// execd's whole life. Does nothing in an image without bash, or when the sandbox's environment
+    /// sets [`OFF_VAR`] to `0`.
     pub async fn keep(&self, reaper: Reaper, workdir: PathBuf) {
-        if process::shell() != "/bin/bash" {
+        if process::shell() != "/bin/bash" || std::env::var(OFF_VAR).is_ok_and(|v| v == "0") {
             return;
         }
         let mut backoff = IDLE;

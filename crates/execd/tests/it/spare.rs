@@ -182,6 +182,17 @@ async fn a_command_on_the_spare_times_out_with_its_whole_group() {
 }
 
 #[tokio::test]
+async fn the_sandbox_environment_can_turn_it_off() {
+    let execd = Execd::start_with_env(&[("WARREN_SPARE_SHELL", "0")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(spares(&execd), Vec::<i32>::new());
+    let events = execd
+        .run(json!({"command": "echo $WARREN_SPARE_SHELL"}))
+        .await;
+    assert_eq!(text_of(&events, "stdout"), "0\n");
+}
+
+#[tokio::test]
 async fn execd_stopping_takes_its_spare() {
     let mut execd = Execd::start().await;
     let spare = the_spare(&execd).await;

@@ -23,6 +23,11 @@ pub fn free_port() -> u16 {
 
 impl Execd {
     pub async fn start() -> Self {
+        Self::start_with_env(&[]).await
+    }
+
+    /// [`Execd::start`] with more variables in execd's environment.
+    pub async fn start_with_env(env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let work = dir.path().join("work");
         std::fs::create_dir(&work).expect("mkdir work");
@@ -38,6 +43,7 @@ impl Execd {
             .arg(&work)
             .env("EXECD_ENVS", dir.path().join("envs"))
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn execd");
