@@ -568,10 +568,7 @@ impl Pools {
     fn live_warm(&self, pool: &Pool) -> u32 {
         let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
         warm.retain(|id| {
-            self.inner
-                .sandboxes
-                .get(id)
-                .is_some_and(|r| r.state == SandboxState::Running)
+            self.inner.sandboxes.state(id) == Some(SandboxState::Running)
         });
         warm.len() as u32
     }

@@ -136,6 +136,12 @@ impl Sandboxes {
         self.entry(id).map(|e| lock(&e.record).clone())
     }
 
+    /// The state of sandbox `id`, without copying its record (pools look at every warm one of
+    /// theirs each time a sandbox is claimed or ends).
+    pub fn state(&self, id: &str) -> Option<SandboxState> {
+        self.entry(id).map(|e| lock(&e.record).state)
+    }
+
     /// Every record, newest first.
     pub fn all(&self) -> Vec<SandboxRecord> {
         let mut records = self.select(|_| true);
