@@ -226,11 +226,14 @@ async def measure(make, n: int, concurrency: int) -> dict:
             "errors": errors[:3]}
 
 
-def rust_client_run(load: Path, port: int, key: str, image: str, n: int, concurrency: int) -> dict:
+def rust_client_run(load: Path, port: int, key: str, image: str, n: int, concurrency: int,
+                    pause_ms: int = 0) -> dict:
     """The same cycle as raw_once, driven by the compiled warren-sdk client (bench/load) in its own
-    process, so no Python CPU competes with the server for the machine's cores."""
+    process, so no Python CPU competes with the server for the machine's cores; `pause_ms` between
+    cycles."""
     out = subprocess.run([str(load), "--domain", f"127.0.0.1:{port}", "--api-key", key, "--image", image,
-                          "--command", COMMAND, "--n", str(n), "--concurrency", str(concurrency)],
+                          "--command", COMMAND, "--n", str(n), "--concurrency", str(concurrency),
+                          "--pause-ms", str(pause_ms)],
                          check=True, capture_output=True, text=True, timeout=600)
     r = json.loads(out.stdout)
     ms = r["times_ms"]

@@ -6,8 +6,9 @@ side by side in the same run, `docker run --rm` when a Docker engine answers (DO
 Rows:
   * the floor: `sh -c 'echo hi'` as a plain subprocess, serial;
   * create → first output → delete without a pool, serial and at 10/50/100 concurrent;
-  * the same from a warm pool (bufferMax = poolMax = P): serial claims, and bursts of 1×, 2×, 4× P
-    concurrent creates against it (queued up to maxWaitSeconds; success ratio);
+  * the same from a warm pool (bufferMax = poolMax = P): serial claims (from the compiled client
+    back to back and 300 ms apart too), and bursts of 1×, 2×, 4× P concurrent creates against it
+    (queued up to maxWaitSeconds; success ratio);
   * creates/s sustained for --sustain seconds (create → first output → delete, 10 in flight), from
     Python and from the compiled warren-load client;
   * fork: N sandboxes from one snapshot (--fork, 10 in flight), total wall time and per-create p50;
@@ -151,6 +152,13 @@ async def main() -> None:
                     await asyncio.sleep(0.05)
                 results["pool claim c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
                                                                             p, 1)
+                # The same claims 300 ms apart: each from a full, quiet pool, with the previous
+                # cycle's refill done (back to back, each claim shares the CPUs with the refill
+                # its predecessor's delete started).
+                while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
+                    await asyncio.sleep(0.05)
+                results["pool claim c=1, Rust SDK client, 300 ms apart"] = rust_client_run(
+                    load, server.port, server.key, image, p, 1, pause_ms=300)
                 await client.delete(f"{base}/v1/pools/bench-rust", headers=h)
                 results["no pool c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
                                                                          p, 1)

@@ -344,3 +344,32 @@ def test_deleted_session(host_sandbox):
         cmds.run_in_session(sid, "echo nope")
     with pytest.raises(SandboxException):
         cmds.delete_session(sid)
+
+
+def test_a_command_after_a_pause_runs_on_the_spare_shell_and_sees_what_bash_c_gives(make_sandbox):
+    """After 100 ms without a command execd keeps a bash started ahead; the next command that fits
+    runs on it. It must see what a fresh `bash -c` gives: the same `$0`, options, `$_`, a `$SECONDS`
+    from zero, its own envs, no extra descriptors, the same exit code, output and error streams. A
+    sandbox with WARREN_SPARE_SHELL=0 starts a fresh shell per command, the yardstick."""
+    probe = ('echo "$0|$#|$-|$_|$SECONDS|$PPID|$BASH_SUBSHELL|$SHLVL|$PWD|$E2E_V|$WARREN_SPARE_SHELL"; '
+             'for fd in 3 4 5 6 7 8 9 10 255; do { : >&$fd; } 2>/dev/null && printf "%s " $fd; done; echo .; '
+             'echo err >&2; '
+             'tr "\\0" " " </proc/$$/cmdline | grep -q "__warren_[g]o" && echo spare || echo fresh; exit 3')
+    spare = make_sandbox("host")
+    fresh = make_sandbox("host", env={"WARREN_SPARE_SHELL": "0"})
+    time.sleep(1.2)  # past the spare's idle delay, and long enough for its own $SECONDS to reach 1
+    results = {}
+    for name, sbx in (("spare", spare), ("fresh", fresh)):
+        ex = sbx.commands.run(probe, opts=RunCommandOpts(envs={"E2E_V": "a 'b' c"}))
+        results[name] = (ex.exit_code, W.join_chunks(ex.logs.stdout), W.join_chunks(ex.logs.stderr))
+    (code_s, out_s, err_s), (code_f, out_f, err_f) = results["spare"], results["fresh"]
+    assert (code_s, code_f) == (3, 3)
+    assert (err_s.strip(), err_f.strip()) == ("err", "err")
+    lines_s, lines_f = out_s.strip().splitlines(), out_f.strip().splitlines()
+    assert (lines_s[-1], lines_f[-1]) == ("spare", "fresh"), (out_s, out_f)
+    assert lines_s[0].rsplit("|", 1)[0] == lines_f[0].rsplit("|", 1)[0], (lines_s, lines_f)
+    assert lines_s[0].endswith("|") and lines_f[0].endswith("|0")
+    assert lines_s[1] == lines_f[1], f"descriptors differ: {lines_s[1]} vs {lines_f[1]}"
+    # a second command right after runs on a fresh shell (no spare yet) and works the same
+    code, out, _ = sh(spare, "echo again")
+    assert (code, out.strip()) == (0, "again")

@@ -32,6 +32,10 @@ struct Args {
     /// sustained-rate run; cycles started before the deadline finish and count).
     #[arg(long)]
     seconds: Option<f64>,
+    /// Wait this long after each cycle before the next one starts (with `--concurrency 1`: claims
+    /// from idle, after the previous cycle's delete and the pool's refill are done).
+    #[arg(long, default_value_t = 0)]
+    pause_ms: u64,
 }
 
 /// One cycle; returns create → first stdout and create → created (the create request's own part)
@@ -102,7 +106,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let results: Vec<anyhow::Result<(f64, f64)>> = futures::stream::iter(0..count)
         .take_while(|_| std::future::ready(deadline.is_none_or(|d| Instant::now() < d)))
-        .map(|_| cycle(&client, &req, &args.command))
+        .map(|_| async {
+            let out = cycle(&client, &req, &args.command).await;
+            if args.pause_ms > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(args.pause_ms)).await;
+            }
+            out
+        })
         .buffer_unordered(args.concurrency.max(1))
         .collect()
         .await;
