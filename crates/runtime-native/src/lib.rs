@@ -21,6 +21,7 @@ mod hugetext;
 pub mod init;
 mod leftovers;
 mod oci;
+mod priority;
 mod rootfs;
 mod seccomp;
 mod security;
@@ -362,6 +363,7 @@ impl NativeRuntime {
         volumes: &volumes::Resolved,
         pid_out: &mut Option<i32>,
     ) -> Result<RuntimeState, RuntimeError> {
+        let mut lowered = priority::Lowered::while_on(&spec.background);
         self.inner
             .folders
             .make(&spec.id)
@@ -400,6 +402,7 @@ impl NativeRuntime {
             }
         };
         *pid_out = Some(pid);
+        priority::Lowered::follow(&mut lowered, &spec.background);
         let start_time = process_start_time(pid).ok_or_else(|| {
             RuntimeError::backend(format!(
                 "sandbox exited during start: {}",

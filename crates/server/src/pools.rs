@@ -567,9 +567,7 @@ impl Pools {
     /// the pool from making replacements.
     fn live_warm(&self, pool: &Pool) -> u32 {
         let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
-        warm.retain(|id| {
-            self.inner.sandboxes.state(id) == Some(SandboxState::Running)
-        });
+        warm.retain(|id| self.inner.sandboxes.state(id) == Some(SandboxState::Running));
         warm.len() as u32
     }
 
