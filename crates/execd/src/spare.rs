@@ -15,9 +15,10 @@
 //! What a command run this way sees differently from `bash -c COMMAND`: bash does not `exec` the
 //! last command in place of itself (its one-command optimisation applies to `-c`, not to `eval`),
 //! so an external program's parent is the shell rather than execd; a syntax error reads `bash:
-//! syntax error …` rather than `bash: -c: line 1: syntax error …`; `BASH_EXECUTION_STRING` holds
-//! the bootstrap. Exit codes, output, signals to the process group, `$0`, `$$`, positional
-//! parameters, options and variables are those of `bash -c`.
+//! syntax error …` rather than `bash: -c: line 1: syntax error …`; `BASH_EXECUTION_STRING`, and
+//! the shell's command line (`/proc/$$/cmdline`, what `ps` shows), hold the bootstrap. Exit codes,
+//! output, signals to the process group, `$0`, `$$`, `$PPID`, positional parameters, options,
+//! descriptors and variables are those of `bash -c` (an e2e test compares the two).
 
 use std::collections::BTreeMap;
 use std::fs::File;
