@@ -199,6 +199,8 @@ pub async fn run(
     let tx = stream.tx.clone();
     let _ = tx.send(sse::init(&id)).await;
 
+    // A foreground command keeps the spare shell from starting until it ends (see `crate::spare`).
+    let busy = (!req.background).then(|| app.spare.busy());
     let started = match app.spare.take(&spec) {
         Some(running) => Ok(running),
         None => process::spawn(&app.reaper, &spec, StdinMode::Null),
@@ -229,7 +231,7 @@ pub async fn run(
         tokio::spawn(supervise_background(exec, running, log, timeout));
         let _ = tx.send(sse::complete(0)).await;
     } else {
-        tokio::spawn(supervise_foreground(exec, running, stream, timeout));
+        tokio::spawn(supervise_foreground(exec, running, stream, timeout, busy));
     }
     Ok(response)
 }
@@ -287,6 +289,7 @@ async fn supervise_foreground(
     running: Running,
     stream: sse::EventStream,
     timeout: Option<Duration>,
+    busy: Option<crate::spare::Busy>,
 ) {
     let started = Instant::now();
     let Running {
@@ -315,6 +318,7 @@ async fn supervise_foreground(
     let elapsed = i64::try_from(started.elapsed().as_millis()).unwrap_or(i64::MAX);
     tracing::info!(exec = %exec.id, ?exit, elapsed_ms = elapsed, "command finished");
     exec.finish(exit, timed_out);
+    drop(busy);
     let _ = stream
         .tx
         .send(terminal_event(exit, timed_out, timeout, elapsed))

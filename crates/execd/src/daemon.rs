@@ -125,6 +125,11 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             });
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
+    // Before anyone learns that execd is ready, who may then stop it: a SIGTERM with no handler yet
+    // would end execd without the entrypoint hearing of it (outside a PID namespace, where the
+    // kernel does not shield PID 1).
+    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     // Listening: whoever waits on the other end of the ready pipe may connect now.
     drop(config.ready_fd);
     tokio::spawn({
@@ -144,8 +149,6 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     };
     tokio::pin!(entry_wait);
 
-    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     let code = tokio::select! {
         exit = &mut entry_wait => {
             tracing::info!(?exit, "entrypoint exited");

@@ -3,9 +3,9 @@
 //! Most of a short command's time is the shell starting: `bash -c 'echo hi'` spends ~1.3 ms of a
 //! pool claim's ~3.5 ms loading itself and glibc (whose start reads the CPU's cache geometry with
 //! dozens of `cpuid`s, each a VM exit on a virtual machine), the locale and the passwd entry. So once
-//! execd has run no command for [`IDLE`], it starts a bash that does all that and then waits for a
-//! command: `bash -c BOOTSTRAP` with a pipe as descriptor 3 (the go signal) and an empty memfd as
-//! descriptor 4 (the command's text). A foreground shell command that fits — execd's own user, the
+//! execd has had no foreground command running, and started none, for [`IDLE`], it starts a bash
+//! that does all that and then waits for a command: `bash -c BOOTSTRAP` with a pipe as descriptor 3
+//! (the go signal) and an empty memfd as descriptor 4 (the command's text). A foreground shell command that fits — execd's own user, the
 //! spare's working directory, an environment the spare has or can be given with `export` — takes
 //! it: execd writes the text into the memfd and a byte into the pipe, and the shell reads the text
 //! and `eval`s it, its stdout and stderr already the command's pipes. Any other command starts as
@@ -26,7 +26,8 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -35,9 +36,10 @@ use tokio::sync::{oneshot, Notify};
 use crate::process::{self, command_env, kill_group, ProcessSpec, Program, Running};
 use crate::reaper::{Exit, Reaper};
 
-/// How long execd must have started no command before it starts a spare shell: long enough that a
-/// sandbox made, used once and deleted at once (a benchmark, a one-shot job) never starts one it
-/// throws away, short enough that an agent's next command, or a pool sandbox's first, finds one.
+/// How long execd must have had no foreground command running, and started none, before it starts
+/// a spare shell: long enough that a sandbox made, used once and deleted at once (a benchmark, a
+/// one-shot job, however long its command runs) never starts one it throws away, short enough that
+/// an agent's next command, or a pool sandbox's first, finds one.
 pub const IDLE: Duration = Duration::from_millis(100);
 
 /// `WARREN_SPARE_SHELL=0` in a sandbox's environment: every command starts its own shell.
@@ -90,16 +92,47 @@ impl Spare {
 /// The slot for one spare shell and what decides when to fill it.
 pub struct SpareShell {
     slot: Mutex<Option<Spare>>,
-    last_command: Mutex<Instant>,
+    activity: Arc<Activity>,
     taken: Notify,
     stopped: std::sync::atomic::AtomicBool,
+}
+
+/// When a command last started or ended, and how many foreground ones run.
+struct Activity {
+    last: Mutex<Instant>,
+    running: AtomicUsize,
+    /// Told when the last running foreground command ends.
+    quiet: Notify,
+}
+
+impl Activity {
+    fn touch(&self) {
+        *lock(&self.last) = Instant::now();
+    }
+}
+
+/// Held while a foreground command runs: no spare is started meanwhile, and the pause that starts
+/// one counts from its end.
+pub struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.touch();
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.quiet.notify_one();
+        }
+    }
 }
 
 impl Default for SpareShell {
     fn default() -> Self {
         Self {
             slot: Mutex::new(None),
-            last_command: Mutex::new(Instant::now()),
+            activity: Arc::new(Activity {
+                last: Mutex::new(Instant::now()),
+                running: AtomicUsize::new(0),
+                quiet: Notify::new(),
+            }),
             taken: Notify::new(),
             stopped: Default::default(),
         }
@@ -120,7 +153,15 @@ impl SpareShell {
         }
         let mut backoff = IDLE;
         loop {
-            let since = lock(&self.last_command).elapsed();
+            // Registered before looking, so a command ending in between is not missed.
+            let quiet = self.activity.quiet.notified();
+            tokio::pin!(quiet);
+            quiet.as_mut().enable();
+            if self.activity.running.load(Ordering::SeqCst) > 0 {
+                quiet.await;
+                continue;
+            }
+            let since = lock(&self.activity.last).elapsed();
             if since < IDLE {
                 tokio::time::sleep(IDLE - since).await;
                 continue;
@@ -129,7 +170,7 @@ impl SpareShell {
                 self.taken.notified().await;
                 continue;
             }
-            if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.stopped.load(Ordering::SeqCst) {
                 return;
             }
             match start(&reaper, &workdir) {
@@ -149,10 +190,17 @@ impl SpareShell {
         }
     }
 
+    /// A foreground command runs until the returned value is dropped.
+    pub fn busy(&self) -> Busy {
+        self.activity.running.fetch_add(1, Ordering::SeqCst);
+        self.activity.touch();
+        Busy(self.activity.clone())
+    }
+
     /// Starts `spec` on the spare shell when there is one and the command fits it; `None` means
     /// "start it the usual way". Either way execd counts a command as started now.
     pub fn take(&self, spec: &ProcessSpec) -> Option<Running> {
-        *lock(&self.last_command) = Instant::now();
+        self.activity.touch();
         let Program::Shell(script) = &spec.program else {
             return None;
         };
@@ -210,8 +258,7 @@ impl SpareShell {
 
     /// Kills the spare (execd is stopping) and starts no other.
     pub fn stop(&self) {
-        self.stopped
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stopped.store(true, Ordering::SeqCst);
         if let Some(spare) = lock(&self.slot).take() {
             spare.discard();
         }

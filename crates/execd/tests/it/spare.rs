@@ -103,6 +103,24 @@ async fn an_idle_execd_keeps_one_spare_shell_and_the_next_command_runs_in_it() {
 }
 
 #[tokio::test]
+async fn no_spare_is_started_while_a_foreground_command_runs() {
+    let execd = Execd::start().await;
+    let spare = the_spare(&execd).await;
+    // Takes the spare, and runs well past the idle delay.
+    let run = execd.run(json!({"command": "sleep 0.6; echo done"}));
+    let look = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        spares(&execd)
+    };
+    let (events, during) = tokio::join!(run, look);
+    assert_eq!(text_of(&events, "stdout"), "done\n");
+    // (The one running the command still has the bootstrap's command line.)
+    assert_eq!(during, [spare], "a spare started beside a running command");
+    let next = the_spare(&execd).await;
+    assert_ne!(next, spare);
+}
+
+#[tokio::test]
 async fn commands_that_do_not_fit_start_fresh_and_leave_the_spare() {
     let execd = Execd::start().await;
     std::fs::create_dir(execd.work().join("sub")).expect("mkdir");
