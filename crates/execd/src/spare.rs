@@ -221,11 +221,14 @@ impl SpareShell {
         if spare.cwd != spec.cwd || !spec.cwd.is_dir() {
             return None;
         }
-        let env = command_env(&spec.envs);
+        // What `command_env(&spec.envs)` gives, with the base (the env file read once) kept apart.
+        let base = command_env(&BTreeMap::new());
+        let mut env = base.clone();
+        env.extend(spec.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
         let Some(exports) = env_change(&spare.env, &env) else {
             // A different environment than the spare's: if the base one changed (the env file did),
             // the spare is of no use to anyone any more.
-            if spare.env != command_env(&BTreeMap::new()) {
+            if spare.env != base {
                 if let Some(stale) = slot.take() {
                     stale.discard();
                 }

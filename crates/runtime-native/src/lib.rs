@@ -1040,8 +1040,7 @@ fn sandbox_env(image_env: &[String], request: &BTreeMap<String, String>, id: &st
 /// create → first output p50 53–59 → 39–46 ms, p99 76–134 → 59–75 ms, the same cycles per
 /// second. Nothing is deferred: the delete still answers once everything is gone.
 fn yield_cpu(cg: &Cgroup) {
-    // SAFETY: setpriority(2) on the calling thread (who 0, PRIO_PROCESS: a Linux thread ID).
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+    priority::set(19);
     let _ = cg.set_cpu_share(CpuShare::Background);
 }
 

@@ -59,7 +59,7 @@ fn current() -> Option<i32> {
 }
 
 /// Sets the calling thread's nice value (PRIO_PROCESS with who 0 is the calling thread on Linux).
-fn set(nice: i32) -> bool {
+pub fn set(nice: i32) -> bool {
     // SAFETY: setpriority(2) on the calling thread.
     unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) == 0 }
 }
