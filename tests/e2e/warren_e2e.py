@@ -82,6 +82,9 @@ def work_root() -> Path:
 @dataclass
 class Registry:
     server_pids: set[int] = field(default_factory=set)
+    # Each server's start time (clock ticks after boot), so that a PID the kernel has since given to
+    # some other process is not taken for a server that outlived the suite.
+    server_starts: dict[int, int] = field(default_factory=dict)
     # Servers that got SIGKILL: they cannot clean up after themselves (the next start does).
     killed_pids: set[int] = field(default_factory=set)
     data_dirs: set[Path] = field(default_factory=set)
@@ -339,6 +342,7 @@ class WarrenServer:
                                      stdout=log, stderr=log, start_new_session=True)
         log.close()
         REGISTRY.server_pids.add(self.proc.pid)
+        REGISTRY.server_starts[self.proc.pid] = _start_ticks(self.proc.pid)
         self.wait_ready(ready_timeout)
         return self
 
@@ -568,7 +572,7 @@ def leaked_processes(data_dirs: Iterable[Path]) -> list[str]:
         if state is None:
             continue
         reasons = []
-        if pid in REGISTRY.server_pids:
+        if pid in REGISTRY.server_pids and _start_ticks(pid) == REGISTRY.server_starts.get(pid):
             reasons.append("warren serve started by the suite")
         env = _read(f"/proc/{pid}/environ", binary=True) or b""
         if f"{MARKER_ENV}={RUN_ID}".encode() in env:
