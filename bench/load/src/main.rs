@@ -38,13 +38,23 @@ struct Args {
     pause_ms: u64,
 }
 
-/// One cycle; returns create → first stdout and create → created (the create request's own part)
-/// in milliseconds.
+/// One cycle's times, in milliseconds.
+struct Times {
+    /// Create → first stdout: the number the harness reports.
+    first_output: f64,
+    /// The create request's own part of it.
+    created: f64,
+    /// The delete request (not part of `first_output`; the client waits for it before its next
+    /// cycle, so it decides how many cycles are past their delete at once).
+    deleted: f64,
+}
+
+/// One cycle: create, the command until its stream ends, delete.
 async fn cycle(
     client: &Client,
     req: &CreateSandboxRequest,
     command: &str,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Times> {
     let t0 = Instant::now();
     let sb = client.create(req).await?;
     let created = t0.elapsed().as_secs_f64() * 1000.0;
@@ -69,10 +79,16 @@ async fn cycle(
         first.ok_or_else(|| anyhow::anyhow!("no output"))
     }
     .await;
+    let t_delete = Instant::now();
     let deleted = sb.kill().await;
-    let ms = outcome?;
+    let deleted_ms = t_delete.elapsed().as_secs_f64() * 1000.0;
+    let first_output = outcome?;
     deleted?;
-    Ok((ms, created))
+    Ok(Times {
+        first_output,
+        created,
+        deleted: deleted_ms,
+    })
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -104,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         args.n
     };
-    let results: Vec<anyhow::Result<(f64, f64)>> = futures::stream::iter(0..count)
+    let results: Vec<anyhow::Result<Times>> = futures::stream::iter(0..count)
         .take_while(|_| std::future::ready(deadline.is_none_or(|d| Instant::now() < d)))
         .map(|_| async {
             let out = cycle(&client, &req, &args.command).await;
@@ -118,12 +134,14 @@ async fn main() -> anyhow::Result<()> {
         .await;
     let mut times = Vec::new();
     let mut creates = Vec::new();
+    let mut deletes = Vec::new();
     let mut errors = Vec::new();
     for r in results {
         match r {
-            Ok((ms, created)) => {
-                times.push(ms);
-                creates.push(created);
+            Ok(t) => {
+                times.push(t.first_output);
+                creates.push(t.created);
+                deletes.push(t.deleted);
             }
             Err(e) => errors.push(format!("{e:#}")),
         }
@@ -134,6 +152,7 @@ async fn main() -> anyhow::Result<()> {
             "times_ms": times,
             // Per cycle, in the order of `times_ms`: how much of it was the create request.
             "create_ms": creates,
+            "delete_ms": deletes,
             "errors": errors,
             "wall_s": started.elapsed().as_secs_f64(),
         })

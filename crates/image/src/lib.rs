@@ -7,7 +7,8 @@
 //! names.json             {"names": {"python:3.11": "sha256:<id>"}}, replaced atomically
 //! images/<id-hex>.json   layers (lowest first), config, size, created_at
 //! layers/<diff-id-hex>/  one extracted layer, overlayfs whiteout format, shared between images
-//! leases/<holder>.json   layers a sandbox is using: kept until released
+//! leases.jsonl           layers each sandbox is using, kept until released: an append-only journal
+//!                        (see `leases`; `leases/<holder>.json` files of older stores are moved in)
 //! tmp/                   staging (import-*, unzip-*, gc-*, meta-*), all named with the owner's pid
 //! ```
 //!
@@ -18,6 +19,7 @@
 
 mod dirtar;
 mod error;
+mod leases;
 pub mod oci;
 mod reference;
 mod source;
@@ -116,18 +118,7 @@ struct Names {
     digests: BTreeMap<String, String>,
 }
 
-/// `leases/<holder>.json`.
-#[derive(Debug, Serialize, Deserialize)]
-struct Lease {
-    image: String,
-    layers: Vec<String>,
-    /// The image's id and config at lease time, so a snapshot of the sandbox can be made even after
-    /// its image was removed or retagged (absent in leases written before snapshots existed).
-    #[serde(default)]
-    id: String,
-    #[serde(default)]
-    config: Option<ImageConfig>,
-}
+use leases::{Lease, Leases};
 
 /// A layer of an import or pull in progress: unpacked into staging, or already in the store.
 #[derive(Debug)]
@@ -184,20 +175,22 @@ impl Staging {
 
 pub struct ImageStore {
     root: PathBuf,
+    leases: Leases,
 }
 
 impl ImageStore {
     /// Opens (creating if needed) the store at `<data_dir>/images`, removes staging left behind by
     /// processes that died mid-import and collects unreferenced layers.
     pub fn open(data_dir: &Path) -> Result<Self, ImageError> {
+        let root = data_dir.join("images");
         let store = ImageStore {
-            root: data_dir.join("images"),
+            leases: Leases::new(root.join("leases.jsonl")),
+            root,
         };
         for dir in [
             store.root.clone(),
             store.layers_dir(),
             store.images_dir(),
-            store.leases_dir(),
             store.tmp_dir(),
         ] {
             fs::create_dir_all(&dir).map_err(ImageError::io("create dir", &dir))?;
@@ -213,6 +206,7 @@ impl ImageStore {
         // Collects what a process that died mid-commit or mid-collection left unreferenced.
         let trash = {
             let _lock = store.lock(true)?;
+            leases::migrate_files(&store.old_leases_dir(), &store.leases)?;
             store.gc_locked()?
         };
         empty_trash(trash);
@@ -368,31 +362,31 @@ impl ImageStore {
         if layers.iter().any(|p| !p.is_dir()) {
             return Err(ImageError::NotFound { name: name.clone() });
         }
-        let path = self.lease_path(holder);
-        if let Some(existing) = read_json::<Lease>(&path)? {
-            if existing.layers == digests {
-                return Ok(());
-            }
-            return Err(ImageError::InUse {
+        let held = self
+            .leases
+            .read(|live| live.get(holder).map(|l| l.layers == digests))?;
+        match held {
+            Some(true) => Ok(()),
+            Some(false) => Err(ImageError::InUse {
                 holder: holder.to_owned(),
-            });
+            }),
+            None => self.leases.add(
+                holder,
+                Lease {
+                    image: name.clone(),
+                    layers: digests,
+                    id: id.clone(),
+                    config: Some(config.clone()),
+                },
+            ),
         }
-        self.write_json(
-            &path,
-            &Lease {
-                image: name.clone(),
-                layers: digests,
-                id: id.clone(),
-                config: Some(config.clone()),
-            },
-        )
     }
 
     /// The image `holder` leased, as it was when leased (`None` without a lease or for `host`).
     pub fn leased(&self, holder: &str) -> Result<Option<ResolvedImage>, ImageError> {
         validate_holder(holder)?;
         let _lock = self.lock(false)?;
-        let Some(lease) = read_json::<Lease>(&self.lease_path(holder))? else {
+        let Some(lease) = self.leases.read(|live| live.get(holder).cloned())? else {
             return Ok(None);
         };
         let Some(config) = lease.config else {
@@ -416,11 +410,13 @@ impl ImageStore {
         validate_holder(holder)?;
         let trash = {
             let _lock = self.lock(true)?;
-            let path = self.lease_path(holder);
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-                Err(e) => return Err(ImageError::io("remove lease", &path)(e)),
+            let Some(lease) = self.leases.remove(holder)? else {
+                return Ok(());
+            };
+            // An image that still has a name keeps its layers (an id is the hash of its layers
+            // and config): nothing to collect, and no need to read every image's metadata.
+            if !lease.id.is_empty() && self.read_names()?.names.values().any(|id| *id == lease.id) {
+                return Ok(());
             }
             self.gc_locked()?
         };
@@ -551,13 +547,18 @@ impl ImageStore {
             // anyway, so they are not counted as reclaimed.
             let mut in_use: HashSet<String> = HashSet::new();
             let mut kept_layers: HashSet<String> = HashSet::new();
-            for entry in read_dir_names(&self.leases_dir())? {
-                if entry.ends_with(".json") {
-                    if let Some(lease) = read_json::<Lease>(&self.leases_dir().join(&entry))? {
-                        in_use.insert(lease.image);
-                        kept_layers.extend(lease.layers);
-                    }
+            self.leases.read(|live| {
+                for lease in live.values() {
+                    in_use.insert(lease.image.clone());
+                    kept_layers.extend(lease.layers.iter().cloned());
                 }
+            })?;
+            // Old lease files are moved into the journal when the store opens; one left is one
+            // that could not be read, and stops the prune as it always did.
+            for lease in self.old_leases()? {
+                let lease = lease?;
+                in_use.insert(lease.image);
+                kept_layers.extend(lease.layers);
             }
             let mut removed = Vec::new();
             let mut doomed_layers: HashSet<String> = HashSet::new();
@@ -759,14 +760,14 @@ impl ImageStore {
                 _ => complete = false,
             }
         }
-        let leases_dir = self.leases_dir();
-        for entry in read_dir_names(&leases_dir)? {
-            if !entry.ends_with(".json") {
-                continue;
+        self.leases.read(|live| {
+            for lease in live.values() {
+                keep.extend(lease.layers.iter().cloned());
             }
-            match read_json::<Lease>(&leases_dir.join(&entry)) {
-                Ok(Some(lease)) => keep.extend(lease.layers),
-                Ok(None) => {}
+        })?;
+        for lease in self.old_leases()? {
+            match lease {
+                Ok(lease) => keep.extend(lease.layers),
                 Err(_) => complete = false,
             }
         }
@@ -818,8 +819,21 @@ impl ImageStore {
     fn images_dir(&self) -> PathBuf {
         self.root.join("images")
     }
-    fn leases_dir(&self) -> PathBuf {
+    /// Where leases were kept, a file each, before the journal.
+    fn old_leases_dir(&self) -> PathBuf {
         self.root.join("leases")
+    }
+    /// The leases still in files of [`Self::old_leases_dir`] (none once moved into the journal).
+    fn old_leases(&self) -> Result<Vec<Result<Lease, ImageError>>, ImageError> {
+        let dir = self.old_leases_dir();
+        if !dir.exists() {
+            return Ok(Vec::new());
+        }
+        Ok(read_dir_names(&dir)?
+            .into_iter()
+            .filter(|n| n.ends_with(".json"))
+            .filter_map(|n| read_json::<Lease>(&dir.join(n)).transpose())
+            .collect())
     }
     fn tmp_dir(&self) -> PathBuf {
         self.root.join("tmp")
@@ -829,9 +843,6 @@ impl ImageStore {
     }
     fn names_path(&self) -> PathBuf {
         self.root.join("names.json")
-    }
-    fn lease_path(&self, holder: &str) -> PathBuf {
-        self.leases_dir().join(format!("{holder}.json"))
     }
     fn image_path(&self, id: &str) -> Result<PathBuf, ImageError> {
         let hex = hex_digest(id).ok_or_else(|| ImageError::NotFound {

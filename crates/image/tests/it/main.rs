@@ -2,5 +2,6 @@
 //! overlayfs mounts in a private mount namespace) and use temp dirs only.
 
 mod import;
+mod leases;
 mod lifecycle;
 mod support;
