@@ -43,7 +43,7 @@ use crate::reaper::{Exit, Reaper};
 pub const IDLE: Duration = Duration::from_millis(100);
 
 /// `WARREN_SPARE_SHELL=0` in a sandbox's environment: every command starts its own shell.
-pub const OFF_VAR: &str = "WARREN_SPARE_SHELL";
+pub use warren_api::execd::SPARE_SHELL_ENV as OFF_VAR;
 
 /// The longest pause between tries when spare shells fail to start (no bash, workdir gone, …).
 const MAX_BACKOFF: Duration = Duration::from_secs(60);

@@ -169,7 +169,9 @@ impl Leases {
                 }
                 // The cut line of a writer that died, followed by a newline the next writer put
                 // there: that lease never returned.
-                Err(e) => tracing::warn!(path = %self.path.display(), error = %e, "skipping a damaged lease line"),
+                Err(e) => {
+                    tracing::warn!(path = %self.path.display(), error = %e, "skipping a damaged lease line")
+                }
             }
         }
         r.offset += complete as u64;
@@ -194,7 +196,9 @@ impl Leases {
             .mode(0o600)
             .open(&self.path)
             .map_err(ImageError::io("open", &self.path))?;
-        let meta = file.metadata().map_err(ImageError::io("stat", &self.path))?;
+        let meta = file
+            .metadata()
+            .map_err(ImageError::io("stat", &self.path))?;
         file.write_all(&data)
             .map_err(ImageError::io("append to", &self.path))?;
         // What was there plus this line is read: catch_up was called under the same exclusive
@@ -241,7 +245,9 @@ impl Leases {
         let file = tmp
             .persist(&self.path)
             .map_err(|e| ImageError::io("replace", &self.path)(e.error))?;
-        let meta = file.metadata().map_err(ImageError::io("stat", &self.path))?;
+        let meta = file
+            .metadata()
+            .map_err(ImageError::io("stat", &self.path))?;
         r.file = Some((meta.dev(), meta.ino()));
         r.offset = data.len() as u64;
         r.clean_end = true;

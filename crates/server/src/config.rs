@@ -158,6 +158,15 @@ pub struct RuntimeSection {
     /// How long a sandbox may take to start (setup, then execd listening) before its create fails
     /// and what it made is removed; default 15 (native) or 30 (docker, which may also pull).
     pub start_timeout_seconds: Option<f64>,
+    /// Whether execd keeps a spare shell for the next command (README, "What a sandbox is"). Off,
+    /// every sandbox gets `WARREN_SPARE_SHELL=0` in its environment unless its create sets it,
+    /// and every command starts its own `bash -c`.
+    #[serde(default = "default_spare_shell")]
+    pub spare_shell: bool,
+}
+
+fn default_spare_shell() -> bool {
+    true
 }
 
 fn default_standby() -> usize {
@@ -180,6 +189,7 @@ impl Default for RuntimeSection {
             standby_helpers: default_standby(),
             max_parallel_creates: None,
             start_timeout_seconds: None,
+            spare_shell: default_spare_shell(),
         }
     }
 }

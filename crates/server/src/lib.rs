@@ -178,9 +178,13 @@ impl Server {
             runtime,
             store,
             images,
-            config.terminated_retention_seconds,
             network,
-            (config.images.pull == config::PullPolicy::Missing).then(|| config.registries.clone()),
+            sandboxes::Options {
+                retention_seconds: config.terminated_retention_seconds,
+                registries: (config.images.pull == config::PullPolicy::Missing)
+                    .then(|| config.registries.clone()),
+                default_env: default_env(&config),
+            },
         );
         sandboxes.recover().await.context("recovering sandboxes")?;
         let snapshots = snapshots::Snapshots::open(&config.data_dir, sandboxes.clone())
@@ -264,6 +268,18 @@ fn storage_policy(config: &ServerConfig) -> anyhow::Result<volumes::StoragePolic
         allowed_host_paths,
         protected,
     })
+}
+
+/// What the server sets in every sandbox's environment unless the create sets it.
+fn default_env(config: &ServerConfig) -> std::collections::BTreeMap<String, String> {
+    let mut env = std::collections::BTreeMap::new();
+    if !config.runtime.spare_shell {
+        env.insert(
+            warren_api::execd::SPARE_SHELL_ENV.to_owned(),
+            "0".to_owned(),
+        );
+    }
+    env
 }
 
 fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {

@@ -53,10 +53,24 @@ struct Inner {
     pool_sandbox_ended: tokio::sync::Notify,
     /// Keep-alive connections to each live sandbox's execd, for the endpoint proxy.
     execd_conns: Arc<ExecdConns>,
+    /// Set in every sandbox's environment unless its create sets the variable itself (the
+    /// server's settings for execd, such as `[runtime] spare_shell`). Not in the record: it is
+    /// the server's, not the client's.
+    default_env: BTreeMap<String, String>,
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The server's settings for its sandboxes.
+pub struct Options {
+    /// How long an ended sandbox stays listed.
+    pub retention_seconds: i64,
+    /// Where to pull images a create names but the store lacks; `None`: no pulls.
+    pub registries: Option<warren_registry::RegistriesConfig>,
+    /// Set in every sandbox's environment unless its create sets the variable.
+    pub default_env: BTreeMap<String, String>,
 }
 
 impl Sandboxes {
@@ -65,10 +79,14 @@ impl Sandboxes {
         runtime: Arc<dyn Runtime>,
         store: Store,
         images: ImageStore,
-        retention_seconds: i64,
         network: Arc<Network>,
-        registries: Option<warren_registry::RegistriesConfig>,
+        options: Options,
     ) -> Self {
+        let Options {
+            retention_seconds,
+            registries,
+            default_env,
+        } = options;
         let images = Arc::new(images);
         let puller = registries.map(|config| {
             warren_registry::Puller::new(warren_registry::Client::new(config), images.clone())
@@ -89,6 +107,7 @@ impl Sandboxes {
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
+                default_env,
             }),
         }
     }
@@ -357,11 +376,13 @@ impl Sandboxes {
             .insert(id.clone(), entry.clone());
         self.persist(&record);
 
+        let mut env = self.inner.default_env.clone();
+        env.extend(plan.env);
         let spec = SandboxSpec {
             id: id.clone(),
             image,
             entrypoint,
-            env: plan.env,
+            env,
             limits: plan.limits,
             volumes: plan.volumes,
             background,

@@ -34,13 +34,24 @@ impl Server {
 
     /// Started through `wrapper` (a command that execs the rest, e.g. `prlimit --nofile=…`).
     pub fn start_under(dir: tempfile::TempDir, wrapper: &[&str]) -> Self {
+        Self::start_with(dir, wrapper, "")
+    }
+
+    /// With `config` (TOML sections) added to the test configuration.
+    pub fn start_configured(config: &str) -> Self {
+        Self::start_with(tempfile::tempdir().expect("tempdir"), &[], config)
+    }
+
+    fn start_with(dir: tempfile::TempDir, wrapper: &[&str], extra: &str) -> Self {
         let key = format!("it-{}", std::process::id());
         let port = free_port();
         let config = dir.path().join("config.toml");
         // Tests never reach a real resolver or registry: no DNS upstream, no pulls.
         std::fs::write(
             &config,
-            "[network]\ndns_upstream = \"127.0.0.1:9\"\n[images]\npull = \"never\"\n",
+            format!(
+                "[network]\ndns_upstream = \"127.0.0.1:9\"\n[images]\npull = \"never\"\n{extra}"
+            ),
         )
         .expect("config");
         let mut cmd = match wrapper.split_first() {

@@ -253,3 +253,53 @@ async fn more_sandboxes_than_the_open_file_limit_it_started_with() {
         assert_no_trace(&server.data(), id);
     }
 }
+
+/// Whether the command that prints it ran on execd's spare shell (whose command line is the
+/// bootstrap, not `bash -c <command>`).
+const SPARE_OR_FRESH: &str =
+    r#"tr "\0" " " </proc/$$/cmdline | grep -q "__warren_[g]o" && echo spare || echo fresh"#;
+
+/// `[runtime] spare_shell = false` turns execd's spare shell off in every sandbox, unless a create
+/// sets `WARREN_SPARE_SHELL` itself; by default a command after a pause runs on the spare.
+#[tokio::test]
+async fn the_server_wide_spare_shell_switch_reaches_every_sandbox_and_a_create_can_override_it() {
+    let after_a_pause = |server: &Server, env: serde_json::Value| {
+        let c = server.client();
+        let server_data = server.data();
+        async move {
+            let mut body = host(&["tail", "-f", "/dev/null"]);
+            body["env"] = env;
+            let r = c.create(body).await;
+            assert_eq!(r.status, 202, "{:?}", r.json);
+            let id = r.json["id"].as_str().expect("id").to_string();
+            // Past execd's idle pause, so a spare shell is waiting where it is on.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let (out, code) = c.exec(&id, SPARE_OR_FRESH).await;
+            assert_eq!(code, 0, "{out}");
+            let (env_out, _) = c.exec(&id, "echo \"[$WARREN_SPARE_SHELL]\"").await;
+            assert_eq!(
+                c.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+                    .await
+                    .status,
+                204
+            );
+            assert_no_trace(&server_data, &id);
+            (out.trim().to_string(), env_out.trim().to_string())
+        }
+    };
+    let default = Server::start();
+    assert_eq!(
+        after_a_pause(&default, json!({})).await,
+        ("spare".to_string(), "[]".to_string())
+    );
+    let off = Server::start_configured("[runtime]\nspare_shell = false\n");
+    assert_eq!(
+        after_a_pause(&off, json!({})).await,
+        ("fresh".to_string(), "[0]".to_string())
+    );
+    assert_eq!(
+        after_a_pause(&off, json!({"WARREN_SPARE_SHELL": "1"})).await,
+        ("spare".to_string(), "[1]".to_string()),
+        "the create's own setting wins"
+    );
+}

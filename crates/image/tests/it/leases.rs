@@ -34,7 +34,10 @@ fn a_lease_written_by_one_store_holds_in_another_and_a_release_there_is_seen_her
     // A second process on the same data dir (the CLI's `image rm` beside a server).
     let b = ImageStore::open(data.path()).expect("reopen");
     b.remove("img").expect("remove the name");
-    assert!(layer.is_dir(), "the lease written by the other store keeps the layer");
+    assert!(
+        layer.is_dir(),
+        "the lease written by the other store keeps the layer"
+    );
     assert!(
         b.leased("sbx-1").expect("leased").is_some(),
         "the lease is read back from the journal"
@@ -72,7 +75,9 @@ fn a_line_cut_short_by_a_crash_is_skipped_and_the_next_lease_is_read_whole() {
     let fresh = ImageStore::open(data.path()).expect("reopen with a cut line");
     assert!(fresh.leased("sbx-cut").expect("leased").is_none());
     assert!(fresh.leased("sbx-1").expect("leased").is_some());
-    fresh.lease("sbx-2", &resolved).expect("lease after the cut line");
+    fresh
+        .lease("sbx-2", &resolved)
+        .expect("lease after the cut line");
     let again = ImageStore::open(data.path()).expect("reopen");
     assert!(
         again.leased("sbx-2").expect("leased").is_some(),
@@ -91,7 +96,10 @@ fn lease_files_of_an_older_store_are_moved_into_the_journal() {
     let ResolvedImage::Layers { layers, id, .. } = &resolved else {
         panic!("host")
     };
-    let hex = layers[0].file_name().unwrap().to_str().unwrap();
+    let hex = layers[0]
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("layer folder name");
     let old = data.path().join("images/leases");
     fs::create_dir_all(&old).expect("old leases dir");
     fs::write(
@@ -99,12 +107,15 @@ fn lease_files_of_an_older_store_are_moved_into_the_journal() {
         serde_json::to_vec(&serde_json::json!({
             "image": "img", "layers": [format!("sha256:{hex}")], "id": id, "config": {}
         }))
-        .unwrap(),
+        .expect("json"),
     )
     .expect("old lease file");
     drop(store);
     let store = ImageStore::open(data.path()).expect("reopen");
-    assert!(!old.exists(), "the old folder is gone once its leases are moved");
+    assert!(
+        !old.exists(),
+        "the old folder is gone once its leases are moved"
+    );
     assert!(store.leased("sbx-old").expect("leased").is_some());
     store.remove("img").expect("remove the name");
     assert!(layer.is_dir(), "the moved lease still keeps the layer");
