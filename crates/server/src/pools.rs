@@ -29,6 +29,19 @@ pub const POOL_REF: &str = "poolRef";
 const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// Warm sandboxes one pool makes at the same time.
 const REFILL_PARALLEL: u32 = 2;
+/// How long after a claim (from any pool) no refill starts, while the pool still holds more than
+/// a [`HOLD_FLOOR`]th of what it wants and nobody waits for it. A claimed sandbox's client goes
+/// on at once to its first command, which takes a few ms; a refill started beside it (~20 ms of
+/// CPU) made that claim ~2.5 ms slower on this project's machine, even at nice 19 and the
+/// smallest CPU share: with two vCPUs a busy one slows the other (a nice-19 busy loop alone cost
+/// a claim ~1.2 ms). So claims in quick succession — a client's claim → command → delete cycles
+/// (~8 ms from a compiled client, more from Python), a burst served from the pool — leave the
+/// refills to the pause after them, down to the floor; claims further apart than this (fewer
+/// than 50 a second) find every gap used as before.
+const CLAIM_HOLD: Duration = Duration::from_millis(20);
+/// The share of what a pool wants warm (`bufferMax`, within `poolMax`) below which claims no
+/// longer hold its refills: a pool drained by a steady stream of claims refills as it did.
+const HOLD_FLOOR: u32 = 4;
 const MAX_NAME_LEN: usize = 63;
 
 #[derive(Clone)]
@@ -44,6 +57,8 @@ struct Inner {
     /// API-made pools are kept here; pools of the config file are not (they are the file's).
     file: PathBuf,
     pools: Mutex<HashMap<String, Arc<Pool>>>,
+    /// When the last warm sandbox was handed out, from any pool (see [`CLAIM_HOLD`]).
+    last_claim: Mutex<Option<tokio::time::Instant>>,
 }
 
 struct Pool {
@@ -121,6 +136,7 @@ impl Pools {
                 storage,
                 file: data_dir.join("pools.json"),
                 pools: Mutex::new(HashMap::new()),
+                last_claim: Mutex::new(None),
             }),
         }
     }
@@ -429,6 +445,8 @@ impl Pools {
                 let next = warm.pop_front();
                 if next.is_some() {
                     pool.claiming.fetch_add(1, Ordering::SeqCst);
+                    *self.inner.last_claim.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(tokio::time::Instant::now());
                 }
                 next
             };
@@ -502,6 +520,15 @@ impl Pools {
             let allocated = self.allocated(&pool.spec.name) + pool.claiming.load(Ordering::SeqCst);
             let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
             if warm + creating < want && creating < REFILL_PARALLEL {
+                if let Some(until) = self.held_until(&pool, warm, want) {
+                    // A claim's first command runs now; a waiting create or the hold's end wakes
+                    // this up to look again.
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => {}
+                        () = pool.refill.notified() => {}
+                    }
+                    continue;
+                }
                 pool.creating.fetch_add(1, Ordering::SeqCst);
                 let me = self.clone();
                 let p = pool.clone();
@@ -560,6 +587,19 @@ impl Pools {
             })
             .await;
         }
+    }
+
+    /// Until when a refill of `pool` waits for the claims just made (see [`CLAIM_HOLD`]); `None`
+    /// when it may start now.
+    fn held_until(&self, pool: &Pool, warm: u32, want: u32) -> Option<tokio::time::Instant> {
+        let last = *self.inner.last_claim.lock().unwrap_or_else(|e| e.into_inner());
+        hold(
+            pool.demand.background.is_on(),
+            warm,
+            want,
+            last,
+            tokio::time::Instant::now(),
+        )
     }
 
     /// How many warm sandboxes `pool` holds, after dropping from its list those that ended while
@@ -676,9 +716,40 @@ fn fits(template: &CreatePlan, rec: &SandboxRecord) -> bool {
         && rec.limits == template.limits
 }
 
+/// The rule of [`CLAIM_HOLD`]: until when a refill waits, given whether nobody waits for the pool,
+/// how many of the `want`ed sandboxes are warm, and the last claim.
+fn hold(
+    nobody_waits: bool,
+    warm: u32,
+    want: u32,
+    last_claim: Option<tokio::time::Instant>,
+    now: tokio::time::Instant,
+) -> Option<tokio::time::Instant> {
+    if !nobody_waits || warm <= want / HOLD_FLOOR {
+        return None;
+    }
+    let until = last_claim? + CLAIM_HOLD;
+    (now < until).then_some(until)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claims_in_quick_succession_hold_refills_down_to_the_floor_and_never_a_waiting_create() {
+        let now = tokio::time::Instant::now();
+        let just = Some(now - Duration::from_millis(3));
+        let until = just.map(|t| t + CLAIM_HOLD);
+        assert_eq!(hold(true, 20, 25, just, now), until, "a claim 3 ms ago holds");
+        assert_eq!(hold(true, 20, 25, None, now), None, "no claim yet");
+        let long_ago = Some(now - CLAIM_HOLD - Duration::from_millis(1));
+        assert_eq!(hold(true, 20, 25, long_ago, now), None, "the hold is over");
+        assert_eq!(hold(false, 20, 25, just, now), None, "a create waits");
+        assert_eq!(hold(true, 6, 25, just, now), None, "at the floor (a quarter)");
+        assert_eq!(hold(true, 7, 25, just, now), until, "above the floor");
+        assert_eq!(hold(true, 0, 1, just, now), None, "an empty pool of one");
+    }
 
     #[test]
     fn a_pool_makes_sandboxes_in_the_background_only_while_nobody_waits() {
