@@ -445,8 +445,11 @@ impl Pools {
                 let next = warm.pop_front();
                 if next.is_some() {
                     pool.claiming.fetch_add(1, Ordering::SeqCst);
-                    *self.inner.last_claim.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(tokio::time::Instant::now());
+                    *self
+                        .inner
+                        .last_claim
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(tokio::time::Instant::now());
                 }
                 next
             };
@@ -592,7 +595,11 @@ impl Pools {
     /// Until when a refill of `pool` waits for the claims just made (see [`CLAIM_HOLD`]); `None`
     /// when it may start now.
     fn held_until(&self, pool: &Pool, warm: u32, want: u32) -> Option<tokio::time::Instant> {
-        let last = *self.inner.last_claim.lock().unwrap_or_else(|e| e.into_inner());
+        let last = *self
+            .inner
+            .last_claim
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         hold(
             pool.demand.background.is_on(),
             warm,
@@ -741,12 +748,20 @@ mod tests {
         let now = tokio::time::Instant::now();
         let just = Some(now - Duration::from_millis(3));
         let until = just.map(|t| t + CLAIM_HOLD);
-        assert_eq!(hold(true, 20, 25, just, now), until, "a claim 3 ms ago holds");
+        assert_eq!(
+            hold(true, 20, 25, just, now),
+            until,
+            "a claim 3 ms ago holds"
+        );
         assert_eq!(hold(true, 20, 25, None, now), None, "no claim yet");
         let long_ago = Some(now - CLAIM_HOLD - Duration::from_millis(1));
         assert_eq!(hold(true, 20, 25, long_ago, now), None, "the hold is over");
         assert_eq!(hold(false, 20, 25, just, now), None, "a create waits");
-        assert_eq!(hold(true, 6, 25, just, now), None, "at the floor (a quarter)");
+        assert_eq!(
+            hold(true, 6, 25, just, now),
+            None,
+            "at the floor (a quarter)"
+        );
         assert_eq!(hold(true, 7, 25, just, now), until, "above the floor");
         assert_eq!(hold(true, 0, 1, just, now), None, "an empty pool of one");
     }
