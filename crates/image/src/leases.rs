@@ -90,10 +90,14 @@ impl Leases {
         Ok(f(&r.live))
     }
 
-    /// Adds `holder`'s lease.
-    pub fn add(&self, holder: &str, lease: Lease) -> Result<(), ImageError> {
+    /// Adds `holder`'s lease, unless it holds one already: that one is returned, and nothing is
+    /// written.
+    pub fn add(&self, holder: &str, lease: Lease) -> Result<Option<Lease>, ImageError> {
         let mut r = self.lock();
         self.catch_up(&mut r)?;
+        if let Some(held) = r.live.get(holder) {
+            return Ok(Some(held.clone()));
+        }
         self.append(
             &mut r,
             &Line::Lease {
@@ -102,7 +106,8 @@ impl Leases {
             },
         )?;
         r.live.insert(holder.to_owned(), lease);
-        self.compact_if_due(&mut r)
+        self.compact_if_due(&mut r)?;
+        Ok(None)
     }
 
     /// Drops `holder`'s lease; returns it, or `None` if it had none.
@@ -279,6 +284,7 @@ pub(crate) fn migrate_files(dir: &Path, leases: &Leases) -> Result<(), ImageErro
         };
         match crate::read_json::<Lease>(&path) {
             Ok(Some(lease)) => {
+                // Already in the journal if a migration stopped between the two steps.
                 leases.add(&holder, lease)?;
                 fs::remove_file(&path).map_err(ImageError::io("remove lease", &path))?;
             }

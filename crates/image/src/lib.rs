@@ -362,23 +362,17 @@ impl ImageStore {
         if layers.iter().any(|p| !p.is_dir()) {
             return Err(ImageError::NotFound { name: name.clone() });
         }
-        let held = self
-            .leases
-            .read(|live| live.get(holder).map(|l| l.layers == digests))?;
-        match held {
-            Some(true) => Ok(()),
-            Some(false) => Err(ImageError::InUse {
+        let lease = Lease {
+            image: name.clone(),
+            layers: digests,
+            id: id.clone(),
+            config: Some(config.clone()),
+        };
+        match self.leases.add(holder, lease.clone())? {
+            Some(held) if held.layers != lease.layers => Err(ImageError::InUse {
                 holder: holder.to_owned(),
             }),
-            None => self.leases.add(
-                holder,
-                Lease {
-                    image: name.clone(),
-                    layers: digests,
-                    id: id.clone(),
-                    config: Some(config.clone()),
-                },
-            ),
+            _ => Ok(()),
         }
     }
 
