@@ -80,6 +80,13 @@ pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
 /// The environment of a new command: execd's, then the env file (re-read every time: the SDK's
 /// `set_env` appends to it with a shell command), then the request's own vars.
 pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut env = base_env();
+    env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env
+}
+
+/// What every command starts from: execd's own environment and the env file's variables.
+pub fn base_env() -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = std::env::vars().collect();
     let file = std::env::var(EXECD_ENVS_VAR).unwrap_or_else(|_| DEFAULT_ENVS_FILE.to_string());
     // Commands must see where the file is: the SDK's `set_env` appends to "$EXECD_ENVS".
@@ -87,7 +94,6 @@ pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String>
     if let Ok(text) = std::fs::read_to_string(&file) {
         env.extend(parse_env_file(&text));
     }
-    env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     env
 }
 

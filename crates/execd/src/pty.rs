@@ -30,7 +30,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{code, ApiError, ApiResult, OptionalJson};
-use crate::process::{self, command_env, kill_group, shell, ProcessSpec, Program, StdinMode};
+use crate::process::{self, base_env, kill_group, shell, ProcessSpec, Program, StdinMode};
 use crate::query::Params;
 use crate::AppState;
 
@@ -362,7 +362,7 @@ fn spawn_pty(app: &AppState, session: &PtySession) -> ApiResult<Started> {
     )
     .map_err(|e| ApiError::runtime(format!("terminal flags: {e}")))?;
     let argv = program(session);
-    let mut env = command_env(&Default::default());
+    let mut env = base_env();
     env.entry("TERM".into())
         .or_insert_with(|| "xterm-256color".into());
     let mut cmd = Command::new(&argv[0]);

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use tokio::sync::{oneshot, Notify};
 
-use crate::process::{self, command_env, kill_group, ProcessSpec, Program, Running};
+use crate::process::{self, base_env, kill_group, ProcessSpec, Program, Running};
 use crate::reaper::{Exit, Reaper};
 
 /// How long execd must have had no foreground command running, and started none, before it starts
@@ -222,7 +222,7 @@ impl SpareShell {
             return None;
         }
         // What `command_env(&spec.envs)` gives, with the base (the env file read once) kept apart.
-        let base = command_env(&BTreeMap::new());
+        let base = base_env();
         let mut env = base.clone();
         env.extend(spec.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
         let Some(exports) = env_change(&spare.env, &env) else {
@@ -271,7 +271,7 @@ impl SpareShell {
 
 /// Starts a spare shell in `cwd` with the environment a command without `envs` gets now.
 fn start(reaper: &Reaper, cwd: &Path) -> std::io::Result<Spare> {
-    let env = command_env(&BTreeMap::new());
+    let env = base_env();
     let (out_r, out_w) = std::io::pipe()?;
     let (err_r, err_w) = std::io::pipe()?;
     let (go_r, go_w) = std::io::pipe()?;

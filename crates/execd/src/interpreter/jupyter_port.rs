@@ -11,7 +11,7 @@ use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
 use super::kernelspec::{self, KernelSpec};
-use crate::process::command_env;
+use crate::process::base_env;
 
 pub const DEFAULT_PORT: u16 = 44771;
 /// How often the image is looked at again while it has no kernel (one may be installed at runtime).
@@ -19,7 +19,7 @@ const RESCAN: Duration = Duration::from_secs(5);
 
 /// The kernels that could start now, with the environment commands and kernels get.
 pub fn launchable_specs() -> Vec<KernelSpec> {
-    let env = command_env(&Default::default());
+    let env = base_env();
     let dirs = kernelspec::search_path(
         env.get("JUPYTER_PATH").map(String::as_str),
         env.get("HOME").map(String::as_str),

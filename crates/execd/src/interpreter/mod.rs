@@ -95,7 +95,7 @@ async fn start_context(
     cwd: Option<&str>,
 ) -> ApiResult<Arc<Context>> {
     let language = kernelspec::normalize_language(language);
-    let env = crate::process::command_env(&Default::default());
+    let env = crate::process::base_env();
     let dirs = kernelspec::search_path(
         env.get("JUPYTER_PATH").map(String::as_str),
         env.get("HOME").map(String::as_str),
