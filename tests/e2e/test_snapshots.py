@@ -177,10 +177,14 @@ def test_pause_keeps_memory_and_uses_no_cpu(server, test_image, make_sandbox):
     if server.is_docker:
         pytest.skip("the Docker runtime's pause is docker pause (covered by test_lifecycle)")
     sbx = make_sandbox(test_image)
-    # Busy, with its state only in memory: a counter that spins and reports itself.
+    # Busy, with its state only in memory: a counter that spins and reports itself. The report is
+    # renamed into place, never truncated and rewritten: a pause can land between a truncate and
+    # its write (it did on gVisor, where each is a trip through the sentry), and the first read
+    # after the resume must see a whole number.
     sbx.commands.run(
-        "python3 -c 'import time\ni=0\nt=time.time()\nwhile True:\n i+=1\n "
-        "if time.time()-t>0.05:\n  open(\"/tmp/mem\",\"w\").write(str(i)); t=time.time()' ",
+        "python3 -c 'import os,time\ni=0\nt=time.time()\nwhile True:\n i+=1\n "
+        "if time.time()-t>0.05:\n  open(\"/tmp/mem.new\",\"w\").write(str(i)); "
+        "os.replace(\"/tmp/mem.new\",\"/tmp/mem\"); t=time.time()' ",
         opts=_background())
     W.wait_until(lambda: W.sh(sbx, "cat /tmp/mem")[1].strip().isdigit(), 30, message="the counter to start")
     pid_before = W.sh(sbx, "pgrep -f 'while True' | head -1")[1].strip()
@@ -195,7 +199,9 @@ def test_pause_keeps_memory_and_uses_no_cpu(server, test_image, make_sandbox):
     from opensandbox import SandboxSync
     sbx = SandboxSync.resume(sbx.id, connection_config=server.sdk_config())
     make_sandbox.created.append(sbx)
-    value = int(W.sh(sbx, "cat /tmp/mem")[1])
+    code, out, err = W.sh(sbx, "cat /tmp/mem")
+    assert code == 0 and out.strip().isdigit(), f"after the resume /tmp/mem read {out!r} (exit {code}, {err!r})"
+    value = int(out)
     W.wait_until(lambda: int(W.sh(sbx, "cat /tmp/mem")[1]) > value, 30, message="the counter to continue")
     assert W.sh(sbx, "pgrep -f 'while True' | head -1")[1].strip() == pid_before, "the same process continues"
 
