@@ -83,7 +83,9 @@ def test_unknown_image(api):
     {"cpu": "many", "memory": "512Mi"},
     {"cpu": "1", "memory": "-5Gi"},
     {"cpu": "5m", "memory": "512Mi"},  # below the kernel's smallest quota: was a 500 from the runtime
-], ids=["memory=lots", "cpu=many", "memory=negative", "cpu=below-10m"])
+    {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "banana"},  # was accepted and ignored
+    {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "1Mi"},
+], ids=["memory=lots", "cpu=many", "memory=negative", "cpu=below-10m", "disk=banana", "disk=1Mi"])
 def test_bad_resource_limits(api, limits):
     before = _ids(api)
     r = api.post("/v1/sandboxes", json=W.create_body(resourceLimits=limits))

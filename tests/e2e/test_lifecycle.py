@@ -83,6 +83,36 @@ def test_a_sandbox_at_its_memory_limit_loses_a_worker_not_execd(server, test_ima
     assert sbx.get_info().status.state == "Running"
 
 
+def test_ephemeral_storage_bounds_the_root_filesystem(server, test_image, make_sandbox, api):
+    """`ephemeral-storage` bounds what a sandbox's root filesystem holds beyond its image: a write
+    past it fails inside the sandbox (ENOSPC) and the sandbox carries on; the host's disk is not its
+    to fill. Docker bounds a writable layer only on some storage drivers (not on this suite's
+    daemon, overlay2 on ext4), and gVisor keeps those writes in its memory (bounded by the memory
+    limit) where they cannot be bounded apart: there the create is refused with the reason, and
+    nothing is made."""
+    bounded = {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "64Mi"}
+    if server.is_docker or server.gvisor:
+        before = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 200}).json()["items"]}
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image(test_image),
+                                                         resourceLimits=bounded))
+        W.assert_error_body(r, codes=[501])
+        assert "ephemeral-storage" in r.json()["message"], r.text
+        after = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 200}).json()["items"]}
+        assert after == before
+        return
+    fill = "dd if=/dev/zero of=/root/big bs=1M count=100 2>&1; echo exit=$?"
+    sbx = make_sandbox(test_image, resource=bounded)
+    code, out, _ = sh(sbx, fill, timeout=timedelta(seconds=60))
+    assert "No space left on device" in out and "exit=1" in out, out
+    # The bound is on what the sandbox holds: once it frees space, it writes again.
+    code, out, err = sh(sbx, "rm /root/big && head -c 16M /dev/zero > /root/again && stat -c %s /root/again")
+    assert (code, out.strip()) == (0, str(16 << 20)), (out, err)
+    # Without a bound the same write fits: what failed above was the bound.
+    other = make_sandbox(test_image, resource={"cpu": "1", "memory": "512Mi"})
+    code, out, _ = sh(other, fill, timeout=timedelta(seconds=60))
+    assert "exit=0" in out, out
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

@@ -611,6 +611,11 @@ def leaked_mounts(data_dirs: Iterable[Path]) -> list[str]:
             rest = line.split(" - ", 1)[1] if " - " in line else ""
             if any(mnt == d or mnt.startswith(d + "/") for d in dirs) or any(d in rest for d in dirs):
                 out.append(line)
+    # loop devices still backed by a file of a data dir (a sandbox's disk; "(deleted)" once removed)
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        name = (_read(str(backing)) or "").strip()
+        if any(name.startswith(d + "/") for d in dirs):
+            out.append(f"{backing.parent.parent.name} backed by {name}")
     return out
 
 

@@ -8,7 +8,7 @@ pub mod policy;
 pub mod quantity;
 pub mod runtime;
 
-pub use quantity::{parse_cpu_millis, parse_memory_bytes, QuantityError};
+pub use quantity::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, QuantityError};
 pub use runtime::{
     Background, ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError,
     RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,

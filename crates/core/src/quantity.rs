@@ -53,8 +53,30 @@ pub fn parse_cpu_millis(value: &str) -> Result<u64, QuantityError> {
 
 /// Memory in bytes: "512Mi", "2Gi", "1G", "1048576".
 pub fn parse_memory_bytes(value: &str) -> Result<u64, QuantityError> {
+    // Below a few MiB nothing starts (execd alone needs ~2 MiB); refuse rather than create a
+    // sandbox that dies at once.
+    parse_bytes("memory", value, 8 << 20, "must be at least 8Mi")
+}
+
+/// The bound on a sandbox's root filesystem writes (`ephemeral-storage`), in bytes, as memory.
+pub fn parse_disk_bytes(value: &str) -> Result<u64, QuantityError> {
+    // A file system smaller than this holds little more than its own metadata.
+    parse_bytes(
+        "ephemeral-storage",
+        value,
+        32 << 20,
+        "must be at least 32Mi",
+    )
+}
+
+fn parse_bytes(
+    resource: &'static str,
+    value: &str,
+    min: u64,
+    too_small: &'static str,
+) -> Result<u64, QuantityError> {
     let err = |why| QuantityError {
-        resource: "memory",
+        resource,
         value: value.to_string(),
         why,
     };
@@ -74,10 +96,8 @@ pub fn parse_memory_bytes(value: &str) -> Result<u64, QuantityError> {
         _ => return Err(err("unknown unit (use Ki, Mi, Gi, Ti, k, M, G or T)")),
     };
     let bytes = n * mult;
-    // Below a few MiB nothing starts (execd alone needs ~2 MiB); refuse rather than create a sandbox that
-    // dies at once.
-    if bytes < 8.0 * 1024.0 * 1024.0 {
-        return Err(err("must be at least 8Mi"));
+    if bytes < min as f64 {
+        return Err(err(too_small));
     }
     if bytes > 16.0 * 1024f64.powi(4) {
         return Err(err("more than 16Ti"));
@@ -113,6 +133,17 @@ mod tests {
         assert_eq!(parse_memory_bytes("104857600"), Ok(104_857_600));
         for bad in ["lots", "", "1Zi", "1mi", "-5Mi", "1Mi", "Gi"] {
             assert!(parse_memory_bytes(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn disk_quantities() {
+        assert_eq!(parse_disk_bytes("64Mi"), Ok(64 << 20));
+        assert_eq!(parse_disk_bytes("10Gi"), Ok(10 << 30));
+        let small = parse_disk_bytes("16Mi").expect_err("too small");
+        assert_eq!(small.resource, "ephemeral-storage");
+        for bad in ["banana", "", "1Zi", "20Ti", "Gi"] {
+            assert!(parse_disk_bytes(bad).is_err(), "{bad} should be rejected");
         }
     }
 }

@@ -14,6 +14,10 @@ pub struct ResourceLimits {
     pub cpu_millis: Option<u64>,
     pub memory_bytes: Option<u64>,
     pub pids: u64,
+    /// `ephemeral-storage`: the most the sandbox's root filesystem may hold beyond its image.
+    /// Records written before the field existed read as unbounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
 }
 
 /// Where a runtime gets its images from.

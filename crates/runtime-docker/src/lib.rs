@@ -211,6 +211,11 @@ impl DockerRuntime {
             host["Memory"] = json!(b);
             host["MemorySwap"] = json!(b);
         }
+        if let Some(b) = spec.limits.disk_bytes {
+            // Docker bounds a container's writable layer only on some storage drivers (overlay2
+            // over XFS with `pquota`, say); elsewhere the create fails and `create` says why.
+            host["StorageOpt"] = json!({"size": b.to_string()});
+        }
         if let Some(r) = &self.config.oci_runtime {
             host["Runtime"] = json!(r);
         }
@@ -378,7 +383,16 @@ impl DockerRuntime {
                 Some(&body),
             )
             .await
-            .map_err(|e| self.map_err("creating the container", e))?;
+            .map_err(|e| match e {
+                DockerError::Api { .. }
+                    if spec.limits.disk_bytes.is_some() && e.to_string().contains("storage-opt") =>
+                {
+                    RuntimeError::Unsupported(format!(
+                        "ephemeral-storage: this Docker daemon cannot bound a container's writes ({e})"
+                    ))
+                }
+                e => self.map_err("creating the container", e),
+            })?;
         let container = created["Id"]
             .as_str()
             .ok_or_else(|| RuntimeError::backend("Docker returned no container id"))?
@@ -788,6 +802,7 @@ mod tests {
                 cpu_millis: Some(500),
                 memory_bytes: Some(1 << 30),
                 pids: 100,
+                disk_bytes: None,
             },
             volumes: Vec::new(),
             background: Default::default(),

@@ -529,6 +529,7 @@ mod tests {
             cpu_millis: Some(500),
             memory_bytes: Some(256 << 20),
             pids: 512,
+            disk_bytes: None,
         };
         let cg = Cgroup::create(&layout, "warren", "abc", &limits).expect("create");
         let dir = t.path().join("warren/abc");

@@ -135,6 +135,8 @@ impl Folders {
     /// Removes sandbox `id`'s folder and everything in it; nothing if it has none.
     pub fn remove(&self, id: &str) -> io::Result<()> {
         let dir = self.path(id);
+        // Its disk (if it has one) first: a removal would descend into the mounted file system.
+        crate::disk::remove(&dir);
         let away = {
             let mut supply = lock(&self.supply);
             supply.next += 1;

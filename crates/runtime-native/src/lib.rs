@@ -16,6 +16,7 @@
 
 mod cgroup;
 mod children;
+mod disk;
 mod folders;
 mod hugetext;
 pub mod init;
@@ -244,6 +245,15 @@ impl NativeRuntime {
         }
     }
 
+    /// Whether sandboxes run under gVisor (runsc), which brings its own network stack and keeps
+    /// the root filesystem's writes in an overlay of its own.
+    fn is_gvisor(&self) -> bool {
+        self.inner
+            .oci
+            .as_ref()
+            .is_some_and(|o| o.kind == oci::OciKind::Runsc)
+    }
+
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.inner.folders.path(id)
     }
@@ -304,12 +314,17 @@ impl NativeRuntime {
                 (false, mounts)
             }
         };
+        // A sandbox with a disk of its own keeps its writes there (see `disk`).
+        let layer_dir = match spec.limits.disk_bytes {
+            Some(_) => disk::mount_point(&dir),
+            None => dir.clone(),
+        };
         InitSpec {
             id: spec.id.clone(),
             hostname: spec.id.chars().take(12).collect(),
             root,
-            upper_dir: dir.join("upper"),
-            work_dir: dir.join("work"),
+            upper_dir: layer_dir.join("upper"),
+            work_dir: layer_dir.join("work"),
             rootfs_dir: match self.inner.oci {
                 // an OCI runtime is handed the mounted root on the host
                 Some(_) => dir.join("rootfs"),
@@ -335,6 +350,17 @@ impl NativeRuntime {
             return Err(RuntimeError::Unsupported(format!(
                 "the native runtime runs images from Warren's image store, not the reference {name}"
             )));
+        }
+        if spec.limits.disk_bytes.is_some() && self.is_gvisor() {
+            // gVisor keeps the root's writes in an overlay of its own, in memory (bounded by the
+            // memory limit, never on the host's disk). Moved onto a sandbox disk (see `disk`) it
+            // ended the whole sandbox when the disk filled; without its overlay (writes through to
+            // ours) this runsc answers EINVAL to every statx.
+            return Err(RuntimeError::Unsupported(
+                "ephemeral-storage: gVisor keeps a sandbox's root filesystem writes in its memory, \
+                 bounded by the memory limit; it cannot bound them apart"
+                    .into(),
+            ));
         }
         let dir = self.sandbox_dir(&spec.id);
         if dir.exists() {
@@ -368,6 +394,14 @@ impl NativeRuntime {
             .folders
             .make(&spec.id)
             .map_err(|e| RuntimeError::backend_with(format!("creating {}", dir.display()), e))?;
+        if let Some(bytes) = spec.limits.disk_bytes {
+            disk::make(dir, bytes).map_err(|e| {
+                RuntimeError::backend_with(
+                    format!("making the sandbox's {bytes}-byte disk (ephemeral-storage)"),
+                    e,
+                )
+            })?;
+        }
         let log_path = dir.join(folders::LOG_NAME);
         let log = fs::OpenOptions::new()
             .append(true)
@@ -435,18 +469,27 @@ impl NativeRuntime {
         volumes: &[spec::HostMount],
         deadline: Instant,
     ) -> Result<(i32, Option<fs::File>), RuntimeError> {
-        let mut helper = match self.take_standby(&spec.id, &spec.limits) {
-            Some(warm) => warm,
-            None => self.cold_helper(spec, log)?,
-        };
-        // Before the spec goes out, so the helper's whole setup runs at that share.
-        self.lower_share(&spec.id, &spec.background);
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
         let root = premade_root(&init_spec);
+        if root.is_none() && spec.limits.disk_bytes.is_some() {
+            // PID 1 would mount the root itself, in a mount namespace (a standby helper's) that
+            // may predate the sandbox's disk: its writes could land beside the disk, unbounded.
+            return Err(RuntimeError::Unsupported(
+                "ephemeral-storage needs a kernel that makes the root overlay with fsmount(2) \
+                 (Linux 5.2, or 6.8 for images of many layers)"
+                    .into(),
+            ));
+        }
+        let mut helper = match self.take_standby(&spec.id, &spec.limits) {
+            Some(warm) => warm,
+            None => self.cold_helper(spec, log)?,
+        };
+        // Before the spec goes out, so the helper's whole setup runs at that share.
+        self.lower_share(&spec.id, &spec.background);
         let stdin = helper
             .stdin
             .take()
@@ -661,6 +704,7 @@ impl NativeRuntime {
             cpu_millis: None,
             memory_bytes: None,
             pids: 64,
+            disk_bytes: None,
         };
         let cgroup = Cgroup::create(
             &self.inner.layout,
@@ -854,20 +898,19 @@ impl Runtime for NativeRuntime {
     fn supports_network(&self) -> bool {
         // gVisor runs its own network stack inside the sandbox (started with --network=none here):
         // a link in the host-side namespace would not reach it.
-        !self
-            .inner
-            .oci
-            .as_ref()
-            .is_some_and(|o| o.kind == oci::OciKind::Runsc)
+        !self.is_gvisor()
     }
 
     fn upper_dir(&self, id: &str) -> Option<PathBuf> {
         // gVisor keeps the sandbox's writes in its own overlay, not in ours.
-        let ours = match &self.inner.oci {
-            None => true,
-            Some(o) => !matches!(o.kind, oci::OciKind::Runsc),
+        let ours = !self.is_gvisor();
+        let dir = self.sandbox_dir(id);
+        let layers = if disk::is_mounted(&dir) {
+            disk::mount_point(&dir)
+        } else {
+            dir
         };
-        ours.then(|| self.sandbox_dir(id).join("upper"))
+        ours.then(|| layers.join("upper"))
     }
 
     fn network_pid(&self, state: &RuntimeState) -> Option<i32> {

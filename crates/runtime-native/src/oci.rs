@@ -392,6 +392,7 @@ mod tests {
             cpu_millis: Some(500),
             memory_bytes: Some(1 << 30),
             pids: 100,
+            disk_bytes: None,
         };
         let c = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runc);
         assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
@@ -442,6 +443,7 @@ mod tests {
             cpu_millis: None,
             memory_bytes: None,
             pids: 100,
+            disk_bytes: None,
         };
         let c = config_json(&spec(), &unlimited, CpuShare::Background, OciKind::Runc);
         assert_eq!(
@@ -457,6 +459,7 @@ mod tests {
             cpu_millis: None,
             memory_bytes: None,
             pids: 100,
+            disk_bytes: None,
         };
         let c = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runsc);
         let rl = &c["process"]["rlimits"][0];

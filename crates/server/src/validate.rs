@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use warren_api::lifecycle::CreateSandboxRequest;
 use warren_api::ErrorCode;
-use warren_core::{parse_cpu_millis, parse_memory_bytes, ResourceLimits};
+use warren_core::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, ResourceLimits};
 
 use crate::config::LimitsSection;
 use crate::error::ApiError;
@@ -183,6 +183,7 @@ pub fn resource_limits(
         cpu_millis: None,
         memory_bytes: None,
         pids: defaults.pids,
+        disk_bytes: None,
     };
     let bad = |e: warren_core::QuantityError| ApiError::invalid(e.to_string());
     if let Some(c) = &defaults.default_cpu {
@@ -207,10 +208,10 @@ pub fn resource_limits(
                     })?
             }
             "gpu" | "nvidia.com/gpu" => return Err(unsupported("gpu resources")),
-            "ephemeral-storage" => {}
+            "ephemeral-storage" => limits.disk_bytes = Some(parse_disk_bytes(v).map_err(bad)?),
             other => {
                 return Err(ApiError::invalid(format!(
-                    "unknown resource {other:?} (known: cpu, memory, pids)"
+                    "unknown resource {other:?} (known: cpu, memory, ephemeral-storage, pids)"
                 )))
             }
         }
@@ -305,7 +306,34 @@ mod tests {
         assert_eq!(plan.limits.cpu_millis, Some(1000));
         assert_eq!(plan.limits.memory_bytes, Some(2 << 30));
         assert_eq!(plan.limits.pids, 4096);
+        assert_eq!(plan.limits.disk_bytes, None, "unbounded unless asked");
         assert_eq!(plan.entrypoint, None, "decided at create, from the image");
+    }
+
+    #[test]
+    fn ephemeral_storage_is_the_disk_bound() {
+        let with = |v: &str| {
+            let mut r = req();
+            r.resource_limits
+                .as_mut()
+                .expect("limits")
+                .insert("ephemeral-storage".into(), v.into());
+            create_plan(
+                r,
+                &LimitsSection::default(),
+                None,
+                &StoragePolicy::default(),
+            )
+        };
+        assert_eq!(
+            with("10Gi").expect("plan").limits.disk_bytes,
+            Some(10 << 30)
+        );
+        for bad in ["banana", "1Mi", ""] {
+            let err = with(bad).expect_err("must be refused");
+            assert_eq!(err.status, 400);
+            assert!(err.message.contains("ephemeral-storage"), "{}", err.message);
+        }
     }
 
     #[test]

@@ -352,6 +352,7 @@ mod tests {
                 cpu_millis: Some(1000),
                 memory_bytes: None,
                 pids: 4096,
+                disk_bytes: None,
             },
             created_at: Utc::now(),
             expires_at: None,
