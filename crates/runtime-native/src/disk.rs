@@ -59,7 +59,7 @@ fn try_make(dir: &Path, bytes: u64) -> io::Result<PathBuf> {
     // No journal (a sandbox's writes do not outlive a host crash anyway), no blocks reserved for
     // root (the sandbox's root is the only user), nothing discarded or zeroed ahead: a sparse file
     // stays sparse, and mkfs takes milliseconds whatever the size.
-    run(Command::new("mkfs.ext4")
+    run(Command::new(program("mkfs.ext4"))
         .args(["-q", "-F", "-m", "0", "-O", "^has_journal"])
         .args([
             "-E",
@@ -68,7 +68,7 @@ fn try_make(dir: &Path, bytes: u64) -> io::Result<PathBuf> {
         .arg(&image))?;
     // `noinit_itable`: no kernel thread zeroing inode tables in the background, which would write
     // (and allocate) a few MiB of the sparse file per GiB for nothing.
-    run(Command::new("mount")
+    run(Command::new(program("mount"))
         .args([
             "-t",
             "ext4",
@@ -94,6 +94,20 @@ pub(crate) fn remove(dir: &Path) {
     }
     let _ = fs::remove_dir(&point);
     let _ = fs::remove_file(dir.join(IMAGE_FILE));
+}
+
+/// A system program by name: from `PATH`, or from the sbin folders a service's `PATH` often lacks.
+fn program(name: &str) -> PathBuf {
+    let on_path = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()));
+    if on_path {
+        return PathBuf::from(name);
+    }
+    ["/usr/sbin", "/sbin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 /// Runs a helper program, its stderr kept for the error.

@@ -202,6 +202,25 @@ pub struct LimitsSection {
     pub pids: u64,
     pub default_memory: Option<String>,
     pub default_cpu: Option<String>,
+    /// `ephemeral-storage` for creates that leave it out: an operator's bound on every sandbox's
+    /// root filesystem, whatever its clients ask for.
+    pub default_ephemeral_storage: Option<String>,
+}
+
+impl LimitsSection {
+    /// The defaults as quantities: a typo in one is an error at start, not a 400 on every create.
+    pub fn check(&self) -> Result<(), warren_core::QuantityError> {
+        if let Some(c) = &self.default_cpu {
+            warren_core::parse_cpu_millis(c)?;
+        }
+        if let Some(m) = &self.default_memory {
+            warren_core::parse_memory_bytes(m)?;
+        }
+        if let Some(d) = &self.default_ephemeral_storage {
+            warren_core::parse_disk_bytes(d)?;
+        }
+        Ok(())
+    }
 }
 
 fn default_pids() -> u64 {
@@ -214,6 +233,7 @@ impl Default for LimitsSection {
             pids: default_pids(),
             default_memory: None,
             default_cpu: None,
+            default_ephemeral_storage: None,
         }
     }
 }
@@ -309,6 +329,7 @@ impl ServerConfig {
         if let Some(p) = env.get(env::EXECD_PATH) {
             runtime.execd_path = Some(PathBuf::from(p));
         }
+        file.limits.check().context("[limits]")?;
         if flags.insecure_no_auth && !listen.ip().is_loopback() {
             anyhow::bail!(
                 "--insecure-no-auth is accepted only on a loopback address, not {listen}"
@@ -415,5 +436,32 @@ maxWaitSeconds = 30
             ..Default::default()
         };
         assert!(ServerConfig::load(&flags, &[("X", "y")]).is_err());
+    }
+
+    #[test]
+    fn limit_defaults_are_checked_at_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("warren.toml");
+        let load = |text: &str| {
+            std::fs::write(&file, text).expect("write");
+            let flags = Overrides {
+                config: Some(file.clone()),
+                ..Default::default()
+            };
+            ServerConfig::load(&flags, &[("X", "y")])
+        };
+        let cfg = load("[limits]\ndefault_ephemeral_storage = \"10Gi\"\n").expect("load");
+        assert_eq!(
+            cfg.limits.default_ephemeral_storage.as_deref(),
+            Some("10Gi")
+        );
+        for bad in [
+            "default_ephemeral_storage = \"lots\"",
+            "default_memory = \"1Mi\"",
+            "default_cpu = \"many\"",
+        ] {
+            let err = load(&format!("[limits]\n{bad}\n")).expect_err(bad);
+            assert!(format!("{err:#}").contains("[limits]"), "{err:#}");
+        }
     }
 }

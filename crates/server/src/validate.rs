@@ -192,6 +192,9 @@ pub fn resource_limits(
     if let Some(m) = &defaults.default_memory {
         limits.memory_bytes = Some(parse_memory_bytes(m).map_err(bad)?);
     }
+    if let Some(d) = &defaults.default_ephemeral_storage {
+        limits.disk_bytes = Some(parse_disk_bytes(d).map_err(bad)?);
+    }
     for (k, v) in map.into_iter().flatten() {
         match k.as_str() {
             "cpu" => limits.cpu_millis = Some(parse_cpu_millis(v).map_err(bad)?),

@@ -235,6 +235,27 @@ pub fn assert_no_trace(data: &Path, id: &str) {
     );
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     assert!(!mounts.contains(id), "a mount of {id} is left on the host");
+    // A sandbox disk's loop device (its backing file reads "... (deleted)" once removed) clears
+    // itself when its file system's last mount goes, which may follow the sandbox's end by a moment.
+    let loop_of = |id: &str| {
+        std::fs::read_dir("/sys/block")
+            .expect("/sys/block")
+            .flatten()
+            .map(|dev| {
+                std::fs::read_to_string(dev.path().join("loop/backing_file")).unwrap_or_default()
+            })
+            .find(|backing| backing.contains(id))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while loop_of(id).is_some() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    if let Some(backing) = loop_of(id) {
+        panic!(
+            "a loop device is left for {id}, backed by {}",
+            backing.trim()
+        );
+    }
     for p in std::fs::read_dir("/proc").expect("proc").flatten() {
         if let Ok(cmd) = std::fs::read(p.path().join("cmdline")) {
             assert!(

@@ -303,3 +303,34 @@ async fn the_server_wide_spare_shell_switch_reaches_every_sandbox_and_a_create_c
         "the create's own setting wins"
     );
 }
+
+/// `[limits] default_ephemeral_storage` bounds every sandbox whose create leaves the limit out: a
+/// write past it fails inside the sandbox, which carries on; the bound's disk goes with the delete.
+#[tokio::test]
+async fn the_server_wide_disk_bound_reaches_creates_that_leave_it_out() {
+    let server = Server::start_configured("[limits]\ndefault_ephemeral_storage = \"48Mi\"\n");
+    let c = server.client();
+    let r = c.create(host(&["tail", "-f", "/dev/null"])).await;
+    assert_eq!(r.status, 202, "{:?}", r.json);
+    let id = r.json["id"].as_str().expect("id").to_string();
+    let (out, code) = c
+        .exec(
+            &id,
+            "head -c 64M /dev/zero 2>&1 > /big; echo \"exit=$?\"; rm -f /big",
+        )
+        .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("No space left on device") && out.contains("exit=1"),
+        "{out}"
+    );
+    let (out, code) = c.exec(&id, "echo small > /small && cat /small").await;
+    assert_eq!((code, out.trim()), (0, "small"));
+    assert_eq!(
+        c.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await
+            .status,
+        204
+    );
+    assert_no_trace(&server.data(), &id);
+}
