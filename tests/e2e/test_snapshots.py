@@ -173,6 +173,30 @@ def _cpu_usage_ns(sandbox_id: str) -> int | None:
 
 
 @pytest.mark.timeout(180)
+def test_a_disk_bounded_sandbox_snapshots_and_restores_bounded(server, test_image, make_sandbox, manager):
+    """A sandbox with `ephemeral-storage` keeps its writable layer on a disk of its own: the
+    snapshot captures it from there, and a restore asking for a bound gets one too."""
+    _snapshot_capable(server)
+    bounded = {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "64Mi"}
+    src = make_sandbox(test_image, resource=bounded)
+    code, _, err = W.sh(src, SETUP)
+    assert code == 0, err
+    info = src.create_snapshot(name="e2e-bounded")
+    _wait_ready(manager, info.id)
+    from opensandbox import SandboxSync
+    restored = SandboxSync.create(snapshot_id=info.id, connection_config=server.sdk_config(),
+                                  resource=bounded, timeout=timedelta(minutes=10),
+                                  ready_timeout=timedelta(seconds=60))
+    W.track_sandbox(restored.id)
+    make_sandbox.created.append(restored)
+    code, out, err = W.sh(restored, CHECK)
+    assert code == 0 and out == EXPECTED, (out, err)
+    code, out, _ = W.sh(restored, "dd if=/dev/zero of=/root/big bs=1M count=100 2>&1; echo exit=$?",
+                        timeout=timedelta(seconds=60))
+    assert "No space left on device" in out and "exit=1" in out, out
+
+
+@pytest.mark.timeout(180)
 def test_pause_keeps_memory_and_uses_no_cpu(server, test_image, make_sandbox):
     if server.is_docker:
         pytest.skip("the Docker runtime's pause is docker pause (covered by test_lifecycle)")
