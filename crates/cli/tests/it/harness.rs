@@ -128,6 +128,21 @@ impl Drop for Server {
     fn drop(&mut self) {
         // Only while unreaped: once waited for (a test stopped it), its pid may name another process.
         if matches!(self.child.try_wait(), Ok(None)) {
+            if std::thread::panicking() {
+                // A failed test's sandboxes would outlive the server (they do by design, for its
+                // next start): deleted first, on a thread of their own, outside the test's runtime.
+                let client = self.client();
+                let _ = std::thread::spawn(move || {
+                    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    else {
+                        return;
+                    };
+                    rt.block_on(client.delete_all());
+                })
+                .join();
+            }
             // SAFETY: signalling the child we spawned and have not reaped, by its pid.
             unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
             let _ = self.child.wait();
@@ -147,6 +162,23 @@ pub struct Resp {
 }
 
 impl Client {
+    /// Deletes every sandbox the server lists (best effort).
+    pub async fn delete_all(&self) {
+        let listed = self
+            .call(reqwest::Method::GET, "/v1/sandboxes?pageSize=1000", None)
+            .await;
+        for item in listed.json["items"].as_array().into_iter().flatten() {
+            if let Some(id) = item["id"].as_str() {
+                self.call(
+                    reqwest::Method::DELETE,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                )
+                .await;
+            }
+        }
+    }
+
     pub async fn call(
         &self,
         method: reqwest::Method,
