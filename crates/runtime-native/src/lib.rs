@@ -903,14 +903,16 @@ impl Runtime for NativeRuntime {
 
     fn upper_dir(&self, id: &str) -> Option<PathBuf> {
         // gVisor keeps the sandbox's writes in its own overlay, not in ours.
-        let ours = !self.is_gvisor();
+        if self.is_gvisor() {
+            return None;
+        }
         let dir = self.sandbox_dir(id);
         let layers = if disk::is_mounted(&dir) {
             disk::mount_point(&dir)
         } else {
             dir
         };
-        ours.then(|| layers.join("upper"))
+        Some(layers.join("upper"))
     }
 
     fn network_pid(&self, state: &RuntimeState) -> Option<i32> {

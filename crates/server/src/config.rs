@@ -208,18 +208,27 @@ pub struct LimitsSection {
 }
 
 impl LimitsSection {
-    /// The defaults as quantities: a typo in one is an error at start, not a 400 on every create.
-    pub fn check(&self) -> Result<(), warren_core::QuantityError> {
-        if let Some(c) = &self.default_cpu {
-            warren_core::parse_cpu_millis(c)?;
-        }
-        if let Some(m) = &self.default_memory {
-            warren_core::parse_memory_bytes(m)?;
-        }
-        if let Some(d) = &self.default_ephemeral_storage {
-            warren_core::parse_disk_bytes(d)?;
-        }
-        Ok(())
+    /// The limits of a create that asks for none. Checked at start, so that a typo here is an
+    /// error then, not a 400 on every create.
+    pub fn defaults(&self) -> Result<warren_core::ResourceLimits, warren_core::QuantityError> {
+        Ok(warren_core::ResourceLimits {
+            cpu_millis: self
+                .default_cpu
+                .as_deref()
+                .map(warren_core::parse_cpu_millis)
+                .transpose()?,
+            memory_bytes: self
+                .default_memory
+                .as_deref()
+                .map(warren_core::parse_memory_bytes)
+                .transpose()?,
+            pids: self.pids,
+            disk_bytes: self
+                .default_ephemeral_storage
+                .as_deref()
+                .map(warren_core::parse_disk_bytes)
+                .transpose()?,
+        })
     }
 }
 
@@ -329,7 +338,7 @@ impl ServerConfig {
         if let Some(p) = env.get(env::EXECD_PATH) {
             runtime.execd_path = Some(PathBuf::from(p));
         }
-        file.limits.check().context("[limits]")?;
+        file.limits.defaults().context("[limits]")?;
         if flags.insecure_no_auth && !listen.ip().is_loopback() {
             anyhow::bail!(
                 "--insecure-no-auth is accepted only on a loopback address, not {listen}"

@@ -179,22 +179,8 @@ pub fn resource_limits(
     map: Option<&BTreeMap<String, String>>,
     defaults: &LimitsSection,
 ) -> Result<ResourceLimits, ApiError> {
-    let mut limits = ResourceLimits {
-        cpu_millis: None,
-        memory_bytes: None,
-        pids: defaults.pids,
-        disk_bytes: None,
-    };
     let bad = |e: warren_core::QuantityError| ApiError::invalid(e.to_string());
-    if let Some(c) = &defaults.default_cpu {
-        limits.cpu_millis = Some(parse_cpu_millis(c).map_err(bad)?);
-    }
-    if let Some(m) = &defaults.default_memory {
-        limits.memory_bytes = Some(parse_memory_bytes(m).map_err(bad)?);
-    }
-    if let Some(d) = &defaults.default_ephemeral_storage {
-        limits.disk_bytes = Some(parse_disk_bytes(d).map_err(bad)?);
-    }
+    let mut limits = defaults.defaults().map_err(bad)?;
     for (k, v) in map.into_iter().flatten() {
         match k.as_str() {
             "cpu" => limits.cpu_millis = Some(parse_cpu_millis(v).map_err(bad)?),
