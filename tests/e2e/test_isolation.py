@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,37 @@ def test_data_dir_is_private(server, make_sandbox, any_image):
     code, out, err = sh(sbx, "cp /bin/sh /tmp/e2e-setuid && chmod 4755 /tmp/e2e-setuid && echo ok")
     assert code == 0, (out, err)
     assert os.stat(server.data_dir).st_mode & 0o777 == 0o700, oct(os.stat(server.data_dir).st_mode)
+
+
+def test_a_strict_umask_where_the_server_starts_does_not_shape_sandboxes(fresh_server):
+    """A hardened host's root umask (077) is the server's business, not its sandboxes': it made
+    each sandbox's `/` (its overlay's upper folder) 0700, so no user but root could run a program
+    in it, and every process in it inherited 077. Sandboxes get what Docker gives: `/` 0755 and a
+    umask of 022, images and their modes as imported."""
+    from opensandbox import SandboxSync
+
+    srv = fresh_server
+    srv.stop()
+    srv.umask = 0o077
+    srv.start()
+    images = ["host"]
+    if not srv.is_docker and (W.test_rootfs() / "usr/bin/python3").exists():
+        srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())  # under the 077 too
+        images.append(W.TEST_IMAGE_NAME)
+    for image in images:
+        sbx = SandboxSync.create(srv.sandbox_image(image), connection_config=srv.sdk_config(),
+                                 timeout=timedelta(minutes=5))
+        W.track_sandbox(sbx.id)
+        try:
+            # (os.stat, not stat(1): the runsc here refuses coreutils' statx flags)
+            modes = "python3 -c 'import os,sys; print(*(oct(os.stat(p).st_mode & 0o7777)[2:] for p in sys.argv[1:]))'"
+            code, out, err = sh(sbx, f"{modes} / /tmp /workspace /usr/bin; umask; "
+                                     f"touch /tmp/f && mkdir /tmp/d && {modes} /tmp/f /tmp/d")
+            assert code == 0, (image, out, err)
+            assert out.split() == ["755", "1777", "755", "755", "0022", "644", "755"], (image, out)
+            code, out, err = sh(sbx, "id -u; python3 -c 'import os; os.listdir(\"/\"); os.listdir(\"/usr/bin\")' && echo ran",
+                                uid=65534, gid=65534)
+            assert code == 0 and out.split() == ["65534", "ran"], (image, code, out, err)
+        finally:
+            sbx.kill()
+            sbx.close()

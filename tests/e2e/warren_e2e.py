@@ -209,6 +209,9 @@ class WarrenServer:
         # native runtime: pull missing images ([images] pull = "missing"); only for tests that bring
         # their own registry on loopback and configure it in `extra_config`
         self.native_pull = False
+        # The file-creation mask `warren serve` and the harness's `warren` CLI calls start with
+        # (None: the test process's own).
+        self.umask: int | None = None
         self.bin = warren_bin()
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
@@ -299,7 +302,8 @@ class WarrenServer:
     def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         self.check_binary()
         cmd = [str(self.bin), *args, "--data-dir", str(self.data_dir)]
-        res = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=timeout,
+                             umask=-1 if self.umask is None else self.umask)
         if check and res.returncode != 0:
             raise AssertionError(
                 f"`{' '.join(cmd)}` failed with exit code {res.returncode}\n"
@@ -339,7 +343,8 @@ class WarrenServer:
         log.write(f"\n===== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=log, start_new_session=True)
+                                     stdout=log, stderr=log, start_new_session=True,
+                                     umask=-1 if self.umask is None else self.umask)
         log.close()
         REGISTRY.server_pids.add(self.proc.pid)
         REGISTRY.server_starts[self.proc.pid] = _start_ticks(self.proc.pid)

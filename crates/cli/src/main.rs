@@ -159,6 +159,12 @@ fn remote(
 }
 
 fn main() -> ExitCode {
+    // Modes below the data dir are Warren's to decide, not the invoking shell's: a sandbox folder's
+    // `upper` is the sandbox's `/`, and under a hardened root's umask (077, say) it was made 0700,
+    // so no user but root in the sandbox could run anything. Nothing is exposed by 022: the data
+    // dir itself is kept 0700. Set before the setup helpers and the zygote start (they inherit it).
+    // SAFETY: umask(2) only swaps the process's file-creation mask.
+    unsafe { libc::umask(0o022) };
     // The sandbox setup helper must run before any thread exists: dispatch before parsing or starting
     // a runtime.
     match std::env::args().nth(1).as_deref() {

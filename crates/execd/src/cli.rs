@@ -99,6 +99,11 @@ pub fn jupyter_port_from_env() -> Option<u16> {
 /// Runs the daemon on a current-thread runtime until the entrypoint exits; returns the exit code.
 /// Must be called from the only thread of its process.
 pub fn serve(config: Config) -> i32 {
+    // The sandbox's processes get Docker's (and runc's) umask, whatever the process that started
+    // execd had: a server, runtime or shell with a stricter one would otherwise make every file
+    // a sandbox writes unreadable to its other users.
+    // SAFETY: umask(2) only swaps the process's file-creation mask.
+    unsafe { libc::umask(0o022) };
     // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
     // threads would cost each sandbox their creation, and each request hand-offs between them.
     // Blocking file work still runs on tokio's blocking pool.
