@@ -184,6 +184,7 @@ impl NativeRuntime {
         // Named anew whenever its content changes: running sandboxes keep the one they were made with.
         let base_layer = build_base_layer(&config.data_dir.join("sandbox-base-1"))
             .map_err(|e| RuntimeError::backend_with("building the sandbox base layer", e))?;
+        check_layers_can_live_in(&config.data_dir, &base_layer)?;
         let mount_point = config.data_dir.join("mnt");
         fs::create_dir_all(&mount_point)
             .map_err(|e| RuntimeError::backend_with("creating the sandbox mount point", e))?;
@@ -1106,6 +1107,47 @@ fn premade_root(spec: &InitSpec) -> Option<OwnedFd> {
             |e| tracing::debug!(error = %e, "the root overlay is left to the sandbox to mount"),
         )
         .ok()
+}
+
+/// Refuses to start where no sandbox could be made: every sandbox's writable layer is an overlay's
+/// upper folder under the data dir, and some file systems cannot hold one — overlayfs itself above
+/// all, which is where a data dir lands when Warren runs in a container without a volume for it.
+/// Found at start, with the kernel's reason, instead of at every create as "mount overlay at …".
+/// The probe overlay is made and never mounted (`fsopen(2)`; skipped on kernels without it).
+fn check_layers_can_live_in(data_dir: &Path, lower: &Path) -> Result<(), RuntimeError> {
+    let probe = data_dir.join(format!("overlay-probe.{}", std::process::id()));
+    let (upper, work) = (probe.join("upper"), probe.join("work"));
+    let made = fs::create_dir_all(&upper).and_then(|()| fs::create_dir_all(&work));
+    let outcome = made
+        .map_err(|e| RuntimeError::backend_with("preparing the overlay probe in the data dir", e))
+        .and_then(|()| {
+            rootfs::mount_api::probe_overlay(&[lower.to_path_buf()], &upper, &work).map_err(
+                |(errno, kernel)| {
+                    let said = if kernel.is_empty() {
+                        " (overlayfs says why in the kernel log, `dmesg`)".to_string()
+                    } else {
+                        format!(" (the kernel: {kernel})")
+                    };
+                    RuntimeError::backend(format!(
+                        "the data dir {} cannot hold sandboxes' writable layers: an overlay with its upper folder there fails with {errno}{said}{}",
+                        data_dir.display(),
+                        if on_overlayfs(data_dir) {
+                            ". The data dir is on overlayfs (a container's own file system?): give it a volume or a host file system, e.g. `docker run -v /var/lib/warren:/var/lib/warren …`"
+                        } else {
+                            ""
+                        }
+                    ))
+                },
+            )
+        });
+    let _ = fs::remove_dir_all(&probe);
+    outcome
+}
+
+/// Whether `path` is on overlayfs (`OVERLAYFS_SUPER_MAGIC`).
+fn on_overlayfs(path: &Path) -> bool {
+    use nix::sys::statfs::{statfs, OVERLAYFS_SUPER_MAGIC};
+    statfs(path).is_ok_and(|s| s.filesystem_type() == OVERLAYFS_SUPER_MAGIC)
 }
 
 /// The sandbox base layer (see `InitSpec::base_layer`), made once; running sandboxes have it as a

@@ -399,6 +399,83 @@ pub(crate) mod mount_api {
         work: &std::path::Path,
         joined: bool,
     ) -> nix::Result<OwnedFd> {
+        let fs = overlay_context(lowers, upper, work, joined)?;
+        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None)?;
+        // SAFETY: fsmount(2) on a created context we own; the result is owned here.
+        let mnt = check(unsafe {
+            libc::syscall(
+                libc::SYS_fsmount,
+                fs.as_raw_fd(),
+                FSMOUNT_CLOEXEC,
+                MOUNT_ATTR_NODEV,
+            )
+        })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) })
+    }
+
+    /// Whether the kernel makes the overlay [`overlay_detached`] would (and mounts it nowhere);
+    /// if not, its errno and what overlayfs said why (the `e`/`w` lines of the file system
+    /// context's log, such as "filesystem on '…' not supported as upperdir"). `Ok` too where the
+    /// kernel has no `fsopen(2)` (before 5.2): nothing can be asked then.
+    pub fn probe_overlay(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+    ) -> Result<(), (nix::errno::Errno, String)> {
+        use nix::errno::Errno;
+        let mut last = (Errno::EINVAL, String::new());
+        // As `overlay_detached`: one by one, then (EINVAL: before Linux 6.8) joined.
+        for joined in [false, true] {
+            let fs = match overlay_context(lowers, upper, work, joined) {
+                Ok(fs) => fs,
+                Err(Errno::ENOSYS) => return Ok(()),
+                Err(e) => {
+                    last = (e, String::new());
+                    if e == Errno::EINVAL {
+                        continue;
+                    }
+                    break;
+                }
+            };
+            match fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    last = (e, context_log(&fs));
+                    if e != Errno::EINVAL {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// The messages a file system context holds (one per read(2), `e `, `w ` or `i ` first),
+    /// joined with "; ".
+    fn context_log(fs: &OwnedFd) -> String {
+        let mut lines = Vec::new();
+        let mut buf = [0u8; 512];
+        // A context keeps at most 8 messages; the bound stops a kernel that kept answering.
+        for _ in 0..16 {
+            // SAFETY: read(2) into a buffer we own, of the length passed.
+            let n = unsafe { libc::read(fs.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            let Ok(n) = usize::try_from(n) else { break };
+            if n == 0 {
+                break;
+            }
+            lines.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
+        }
+        lines.join("; ")
+    }
+
+    /// An overlay's file system context with its options set, not yet created.
+    fn overlay_context(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+        joined: bool,
+    ) -> nix::Result<OwnedFd> {
         // SAFETY: fsopen(2) with a NUL-terminated name; the result is owned here.
         let fs =
             check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })?;
@@ -448,18 +525,7 @@ pub(crate) mod mount_api {
             Ok(()) | Err(nix::errno::Errno::EINVAL) => {}
             Err(e) => return Err(e),
         }
-        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None)?;
-        // SAFETY: fsmount(2) on a created context we own; the result is owned here.
-        let mnt = check(unsafe {
-            libc::syscall(
-                libc::SYS_fsmount,
-                fs.as_raw_fd(),
-                FSMOUNT_CLOEXEC,
-                MOUNT_ATTR_NODEV,
-            )
-        })?;
-        // SAFETY: a fresh descriptor, owned by nobody else.
-        Ok(unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) })
+        Ok(fs)
     }
 
     /// Attaches a detached mount (`fsmount(2)`'s descriptor) at `target`.

@@ -226,3 +226,63 @@ fn client_errors_are_one_clear_line() {
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     assert!(err.contains("no-such-sandbox"), "{err}");
 }
+
+/// Warren in a container without a volume for its data dir puts it on overlayfs, which cannot hold
+/// an overlay's upper folder: every create failed with "mount overlay at …". The server now refuses
+/// to start, and says why and what to do, leaving nothing mounted or made in the data dir.
+#[test]
+fn a_data_dir_on_overlayfs_is_refused_at_start_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for sub in ["lower", "upper", "work", "merged"] {
+        std::fs::create_dir(dir.path().join(sub)).expect("mkdir");
+    }
+    let merged = dir.path().join("merged");
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        dir.path().join("lower").display(),
+        dir.path().join("upper").display(),
+        dir.path().join("work").display()
+    );
+    let mounted = Command::new("mount")
+        .args(["-t", "overlay", "overlay", "-o", &opts])
+        .arg(&merged)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mounting the test's overlay");
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(merged.clone());
+
+    let data = merged.join("data");
+    let out = Command::new(warren_bin())
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--data-dir",
+        ])
+        .arg(&data)
+        .env("WARREN_API_KEY", "k-overlay-test")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the server started: {err}");
+    assert!(
+        err.contains("cannot hold sandboxes' writable layers") && err.contains("on overlayfs"),
+        "unclear error: {err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&data)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        !left
+            .iter()
+            .any(|n| n.to_string_lossy().starts_with("overlay-probe")),
+        "the probe was left behind: {left:?}"
+    );
+}
