@@ -95,6 +95,29 @@ impl Layout {
         matches!(self, Layout::V1 { .. })
     }
 
+    /// Makes the `parent` cgroup every sandbox's goes in, in each hierarchy (on v2, with the
+    /// controllers delegated down to it), so that a host where that cannot be done — cgroups
+    /// mounted read-only, as in a container without `--privileged` — is found at start, not at
+    /// every create.
+    pub fn prepare(&self, parent: &str) -> Result<(), CgroupError> {
+        let parents: Vec<PathBuf> = match self {
+            Layout::V2 { root } => {
+                enable_v2_controllers(root, &root.join(parent))?;
+                vec![root.join(parent)]
+            }
+            Layout::V1 { hierarchies } => hierarchies.iter().map(|(_, h)| h.join(parent)).collect(),
+        };
+        // A parent left by an earlier start exists even where nothing can be made any more: a
+        // child made and removed again tells.
+        for dir in parents {
+            fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+            let probe = dir.join(format!("warren-probe-{}", std::process::id()));
+            fs::create_dir(&probe).map_err(io_err(&probe))?;
+            fs::remove_dir(&probe).map_err(io_err(&probe))?;
+        }
+        Ok(())
+    }
+
     fn v1_dir(&self, ctrl: &'static str) -> Option<&Path> {
         match self {
             Layout::V1 { hierarchies } => hierarchies
@@ -470,16 +493,114 @@ fn enable_v2_controllers(root: &Path, parent: &Path) -> Result<(), CgroupError> 
             .filter(|c| available.split_whitespace().any(|a| a == **c))
             .map(|c| format!("+{c}"))
             .collect();
-        if !want.is_empty() {
-            write(&d.join("cgroup.subtree_control"), &want.join(" "))?;
+        if want.is_empty() {
+            continue;
+        }
+        let subtree = d.join("cgroup.subtree_control");
+        let delegate = || fs::write(&subtree, want.join(" "));
+        match delegate() {
+            // A cgroup with processes of its own cannot delegate controllers (v2's "no internal
+            // processes" rule). Only the real root is exempt, so this is a cgroup namespace's root:
+            // Warren in a container, beside its own processes. They move to a leaf, as
+            // docker-in-docker's entrypoint moves them, and the root can delegate.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && d == root => {
+                let moved = move_processes_to_leaf(root, |procs, pid| fs::write(procs, pid))?;
+                tracing::info!(
+                    cgroup = %root.display(),
+                    moved,
+                    "moved the processes of the cgroup namespace's root into its `init` child, so that it can delegate controllers to sandboxes"
+                );
+                delegate().map_err(io_err(&subtree))?;
+            }
+            other => other.map_err(io_err(&subtree))?,
         }
     }
     Ok(())
 }
 
+/// The leaf that [`move_processes_to_leaf`] moves a cgroup's own processes into.
+const LEAF: &str = "init";
+
+/// Moves every process listed in `dir/cgroup.procs` into `dir/init` (made if missing), with
+/// `join(procs file, pid)` (the real one writes the pid there); returns how many moved. Processes
+/// that exit meanwhile are skipped, and a few rounds catch what forked during one.
+fn move_processes_to_leaf(
+    dir: &Path,
+    join: impl Fn(&Path, &str) -> io::Result<()>,
+) -> Result<usize, CgroupError> {
+    let leaf = dir.join(LEAF);
+    fs::create_dir_all(&leaf).map_err(io_err(&leaf))?;
+    let procs = dir.join("cgroup.procs");
+    let into = leaf.join("cgroup.procs");
+    let mut moved = 0;
+    for _ in 0..5 {
+        let listed = fs::read_to_string(&procs).map_err(io_err(&procs))?;
+        let pids: Vec<&str> = listed.split_whitespace().collect();
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            match join(&into, pid) {
+                Ok(()) => moved += 1,
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => return Err(io_err(&into)(e)),
+            }
+        }
+    }
+    Ok(moved)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_roots_own_processes_move_to_a_leaf() {
+        let t = tempfile::tempdir().expect("tempdir");
+        // What a container's cgroup namespace root lists: its own processes.
+        fs::write(t.path().join("cgroup.procs"), "1\n42\n77\n").expect("procs");
+        let joined = std::sync::Mutex::new(Vec::new());
+        let moved = move_processes_to_leaf(t.path(), |procs, pid| {
+            assert_eq!(procs, t.path().join("init/cgroup.procs"));
+            joined.lock().expect("lock").push(pid.to_string());
+            // the kernel takes each pid out of the root's list; one exited meanwhile
+            let left: Vec<String> = fs::read_to_string(t.path().join("cgroup.procs"))?
+                .split_whitespace()
+                .filter(|p| *p != pid)
+                .map(str::to_string)
+                .collect();
+            fs::write(t.path().join("cgroup.procs"), left.join("\n"))?;
+            if pid == "42" {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        })
+        .expect("move");
+        assert_eq!(moved, 2);
+        assert_eq!(*joined.lock().expect("lock"), ["1", "42", "77"]);
+        assert!(t.path().join("init").is_dir());
+        // a failure other than an exited process is the caller's
+        fs::write(t.path().join("cgroup.procs"), "5\n").expect("procs");
+        let e = move_processes_to_leaf(t.path(), |_, _| {
+            Err(io::Error::from_raw_os_error(libc::EACCES))
+        })
+        .expect_err("EACCES");
+        assert!(matches!(e, CgroupError::Io { .. }), "{e}");
+    }
+
+    #[test]
+    fn preparing_makes_the_parent_in_every_hierarchy() {
+        let t = tempfile::tempdir().expect("tempdir");
+        for c in ["memory", "pids", "cpu"] {
+            fs::create_dir_all(t.path().join(c)).expect("mkdir");
+            fs::write(t.path().join(c).join("cgroup.procs"), "").expect("write");
+        }
+        let layout = Layout::detect(t.path()).expect("layout");
+        layout.prepare("warren").expect("prepare");
+        for c in ["memory", "pids", "cpu"] {
+            assert!(t.path().join(c).join("warren").is_dir(), "{c}");
+        }
+    }
 
     #[test]
     fn detects_v1_and_ignores_empty_unified() {

@@ -161,6 +161,18 @@ impl NativeRuntime {
     pub fn new(config: NativeConfig) -> Result<Self, RuntimeError> {
         let layout = cgroup::Layout::detect(&config.cgroup_root)
             .map_err(|e| RuntimeError::backend_with("cgroups are not usable", e))?;
+        layout.prepare(&config.cgroup_parent).map_err(|e| {
+            let read_only = matches!(&e, cgroup::CgroupError::Io { source, .. }
+                if source.raw_os_error() == Some(libc::EROFS));
+            RuntimeError::backend_with(
+                if read_only {
+                    "cgroups are mounted read-only here (a container? Warren needs a writable cgroup file system: `docker run --privileged`, say)"
+                } else {
+                    "cgroups are not usable"
+                },
+                e,
+            )
+        })?;
         if !config.execd_path.is_file() {
             return Err(RuntimeError::backend(format!(
                 "execd binary not found at {}",

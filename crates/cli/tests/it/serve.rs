@@ -286,3 +286,33 @@ fn a_data_dir_on_overlayfs_is_refused_at_start_with_the_reason() {
         "the probe was left behind: {left:?}"
     );
 }
+
+/// Warren in a container without `--privileged` sees its cgroups read-only; every create failed
+/// with EROFS while the server looked healthy. It now refuses to start and says so. (A mount
+/// namespace of the test's own with one hierarchy remounted read-only stands for the container.)
+#[test]
+fn read_only_cgroups_are_refused_at_start_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hierarchy = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
+        .into_iter()
+        .find(|h| std::path::Path::new(h).join("cgroup.procs").exists())
+        .expect("a cgroup hierarchy");
+    let script = format!(
+        "mount --make-rprivate / && mount -o remount,bind,ro {hierarchy} && exec \"$0\" serve --listen 127.0.0.1:{} --data-dir \"$1\"",
+        free_port()
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .arg(warren_bin())
+        .arg(dir.path().join("data"))
+        .env("WARREN_API_KEY", "k-cgroup-test")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the server started: {err}");
+    assert!(
+        err.contains("cgroups are mounted read-only") && err.contains("Read-only file system"),
+        "unclear error: {err}"
+    );
+}
