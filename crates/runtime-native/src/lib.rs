@@ -162,13 +162,17 @@ impl NativeRuntime {
         let layout = cgroup::Layout::detect(&config.cgroup_root)
             .map_err(|e| RuntimeError::backend_with("cgroups are not usable", e))?;
         layout.prepare(&config.cgroup_parent).map_err(|e| {
-            let read_only = matches!(&e, cgroup::CgroupError::Io { source, .. }
-                if source.raw_os_error() == Some(libc::EROFS));
+            let errno = match &e {
+                cgroup::CgroupError::Io { source, .. } => source.raw_os_error(),
+                _ => None,
+            };
             RuntimeError::backend_with(
-                if read_only {
-                    "cgroups are mounted read-only here (a container? Warren needs a writable cgroup file system: `docker run --privileged`, say)"
-                } else {
-                    "cgroups are not usable"
+                match errno {
+                    Some(libc::EROFS) => "cgroups are mounted read-only here (a container? Warren needs a writable cgroup file system: `docker run --privileged`, say)",
+                    Some(libc::EACCES | libc::EPERM) if !nix::unistd::geteuid().is_root() => {
+                        "the native runtime needs root (it makes cgroups, namespaces and mounts): run Warren as root, or with sudo"
+                    }
+                    _ => "cgroups are not usable",
                 },
                 e,
             )

@@ -316,3 +316,34 @@ fn read_only_cgroups_are_refused_at_start_with_the_reason() {
         "unclear error: {err}"
     );
 }
+
+/// Not root: the first thing that fails is the cgroup probe, and the error says what is missing.
+#[test]
+fn a_server_that_is_not_root_says_it_needs_root() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    // Copies the user can reach (a clone in a 0700 folder would not let it exec the built ones),
+    // execd beside the server as it is found.
+    let bin = warren_bin();
+    for name in ["warren", "warren-execd"] {
+        std::fs::copy(bin.with_file_name(name), dir.path().join(name)).expect("copy");
+    }
+    let out = Command::new(dir.path().join("warren"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .env("WARREN_API_KEY", "k-nonroot-test")
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the server started: {err}");
+    assert!(err.contains("needs root"), "unclear error: {err}");
+}
