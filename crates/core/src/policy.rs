@@ -36,6 +36,12 @@ pub const DENIED_SYSCALLS: &[&str] = &[
     "fsopen",
     "fspick",
     "init_module",
+    // io_uring: a large kernel surface behind a few syscalls, and the source of many of its
+    // privilege escalations; Docker's default profile dropped it in 25.0, Google's fleet and
+    // ChromeOS turn it off. Programs that use it fall back to ordinary syscalls.
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
     "ioperm",
     "iopl",
     "kcmp",
