@@ -415,9 +415,10 @@ pub(crate) mod mount_api {
     }
 
     /// Whether the kernel makes the overlay [`overlay_detached`] would (and mounts it nowhere);
-    /// if not, its errno and what overlayfs said why (the `e`/`w` lines of the file system
-    /// context's log, such as "filesystem on '…' not supported as upperdir"). `Ok` too where the
-    /// kernel has no `fsopen(2)` (before 5.2): nothing can be asked then.
+    /// if not, its errno and whatever overlayfs wrote into the file system context's log (its `e`
+    /// and `w` lines; most of its reasons, such as an upper folder on overlayfs, go only to the
+    /// kernel log, and then this is empty). `Ok` too where the kernel has no `fsopen(2)` (before
+    /// 5.2): nothing can be asked then.
     pub fn probe_overlay(
         lowers: &[std::path::PathBuf],
         upper: &std::path::Path,
