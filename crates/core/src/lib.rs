@@ -9,6 +9,23 @@ pub mod quantity;
 pub mod runtime;
 
 pub use quantity::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, QuantityError};
+
+/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line already
+/// holds (wrappers that quote their source). `Display` alone drops the causes, and with them the
+/// errno a person needs.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(cause) = cur {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cur = cause.source();
+    }
+    out
+}
 pub use runtime::{
     Background, ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError,
     RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,

@@ -103,7 +103,7 @@ const MAX_DETAIL: usize = 400;
 /// Causes may quote bytes from the image (tar headers): control characters become `?` and the text
 /// is cut, so the message stays one printable line.
 pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    one_line(&chain_raw(e))
+    one_line(&warren_core::error_chain(e))
 }
 
 pub(crate) fn one_line(text: &str) -> String {
@@ -114,20 +114,6 @@ pub(crate) fn one_line(text: &str) -> String {
         .collect();
     if text.chars().count() > MAX_DETAIL {
         out.push('…');
-    }
-    out
-}
-
-fn chain_raw(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(cause) = cur {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        cur = cause.source();
     }
     out
 }

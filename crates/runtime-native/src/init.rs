@@ -82,7 +82,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     }
 
     // Compile seccomp before unsharing so a failure costs nothing.
-    let filter = security::seccomp_filter().map_err(|e| with_causes(&e))?;
+    let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS
@@ -150,7 +150,7 @@ fn prepare_execd(
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
-    rootfs::build(spec, premade_root).map_err(|e| with_causes(&e))?;
+    rootfs::build(spec, premade_root).map_err(|e| warren_core::error_chain(&e))?;
     std::env::set_current_dir(&spec.workdir)
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;
@@ -204,9 +204,9 @@ fn prepare_execd(
     // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
     security::close_descriptors_except(&[ready_fd, error_pipe])
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
-    security::present_as(&argv).map_err(|e| with_causes(&e))?;
-    security::restrict_privileges().map_err(|e| with_causes(&e))?;
-    security::install_seccomp(filter).map_err(|e| with_causes(&e))?;
+    security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
+    security::restrict_privileges().map_err(|e| warren_core::error_chain(&e))?;
+    security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
     for (key, _) in std::env::vars_os() {
         std::env::remove_var(key);
     }
@@ -227,17 +227,4 @@ fn prepare_execd(
         jupyter_port: warren_execd::cli::jupyter_port_from_env(),
         ready_fd: warren_execd::daemon::adopt_ready_fd(ready_fd),
     })
-}
-
-/// An error and its causes on one line (`mount overlay at X: EINVAL: Invalid argument`): the
-/// server gets only this text back, and an error's `Display` alone leaves the errno out.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }

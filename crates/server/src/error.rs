@@ -45,13 +45,7 @@ impl ApiError {
 
     /// Logs the whole cause chain; the client gets a short message of its own.
     pub fn internal(context: &str, err: &(dyn std::error::Error + 'static)) -> Self {
-        let mut chain = err.to_string();
-        let mut source = err.source();
-        while let Some(s) = source {
-            chain.push_str(": ");
-            chain.push_str(&s.to_string());
-            source = s.source();
-        }
+        let chain = warren_core::error_chain(err);
         tracing::error!(error = %chain, "{context}");
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,

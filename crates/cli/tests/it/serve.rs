@@ -258,23 +258,16 @@ fn a_data_dir_on_overlayfs_is_refused_at_start_with_the_reason() {
     let _unmount = Unmount(merged.clone());
 
     let data = merged.join("data");
-    let out = Command::new(warren_bin())
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{}", free_port()),
-            "--data-dir",
-        ])
-        .arg(&data)
-        .env("WARREN_API_KEY", "k-overlay-test")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the server started: {err}");
-    assert!(
-        err.contains("cannot hold sandboxes' writable layers") && err.contains("on overlayfs"),
-        "unclear error: {err}"
+    refused_at_start(
+        Command::new(warren_bin())
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{}", free_port()),
+                "--data-dir",
+            ])
+            .arg(&data),
+        &["cannot hold sandboxes' writable layers", "on overlayfs"],
     );
     let left: Vec<_> = std::fs::read_dir(&data)
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
@@ -301,19 +294,12 @@ fn read_only_cgroups_are_refused_at_start_with_the_reason() {
         "mount --make-rprivate / && mount -o remount,bind,ro {hierarchy} && exec \"$0\" serve --listen 127.0.0.1:{} --data-dir \"$1\"",
         free_port()
     );
-    let out = Command::new("unshare")
-        .args(["-m", "sh", "-c", &script])
-        .arg(warren_bin())
-        .arg(dir.path().join("data"))
-        .env("WARREN_API_KEY", "k-cgroup-test")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the server started: {err}");
-    assert!(
-        err.contains("cgroups are mounted read-only") && err.contains("Read-only file system"),
-        "unclear error: {err}"
+    refused_at_start(
+        Command::new("unshare")
+            .args(["-m", "sh", "-c", &script])
+            .arg(warren_bin())
+            .arg(dir.path().join("data")),
+        &["cgroups are mounted read-only", "Read-only file system"],
     );
 }
 
@@ -329,21 +315,31 @@ fn a_server_that_is_not_root_says_it_needs_root() {
     for name in ["warren", "warren-execd"] {
         std::fs::copy(bin.with_file_name(name), dir.path().join(name)).expect("copy");
     }
-    let out = Command::new(dir.path().join("warren"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{}", free_port()),
-            "--data-dir",
-        ])
-        .arg(dir.path().join("data"))
-        .env("WARREN_API_KEY", "k-nonroot-test")
-        .uid(65534)
-        .gid(65534)
+    refused_at_start(
+        Command::new(dir.path().join("warren"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{}", free_port()),
+                "--data-dir",
+            ])
+            .arg(dir.path().join("data"))
+            .uid(65534)
+            .gid(65534),
+        &["needs root"],
+    );
+}
+
+/// Runs a `warren serve` that must refuse to start, and checks that its error says each of `says`.
+fn refused_at_start(serve: &mut Command, says: &[&str]) {
+    let out = serve
+        .env("WARREN_API_KEY", "k-refused-at-start")
         .stdin(Stdio::null())
         .output()
         .expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the server started: {err}");
-    assert!(err.contains("needs root"), "unclear error: {err}");
+    for said in says {
+        assert!(err.contains(said), "unclear error (no {said:?}): {err}");
+    }
 }
