@@ -382,36 +382,19 @@ pub(crate) mod mount_api {
         upper: &std::path::Path,
         work: &std::path::Path,
     ) -> nix::Result<OwnedFd> {
-        match overlay_with(lowers, upper, work, false) {
-            // Before Linux 6.8 overlayfs knows no `lowerdir+` (older kernels refuse it when the
-            // mount is created): the whole list as one `lowerdir`, which fsconfig(2) takes up to
-            // 255 bytes of (a longer one is refused too, EINVAL).
-            Err(nix::errno::Errno::EINVAL) => overlay_with(lowers, upper, work, true),
-            other => other,
-        }
+        mount_created(&created_overlay(lowers, upper, work).map_err(|(e, _)| e)?)
     }
 
     /// [`overlay_detached`] with the lower layers given one by one (`lowerdir+`) or `joined` into
-    /// one `lowerdir`, topmost first.
+    /// one `lowerdir`, topmost first: both ways are tested where the kernel has both.
+    #[cfg(test)]
     pub(super) fn overlay_with(
         lowers: &[std::path::PathBuf],
         upper: &std::path::Path,
         work: &std::path::Path,
         joined: bool,
     ) -> nix::Result<OwnedFd> {
-        let fs = overlay_context(lowers, upper, work, joined)?;
-        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None)?;
-        // SAFETY: fsmount(2) on a created context we own; the result is owned here.
-        let mnt = check(unsafe {
-            libc::syscall(
-                libc::SYS_fsmount,
-                fs.as_raw_fd(),
-                FSMOUNT_CLOEXEC,
-                MOUNT_ATTR_NODEV,
-            )
-        })?;
-        // SAFETY: a fresh descriptor, owned by nobody else.
-        Ok(unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) })
+        mount_created(&created(lowers, upper, work, joined).map_err(|(e, _)| e)?)
     }
 
     /// Whether the kernel makes the overlay [`overlay_detached`] would (and mounts it nowhere);
@@ -424,32 +407,53 @@ pub(crate) mod mount_api {
         upper: &std::path::Path,
         work: &std::path::Path,
     ) -> Result<(), (nix::errno::Errno, String)> {
-        use nix::errno::Errno;
-        let mut last = (Errno::EINVAL, String::new());
-        // As `overlay_detached`: one by one, then (EINVAL: before Linux 6.8) joined.
-        for joined in [false, true] {
-            let fs = match overlay_context(lowers, upper, work, joined) {
-                Ok(fs) => fs,
-                Err(Errno::ENOSYS) => return Ok(()),
-                Err(e) => {
-                    last = (e, String::new());
-                    if e == Errno::EINVAL {
-                        continue;
-                    }
-                    break;
-                }
-            };
-            match fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None) {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    last = (e, context_log(&fs));
-                    if e != Errno::EINVAL {
-                        break;
-                    }
-                }
-            }
+        match created_overlay(lowers, upper, work) {
+            Ok(_) | Err((nix::errno::Errno::ENOSYS, _)) => Ok(()),
+            Err(refused) => Err(refused),
         }
-        Err(last)
+    }
+
+    /// The overlay's file system context, created: its lower layers one by one, or joined where
+    /// the kernel refuses that. On failure, the errno and what the context logged.
+    fn created_overlay(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+    ) -> Result<OwnedFd, (nix::errno::Errno, String)> {
+        match created(lowers, upper, work, false) {
+            // Before Linux 6.8 overlayfs knows no `lowerdir+` (older kernels refuse it when the
+            // mount is created): the whole list as one `lowerdir`, which fsconfig(2) takes up to
+            // 255 bytes of (a longer one is refused too, EINVAL).
+            Err((nix::errno::Errno::EINVAL, _)) => created(lowers, upper, work, true),
+            other => other,
+        }
+    }
+
+    /// [`created_overlay`] for one way of giving the lower layers.
+    fn created(
+        lowers: &[std::path::PathBuf],
+        upper: &std::path::Path,
+        work: &std::path::Path,
+        joined: bool,
+    ) -> Result<OwnedFd, (nix::errno::Errno, String)> {
+        let fs = overlay_context(lowers, upper, work, joined).map_err(|e| (e, String::new()))?;
+        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None).map_err(|e| (e, context_log(&fs)))?;
+        Ok(fs)
+    }
+
+    /// The mount of a created file system context, attached nowhere.
+    fn mount_created(fs: &OwnedFd) -> nix::Result<OwnedFd> {
+        // SAFETY: fsmount(2) on a created context we own; the result is owned here.
+        let mnt = check(unsafe {
+            libc::syscall(
+                libc::SYS_fsmount,
+                fs.as_raw_fd(),
+                FSMOUNT_CLOEXEC,
+                MOUNT_ATTR_NODEV,
+            )
+        })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(mnt as libc::c_int) })
     }
 
     /// The messages a file system context holds (one per read(2), `e `, `w ` or `i ` first),
