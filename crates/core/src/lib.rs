@@ -32,7 +32,9 @@ pub use runtime::{
 };
 
 /// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its
-/// socket appears in (bind-mounted from a per-sandbox host folder the server connects through).
+/// socket appears in (bind-mounted from a per-sandbox host folder the server connects through) on
+/// the runtimes that cannot hand execd a listening socket bound outside (gVisor, Docker); the
+/// embedded runtime and runc bind it outside with [`bind_socket_in`] and mount no such folder.
 pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
 pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
 pub const EXECD_SOCKET_NAME: &str = "execd.sock";
@@ -68,6 +70,28 @@ pub fn socket_connect_path(
     }
     let short = std::path::PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()));
     Ok((handle, short))
+}
+
+/// A Unix socket listening at `dir/name` (a stale socket there is replaced), bound through a short
+/// path whatever `dir`'s length. Made outside the sandbox and handed to execd as a descriptor, it
+/// needs no folder the sandbox can write in: such a folder was a host folder outside every limit
+/// of the sandbox's storage.
+pub fn bind_socket_in(
+    dir: &std::path::Path,
+    name: &str,
+) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let handle = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)?;
+    let short = std::path::PathBuf::from(format!("/proc/self/fd/{}/{name}", handle.as_raw_fd()));
+    match std::fs::remove_file(&short) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::os::unix::net::UnixListener::bind(&short)
 }
 
 /// The fields of a `/proc/PID/stat` line after the parenthesised command name, which may itself hold

@@ -59,6 +59,12 @@ fn read_name(msg: &[u8], mut pos: usize) -> Option<(String, usize)> {
             break;
         }
         let label = msg.get(pos..pos + len)?;
+        // A dot inside a label would make `a.b` (one label) read as two, so a name could match a
+        // rule for another (`evil\.allowed.test` under `*.allowed.test`); bytes outside printable
+        // ASCII have no place in a host name either. Such a name is refused, not escaped.
+        if label.iter().any(|b| *b == b'.' || !b.is_ascii_graphic()) {
+            return None;
+        }
         labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
         pos += len;
         if labels.len() > 127 {
@@ -210,6 +216,27 @@ mod tests {
         assert_eq!(answers[0].name, "a.test");
         assert_eq!(answers[0].addr, Some(ips[0]));
         assert_eq!(answers[0].ttl, 30);
+    }
+
+    #[test]
+    fn a_dot_inside_a_label_is_refused() {
+        // "evil.allowed" as ONE label, then "test": joined naively it reads evil.allowed.test.
+        let mut q = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+        q.push(12);
+        q.extend_from_slice(b"evil.allowed");
+        q.push(4);
+        q.extend_from_slice(b"test");
+        q.extend_from_slice(&[0, 0, 1, 0, 1]);
+        assert!(parse_query(&q).is_none());
+        let mut nul = build_query(1, "a.test", TYPE_A);
+        nul[13] = 0;
+        assert!(parse_query(&nul).is_none());
+        assert_eq!(
+            parse_query(&build_query(1, "ok-1_x.test", TYPE_A))
+                .expect("plain")
+                .name,
+            "ok-1_x.test"
+        );
     }
 
     #[test]

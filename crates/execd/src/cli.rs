@@ -28,6 +28,9 @@ struct Args {
     /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
     #[arg(long, value_name = "PORT")]
     jupyter_port: Option<u16>,
+    /// A listening Unix socket to serve on, bound by whoever started execd (outside the sandbox).
+    #[arg(long, value_name = "FD")]
+    listen_fd: Option<i32>,
     /// A descriptor execd closes once it listens: whoever holds the other end of this pipe learns
     /// that execd is ready without polling its socket.
     #[arg(long, value_name = "FD")]
@@ -50,12 +53,21 @@ where
     let args = Args::parse_from(args);
     // Before anything is spawned: the entrypoint and commands must not inherit it.
     let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
-    let listen = match (&args.listen, args.sockets.is_empty()) {
+    let listeners: Vec<_> = args
+        .listen_fd
+        .and_then(daemon::adopt_listen_fd)
+        .into_iter()
+        .collect();
+    let listen = match (
+        &args.listen,
+        args.sockets.is_empty() && listeners.is_empty(),
+    ) {
         (None, true) => Some(SocketAddr::from(([0, 0, 0, 0], warren_api::EXECD_PORT))),
         (l, _) => *l,
     };
     serve(Config {
         sockets: args.sockets,
+        listeners,
         listen,
         workdir: args.workdir,
         entrypoint: args.entrypoint,

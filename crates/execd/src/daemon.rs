@@ -23,7 +23,11 @@ pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 pub struct Config {
+    /// Unix sockets to bind.
     pub sockets: Vec<PathBuf>,
+    /// Unix sockets bound already, outside the sandbox, by whoever started execd (see
+    /// `warren_core::bind_socket_in`).
+    pub listeners: Vec<std::os::unix::net::UnixListener>,
     pub listen: Option<SocketAddr>,
     pub workdir: PathBuf,
     pub entrypoint: Vec<String>,
@@ -31,6 +35,50 @@ pub struct Config {
     pub jupyter_port: Option<u16>,
     /// Closed once every listener is bound (see `adopt_ready_fd`).
     pub ready_fd: Option<OwnedFd>,
+}
+
+/// As the sandbox's init, execd lets go of what its runtime handed it from the host that the
+/// sandbox could reach through `/proc/1/*` (an OCI runtime starts it with the caller's stdin and a
+/// host log as stdout and stderr): it becomes non-dumpable, so no process of the sandbox may follow
+/// its `/proc/1/{exe,fd/*,map_files/*}` links or read its memory (the sandbox keeps no
+/// `CAP_SYS_PTRACE`; the embedded runtime's PID 1 is non-dumpable already), and takes stdin from the
+/// sandbox's own `/dev/null`. stdout and stderr move onto the captured output (see `output`).
+fn shed_host_objects() {
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "could not make execd non-dumpable");
+    }
+    match std::fs::File::open("/dev/null") {
+        // SAFETY: dup2 of a descriptor we own onto stdin; it touches no memory.
+        Ok(null) => unsafe {
+            libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0);
+        },
+        Err(e) => tracing::warn!(error = %e, "no /dev/null in the sandbox; stdin stays as given"),
+    }
+}
+
+/// Takes the `--listen-fd` descriptor: a listening Unix socket bound outside the sandbox (by an
+/// OCI runtime's caller, passed with `--preserve-fds`), marked close-on-exec. `None` (with a
+/// warning) when `fd` is not an open socket.
+pub fn adopt_listen_fd(fd: i32) -> Option<std::os::unix::net::UnixListener> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: fcntl on a descriptor number only reads and sets its flags; a closed one fails.
+    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        tracing::warn!(
+            fd,
+            "--listen-fd is not an open descriptor above stderr; ignored"
+        );
+        return None;
+    }
+    // SAFETY: the descriptor is open (fcntl succeeded) and nothing else in execd owns it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let is_socket = nix::sys::stat::fstat(owned.as_raw_fd())
+        .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK);
+    if !is_socket {
+        tracing::warn!(fd, "--listen-fd is not a socket; ignored");
+        return None;
+    }
+    Some(std::os::unix::net::UnixListener::from(owned))
 }
 
 /// Takes the `--ready-fd` descriptor: marks it close-on-exec, so no process execd starts holds it,
@@ -64,6 +112,14 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             }
         }
     });
+    // As the sandbox's init (PID 1 of its PID namespace), output goes to a ring in memory, not to
+    // the host file the runtime gave us (see `output`).
+    let output = if std::process::id() == 1 {
+        shed_host_objects();
+        crate::output::start()
+    } else {
+        None
+    };
     let state = Arc::new(AppState::new(reaper.clone(), config.workdir.clone()));
     let app = router(state.clone());
 
@@ -75,8 +131,8 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
             .entrypoint
             .split_first()
             .context("empty entrypoint")?;
-        // posix_spawn rather than Command: see `crate::spawn`. Same environment, stdio and process
-        // group as execd.
+        // posix_spawn rather than Command: see `crate::spawn`. Same environment and process group
+        // as execd; stdout and stderr into the captured output when execd is the sandbox's init.
         let program = crate::spawn::resolve(first, std::env::var("PATH").ok().as_deref())
             .with_context(|| format!("starting entrypoint {first}"))?;
         let env: Vec<(String, String)> = std::env::vars().collect();
@@ -90,8 +146,8 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
                     &config.workdir,
                     crate::spawn::Stdio {
                         stdin: crate::spawn::Stdin::Inherit,
-                        stdout: None,
-                        stderr: None,
+                        stdout: output.map(|o| o.fd()),
+                        stderr: output.map(|o| o.fd()),
                         new_group: false,
                         extra: &[],
                     },
@@ -113,6 +169,15 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
         tracing::info!(socket = %path.display(), "listening");
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
+    for listener in config.listeners {
+        listener
+            .set_nonblocking(true)
+            .context("handed-over socket")?;
+        let listener =
+            tokio::net::UnixListener::from_std(listener).context("handed-over socket")?;
+        tracing::info!("listening on the handed-over socket");
+        servers.spawn(axum::serve(listener, app.clone()).into_future());
+    }
     if let Some(addr) = config.listen {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -132,6 +197,10 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     // Listening: whoever waits on the other end of the ready pipe may connect now.
     drop(config.ready_fd);
+    // What execd says from here on is the sandbox's business, kept with the entrypoint's output.
+    if let Some(output) = output {
+        output.take_over_stdio();
+    }
     tokio::spawn({
         let (state, reaper) = (state.clone(), reaper.clone());
         async move { state.spare.keep(reaper, state.workdir.clone()).await }

@@ -78,9 +78,16 @@ pub async fn download(
     let offset = params.number::<u64>("offset")?;
     let limit = params.number::<u64>("limit")?;
     let path = app.resolve(&p);
-    let mut file = tokio::fs::File::open(&path)
-        .await
-        .map_err(|e| ApiError::io(&p, e))?;
+    let mut file = tokio::fs::File::from_std(
+        crate::files::blocking({
+            let (path, shown) = (path.clone(), p.clone());
+            move || {
+                crate::safe_path::open(&path, libc::O_RDONLY, 0)
+                    .map_err(|e| ApiError::io(&shown, e))
+            }
+        })
+        .await?,
+    );
     let meta = file.metadata().await.map_err(|e| ApiError::io(&p, e))?;
     if meta.is_dir() {
         return Err(ApiError::invalid_file(format!("{p} is a directory")));

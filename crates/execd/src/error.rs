@@ -83,7 +83,11 @@ impl ApiError {
             ErrorKind::PermissionDenied => Self::new(
                 StatusCode::FORBIDDEN,
                 code::RUNTIME_ERROR,
-                format!("{path}: permission denied"),
+                // A refusal of our own (`safe_path`) says why; the kernel's says only EACCES.
+                match err.get_ref() {
+                    Some(why) => format!("{path}: {why}"),
+                    None => format!("{path}: permission denied"),
+                },
             ),
             ErrorKind::AlreadyExists => Self::invalid_file(format!("{path}: already exists")),
             _ => Self::runtime(format!("{path}: {err}")),

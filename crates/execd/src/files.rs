@@ -1,9 +1,10 @@
 //! File and directory routes other than upload/download: info, delete, permissions, move, search,
-//! replace, list, mkdir, rm -rf. Paths are absolute or relative to execd's workdir.
+//! replace, list, mkdir, rm -rf. Paths are absolute or relative to execd's workdir, and every one is
+//! resolved through `safe_path` (never through a /proc magic link).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::Metadata;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ use crate::command::rfc3339;
 use crate::error::{code, ApiError, ApiJson, ApiResult};
 use crate::ids::Ids;
 use crate::query::Params;
+use crate::safe_path;
 use crate::AppState;
 
 /// Runs blocking filesystem work off the async workers.
@@ -79,7 +81,7 @@ pub async fn info(
     let mut out = BTreeMap::new();
     for p in paths {
         let full = app.resolve(&p);
-        let meta = std::fs::metadata(&full).map_err(|e| ApiError::io(&p, e))?;
+        let meta = safe_path::metadata(&full).map_err(|e| ApiError::io(&p, e))?;
         out.insert(p, file_info(&full, &meta, &ids));
     }
     Ok(Json(out))
@@ -91,11 +93,16 @@ pub async fn delete_files(
 ) -> ApiResult<()> {
     for p in Params::parse(q.as_deref()).require_all("path")? {
         let full = app.resolve(&p);
-        match std::fs::symlink_metadata(&full) {
+        let target = match safe_path::entry(&full) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(ApiError::io(&p, e)),
+        };
+        match std::fs::symlink_metadata(target.path()) {
             Ok(m) if m.is_dir() => {
                 return Err(ApiError::invalid_file(format!("{p} is a directory")))
             }
-            Ok(_) => std::fs::remove_file(&full).map_err(|e| ApiError::io(&p, e))?,
+            Ok(_) => std::fs::remove_file(target.path()).map_err(|e| ApiError::io(&p, e))?,
             // Deleting what is not there is not a failure: the caller's goal is reached.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(ApiError::io(&p, e)),
@@ -118,8 +125,7 @@ pub struct Ownership {
 pub fn apply_ownership(path: &Path, display: &str, o: &Ownership, ids: &Ids) -> ApiResult<()> {
     if let Some(mode) = o.mode {
         let mode = mode_from_wire(mode)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| ApiError::io(display, e))?;
+        safe_path::set_mode(path, mode).map_err(|e| ApiError::io(display, e))?;
     }
     chown(path, display, o.owner.as_deref(), o.group.as_deref(), ids)
 }
@@ -146,7 +152,7 @@ pub fn chown(
         })
         .transpose()?;
     if uid.is_some() || gid.is_some() {
-        std::os::unix::fs::chown(path, uid, gid).map_err(|e| ApiError::io(display, e))?;
+        safe_path::chown(path, uid, gid).map_err(|e| ApiError::io(display, e))?;
     }
     Ok(())
 }
@@ -158,7 +164,7 @@ pub async fn permissions(
     let ids = Ids::load();
     for (p, o) in &body {
         let full = app.resolve(p);
-        std::fs::symlink_metadata(&full).map_err(|e| ApiError::io(p, e))?;
+        safe_path::symlink_metadata(&full).map_err(|e| ApiError::io(p, e))?;
         apply_ownership(&full, p, o, &ids)?;
     }
     Ok(())
@@ -181,21 +187,27 @@ pub async fn mv(
 fn move_all(app: &AppState, items: Vec<MoveItem>) -> ApiResult<()> {
     for item in items {
         let (src, dest) = (app.resolve(&item.src), app.resolve(&item.dest));
-        std::fs::symlink_metadata(&src).map_err(|e| ApiError::io(&item.src, e))?;
-        if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
+        let src_entry = safe_path::entry(&src).map_err(|e| ApiError::io(&item.src, e))?;
+        std::fs::symlink_metadata(src_entry.path()).map_err(|e| ApiError::io(&item.src, e))?;
+        let dest_entry = match safe_path::entry(&dest) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(ApiError::not_found(
                     code::FILE_NOT_FOUND,
                     format!("target directory of {} does not exist", item.dest),
-                ));
+                ))
             }
-        }
-        match std::fs::rename(&src, &dest) {
+            Err(e) => return Err(ApiError::io(&item.dest, e)),
+        };
+        match std::fs::rename(src_entry.path(), dest_entry.path()) {
             Ok(()) => {}
             // Across filesystems a rename is a copy plus delete; only plain files are handled that way.
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) && src.is_file() => {
-                std::fs::copy(&src, &dest).map_err(|e| ApiError::io(&item.dest, e))?;
-                std::fs::remove_file(&src).map_err(|e| ApiError::io(&item.src, e))?;
+            Err(e)
+                if e.raw_os_error() == Some(libc::EXDEV)
+                    && safe_path::metadata(&src).is_ok_and(|m| m.is_file()) =>
+            {
+                copy_file(&src, &item.src, &dest, &item.dest)?;
+                std::fs::remove_file(src_entry.path()).map_err(|e| ApiError::io(&item.src, e))?;
             }
             Err(e) => return Err(ApiError::io(&item.src, e)),
         }
@@ -203,25 +215,44 @@ fn move_all(app: &AppState, items: Vec<MoveItem>) -> ApiResult<()> {
     Ok(())
 }
 
-/// Walks `root` without following symlinks, calling `visit` with each entry and its depth (1 = child).
+/// `cp` of a plain file, contents and permission bits, both ends resolved through `safe_path`.
+fn copy_file(src: &Path, src_display: &str, dest: &Path, dest_display: &str) -> ApiResult<()> {
+    let mut from =
+        safe_path::open(src, libc::O_RDONLY, 0).map_err(|e| ApiError::io(src_display, e))?;
+    let mode = from
+        .metadata()
+        .map_err(|e| ApiError::io(src_display, e))?
+        .permissions();
+    let mut to = safe_path::open(dest, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, 0o600)
+        .map_err(|e| ApiError::io(dest_display, e))?;
+    std::io::copy(&mut from, &mut to).map_err(|e| ApiError::io(dest_display, e))?;
+    to.set_permissions(mode)
+        .map_err(|e| ApiError::io(dest_display, e))
+}
+
+/// Walks the folder `root` (resolved through `safe_path`) without following symlinks, calling
+/// `visit` with each entry's path under `shown` (the name the caller gave `root`), its metadata and
+/// its depth (1 = child).
 fn walk(
-    root: &Path,
+    root: &safe_path::Resolved,
+    shown: &Path,
     max_depth: usize,
     visit: &mut dyn FnMut(&Path, &Metadata, usize),
 ) -> std::io::Result<()> {
-    let mut stack = vec![(root.to_path_buf(), 1usize)];
-    while let Some((dir, depth)) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
+    let base = root.path();
+    let mut stack = vec![(PathBuf::new(), 1usize)];
+    while let Some((rel, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(base.join(&rel)) else {
             continue;
         };
         for entry in entries.flatten() {
-            let path = entry.path();
-            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            let rel = rel.join(entry.file_name());
+            let Ok(meta) = std::fs::symlink_metadata(base.join(&rel)) else {
                 continue;
             };
-            visit(&path, &meta, depth);
+            visit(&shown.join(&rel), &meta, depth);
             if meta.is_dir() && depth < max_depth {
-                stack.push((path, depth + 1));
+                stack.push((rel, depth + 1));
             }
         }
     }
@@ -243,7 +274,8 @@ pub async fn search(
     let pattern = glob::Pattern::new(&pattern_s)
         .map_err(|e| ApiError::bad_body(format!("invalid pattern {pattern_s}: {e}")))?;
     blocking(move || {
-        let meta = std::fs::metadata(&root).map_err(|e| ApiError::io(&root_s, e))?;
+        let dir = safe_path::follow(&root).map_err(|e| ApiError::io(&root_s, e))?;
+        let meta = std::fs::metadata(dir.path()).map_err(|e| ApiError::io(&root_s, e))?;
         if !meta.is_dir() {
             return Err(ApiError::invalid_file(format!(
                 "{root_s} is not a directory"
@@ -258,7 +290,7 @@ pub async fn search(
             require_literal_leading_dot: false,
         };
         let mut out = Vec::new();
-        walk(&root, usize::MAX, &mut |path, meta, _| {
+        walk(&dir, &root, usize::MAX, &mut |path, meta, _| {
             if meta.is_dir() {
                 return;
             }
@@ -313,7 +345,12 @@ pub async fn replace(
     let counts = blocking(move || {
         let mut counts = BTreeMap::new();
         for (p, full, r) in resolved {
-            let text = std::fs::read(&full).map_err(|e| ApiError::io(&p, e))?;
+            use std::io::{Read, Seek, Write};
+            let mut file =
+                safe_path::open(&full, libc::O_RDWR, 0).map_err(|e| ApiError::io(&p, e))?;
+            let mut text = Vec::new();
+            file.read_to_end(&mut text)
+                .map_err(|e| ApiError::io(&p, e))?;
             let text = String::from_utf8(text).map_err(|_| {
                 ApiError::new(
                     StatusCode::BAD_REQUEST,
@@ -324,7 +361,10 @@ pub async fn replace(
             let n = text.matches(&r.old).count();
             if n > 0 {
                 // Writing in place keeps the inode, and with it mode, owner and hard links.
-                std::fs::write(&full, text.replace(&r.old, &r.new))
+                let new = text.replace(&r.old, &r.new);
+                file.set_len(0)
+                    .and_then(|()| file.rewind())
+                    .and_then(|()| file.write_all(new.as_bytes()))
                     .map_err(|e| ApiError::io(&p, e))?;
             }
             counts.insert(p, ReplaceResult { replaced_count: n });
@@ -348,16 +388,17 @@ pub async fn list(
     let depth = params.number::<usize>("depth")?.unwrap_or(1).max(1);
     let root = app.resolve(&p);
     blocking(move || {
-        let meta = std::fs::symlink_metadata(&root).map_err(|e| ApiError::io(&p, e))?;
+        let meta = safe_path::symlink_metadata(&root).map_err(|e| ApiError::io(&p, e))?;
         if meta.file_type().is_symlink() {
             return Err(ApiError::invalid_file(format!("{p} is a symlink")));
         }
         if !meta.is_dir() {
             return Err(ApiError::invalid_file(format!("{p} is not a directory")));
         }
+        let dir = safe_path::follow(&root).map_err(|e| ApiError::io(&p, e))?;
         let ids = Ids::load();
         let mut out = Vec::new();
-        walk(&root, depth, &mut |path, meta, _| {
+        walk(&dir, &root, depth, &mut |path, meta, _| {
             out.push(file_info(path, meta, &ids))
         })
         .map_err(|e| ApiError::io(&p, e))?;
@@ -374,7 +415,7 @@ pub async fn mkdir(
     let ids = Ids::load();
     for (p, o) in &body {
         let full = app.resolve(p);
-        std::fs::create_dir_all(&full).map_err(|e| ApiError::io(p, e))?;
+        safe_path::create_dir_all(&full).map_err(|e| ApiError::io(p, e))?;
         apply_ownership(&full, p, o, &ids)?;
     }
     Ok(())
@@ -391,9 +432,14 @@ pub async fn rmdir(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> A
             if full == Path::new("/") {
                 return Err(ApiError::invalid_file("refusing to remove /"));
             }
-            match std::fs::symlink_metadata(&full) {
+            let target = match safe_path::entry(&full) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(ApiError::io(&p, e)),
+            };
+            match std::fs::symlink_metadata(target.path()) {
                 Ok(m) if m.is_dir() => {
-                    std::fs::remove_dir_all(&full).map_err(|e| ApiError::io(&p, e))?
+                    std::fs::remove_dir_all(target.path()).map_err(|e| ApiError::io(&p, e))?
                 }
                 Ok(_) => return Err(ApiError::invalid_file(format!("{p} is not a directory"))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

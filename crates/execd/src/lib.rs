@@ -13,11 +13,13 @@ pub mod interpreter;
 pub mod logbuf;
 pub mod metrics;
 pub mod oom;
+pub mod output;
 pub mod process;
 pub mod proxy;
 pub mod pty;
 pub mod query;
 pub mod reaper;
+pub mod safe_path;
 pub mod session;
 pub mod spare;
 pub mod spawn;
@@ -107,6 +109,7 @@ pub fn prebuild_routes() {
 fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/ping", get(|| async { StatusCode::OK }))
+        .route("/logs", get(output::logs))
         .route("/command", post(command::run).delete(command::interrupt))
         .route("/command/status/{id}", get(command::status))
         .route("/command/{id}/logs", get(command::logs))

@@ -73,14 +73,12 @@ async fn receive(app: &AppState, body: &SharedBody, boundary: String) -> ApiResu
                     .take()
                     .ok_or_else(|| bad_metadata("file part without a preceding metadata part"))?;
                 let path = app.resolve(&meta.path);
-                if let Some(parent) = path.parent() {
-                    tokio::fs::create_dir_all(parent)
-                        .await
-                        .map_err(|e| ApiError::io(&meta.path, e))?;
-                }
-                let mut file = tokio::fs::File::create(&path)
-                    .await
-                    .map_err(|e| ApiError::io(&meta.path, e))?;
+                let file = crate::files::blocking({
+                    let (path, shown) = (path.clone(), meta.path.clone());
+                    move || create_for_upload(&path).map_err(|e| ApiError::io(&shown, e))
+                })
+                .await?;
+                let mut file = tokio::fs::File::from_std(file);
                 while let Some(chunk) = field.try_next().await.map_err(multipart_error)? {
                     file.write_all(&chunk)
                         .await
@@ -101,6 +99,16 @@ async fn receive(app: &AppState, body: &SharedBody, boundary: String) -> ApiResu
         return Err(ApiError::invalid_file("no file part in upload"));
     }
     Ok(StatusCode::OK)
+}
+
+/// Creates (or truncates) the file at `path` and any missing folders above it, never through a /proc
+/// magic link (see `safe_path`): an upload to `/proc/1/fd/1` would otherwise write to whatever PID 1's
+/// output is.
+fn create_for_upload(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        crate::safe_path::create_dir_all(parent)?;
+    }
+    crate::safe_path::open(path, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, 0o644)
 }
 
 /// The request body, shared between multer (which reads it up to the closing boundary) and the

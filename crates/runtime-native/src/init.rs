@@ -17,7 +17,7 @@ use nix::unistd::{fork, ForkResult};
 
 use crate::rootfs;
 use crate::security;
-use crate::spec::{InitReply, InitSpec, EXECD_SOCKET_NAME, JOINED_LINE, SOCKET_DIR_IN_SANDBOX};
+use crate::spec::{InitReply, InitSpec, EXECD_SOCKET_NAME, JOINED_LINE};
 
 /// execd's log level in sandboxes of the embedded runtime (set once in the zygote; see `zygote`).
 pub(crate) const EXECD_LOG_LEVEL: &str = "info";
@@ -81,6 +81,17 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         nix::unistd::dup2(f.as_raw_fd(), 2).map_err(|e| format!("dup2: {e}"))?;
     }
 
+    // execd's socket, bound here in the host's folder before anything is unshared: execd gets the
+    // listening descriptor, so the sandbox needs no host folder it can write in (such a folder took
+    // writes outside the sandbox's `ephemeral-storage`).
+    let listener =
+        warren_core::bind_socket_in(&spec.socket_dir, EXECD_SOCKET_NAME).map_err(|e| {
+            format!(
+                "binding execd's socket in {}: {e}",
+                spec.socket_dir.display()
+            )
+        })?;
+
     // Compile seccomp before unsharing so a failure costs nothing.
     let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
     unshare(
@@ -102,7 +113,13 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         ForkResult::Child => {
             drop(read_end);
             let mut errors = fs::File::from(write_end);
-            match prepare_execd(&spec, &filter, errors.as_raw_fd(), premade_root.as_ref()) {
+            match prepare_execd(
+                &spec,
+                &filter,
+                errors.as_raw_fd(),
+                premade_root.as_ref(),
+                listener,
+            ) {
                 Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
                     // closing it used to). From here on failures show in the sandbox log.
@@ -122,6 +139,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
         }
         ForkResult::Parent { child } => {
             drop(write_end);
+            drop(listener);
             drop(premade_root);
             let mut msg = String::new();
             let _ = fs::File::from(read_end).read_to_string(&mut msg);
@@ -142,6 +160,7 @@ fn prepare_execd(
     filter: &crate::seccomp::Program,
     error_pipe: std::os::fd::RawFd,
     premade_root: Option<&OwnedFd>,
+    listener: std::os::unix::net::UnixListener,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
     // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
@@ -155,7 +174,6 @@ fn prepare_execd(
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;
 
-    let socket = format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}");
     // execd keeps a copy of the reply pipe (stdout) open until it listens, so the server's read
     // of the reply ends just when the sandbox is ready, instead of it polling execd's socket.
     // SAFETY: F_DUPFD duplicates an open descriptor to the lowest free number ≥ 3, without
@@ -168,8 +186,8 @@ fn prepare_execd(
     let ready = ready_fd.to_string();
     let mut argv: Vec<String> = [
         "warren-execd",
-        "--socket",
-        &socket,
+        "--listen-fd",
+        &listener.as_raw_fd().to_string(),
         "--workdir",
         &spec.workdir,
         "--ready-fd",
@@ -198,11 +216,12 @@ fn prepare_execd(
     // sandbox on this project's machine. What an exec would have given, done by hand:
     // - a clean environment: the sandbox's own (this process was forked from the zygote, which
     //   the server starts with an empty one, so no server secret was ever in this memory);
-    // - no descriptors but stdio, the ready descriptor and (until execd runs) the error pipe;
+    // - no descriptors but stdio, the ready descriptor, execd's listening socket and (until execd
+    //   runs) the error pipe;
     // - not dumpable, so the sandbox's processes cannot read this memory, its environment or
     //   follow /proc/1/exe (the host's `warren` binary) — the sandbox keeps no CAP_SYS_PTRACE;
     // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
-    security::close_descriptors_except(&[ready_fd, error_pipe])
+    security::close_descriptors_except(&[ready_fd, error_pipe, listener.as_raw_fd()])
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
     security::restrict_privileges().map_err(|e| warren_core::error_chain(&e))?;
@@ -220,7 +239,8 @@ fn prepare_execd(
     // What `warren-execd --socket … --workdir … --ready-fd N -- ENTRYPOINT` would parse, built
     // without its argument parser (clap's set-up was ~0.5 % of the machine's CPU per sandbox).
     Ok(warren_execd::daemon::Config {
-        sockets: vec![socket.into()],
+        sockets: Vec::new(),
+        listeners: vec![listener],
         listen: None,
         workdir: spec.workdir.clone().into(),
         entrypoint: spec.entrypoint.clone(),

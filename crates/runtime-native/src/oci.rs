@@ -44,6 +44,18 @@ pub enum OciKind {
     Runsc,
 }
 
+/// The descriptor execd's listening socket has in the container (`--preserve-fds 1`: the first
+/// after stdio).
+const LISTEN_FD: i32 = 3;
+
+impl OciKind {
+    /// Whether execd can be handed a listening socket bound outside the container (gVisor's
+    /// sandbox serves its own sockets only).
+    fn takes_listener(self) -> bool {
+        !matches!(self, OciKind::Runsc)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct OciRuntime {
     pub kind: OciKind,
@@ -143,14 +155,46 @@ impl OciRuntime {
         share: CpuShare,
     ) -> Result<i32, OciError> {
         mount_rootfs(spec)?;
+        // execd's socket, bound here and handed over as descriptor 3 (see `LISTEN_FD`), except
+        // under gVisor, whose sandbox cannot serve a host socket: there execd binds it in the
+        // folder bind-mounted at /.warren/run, reached through `--host-uds`.
+        let listener = if self.kind.takes_listener() {
+            Some(
+                warren_core::bind_socket_in(&spec.socket_dir, EXECD_SOCKET_NAME)
+                    .map_err(OciError::Bundle)?,
+            )
+        } else {
+            None
+        };
         let config = config_json(spec, limits, share, self.kind);
         let text = serde_json::to_vec_pretty(&config).map_err(|e| OciError::Bundle(e.into()))?;
         fs::write(bundle.join("config.json"), text).map_err(OciError::Bundle)?;
         fs::create_dir_all(&self.state_root).map_err(OciError::Bundle)?;
         let err_log = log.try_clone().map_err(OciError::Bundle)?;
-        let out = self
-            .base_command()
-            .args(["run", "--detach", "--bundle"])
+        let mut cmd = self.base_command();
+        cmd.args(["run", "--detach"]);
+        if let Some(listener) = &listener {
+            use std::os::fd::AsRawFd;
+            let fd = listener.as_raw_fd();
+            cmd.args(["--preserve-fds", "1"]);
+            // SAFETY: between fork and exec only dup2/fcntl, which are async-signal-safe; `fd`
+            // stays open in the parent until the child has exec'd (`listener` outlives `status`).
+            unsafe {
+                cmd.pre_exec(move || {
+                    let rc = if fd == LISTEN_FD {
+                        libc::fcntl(fd, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(fd, LISTEN_FD)
+                    };
+                    if rc < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let out = cmd
+            .arg("--bundle")
             .arg(bundle)
             .arg(&spec.id)
             .stdin(Stdio::null())
@@ -267,10 +311,18 @@ pub fn config_json(
     share: CpuShare,
     kind: OciKind,
 ) -> Value {
+    let listen = if kind.takes_listener() {
+        ["--listen-fd".to_string(), LISTEN_FD.to_string()]
+    } else {
+        [
+            "--socket".to_string(),
+            format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
+        ]
+    };
     let mut args = vec![
         EXECD_IN_SANDBOX.to_string(),
-        "--socket".into(),
-        format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
+        listen[0].clone(),
+        listen[1].clone(),
         "--workdir".into(),
         spec.workdir.clone(),
         "--".into(),
@@ -308,7 +360,9 @@ pub fn config_json(
         }
     }
     mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true, kind));
-    mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false, kind));
+    if !kind.takes_listener() {
+        mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false, kind));
+    }
 
     let mut resources = json!({"pids": {"limit": limits.pids}});
     if let Some(m) = limits.memory_bytes {
@@ -400,6 +454,8 @@ mod tests {
         assert_eq!(c["linux"]["resources"]["memory"]["limit"], 1u64 << 30);
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
+        assert_eq!(c["process"]["args"][1], "--listen-fd");
+        assert_eq!(c["process"]["args"][2], "3");
         assert_eq!(c["process"]["args"][6], "tail");
         let mounts = c["mounts"].as_array().expect("mounts");
         // Volumes are mounted inside the root before the runtime starts, from handles: never by path.
@@ -424,7 +480,17 @@ mod tests {
             .expect("names")
             .iter()
             .any(|n| n == "mount"));
+        // Nothing the sandbox can write in is bound from the host; under gVisor the socket folder is.
+        assert!(!mounts
+            .iter()
+            .any(|m| m["destination"] == SOCKET_DIR_IN_SANDBOX));
         let runsc = config_json(&spec(), &limits, CpuShare::Normal, OciKind::Runsc);
+        assert_eq!(runsc["process"]["args"][1], "--socket");
+        assert!(runsc["mounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .any(|m| m["destination"] == SOCKET_DIR_IN_SANDBOX));
         assert_eq!(
             runsc["linux"]["seccomp"]["syscalls"]
                 .as_array()

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 
-use crate::spec::{InitSpec, RootSource, EXECD_SOCKET_NAME, WARREN_DIR};
+use crate::spec::{InitSpec, RootSource, WARREN_DIR};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
@@ -166,7 +166,7 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
     mount_dev(root)?;
     mount_proc(root)?;
     mount_sys(spec, root)?;
-    mount_warren(spec, root)?;
+    mount_warren(root)?;
     for dir in ["tmp", "workspace"] {
         let d = root.join(dir);
         if d.symlink_metadata().is_err() {
@@ -791,7 +791,7 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn mount_warren(spec: &InitSpec, root: &Path) -> Result<()> {
+fn mount_warren(root: &Path) -> Result<()> {
     let dir = root.join(WARREN_DIR);
     onto(&dir, || {
         mnt(
@@ -803,17 +803,8 @@ fn mount_warren(spec: &InitSpec, root: &Path) -> Result<()> {
         )
     })?;
     // No execd binary in here: the embedded runtime's PID 1 runs execd without exec'ing it (see
-    // `init::prepare_execd`); OCI runtimes and Docker bind it themselves.
-    let run = dir.join("run");
-    mkdir(&run)?;
-    bind(
-        &spec.socket_dir,
-        &run,
-        false,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-    )?;
-    // Stale socket from a previous life of this folder would make execd's bind fail.
-    let _ = fs::remove_file(run.join(EXECD_SOCKET_NAME));
+    // `init::prepare_execd`); OCI runtimes and Docker bind it themselves. No socket folder either:
+    // execd's socket is bound outside the sandbox and handed over (see `init::run`).
     mnt(
         None,
         &dir,

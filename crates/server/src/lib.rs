@@ -14,6 +14,7 @@ mod routes;
 mod sandbox_files;
 pub mod sandboxes;
 mod snapshots;
+mod tokens;
 mod validate;
 pub mod volumes;
 

@@ -185,15 +185,6 @@ pub fn needs_link(p: &NetworkPolicy) -> bool {
     p.allows_anything()
 }
 
-/// The token of a sandbox's egress surface (port 18080), derived from its endpoint token: it opens
-/// only that surface, and the application ports' token does not open it.
-pub fn egress_token(token: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(
-        format!("warren-egress:{token}").as_bytes(),
-    ))
-}
-
 /// The header the reference egress sidecar checks; Warren accepts it (with the sandbox's token) on
 /// the 18080 surface too.
 pub const EGRESS_AUTH_HEADER: &str = "OPENSANDBOX-EGRESS-AUTH";

@@ -33,19 +33,28 @@ pub async fn proxy_path(
     forward(state, id, port, rest, req).await
 }
 
-fn authorized(app: &AppState, token: &str, req: &Request) -> bool {
-    let header_eq = |name: &str, want: &str| {
-        req.headers()
-            .get(name)
-            .is_some_and(|v| bool::from(v.as_bytes().ct_eq(want.as_bytes())))
+/// Whether `req` may open `port` of the sandbox whose secret is `secret` (`None`: no such sandbox,
+/// which only the API key may learn). The token is the one for this port alone (see `tokens`); the
+/// reference egress sidecar's header is accepted for the egress surface.
+fn authorized(app: &AppState, secret: Option<&str>, port: u16, req: &Request) -> bool {
+    let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
+    let token_ok = |presented: Option<&[u8]>| match (secret, presented) {
+        (Some(secret), Some(t)) => crate::tokens::opens(secret, port, t),
+        // The same work for a sandbox that does not exist, so timing does not tell either.
+        (None, Some(t)) => {
+            let _ = crate::tokens::opens("", port, t);
+            false
+        }
+        (_, None) => false,
     };
-    header_eq(ACCESS_TOKEN_HEADER, token)
-        || header_eq(crate::network::EGRESS_AUTH_HEADER, token)
-        || app
-            .api_key
-            .as_deref()
-            .is_some_and(|k| header_eq(API_KEY_HEADER, k))
-        || app.api_key.is_none()
+    let by_token = token_ok(header(ACCESS_TOKEN_HEADER))
+        || (port == warren_api::EGRESS_PORT
+            && token_ok(header(crate::network::EGRESS_AUTH_HEADER)));
+    let by_key = match app.api_key.as_deref() {
+        Some(k) => header(API_KEY_HEADER).is_some_and(|v| bool::from(v.ct_eq(k.as_bytes()))),
+        None => true,
+    };
+    by_token || by_key
 }
 
 async fn forward(
@@ -55,30 +64,29 @@ async fn forward(
     rest: String,
     mut req: Request,
 ) -> Response {
-    let Some(rec) = app.sandboxes.get(&id) else {
-        return ApiError::not_found(&id).into_response();
-    };
     let Ok(port) = port.parse::<u16>() else {
         return ApiError::invalid(format!("invalid port {port:?}")).into_response();
     };
-    // The egress surface (policy, vault) has a token of its own: an endpoint handed out for an
-    // application port must not be able to change what the sandbox may reach.
-    let token = if port == warren_api::EGRESS_PORT {
-        crate::network::egress_token(&rec.token)
-    } else {
-        rec.token.clone()
-    };
-    if !authorized(&app, &token, &req) {
+    let rec = app.sandboxes.get(&id);
+    // Credentials first: whether a sandbox exists is for those who may open it (or hold the key).
+    if !authorized(&app, rec.as_ref().map(|r| r.token.as_str()), port, &req) {
         let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
-            && req.headers().get(API_KEY_HEADER).is_none();
+            && req.headers().get(API_KEY_HEADER).is_none()
+            && req
+                .headers()
+                .get(crate::network::EGRESS_AUTH_HEADER)
+                .is_none();
         let msg = if missing {
-            format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{id}/endpoints/{{port}}")
+            format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{{id}}/endpoints/{port}")
         } else {
-            "invalid sandbox access token".to_string()
+            format!("invalid access token for port {port} of this sandbox (each port has its own: GET /sandboxes/{{id}}/endpoints/{port})")
         };
         return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
             .into_response();
     }
+    let Some(rec) = rec else {
+        return ApiError::not_found(&id).into_response();
+    };
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {

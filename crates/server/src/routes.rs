@@ -344,8 +344,8 @@ pub async fn network_policy(
     ))
 }
 
-/// Every port is reached through Warren's own listener; the token in `headers` opens only this
-/// sandbox's proxy and is worthless elsewhere.
+/// Every port is reached through Warren's own listener; the token in `headers` opens only this port
+/// of this sandbox (execd's and the egress surface's ports each have their own).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/endpoints/{port}", tag = "sandboxes",
     params(("id" = String, Path), ("port" = u16, Path), ("use_server_proxy" = Option<bool>, Query, description = "accepted; every endpoint goes through the server")),
     responses((status = 200, body = Endpoint), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
@@ -381,16 +381,17 @@ pub async fn endpoint(
                 .map(str::to_string)
         })
         .unwrap_or_else(|| app.local_addr.to_string());
+    // This port's own token (see `tokens`): it opens this port of this sandbox and nothing else.
+    let token = crate::tokens::endpoint_token(&rec.token, port);
     let mut out = BTreeMap::new();
     if port == warren_api::EGRESS_PORT {
-        // The egress surface's own token, under both names (clients of the reference sidecar send
-        // OPENSANDBOX-EGRESS-AUTH).
-        let token = crate::network::egress_token(&rec.token);
-        out.insert(ACCESS_TOKEN_HEADER.to_string(), token.clone());
-        out.insert(crate::network::EGRESS_AUTH_HEADER.to_string(), token);
-    } else {
-        out.insert(ACCESS_TOKEN_HEADER.to_string(), rec.token.clone());
+        // Also under the name clients of the reference egress sidecar send.
+        out.insert(
+            crate::network::EGRESS_AUTH_HEADER.to_string(),
+            token.clone(),
+        );
     }
+    out.insert(ACCESS_TOKEN_HEADER.to_string(), token);
     Ok(Json(Endpoint {
         endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),
         headers: out,

@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use rand::RngCore;
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
 use warren_core::{
@@ -337,8 +336,6 @@ impl Sandboxes {
             None
         };
         let now = Utc::now();
-        let mut token = [0u8; 24];
-        rand::thread_rng().fill_bytes(&mut token);
         let record = SandboxRecord {
             id: id.clone(),
             image: plan.image.clone(),
@@ -358,7 +355,7 @@ impl Sandboxes {
             reason: None,
             message: None,
             last_transition_at: now,
-            token: hex_token(&token),
+            token: crate::tokens::new_secret(),
             runtime_state: serde_json::Value::Null,
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
@@ -1106,10 +1103,6 @@ impl Sandboxes {
             }
         }
     }
-}
-
-fn hex_token(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {

@@ -51,7 +51,8 @@ pub struct SandboxRecord {
     pub reason: Option<String>,
     pub message: Option<String>,
     pub last_transition_at: DateTime<Utc>,
-    /// Per-sandbox secret that proxied requests must carry; never enters the sandbox.
+    /// The sandbox's secret, from which each port's endpoint token is derived (an HMAC: see the
+    /// server's `tokens`); never handed out, never enters the sandbox.
     pub token: String,
     #[serde(default)]
     pub runtime_state: RuntimeState,

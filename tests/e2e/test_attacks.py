@@ -1,0 +1,266 @@
+"""Attacks on the isolation boundary, tried as an attacker would (issue 28): from inside a sandbox
+through execd's own files API and plain commands, and from outside with nothing but what the API
+hands out (an endpoint for one port). Each test checks the host objects behind the boundary — bytes,
+mode, owner — before and after, on every runtime the suite runs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import warren_e2e as W
+
+sh = W.sh
+EXECD = 44772
+EGRESS = 18080
+
+
+def _fingerprint(path: Path) -> tuple:
+    st = os.stat(path)
+    if not path.is_file():
+        return (st.st_mode, st.st_uid, st.st_gid)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_size, digest)
+
+
+def _host_objects(server, sid: str) -> dict[str, Path]:
+    """The host files a sandbox's PID 1 was born holding: the server's binary (the embedded
+    runtime's PID 1 is a fork of it; the OCI runtimes bind the same file as execd) and, on the
+    native runtimes, the per-sandbox log its stdout and stderr started on."""
+    out = {"warren binary": server.bin.resolve(), "host /dev/null": Path("/dev/null")}
+    log = server.data_dir / "sandboxes" / sid / "sandbox.log"
+    if log.exists():
+        out["sandbox log"] = log
+    return out
+
+
+def test_execd_files_api_cannot_reach_host_objects_through_proc(server, api, make_sandbox, any_image):
+    """Every files route pointed at PID 1's magic links (execd is PID 1: on the native runtime its
+    executable is the host's `warren`, its stdout the host's log) is refused, and nothing behind
+    them changes."""
+    sbx = make_sandbox(any_image)
+    objects = _host_objects(server, sbx.id)
+    before = {k: _fingerprint(p) for k, p in objects.items()}
+    base = f"/sandboxes/{sbx.id}/proxy/{EXECD}"
+    magic = ["/proc/1/exe", "/proc/1/fd/1", "/proc/1/fd/2", "/proc/self/exe", "/proc/1/root/proc/1/exe"]
+    for p in magic + ["/proc/1/maps", "/proc/1/map_files"]:
+        r = api.get(f"{base}/files/info", params={"path": p})
+        assert r.status_code in (403, 404), f"info {p}: {r.status_code} {r.text[:200]}"
+        r = api.get(f"{base}/files/download", params={"path": p})
+        assert r.status_code in (403, 404), f"download {p}: {r.status_code} {r.text[:200]}"
+    for p in magic:
+        r = api.post(f"{base}/files/permissions", json={p: {"mode": 4777}})
+        assert r.status_code in (403, 404), f"chmod {p}: {r.status_code} {r.text[:200]}"
+        r = api.post(f"{base}/files/permissions", json={p: {"owner": "nobody", "group": "nogroup"}})
+        assert r.status_code in (400, 403, 404), f"chown {p}: {r.status_code} {r.text[:200]}"
+        r = api.post(f"{base}/files/replace", json={p: {"old": "ELF", "new": "FLE"}})
+        assert r.status_code in (403, 404), f"replace {p}: {r.status_code} {r.text[:200]}"
+        files = {"metadata": (None, f'{{"path": "{p}"}}', "application/json"),
+                 "file": ("x", b"A" * (1 << 20), "application/octet-stream")}
+        r = api.post(f"{base}/files/upload", files=files)
+        assert r.status_code in (403, 404, 500), f"upload {p}: {r.status_code} {r.text[:200]}"
+    r = api.post(f"{base}/files/upload",
+                 files={"metadata": (None, '{"path": "/proc/1/cwd/../proc/1/fd/1"}', "application/json"),
+                        "file": ("x", b"B" * 4096, "application/octet-stream")})
+    assert r.status_code != 200, r.text[:200]
+    r = api.post(f"{base}/directories", json={"/proc/1/root/../proc/1/fd/9/x": {}})
+    assert r.status_code != 200, r.text[:200]
+    r = api.get(f"{base}/directories/list", params={"path": "/proc/1/fd"})
+    assert r.status_code in (403, 404), r.text[:200]
+    # The message says why.
+    r = api.get(f"{base}/files/info", params={"path": "/proc/1/exe"})
+    assert "magic link" in r.json()["message"] or "own /proc" in r.json()["message"], r.text
+    # Ordinary files, and other processes' /proc entries that are not links, are still served.
+    r = api.get(f"{base}/files/info", params={"path": "/proc/cpuinfo"})
+    assert r.status_code == 200, r.text[:200]
+    assert {k: _fingerprint(p) for k, p in objects.items()} == before
+
+
+def test_commands_inside_cannot_change_host_objects_through_proc(server, make_sandbox, any_image):
+    """The same through plain commands as sandbox root: chmod, chown, cat, dd at /proc/1/*, and at
+    the entrypoint's own stdout (a process the sandbox may trace)."""
+    sbx = make_sandbox(any_image)
+    objects = _host_objects(server, sbx.id)
+    before = {k: _fingerprint(p) for k, p in objects.items()}
+    links = ["/proc/1/exe", "/proc/1/fd/0", "/proc/1/fd/1", "/proc/1/fd/2", "/proc/1/root/proc/1/exe"]
+    script = "; ".join([
+        *(f"chmod 4777 {p} 2>/dev/null && echo CHMOD-OK {p}" for p in links),
+        *(f"chown 65534:65534 {p} 2>/dev/null && echo CHOWN-OK {p}" for p in links),
+        "head -c 4 /proc/1/exe 2>/dev/null | grep -q ELF && echo READ-OK",
+        "for m in /proc/1/map_files/*; do head -c 4 $m 2>/dev/null | grep -q ELF && echo MAPFILE-OK $m; done",
+        "dd if=/dev/zero of=/proc/1/fd/1 bs=64k count=16 2>/dev/null && echo DD1-OK",
+        "dd if=/dev/zero of=/proc/1/fd/2 bs=64k count=16 2>/dev/null && echo DD2-OK",
+        # The entrypoint (tail) is an ordinary, traceable process: its stdout is reachable. It must
+        # not be a host file.
+        "for c in /proc/[0-9]*/comm; do "
+        "  [ \"$(cat $c 2>/dev/null)\" = tail ] || continue; p=${c%/comm}; "
+        "  dd if=/dev/zero of=$p/fd/1 bs=64k count=32 2>/dev/null; "
+        "  dd if=/dev/zero of=$p/fd/2 bs=64k count=32 2>/dev/null; "
+        "done; true",
+    ])
+    code, out, err = sh(sbx, script)
+    # What PID 1's stdio leads to now is the sandbox's own (its /dev/null, the pipe into execd's
+    # ring), so writes there may succeed; its executable is the host's and must stay out of reach.
+    for what in ("CHMOD-OK /proc/1/exe", "CHOWN-OK /proc/1/exe", "CHMOD-OK /proc/1/root/proc/1/exe",
+                 "MAPFILE-OK"):
+        assert what not in out, f"{what}: {out}"
+    if not server.gvisor:
+        # gVisor's /proc/1/exe is its own copy of execd's file, read through its gofer.
+        assert "READ-OK" not in out, out
+    assert {k: _fingerprint(p) for k, p in objects.items()} == before, \
+        "a host object behind /proc changed"
+
+
+def test_entrypoint_output_stays_in_the_sandbox_and_is_bounded(server, api, raw_sandbox, test_image):
+    """An entrypoint that prints without end grows no host file: its output goes to a ring in
+    execd's memory (GET /logs through execd's endpoint), which keeps the newest 1 MiB."""
+    body = raw_sandbox(test_image, entrypoint=[
+        "sh", "-c", "echo first-line; head -c 8000000 /dev/zero | tr '\\0' x; echo; echo last-line; "
+                    "exec tail -f /dev/null"])
+    sid = body["id"]
+    log = server.data_dir / "sandboxes" / sid / "sandbox.log"
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/{EXECD}").json()
+    url = f"http://{ep['endpoint']}/logs"
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.get(url, headers=ep["headers"], timeout=10)
+        assert r.status_code == 200, r.text[:200]
+        if b"last-line" in r.content:
+            break
+        assert time.monotonic() < deadline, f"the entrypoint's output never reached /logs ({len(r.content)} bytes)"
+        time.sleep(0.2)
+    assert len(r.content) <= 1 << 20, len(r.content)
+    assert b"first-line" not in r.content, "the ring kept more than its cap"
+    assert int(r.headers["x-warren-dropped-bytes"]) >= 8_000_000 - (1 << 20)
+    if log.exists():
+        assert log.stat().st_size < 64 * 1024, f"the host log grew to {log.stat().st_size} bytes"
+
+
+# ---- tokens: each port its own, nothing one computes yields another --------------------------
+
+def _endpoint(api, sid: str, port: int) -> dict:
+    r = api.get(f"/v1/sandboxes/{sid}/endpoints/{port}")
+    assert r.status_code == 200, r.text[:300]
+    return r.json()
+
+
+def _proxy_url(ep: dict, port: int, path: str) -> str:
+    base = ep["endpoint"].rsplit("/proxy/", 1)[0]
+    return f"http://{base}/proxy/{port}/{path}"
+
+
+def test_a_port_token_opens_only_that_port(server, api, raw_sandbox):
+    sid = raw_sandbox()["id"]
+    app, execd, egress = (_endpoint(api, sid, p) for p in (8000, EXECD, EGRESS))
+    tok = {p: ep["headers"]["X-Warren-Sandbox-Token"] for p, ep in ((8000, app), (EXECD, execd), (EGRESS, egress))}
+    assert len(set(tok.values())) == 3, tok
+    # each token opens its own port...
+    assert httpx.get(_proxy_url(execd, EXECD, "ping"), headers=execd["headers"], timeout=10).status_code == 200
+    assert httpx.get(_proxy_url(egress, EGRESS, "healthz"), headers=egress["headers"], timeout=10).status_code == 200
+    r = httpx.get(_proxy_url(app, 8000, ""), headers=app["headers"], timeout=10)
+    assert r.status_code != 401, r.text[:200]  # nothing listens on 8000: a 502, not a refusal
+    # ...and no other: an application port's preview URL runs no command and changes no policy.
+    for port, path in ((EXECD, "ping"), (EGRESS, "policy"), (8001, "")):
+        r = httpx.get(_proxy_url(app, port, path), headers=app["headers"], timeout=10)
+        W.assert_error_body(r, codes=[401])
+    r = httpx.post(_proxy_url(app, EXECD, "command"), headers=app["headers"], json={"command": "id"}, timeout=10)
+    assert r.status_code == 401
+    r = httpx.patch(_proxy_url(app, EGRESS, "policy"), headers=app["headers"],
+                    json=[{"action": "allow", "target": "*"}], timeout=10)
+    assert r.status_code == 401
+    for port in (8000, EGRESS):
+        r = httpx.get(_proxy_url(execd, port, ""), headers=execd["headers"], timeout=10)
+        assert r.status_code == 401, f"execd's token opened port {port}"
+    r = httpx.get(_proxy_url(egress, EXECD, "ping"), headers=egress["headers"], timeout=10)
+    assert r.status_code == 401
+    # The egress surface's second header carries its own token only.
+    r = httpx.get(_proxy_url(egress, EGRESS, "healthz"),
+                  headers={"OPENSANDBOX-EGRESS-AUTH": tok[8000]}, timeout=10)
+    assert r.status_code == 401
+
+
+def test_no_token_can_be_computed_from_another(server, api, raw_sandbox):
+    """The old egress token was sha256("warren-egress:" + the application ports' token)."""
+    sid = raw_sandbox()["id"]
+    app = _endpoint(api, sid, 8000)
+    t = app["headers"]["X-Warren-Sandbox-Token"]
+    guesses = [hashlib.sha256(f"warren-egress:{t}".encode()).hexdigest(),
+               hashlib.sha256(t.encode()).hexdigest(), t, t.upper()]
+    for g in guesses:
+        for name in ("X-Warren-Sandbox-Token", "OPENSANDBOX-EGRESS-AUTH"):
+            r = httpx.put(_proxy_url(app, EGRESS, "policy"), headers={name: g},
+                          json={"defaultAction": "allow"}, timeout=10)
+            assert r.status_code == 401, (name, g, r.status_code, r.text[:200])
+            r = httpx.get(_proxy_url(app, EXECD, "ping"), headers={name: g}, timeout=10)
+            assert r.status_code == 401
+
+
+def test_tokens_die_with_their_sandbox_and_do_not_open_others(server, api, raw_sandbox):
+    a, b = raw_sandbox()["id"], raw_sandbox()["id"]
+    ep_a = _endpoint(api, a, EXECD)
+    ep_b = _endpoint(api, b, EXECD)
+    r = httpx.get(_proxy_url(ep_b, EXECD, "ping"), headers=ep_a["headers"], timeout=10)
+    assert r.status_code == 401
+    assert api.delete(f"/v1/sandboxes/{a}").status_code in (200, 204)
+    r = httpx.get(_proxy_url(ep_a, EXECD, "ping"), headers=ep_a["headers"], timeout=10)
+    assert r.status_code in (401, 404, 409), r.status_code
+    assert httpx.get(_proxy_url(ep_b, EXECD, "ping"), headers=ep_b["headers"], timeout=10).status_code == 200
+
+
+def test_the_proxy_tells_nothing_without_credentials(server, api, raw_sandbox):
+    """Without a key or a token, a sandbox that exists and one that does not answer alike (401);
+    with the key, a missing one is a 404."""
+    sid = raw_sandbox()["id"]
+    base = server.base_url
+    for path in (f"/sandboxes/{sid}/proxy/{EXECD}/ping", "/sandboxes/no-such-sandbox/proxy/44772/ping",
+                 f"/sandboxes/{sid}/proxy/8000/", "/sandboxes/no-such-sandbox/proxy/8000/"):
+        for headers in ({}, {"X-Warren-Sandbox-Token": "0" * 64}):
+            r = httpx.get(f"{base}{path}", headers=headers, timeout=10)
+            W.assert_error_body(r, codes=[401])
+    r = api.get("/sandboxes/no-such-sandbox/proxy/44772/ping")
+    W.assert_error_body(r, codes=[404])
+
+
+# ---- storage: nothing a sandbox writes lands outside its ephemeral-storage --------------------
+
+def test_no_host_folder_takes_writes_past_the_storage_limit(server, raw_sandbox, api, test_image):
+    """With `ephemeral-storage: 64Mi` the root file system stops at the limit, and nothing else
+    takes the rest: not the socket folder (gone on the embedded runtime and runc), not PID 1's or the
+    entrypoint's output (a ring in memory), not the host log."""
+    if server.is_docker or server.gvisor:
+        pytest.skip("ephemeral-storage is refused on this runtime")
+    body = raw_sandbox(test_image, resourceLimits={"cpu": "1", "memory": "1Gi", "ephemeral-storage": "64Mi"})
+    sid = body["id"]
+    folder = server.data_dir / "sandboxes" / sid
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/{EXECD}").json()
+    base = f"http://{ep['endpoint']}"
+
+    def run(cmd: str) -> str:
+        r = httpx.post(f"{base}/command", headers=ep["headers"], json={"command": cmd}, timeout=120)
+        assert r.status_code == 200, r.text[:200]
+        return r.text
+
+    def host_bytes() -> int:
+        total = 0
+        for root, dirs, files in os.walk(folder):
+            # the sandbox's disk (an image file) and its mount are what the limit bounds
+            dirs[:] = [d for d in dirs if d not in ("disk", "rootfs", "upper", "work")]
+            for f in files:
+                p = Path(root) / f
+                if not p.is_symlink() and f != "disk.img":
+                    total += p.stat().st_blocks * 512
+        return total
+
+    before = host_bytes()
+    run("dd if=/dev/zero of=/.warren/run/fill bs=1M count=100; "
+        "dd if=/dev/zero of=/proc/1/fd/1 bs=1M count=50; "
+        "for c in /proc/[0-9]*/comm; do [ \"$(cat $c)\" = tail ] && dd if=/dev/zero of=${c%/comm}/fd/1 bs=1M count=50; done; "
+        "dd if=/dev/zero of=/fill bs=1M count=100; true")
+    grown = host_bytes() - before
+    assert grown < 4 << 20, f"{grown} bytes landed in the sandbox's host folder outside its disk"
