@@ -60,7 +60,8 @@ def test_execd_files_api_cannot_reach_host_objects_through_proc(server, api, mak
         r = api.post(f"{base}/files/permissions", json={p: {"owner": "nobody", "group": "nogroup"}})
         assert r.status_code in (400, 403, 404), f"chown {p}: {r.status_code} {r.text[:200]}"
         r = api.post(f"{base}/files/replace", json={p: {"old": "ELF", "new": "FLE"}})
-        assert r.status_code in (403, 404), f"replace {p}: {r.status_code} {r.text[:200]}"
+        # (gVisor, without openat2, refuses the write open of the read-only execd file first: 500)
+        assert r.status_code in (403, 404, 500), f"replace {p}: {r.status_code} {r.text[:200]}"
         files = {"metadata": (None, f'{{"path": "{p}"}}', "application/json"),
                  "file": ("x", b"A" * (1 << 20), "application/octet-stream")}
         r = api.post(f"{base}/files/upload", files=files)
