@@ -80,6 +80,9 @@ def test_execd_files_api_cannot_reach_host_objects_through_proc(server, api, mak
     # Ordinary files, and other processes' /proc entries that are not links, are still served.
     r = api.get(f"{base}/files/info", params={"path": "/proc/cpuinfo"})
     assert r.status_code == 200, r.text[:200]
+    for root in ("/", "/tmp/.."):
+        r = api.get(f"{base}/directories/list", params={"path": root})
+        assert r.status_code == 200 and any(e["path"].endswith("/tmp") for e in r.json()), (root, r.text[:300])
     assert {k: _fingerprint(p) for k, p in objects.items()} == before
 
 

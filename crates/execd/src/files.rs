@@ -230,7 +230,8 @@ fn copy_file(src: &Path, src_display: &str, dest: &Path, dest_display: &str) -> 
         .map_err(|e| ApiError::io(dest_display, e))
 }
 
-/// Walks the folder `root` (resolved through `safe_path`) without following symlinks, calling
+/// Walks the folder `root` (resolved through `safe_path`, as the folder itself or as an entry of
+/// its parent) without following symlinks, calling
 /// `visit` with each entry's path under `shown` (the name the caller gave `root`), its metadata and
 /// its depth (1 = child).
 fn walk(
@@ -388,14 +389,16 @@ pub async fn list(
     let depth = params.number::<usize>("depth")?.unwrap_or(1).max(1);
     let root = app.resolve(&p);
     blocking(move || {
-        let meta = safe_path::symlink_metadata(&root).map_err(|e| ApiError::io(&p, e))?;
+        // The entry itself, resolved once: it must be a folder, not a link to one, and is walked
+        // from that same handle.
+        let dir = safe_path::entry(&root).map_err(|e| ApiError::io(&p, e))?;
+        let meta = std::fs::symlink_metadata(dir.path()).map_err(|e| ApiError::io(&p, e))?;
         if meta.file_type().is_symlink() {
             return Err(ApiError::invalid_file(format!("{p} is a symlink")));
         }
         if !meta.is_dir() {
             return Err(ApiError::invalid_file(format!("{p} is not a directory")));
         }
-        let dir = safe_path::follow(&root).map_err(|e| ApiError::io(&p, e))?;
         let ids = Ids::load();
         let mut out = Vec::new();
         walk(&dir, &root, depth, &mut |path, meta, _| {

@@ -196,7 +196,13 @@ pub fn entry(path: &Path) -> io::Result<Resolved> {
     let fd = openat2(parent, libc::O_PATH | libc::O_DIRECTORY, 0)?;
     Ok(Resolved {
         fd,
-        name: name.to_os_string(),
+        // A path that names a folder itself (`/`, `x/..`) is that folder's `.`: the bare
+        // `/proc/self/fd/N` would be lstat'ed as the link it is.
+        name: if name.is_empty() {
+            OsString::from(".")
+        } else {
+            name.to_os_string()
+        },
     })
 }
 
@@ -245,35 +251,17 @@ pub fn chown(path: &Path, uid: Option<u32>, gid: Option<u32>) -> io::Result<()> 
 
 /// `mkdir -p`: each missing folder is made in its parent as resolved without magic links.
 pub fn create_dir_all(path: &Path) -> io::Result<()> {
-    match metadata(path) {
-        Ok(m) if m.is_dir() => return Ok(()),
-        Ok(_) => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a folder", path.display()),
-            ))
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+    // Most uploads go into a folder that is there already: one resolution then.
+    if is_folder(path)? {
+        return Ok(());
     }
     // Walk down from the root, making what is missing; a component that is `..` or `.` is left to
     // the kernel's resolution of the prefix.
     let mut prefix = PathBuf::new();
     for comp in path.components() {
         prefix.push(comp);
-        if !matches!(comp, Component::Normal(_)) {
+        if !matches!(comp, Component::Normal(_)) || is_folder(&prefix)? {
             continue;
-        }
-        match metadata(&prefix) {
-            Ok(m) if m.is_dir() => continue,
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} exists and is not a folder", prefix.display()),
-                ))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
         }
         match std::fs::create_dir(entry(&prefix)?.path()) {
             Ok(()) => {}
@@ -283,6 +271,19 @@ pub fn create_dir_all(path: &Path) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `Ok(true)` for a folder, `Ok(false)` for nothing there, an error for anything else there.
+fn is_folder(path: &Path) -> io::Result<bool> {
+    match metadata(path) {
+        Ok(m) if m.is_dir() => Ok(true),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a folder", path.display()),
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -389,6 +390,11 @@ mod tests {
         let me = std::fs::metadata(&file).expect("stat").uid();
         chown(&file, Some(me), None).expect("chown to ourselves");
         assert_eq!(split(Path::new("/")), (Path::new("/"), OsStr::new("")));
+        // The entry of a path that names a folder itself is that folder, not a link to it.
+        for p in ["/", "/tmp/..", dir.path().to_str().expect("utf-8")] {
+            let m = symlink_metadata(Path::new(p)).expect(p);
+            assert!(m.is_dir() && !m.file_type().is_symlink(), "{p}");
+        }
         assert_eq!(split(Path::new("x")), (Path::new("."), OsStr::new("x")));
     }
 }

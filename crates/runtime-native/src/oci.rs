@@ -311,22 +311,20 @@ pub fn config_json(
     share: CpuShare,
     kind: OciKind,
 ) -> Value {
-    let listen = if kind.takes_listener() {
-        ["--listen-fd".to_string(), LISTEN_FD.to_string()]
+    let mut args = vec![EXECD_IN_SANDBOX.to_string()];
+    if kind.takes_listener() {
+        args.extend(["--listen-fd".to_string(), LISTEN_FD.to_string()]);
     } else {
-        [
+        args.extend([
             "--socket".to_string(),
             format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
-        ]
-    };
-    let mut args = vec![
-        EXECD_IN_SANDBOX.to_string(),
-        listen[0].clone(),
-        listen[1].clone(),
-        "--workdir".into(),
+        ]);
+    }
+    args.extend([
+        "--workdir".to_string(),
         spec.workdir.clone(),
-        "--".into(),
-    ];
+        "--".to_string(),
+    ]);
     args.extend(spec.entrypoint.iter().cloned());
     let caps: Vec<String> = KEPT_CAPABILITIES.iter().map(|c| c.to_string()).collect();
 
