@@ -518,8 +518,7 @@ impl Pools {
             tokio::pin!(ended);
             ended.as_mut().enable();
             let cap = pool.spec.capacity_spec;
-            let warm = self.live_warm(&pool);
-            let creating = pool.creating.load(Ordering::SeqCst);
+            let (warm, creating) = self.live_warm_and_creating(&pool);
             let allocated = self.allocated(&pool.spec.name) + pool.claiming.load(Ordering::SeqCst);
             let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
             if warm + creating < want && creating < REFILL_PARALLEL {
@@ -541,12 +540,15 @@ impl Pools {
                         .sandboxes
                         .create_in_background(p.plan.clone(), p.demand.background.clone())
                         .await;
-                    p.creating.fetch_sub(1, Ordering::SeqCst);
                     match out {
                         Ok(rec) => {
                             // Looked at under the lock `delete` drains the list with, after it
                             // marks the pool closed: a sandbox is either drained or deleted here.
+                            // It stops counting as being made only once it counts as warm, under
+                            // the lock the refill loop counts both under: in between, the loop
+                            // would see one too few and make a sandbox past `poolMax`.
                             let mut warm = p.warm.lock().unwrap_or_else(|e| e.into_inner());
+                            p.creating.fetch_sub(1, Ordering::SeqCst);
                             if p.closed.load(Ordering::SeqCst) {
                                 drop(warm);
                                 let _ =
@@ -560,6 +562,7 @@ impl Pools {
                             true
                         }
                         Err(e) => {
+                            p.creating.fetch_sub(1, Ordering::SeqCst);
                             tracing::warn!(pool = %p.spec.name, "making a warm sandbox failed: {}", e.message);
                             p.refill.notify_one();
                             false
@@ -613,18 +616,24 @@ impl Pools {
     /// warm (their main process exited): they are no one's to claim, and counting them would keep
     /// the pool from making replacements.
     fn live_warm(&self, pool: &Pool) -> u32 {
+        self.live_warm_and_creating(pool).0
+    }
+
+    /// [`Pools::live_warm`] and how many are being made, counted under one lock: a finished
+    /// create moves from one count to the other under it.
+    fn live_warm_and_creating(&self, pool: &Pool) -> (u32, u32) {
         let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
         warm.retain(|id| self.inner.sandboxes.state(id) == Some(SandboxState::Running));
-        warm.len() as u32
+        (warm.len() as u32, pool.creating.load(Ordering::SeqCst))
     }
 
     fn wire(&self, pool: &Pool) -> WirePool {
-        let available = self.live_warm(pool);
+        let (available, creating) = self.live_warm_and_creating(pool);
         let allocated = self.allocated(&pool.spec.name);
         WirePool {
             spec: pool.spec.clone(),
             status: PoolStatus {
-                total: available + allocated + pool.creating.load(Ordering::SeqCst),
+                total: available + allocated + creating,
                 allocated,
                 available,
             },
