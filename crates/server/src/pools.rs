@@ -614,9 +614,8 @@ impl Pools {
 
     /// How many warm sandboxes `pool` holds, after dropping from its list those that ended while
     /// warm (their main process exited): they are no one's to claim, and counting them would keep
-    /// the pool from making replacements.
-    /// And how many are being made, counted under one lock: a finished create moves from one
-    /// count to the other under it.
+    /// the pool from making replacements; and how many are being made, counted under the same
+    /// lock (a finished create moves from one count to the other under it).
     fn live_warm_and_creating(&self, pool: &Pool) -> (u32, u32) {
         let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
         warm.retain(|id| self.inner.sandboxes.state(id) == Some(SandboxState::Running));
