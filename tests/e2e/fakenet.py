@@ -4,6 +4,10 @@
   198.18.K.2-.4 serve HTTP on port 80 (each answers with the address it was reached on and the
   Authorization header it got, and logs the request to `request_log`; `/stream` never ends) and
   HTTPS on port 443 with a certificate of its own CA (for the `.test` names);
+- the same servers on internal addresses (one each in 10/8, 172.16/12, 192.168/16 and the CGNAT
+  100.64/10, in /24s no host address or route uses), routed to the namespace by /32 routes on the
+  veth: the networks an allow must not reach unless a rule names them. `private.test` (exact) and
+  `db.wild.test` (under a wildcard) resolve to two of them;
 - a DNS server on the host's loopback answering the `.test` zone and logging every name it is asked.
 
 K is the first /24 of 198.18.0.0/16 that no host address or route uses yet: a fake internet left
@@ -100,14 +104,28 @@ def make_ca(folder: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def free_net() -> str:
-    """The first 198.18.K (a /24) that no host address or route mentions."""
+def _used() -> str:
     used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
-    used += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
-    for k in range(256):
-        if f"198.18.{k}." not in used:
-            return f"198.18.{k}"
-    raise RuntimeError("every 198.18.K.0/24 is in use on this host")
+    return used + subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+
+
+def free_net(prefix: str = "198.18", start: int = 0, step: int = 1) -> str:
+    """The first `prefix`.K (a /24, K from `start` by `step`) that no host address or route
+    mentions."""
+    used = _used()
+    for k in range(start, 256 if step > 0 else -1, step):
+        if f"{prefix}.{k}." not in used and f"{prefix}.{k}.0/" not in used:
+            return f"{prefix}.{k}"
+    raise RuntimeError(f"every {prefix}.K.0/24 is in use on this host")
+
+
+# label -> (first two bytes, where the search for a free /24 starts, its direction)
+INTERNAL = {
+    "10": ("10.254", 255, -1),
+    "172": ("172.31", 255, -1),
+    "192": ("192.168", 254, -1),
+    "100": ("100.127", 255, -1),
+}
 
 
 class FakeNet:
@@ -120,6 +138,10 @@ class FakeNet:
         self.host_ip = f"{net}.1"
         # name -> address, for the DNS answers and the tests' expectations
         self.zone = {name: f"{net}.{last}" for name, last in ZONE.items()}
+        # label -> an internal address served from the namespace
+        self.internal = {label: f"{free_net(*spec)}.2" for label, spec in INTERNAL.items()}
+        self.zone["private.test"] = self.internal["10"]
+        self.zone["db.wild.test"] = self.internal["172"]
         self.procs: list[subprocess.Popen] = []
         self._stop = threading.Event()
 
@@ -132,7 +154,11 @@ class FakeNet:
             run("ip", "link", "set", self.host_if, "up")
             for a in sorted(set(self.zone.values())):
                 run("ip", "-n", self.ns, "addr", "add", f"{a}/24", "dev", "eth0")
+            for a in self.internal.values():
+                run("ip", "-n", self.ns, "addr", "add", f"{a}/32", "dev", "eth0")
             run("ip", "-n", self.ns, "link", "set", "eth0", "up")
+            for a in self.internal.values():
+                run("ip", "route", "add", f"{a}/32", "via", self.zone["allowed.test"], "dev", self.host_if)
             run("ip", "-n", self.ns, "link", "set", "lo", "up")
             self.folder.mkdir(parents=True, exist_ok=True)
             self.ca, cert, key = make_ca(self.folder)

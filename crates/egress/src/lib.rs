@@ -3,6 +3,7 @@
 //! a sandbox reach only addresses learned from allowed answers or allowed CIDRs.
 
 pub mod dns;
+pub mod forwarding;
 pub mod manager;
 pub mod mitm;
 pub mod nft;

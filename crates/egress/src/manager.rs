@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use tokio::net::UdpSocket;
 
 use crate::dns;
+use crate::forwarding::Forwarding;
 use crate::nft::{Batch, Firewall};
-use crate::policy::{in_cidr, Action, NetworkPolicy};
+use crate::policy::{in_cidr, is_internal, names_internal, Action, NetworkPolicy};
 
 #[derive(Debug, Clone)]
 pub struct EgressConfig {
@@ -63,6 +64,8 @@ struct State {
 pub struct Egress {
     cfg: EgressConfig,
     fw: Firewall,
+    /// This server's hold on IPv4 forwarding, let go with the firewall table.
+    forwarding: Forwarding,
     state: Mutex<State>,
     /// Held from deciding a change to applying it to the firewall, so a late DNS answer cannot
     /// re-add what a policy change or a detach just removed (nor hand it to the next sandbox that
@@ -98,16 +101,34 @@ fn run(cmd: &mut Command) -> Result<(), EgressError> {
 impl Egress {
     /// Installs the firewall table and starts the DNS filter. Needs root, `nft` and `ip`.
     pub async fn start(cfg: EgressConfig) -> Result<Arc<Self>, EgressError> {
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        let forwarding = Forwarding::new(&cfg.table);
+        forwarding
+            .acquire()
             .map_err(|e| EgressError::Setup(format!("enabling IPv4 forwarding: {e}")))?;
-        let socket = UdpSocket::bind(("0.0.0.0", 0))
+        let started = Self::start_held(cfg, forwarding.clone()).await;
+        if started.is_err() {
+            let _ = forwarding.release();
+        }
+        started
+    }
+
+    async fn start_held(
+        cfg: EgressConfig,
+        forwarding: Forwarding,
+    ) -> Result<Arc<Self>, EgressError> {
+        // The DNS filter and the vault proxy listen on the service address only (on the host's
+        // loopback interface, so no link has to exist): the firewall sends sandbox traffic there,
+        // and nothing on the host's other addresses answers.
+        let service = service_address(cfg.subnet);
+        run(Command::new("ip").args(["addr", "replace", &format!("{service}/32"), "dev", "lo"]))?;
+        let socket = UdpSocket::bind((service, 0))
             .await
             .map_err(|e| EgressError::Setup(format!("binding the DNS filter: {e}")))?;
         let port = socket
             .local_addr()
             .map_err(|e| EgressError::Setup(e.to_string()))?
             .port();
-        let vault_listener = tokio::net::TcpListener::bind(("0.0.0.0", 0))
+        let vault_listener = tokio::net::TcpListener::bind((service, 0))
             .await
             .map_err(|e| EgressError::Setup(format!("binding the vault proxy: {e}")))?;
         let vault_port = vault_listener
@@ -120,6 +141,7 @@ impl Egress {
             table: cfg.table.clone(),
             prefix: cfg.link_prefix.clone(),
             subnet: cfg.subnet,
+            service,
             dns_port: port,
             vault_port,
         };
@@ -128,6 +150,7 @@ impl Egress {
         let this = Arc::new(Self {
             cfg,
             fw,
+            forwarding,
             state: Mutex::new(State::default()),
             changes: Mutex::new(()),
             dns_slots: Arc::new(tokio::sync::Semaphore::new(256)),
@@ -379,8 +402,12 @@ impl Egress {
             if net.policy.decide_name(name) != Action::Allow {
                 return false;
             }
+            // An internal address (the host's networks, a cloud's metadata, other sandboxes)
+            // opens only for a name a rule names itself: a wildcard or an allow default says
+            // "the internet", and an answer pointing inside (DNS rebinding) must not widen it.
+            let named = net.policy.names_exactly(name);
             let now = Instant::now();
-            for (dest, ttl) in addrs {
+            for (dest, ttl) in addrs.iter().filter(|(d, _)| named || !is_internal(*d)) {
                 // At least a minute: clients cache longer than TTLs say, and a connection opened
                 // just before expiry must not die mid-handshake.
                 let ttl = (*ttl).clamp(60, 86_400);
@@ -404,20 +431,6 @@ impl Egress {
             return false;
         }
         true
-    }
-
-    /// Checks a raw address against a sandbox's CIDR rules (for the policy API's GET).
-    pub fn decide_addr(&self, id: &str, ip: IpAddr) -> Option<Action> {
-        let st = self.lock();
-        let net = st.by_id.get(id)?;
-        Some(
-            net.policy
-                .cidr_rules()
-                .into_iter()
-                .find(|(n, l, _)| in_cidr(ip, *n, *l))
-                .map(|(_, _, a)| a)
-                .unwrap_or(net.policy.default_action),
-        )
     }
 
     /// Turns the credential proxy on for a linked sandbox; returns its CA certificate (PEM), for the
@@ -468,34 +481,41 @@ impl Egress {
 
     /// May `src` open a connection to `dst` (for connections the firewall handed to a proxy, which
     /// therefore never meet the forward chain)? The same answer the firewall would give: never the
-    /// host, another sandbox, loopback, link-local, multicast or broadcast; a CIDR deny wins; then
-    /// learned addresses, allowed CIDRs, an allow default.
+    /// host or another sandbox of this server; a CIDR deny wins; then learned addresses (internal
+    /// ones only ever learned for names a rule names), allowed CIDRs inside an internal range;
+    /// nothing else internal; then other allowed CIDRs and an allow default.
     fn allows(&self, net: &SandboxNet, dst: Ipv4Addr) -> bool {
         let (base, len) = self.cfg.subnet;
         if dst.is_loopback()
             || dst.is_unspecified()
-            || dst.is_link_local()
-            || dst.is_multicast()
             || dst.is_broadcast()
             || in_cidr(IpAddr::V4(dst), IpAddr::V4(base), len)
             || host_addresses().contains(&dst)
         {
             return false;
         }
-        let rules = net.policy.cidr_rules();
-        let hits: Vec<Action> = rules
-            .iter()
+        // (does the rule name an internal range, its action)
+        let hits: Vec<(bool, Action)> = net
+            .policy
+            .cidr_rules()
+            .into_iter()
             .filter(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
-            .map(|(_, _, a)| *a)
+            .map(|(n, l, a)| (names_internal(n, l), a))
             .collect();
-        if hits.contains(&Action::Deny) {
+        if hits.iter().any(|(_, a)| *a == Action::Deny) {
             return false;
         }
-        net.learned
+        if net
+            .learned
             .get(&dst)
             .is_some_and(|(_, exp)| *exp > Instant::now())
-            || hits.contains(&Action::Allow)
-            || net.policy.default_action == Action::Allow
+            || hits.contains(&(true, Action::Allow))
+        {
+            return true;
+        }
+        !is_internal(dst)
+            && (hits.contains(&(false, Action::Allow))
+                || net.policy.default_action == Action::Allow)
     }
 
     /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
@@ -509,13 +529,31 @@ impl Egress {
         net.vault.clone()
     }
 
+    /// Removes the firewall table, the service address and this server's hold on forwarding (the
+    /// last server's release puts forwarding back as it found it).
     pub fn shutdown(&self) {
         self.fw.uninstall();
+        let _ = run(Command::new("ip").args([
+            "addr",
+            "del",
+            &format!("{}/32", self.fw.service),
+            "dev",
+            "lo",
+        ]));
+        if let Err(e) = self.forwarding.release() {
+            tracing::warn!(error = %e, "egress: putting IPv4 forwarding back");
+        }
     }
 
     pub fn sandbox_ids(&self) -> Vec<String> {
         self.lock().by_id.values().map(|n| n.id.clone()).collect()
     }
+}
+
+/// The DNS filter's and vault proxy's address: the first host address of the sandbox subnet, in
+/// the block of link index 0, which no link uses.
+fn service_address(subnet: (Ipv4Addr, u8)) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(subnet.0) + 1)
 }
 
 fn index_link_exists(name: &str) -> bool {

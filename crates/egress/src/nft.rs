@@ -7,14 +7,18 @@
 //! Warren's DNS filter (TCP port 53 is just traffic, judged like any other), and a UDP/53 packet that
 //! reaches the forward chain anyway (a flow the redirect missed) is dropped, never sent on; the host
 //! itself is unreachable (its API, its services, its other addresses); other sandboxes are
-//! unreachable; link-local (cloud metadata) is unreachable; IPv6 is dropped (sandbox links carry
-//! IPv4 only, and the DNS filter answers AAAA queries with no records). Everything else is checked
-//! packet by packet — no "established" shortcut for outgoing packets, so removing an address cuts the
-//! open connections to it at once: explicit CIDR denies, then addresses learned from allowed DNS
-//! answers (with the answer's TTL), allowed CIDRs, and sandboxes whose default is allow.
+//! unreachable; IPv6 is dropped (sandbox links carry IPv4 only, and the DNS filter answers AAAA
+//! queries with no records). Everything else is checked packet by packet — no "established"
+//! shortcut for outgoing packets, so removing an address cuts the open connections to it at once:
+//! explicit CIDR denies, then addresses learned from allowed DNS answers (with the answer's TTL;
+//! internal ones only for names a rule names exactly), allowed CIDRs that lie inside an internal
+//! range, then the internal ranges themselves (private, CGNAT, link-local, loopback, multicast,
+//! reserved: `policy::INTERNAL_V4`) are refused, and only then come other allowed CIDRs and
+//! sandboxes whose default is allow. So an allow reaches the internet, never the host's networks,
+//! unless a rule names the range or the name.
 
 use std::io::Write;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Stdio};
 
 #[derive(Debug, Clone)]
@@ -23,6 +27,8 @@ pub struct Firewall {
     /// Name prefix of this server's links (host ends); other servers' links are not ours to judge.
     pub prefix: String,
     pub subnet: (Ipv4Addr, u8),
+    /// The host address the DNS filter and the vault proxy listen on (on `lo`).
+    pub service: Ipv4Addr,
     pub dns_port: u16,
     /// The credential vault's proxy: port-443 traffic of sandboxes in `vault4` goes there.
     pub vault_port: u16,
@@ -64,6 +70,12 @@ impl Firewall {
         let p = &self.prefix;
         let port = self.dns_port;
         let vport = self.vault_port;
+        let svc = self.service;
+        let internal = crate::policy::INTERNAL_V4
+            .iter()
+            .map(|(n, l)| format!("{n}/{l}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let _ = apply(&format!("delete table inet {t}\n"));
         apply(&format!(
             r#"table inet {t} {{
@@ -71,6 +83,8 @@ impl Firewall {
   set learned4 {{ type ipv4_addr . ipv4_addr; flags timeout; }}
   set cidr_allow4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set cidr_deny4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  set cidr_named4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  set internal4 {{ type ipv4_addr; flags interval; elements = {{ {internal} }} }}
   set vault4 {{ type ipv4_addr; }}
   chain antispoof {{
     type filter hook prerouting priority raw; policy accept;
@@ -78,13 +92,13 @@ impl Firewall {
   }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
-    iifname "{p}*" udp dport 53 redirect to :{port}
-    iifname "{p}*" ip saddr @vault4 tcp dport 443 redirect to :{vport}
+    iifname "{p}*" udp dport 53 dnat ip to {svc}:{port}
+    iifname "{p}*" ip saddr @vault4 tcp dport 443 dnat ip to {svc}:{vport}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
-    iifname "{p}*" udp dport {port} accept
-    iifname "{p}*" ip saddr @vault4 tcp dport {vport} accept
+    iifname "{p}*" ip daddr {svc} udp dport {port} accept
+    iifname "{p}*" ip saddr @vault4 ip daddr {svc} tcp dport {vport} accept
     iifname "{p}*" drop
     udp dport {port} drop
     tcp dport {vport} drop
@@ -96,9 +110,10 @@ impl Firewall {
     oifname "{p}*" drop
     iifname "{p}*" meta nfproto ipv6 drop
     iifname "{p}*" udp dport 53 drop
-    iifname "{p}*" ip daddr 169.254.0.0/16 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @learned4 accept
+    iifname "{p}*" ip saddr . ip daddr @cidr_named4 accept
+    iifname "{p}*" ip daddr @internal4 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @cidr_allow4 accept
     iifname "{p}*" ip saddr @open4 accept
     iifname "{p}*" reject with icmpx type admin-prohibited
@@ -203,7 +218,11 @@ impl Firewall {
         allow: bool,
         add: bool,
     ) {
-        let set = if allow { "cidr_allow4" } else { "cidr_deny4" };
+        let set = match (allow, crate::policy::names_internal(IpAddr::V4(net), len)) {
+            (false, _) => "cidr_deny4",
+            (true, true) => "cidr_named4",
+            (true, false) => "cidr_allow4",
+        };
         let verb = if add { "add" } else { "delete" };
         b.line(format!(
             "{verb} element inet {} {set} {{ {sandbox} . {net}/{len} }}",

@@ -2,7 +2,7 @@
 //! the decisions they make: for a DNS name (exact names, then `*.wildcard` suffixes, longest first)
 //! and for an address (CIDR rules, most specific first).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Deserialize, Serialize};
 
@@ -177,6 +177,17 @@ impl NetworkPolicy {
         best.map(|(_, a)| a).unwrap_or(self.default_action)
     }
 
+    /// True when an allow rule names `name` itself (not a wildcard, not the default): the only
+    /// way a name's internal addresses (see [`INTERNAL_V4`]) become reachable.
+    pub fn names_exactly(&self, name: &str) -> bool {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        // The first rule for a name decides it, as in `decide_name`.
+        self.egress
+            .iter()
+            .find(|r| matches!(Target::parse(&r.target), Ok(Target::Name(n)) if n == name))
+            .is_some_and(|r| r.action == Action::Allow)
+    }
+
     /// The CIDR rules, most specific first: what an address not learned from DNS gets.
     pub fn cidr_rules(&self) -> Vec<(IpAddr, u8, Action)> {
         let mut v: Vec<(IpAddr, u8, Action)> = self
@@ -235,6 +246,42 @@ pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, PolicyErro
         .collect()
 }
 
+/// Networks no allow reaches unless a rule names them: private (RFC 1918), shared/CGNAT
+/// (100.64/10), loopback, link-local (cloud metadata), "this network", multicast and the reserved
+/// 240/4 (with broadcast). `defaultAction: allow`, `0.0.0.0/0` or a wildcard name opens the
+/// internet, not the host's LAN, a cloud's internal resolvers and services, or other sandboxes and
+/// containers. (IPv6, ULA included, does not leave a sandbox link at all.)
+pub const INTERNAL_V4: [(Ipv4Addr, u8); 9] = [
+    (Ipv4Addr::new(0, 0, 0, 0), 8),
+    (Ipv4Addr::new(10, 0, 0, 0), 8),
+    (Ipv4Addr::new(100, 64, 0, 0), 10),
+    (Ipv4Addr::new(127, 0, 0, 0), 8),
+    (Ipv4Addr::new(169, 254, 0, 0), 16),
+    (Ipv4Addr::new(172, 16, 0, 0), 12),
+    (Ipv4Addr::new(192, 168, 0, 0), 16),
+    (Ipv4Addr::new(224, 0, 0, 0), 4),
+    (Ipv4Addr::new(240, 0, 0, 0), 4),
+];
+
+/// True when `ip` is in one of [`INTERNAL_V4`].
+pub fn is_internal(ip: Ipv4Addr) -> bool {
+    INTERNAL_V4
+        .iter()
+        .any(|(n, l)| in_cidr(IpAddr::V4(ip), IpAddr::V4(*n), *l))
+}
+
+/// True when the network `net/len` lies wholly inside one internal range: a rule for it names
+/// that range (or part of it) explicitly, so it opens what it names. `10.0.0.0/8` or
+/// `10.1.2.3/32` names one; `0.0.0.0/0` or `0.0.0.0/1` does not.
+pub fn names_internal(net: IpAddr, len: u8) -> bool {
+    let IpAddr::V4(v4) = net else {
+        return false;
+    };
+    INTERNAL_V4
+        .iter()
+        .any(|(n, l)| len >= *l && in_cidr(IpAddr::V4(v4), IpAddr::V4(*n), *l))
+}
+
 /// True when `ip` is inside `net/len`.
 pub fn in_cidr(ip: IpAddr, net: IpAddr, len: u8) -> bool {
     match (ip, net) {
@@ -273,6 +320,66 @@ mod tests {
             NetworkPolicy::from_json(&json!({"egress": [{"action": "allow", "target": "a b"}]}))
                 .expect_err("bad target");
         assert!(err.to_string().contains("rule 0"), "{err}");
+    }
+
+    #[test]
+    fn internal_ranges_open_only_when_named() {
+        let v4 = |s: &str| s.parse::<Ipv4Addr>().expect("address");
+        for a in [
+            "10.1.2.3",
+            "172.16.0.1",
+            "172.31.255.254",
+            "192.168.1.1",
+            "100.64.0.1",
+            "100.127.255.254",
+            "169.254.169.254",
+            "127.0.0.1",
+            "0.1.2.3",
+            "224.0.0.251",
+            "239.255.255.250",
+            "255.255.255.255",
+        ] {
+            assert!(is_internal(v4(a)), "{a}");
+        }
+        for a in [
+            "8.8.8.8",
+            "172.32.0.1",
+            "100.128.0.1",
+            "198.18.0.2",
+            "192.169.0.1",
+        ] {
+            assert!(!is_internal(v4(a)), "{a}");
+        }
+        let ip = |s: &str| s.parse::<IpAddr>().expect("address");
+        assert!(names_internal(ip("10.0.0.0"), 8));
+        assert!(names_internal(ip("10.1.2.3"), 32));
+        assert!(names_internal(ip("169.254.169.254"), 32));
+        assert!(!names_internal(ip("0.0.0.0"), 0));
+        assert!(!names_internal(ip("0.0.0.0"), 1));
+        assert!(
+            !names_internal(ip("8.0.0.0"), 5),
+            "8/5 holds 10/8 but is not inside it"
+        );
+        assert!(!names_internal(ip("172.0.0.0"), 8));
+        assert!(!names_internal(ip("fd00::"), 8), "IPv6 never leaves a link");
+
+        let p = policy(json!({"defaultAction": "allow", "egress": [
+            {"action": "allow", "target": "db.internal.example"},
+            {"action": "allow", "target": "*.example.com"},
+            {"action": "deny", "target": "gone.example"},
+            {"action": "allow", "target": "gone.example"},
+        ]}));
+        assert!(p.names_exactly("db.internal.example."));
+        assert!(p.names_exactly("DB.Internal.Example"));
+        assert!(
+            !p.names_exactly("api.example.com"),
+            "a wildcard names no one"
+        );
+        assert!(!p.names_exactly("other.example"), "nor does the default");
+        assert!(
+            !p.names_exactly("gone.example"),
+            "the first rule for a name decides it"
+        );
     }
 
     #[test]
