@@ -10,32 +10,13 @@ use std::process::{Command, Stdio};
 
 use nix::mount::{umount2, MntFlags};
 use serde_json::{json, Value};
+use warren_core::policy;
 
 use crate::cgroup::CpuShare;
 use crate::security::KEPT_CAPABILITIES;
 use crate::spec::{
     InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
-
-/// Docker's masked and read-only paths, which OCI runtimes apply themselves.
-const MASKED_PATHS: [&str; 9] = [
-    "/proc/acpi",
-    "/proc/kcore",
-    "/proc/keys",
-    "/proc/latency_stats",
-    "/proc/timer_list",
-    "/proc/timer_stats",
-    "/proc/sched_debug",
-    "/proc/scsi",
-    "/sys/firmware",
-];
-const READONLY_PATHS: [&str; 5] = [
-    "/proc/bus",
-    "/proc/fs",
-    "/proc/irq",
-    "/proc/sys",
-    "/proc/sysrq-trigger",
-];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OciKind {
@@ -336,7 +317,12 @@ pub fn config_json(
         json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
         json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
     ];
-    let masked: Vec<String> = MASKED_PATHS.iter().map(|s| s.to_string()).collect();
+    // Masked and read-only paths (`warren_core::policy`), which OCI runtimes apply themselves.
+    let masked: Vec<&str> = policy::MASKED_FILES
+        .iter()
+        .chain(policy::MASKED_DIRS)
+        .copied()
+        .collect();
     if let RootSource::Host {
         binds,
         masked_files,
@@ -378,10 +364,10 @@ pub fn config_json(
         "resources": resources,
         "cgroupsPath": format!("/warren/{}", spec.id),
         "maskedPaths": masked,
-        "readonlyPaths": READONLY_PATHS,
+        "readonlyPaths": policy::READONLY_PATHS,
     });
-    // The same deny list as the embedded path (see `warren_core::policy::oci_seccomp` for gVisor).
-    linux["seccomp"] = warren_core::policy::oci_seccomp(kind == OciKind::Runsc);
+    // The same policy as the embedded path (see `warren_core::policy::oci_seccomp` for gVisor).
+    linux["seccomp"] = policy::oci_seccomp(kind == OciKind::Runsc);
     let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -473,11 +459,16 @@ mod tests {
             .expect("caps");
         assert!(caps.iter().any(|v| v == "CAP_CHOWN"));
         assert!(!caps.iter().any(|v| v == "CAP_SYS_ADMIN"));
-        assert!(c["linux"]["seccomp"]["syscalls"][0]["names"]
+        let seccomp = &c["linux"]["seccomp"];
+        assert_eq!(seccomp["defaultAction"], "SCMP_ACT_ERRNO");
+        let allowed = seccomp["syscalls"][0]["names"].as_array().expect("names");
+        assert!(allowed.iter().any(|n| n == "read"));
+        assert!(!allowed.iter().any(|n| n == "mount"));
+        assert!(c["linux"]["maskedPaths"]
             .as_array()
-            .expect("names")
+            .expect("masked")
             .iter()
-            .any(|n| n == "mount"));
+            .any(|p| p == "/proc/kpageflags"));
         // Nothing the sandbox can write in is bound from the host; under gVisor the socket folder is.
         assert!(!mounts
             .iter()
@@ -489,16 +480,29 @@ mod tests {
             .expect("mounts")
             .iter()
             .any(|m| m["destination"] == SOCKET_DIR_IN_SANDBOX));
-        assert_eq!(
-            runsc["linux"]["seccomp"]["syscalls"]
+        // gVisor: `clone` and `clone3` without conditions.
+        let rules = |c: &serde_json::Value, name: &str| {
+            c["linux"]["seccomp"]["syscalls"]
                 .as_array()
-                .map(Vec::len),
-            Some(1)
-        );
-        assert_eq!(
-            c["linux"]["seccomp"]["syscalls"].as_array().map(Vec::len),
-            Some(3)
-        );
+                .expect("rules")
+                .iter()
+                .filter(|r| r["names"] == serde_json::json!([name]))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let unconditional = |c: &serde_json::Value| {
+            c["linux"]["seccomp"]["syscalls"]
+                .as_array()
+                .expect("rules")
+                .iter()
+                .any(|r| {
+                    r["names"] == serde_json::json!(["clone", "clone3"]) && r.get("args").is_none()
+                })
+        };
+        assert!(unconditional(&runsc) && !unconditional(&c));
+        assert!(rules(&c, "clone")[0]["args"].is_array());
+        assert_eq!(rules(&c, "clone3")[0]["errnoRet"], 38);
+        assert_eq!(rules(&c, "personality").len(), 5);
     }
 
     #[test]

@@ -13,6 +13,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 
 use crate::spec::{InitSpec, RootSource, WARREN_DIR};
+use warren_core::policy;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
@@ -644,24 +645,22 @@ fn mount_proc(root: &Path) -> Result<()> {
             None,
         )
     })?;
-    // Docker's masked and read-only /proc paths. Masked files get the sandbox's own /dev/null (a
-    // node on its /dev tmpfs) bound over them, as runc does: no read-only remount is needed, since
-    // writes go to /dev/null and a chmod or chown through them changes only that node — never the
-    // host's /dev/null, which is why a bind of that one had to be remounted read-only.
+    // The masked and read-only /proc paths of `warren_core::policy` (Docker's and a few more).
+    // Masked files get the sandbox's own /dev/null (a node on its /dev tmpfs) bound over them, as
+    // runc does: no read-only remount is needed, since writes go to /dev/null and a chmod or chown
+    // through them changes only that node — never the host's /dev/null, which is why a bind of
+    // that one had to be remounted read-only.
     let null = root.join("dev/null");
-    for f in [
-        "kcore",
-        "keys",
-        "timer_list",
-        "sched_debug",
-        "latency_stats",
-        "sysrq-trigger",
-    ] {
-        let p = proc_dir.join(f);
+    let in_proc = |paths: &'static [&'static str]| {
+        paths
+            .iter()
+            .filter_map(|p| p.strip_prefix("/proc/"))
+            .map(|p| proc_dir.join(p))
+    };
+    for p in in_proc(policy::MASKED_FILES) {
         unless_absent(bind(&null, &p, false, MsFlags::empty()))?;
     }
-    for d in ["acpi", "scsi"] {
-        let p = proc_dir.join(d);
+    for p in in_proc(policy::MASKED_DIRS) {
         unless_not_a_folder(mnt(
             Some("tmpfs"),
             &p,
@@ -670,8 +669,7 @@ fn mount_proc(root: &Path) -> Result<()> {
             Some("size=0"),
         ))?;
     }
-    for d in ["bus", "fs", "irq", "sys"] {
-        let p = proc_dir.join(d);
+    for p in in_proc(policy::READONLY_PATHS) {
         unless_absent(bind(
             &p,
             &p,
@@ -751,13 +749,18 @@ fn mount_sys(spec: &InitSpec, root: &Path) -> Result<()> {
     onto(&sys, || {
         mnt(Some("sysfs"), &sys, Some("sysfs"), flags, None)
     })?;
-    unless_not_a_folder(mnt(
-        Some("tmpfs"),
-        &sys.join("firmware"),
-        Some("tmpfs"),
-        MsFlags::MS_RDONLY,
-        Some("size=0"),
-    ))?;
+    for dir in policy::MASKED_DIRS
+        .iter()
+        .filter_map(|p| p.strip_prefix("/sys/"))
+    {
+        unless_not_a_folder(mnt(
+            Some("tmpfs"),
+            &sys.join(dir),
+            Some("tmpfs"),
+            MsFlags::MS_RDONLY,
+            Some("size=0"),
+        ))?;
+    }
     // The sandbox sees its own cgroup as the root (cgroup namespace), read-only: execd reads its
     // metrics there.
     let cg = sys.join("fs/cgroup");

@@ -1,32 +1,40 @@
-//! The sandbox's seccomp filter, as one classic-BPF program built here (see `security` for what it
-//! denies and why).
+//! The sandbox's seccomp filter, as one classic-BPF program built here (see `security` and
+//! `warren_core::policy` for what it allows and why).
 //!
 //! Why by hand rather than from a filter compiler: every sandbox installs the filter, and what an
 //! install costs grows with the program. The kernel converts and JITs the program, then runs it once
 //! for every syscall number to find the ones it may answer from a bitmap without running the filter
-//! again (the action cache). A compiler that tests the denied numbers one after another makes that
-//! ~450 walks of a chain comparing each of the ~46 denied numbers in turn, and it was two filters
-//! (deny list and `clone3`); here one program (87 instructions) searches the sorted numbers as a
-//! binary tree, ~10 instructions per walk.
+//! again (the action cache). A compiler that tests each listed number in turn makes that ~450 walks
+//! of a chain of ~300 comparisons. Here the verdicts are laid over the number line as runs (the
+//! allowed calls cluster: ~300 numbers make a few dozen runs) and one program searches the run
+//! boundaries as a binary tree: ~8 instructions a walk, a couple of hundred in all.
 //!
 //! Layout: arch check (anything but x86-64 is killed, as a filter compiler does), x32 numbers
-//! refused (ENOSYS, what a kernel without x32 answers; a deny list keyed on 64-bit numbers would
-//! not see them), then the tree; leaves return the syscall's action. Only `clone` looks at an
-//! argument (its flags), so every other syscall stays answerable from the cache.
+//! refused (ENOSYS, what a kernel without x32 answers; a list keyed on 64-bit numbers would not
+//! see them), then the tree; leaves return the run's verdict. Only `clone`, `personality` and
+//! `socket` look at an argument, so every other syscall stays answerable from the cache.
 
 use std::collections::BTreeMap;
 
-/// What a listed syscall gets; unlisted ones are allowed.
+/// What a syscall gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
+    Allow,
     Errno(u16),
-    /// `clone`: EPERM when its flags ask for a new user namespace, allowed otherwise.
-    CloneUnlessNewUser,
+    /// Allowed unless the first argument has any of these flags (`clone` and namespace flags);
+    /// EPERM then.
+    AllowUnlessFlags(u32),
+    /// Allowed when the first argument is one of these (`personality`); EPERM otherwise.
+    AllowIfArgIn(&'static [u32]),
+    /// Allowed unless the first argument is this (`socket` and one address family); EPERM then.
+    AllowUnlessArg(u32),
 }
 
 // Classic BPF opcodes (linux/bpf_common.h): BPF_LD (0) | BPF_W (0) | BPF_ABS; BPF_JMP | op | BPF_K
 // (0); BPF_RET | BPF_K.
 const LD_W_ABS: u16 = 0x20;
+/// BPF_JMP | BPF_JA: an unconditional jump, with a 32-bit offset (conditional ones have 8 bits).
+const JA: u16 = 0x05;
 const JEQ_K: u16 = 0x05 | 0x10;
 const JGE_K: u16 = 0x05 | 0x30;
 const JSET_K: u16 = 0x05 | 0x40;
@@ -35,15 +43,14 @@ const RET_K: u16 = 0x06;
 // Offsets in `struct seccomp_data`: nr (u32), arch (u32), instruction_pointer (u64), args[6] (u64).
 const NR: u32 = 0;
 const ARCH: u32 = 4;
-/// Low 32 bits of args[0] (little-endian): where `clone` keeps its namespace flags.
+/// Low 32 bits of args[0] (little-endian): `clone`'s namespace flags, and all the kernel reads of
+/// `personality`'s and `socket`'s (unsigned) int.
 const ARG0_LOW: u32 = 16;
 
 /// `AUDIT_ARCH_X86_64`: EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE.
 const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
 /// `__X32_SYSCALL_BIT`: x32 ABI syscall numbers have it set.
 const X32_BIT: u32 = 0x4000_0000;
-/// Leaves hold this many numbers tested one by one; above it the tree splits.
-const LEAF: usize = 3;
 
 #[derive(Debug, Clone, Copy)]
 enum Target {
@@ -115,6 +122,7 @@ impl Program {
                     };
                     pc += usize::from(if hit { i.jt } else { i.jf });
                 }
+                JA => pc += i.k as usize,
                 RET_K => return i.k,
                 other => panic!("unexpected opcode {other:#x}"),
             }
@@ -122,53 +130,40 @@ impl Program {
     }
 }
 
-/// Builds the filter: syscalls in `verdicts` get theirs, all others are allowed.
-pub fn build(verdicts: &BTreeMap<u32, Verdict>) -> Result<Program, FilterError> {
+/// Builds the filter: numbers in `verdicts` get theirs, other numbers up to the highest listed get
+/// `otherwise`, and numbers above it ENOSYS (calls newer than the list: a libc trying one falls
+/// back to an older call, as it does on an older kernel).
+pub fn build(
+    verdicts: &BTreeMap<u32, Verdict>,
+    otherwise: Verdict,
+) -> Result<Program, FilterError> {
+    let top = verdicts.keys().next_back().copied().unwrap_or(0);
+    // Runs of equal verdicts over 0..=top, then ENOSYS from top + 1 on.
+    let mut runs: Vec<(u32, Verdict)> = Vec::new();
+    for nr in 0..=top {
+        let v = verdicts.get(&nr).copied().unwrap_or(otherwise);
+        if runs.last().is_none_or(|(_, last)| *last != v) {
+            runs.push((nr, v));
+        }
+    }
+    runs.push((top + 1, Verdict::Errno(libc::ENOSYS as u16)));
+
     let mut b = Builder::default();
-    let allow = b.label();
-    let kill = b.label();
-    let enosys = b.label();
-    let mut returns: BTreeMap<u16, usize> = BTreeMap::new();
-    let mut clone_check = None;
-    let mut entries = Vec::new();
-    for (&nr, &verdict) in verdicts {
-        let target = match verdict {
-            Verdict::Errno(e) if e == libc::ENOSYS as u16 => enosys,
-            Verdict::Errno(e) => *returns.entry(e).or_insert_with(|| b.label()),
-            Verdict::CloneUnlessNewUser => *clone_check.get_or_insert_with(|| b.label()),
-        };
-        entries.push((nr, target));
-    }
-    let eperm = *returns
-        .entry(libc::EPERM as u16)
-        .or_insert_with(|| b.label());
-
+    let (x86_64, native) = (b.label(), b.label());
     b.push(Insn::stmt(LD_W_ABS, ARCH));
-    b.jump(JEQ_K, AUDIT_ARCH_X86_64, Target::Next, Target::Label(kill));
-    b.push(Insn::stmt(LD_W_ABS, NR));
-    b.jump(JGE_K, X32_BIT, Target::Label(enosys), Target::Next);
-    b.tree(&entries);
-
-    if let Some(label) = clone_check {
-        b.place(label);
-        b.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
-        b.jump(
-            JSET_K,
-            libc::CLONE_NEWUSER as u32,
-            Target::Label(eperm),
-            Target::Label(allow),
-        );
-    }
-    b.place(allow);
-    b.push(Insn::stmt(RET_K, libc::SECCOMP_RET_ALLOW));
-    b.place(kill);
+    b.jump(
+        JEQ_K,
+        AUDIT_ARCH_X86_64,
+        Target::Label(x86_64),
+        Target::Next,
+    );
     b.push(Insn::stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS));
-    b.place(enosys);
+    b.place(x86_64);
+    b.push(Insn::stmt(LD_W_ABS, NR));
+    b.jump(JGE_K, X32_BIT, Target::Next, Target::Label(native));
     b.push(Insn::stmt(RET_K, errno(libc::ENOSYS as u16)));
-    for (e, label) in returns {
-        b.place(label);
-        b.push(Insn::stmt(RET_K, errno(e)));
-    }
+    b.place(native);
+    b.tree(&runs);
     b.finish()
 }
 
@@ -223,22 +218,60 @@ impl Builder {
         self.code.push(Insn { code, k, jt, jf });
     }
 
-    /// A search over `entries` (sorted by number): `jge` splits until a leaf is small enough to
-    /// test number by number; a leaf that matches nothing allows the call.
-    fn tree(&mut self, entries: &[(u32, usize)]) {
-        if entries.len() <= LEAF {
-            for &(nr, target) in entries {
-                self.jump(JEQ_K, nr, Target::Label(target), Target::Next);
-            }
-            self.push(Insn::stmt(RET_K, libc::SECCOMP_RET_ALLOW));
+    /// A search over `runs` (sorted by first number, the first at 0): `jge` splits on a run's
+    /// first number until one run is left, whose verdict the leaf returns. The way to the upper
+    /// half is an unconditional jump, whose offset has 32 bits: a lower half longer than a
+    /// conditional jump's 255 instructions is then no limit.
+    fn tree(&mut self, runs: &[(u32, Verdict)]) {
+        if let [(_, verdict)] = runs {
+            self.verdict(*verdict);
             return;
         }
-        let (low, high) = entries.split_at(entries.len() / 2);
-        let right = self.label();
-        self.jump(JGE_K, high[0].0, Target::Label(right), Target::Next);
+        let (low, high) = runs.split_at(runs.len() / 2);
+        let (left, right) = (self.label(), self.label());
+        self.jump(JGE_K, high[0].0, Target::Next, Target::Label(left));
+        self.jump(JA, 0, Target::Label(right), Target::Next);
+        self.place(left);
         self.tree(low);
         self.place(right);
         self.tree(high);
+    }
+
+    fn verdict(&mut self, verdict: Verdict) {
+        let (allow, eperm) = (
+            Insn::stmt(RET_K, libc::SECCOMP_RET_ALLOW),
+            Insn::stmt(RET_K, errno(libc::EPERM as u16)),
+        );
+        match verdict {
+            Verdict::Allow => self.push(allow),
+            Verdict::Errno(e) => self.push(Insn::stmt(RET_K, errno(e))),
+            Verdict::AllowUnlessFlags(flags) => {
+                let deny = self.label();
+                self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
+                self.jump(JSET_K, flags, Target::Label(deny), Target::Next);
+                self.push(allow);
+                self.place(deny);
+                self.push(eperm);
+            }
+            Verdict::AllowIfArgIn(values) => {
+                let ok = self.label();
+                self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
+                for v in values {
+                    self.jump(JEQ_K, *v, Target::Label(ok), Target::Next);
+                }
+                self.push(eperm);
+                self.place(ok);
+                self.push(allow);
+            }
+            Verdict::AllowUnlessArg(value) => {
+                let deny = self.label();
+                self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
+                self.jump(JEQ_K, value, Target::Label(deny), Target::Next);
+                self.push(allow);
+                self.place(deny);
+                self.push(eperm);
+            }
+        }
     }
 
     fn finish(self) -> Result<Program, FilterError> {
@@ -257,11 +290,25 @@ impl Builder {
         };
         let mut out = Vec::with_capacity(self.code.len());
         for (i, insn) in self.code.iter().enumerate() {
-            out.push(libc::sock_filter {
-                code: insn.code,
-                jt: offset(i, insn.jt)?,
-                jf: offset(i, insn.jf)?,
-                k: insn.k,
+            out.push(if insn.code == JA {
+                // The target rides in `jt` while building; the offset goes in `k`.
+                let Target::Label(l) = insn.jt else {
+                    unreachable!("an unconditional jump has a target")
+                };
+                let to = self.at[l].expect("every label is placed");
+                libc::sock_filter {
+                    code: JA,
+                    jt: 0,
+                    jf: 0,
+                    k: (to - i - 1) as u32,
+                }
+            } else {
+                libc::sock_filter {
+                    code: insn.code,
+                    jt: offset(i, insn.jt)?,
+                    jf: offset(i, insn.jf)?,
+                    k: insn.k,
+                }
             });
         }
         Ok(Program(out))
@@ -272,15 +319,20 @@ impl Builder {
 mod tests {
     use super::*;
 
+    const ALLOW: u32 = libc::SECCOMP_RET_ALLOW;
     const EPERM: u32 = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
     const ENOSYS: u32 = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+    const PERSONAS: &[u32] = &[0, 8, 0xffff_ffff];
 
     fn sample() -> BTreeMap<u32, Verdict> {
-        let mut v: BTreeMap<u32, Verdict> = [1u32, 5, 9, 10, 11, 40, 41, 200, 300, 301, 302, 433]
-            .into_iter()
-            .map(|nr| (nr, Verdict::Errno(libc::EPERM as u16)))
-            .collect();
-        v.insert(56, Verdict::CloneUnlessNewUser);
+        let mut v: BTreeMap<u32, Verdict> =
+            [0u32, 1, 2, 3, 5, 9, 10, 11, 40, 41, 200, 300, 301, 433]
+                .into_iter()
+                .map(|nr| (nr, Verdict::Allow))
+                .collect();
+        v.insert(56, Verdict::AllowUnlessFlags(0x7E02_0000));
+        v.insert(135, Verdict::AllowIfArgIn(PERSONAS));
+        v.insert(41, Verdict::AllowUnlessArg(40));
         v.insert(435, Verdict::Errno(libc::ENOSYS as u16));
         v.insert(7, Verdict::Errno(libc::EACCES as u16));
         v
@@ -289,58 +341,76 @@ mod tests {
     #[test]
     fn every_number_gets_its_verdict() {
         let verdicts = sample();
-        let prog = build(&verdicts).expect("build");
+        let prog = build(&verdicts, Verdict::Errno(libc::EPERM as u16)).expect("build");
         for nr in 0..600u32 {
             let want = match verdicts.get(&nr) {
-                None | Some(Verdict::CloneUnlessNewUser) => libc::SECCOMP_RET_ALLOW,
+                Some(Verdict::Allow) => ALLOW,
                 Some(Verdict::Errno(e)) => errno(*e),
+                Some(_) => continue, // argument rules: below
+                None if nr <= 435 => EPERM,
+                None => ENOSYS,
             };
             assert_eq!(prog.run(nr, AUDIT_ARCH_X86_64, 0), want, "syscall {nr}");
         }
     }
 
     #[test]
-    fn clone_is_refused_only_for_a_new_user_namespace() {
-        let prog = build(&sample()).expect("build");
+    fn argument_rules() {
+        let prog = build(&sample(), Verdict::Errno(libc::EPERM as u16)).expect("build");
         let newuser = libc::CLONE_NEWUSER as u64;
+        let newnet = libc::CLONE_NEWNET as u64;
         assert_eq!(prog.run(56, AUDIT_ARCH_X86_64, newuser | 0x11), EPERM);
-        assert_eq!(
-            prog.run(56, AUDIT_ARCH_X86_64, libc::SIGCHLD as u64),
-            libc::SECCOMP_RET_ALLOW
-        );
+        assert_eq!(prog.run(56, AUDIT_ARCH_X86_64, newnet | 0x11), EPERM);
+        assert_eq!(prog.run(56, AUDIT_ARCH_X86_64, libc::SIGCHLD as u64), ALLOW);
         // Flags in the upper half of the word are not namespace flags.
-        assert_eq!(
-            prog.run(56, AUDIT_ARCH_X86_64, 1 << 40),
-            libc::SECCOMP_RET_ALLOW
-        );
+        assert_eq!(prog.run(56, AUDIT_ARCH_X86_64, 1 << 40), ALLOW);
+        for p in PERSONAS {
+            assert_eq!(
+                prog.run(135, AUDIT_ARCH_X86_64, u64::from(*p)),
+                ALLOW,
+                "{p:#x}"
+            );
+        }
+        // ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC
+        assert_eq!(prog.run(135, AUDIT_ARCH_X86_64, 0x0004_0000), EPERM);
+        assert_eq!(prog.run(135, AUDIT_ARCH_X86_64, 0x0040_0000), EPERM);
+        assert_eq!(prog.run(41, AUDIT_ARCH_X86_64, 40), EPERM);
+        assert_eq!(prog.run(41, AUDIT_ARCH_X86_64, 2), ALLOW);
     }
 
     #[test]
     fn other_architectures_die_and_x32_numbers_are_refused() {
-        let prog = build(&sample()).expect("build");
+        let prog = build(&sample(), Verdict::Errno(libc::EPERM as u16)).expect("build");
         const AUDIT_ARCH_I386: u32 = 3 | 0x4000_0000;
         assert_eq!(
             prog.run(0, AUDIT_ARCH_I386, 0),
             libc::SECCOMP_RET_KILL_PROCESS
         );
-        // 165 is mount: its x32 number must not slip past a tree keyed on 64-bit numbers.
+        // 165 is mount, 0 read: x32 numbers must not reach a tree keyed on 64-bit numbers.
         assert_eq!(prog.run(X32_BIT | 165, AUDIT_ARCH_X86_64, 0), ENOSYS);
-        assert_eq!(prog.run(X32_BIT | 39, AUDIT_ARCH_X86_64, 0), ENOSYS);
+        assert_eq!(prog.run(X32_BIT, AUDIT_ARCH_X86_64, 0), ENOSYS);
     }
 
     #[test]
-    fn an_empty_list_allows_everything() {
-        let prog = build(&BTreeMap::new()).expect("build");
-        assert_eq!(prog.run(165, AUDIT_ARCH_X86_64, 0), libc::SECCOMP_RET_ALLOW);
+    fn an_empty_list_refuses_everything_but_read() {
+        let prog = build(&BTreeMap::new(), Verdict::Errno(libc::EPERM as u16)).expect("build");
+        assert_eq!(prog.run(0, AUDIT_ARCH_X86_64, 0), EPERM);
+        assert_eq!(prog.run(165, AUDIT_ARCH_X86_64, 0), ENOSYS);
     }
 
     #[test]
-    fn stays_small() {
-        // ~450 numbers walk this during install: the point of the tree.
-        let many: BTreeMap<u32, Verdict> = (0..64u32)
-            .map(|i| (i * 7, Verdict::Errno(libc::EPERM as u16)))
-            .collect();
-        let prog = build(&many).expect("build");
-        assert!(prog.len() < 2 * 64 + 16, "{} instructions", prog.len());
+    fn stays_small_however_the_numbers_fall() {
+        // Every other number allowed: the worst case for runs (one per number).
+        let many: BTreeMap<u32, Verdict> = (0..240u32).map(|i| (i * 2, Verdict::Allow)).collect();
+        let prog = build(&many, Verdict::Errno(libc::EPERM as u16)).expect("jumps fit");
+        assert!(prog.len() < 3 * 480 + 16, "{} instructions", prog.len());
+        for nr in 0..500u32 {
+            let want = match nr {
+                n if n > 478 => ENOSYS,
+                n if n % 2 == 0 => ALLOW,
+                _ => EPERM,
+            };
+            assert_eq!(prog.run(nr, AUDIT_ARCH_X86_64, 0), want, "syscall {nr}");
+        }
     }
 }
