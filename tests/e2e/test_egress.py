@@ -220,6 +220,9 @@ def test_allow_reaches_the_internet_not_internal_networks(net_server, fakenet):
         assert code != 0, f"a wildcard name resolving to {internal['172']} was reached: {out}"
         code, out, err = W.sh(sbx, FETCH + "http://private.test/")
         assert code == 0 and internal["10"] in out, (out, err)
+        # Once no rule names it exactly, what its answer opened closes at once.
+        put({"defaultAction": "deny", "egress": [{"action": "allow", "target": "*.test"}]})
+        assert not reach(internal["10"]), "an internal address learned for a name no rule names now"
     finally:
         sbx.kill()
 

@@ -361,7 +361,12 @@ impl Egress {
         let dropped: Vec<Ipv4Addr> = net
             .learned
             .iter()
-            .filter(|(_, (name, exp))| *exp > now && net.policy.decide_name(name) == Action::Deny)
+            .filter(|(dest, (name, exp))| {
+                // Denied now, or internal and no longer named exactly (see `learn`).
+                *exp > now
+                    && (net.policy.decide_name(name) == Action::Deny
+                        || (is_internal(**dest) && !net.policy.names_exactly(name)))
+            })
             .map(|(d, _)| *d)
             .collect();
         for d in &dropped {
