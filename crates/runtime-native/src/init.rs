@@ -94,6 +94,13 @@ fn run(join: Vec<String>) -> Result<i32, String> {
 
     // Compile seccomp before unsharing so a failure costs nothing.
     let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
+    // The sandbox's user namespace, made by this helper (single-threaded, so its child is cheap):
+    // PID 1 idmaps the layers through it when it mounts the root itself, and joins it last.
+    let userns = spec
+        .userns
+        .map(crate::userns::make)
+        .transpose()
+        .map_err(|e| format!("making the sandbox's user namespace: {e}"))?;
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS
@@ -119,6 +126,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
                 errors.as_raw_fd(),
                 premade_root.as_ref(),
                 listener,
+                userns,
             ) {
                 Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
@@ -141,6 +149,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
             drop(write_end);
             drop(listener);
             drop(premade_root);
+            drop(userns);
             let mut msg = String::new();
             let _ = fs::File::from(read_end).read_to_string(&mut msg);
             if msg.is_empty() {
@@ -161,6 +170,7 @@ fn prepare_execd(
     error_pipe: std::os::fd::RawFd,
     premade_root: Option<&OwnedFd>,
     listener: std::os::unix::net::UnixListener,
+    userns: Option<OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
     // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
@@ -169,7 +179,19 @@ fn prepare_execd(
     nix::unistd::setsid().map_err(|e| format!("setsid: {e}"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
-    rootfs::build(spec, premade_root).map_err(|e| warren_core::error_chain(&e))?;
+    if userns.is_some() {
+        // Root in a user namespace has no privilege over the network namespace (the initial
+        // one owns it): ports below 1024 and ping sockets are opened to every id of this
+        // sandbox's own network instead, so a web server on port 80 and `ping` work as before.
+        // (Both settings belong to the network namespace; /proc/sys/net is the caller's.)
+        for (file, value) in [
+            ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
+            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+        ] {
+            fs::write(file, value).map_err(|e| format!("{file}: {e}"))?;
+        }
+    }
+    rootfs::build(spec, premade_root, userns.as_ref()).map_err(|e| warren_core::error_chain(&e))?;
     std::env::set_current_dir(&spec.workdir)
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;
@@ -221,11 +243,23 @@ fn prepare_execd(
     // - not dumpable, so the sandbox's processes cannot read this memory, its environment or
     //   follow /proc/1/exe (the host's `warren` binary) — the sandbox keeps no CAP_SYS_PTRACE;
     // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
+    let in_userns = userns.is_some();
+    if let Some(ns) = userns {
+        // Last, with every mount made: from here on this process is root of its own range.
+        crate::userns::join(&ns).map_err(|e| format!("joining the user namespace: {e}"))?;
+    }
     security::close_descriptors_except(&[ready_fd, error_pipe, listener.as_raw_fd()])
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
-    security::restrict_privileges().map_err(|e| warren_core::error_chain(&e))?;
-    security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
+    if in_userns {
+        // Without `no_new_privs` a filter needs CAP_SYS_ADMIN (in the namespace) to be
+        // installed: before the capabilities go.
+        security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
+        security::restrict_privileges(false).map_err(|e| warren_core::error_chain(&e))?;
+    } else {
+        security::restrict_privileges(true).map_err(|e| warren_core::error_chain(&e))?;
+        security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
+    }
     for (key, _) in std::env::vars_os() {
         std::env::remove_var(key);
     }

@@ -27,6 +27,7 @@ mod rootfs;
 mod seccomp;
 mod security;
 mod spec;
+pub mod userns;
 mod volumes;
 pub mod zygote;
 
@@ -97,6 +98,9 @@ pub struct NativeConfig {
     /// Creates run at most this many at a time (creating is CPU work on this machine); `None`: no
     /// limit.
     pub max_parallel_creates: Option<usize>,
+    /// User namespaces (embedded runtime): `(first host id, ranges)` — each sandbox's root is one
+    /// range of 65,536 host ids of its own (see `userns`). `None`: sandbox root is host root.
+    pub userns_ids: Option<(u32, u32)>,
 }
 
 /// What the server persists for a native sandbox.
@@ -155,6 +159,8 @@ struct Inner {
     leftovers: Arc<leftovers::Leftovers>,
     /// Sandbox folders, made ahead of need and removed out of the way.
     folders: Arc<folders::Folders>,
+    /// The id ranges of sandboxes' user namespaces, when they have them.
+    userns: Option<userns::Slots>,
 }
 
 impl NativeRuntime {
@@ -195,6 +201,19 @@ impl NativeRuntime {
         };
         let folders = folders::Folders::open(&config.data_dir, subs)
             .map_err(|e| RuntimeError::backend_with("preparing the sandboxes folder", e))?;
+        let userns = match config.userns_ids {
+            None => None,
+            Some(_) if oci.is_some() => {
+                return Err(RuntimeError::backend(
+                    "user namespaces ([runtime] user_namespaces) work with the embedded runtime only so far",
+                ))
+            }
+            Some((first, count)) => {
+                let slots = userns::Slots::new(first, count).map_err(RuntimeError::backend)?;
+                adopt_ranges(&slots, &config.data_dir.join("sandboxes"));
+                Some(slots)
+            }
+        };
         let skeleton = build_host_skeleton(&config.data_dir.join("host-skeleton"))
             .map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
         // Named anew whenever its content changes: running sandboxes keep the one they were made with.
@@ -225,6 +244,7 @@ impl NativeRuntime {
                 ),
                 volumes: volumes::Volumes::new(&config.data_dir),
                 folders,
+                userns,
                 config,
                 layout,
                 skeleton,
@@ -359,6 +379,7 @@ impl NativeRuntime {
             log_path: None,
             volumes: Vec::new(),
             base_layer: Some(self.inner.base_layer.clone()),
+            userns: None,
         }
     }
 
@@ -419,6 +440,7 @@ impl NativeRuntime {
                 )
             })?;
         }
+        let range = self.take_range(&spec.id, dir)?;
         let log_path = dir.join(folders::LOG_NAME);
         let log = fs::OpenOptions::new()
             .append(true)
@@ -428,7 +450,7 @@ impl NativeRuntime {
         // One budget for the whole start: the setup helper's answer, then execd listening.
         let deadline = started + self.inner.config.ready_timeout;
         let (pid, ready) = match &self.inner.oci {
-            None => self.start_embedded(spec, log, &log_path, &volumes.mounts, deadline)?,
+            None => self.start_embedded(spec, log, &log_path, &volumes.mounts, deadline, range)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let mut init_spec = self.init_spec(spec);
@@ -485,13 +507,21 @@ impl NativeRuntime {
         log_path: &Path,
         volumes: &[spec::HostMount],
         deadline: Instant,
+        range: Option<userns::IdRange>,
     ) -> Result<(i32, Option<fs::File>), RuntimeError> {
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();
+        init_spec.userns = range;
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
-        let root = premade_root(&init_spec);
+        let ns = match (&self.inner.userns, range) {
+            (Some(slots), Some(range)) => Some(slots.namespace(range).map_err(|e| {
+                RuntimeError::backend_with("making the user namespace of the sandbox's ids", e)
+            })?),
+            _ => None,
+        };
+        let root = premade_root(&init_spec, ns.as_deref());
         if root.is_none() && spec.limits.disk_bytes.is_some() {
             // PID 1 would mount the root itself, in a mount namespace (a standby helper's) that
             // may predate the sandbox's disk: its writes could land beside the disk, unbounded.
@@ -861,6 +891,11 @@ impl NativeRuntime {
                 true
             }
         };
+        if let (Some(slots), None) = (&self.inner.userns, &unreaped) {
+            // Its processes are gone: the range may serve another sandbox. (A PID 1 that cannot
+            // die yet keeps it until the server restarts.)
+            slots.release(id);
+        }
         if cgroup_left || unreaped.is_some() {
             self.inner.leftovers.add(id, unreaped);
         }
@@ -874,6 +909,25 @@ impl NativeRuntime {
         if let Err(e) = self.inner.folders.remove(id) {
             tracing::warn!(sandbox_id = id, error = %e, "sandbox folder removal failed");
         }
+    }
+
+    /// With user namespaces: a range of ids for sandbox `id`, recorded in its folder (for a
+    /// restarted server) and given its upper dir, which is the root folder the sandbox sees.
+    fn take_range(&self, id: &str, dir: &Path) -> Result<Option<userns::IdRange>, RuntimeError> {
+        let Some(slots) = &self.inner.userns else {
+            return Ok(None);
+        };
+        let range = slots.take(id).ok_or_else(|| {
+            RuntimeError::Unavailable(
+                "every id range for sandboxes' user namespaces is in use; retry when one ends"
+                    .into(),
+            )
+        })?;
+        let upper = dir.join("upper");
+        fs::write(dir.join(USERNS_FILE), range.base.to_string())
+            .and_then(|()| std::os::unix::fs::chown(&upper, Some(range.base), Some(range.base)))
+            .map_err(|e| RuntimeError::backend_with("giving the sandbox its ids", e))?;
+        Ok(Some(range))
     }
 
     fn set_paused(&self, id: &str, paused: bool) -> Result<(), RuntimeError> {
@@ -1117,12 +1171,38 @@ fn yield_cpu(cg: &Cgroup) {
 /// every 300 deleted sandboxes stayed behind as such "dying" cgroups, ~78 KiB of unreclaimable
 /// kernel memory each (594 of them, 45 MiB, after 1,200 sandboxes); with the overlay made here,
 /// 0–3 of 300.
-fn premade_root(spec: &InitSpec) -> Option<OwnedFd> {
-    rootfs::mount_api::overlay_detached(&spec.lower_dirs(), &spec.upper_dir, &spec.work_dir)
+fn premade_root(spec: &InitSpec, userns: Option<&OwnedFd>) -> Option<OwnedFd> {
+    rootfs::lowers(&spec.lower_dirs(), userns)
+        .and_then(|(lowers, _held)| {
+            rootfs::mount_api::overlay_detached(&lowers, &spec.upper_dir, &spec.work_dir)
+        })
         .map_err(
             |e| tracing::debug!(error = %e, "the root overlay is left to the sandbox to mount"),
         )
         .ok()
+}
+
+/// The file in a sandbox's folder that holds the first host id of its range.
+const USERNS_FILE: &str = "userns";
+
+/// The ranges of sandboxes an earlier server left running (read from their folders), so no new
+/// sandbox gets one of them.
+fn adopt_ranges(slots: &userns::Slots, sandboxes: &Path) {
+    let Ok(entries) = fs::read_dir(sandboxes) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Ok(base) = fs::read_to_string(entry.path().join(USERNS_FILE)) else {
+            continue;
+        };
+        let id = entry.file_name().to_string_lossy().into_owned();
+        match base.trim().parse() {
+            Ok(base) if slots.adopt(&id, userns::IdRange { base }) => {}
+            _ => {
+                tracing::warn!(sandbox_id = %id, "its user namespace range is not one this server hands out")
+            }
+        }
+    }
 }
 
 /// Refuses to start where no sandbox could be made: every sandbox's writable layer is an overlay's

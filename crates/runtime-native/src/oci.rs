@@ -266,9 +266,9 @@ impl OciRuntime {
 /// a folder on it for a link. The runtime's recursive bind of the root takes them along; teardown's
 /// lazy unmount of the root takes them away.
 fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
-    crate::rootfs::mount_overlay(spec, &spec.rootfs_dir)
+    crate::rootfs::mount_overlay(spec, &spec.rootfs_dir, &spec.lower_dirs())
         .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))?;
-    crate::rootfs::mount_volumes(spec, &spec.rootfs_dir).map_err(|e| {
+    crate::rootfs::mount_volumes(spec, &spec.rootfs_dir, None).map_err(|e| {
         let _ = umount2(&spec.rootfs_dir, MntFlags::MNT_DETACH);
         OciError::Volumes(e)
     })
@@ -421,6 +421,7 @@ mod tests {
                 read_only: true,
             }],
             base_layer: Some("/base".into()),
+            userns: None,
         }
     }
 

@@ -150,9 +150,35 @@ fn inside(root: &Path, abs: &Path) -> PathBuf {
     root.join(abs.strip_prefix("/").unwrap_or(abs))
 }
 
+/// The overlay's lower layers as the mount takes them: the layer folders, or with a user namespace
+/// idmapped copies of them, named `/proc/self/fd/N` — the descriptors returned with them must stay
+/// open until the overlay is made.
+pub(crate) fn lowers(
+    layers: &[PathBuf],
+    userns: Option<&OwnedFd>,
+) -> nix::Result<(Vec<PathBuf>, Vec<OwnedFd>)> {
+    use std::os::fd::AsRawFd;
+    let Some(ns) = userns else {
+        return Ok((layers.to_vec(), Vec::new()));
+    };
+    let held = layers
+        .iter()
+        .map(|l| mount_api::idmapped(l, ns))
+        .collect::<nix::Result<Vec<_>>>()?;
+    let paths = held
+        .iter()
+        .map(|fd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())))
+        .collect();
+    Ok((paths, held))
+}
+
 /// Builds the sandbox's root and moves into it. `premade` is its overlay when the server made it
 /// (see `premade_root` in the crate root); otherwise it is mounted here.
-pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
+///
+/// With user namespaces (`userns`, the namespace PID 1 joins last) the layers are idmapped through
+/// it, the sandbox's own mounts (`/dev`, its pty group) and the folders made here belong to its
+/// range, and volumes show their files with the owners they have on disk.
+pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>, userns: Option<&OwnedFd>) -> Result<()> {
     // Nothing we mount may propagate back to the host.
     mnt(
         None,
@@ -162,9 +188,9 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
         None,
     )?;
     let root = spec.rootfs_dir.as_path();
-    mount_root(spec, root, premade)?;
+    mount_root(spec, root, premade, userns)?;
     // /dev first: /proc's masked files are the sandbox's own /dev/null bound over them.
-    mount_dev(root)?;
+    mount_dev(root, spec.userns)?;
     mount_proc(root)?;
     mount_sys(spec, root)?;
     mount_warren(root)?;
@@ -175,10 +201,14 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
             if dir == "tmp" {
                 fs::set_permissions(&d, fs::Permissions::from_mode(0o1777)).map_err(io_at(&d))?;
             }
+            if let Some(range) = spec.userns {
+                std::os::unix::fs::chown(&d, Some(range.base), Some(range.base))
+                    .map_err(io_at(&d))?;
+            }
         }
     }
     // after /tmp exists with its own mode: a volume under it must not create it 0755
-    mount_volumes(spec, root)?;
+    mount_volumes(spec, root, userns)?;
     pivot(root)
 }
 
@@ -186,7 +216,7 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>) -> Result<()> {
 /// handle to handle: a volume's contents are sandboxes' (a link or a folder swapped for one while
 /// this runs must not aim the mount at, or make a mount point in, a host folder), and so may be the
 /// folders on the way to a mount point (a volume nested in another, or links in the image).
-pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
+pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path, userns: Option<&OwnedFd>) -> Result<()> {
     for v in &spec.volumes {
         let source = v.open_source().map_err(io_at(&v.source))?;
         let rel = Path::new(v.target.trim_start_matches('/'));
@@ -208,7 +238,7 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path) -> Result<()> {
         }
         .map_err(io_at(Path::new(&v.target)))?;
         let attrs = mount_api::attrs(v.read_only, MsFlags::MS_NOSUID | MsFlags::MS_NODEV);
-        mount_api::bind_handle(&source.fd, &target.fd, attrs).map_err(|source| {
+        mount_api::bind_handle(&source.fd, &target.fd, attrs, userns).map_err(|source| {
             RootfsError::Mount {
                 what: if source == nix::errno::Errno::ENOSYS {
                     format!(
@@ -237,6 +267,7 @@ pub(crate) mod mount_api {
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
     const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
     const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
@@ -274,11 +305,22 @@ pub(crate) mod mount_api {
 
     /// Sets `attrs` on the mount at `dfd`/`path` and every mount below it.
     pub fn set_recursive(dfd: libc::c_int, path: &std::ffi::CStr, attrs: u64) -> nix::Result<()> {
+        set_attrs(dfd, path, attrs, None)
+    }
+
+    /// [`set_recursive`], idmapping the mounts through `userns` too where one is given (the mount
+    /// must be a detached copy, not yet idmapped).
+    fn set_attrs(
+        dfd: libc::c_int,
+        path: &std::ffi::CStr,
+        attrs: u64,
+        userns: Option<&OwnedFd>,
+    ) -> nix::Result<()> {
         let attr = MountAttr {
-            attr_set: attrs,
+            attr_set: attrs | userns.map_or(0, |_| MOUNT_ATTR_IDMAP),
             attr_clr: 0,
             propagation: 0,
-            userns_fd: 0,
+            userns_fd: userns.map_or(0, |ns| ns.as_raw_fd() as u64),
         };
         let flags = libc::AT_RECURSIVE
             | if path.is_empty() {
@@ -303,7 +345,12 @@ pub(crate) mod mount_api {
 
     /// Binds what `source` names (with the mounts below it) onto what `target` names, with `attrs`
     /// on every mount of the copy: a detached copy is made, set up, then attached in one step.
-    pub fn bind_handle(source: &OwnedFd, target: &OwnedFd, attrs: u64) -> nix::Result<()> {
+    pub fn bind_handle(
+        source: &OwnedFd,
+        target: &OwnedFd,
+        attrs: u64,
+        userns: Option<&OwnedFd>,
+    ) -> nix::Result<()> {
         // SAFETY: open_tree(2) on a descriptor we own, with an empty path; the result is owned here.
         let tree = check(unsafe {
             libc::syscall(
@@ -318,7 +365,7 @@ pub(crate) mod mount_api {
         })?;
         // SAFETY: a fresh descriptor, owned by nobody else.
         let tree = unsafe { OwnedFd::from_raw_fd(tree as libc::c_int) };
-        set_recursive(tree.as_raw_fd(), c"", attrs)?;
+        set_attrs(tree.as_raw_fd(), c"", attrs, userns)?;
         // SAFETY: move_mount(2) between two descriptors we own, with empty paths.
         check(unsafe {
             libc::syscall(
@@ -535,6 +582,42 @@ pub(crate) mod mount_api {
     }
 
     /// Attaches a detached mount (`fsmount(2)`'s descriptor) at `target`.
+    /// A detached copy of the folder `path` whose owners read through user namespace `userns`:
+    /// on-disk id N shows as the host id that N is inside the namespace.
+    pub fn idmapped(path: &std::path::Path, userns: &OwnedFd) -> nix::Result<OwnedFd> {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| nix::errno::Errno::EINVAL)?;
+        // SAFETY: open_tree(2) with a NUL-terminated path; the result is owned here.
+        let tree = check(unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+            )
+        })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        let tree = unsafe { OwnedFd::from_raw_fd(tree as libc::c_int) };
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_IDMAP,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: userns.as_raw_fd() as u64,
+        };
+        // SAFETY: mount_setattr(2) on the copy we own, with a struct of the size passed.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH as libc::c_uint,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        })?;
+        Ok(tree)
+    }
+
     pub fn attach(mnt: &OwnedFd, target: &std::path::Path) -> nix::Result<()> {
         let target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
             .map_err(|_| nix::errno::Errno::EINVAL)?;
@@ -563,10 +646,10 @@ pub(crate) mod mount_api {
 /// `mount(2)` copies at most one page of options, so with many layers (over ~40 with the store's
 /// paths: a deep image, or a long chain of snapshots of snapshots) the list would be cut short;
 /// those overlays are built one option at a time instead.
-pub(crate) fn mount_overlay(spec: &InitSpec, target: &Path) -> nix::Result<()> {
-    let plain = spec.overlay_options();
+pub(crate) fn mount_overlay(spec: &InitSpec, target: &Path, lowers: &[PathBuf]) -> nix::Result<()> {
+    let plain = spec.overlay_options(lowers);
     if plain.len() + ",volatile".len() >= MOUNT_OPTIONS_MAX {
-        return mount_api::overlay(&spec.lower_dirs(), &spec.upper_dir, &spec.work_dir, target);
+        return mount_api::overlay(lowers, &spec.upper_dir, &spec.work_dir, target);
     }
     let overlay = |data: &str| {
         mount(
@@ -583,10 +666,16 @@ pub(crate) fn mount_overlay(spec: &InitSpec, target: &Path) -> nix::Result<()> {
     }
 }
 
-fn mount_root(spec: &InitSpec, root: &Path, premade: Option<&OwnedFd>) -> Result<()> {
+fn mount_root(
+    spec: &InitSpec,
+    root: &Path,
+    premade: Option<&OwnedFd>,
+    userns: Option<&OwnedFd>,
+) -> Result<()> {
     match premade {
         Some(mnt) => mount_api::attach(mnt, root),
-        None => mount_overlay(spec, root),
+        None => lowers(&spec.lower_dirs(), userns)
+            .and_then(|(lowers, _held)| mount_overlay(spec, root, &lowers)),
     }
     .map_err(|source| RootfsError::Mount {
         what: "overlay".to_string(),
@@ -680,15 +769,21 @@ fn mount_proc(root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn mount_dev(root: &Path) -> Result<()> {
+fn mount_dev(root: &Path, range: Option<crate::userns::IdRange>) -> Result<()> {
+    // With a user namespace, the sandbox's root owns its /dev and /dev/shm and the pty group is its
+    // `tty` (5); the nodes themselves stay root's, which is nobody inside (their 0666 mode is what
+    // lets the sandbox use them).
+    let owner = range.map_or(String::new(), |r| format!(",uid={},gid={}", r.base, r.base));
+    let tty = range.map_or(5, |r| r.host(5));
     let dev = root.join("dev");
+    let dev_options = format!("mode=755,size=65536k{owner}");
     onto(&dev, || {
         mnt(
             Some("tmpfs"),
             &dev,
             Some("tmpfs"),
             MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
-            Some("mode=755,size=65536k"),
+            Some(&dev_options),
         )
     })?;
     for (name, major, minor) in [
@@ -719,7 +814,7 @@ fn mount_dev(root: &Path) -> Result<()> {
         &pts,
         Some("devpts"),
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        Some(&format!("newinstance,ptmxmode=0666,mode=0620,gid={tty}")),
     )?;
     let shm = dev.join("shm");
     mkdir(&shm)?;
@@ -728,7 +823,7 @@ fn mount_dev(root: &Path) -> Result<()> {
         &shm,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("mode=1777,size=65536k"),
+        Some(&format!("mode=1777,size=65536k{owner}")),
     )?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),

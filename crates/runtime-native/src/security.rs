@@ -451,8 +451,12 @@ fn rewrite_command_line(argv: &[String]) {
     unsafe { std::ptr::copy_nonoverlapping(line.as_ptr(), start as *mut u8, line.len()) };
 }
 
-/// Drops capabilities and sets `no_new_privs`; call after every mount is done.
-pub fn restrict_privileges() -> Result<(), SecurityError> {
+/// Drops capabilities and, with `no_new_privs`, sets it; call after every mount is done.
+///
+/// In a user namespace of its own a sandbox goes without `no_new_privs`: a setuid program then
+/// works as it does in a container (`sudo`, `su`, `ping`), and what it can reach is the sandbox's
+/// root — ids of its own range and the kept capabilities, bounded by the set dropped here.
+pub fn restrict_privileges(no_new_privs: bool) -> Result<(), SecurityError> {
     let keep: CapsHashSet = KEPT_CAPABILITIES.into_iter().collect();
     let all = caps::all();
     for cap in all.difference(&keep) {
@@ -466,7 +470,9 @@ pub fn restrict_privileges() -> Result<(), SecurityError> {
     caps::set(None, CapSet::Inheritable, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
     caps::set(None, CapSet::Effective, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(|e| SecurityError::Caps(e.to_string()))?;
-    nix::sys::prctl::set_no_new_privs().map_err(SecurityError::NoNewPrivs)?;
+    if no_new_privs {
+        nix::sys::prctl::set_no_new_privs().map_err(SecurityError::NoNewPrivs)?;
+    }
     Ok(())
 }
 

@@ -50,6 +50,9 @@ pub struct InitSpec {
     /// has them.
     #[serde(default)]
     pub base_layer: Option<PathBuf>,
+    /// The sandbox's ids on the host, when it runs in a user namespace of its own.
+    #[serde(default)]
+    pub userns: Option<crate::userns::IdRange>,
 }
 
 impl InitSpec {
@@ -63,10 +66,10 @@ impl InitSpec {
         lowers
     }
 
-    /// The overlay mount's options (`rootfs::mount_overlay` adds `volatile` where it can).
-    pub fn overlay_options(&self) -> String {
-        let lower = self
-            .lower_dirs()
+    /// The overlay mount's options with `lowers` as its layers (`rootfs::mount_overlay` adds
+    /// `volatile` where it can).
+    pub fn overlay_options(&self, lowers: &[PathBuf]) -> String {
+        let lower = lowers
             .iter()
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()

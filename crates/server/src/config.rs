@@ -163,6 +163,19 @@ pub struct RuntimeSection {
     /// and every command starts its own `bash -c`.
     #[serde(default = "default_spare_shell")]
     pub spare_shell: bool,
+    /// Native runtime, embedded: each sandbox's root is a range of 65,536 unprivileged host ids of
+    /// its own (a user namespace), not host root (README, "User namespaces").
+    #[serde(default)]
+    pub user_namespaces: bool,
+    /// The first host id of the sandboxes' ranges (default 2³¹), and how many ranges (default:
+    /// all that fit below 2³² − 1, 32,767): one per live sandbox.
+    #[serde(default = "default_userns_first_id")]
+    pub userns_first_id: u32,
+    pub userns_ranges: Option<u32>,
+}
+
+fn default_userns_first_id() -> u32 {
+    1 << 31
 }
 
 fn default_spare_shell() -> bool {
@@ -190,6 +203,9 @@ impl Default for RuntimeSection {
             max_parallel_creates: None,
             start_timeout_seconds: None,
             spare_shell: default_spare_shell(),
+            user_namespaces: false,
+            userns_first_id: default_userns_first_id(),
+            userns_ranges: None,
         }
     }
 }

@@ -1,0 +1,277 @@
+//! User namespaces for sandboxes: root in a sandbox is an unprivileged range of host ids of its own.
+//!
+//! Each sandbox gets a slot: host ids `base .. base + 65,536` are its ids `0 .. 65,536`, and no two
+//! live sandboxes share a slot. Image layers stay as they are on disk (owned by root, shared by every
+//! sandbox): the sandbox sees them through idmapped mounts (Linux ≥ 5.19 for overlayfs layers), so
+//! a file owned by root on disk is owned by root inside, while what the sandbox writes lands in its
+//! upper dir owned by its range — a setuid-root file it makes is a setuid file of an unprivileged
+//! host id, and a host file owned by an id outside the range (the `host` image's binds) is owned by
+//! nobody inside: root there has no override on it.
+//!
+//! The namespaces themselves are made by a short-lived child: it unshares a user namespace and
+//! waits; its parent writes the mapping and keeps a descriptor of the namespace, which outlives the
+//! child. The server keeps one per slot (for the idmapped layers of the root overlay it makes); the
+//! setup helper makes its own, which the sandbox's PID 1 joins last, just before it drops
+//! capabilities.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+/// Ids in a sandbox's range.
+pub const SIZE: u32 = 65_536;
+
+/// A sandbox's ids: host ids `base ..` are its `0 ..`, [`SIZE`] of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdRange {
+    pub base: u32,
+}
+
+impl IdRange {
+    /// The `uid_map` / `gid_map` line.
+    pub fn map_line(&self) -> String {
+        format!("0 {} {SIZE}", self.base)
+    }
+
+    /// The host id of the sandbox's id `inside`.
+    pub fn host(&self, inside: u32) -> u32 {
+        self.base + inside
+    }
+}
+
+/// The slots one server hands out: `count` ranges from `first` on.
+pub struct Slots {
+    first: u32,
+    count: u32,
+    inner: Mutex<SlotsInner>,
+}
+
+#[derive(Default)]
+struct SlotsInner {
+    /// slot → sandbox
+    used: BTreeMap<u32, String>,
+    /// The server's namespace per slot, made on first use and kept: slots are reused.
+    namespaces: HashMap<u32, Arc<OwnedFd>>,
+}
+
+impl Slots {
+    /// `count` slots from host id `first`; the last id must stay below 2³² − 1 (`(uid_t) -1`).
+    pub fn new(first: u32, count: u32) -> Result<Self, String> {
+        let end = u64::from(first) + u64::from(count) * u64::from(SIZE);
+        if count == 0 || end > u64::from(u32::MAX) {
+            return Err(format!(
+                "user namespaces: {count} ranges of {SIZE} ids from {first} do not fit below {}",
+                u32::MAX
+            ));
+        }
+        Ok(Self {
+            first,
+            count,
+            inner: Mutex::new(SlotsInner::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotsInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn range(&self, slot: u32) -> IdRange {
+        IdRange {
+            base: self.first + slot * SIZE,
+        }
+    }
+
+    fn slot_of(&self, range: IdRange) -> Option<u32> {
+        let off = range.base.checked_sub(self.first)?;
+        (off % SIZE == 0 && off / SIZE < self.count).then_some(off / SIZE)
+    }
+
+    /// A free range for sandbox `id` (its own again if it has one).
+    pub fn take(&self, id: &str) -> Option<IdRange> {
+        let mut inner = self.lock();
+        if let Some((slot, _)) = inner.used.iter().find(|(_, owner)| *owner == id) {
+            return Some(self.range(*slot));
+        }
+        let slot = (0..self.count).find(|s| !inner.used.contains_key(s))?;
+        inner.used.insert(slot, id.to_owned());
+        Some(self.range(slot))
+    }
+
+    /// Records that sandbox `id` holds `range` (a sandbox found running after a restart). False
+    /// when another sandbox holds it or it is none of ours.
+    pub fn adopt(&self, id: &str, range: IdRange) -> bool {
+        let Some(slot) = self.slot_of(range) else {
+            return false;
+        };
+        let mut inner = self.lock();
+        match inner.used.get(&slot) {
+            Some(owner) => owner == id,
+            None => {
+                inner.used.insert(slot, id.to_owned());
+                true
+            }
+        }
+    }
+
+    /// Sandbox `id` is gone: its range is free again.
+    pub fn release(&self, id: &str) {
+        self.lock().used.retain(|_, owner| owner != id);
+    }
+
+    /// The server's namespace for `range` (made once per slot).
+    pub fn namespace(&self, range: IdRange) -> io::Result<Arc<OwnedFd>> {
+        let slot = self
+            .slot_of(range)
+            .ok_or_else(|| io::Error::other(format!("{range:?} is not one of this server's")))?;
+        if let Some(ns) = self.lock().namespaces.get(&slot) {
+            return Ok(ns.clone());
+        }
+        let ns = Arc::new(make(range)?);
+        Ok(self.lock().namespaces.entry(slot).or_insert(ns).clone())
+    }
+}
+
+/// A new user namespace mapping ids `0 .. SIZE` onto `range`, as a descriptor (`/proc/PID/ns/user`
+/// of the child that made it, which has exited). Sound in a multi-threaded process: the child makes
+/// only async-signal-safe calls before it exits.
+pub fn make(range: IdRange) -> io::Result<OwnedFd> {
+    let (ready_r, ready_w) = pipe()?;
+    let (go_r, go_w) = pipe()?;
+    // SAFETY: the child runs only unshare, write, read and _exit (async-signal-safe), so forking a
+    // multi-threaded process is sound.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: raw syscalls on descriptors this child inherited; it only ever _exits.
+        unsafe {
+            // Its copy of the parent's ends, or its read would never see the parent close them.
+            libc::close(go_w.as_raw_fd());
+            libc::close(ready_r.as_raw_fd());
+            let ok = libc::unshare(libc::CLONE_NEWUSER) == 0;
+            let byte = [u8::from(ok)];
+            libc::write(ready_w.as_raw_fd(), byte.as_ptr().cast(), 1);
+            let mut b = [0u8; 1];
+            libc::read(go_r.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    drop(ready_w);
+    drop(go_r);
+    let made = (|| {
+        let mut byte = [0u8; 1];
+        let n = {
+            use std::io::Read;
+            File::from(ready_r).read(&mut byte)?
+        };
+        if n != 1 || byte[0] != 1 {
+            return Err(io::Error::other(
+                "unshare(CLONE_NEWUSER) failed in the namespace's child (user namespaces off?)",
+            ));
+        }
+        std::fs::write(format!("/proc/{pid}/uid_map"), range.map_line())?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), range.map_line())?;
+        let f = File::open(format!("/proc/{pid}/ns/user"))?;
+        Ok(OwnedFd::from(f))
+    })();
+    drop(go_w); // the child reads EOF and exits
+    let mut status = 0;
+    // SAFETY: waiting for the child we forked.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    made
+}
+
+/// Moves the calling single-threaded process into user namespace `ns` as its root (ids 0, no
+/// supplementary groups), with every capability there. Its other namespaces stay owned by the
+/// initial user namespace, so those capabilities do not reach mounts, the network or the hostname.
+pub fn join(ns: &OwnedFd) -> io::Result<()> {
+    // SAFETY: setns(2) on a namespace descriptor we own.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWUSER) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: plain credential syscalls.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setresgid(0, 0, 0) != 0
+            || libc::setresuid(0, 0, 0) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors, owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_never_shared_and_come_back() {
+        let s = Slots::new(1 << 31, 3).expect("fits");
+        let a = s.take("a").expect("a");
+        let b = s.take("b").expect("b");
+        assert_ne!(a, b);
+        assert_eq!(s.take("a"), Some(a), "the same sandbox keeps its range");
+        assert!(s.take("c").is_some());
+        assert_eq!(s.take("d"), None, "three slots");
+        assert!(
+            !s.adopt("d", a),
+            "a live sandbox's range is not adopted by another"
+        );
+        s.release("a");
+        assert_eq!(s.take("d"), Some(a));
+        assert!(!s.adopt("e", IdRange { base: 12 }), "not one of ours");
+        assert!(
+            Slots::new(u32::MAX - SIZE + 1, 1).is_err(),
+            "(uid_t) -1 would be in it"
+        );
+        assert!(
+            Slots::new(1 << 31, 32_767).is_ok(),
+            "the default: all that fit above 2^31"
+        );
+    }
+
+    #[test]
+    fn a_namespace_maps_its_range() {
+        if !nix::unistd::geteuid().is_root() {
+            return; // writing another process's map needs root
+        }
+        let range = IdRange {
+            base: 3_000_000_000,
+        };
+        let ns = make(range).expect("namespace");
+        // A child joins it: ids 0 inside are the range's base outside.
+        // SAFETY: the forked child only joins, stats and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = match join(&ns) {
+                Ok(()) if nix::unistd::getuid().as_raw() == 0 => 0,
+                _ => 1,
+            };
+            // SAFETY: leave the forked child without running the test harness's atexit code.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "joined as root of the range"
+        );
+    }
+}

@@ -1,0 +1,123 @@
+"""User namespaces (`[runtime] user_namespaces = true`, embedded runtime): sandbox root is a range of
+65,536 unprivileged host ids of its own.
+
+Inside, root still does what root does in a container (chown, setuid programs, port 80, files API);
+on the host, every file the sandbox makes belongs to its range, image layers stay root's and
+unchanged, two sandboxes never share a range, and a root-only host file the `host` image binds in
+is unreadable (root inside has no override on ids outside its range)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import uuid
+from pathlib import Path
+
+import pytest
+
+import warren_e2e as W
+
+BASE = 1 << 31
+SIZE = 65536
+
+
+@pytest.fixture(scope="module")
+def userns_server(server, work_root):
+    if server.runtime != "embedded":
+        pytest.skip("user namespaces: the embedded runtime only so far")
+    srv = W.WarrenServer(server.runtime, work_root, f"userns-{uuid.uuid4().hex[:6]}")
+    srv.runtime_config = "user_namespaces = true\n"
+    srv.start()
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
+def make(srv, image=None, **kw):
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create(image or W.TEST_IMAGE_NAME, connection_config=srv.sdk_config(), **kw)
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+def range_of(sbx) -> int:
+    code, out, err = W.sh(sbx, "cat /proc/self/uid_map /proc/self/gid_map")
+    assert code == 0, err
+    lines = [l.split() for l in out.strip().splitlines()]
+    assert len(lines) == 2 and all(l[0] == "0" and l[2] == str(SIZE) for l in lines), out
+    assert lines[0][1] == lines[1][1], "uids and gids share the range"
+    return int(lines[0][1])
+
+
+def upper(srv, sbx) -> Path:
+    return srv.data_dir / "sandboxes" / sbx.id / "upper"
+
+
+def test_root_is_a_range_of_its_own(userns_server):
+    a, b = make(userns_server), make(userns_server)
+    try:
+        ra, rb = range_of(a), range_of(b)
+        assert ra >= BASE and rb >= BASE and (ra - BASE) % SIZE == 0
+        assert abs(ra - rb) >= SIZE, "two live sandboxes never share ids"
+        code, out, err = W.sh(a, "id -u; id -g; touch /root/made && chown 100:100 /root/made && "
+                                 "stat -c %u:%g /root/made /etc/passwd")
+        assert code == 0, err
+        assert out.split() == ["0", "0", "100:100", "0:0"], out
+        made = os.stat(upper(userns_server, a) / "root" / "made")
+        assert (made.st_uid, made.st_gid) == (ra + 100, ra + 100), "on the host: the sandbox's range"
+        # The image's layers are root's on disk and stay so: a chown inside copies the file up.
+        W.sh(a, "chown 5:5 /etc/passwd")
+        layer_passwd = [p for p in (userns_server.data_dir / "images").rglob("etc/passwd")]
+        assert layer_passwd and all(os.stat(p).st_uid == 0 for p in layer_passwd), layer_passwd
+        assert os.stat(upper(userns_server, a) / "etc" / "passwd").st_uid == ra + 5
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_root_keeps_what_containers_need(userns_server):
+    sbx = make(userns_server)
+    try:
+        # setuid programs work inside, and mean nothing outside
+        code, out, err = W.sh(sbx, "cp /usr/bin/id /tmp/suid-id && chmod 4755 /tmp/suid-id && "
+                                   "setpriv --reuid=1000 --regid=1000 --clear-groups /tmp/suid-id -u && "
+                                   "setpriv --reuid=1000 --regid=1000 --clear-groups id -u")
+        assert code == 0 and out.split() == ["0", "1000"], (out, err)
+        st = os.stat(upper(userns_server, sbx) / "tmp" / "suid-id")
+        assert st.st_mode & 0o4000 and st.st_uid == range_of(sbx), "setuid, but to an unprivileged host id"
+        # a server on port 80
+        code, out, err = W.sh(sbx, "nohup python3 -m http.server 80 >/dev/null 2>&1 & sleep 1; "
+                                   "python3 -c \"import urllib.request; print(urllib.request.urlopen("
+                                   "'http://127.0.0.1:80/', timeout=5).status)\"")
+        assert code == 0 and out.strip() == "200", (out, err)
+        # the files API writes as the sandbox's root
+        sbx.files.write_file("/workspace/up.txt", "hello")
+        code, out, _ = W.sh(sbx, "stat -c %u /workspace/up.txt")
+        assert out.strip() == "0", out
+        assert os.stat(upper(userns_server, sbx) / "workspace" / "up.txt").st_uid == range_of(sbx)
+        # no privilege over the host's namespaces: no mounts, no new namespaces
+        assert W.sh(sbx, "mount -t tmpfs none /mnt")[0] != 0
+        assert W.sh(sbx, "unshare -U true")[0] != 0
+    finally:
+        sbx.kill()
+
+
+def test_root_only_host_files_stay_unreadable_in_the_host_image(userns_server):
+    """The `host` image binds the host's /etc in; a 0600 root file there is not the sandbox's (host
+    root is no id of its range), so its root cannot read it. World-readable files still are."""
+    canary = Path("/etc") / f"warren-canary-{secrets.token_hex(4)}"
+    secret = secrets.token_hex(16)
+    canary.write_text(secret)
+    os.chmod(canary, 0o600)
+    sbx = make(userns_server, userns_server.sandbox_image("host"))
+    try:
+        code, out, _ = W.sh(sbx, f"cat {canary}")
+        assert code != 0 and secret not in out, "a root-only host file was read"
+        code, out, _ = W.sh(sbx, "head -1 /etc/passwd")
+        assert code == 0 and out.startswith("root:"), out
+        code, out, _ = W.sh(sbx, f"stat -c %u {canary}")
+        assert out.strip() == "65534", "host root shows as nobody"
+    finally:
+        sbx.kill()
+        canary.unlink()
