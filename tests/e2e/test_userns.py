@@ -121,3 +121,56 @@ def test_root_only_host_files_stay_unreadable_in_the_host_image(userns_server):
     finally:
         sbx.kill()
         canary.unlink()
+
+
+def test_volumes_show_their_owners_on_disk(userns_server):
+    """Volumes (host folders and named volumes) are idmapped: inside, a file has the owner it has on
+    disk, and what the sandbox's root writes there is owned by root on disk — a volume is storage the
+    caller chose to share with the sandbox, and stays usable by the host's own programs."""
+    from opensandbox.models.sandboxes import PVC, Host, Volume
+    host_dir = userns_server.host_volumes / uuid.uuid4().hex[:8]
+    host_dir.mkdir(parents=True)
+    (host_dir / "from-host").write_text("hi")
+    os.chown(host_dir / "from-host", 1000, 1000)
+    claim = f"ns-{uuid.uuid4().hex[:6]}"
+    sbx = make(userns_server, volumes=[
+        Volume(name="h", host=Host(path=str(host_dir)), mount_path="/mnt/h"),
+        Volume(name="n", pvc=PVC(claim_name=claim, delete_on_sandbox_termination=True), mount_path="/mnt/n")])
+    try:
+        code, out, err = W.sh(sbx, "stat -c %u /mnt/h /mnt/h/from-host && echo x > /mnt/h/made && "
+                                   "echo y > /mnt/n/made && stat -c %u /mnt/n/made")
+        assert code == 0, err
+        assert out.split() == ["0", "1000", "0"], out
+        assert os.stat(host_dir / "made").st_uid == 0
+    finally:
+        sbx.kill()
+
+
+def test_a_snapshot_records_the_sandboxs_own_ids(userns_server):
+    """A snapshot's layer holds the sandbox's ids (7, not its range's 2³¹ + 7): a sandbox made from it,
+    with a range of its own, sees the same owners."""
+    src = make(userns_server)
+    try:
+        code, _, err = W.sh(src, "echo keep > /root/kept && chown 7:7 /root/kept")
+        assert code == 0, err
+        info = src.create_snapshot(name="userns-snap")
+        from opensandbox import SandboxSync
+
+        def ready():
+            with userns_server.client() as c:
+                st = c.get(f"/v1/snapshots/{info.id}").json()["status"]
+            assert st["state"] != "Failed", st
+            return st["state"] == "Ready"
+        W.wait_until(ready, 120, interval=0.1, message="snapshot to be Ready")
+        restored = SandboxSync.create(snapshot_id=info.id, connection_config=userns_server.sdk_config())
+        W.track_sandbox(restored.id)
+        try:
+            assert range_of(restored) != range_of(src)
+            code, out, err = W.sh(restored, "stat -c %u:%g /root/kept && cat /root/kept")
+            assert code == 0 and out.split() == ["7:7", "keep"], (out, err)
+        finally:
+            restored.kill()
+        layers = [p for p in (userns_server.data_dir / "images").rglob("root/kept")]
+        assert layers and all(os.stat(p).st_uid == 7 for p in layers), [(p, os.stat(p).st_uid) for p in layers]
+    finally:
+        src.kill()

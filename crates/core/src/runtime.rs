@@ -235,4 +235,11 @@ pub trait Runtime: Send + Sync + 'static {
     fn upper_dir(&self, _id: &str) -> Option<std::path::PathBuf> {
         None
     }
+
+    /// With a user namespace: the host id that is id 0 in sandbox `id` (its range's first), so what
+    /// its upper dir holds can be recorded with the sandbox's own ids (snapshots). `None`: the
+    /// sandbox's ids are the host's.
+    fn id_base(&self, _id: &str) -> Option<u32> {
+        None
+    }
 }

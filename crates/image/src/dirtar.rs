@@ -25,14 +25,19 @@ pub(crate) fn unpack_dir(
     dest: &Path,
     exclude: Option<(u64, u64)>,
 ) -> Result<Unpacked, ImageError> {
-    unpack_tree(src, dest, exclude, false)
+    unpack_tree(src, dest, exclude, false, None)
 }
 
 /// Like [`unpack_dir`] for an overlayfs upper directory: its whiteouts (0:0 character devices) and
 /// opaque directories (`trusted.overlay.opaque=y`) travel as OCI `.wh.` entries, so the layer means
 /// in the store what the upper meant over its lower layers.
-pub(crate) fn unpack_upper(src: &Path, dest: &Path) -> Result<Unpacked, ImageError> {
-    unpack_tree(src, dest, None, true)
+/// `id_base` shifts owners back from a user namespace's range (see `ImageStore::commit_snapshot`).
+pub(crate) fn unpack_upper(
+    src: &Path,
+    dest: &Path,
+    id_base: Option<u32>,
+) -> Result<Unpacked, ImageError> {
+    unpack_tree(src, dest, None, true, id_base)
 }
 
 fn unpack_tree(
@@ -40,6 +45,7 @@ fn unpack_tree(
     dest: &Path,
     exclude: Option<(u64, u64)>,
     overlay: bool,
+    id_base: Option<u32>,
 ) -> Result<Unpacked, ImageError> {
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
@@ -52,7 +58,7 @@ fn unpack_tree(
         .name("warren-image-dirtar".into())
         .spawn(move || {
             let out = io::BufWriter::with_capacity(256 * 1024, File::from(write_end));
-            write_tree_tar(&src_owned, out, exclude, overlay)
+            write_tree_tar(&src_owned, out, exclude, overlay, id_base)
         })
         .map_err(ImageError::io("spawn folder tar writer", src))?;
     // Taking the read end by value closes it as soon as unpacking stops, which ends the writer
@@ -87,7 +93,7 @@ pub(crate) fn write_dir_tar<W: Write>(
     out: W,
     exclude: Option<(u64, u64)>,
 ) -> Result<(), ImageError> {
-    write_tree_tar(src, out, exclude, false)
+    write_tree_tar(src, out, exclude, false, None)
 }
 
 fn write_tree_tar<W: Write>(
@@ -95,11 +101,13 @@ fn write_tree_tar<W: Write>(
     out: W,
     exclude: Option<(u64, u64)>,
     overlay: bool,
+    id_base: Option<u32>,
 ) -> Result<(), ImageError> {
     let mut writer = DirTar {
         src: src.to_path_buf(),
         exclude,
         overlay,
+        id_base,
         builder: tar::Builder::new(out),
         links: HashMap::new(),
     };
@@ -116,12 +124,26 @@ struct DirTar<W: Write> {
     exclude: Option<(u64, u64)>,
     /// Source is an overlayfs upper: whiteouts and opaque markers become `.wh.` entries.
     overlay: bool,
+    /// Owners are a user namespace's: host id `base + n` is recorded as `n`, and an id outside
+    /// the range (nobody's, inside) as 65534.
+    id_base: Option<u32>,
     builder: tar::Builder<W>,
     /// First path seen for each multiply-linked inode.
     links: HashMap<(u64, u64), PathBuf>,
 }
 
 impl<W: Write> DirTar<W> {
+    /// The id recorded for host id `id`.
+    fn own(&self, id: u32) -> u32 {
+        match self.id_base {
+            None => id,
+            Some(base) => id
+                .checked_sub(base)
+                .filter(|n| *n < 65_536)
+                .unwrap_or(65_534),
+        }
+    }
+
     fn walk(&mut self, rel: &Path) -> Result<(), ImageError> {
         let dir = self.src.join(rel);
         let mut names = fs::read_dir(&dir)
@@ -138,8 +160,8 @@ impl<W: Write> DirTar<W> {
             let file_type = meta.file_type();
             let mut header = Header::new_gnu();
             header.set_mode(meta.mode() & 0o7777);
-            header.set_uid(u64::from(meta.uid()));
-            header.set_gid(u64::from(meta.gid()));
+            header.set_uid(u64::from(self.own(meta.uid())));
+            header.set_gid(u64::from(self.own(meta.gid())));
             header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
             header.set_size(0);
             let write_err = ImageError::io("write folder tar", &path);

@@ -482,11 +482,14 @@ impl ImageStore {
     /// top layer (whiteouts and opaque directories kept), with `base`'s config: the file system of a
     /// sandbox made from `base`, whose upper that is. The caller keeps `upper` still meanwhile
     /// (a frozen sandbox). `base`'s layers must be in the store (the sandbox's lease keeps them).
+    /// `id_base`: the sandbox ran in a user namespace whose id 0 is that host id; the layer records
+    /// its files with the sandbox's own ids, so any sandbox made from it sees them the same.
     pub fn commit_snapshot(
         &self,
         name: &str,
         base: &ResolvedImage,
         upper: &Path,
+        id_base: Option<u32>,
     ) -> Result<ImageRecord, ImageError> {
         let ResolvedImage::Layers {
             layers: base_layers,
@@ -503,7 +506,7 @@ impl ImageStore {
         let name = reference.to_string();
         let staging = self.staging()?;
         let dest = make_stage_dir(staging.dir.path(), 0)?;
-        let top = staged(dirtar::unpack_upper(upper, &dest)?, dest)?;
+        let top = staged(dirtar::unpack_upper(upper, &dest, id_base)?, dest)?;
         let mut layers = Vec::with_capacity(base_layers.len() + 1);
         for path in base_layers {
             let hex = path

@@ -972,6 +972,15 @@ impl Runtime for NativeRuntime {
         !self.is_gvisor()
     }
 
+    fn id_base(&self, id: &str) -> Option<u32> {
+        self.inner.userns.as_ref()?;
+        fs::read_to_string(self.sandbox_dir(id).join(USERNS_FILE))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     fn upper_dir(&self, id: &str) -> Option<PathBuf> {
         // gVisor keeps the sandbox's writes in its own overlay, not in ours.
         if self.is_gvisor() {

@@ -858,8 +858,11 @@ impl Sandboxes {
         }
         let images = self.inner.images.clone();
         let name = image_name.to_owned();
-        let captured =
-            tokio::task::spawn_blocking(move || images.commit_snapshot(&name, &base, &upper)).await;
+        let id_base = self.inner.runtime.id_base(id);
+        let captured = tokio::task::spawn_blocking(move || {
+            images.commit_snapshot(&name, &base, &upper, id_base)
+        })
+        .await;
         if freeze {
             if let Err(e) = self.inner.runtime.resume(id, &rec.runtime_state).await {
                 tracing::error!(sandbox = id, "thawing after a snapshot failed: {e}");
