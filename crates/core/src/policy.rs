@@ -347,14 +347,75 @@ pub const DENIED_SOCKET_FAMILY: u32 = 40;
 /// NEWPID | NEWNET`): such a `clone` is refused, as `unshare` is.
 pub const CLONE_NAMESPACE_FLAGS: u32 = 0x7E02_0000;
 
+/// Under gVisor, a deny list instead: what Docker's default profile denies a container without
+/// `CAP_SYS_ADMIN`, and io_uring. gVisor's Sentry is a kernel of its own (the sandbox's calls
+/// never reach the host's), and it applies an OCI profile by names it knows: an allow list naming
+/// calls it does not know (`openat2`, …) left them at the default EPERM, where execd and libc
+/// expect ENOSYS and fall back.
+pub const GVISOR_DENIED_SYSCALLS: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "delete_module",
+    "finit_module",
+    "fsconfig",
+    "fsmount",
+    "fsopen",
+    "fspick",
+    "init_module",
+    // io_uring: a large kernel surface behind a few syscalls, and the source of many of its
+    // privilege escalations; Docker's default profile dropped it in 25.0, Google's fleet and
+    // ChromeOS turn it off. Programs that use it fall back to ordinary syscalls.
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
+    "ioperm",
+    "iopl",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mount",
+    "mount_setattr",
+    "move_mount",
+    "name_to_handle_at",
+    "nfsservctl",
+    "open_by_handle_at",
+    "open_tree",
+    "perf_event_open",
+    "pivot_root",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "setns",
+    "settimeofday",
+    "swapoff",
+    "swapon",
+    "syslog",
+    "sysfs",
+    "_sysctl",
+    "umount2",
+    "unshare",
+    "uselib",
+    "userfaultfd",
+    "ustat",
+    "vhangup",
+];
+
 const EPERM: i32 = 1;
 const ENOSYS: i32 = 38;
 
-/// The policy as an OCI (and Docker) seccomp profile. gVisor applies a profile inside its Sentry
-/// (`--oci-seccomp`) but mis-evaluates the argument rule for `clone` (every thread creation then
-/// fails), and namespaces inside gVisor live in the Sentry rather than the host kernel, so for
-/// gVisor `clone` and `clone3` are allowed without conditions (the Sentry answers them).
+/// The policy as an OCI (and Docker) seccomp profile: the allow list with its argument rules, or
+/// under gVisor ([`GVISOR_DENIED_SYSCALLS`]) the deny list, `clone` and `clone3` left to the
+/// Sentry (it mis-evaluates an argument rule for `clone`: no thread could start).
 pub fn oci_seccomp(gvisor: bool) -> Value {
+    if gvisor {
+        return json!({"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": [{"names": GVISOR_DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM}]});
+    }
     let mut syscalls = vec![json!({"names": ALLOWED_SYSCALLS, "action": "SCMP_ACT_ALLOW"})];
     for persona in ALLOWED_PERSONAS {
         syscalls.push(json!({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
@@ -362,13 +423,9 @@ pub fn oci_seccomp(gvisor: bool) -> Value {
     }
     syscalls.push(json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
         "args": [{"index": 0, "value": DENIED_SOCKET_FAMILY, "op": "SCMP_CMP_NE"}]}));
-    if gvisor {
-        syscalls.push(json!({"names": ["clone", "clone3"], "action": "SCMP_ACT_ALLOW"}));
-    } else {
-        syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}));
-        syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS}));
-    }
+    syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+        "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}));
+    syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS}));
     json!({"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": EPERM,
         "architectures": ["SCMP_ARCH_X86_64"], "syscalls": syscalls})
 }
