@@ -67,10 +67,18 @@ fn run(join: Vec<String>) -> Result<i32, String> {
     let _ = writeln!(out, "{JOINED_LINE}");
     let _ = out.flush();
     drop(out);
-    let (input, premade_root) =
-        crate::zygote::receive_spec().map_err(|e| format!("reading spec: {e}"))?;
+    let (input, fds) = crate::zygote::receive_spec().map_err(|e| format!("reading spec: {e}"))?;
     let spec: InitSpec =
         serde_json::from_slice(&input).map_err(|e| format!("parsing spec: {e}"))?;
+    // What came with the spec: the server's user namespace for this sandbox's ids when it has
+    // one, then the root overlay it made, if it did.
+    let mut fds = fds.into_iter();
+    let sent_userns = if spec.userns.is_some() {
+        fds.next()
+    } else {
+        None
+    };
+    let premade_root = fds.next();
     if let Some(log) = &spec.log_path {
         // A standby helper was started before its sandbox had a log; from here on it writes there.
         let f = fs::OpenOptions::new()
@@ -94,13 +102,16 @@ fn run(join: Vec<String>) -> Result<i32, String> {
 
     // Compile seccomp before unsharing so a failure costs nothing.
     let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
-    // The sandbox's user namespace, made by this helper (single-threaded, so its child is cheap):
-    // PID 1 idmaps the layers through it when it mounts the root itself, and joins it last.
-    let userns = spec
-        .userns
-        .map(crate::userns::make)
-        .transpose()
-        .map_err(|e| format!("making the sandbox's user namespace: {e}"))?;
+    // The sandbox's user namespace: PID 1 idmaps the layers through it when it mounts the root
+    // itself, and joins it last. The server's, or (the spec came through a pipe) one of our own.
+    let userns = match (sent_userns, spec.userns) {
+        (Some(ns), _) => Some(ns),
+        (None, Some(range)) => Some(
+            crate::userns::make(range)
+                .map_err(|e| format!("making the sandbox's user namespace: {e}"))?,
+        ),
+        (None, None) => None,
+    };
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS

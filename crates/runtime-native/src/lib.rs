@@ -541,7 +541,10 @@ impl NativeRuntime {
             .stdin
             .take()
             .ok_or_else(|| RuntimeError::backend("helper stdin"))?;
-        zygote::send_spec(stdin, &payload, root.as_ref())
+        // The user namespace first (the helper knows from the spec whether one comes), then the
+        // root overlay if the server made it.
+        let fds: Vec<&OwnedFd> = ns.as_deref().into_iter().chain(root.as_ref()).collect();
+        zygote::send_spec(stdin, &payload, &fds)
             .map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
         drop(root);
         let mut out = helper.stdout.take();

@@ -10,9 +10,10 @@
 //!
 //! The namespaces themselves are made by a short-lived child: it unshares a user namespace and
 //! waits; its parent writes the mapping and keeps a descriptor of the namespace, which outlives the
-//! child. The server keeps one per slot (for the idmapped layers of the root overlay it makes); the
-//! setup helper makes its own, which the sandbox's PID 1 joins last, just before it drops
-//! capabilities.
+//! child. The server keeps one per slot, made on the slot's first use: it idmaps the layers of the
+//! root overlay it makes, and goes to the setup helper with the spec; the sandbox's PID 1 joins it
+//! last, just before it drops capabilities. (A helper whose spec came through a pipe, which carries
+//! no descriptors, makes one of its own.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

@@ -359,24 +359,25 @@ pub fn spec_channel() -> io::Result<(File, OwnedFd)> {
     Ok((File::from(ours), theirs))
 }
 
-/// Sends a helper its sandbox's spec, with `root` (a detached mount) attached to the first bytes,
-/// and closes the helper's stdin.
-pub fn send_spec(stdin: File, payload: &[u8], root: Option<&OwnedFd>) -> io::Result<()> {
+/// Sends a helper its sandbox's spec, with `fds` (its user namespace, the root overlay as a detached
+/// mount) attached to the first bytes, and closes the helper's stdin.
+pub fn send_spec(stdin: File, payload: &[u8], fds: &[&OwnedFd]) -> io::Result<()> {
     use std::io::Write;
-    let sent = match root {
-        Some(root) => match send(stdin.as_raw_fd(), payload, &[root.as_raw_fd()]) {
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let sent = match raw.is_empty() {
+        false => match send(stdin.as_raw_fd(), payload, &raw) {
             Ok(n) => n,
-            // Not a socket: the spec alone, and the helper mounts the root itself.
+            // Not a socket: the spec alone, and the helper makes what the descriptors were itself.
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => 0,
             Err(e) => return Err(e),
         },
-        None => 0,
+        true => 0,
     };
     (&stdin).write_all(&payload[sent..])
 }
 
-/// The helper's side of [`send_spec`]: its stdin read to the end, and the root mount if one came.
-pub(crate) fn receive_spec() -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+/// The helper's side of [`send_spec`]: its stdin read to the end, and the descriptors that came.
+pub(crate) fn receive_spec() -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     use std::io::Read;
     let mut spec = Vec::new();
     let mut buf = vec![0u8; 16 * 1024];
@@ -402,7 +403,7 @@ pub(crate) fn receive_spec() -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
         }
         spec.extend_from_slice(&buf[..n]);
     }
-    Ok((spec, fds.into_iter().next()))
+    Ok((spec, fds))
 }
 
 /// One request and its answer; the answer's pidfd, or why there is none.
