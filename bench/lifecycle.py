@@ -304,6 +304,9 @@ async def main() -> None:
             for _ in range(3):  # warm-up: page cache, first-use paths
                 await raw_once(client, base, server.key, image)
                 await fork_once()
+            # and as many at once as the concurrent rows run: what a server makes once per sandbox
+            # slot (a user namespace per id range) is made before the measured rows
+            await asyncio.gather(*(raw_once(client, base, server.key, image) for _ in range(args.concurrency)))
             kinds = {"fork+exec": fork_once}
             bare_lower = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
             if Path(bare_lower, "bin/sh").exists() and shutil.which("unshare"):
@@ -323,6 +326,8 @@ async def main() -> None:
                 ubase = f"http://127.0.0.1:{userns_server.port}"
                 for _ in range(3):
                     await raw_once(client, ubase, userns_server.key, image)
+                await asyncio.gather(*(raw_once(client, ubase, userns_server.key, image)
+                                       for _ in range(args.concurrency)))
                 # right after the raw API rows it is compared with, so a drift of the machine's
                 # speed between them stays small
                 userns_row = lambda: raw_once(client, ubase, userns_server.key, image)  # noqa: E731

@@ -515,13 +515,22 @@ impl NativeRuntime {
         init_spec.userns = range;
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
-        let ns = match (&self.inner.userns, range) {
-            (Some(slots), Some(range)) => Some(slots.namespace(range).map_err(|e| {
-                RuntimeError::backend_with("making the user namespace of the sandbox's ids", e)
-            })?),
-            _ => None,
+        let (ns, layers) = match (&self.inner.userns, range) {
+            (Some(slots), Some(range)) => {
+                let idmap =
+                    |e| RuntimeError::backend_with("idmapping the image for the sandbox's ids", e);
+                (
+                    Some(slots.namespace(range).map_err(idmap)?),
+                    Some(
+                        slots
+                            .idmapped_layers(range, &init_spec.lower_dirs())
+                            .map_err(idmap)?,
+                    ),
+                )
+            }
+            _ => (None, None),
         };
-        let root = premade_root(&init_spec, ns.as_deref());
+        let root = premade_root(&init_spec, layers.as_deref());
         if root.is_none() && spec.limits.disk_bytes.is_some() {
             // PID 1 would mount the root itself, in a mount namespace (a standby helper's) that
             // may predate the sandbox's disk: its writes could land beside the disk, unbounded.
@@ -1183,11 +1192,19 @@ fn yield_cpu(cg: &Cgroup) {
 /// every 300 deleted sandboxes stayed behind as such "dying" cgroups, ~78 KiB of unreclaimable
 /// kernel memory each (594 of them, 45 MiB, after 1,200 sandboxes); with the overlay made here,
 /// 0–3 of 300.
-fn premade_root(spec: &InitSpec, userns: Option<&OwnedFd>) -> Option<OwnedFd> {
-    rootfs::lowers(&spec.lower_dirs(), userns)
-        .and_then(|(lowers, _held)| {
-            rootfs::mount_api::overlay_detached(&lowers, &spec.upper_dir, &spec.work_dir)
-        })
+///
+/// `idmapped`: the layers' idmapped copies, for a sandbox in a user namespace (named through
+/// `/proc/self/fd`, as `rootfs::lowers` does).
+fn premade_root(spec: &InitSpec, idmapped: Option<&[Arc<OwnedFd>]>) -> Option<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let lowers = match idmapped {
+        Some(copies) => copies
+            .iter()
+            .map(|c| PathBuf::from(format!("/proc/self/fd/{}", c.as_raw_fd())))
+            .collect(),
+        None => spec.lower_dirs(),
+    };
+    rootfs::mount_api::overlay_detached(&lowers, &spec.upper_dir, &spec.work_dir)
         .map_err(
             |e| tracing::debug!(error = %e, "the root overlay is left to the sandbox to mount"),
         )
