@@ -254,6 +254,14 @@ class WarrenServer:
         return self.runtime in ("runsc", "docker-runsc")
 
     @property
+    def userns(self) -> bool:
+        """Whether its sandboxes run in user namespaces of their own (the embedded runtime's
+        default)."""
+        if "user_namespaces = false" in self.runtime_config:
+            return False
+        return self.runtime == "embedded" or "user_namespaces = true" in self.runtime_config
+
+    @property
     def host_volumes(self) -> Path:
         """The one host folder this server lets `host` volumes mount from ([storage])."""
         return self.root / f"hostvols-{self.name}"

@@ -23,6 +23,14 @@ pub const CHILD_BOOST: i32 = 500;
 /// `/proc/self/oom_score_adj`, open, with execd's own value and its children's.
 static OWN: OnceLock<Option<(File, String, String)>> = OnceLock::new();
 
+/// The descriptor [`remember`] keeps open, if it did: a PID 1 that opens it before it joins a user
+/// namespace (where its own `/proc` files, not dumpable, are no longer its to open) keeps it
+/// across the closing of inherited descriptors.
+pub fn descriptor() -> Option<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    OWN.get()?.as_ref().map(|(f, _, _)| f.as_raw_fd())
+}
+
 /// Reads execd's own score; call once at start. Without it (or without `/proc`), children get
 /// execd's score as before.
 pub fn remember() {

@@ -256,10 +256,17 @@ fn prepare_execd(
     // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
     let in_userns = userns.is_some();
     if let Some(ns) = userns {
+        // execd's own /proc/self/oom_score_adj, opened while it is still this process's to open
+        // (see `warren_execd::oom::descriptor`).
+        warren_execd::oom::remember();
         // Last, with every mount made: from here on this process is root of its own range.
         crate::userns::join(&ns).map_err(|e| format!("joining the user namespace: {e}"))?;
     }
-    security::close_descriptors_except(&[ready_fd, error_pipe, listener.as_raw_fd()])
+    let keep: Vec<i32> = [ready_fd, error_pipe, listener.as_raw_fd()]
+        .into_iter()
+        .chain(warren_execd::oom::descriptor())
+        .collect();
+    security::close_descriptors_except(&keep)
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
     if in_userns {

@@ -440,7 +440,12 @@ impl NativeRuntime {
                 )
             })?;
         }
-        let range = self.take_range(&spec.id, dir)?;
+        let upper = match spec.limits.disk_bytes {
+            Some(_) => disk::mount_point(dir),
+            None => dir.to_path_buf(),
+        }
+        .join("upper");
+        let range = self.take_range(&spec.id, dir, &upper)?;
         let log_path = dir.join(folders::LOG_NAME);
         let log = fs::OpenOptions::new()
             .append(true)
@@ -923,9 +928,14 @@ impl NativeRuntime {
         }
     }
 
-    /// With user namespaces: a range of ids for sandbox `id`, recorded in its folder (for a
-    /// restarted server) and given its upper dir, which is the root folder the sandbox sees.
-    fn take_range(&self, id: &str, dir: &Path) -> Result<Option<userns::IdRange>, RuntimeError> {
+    /// With user namespaces: a range of ids for sandbox `id`, recorded in its folder `dir` (for a
+    /// restarted server) and given its `upper` dir, which is the root folder the sandbox sees.
+    fn take_range(
+        &self,
+        id: &str,
+        dir: &Path,
+        upper: &Path,
+    ) -> Result<Option<userns::IdRange>, RuntimeError> {
         let Some(slots) = &self.inner.userns else {
             return Ok(None);
         };
@@ -935,9 +945,8 @@ impl NativeRuntime {
                     .into(),
             )
         })?;
-        let upper = dir.join("upper");
         fs::write(dir.join(USERNS_FILE), range.base.to_string())
-            .and_then(|()| std::os::unix::fs::chown(&upper, Some(range.base), Some(range.base)))
+            .and_then(|()| std::os::unix::fs::chown(upper, Some(range.base), Some(range.base)))
             .map_err(|e| RuntimeError::backend_with("giving the sandbox its ids", e))?;
         Ok(Some(range))
     }

@@ -164,9 +164,10 @@ pub struct RuntimeSection {
     #[serde(default = "default_spare_shell")]
     pub spare_shell: bool,
     /// Native runtime, embedded: each sandbox's root is a range of 65,536 unprivileged host ids of
-    /// its own (a user namespace), not host root (README, "User namespaces").
-    #[serde(default)]
-    pub user_namespaces: bool,
+    /// its own (a user namespace), not host root (README, "Security model"). Default: on with the
+    /// embedded runtime, off with OCI runtimes (Warren does not set them up for one yet); `false`
+    /// is the explicit opt-out.
+    pub user_namespaces: Option<bool>,
     /// The first host id of the sandboxes' ranges (default 2³¹), and how many ranges (default:
     /// all that fit below 2³² − 1, 32,767): one per live sandbox.
     #[serde(default = "default_userns_first_id")]
@@ -203,7 +204,7 @@ impl Default for RuntimeSection {
             max_parallel_creates: None,
             start_timeout_seconds: None,
             spare_shell: default_spare_shell(),
-            user_namespaces: false,
+            user_namespaces: None,
             userns_first_id: default_userns_first_id(),
             userns_ranges: None,
         }

@@ -344,11 +344,18 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             Some(n) => Some(n),
             None => std::thread::available_parallelism().ok().map(|n| n.get()),
         },
-        userns_ids: config.runtime.user_namespaces.then(|| {
-            let first = config.runtime.userns_first_id;
-            let fit = ((u64::from(u32::MAX) - u64::from(first)) / 65_536) as u32;
-            (first, config.runtime.userns_ranges.unwrap_or(fit))
-        }),
+        userns_ids: config
+            .runtime
+            .user_namespaces
+            .unwrap_or(matches!(
+                config.runtime.oci_runtime.as_str(),
+                "embedded" | ""
+            ))
+            .then(|| {
+                let first = config.runtime.userns_first_id;
+                let fit = ((u64::from(u32::MAX) - u64::from(first)) / 65_536) as u32;
+                (first, config.runtime.userns_ranges.unwrap_or(fit))
+            }),
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
 }
