@@ -10,15 +10,16 @@ Side by side in one process and one run:
   * raw API     - httpx against Warren's REST API and its endpoint proxy,
   * SDK         - the official OpenSandbox Python SDK (opensandbox==1.1.1),
   * docker run  - `docker run --rm --network none` of the same command, when a Docker engine answers,
-  * warren raw API userns - the raw API against a second native server with
-                 `user_namespaces = true` (with --userns): what a user namespace per sandbox costs,
+  * warren raw API no-userns - the raw API against a second native server with
+                 `user_namespaces = false` (with --no-userns): what a user namespace per sandbox costs
+                 (the embedded runtime's default has them),
   * warren on Docker - the raw API against a second `warren serve` with `runtime.kind = "docker"`
                  (with --docker; DOCKER_HOST is honoured), on the same image as `docker run`,
 each serial and at N concurrent, with p50/p90/p99, success counts and the p50 ratio to fork+exec.
 
 It starts its own `warren serve` (release build by default) on a free loopback port with a temp data
 dir and stops it by PID at the end. Usage:
-    bench/lifecycle.py [--n 50] [--concurrency 10] [--image host|test] [--oci embedded] [--userns] [--docker] [--json OUT]
+    bench/lifecycle.py [--n 50] [--concurrency 10] [--image host|test] [--oci embedded] [--no-userns] [--docker] [--json OUT]
 `--image test` imports the debootstrap test image ($WARREN_TEST_ROOTFS) into the native server under the
 name the Docker rows use (warren-test:bookworm), so all rows run the same root filesystem.
 """
@@ -267,8 +268,8 @@ async def main() -> None:
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
     ap.add_argument("--docker", action="store_true",
                     help="also run Warren on the Docker runtime (and `docker run`), when a daemon answers")
-    ap.add_argument("--userns", action="store_true",
-                    help="also run the raw API rows against a server with user namespaces")
+    ap.add_argument("--no-userns", action="store_true",
+                    help="also run the raw API rows against a server without user namespaces")
     ap.add_argument("--load", help="the warren-load binary (default: beside --warren)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -277,13 +278,13 @@ async def main() -> None:
     os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
     server = Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel)
     docker_server = Server(Path(args.warren), args.oci, 0, kind="docker") if use_docker else None
-    userns_server = (Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel,
-                            extra_config="user_namespaces = true\n") if args.userns else None)
+    plain_server = (Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel,
+                            extra_config="user_namespaces = false\n") if args.no_userns else None)
     image = args.image
     if image == "test":
         image = args.docker_image
         rootfs = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
-        for srv in (server, userns_server):
+        for srv in (server, plain_server):
             if srv:
                 subprocess.run([args.warren, "image", "import", image, rootfs, "--data-dir", str(srv.dir / "data")],
                                check=True, capture_output=True)
@@ -322,17 +323,17 @@ async def main() -> None:
                 "warren SDK": lambda: sdk_once(cfg, image),
                 "warren SDK shared": lambda: sdk_once(cfg_shared, image),
             }
-            if userns_server:
-                ubase = f"http://127.0.0.1:{userns_server.port}"
+            if plain_server:
+                ubase = f"http://127.0.0.1:{plain_server.port}"
                 for _ in range(3):
-                    await raw_once(client, ubase, userns_server.key, image)
-                await asyncio.gather(*(raw_once(client, ubase, userns_server.key, image)
+                    await raw_once(client, ubase, plain_server.key, image)
+                await asyncio.gather(*(raw_once(client, ubase, plain_server.key, image)
                                        for _ in range(args.concurrency)))
                 # right after the raw API rows it is compared with, so a drift of the machine's
                 # speed between them stays small
-                userns_row = lambda: raw_once(client, ubase, userns_server.key, image)  # noqa: E731
+                plain_row = lambda: raw_once(client, ubase, plain_server.key, image)  # noqa: E731
                 kinds = {k2: v2 for k, v in kinds.items()
-                         for k2, v2 in ([(k, v), ("warren raw API userns", userns_row)]
+                         for k2, v2 in ([(k, v), ("warren raw API no-userns", plain_row)]
                                         if k == "warren raw API" else [(k, v)])}
             if docker_server:
                 dbase = f"http://127.0.0.1:{docker_server.port}"
@@ -358,8 +359,8 @@ async def main() -> None:
         server.stop()
         if docker_server:
             docker_server.stop()
-        if userns_server:
-            userns_server.stop()
+        if plain_server:
+            plain_server.stop()
 
     machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
     print(f"# create -> first output of {COMMAND!r} -> delete; image {image!r}, oci runtime {args.oci}, "
