@@ -245,14 +245,7 @@ impl Builder {
         match verdict {
             Verdict::Allow => self.push(allow),
             Verdict::Errno(e) => self.push(Insn::stmt(RET_K, errno(e))),
-            Verdict::AllowUnlessFlags(flags) => {
-                let deny = self.label();
-                self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
-                self.jump(JSET_K, flags, Target::Label(deny), Target::Next);
-                self.push(allow);
-                self.place(deny);
-                self.push(eperm);
-            }
+            Verdict::AllowUnlessFlags(flags) => self.deny_if(JSET_K, flags),
             Verdict::AllowIfArgIn(values) => {
                 let ok = self.label();
                 self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
@@ -263,15 +256,19 @@ impl Builder {
                 self.place(ok);
                 self.push(allow);
             }
-            Verdict::AllowUnlessArg(value) => {
-                let deny = self.label();
-                self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
-                self.jump(JEQ_K, value, Target::Label(deny), Target::Next);
-                self.push(allow);
-                self.place(deny);
-                self.push(eperm);
-            }
+            Verdict::AllowUnlessArg(value) => self.deny_if(JEQ_K, value),
         }
+    }
+
+    /// EPERM when the first argument passes the test `op` against `k` (`jset`: has any of these
+    /// bits; `jeq`: is this), allowed otherwise.
+    fn deny_if(&mut self, op: u16, k: u32) {
+        let deny = self.label();
+        self.push(Insn::stmt(LD_W_ABS, ARG0_LOW));
+        self.jump(op, k, Target::Label(deny), Target::Next);
+        self.push(Insn::stmt(RET_K, libc::SECCOMP_RET_ALLOW));
+        self.place(deny);
+        self.push(Insn::stmt(RET_K, errno(libc::EPERM as u16)));
     }
 
     fn finish(self) -> Result<Program, FilterError> {
