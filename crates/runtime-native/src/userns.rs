@@ -192,6 +192,11 @@ fn same_folder(copy: &OwnedFd, path: &Path) -> bool {
 /// of the child that made it, which has exited). Sound in a multi-threaded process: the child makes
 /// only async-signal-safe calls before it exits.
 pub fn make(range: IdRange) -> io::Result<OwnedFd> {
+    // One at a time in this process: a child forked by one call inherits the pipes of another
+    // call in flight, and two such children each held the end the other waited to see closed —
+    // neither ever exited, and both calls (and the creates behind them) hung.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (ready_r, ready_w) = pipe()?;
     let (go_r, go_w) = pipe()?;
     // SAFETY: the child runs only unshare, write, read and _exit (async-signal-safe), so forking a
@@ -297,6 +302,25 @@ mod tests {
             Slots::new(1 << 31, 32_767).is_ok(),
             "the default: all that fit above 2^31"
         );
+    }
+
+    #[test]
+    fn namespaces_made_at_once_from_many_threads_all_come() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let threads: Vec<_> = (0..8u32)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    make(IdRange {
+                        base: 3_000_000_000 + i * SIZE,
+                    })
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread").expect("namespace");
+        }
     }
 
     #[test]
