@@ -6,6 +6,7 @@ mode, owner — before and after, on every runtime the suite runs."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -268,3 +269,34 @@ def test_no_host_folder_takes_writes_past_the_storage_limit(server, raw_sandbox,
         "dd if=/dev/zero of=/fill bs=1M count=100; true")
     grown = host_bytes() - before
     assert grown < 4 << 20, f"{grown} bytes landed in the sandbox's host folder outside its disk"
+
+
+def test_the_socket_folder_is_no_host_storage(server, raw_sandbox, api, test_image):
+    """Where execd binds its socket inside the sandbox (gVisor, Docker), `/.warren/run` is writable:
+    it is a tmpfs of its own, so a write there stops at 64 KiB instead of filling the host's disk
+    (a host folder took 100 MiB before). The embedded runtime and runc have no such folder."""
+    sid = raw_sandbox(test_image)["id"]
+    run_dir = server.data_dir / "sandboxes" / sid / "run"
+    ep = api.get(f"/v1/sandboxes/{sid}/endpoints/{EXECD}").json()
+    base = f"http://{ep['endpoint']}"
+
+    def run(cmd: str) -> str:
+        r = httpx.post(f"{base}/command", headers=ep["headers"], json={"command": cmd}, timeout=120)
+        assert r.status_code == 200, r.text[:200]
+        lines = (l.strip().removeprefix("data:").strip() for l in r.text.splitlines())
+        events = [json.loads(l) for l in lines if l]
+        return "".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+
+    out = run("dd if=/dev/zero of=/.warren/run/fill bs=1M count=8 2>/dev/null; "
+              "stat -c %s /.warren/run/fill 2>/dev/null || echo none")
+    if server.is_docker or server.gvisor:
+        assert os.path.ismount(run_dir), "the socket folder is a mount of its own"
+        assert os.statvfs(run_dir).f_blocks * os.statvfs(run_dir).f_frsize <= 64 << 10
+        # gVisor refuses to make a plain file there at all
+        assert out.split()[-1] == "none" or int(out.split()[-1]) <= 64 << 10, out
+    else:
+        # `/.warren` is read-only (embedded) or a folder of the sandbox's root (runc), whose writes
+        # are the root's: never the host's socket folder.
+        assert not (run_dir / "fill").exists()
+    # execd's socket is still there to be reached
+    assert "alive" in run("rm -f /.warren/run/fill; echo alive")

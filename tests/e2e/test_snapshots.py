@@ -57,7 +57,8 @@ def test_snapshot_restore_and_fork(server, test_image, make_sandbox, manager):
     code, _, err = W.sh(src, SETUP)
     assert code == 0, err
     # A process whose in-memory counter must survive the capture (the sandbox is frozen, not stopped).
-    src.commands.run("python3 -c 'import time\ni=0\nwhile True:\n i+=1\n open(\"/tmp/count\",\"w\").write(str(i))\n time.sleep(0.05)' ",
+    # (written aside and renamed in: a reader never sees the file empty between open and write)
+    src.commands.run("python3 -c 'import os, time\ni=0\nwhile True:\n i+=1\n open(\"/tmp/count.new\",\"w\").write(str(i))\n os.rename(\"/tmp/count.new\", \"/tmp/count\")\n time.sleep(0.05)' ",
                      opts=_background())
     W.wait_until(lambda: W.sh(src, "cat /tmp/count")[1].strip().isdigit(), 30, message="the counter to start")
 

@@ -255,11 +255,11 @@ class WarrenServer:
 
     @property
     def userns(self) -> bool:
-        """Whether its sandboxes run in user namespaces of their own (the embedded runtime's
-        default)."""
+        """Whether its sandboxes run in user namespaces of their own (the default of the embedded
+        runtime and runc)."""
         if "user_namespaces = false" in self.runtime_config:
             return False
-        return self.runtime == "embedded" or "user_namespaces = true" in self.runtime_config
+        return self.runtime in ("embedded", "runc") or "user_namespaces = true" in self.runtime_config
 
     @property
     def host_volumes(self) -> Path:

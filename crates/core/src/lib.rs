@@ -94,6 +94,43 @@ pub fn bind_socket_in(
     std::os::unix::net::UnixListener::bind(&short)
 }
 
+/// Where execd must bind its socket inside the sandbox itself (gVisor's sandbox serves only sockets
+/// of its own; a Docker container), the runtime mounts this folder writable at
+/// [`SOCKET_DIR_IN_SANDBOX`]. A plain host folder there took whatever the sandbox wrote into it
+/// (100 MiB in a test) onto the host's disk, outside every storage limit: it is a tmpfs of its own
+/// instead, 64 KiB and 16 inodes, room for a socket and nothing worth filling.
+pub fn mount_socket_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    std::fs::create_dir_all(dir)?;
+    let target = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            target.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            c"size=64k,nr_inodes=16,mode=0755".as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Undoes [`mount_socket_dir`] (lazily: a runtime's process may still hold it); nothing mounted
+/// there is fine.
+pub fn unmount_socket_dir(dir: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(target) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: umount2(2) with a NUL-terminated string that outlives the call.
+    unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+}
+
 /// The fields of a `/proc/PID/stat` line after the parenthesised command name, which may itself hold
 /// spaces and parentheses: index 0 is field 3 (`state`) in proc(5)'s numbering.
 pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {

@@ -371,8 +371,11 @@ impl DockerRuntime {
         }
         let image_config = self.ensure_image(image, auth.as_ref()).await?;
         let run_dir = self.run_dir(&spec.id);
-        std::fs::create_dir_all(&run_dir).map_err(|e| {
-            RuntimeError::backend_with(format!("creating {}", run_dir.display()), e)
+        warren_core::mount_socket_dir(&run_dir).map_err(|e| {
+            RuntimeError::backend_with(
+                format!("mounting the socket folder {}", run_dir.display()),
+                e,
+            )
         })?;
         let body = self.create_body(spec, image, &image_config, &volumes.mounts);
         let created: Value = self
@@ -522,6 +525,7 @@ impl DockerRuntime {
     }
 
     fn remove_dir(&self, id: &str) {
+        warren_core::unmount_socket_dir(&self.run_dir(id));
         let dir = self.config.data_dir.join("sandboxes").join(id);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {

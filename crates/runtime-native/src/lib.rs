@@ -191,21 +191,22 @@ impl NativeRuntime {
         }
         let oci = match config.oci_runtime.as_str() {
             "embedded" | "" => None,
-            name => Some(oci::OciRuntime::new(name, config.data_dir.join("oci").join(name)).ok_or_else(|| {
-                RuntimeError::backend(format!("OCI runtime {name:?} is not supported or not installed (supported: embedded, runc, crun, runsc)"))
-            })?),
+            name => {
+                let roots = oci::roots_for(&config.data_dir).map_err(|e| {
+                    RuntimeError::backend_with("preparing the folder for sandboxes' roots", e)
+                })?;
+                Some(oci::OciRuntime::new(name, config.data_dir.join("oci").join(name), roots).ok_or_else(|| {
+                    RuntimeError::backend(format!("OCI runtime {name:?} is not supported or not installed (supported: embedded, runc, crun, runsc)"))
+                })?)
+            }
         };
-        let subs: &'static [&'static str] = match oci {
-            Some(_) => &["upper", "work", "rootfs", "run"],
-            None => &["upper", "work", "run"],
-        };
-        let folders = folders::Folders::open(&config.data_dir, subs)
+        let folders = folders::Folders::open(&config.data_dir, &["upper", "work", "run"])
             .map_err(|e| RuntimeError::backend_with("preparing the sandboxes folder", e))?;
         let userns = match config.userns_ids {
             None => None,
-            Some(_) if oci.is_some() => {
+            Some(_) if oci.as_ref().is_some_and(|o| !o.takes_userns()) => {
                 return Err(RuntimeError::backend(
-                    "user namespaces ([runtime] user_namespaces) work with the embedded runtime only so far",
+                    "user namespaces ([runtime] user_namespaces) are for the embedded runtime, runc and crun: gVisor's Sentry is the sandbox's kernel",
                 ))
             }
             Some((first, count)) => {
@@ -362,9 +363,9 @@ impl NativeRuntime {
             root,
             upper_dir: layer_dir.join("upper"),
             work_dir: layer_dir.join("work"),
-            rootfs_dir: match self.inner.oci {
+            rootfs_dir: match &self.inner.oci {
                 // an OCI runtime is handed the mounted root on the host
-                Some(_) => dir.join("rootfs"),
+                Some(oci) => oci.rootfs(&spec.id),
                 None => self.inner.mount_point.clone(),
             },
             socket_dir: dir.join("run"),
@@ -460,12 +461,14 @@ impl NativeRuntime {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
                 let mut init_spec = self.init_spec(spec);
                 init_spec.volumes = volumes.mounts.clone();
+                init_spec.userns = range;
+                let idmapped = self.idmapped(range, &init_spec)?;
                 let share = if spec.background.is_on() {
                     CpuShare::Background
                 } else {
                     CpuShare::Normal
                 };
-                let run = oci.start(&init_spec, dir, log, &spec.limits, share);
+                let run = oci.start(&init_spec, dir, log, &spec.limits, share, idmapped.as_ref());
                 if share == CpuShare::Background && !spec.background.is_on() {
                     // Wanted meanwhile: the server's promote may have come before the cgroup.
                     let _ = self.promote(&spec.id);
@@ -520,22 +523,8 @@ impl NativeRuntime {
         init_spec.userns = range;
         let payload = serde_json::to_vec(&init_spec)
             .map_err(|e| RuntimeError::backend_with("encoding the sandbox spec", e))?;
-        let (ns, layers) = match (&self.inner.userns, range) {
-            (Some(slots), Some(range)) => {
-                let idmap =
-                    |e| RuntimeError::backend_with("idmapping the image for the sandbox's ids", e);
-                (
-                    Some(slots.namespace(range).map_err(idmap)?),
-                    Some(
-                        slots
-                            .idmapped_layers(range, &init_spec.lower_dirs())
-                            .map_err(idmap)?,
-                    ),
-                )
-            }
-            _ => (None, None),
-        };
-        let root = premade_root(&init_spec, layers.as_deref());
+        let idmapped = self.idmapped(range, &init_spec)?;
+        let root = premade_root(&init_spec, idmapped.as_ref());
         if root.is_none() && spec.limits.disk_bytes.is_some() {
             // PID 1 would mount the root itself, in a mount namespace (a standby helper's) that
             // may predate the sandbox's disk: its writes could land beside the disk, unbounded.
@@ -557,7 +546,8 @@ impl NativeRuntime {
             .ok_or_else(|| RuntimeError::backend("helper stdin"))?;
         // The user namespace first (the helper knows from the spec whether one comes), then the
         // root overlay if the server made it.
-        let fds: Vec<&OwnedFd> = ns.as_deref().into_iter().chain(root.as_ref()).collect();
+        let ns = idmapped.as_ref().map(|m| &*m.ns);
+        let fds: Vec<&OwnedFd> = ns.into_iter().chain(root.as_ref()).collect();
         zygote::send_spec(stdin, &payload, &fds)
             .map_err(|e| RuntimeError::backend_with("sending the sandbox spec", e))?;
         drop(root);
@@ -868,7 +858,7 @@ impl NativeRuntime {
         // kill(0) or kill(-1) would hit our own group or everything: only ever signal a real pid.
         let pid = pid.filter(|p| *p > 1);
         if let Some(oci) = &self.inner.oci {
-            oci.teardown(id, &self.sandbox_dir(id).join("rootfs"));
+            oci.teardown(id, &self.sandbox_dir(id));
         }
         let cg = self.cgroup(id);
         // Opened before the kill, while the pid still names the verified process: its end is then
@@ -949,6 +939,21 @@ impl NativeRuntime {
             .and_then(|()| std::os::unix::fs::chown(upper, Some(range.base), Some(range.base)))
             .map_err(|e| RuntimeError::backend_with("giving the sandbox its ids", e))?;
         Ok(Some(range))
+    }
+
+    /// For a sandbox in `range`: the range's namespace and the idmapped layers of its root.
+    fn idmapped(
+        &self,
+        range: Option<userns::IdRange>,
+        spec: &InitSpec,
+    ) -> Result<Option<userns::Idmapped>, RuntimeError> {
+        let (Some(slots), Some(range)) = (&self.inner.userns, range) else {
+            return Ok(None);
+        };
+        slots
+            .idmapped(range, &spec.lower_dirs())
+            .map(Some)
+            .map_err(|e| RuntimeError::backend_with("idmapping the image for the sandbox's ids", e))
     }
 
     fn set_paused(&self, id: &str, paused: bool) -> Result<(), RuntimeError> {
@@ -1202,15 +1207,10 @@ fn yield_cpu(cg: &Cgroup) {
 /// kernel memory each (594 of them, 45 MiB, after 1,200 sandboxes); with the overlay made here,
 /// 0–3 of 300.
 ///
-/// `idmapped`: the layers' idmapped copies, for a sandbox in a user namespace (named through
-/// `/proc/self/fd`, as `rootfs::lowers` does).
-fn premade_root(spec: &InitSpec, idmapped: Option<&[Arc<OwnedFd>]>) -> Option<OwnedFd> {
-    use std::os::fd::AsRawFd;
+/// `idmapped`: for a sandbox in a user namespace, its layers' idmapped copies.
+fn premade_root(spec: &InitSpec, idmapped: Option<&userns::Idmapped>) -> Option<OwnedFd> {
     let lowers = match idmapped {
-        Some(copies) => copies
-            .iter()
-            .map(|c| PathBuf::from(format!("/proc/self/fd/{}", c.as_raw_fd())))
-            .collect(),
+        Some(m) => m.layer_paths(),
         None => spec.lower_dirs(),
     };
     rootfs::mount_api::overlay_detached(&lowers, &spec.upper_dir, &spec.work_dir)

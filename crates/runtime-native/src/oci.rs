@@ -4,6 +4,8 @@
 //! asks for the same isolation the embedded path builds.
 
 use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,6 +19,7 @@ use crate::security::KEPT_CAPABILITIES;
 use crate::spec::{
     InitSpec, RootSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
+use crate::userns::{self, Idmapped};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OciKind {
@@ -43,6 +46,8 @@ pub struct OciRuntime {
     pub binary: PathBuf,
     /// The runtime's own state folder (`--root`), under Warren's data dir.
     pub state_root: PathBuf,
+    /// Where sandboxes' roots are mounted (see [`roots_for`]).
+    pub roots: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,10 +70,41 @@ pub enum OciError {
     Bundle(#[source] std::io::Error),
     #[error("mounting the volumes")]
     Volumes(#[source] crate::rootfs::RootfsError),
+    #[error("binding execd into the root")]
+    Execd(#[source] io::Error),
+}
+
+/// Where an OCI runtime finds sandboxes' roots: `/run/warren/roots/<device>-<inode>` of the data
+/// dir, one folder per server. Not under the data dir: with user namespaces the runtime looks a
+/// root up, and mounts into it, as the sandbox's root — an unprivileged id, which the data dir
+/// (0700) keeps out. Every folder on the way can be passed through by anyone but not listed
+/// (0711); a sandbox's own folder in there only by host root and the sandbox's range (0710, its
+/// group), so neither host users nor other sandboxes reach into a root.
+pub fn roots_for(data_dir: &Path) -> io::Result<PathBuf> {
+    roots_in(Path::new("/run/warren"), data_dir)
+}
+
+fn roots_in(run: &Path, data_dir: &Path) -> io::Result<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(data_dir)?;
+    let roots = run.join("roots");
+    let ours = roots.join(format!("{}-{}", meta.dev(), meta.ino()));
+    for dir in [run, &roots, &ours] {
+        match fs::DirBuilder::new().mode(0o711).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let mode = fs::symlink_metadata(dir)?.permissions().mode();
+        if mode & 0o011 != 0o011 {
+            fs::set_permissions(dir, fs::Permissions::from_mode((mode & 0o7777) | 0o011))?;
+        }
+    }
+    Ok(ours)
 }
 
 impl OciRuntime {
-    pub fn new(name: &str, state_root: PathBuf) -> Option<Self> {
+    pub fn new(name: &str, state_root: PathBuf, roots: PathBuf) -> Option<Self> {
         let kind = match name {
             "runc" => OciKind::Runc,
             "crun" => OciKind::Crun,
@@ -83,7 +119,19 @@ impl OciRuntime {
             kind,
             binary,
             state_root,
+            roots,
         })
+    }
+
+    /// Whether sandboxes can have user namespaces of their own here. gVisor's Sentry is the
+    /// sandbox's kernel, and runs unprivileged itself already.
+    pub fn takes_userns(&self) -> bool {
+        self.kind != OciKind::Runsc
+    }
+
+    /// Where sandbox `id`'s root is mounted.
+    pub fn rootfs(&self, id: &str) -> PathBuf {
+        self.roots.join(id).join("rootfs")
     }
 
     fn base_command(&self) -> Command {
@@ -127,6 +175,7 @@ impl OciRuntime {
     }
 
     /// Mounts the rootfs, writes the bundle and starts the container detached; returns its pid.
+    /// `idmapped`: for a sandbox in a user namespace of its own (`spec.userns`).
     pub fn start(
         &self,
         spec: &InitSpec,
@@ -134,8 +183,12 @@ impl OciRuntime {
         log: fs::File,
         limits: &warren_core::ResourceLimits,
         share: CpuShare,
+        idmapped: Option<&Idmapped>,
     ) -> Result<i32, OciError> {
-        mount_rootfs(spec)?;
+        mount_rootfs(spec, idmapped)?;
+        if !self.kind.takes_listener() {
+            warren_core::mount_socket_dir(&spec.socket_dir).map_err(OciError::Bundle)?;
+        }
         // execd's socket, bound here and handed over as descriptor 3 (see `LISTEN_FD`), except
         // under gVisor, whose sandbox cannot serve a host socket: there execd binds it in the
         // folder bind-mounted at /.warren/run, reached through `--host-uds`.
@@ -247,31 +300,97 @@ impl OciRuntime {
             .unwrap_or(false)
     }
 
-    /// Best effort, idempotent: kill, delete, unmount the rootfs.
-    pub fn teardown(&self, id: &str, rootfs: &Path) {
+    /// Best effort, idempotent: kill, delete, unmount the rootfs and the socket folder, remove the
+    /// root's folders. `folder` is the sandbox's (the bundle), where a sandbox started by an older
+    /// server also had its root.
+    pub fn teardown(&self, id: &str, folder: &Path) {
+        let legacy = folder.join("rootfs");
         let _ = self.run(&["kill", id, "KILL"]);
         if let Err(e) = self.run(&["delete", "--force", id]) {
             tracing::debug!(sandbox_id = id, error = %e, "oci delete");
         }
-        match umount2(rootfs, MntFlags::MNT_DETACH) {
-            Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => {}
-            Err(e) => tracing::warn!(sandbox_id = id, error = %e, "unmounting the rootfs failed"),
+        let rootfs = self.rootfs(id);
+        warren_core::unmount_socket_dir(&folder.join("run"));
+        for root in [rootfs.as_path(), &legacy] {
+            match umount2(root, MntFlags::MNT_DETACH) {
+                Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => {}
+                Err(e) => {
+                    tracing::warn!(sandbox_id = id, error = %e, "unmounting the rootfs failed")
+                }
+            }
+        }
+        for dir in [rootfs.as_path(), &self.roots.join(id)] {
+            match fs::remove_dir(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(sandbox_id = id, error = %e, path = %dir.display(), "removing the root's folder failed")
+                }
+            }
         }
     }
 }
 
-/// The overlay root, on the host, with the volumes already mounted inside it as the embedded runtime
-/// mounts them (from handles, see `rootfs::mount_volumes`): given to the runtime as paths, a volume
-/// would be looked up again when it mounts it, after a sandbox sharing the volume could have swapped
-/// a folder on it for a link. The runtime's recursive bind of the root takes them along; teardown's
-/// lazy unmount of the root takes them away.
-fn mount_rootfs(spec: &InitSpec) -> Result<(), OciError> {
-    crate::rootfs::mount_overlay(spec, &spec.rootfs_dir, &spec.lower_dirs())
-        .map_err(|e| OciError::Mount(spec.rootfs_dir.clone(), e))?;
-    crate::rootfs::mount_volumes(spec, &spec.rootfs_dir, None).map_err(|e| {
-        let _ = umount2(&spec.rootfs_dir, MntFlags::MNT_DETACH);
-        OciError::Volumes(e)
-    })
+/// The overlay root, on the host, with the volumes and execd already mounted inside it as the
+/// embedded runtime mounts volumes (from handles, see `rootfs::mount_volumes`): given to the runtime
+/// as paths, a volume would be looked up again when it mounts it, after a sandbox sharing the volume
+/// could have swapped a folder on it for a link — and in a user namespace the runtime looks paths up
+/// as the sandbox's root, which may not pass through the folders on the way to execd's binary. The
+/// runtime's recursive bind of the root takes them along; teardown's lazy unmount of the root takes
+/// them away.
+///
+/// With a user namespace the layers are the idmapped copies and volumes are idmapped too (as on the
+/// embedded runtime); the root's folder admits the range's group.
+fn mount_rootfs(spec: &InitSpec, idmapped: Option<&Idmapped>) -> Result<(), OciError> {
+    let root = &spec.rootfs_dir;
+    make_root_folder(root, spec.userns).map_err(OciError::Bundle)?;
+    let lowers = match idmapped {
+        Some(m) => m.layer_paths(),
+        None => spec.lower_dirs(),
+    };
+    crate::rootfs::mount_overlay(spec, root, &lowers)
+        .map_err(|e| OciError::Mount(root.clone(), e))?;
+    let inside = crate::rootfs::mount_volumes(spec, root, idmapped.map(|m| &*m.ns))
+        .map_err(OciError::Volumes)
+        .and_then(|()| bind_execd(spec).map_err(OciError::Execd));
+    if inside.is_err() {
+        let _ = umount2(root, MntFlags::MNT_DETACH);
+    }
+    inside
+}
+
+/// `root`'s folder (the sandbox's in [`roots_for`]'s) and `root` itself, the mount point.
+fn make_root_folder(root: &Path, range: Option<userns::IdRange>) -> io::Result<()> {
+    let Some(folder) = root.parent() else {
+        return Err(io::Error::other("a root needs a folder"));
+    };
+    for dir in [folder, root] {
+        match fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(range) = range {
+        std::os::unix::fs::chown(folder, Some(0), Some(range.base))?;
+        fs::set_permissions(folder, fs::Permissions::from_mode(0o710))?;
+    }
+    Ok(())
+}
+
+/// execd's binary, read-only, at [`EXECD_IN_SANDBOX`] in the mounted root: opened here, as host
+/// root, and bound handle to handle (a link the image put at `/.warren` is refused, not followed).
+fn bind_execd(spec: &InitSpec) -> io::Result<()> {
+    use nix::mount::MsFlags;
+    let source: std::os::fd::OwnedFd = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+        .open(&spec.execd_path)?
+        .into();
+    let rel = Path::new(EXECD_IN_SANDBOX.trim_start_matches('/'));
+    let target = warren_core::beneath::make_file_beneath(&spec.rootfs_dir, rel)?;
+    let attrs = crate::rootfs::mount_api::attrs(true, MsFlags::MS_NOSUID | MsFlags::MS_NODEV);
+    crate::rootfs::mount_api::bind_handle(&source, &target.fd, attrs, None).map_err(io::Error::from)
 }
 
 fn bind(dest: &str, source: &Path, ro: bool, kind: OciKind) -> Value {
@@ -343,7 +462,7 @@ pub fn config_json(
             mounts.push(json!({"destination": d, "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "noexec", "size=4k", "mode=700"]}));
         }
     }
-    mounts.push(bind(EXECD_IN_SANDBOX, &spec.execd_path, true, kind));
+    // execd's binary is in the root already (see `mount_rootfs`).
     if !kind.takes_listener() {
         mounts.push(bind(SOCKET_DIR_IN_SANDBOX, &spec.socket_dir, false, kind));
     }
@@ -368,6 +487,18 @@ pub fn config_json(
     });
     // The same policy as the embedded path (see `warren_core::policy::oci_seccomp` for gVisor).
     linux["seccomp"] = policy::oci_seccomp(kind == OciKind::Runsc);
+    if let Some(range) = spec.userns {
+        // The runtime makes the user namespace first and every other one in it, so root inside
+        // holds its capabilities over the sandbox's network (port 80, raw sockets for ping) as
+        // in a container without one.
+        let map = json!([{"containerID": 0, "hostID": range.base, "size": userns::SIZE}]);
+        linux["namespaces"]
+            .as_array_mut()
+            .expect("namespaces is a list")
+            .push(json!({"type": "user"}));
+        linux["uidMappings"] = map.clone();
+        linux["gidMappings"] = map;
+    }
     let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -377,7 +508,9 @@ pub fn config_json(
             "env": spec.env,
             "cwd": spec.workdir,
             "capabilities": {"bounding": caps, "effective": caps, "inheritable": caps, "permitted": caps},
-            "noNewPrivileges": true,
+            // In a user namespace a setuid program reaches only the range's root (see `userns`),
+            // so setuid programs (`su`, `sudo`, `ping` of old) work as in a container.
+            "noNewPrivileges": spec.userns.is_none(),
         },
         "root": {"path": spec.rootfs_dir, "readonly": false},
         "hostname": spec.hostname,
@@ -445,16 +578,10 @@ mod tests {
         let mounts = c["mounts"].as_array().expect("mounts");
         // Volumes are mounted inside the root before the runtime starts, from handles: never by path.
         assert!(!mounts.iter().any(|m| m["destination"] == "/mnt/data"));
-        let execd = mounts
-            .iter()
-            .find(|m| m["destination"] == EXECD_IN_SANDBOX)
-            .expect("execd is bound");
-        let opts = execd["options"].as_array().expect("opts");
-        assert!(opts.contains(&serde_json::json!("ro")));
-        assert!(
-            opts.contains(&serde_json::json!("rro")),
-            "read-only all the way down"
-        );
+        // execd is bound into the root before the runtime starts, from a handle: never by path.
+        assert!(!mounts.iter().any(|m| m["destination"] == EXECD_IN_SANDBOX));
+        assert_eq!(c["process"]["noNewPrivileges"], true);
+        assert!(c["linux"].get("uidMappings").is_none());
         let caps = c["process"]["capabilities"]["bounding"]
             .as_array()
             .expect("caps");
@@ -500,6 +627,63 @@ mod tests {
         assert!(rules(&c, "clone")[0]["args"].is_array());
         assert_eq!(rules(&c, "clone3")[0]["errnoRet"], 38);
         assert_eq!(rules(&c, "personality").len(), 5);
+    }
+
+    #[test]
+    fn a_sandbox_in_a_range_gets_a_user_namespace_mapped_onto_it() {
+        let limits = warren_core::ResourceLimits {
+            cpu_millis: None,
+            memory_bytes: None,
+            pids: 100,
+            disk_bytes: None,
+        };
+        let mut spec = spec();
+        spec.userns = Some(userns::IdRange { base: 1 << 31 });
+        let c = config_json(&spec, &limits, CpuShare::Normal, OciKind::Runc);
+        let want = serde_json::json!([{"containerID": 0, "hostID": 1u64 << 31, "size": 65536}]);
+        assert_eq!(c["linux"]["uidMappings"], want);
+        assert_eq!(c["linux"]["gidMappings"], want);
+        assert!(c["linux"]["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .contains(&serde_json::json!({"type": "user"})));
+        // setuid programs reach only the range's root
+        assert_eq!(c["process"]["noNewPrivileges"], false);
+    }
+
+    #[test]
+    fn roots_are_reached_through_folders_anyone_may_pass_but_not_list() {
+        use std::os::unix::fs::MetadataExt;
+        let t = tempfile::tempdir().expect("tempdir");
+        let run = t.path().join("run");
+        fs::create_dir(&run).expect("run");
+        fs::set_permissions(&run, fs::Permissions::from_mode(0o700)).expect("chmod");
+        let data = t.path().join("data");
+        fs::create_dir(&data).expect("data");
+        let roots = roots_in(&run, &data).expect("roots");
+        let meta = fs::metadata(&data).expect("meta");
+        assert_eq!(
+            roots,
+            run.join("roots")
+                .join(format!("{}-{}", meta.dev(), meta.ino()))
+        );
+        let mode = |p: &Path| fs::metadata(p).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(
+            mode(&run),
+            0o711,
+            "a folder that was closed is opened for passing"
+        );
+        assert_eq!(mode(&run.join("roots")), 0o711);
+        assert_eq!(mode(&roots), 0o711);
+        assert_eq!(roots_in(&run, &data).expect("again"), roots);
+
+        let root = roots.join("sbx").join("rootfs");
+        make_root_folder(&root, Some(userns::IdRange { base: 1 << 31 })).expect("folder");
+        let folder = fs::metadata(roots.join("sbx")).expect("meta");
+        assert_eq!(folder.permissions().mode() & 0o777, 0o710);
+        assert_eq!((folder.uid(), folder.gid()), (0, 1 << 31));
+        make_root_folder(&roots.join("other").join("rootfs"), None).expect("folder");
+        assert_eq!(mode(&roots.join("other")), 0o700);
     }
 
     #[test]

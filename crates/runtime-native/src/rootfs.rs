@@ -157,7 +157,6 @@ pub(crate) fn lowers(
     layers: &[PathBuf],
     userns: Option<&OwnedFd>,
 ) -> nix::Result<(Vec<PathBuf>, Vec<OwnedFd>)> {
-    use std::os::fd::AsRawFd;
     let Some(ns) = userns else {
         return Ok((layers.to_vec(), Vec::new()));
     };
@@ -165,11 +164,15 @@ pub(crate) fn lowers(
         .iter()
         .map(|l| mount_api::idmapped(l, ns))
         .collect::<nix::Result<Vec<_>>>()?;
-    let paths = held
-        .iter()
-        .map(|fd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())))
-        .collect();
+    let paths = held.iter().map(fd_path).collect();
     Ok((paths, held))
+}
+
+/// The path a mount call takes for what descriptor `fd` of this process names (a detached mount,
+/// say): valid while `fd` is open.
+pub(crate) fn fd_path(fd: impl std::os::fd::AsFd) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd()))
 }
 
 /// Builds the sandbox's root and moves into it. `premade` is its overlay when the server made it

@@ -144,7 +144,29 @@ impl Slots {
     }
 }
 
+/// What the server hands a sandbox in a range: the range's namespace (PID 1 joins it; volumes are
+/// idmapped through it) and idmapped copies of the root's layers, in `layers`' order.
+pub struct Idmapped {
+    pub ns: Arc<OwnedFd>,
+    pub layers: Vec<Arc<OwnedFd>>,
+}
+
+impl Idmapped {
+    /// The layers as overlayfs takes them, `/proc/self/fd/N`: valid while `self` lives.
+    pub fn layer_paths(&self) -> Vec<PathBuf> {
+        self.layers.iter().map(crate::rootfs::fd_path).collect()
+    }
+}
+
 impl Slots {
+    /// The namespace and idmapped `layers` for a sandbox in `range`.
+    pub fn idmapped(&self, range: IdRange, layers: &[PathBuf]) -> io::Result<Idmapped> {
+        Ok(Idmapped {
+            ns: self.namespace(range)?,
+            layers: self.idmapped_layers(range, layers)?,
+        })
+    }
+
     /// Idmapped copies of `layers` for `range` (see `rootfs::lowers`), made once per slot and
     /// layer. A copy whose folder was replaced (an image deleted and pulled again) is made anew.
     pub fn idmapped_layers(

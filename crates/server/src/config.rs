@@ -163,10 +163,10 @@ pub struct RuntimeSection {
     /// and every command starts its own `bash -c`.
     #[serde(default = "default_spare_shell")]
     pub spare_shell: bool,
-    /// Native runtime, embedded: each sandbox's root is a range of 65,536 unprivileged host ids of
-    /// its own (a user namespace), not host root (README, "Security model"). Default: on with the
-    /// embedded runtime, off with OCI runtimes (Warren does not set them up for one yet); `false`
-    /// is the explicit opt-out.
+    /// Native runtime: each sandbox's root is a range of 65,536 unprivileged host ids of its own (a
+    /// user namespace), not host root (README, "Security model"). Default: on with the embedded
+    /// runtime, runc and crun; gVisor (`runsc`) has none (its Sentry is the sandbox's kernel).
+    /// `false` is the explicit opt-out.
     pub user_namespaces: Option<bool>,
     /// The first host id of the sandboxes' ranges (default 2³¹), and how many ranges (default:
     /// all that fit below 2³² − 1, 32,767): one per live sandbox.

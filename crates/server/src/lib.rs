@@ -349,7 +349,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             .user_namespaces
             .unwrap_or(matches!(
                 config.runtime.oci_runtime.as_str(),
-                "embedded" | ""
+                "embedded" | "" | "runc" | "crun"
             ))
             .then(|| {
                 let first = config.runtime.userns_first_id;
