@@ -1147,6 +1147,10 @@ impl Runtime for NativeRuntime {
         let _ = tokio::task::spawn_blocking(move || {
             this.close_standby();
             this.inner.folders.close();
+            if let Some(oci) = &this.inner.oci {
+                // Empty unless sandboxes stay running for the next start.
+                let _ = fs::remove_dir(&oci.roots);
+            }
         })
         .await;
     }
