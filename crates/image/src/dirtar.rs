@@ -111,13 +111,18 @@ fn write_tree_tar<W: Write>(
         builder: tar::Builder::new(out),
         links: HashMap::new(),
     };
-    writer.walk(Path::new(""))?;
+    writer.walk()?;
     let mut out = writer
         .builder
         .into_inner()
         .map_err(ImageError::io("write folder tar", src))?;
     out.flush().map_err(ImageError::io("write folder tar", src))
 }
+
+/// The longest path (bytes, below the folder) a layer made from a folder holds. The unpacker, and
+/// every program that reads the layer later, names files by path, which Linux refuses past 4,096
+/// bytes: a deeper tree in a sandbox fails its snapshot with this reason.
+pub(crate) const MAX_PATH_BYTES: usize = 3072;
 
 struct DirTar<W: Write> {
     src: PathBuf,
@@ -144,7 +149,26 @@ impl<W: Write> DirTar<W> {
         }
     }
 
-    fn walk(&mut self, rel: &Path) -> Result<(), ImageError> {
+    /// Every entry below the folder, in byte order of names, parents before children: a loop
+    /// with a stack of folders being listed, not a recursion (a sandbox's 30,000-level tree
+    /// overflowed this thread's stack and aborted the server).
+    fn walk(&mut self) -> Result<(), ImageError> {
+        let mut stack = vec![(PathBuf::new(), self.list(Path::new(""))?.into_iter())];
+        while let Some((rel, names)) = stack.last_mut() {
+            let Some(name) = names.next() else {
+                stack.pop();
+                continue;
+            };
+            if let Some(dir) = self.entry(rel, name)? {
+                let names = self.list(&dir)?.into_iter();
+                stack.push((dir, names));
+            }
+        }
+        Ok(())
+    }
+
+    /// The names in folder `rel`, sorted.
+    fn list(&self, rel: &Path) -> Result<Vec<OsString>, ImageError> {
         let dir = self.src.join(rel);
         let mut names = fs::read_dir(&dir)
             .and_then(|it| {
@@ -153,71 +177,84 @@ impl<W: Write> DirTar<W> {
             })
             .map_err(ImageError::io("read dir", &dir))?;
         names.sort();
-        for name in names {
-            let rel_child = rel.join(&name);
-            let path = dir.join(&name);
-            let meta = fs::symlink_metadata(&path).map_err(ImageError::io("stat", &path))?;
-            let file_type = meta.file_type();
-            let mut header = Header::new_gnu();
-            header.set_mode(meta.mode() & 0o7777);
-            header.set_uid(u64::from(self.own(meta.uid())));
-            header.set_gid(u64::from(self.own(meta.gid())));
-            header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
-            header.set_size(0);
-            let write_err = ImageError::io("write folder tar", &path);
-            if file_type.is_dir() {
-                if self.exclude == Some((meta.dev(), meta.ino())) {
-                    continue;
-                }
-                self.xattrs(&path)?;
-                header.set_entry_type(EntryType::Directory);
-                self.builder
-                    .append_data(&mut header, &rel_child, io::empty())
-                    .map_err(write_err)?;
-                if self.overlay && is_opaque(&path) {
-                    self.marker(&rel_child.join(OPAQUE_ENTRY), &path)?;
-                }
-                self.walk(&rel_child)?;
-            } else if file_type.is_file() {
-                if meta.nlink() > 1 {
-                    let key = (meta.dev(), meta.ino());
-                    if let Some(first) = self.links.get(&key) {
-                        header.set_entry_type(EntryType::Link);
-                        self.builder
-                            .append_link(&mut header, &rel_child, first)
-                            .map_err(write_err)?;
-                        continue;
-                    }
-                    self.links.insert(key, rel_child.clone());
-                }
-                self.xattrs(&path)?;
-                let file = OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                    .open(&path)
-                    .map_err(ImageError::io("open", &path))?;
-                header.set_entry_type(EntryType::Regular);
-                header.set_size(meta.len());
-                let exact = ExactReader {
-                    inner: file,
-                    remaining: meta.len(),
-                };
-                self.builder
-                    .append_data(&mut header, &rel_child, exact)
-                    .map_err(write_err)?;
-            } else if file_type.is_symlink() {
-                let target = fs::read_link(&path).map_err(ImageError::io("read symlink", &path))?;
-                header.set_entry_type(EntryType::Symlink);
-                self.builder
-                    .append_link(&mut header, &rel_child, &target)
-                    .map_err(write_err)?;
-            } else if self.overlay && file_type.is_char_device() && meta.rdev() == 0 {
-                let mut whiteout = OsString::from(".wh.");
-                whiteout.push(&name);
-                self.marker(&rel.join(whiteout), &path)?;
-            }
+        Ok(names)
+    }
+
+    /// Writes the entry `name` of folder `rel`; returns its path when it is a folder to walk.
+    fn entry(&mut self, rel: &Path, name: OsString) -> Result<Option<PathBuf>, ImageError> {
+        let rel_child = rel.join(&name);
+        let path = self.src.join(&rel_child);
+        if rel_child.as_os_str().len() > MAX_PATH_BYTES {
+            let shown: String = rel_child.to_string_lossy().chars().take(60).collect();
+            return Err(ImageError::source(
+                &self.src,
+                format!(
+                    "a path in it is longer than {MAX_PATH_BYTES} bytes ({shown}…), the most an \
+                     image layer holds"
+                ),
+            ));
         }
-        Ok(())
+        let meta = fs::symlink_metadata(&path).map_err(ImageError::io("stat", &path))?;
+        let file_type = meta.file_type();
+        let mut header = Header::new_gnu();
+        header.set_mode(meta.mode() & 0o7777);
+        header.set_uid(u64::from(self.own(meta.uid())));
+        header.set_gid(u64::from(self.own(meta.gid())));
+        header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
+        header.set_size(0);
+        let write_err = ImageError::io("write folder tar", &path);
+        if file_type.is_dir() {
+            if self.exclude == Some((meta.dev(), meta.ino())) {
+                return Ok(None);
+            }
+            self.xattrs(&path)?;
+            header.set_entry_type(EntryType::Directory);
+            self.builder
+                .append_data(&mut header, &rel_child, io::empty())
+                .map_err(write_err)?;
+            if self.overlay && is_opaque(&path) {
+                self.marker(&rel_child.join(OPAQUE_ENTRY), &path)?;
+            }
+            return Ok(Some(rel_child));
+        } else if file_type.is_file() {
+            if meta.nlink() > 1 {
+                let key = (meta.dev(), meta.ino());
+                if let Some(first) = self.links.get(&key) {
+                    header.set_entry_type(EntryType::Link);
+                    self.builder
+                        .append_link(&mut header, &rel_child, first)
+                        .map_err(write_err)?;
+                    return Ok(None);
+                }
+                self.links.insert(key, rel_child.clone());
+            }
+            self.xattrs(&path)?;
+            let file = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(ImageError::io("open", &path))?;
+            header.set_entry_type(EntryType::Regular);
+            header.set_size(meta.len());
+            let exact = ExactReader {
+                inner: file,
+                remaining: meta.len(),
+            };
+            self.builder
+                .append_data(&mut header, &rel_child, exact)
+                .map_err(write_err)?;
+        } else if file_type.is_symlink() {
+            let target = fs::read_link(&path).map_err(ImageError::io("read symlink", &path))?;
+            header.set_entry_type(EntryType::Symlink);
+            self.builder
+                .append_link(&mut header, &rel_child, &target)
+                .map_err(write_err)?;
+        } else if self.overlay && file_type.is_char_device() && meta.rdev() == 0 {
+            let mut whiteout = OsString::from(".wh.");
+            whiteout.push(&name);
+            self.marker(&rel.join(whiteout), &path)?;
+        }
+        Ok(None)
     }
 
     /// An empty `.wh.` entry (whiteout or opaque marker).
@@ -409,5 +446,56 @@ mod tests {
         assert_eq!(seen[0].2, ["SCHILY.xattr.user.test"]);
         assert_eq!(seen[4].1, EntryType::Symlink);
         assert_eq!(seen[5].1, EntryType::Link);
+    }
+
+    /// A chain of `levels` folders named `d` under `root`, made by descriptor (its paths outgrow
+    /// what the kernel takes by name).
+    fn chain(root: &Path, levels: usize) {
+        use nix::fcntl::{openat, OFlag};
+        use nix::sys::stat::{mkdirat, Mode};
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        fs::create_dir_all(root).expect("root");
+        let mut fd = OwnedFd::from(File::open(root).expect("open"));
+        for _ in 0..levels {
+            mkdirat(Some(fd.as_raw_fd()), "d", Mode::from_bits_truncate(0o755)).expect("mkdir");
+            let down = openat(
+                Some(fd.as_raw_fd()),
+                "d",
+                OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .expect("down");
+            // SAFETY: a fresh descriptor, owned by nobody else.
+            fd = unsafe { OwnedFd::from_raw_fd(down) };
+        }
+    }
+
+    #[test]
+    fn a_tree_past_a_layers_paths_fails_cleanly_and_one_within_is_kept() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let (deep, fits) = (t.path().join("deep"), t.path().join("fits"));
+        chain(&deep, 20_000);
+        chain(&fits, 1_500);
+        // on a small stack: the walk's depth must cost heap, not stack
+        let run = move || {
+            let a = write_dir_tar(&deep, io::sink(), None);
+            let b = write_dir_tar(&fits, io::sink(), None);
+            (a.map_err(|e| e.to_string()), b.map_err(|e| e.to_string()))
+        };
+        let (a, b) = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(run)
+            .expect("thread")
+            .join()
+            .expect("no overflow");
+        // (std's removal, TempDir's, recurses per level: GNU rm walks such a tree)
+        let rm = std::process::Command::new("rm")
+            .arg("-rf")
+            .arg(t.path())
+            .status();
+        assert!(rm.expect("rm").success());
+        let e = a.expect_err("refused");
+        assert!(e.contains("longer than 3072 bytes"), "{e}");
+        b.expect("1,500 levels fit");
     }
 }

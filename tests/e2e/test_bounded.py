@@ -1,0 +1,104 @@
+"""Nothing a sandbox makes can take the server down (issue 29): trees deeper than any stack, in a
+sandbox's root, in the trash at start. Each test uses a private server it may kill and restart."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from datetime import timedelta
+
+import pytest
+
+import warren_e2e as W
+
+# Builds a chain of `levels` folders below `top` by descriptor (its paths outgrow what the kernel
+# takes by name), with a file every 1,000 levels.
+DEEP_TREE = """
+import os, sys
+top, levels = sys.argv[1], int(sys.argv[2])
+os.makedirs(top, exist_ok=True)
+fd = os.open(top, os.O_RDONLY)
+for i in range(levels):
+    os.mkdir("d", dir_fd=fd)
+    if i % 1000 == 0:
+        os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    down = os.open("d", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = down
+print("made", levels)
+"""
+
+LEVELS = 100_000
+
+
+def _native_only(server) -> None:
+    if server.is_docker:
+        pytest.skip("the sandbox's files are the Docker daemon's to remove")
+
+
+@pytest.mark.timeout(600)
+def test_a_tree_deeper_than_any_stack_snapshots_cleanly_survives_a_restart_and_deletes(fresh_server):
+    """100,000 levels made in 2 s inside a sandbox aborted the server on snapshot (the tar walk's
+    stack), on delete and expiry (the folder removal's), and at every start while emptying the
+    trash. Now: the snapshot fails with a reason and the sandbox runs on, a restart re-adopts it,
+    and the delete removes it all."""
+    from opensandbox import SandboxSync
+
+    srv = fresh_server
+    _native_only(srv)
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
+    W.track_sandbox(sbx.id)
+    sbx.files.write_file("/tmp/deep.py", DEEP_TREE)
+    code, out, err = W.sh(sbx, f"python3 /tmp/deep.py /tmp/deep {LEVELS}", timeout=timedelta(seconds=300))
+    assert code == 0 and f"made {LEVELS}" in out, (out, err)
+
+    if not srv.gvisor:  # (snapshots copy the native runtime's writable layer: embedded, runc)
+        with srv.client() as c:
+            r = c.post(f"/v1/sandboxes/{sbx.id}/snapshots", json={"name": "deep"})
+            assert r.status_code in (200, 201, 202), r.text
+            snap = r.json()["id"]
+
+            def ended():
+                st = c.get(f"/v1/snapshots/{snap}").json()["status"]
+                return st if st["state"] in ("Ready", "Failed") else None
+            st = W.wait_until(ended, 300, interval=0.2, message="the snapshot to end")
+            assert st["state"] == "Failed", st
+            assert "longer than" in (st.get("message") or st.get("reason") or ""), st
+        code, out, _ = W.sh(sbx, "echo alive")
+        assert code == 0 and out.strip() == "alive", "the sandbox was thawed after the failed snapshot"
+
+    srv.kill9()
+    srv.start()  # (on a new port)
+    sbx = SandboxSync.connect(sbx.id, connection_config=srv.sdk_config())
+    # (gVisor's own VFS answers EINVAL for a folder this deep: `ls` it only elsewhere)
+    code, out, err = W.sh(sbx, "echo alive" if srv.gvisor else "ls /tmp/deep")
+    assert code == 0 and out.split() == (["alive"] if srv.gvisor else ["d", "f"]), \
+        ("re-adopted after the restart", out, err)
+
+    folder = srv.data_dir / "sandboxes" / sbx.id
+    sbx.kill()
+    W.wait_until(lambda: not folder.exists(), 300, interval=0.5, message="the sandbox folder to go")
+    with srv.client() as c:
+        assert c.get("/health").status_code == 200
+    trash = srv.data_dir / "trash"
+    W.wait_until(lambda: not any(trash.iterdir()) if trash.exists() else True, 300, interval=0.5,
+                 message="the trash to empty")
+
+
+@pytest.mark.timeout(600)
+def test_a_deep_tree_left_in_the_trash_is_removed_at_start(fresh_server):
+    """A server that died while removing a sandbox's folder leaves it in the trash; the next one
+    removes it in the background and serves meanwhile (before, it aborted, at every start)."""
+    srv = fresh_server
+    _native_only(srv)
+    srv.stop()
+    trash = srv.data_dir / "trash"
+    left = trash / f"{uuid.uuid4()}.1"
+    subprocess.run(["python3", "-c", DEEP_TREE, str(left), str(LEVELS)], check=True,
+                   capture_output=True, timeout=300)
+    srv.start()
+    with srv.client() as c:
+        assert c.get("/health").status_code == 200
+    W.wait_until(lambda: not left.exists(), 300, interval=0.5, message="the trash to empty")
+    assert srv.alive()
