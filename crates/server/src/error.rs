@@ -43,10 +43,10 @@ impl ApiError {
         Self::new(StatusCode::CONFLICT, code, message)
     }
 
-    /// Logs the whole cause chain; the client gets a short message of its own.
+    /// A failure of the server's own: the whole cause chain goes to the server's log (see
+    /// `into_response`), the client gets "internal error" and the request's id.
     pub fn internal(context: &str, err: &(dyn std::error::Error + 'static)) -> Self {
         let chain = warren_core::error_chain(err);
-        tracing::error!(error = %chain, "{context}");
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::Unknown,
@@ -80,17 +80,41 @@ impl ApiError {
     }
 }
 
+/// On a response: it answers an internal error, whose message the request-id middleware writes
+/// (`crate::request_id`), naming the request so its log lines can be found.
+/// It holds the error's code.
+#[derive(Debug, Clone)]
+pub struct InternalError(pub String);
+
+/// What a client is told of an internal error: paths, errnos and the rest of the cause chain stay
+/// in the server's log, under the request's id.
+pub fn internal_message(request_id: &str) -> String {
+    format!("internal error (request id {request_id}); the server's log has the cause")
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry = self.status == StatusCode::TOO_MANY_REQUESTS;
+        let internal = self.status == StatusCode::INTERNAL_SERVER_ERROR;
+        let message = if internal {
+            // (inside the request's span: the line carries its id)
+            tracing::error!(code = %self.code, "{}", self.message);
+            internal_message("-")
+        } else {
+            self.message
+        };
+        let marker = internal.then(|| InternalError(self.code.clone()));
         let mut resp = (
             self.status,
             Json(ErrorBody {
                 code: self.code,
-                message: self.message,
+                message,
             }),
         )
             .into_response();
+        if let Some(marker) = marker {
+            resp.extensions_mut().insert(marker);
+        }
         if retry {
             // A pool refills in well under a second per sandbox.
             resp.headers_mut().insert(

@@ -107,8 +107,10 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Echoes the client's `X-Request-ID` or assigns one, on every response.
+/// Echoes the client's `X-Request-ID` or assigns one, on every response; what the server logs
+/// while answering carries it (a span), and an internal error's answer names it.
 async fn request_id(req: Request, next: Next) -> Response {
+    use tracing::Instrument;
     let id = req
         .headers()
         .get(REQUEST_ID_HEADER)
@@ -117,7 +119,19 @@ async fn request_id(req: Request, next: Next) -> Response {
             HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
                 .unwrap_or(HeaderValue::from_static("-"))
         });
-    let mut resp = next.run(req).await;
+    let shown = String::from_utf8_lossy(id.as_bytes()).into_owned();
+    let span = tracing::error_span!("request", id = %shown);
+    let mut resp = next.run(req).instrument(span).await;
+    if let Some(error::InternalError(code)) = resp.extensions().get().cloned() {
+        let (parts, _) = resp.into_parts();
+        let body = warren_api::ErrorBody {
+            code,
+            message: error::internal_message(&shown),
+        };
+        let json = serde_json::to_vec(&body).unwrap_or_default();
+        resp = Response::from_parts(parts, axum::body::Body::from(json));
+        resp.headers_mut().remove(http::header::CONTENT_LENGTH);
+    }
     resp.headers_mut().insert(REQUEST_ID_HEADER, id);
     resp
 }
@@ -358,4 +372,44 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
             }),
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn an_internal_error_answers_with_its_request_id_and_no_cause() {
+        async fn fails() -> Result<(), error::ApiError> {
+            let cause = std::io::Error::other("open /var/lib/warren/secret/path: EACCES");
+            Err(error::ApiError::internal("making the sandbox", &cause))
+        }
+        let app: axum::Router = axum::Router::new()
+            .route("/x", axum::routing::get(fails))
+            .layer(axum::middleware::from_fn(request_id));
+        let req = axum::http::Request::builder()
+            .uri("/x")
+            .header(REQUEST_ID_HEADER, "req-42")
+            .body(axum::body::Body::empty())
+            .expect("request");
+        let resp = app.oneshot(req).await.expect("answer");
+        assert_eq!(resp.status(), 500);
+        assert_eq!(resp.headers()[REQUEST_ID_HEADER], "req-42");
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(body["code"], "GENERAL::UNKNOWN_ERROR");
+        let message = body["message"].as_str().expect("message");
+        assert!(
+            message.contains("internal error") && message.contains("req-42"),
+            "{message}"
+        );
+        assert!(
+            !message.contains("/var/lib") && !message.contains("EACCES"),
+            "{message}"
+        );
+    }
 }

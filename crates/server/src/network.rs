@@ -376,6 +376,12 @@ pub async fn vault_call(
         warren_egress::EgressError::NoCredentialProxy(_) => {
             (StatusCode::PRECONDITION_FAILED, e.to_string())
         }
-        other => (StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+        other => {
+            tracing::error!(sandbox_id = id, error = %warren_core::error_chain(&other), "credential vault");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal error; the server's log has the cause".to_string(),
+            )
+        }
     })
 }
