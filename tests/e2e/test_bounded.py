@@ -102,3 +102,62 @@ def test_a_deep_tree_left_in_the_trash_is_removed_at_start(fresh_server):
         assert c.get("/health").status_code == 200
     W.wait_until(lambda: not left.exists(), 300, interval=0.5, message="the trash to empty")
     assert srv.alive()
+
+
+@pytest.fixture
+def slow_server(runtime, work_root):
+    """A private server whose connections get 2 s to send a request's headers."""
+    srv = W.WarrenServer(runtime, work_root, f"slow-{uuid.uuid4().hex[:6]}")
+    srv.more_config = "[http]\nheader_timeout_seconds = 2\n"
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_slow_clients_are_cut_off_and_do_not_starve_others(slow_server):
+    """1,000 connections that send half a request's headers (slowloris) held a descriptor each for
+    ever and nothing capped them. Now each is closed once the header timeout passes, and while they
+    are open the server answers others: health and a whole create → command → delete."""
+    import resource
+    import socket
+    import time
+
+    srv = slow_server
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    host, port = srv.base_url.removeprefix("http://").rsplit(":", 1)
+    slow = []
+    try:
+        for _ in range(1000):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(s)
+        opened = time.monotonic()
+        with srv.client(timeout=30) as c:
+            for _ in range(20):
+                assert c.get("/health").status_code == 200
+        from opensandbox import SandboxSync
+        sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+        W.track_sandbox(sbx.id)
+        try:
+            assert W.sh(sbx, "echo served")[1].strip() == "served"
+        finally:
+            sbx.kill()
+        # every slow one is closed by the server once its 2 s are up (hyper may say 408 first)
+        time.sleep(max(0.0, opened + 3 - time.monotonic()))
+        closed = 0
+        for s in slow:
+            s.settimeout(5)
+            try:
+                data = s.recv(4096)
+            except ConnectionResetError:
+                data = b""
+            except socket.timeout:
+                data = None
+            if data is not None and (data == b"" or data.startswith(b"HTTP/1.1 408")):
+                closed += 1
+        assert closed == len(slow), f"only {closed} of {len(slow)} slow connections were closed"
+    finally:
+        for s in slow:
+            s.close()

@@ -204,6 +204,8 @@ class WarrenServer:
         self.docker_pull = False
         # appended to the generated config (e.g. a [network] section)
         self.extra_config = ""
+        # sections of its own a test adds at the end ([http], [limits]…)
+        self.more_config = ""
         # Extra lines for the `[runtime]` section (which the harness writes itself).
         self.runtime_config = ""
         # native runtime: pull missing images ([images] pull = "missing"); only for tests that bring
@@ -282,7 +284,7 @@ class WarrenServer:
             # servers that test pulls set `docker_pull` and use a registry on loopback
             if not self.docker_pull:
                 text += 'pull = "never"\n'
-            self.config_path.write_text(text + storage + network)
+            self.config_path.write_text(text + storage + network + self.more_config)
             return
         # Likewise no registry: an image missing from the store is a 404, never a pull from Docker Hub,
         # unless the test serves its own registry on loopback and sets `native_pull`.
@@ -290,7 +292,8 @@ class WarrenServer:
         self.config_path.write_text(
             "[runtime]\n"
             'kind = "native"\n'
-            f'oci_runtime = "{self.runtime}"\n' + self.runtime_config + storage + network + images)
+            f'oci_runtime = "{self.runtime}"\n' + self.runtime_config + storage + network + images
+            + self.more_config)
 
     def native_only(self, why: str) -> None:
         """Skips a test about the native runtime's built-in `host` image or image store on Docker."""

@@ -50,6 +50,8 @@ pub enum ErrorCode {
     HostPathNotAllowed,
     RuntimeUnavailable,
     InsufficientStorage,
+    /// The sandbox did not come up (it exited, or missed the start timeout); the message says why.
+    SandboxStartFailed,
     Unknown,
 }
 
@@ -83,6 +85,7 @@ impl ErrorCode {
             Self::HostPathNotAllowed => "VOLUME::HOST_PATH_NOT_ALLOWED",
             Self::RuntimeUnavailable => "RUNTIME::UNAVAILABLE",
             Self::InsufficientStorage => "SANDBOX::INSUFFICIENT_STORAGE",
+            Self::SandboxStartFailed => "SANDBOX::START_FAILED",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

@@ -142,6 +142,10 @@ pub enum RuntimeError {
     /// The backend itself cannot be reached (a stopped Docker daemon): try again later.
     #[error("{0}")]
     Unavailable(String),
+    /// The sandbox did not come up: it exited during its start, or missed the start timeout. The
+    /// message is the caller's to read (unlike a backend failure's, which stays in the log).
+    #[error("{0}")]
+    StartFailed(String),
     #[error("{message}")]
     Backend {
         message: String,

@@ -485,7 +485,7 @@ impl NativeRuntime {
         *pid_out = Some(pid);
         priority::Lowered::follow(&mut lowered, &spec.background);
         let start_time = process_start_time(pid).ok_or_else(|| {
-            RuntimeError::backend(format!(
+            RuntimeError::StartFailed(format!(
                 "sandbox exited during start: {}",
                 log_tail(&log_path)
             ))
@@ -564,7 +564,7 @@ impl NativeRuntime {
                 }
                 self.reap_strays(&spec.id, Duration::from_secs(2));
                 return Err(if e.kind() == std::io::ErrorKind::TimedOut {
-                    RuntimeError::backend(format!(
+                    RuntimeError::StartFailed(format!(
                         "sandbox setup did not finish within the start timeout ({} s, [runtime] start_timeout_seconds)",
                         self.inner.config.ready_timeout.as_secs_f64()
                     ))
@@ -834,13 +834,13 @@ impl NativeRuntime {
                 }
             }
             if !is_alive(pid) {
-                return Err(RuntimeError::backend(format!(
+                return Err(RuntimeError::StartFailed(format!(
                     "execd exited during start: {}",
                     log_tail(log)
                 )));
             }
             if Instant::now() > deadline {
-                return Err(RuntimeError::backend(format!(
+                return Err(RuntimeError::StartFailed(format!(
                     "execd did not become ready within the start timeout ({} s, [runtime] start_timeout_seconds): {}",
                     self.inner.config.ready_timeout.as_secs_f64(),
                     log_tail(log)

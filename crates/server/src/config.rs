@@ -42,12 +42,44 @@ pub struct FileConfig {
     pub network: NetworkSection,
     #[serde(default)]
     pub images: ImagesSection,
+    #[serde(default)]
+    pub http: HttpSection,
     /// `[registries."<host>"]`: mirrors, plain HTTP, extra CA, credentials per registry.
     #[serde(default)]
     pub registries: warren_registry::RegistriesConfig,
     /// `[[pools]]`: warm pools (name, template, capacitySpec, maxWaitSeconds), as `POST /v1/pools`.
     #[serde(default)]
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
+}
+
+/// `[http]`: the API's front door (see `front`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSection {
+    /// How long a connection may take to send a request's headers, and may sit idle between
+    /// requests, before it is closed.
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout_seconds: f64,
+    /// Connections served at once; more wait in the listen queue until one closes.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+}
+
+fn default_header_timeout() -> f64 {
+    20.0
+}
+
+fn default_max_connections() -> usize {
+    10_000
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        Self {
+            header_timeout_seconds: default_header_timeout(),
+            max_connections: default_max_connections(),
+        }
+    }
 }
 
 /// `[images]`: the native runtime's image store.
@@ -280,6 +312,7 @@ pub struct ServerConfig {
     pub limits: LimitsSection,
     pub network: NetworkSection,
     pub images: ImagesSection,
+    pub http: HttpSection,
     pub registries: warren_registry::RegistriesConfig,
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
     pub config_file: Option<PathBuf>,
@@ -375,6 +408,18 @@ impl ServerConfig {
             limits: file.limits.clone(),
             network: file.network.clone(),
             images: file.images.clone(),
+            http: {
+                let t = file.http.header_timeout_seconds;
+                anyhow::ensure!(
+                    t.is_finite() && (0.1..=3600.0).contains(&t),
+                    "[http] header_timeout_seconds must be between 0.1 and 3600, not {t}"
+                );
+                anyhow::ensure!(
+                    file.http.max_connections > 0,
+                    "[http] max_connections must be at least 1"
+                );
+                file.http.clone()
+            },
             registries: file.registries.clone(),
             pools: file.pools.clone(),
             config_file,

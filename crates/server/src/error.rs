@@ -12,6 +12,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: String,
     pub message: String,
+    /// A failure of the server's own (`internal`): the message goes to the log, not the client.
+    pub hidden: bool,
 }
 
 impl ApiError {
@@ -20,6 +22,7 @@ impl ApiError {
             status,
             code: code.as_str().to_string(),
             message: message.into(),
+            hidden: false,
         }
     }
 
@@ -47,11 +50,14 @@ impl ApiError {
     /// `into_response`), the client gets "internal error" and the request's id.
     pub fn internal(context: &str, err: &(dyn std::error::Error + 'static)) -> Self {
         let chain = warren_core::error_chain(err);
-        Self::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Unknown,
-            format!("{context}: {chain}"),
-        )
+        Self {
+            hidden: true,
+            ..Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::Unknown,
+                format!("{context}: {chain}"),
+            )
+        }
     }
 
     pub fn from_runtime(context: &str, err: RuntimeError) -> Self {
@@ -70,6 +76,11 @@ impl ApiError {
             RuntimeError::ImageNotFound(m) => {
                 Self::new(StatusCode::NOT_FOUND, ErrorCode::ImageNotFound, m)
             }
+            RuntimeError::StartFailed(m) => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::SandboxStartFailed,
+                m,
+            ),
             RuntimeError::Unavailable(m) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorCode::RuntimeUnavailable,
@@ -95,7 +106,7 @@ pub fn internal_message(request_id: &str) -> String {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry = self.status == StatusCode::TOO_MANY_REQUESTS;
-        let internal = self.status == StatusCode::INTERNAL_SERVER_ERROR;
+        let internal = self.hidden;
         let message = if internal {
             // (inside the request's span: the line carries its id)
             tracing::error!(code = %self.code, "{}", self.message);

@@ -6,6 +6,7 @@ pub mod config;
 mod disk_space;
 pub mod error;
 mod execd_conns;
+mod front;
 pub mod network;
 mod openapi;
 mod pools;
@@ -241,24 +242,19 @@ impl Server {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        use axum::serve::ListenerExt;
         let app = router(self.state.clone());
-        // Event streams are many small writes: without TCP_NODELAY each one can wait ~40 ms for the
-        // peer's delayed ACK (Nagle), which would dominate a command's latency.
-        let listener = self.listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "TCP_NODELAY");
-            }
-        });
-        let result = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let http = &self.state.config.http;
+        let limits = front::Limits {
+            header_timeout: std::time::Duration::from_secs_f64(http.header_timeout_seconds),
+            max_connections: http.max_connections,
+        };
+        front::serve(self.listener, app, limits, shutdown).await;
         self.reaper.abort();
         self.state.sandboxes.network_shutdown();
         // What the runtime keeps for sandboxes not yet asked for (standby setup helpers and their
         // cgroups, the zygote); the sandboxes themselves keep running.
         self.state.sandboxes.runtime().shutdown().await;
-        result.context("serving HTTP")
+        Ok(())
     }
 }
 

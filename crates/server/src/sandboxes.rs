@@ -1165,10 +1165,7 @@ fn pull_error(e: &warren_registry::PullError) -> ApiError {
             http::StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::ImageInvalid,
         ),
-        K::Internal => (
-            http::StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::ImagePullFailed,
-        ),
+        K::Internal => return ApiError::internal("pulling the image", e),
     };
     ApiError::new(status, code, e.to_string())
 }
