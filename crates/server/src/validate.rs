@@ -16,6 +16,23 @@ const RESERVED_PREFIX: &str = "opensandbox.io/";
 pub const MIN_TIMEOUT_SECONDS: i64 = 60;
 const MAX_ENTRYPOINT_ARGS: usize = 4096;
 
+/// Bounds on what a create may carry besides its body's 1 MiB: every field below is kept in the
+/// sandbox's record (rewritten to the state journal at every transition) or handed to `execve`,
+/// whose strings Linux caps at 128 KiB each (`MAX_ARG_STRLEN`). A 900 KB `extensions` value or
+/// 40,000 variables were accepted and made every transition of that sandbox a megabyte's write.
+pub mod bounds {
+    /// One argument or environment value, as `execve` takes it.
+    pub const MAX_STRING: usize = 128 << 10;
+    /// The entrypoint's arguments together, and the environment's `NAME=value`s together.
+    pub const MAX_TOTAL: usize = 256 << 10;
+    pub const MAX_ENV_VARS: usize = 1024;
+    pub const MAX_ENV_NAME: usize = 256;
+    pub const MAX_METADATA: usize = 64;
+    pub const MAX_EXTENSIONS: usize = 64;
+    pub const MAX_EXTENSION_KEY: usize = 256;
+    pub const MAX_EXTENSION_VALUE: usize = 4 << 10;
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreatePlan {
     /// The image name; for a restore (`snapshot_id`), filled in from the snapshot by the route.
@@ -121,9 +138,22 @@ pub fn create_plan(
             ));
         }
         if entrypoint.len() > MAX_ENTRYPOINT_ARGS || entrypoint.iter().any(|a| a.contains('\0')) {
-            return Err(ApiError::invalid(
-                "entrypoint has too many arguments or a NUL byte",
-            ));
+            return Err(ApiError::invalid(format!(
+                "entrypoint has a NUL byte or more than {MAX_ENTRYPOINT_ARGS} arguments"
+            )));
+        }
+        if entrypoint.iter().any(|a| a.len() > bounds::MAX_STRING) {
+            return Err(ApiError::invalid(format!(
+                "entrypoint: an argument is longer than {} bytes",
+                bounds::MAX_STRING
+            )));
+        }
+        let total: usize = entrypoint.iter().map(|a| a.len() + 1).sum();
+        if total > bounds::MAX_TOTAL {
+            return Err(ApiError::invalid(format!(
+                "entrypoint: {total} bytes of arguments, at most {} allowed",
+                bounds::MAX_TOTAL
+            )));
         }
     }
     if let Some(t) = req.timeout {
@@ -142,15 +172,21 @@ pub fn create_plan(
     }
     let limits = resource_limits(req.resource_limits.as_ref(), defaults)?;
     let env = req.env.unwrap_or_default();
-    for (k, v) in &env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::invalid(format!(
-                "invalid environment variable name {k:?}"
-            )));
-        }
-    }
+    check_env(&env)?;
     let metadata = req.metadata.unwrap_or_default();
+    if metadata.len() > bounds::MAX_METADATA {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidMetadataLabel,
+            format!(
+                "metadata: {} labels, at most {} allowed",
+                metadata.len(),
+                bounds::MAX_METADATA
+            ),
+        ));
+    }
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
+    let extensions = req.extensions.unwrap_or_default();
+    check_extensions(&extensions)?;
     Ok(CreatePlan {
         image: uri,
         snapshot_id,
@@ -162,10 +198,72 @@ pub fn create_plan(
         limits,
         env,
         metadata,
-        extensions: req.extensions.unwrap_or_default(),
+        extensions,
         network_policy,
         credential_proxy,
     })
+}
+
+/// Names `execve` takes, values within its bounds, and no more of them than [`bounds`] allows.
+pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if env.len() > bounds::MAX_ENV_VARS {
+        return Err(ApiError::invalid(format!(
+            "env: {} variables, at most {} allowed",
+            env.len(),
+            bounds::MAX_ENV_VARS
+        )));
+    }
+    let mut total = 0;
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ApiError::invalid(format!(
+                "invalid environment variable name {k:?}"
+            )));
+        }
+        if k.len() > bounds::MAX_ENV_NAME {
+            return Err(ApiError::invalid(format!(
+                "env: a variable name is longer than {} bytes",
+                bounds::MAX_ENV_NAME
+            )));
+        }
+        if k.len() + 1 + v.len() > bounds::MAX_STRING {
+            return Err(ApiError::invalid(format!(
+                "env: {k} is longer than {} bytes",
+                bounds::MAX_STRING
+            )));
+        }
+        total += k.len() + 1 + v.len() + 1;
+    }
+    if total > bounds::MAX_TOTAL {
+        return Err(ApiError::invalid(format!(
+            "env: {total} bytes of variables, at most {} allowed",
+            bounds::MAX_TOTAL
+        )));
+    }
+    Ok(())
+}
+
+fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if extensions.len() > bounds::MAX_EXTENSIONS {
+        return Err(ApiError::invalid(format!(
+            "extensions: {} entries, at most {} allowed",
+            extensions.len(),
+            bounds::MAX_EXTENSIONS
+        )));
+    }
+    for (k, v) in extensions {
+        if k.len() > bounds::MAX_EXTENSION_KEY || v.len() > bounds::MAX_EXTENSION_VALUE {
+            return Err(ApiError::invalid(format!(
+                "extensions: a key is at most {} bytes and a value at most {} ({:?} is {} and {})",
+                bounds::MAX_EXTENSION_KEY,
+                bounds::MAX_EXTENSION_VALUE,
+                k.chars().take(40).collect::<String>(),
+                k.len(),
+                v.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn unsupported(what: &str) -> ApiError {
@@ -380,6 +478,61 @@ mod tests {
             &StoragePolicy::default()
         )
         .is_err());
+    }
+
+    #[test]
+    fn oversized_fields_are_400s_naming_the_limit() {
+        let refused = |r: CreateSandboxRequest| {
+            create_plan(
+                r,
+                &LimitsSection::default(),
+                None,
+                &StoragePolicy::default(),
+            )
+            .expect_err("must be refused")
+        };
+        let accepted = |r: CreateSandboxRequest| {
+            create_plan(
+                r,
+                &LimitsSection::default(),
+                None,
+                &StoragePolicy::default(),
+            )
+            .expect("accepted")
+        };
+        let many = |n: usize, v: &str| -> BTreeMap<String, String> {
+            (0..n).map(|i| (format!("k{i}"), v.to_string())).collect()
+        };
+        let mut r = req();
+        r.env = Some(many(40_000, "x"));
+        let e = refused(r);
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("at most 1024"), "{}", e.message);
+        let mut r = req();
+        r.env = Some(many(1, &"x".repeat(200 << 10)));
+        assert!(refused(r).message.contains("longer than 131072"));
+        let mut r = req();
+        r.env = Some(many(10, &"x".repeat(100 << 10)));
+        assert!(refused(r).message.contains("at most 262144"));
+        let mut r = req();
+        r.env = Some(many(1024, "value"));
+        accepted(r);
+        let mut r = req();
+        r.extensions = Some(many(1, &"x".repeat(900_000)));
+        let e = refused(r);
+        assert!(e.message.starts_with("extensions:"), "{}", e.message);
+        let mut r = req();
+        r.extensions = Some(many(65, "x"));
+        assert!(refused(r).message.contains("at most 64"));
+        let mut r = req();
+        r.metadata = Some(many(65, "v"));
+        assert_eq!(refused(r).code, "SANDBOX::INVALID_METADATA_LABEL");
+        let mut r = req();
+        r.entrypoint = Some(vec!["sh".into(), "x".repeat(200 << 10)]);
+        assert!(refused(r).message.contains("longer than 131072"));
+        let mut r = req();
+        r.entrypoint = Some((0..4000).map(|_| "y".repeat(100)).collect());
+        assert!(refused(r).message.contains("at most 262144"));
     }
 
     #[test]
