@@ -62,6 +62,12 @@ def test_custom_entrypoint_env_and_resources(make_sandbox):
     val = out.strip()
     if val != "unknown":
         assert val == str(256 * 1024 * 1024), f"memory limit inside the sandbox is {val}"
+    # and no swap beyond it: cgroup v2's swap.max is 0, v1's memsw (memory + swap) is the limit
+    code, out, _ = sh(sbx, "cat /sys/fs/cgroup/memory.swap.max 2>/dev/null || "
+                           "cat /sys/fs/cgroup/memory/memory.memsw.limit_in_bytes 2>/dev/null || echo unknown")
+    val = out.strip()
+    if val != "unknown":
+        assert val in ("0", str(256 * 1024 * 1024)), f"swap beyond the memory limit: {val}"
 
 
 def test_a_sandbox_at_its_memory_limit_loses_a_worker_not_execd(server, test_image, make_sandbox):

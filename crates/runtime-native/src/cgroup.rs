@@ -211,7 +211,22 @@ impl Cgroup {
                     let dir = self
                         .v1("memory")
                         .ok_or(CgroupError::MissingController("memory"))?;
-                    write(&dir.join("memory.limit_in_bytes"), &mem.to_string())?;
+                    // memsw (memory + swap) = memory: without it a sandbox at its limit goes
+                    // on in swap, unbounded (v2's `memory.swap.max = 0` above). memsw may never be
+                    // below the memory limit, so the order of the two writes depends on which way
+                    // they move; the file is absent where the kernel does not account swap.
+                    let limit = dir.join("memory.limit_in_bytes");
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    let value = mem.to_string();
+                    if memsw.exists() {
+                        if fs::write(&limit, &value).is_err() {
+                            write(&memsw, &value)?;
+                            write(&limit, &value)?;
+                        }
+                        write(&memsw, &value)?;
+                    } else {
+                        write(&limit, &value)?;
+                    }
                     let _ = fs::write(dir.join("memory.swappiness"), "0");
                 }
                 if let Some(cpu) = limits.cpu_millis {

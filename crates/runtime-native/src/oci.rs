@@ -469,7 +469,9 @@ pub fn config_json(
 
     let mut resources = json!({"pids": {"limit": limits.pids}});
     if let Some(m) = limits.memory_bytes {
-        resources["memory"] = json!({"limit": m});
+        // `swap` is memory + swap: equal to the limit, no swap beyond it (the runtime leaves
+        // memsw unlimited otherwise).
+        resources["memory"] = json!({"limit": m, "swap": m});
     }
     if let Some(c) = limits.cpu_millis {
         resources["cpu"] = json!({"quota": c * 100, "period": 100_000});
@@ -570,6 +572,7 @@ mod tests {
         assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
         assert!(c["linux"]["resources"]["cpu"].get("shares").is_none());
         assert_eq!(c["linux"]["resources"]["memory"]["limit"], 1u64 << 30);
+        assert_eq!(c["linux"]["resources"]["memory"]["swap"], 1u64 << 30);
         assert_eq!(c["linux"]["resources"]["pids"]["limit"], 100);
         assert_eq!(c["process"]["args"][0], EXECD_IN_SANDBOX);
         assert_eq!(c["process"]["args"][1], "--listen-fd");
