@@ -161,3 +161,47 @@ def test_slow_clients_are_cut_off_and_do_not_starve_others(slow_server):
     finally:
         for s in slow:
             s.close()
+
+
+@pytest.fixture
+def capped_server(runtime, work_root):
+    """A private server that runs at most 2 sandboxes and admits 2 creates at a time."""
+    srv = W.WarrenServer(runtime, work_root, f"capped-{uuid.uuid4().hex[:6]}")
+    srv.more_config = "[limits]\nmax_sandboxes = 2\nmax_creates_in_flight = 2\n"
+    srv.start()
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_creates_beyond_the_servers_caps_are_429_with_retry_after(capped_server):
+    """50 concurrent creates from one caller all got 202, queued without end. Now a create beyond
+    `[limits] max_creates_in_flight` or `max_sandboxes` is 429 with `Retry-After`, leaves nothing
+    behind, and a create succeeds again once a sandbox has ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = capped_server
+    body = W.create_body(srv.sandbox_image("host"))
+    with srv.client(timeout=120) as c:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: c.post("/v1/sandboxes", json=body), range(8)))
+        made = [r.json()["id"] for r in answers if r.status_code == 202]
+        refused = [r for r in answers if r.status_code == 429]
+        assert len(made) + len(refused) == 8, [(r.status_code, r.text[:200]) for r in answers]
+        assert 1 <= len(made) <= 2 and refused, [r.status_code for r in answers]
+        for r in refused:
+            assert r.headers.get("retry-after"), r.headers
+            assert r.json()["code"] == "SANDBOX::LIMIT_REACHED", r.text
+            assert "max_sandboxes" in r.json()["message"] or "max_creates_in_flight" in r.json()["message"]
+        while len(made) < 2:
+            r = c.post("/v1/sandboxes", json=body)
+            assert r.status_code == 202, r.text
+            made.append(r.json()["id"])
+        r = c.post("/v1/sandboxes", json=body)
+        assert r.status_code == 429 and "max_sandboxes" in r.json()["message"], r.text
+        live = [s["id"] for s in c.get("/v1/sandboxes").json()["items"]]
+        assert sorted(live) == sorted(made), "a refused create left a record behind"
+        assert c.delete(f"/v1/sandboxes/{made[0]}").status_code == 204
+        r = c.post("/v1/sandboxes", json=body)
+        assert r.status_code == 202, r.text

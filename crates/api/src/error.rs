@@ -52,6 +52,8 @@ pub enum ErrorCode {
     InsufficientStorage,
     /// The sandbox did not come up (it exited, or missed the start timeout); the message says why.
     SandboxStartFailed,
+    /// The server runs or creates as many sandboxes as it is configured to (429, `Retry-After`).
+    LimitReached,
     Unknown,
 }
 
@@ -86,6 +88,7 @@ impl ErrorCode {
             Self::RuntimeUnavailable => "RUNTIME::UNAVAILABLE",
             Self::InsufficientStorage => "SANDBOX::INSUFFICIENT_STORAGE",
             Self::SandboxStartFailed => "SANDBOX::START_FAILED",
+            Self::LimitReached => "SANDBOX::LIMIT_REACHED",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

@@ -254,6 +254,20 @@ pub struct LimitsSection {
     /// `ephemeral-storage` for creates that leave it out: an operator's bound on every sandbox's
     /// root filesystem, whatever its clients ask for.
     pub default_ephemeral_storage: Option<String>,
+    /// Sandboxes that have not ended, at most (warm pools' included); a create beyond is 429.
+    #[serde(default = "default_max_sandboxes")]
+    pub max_sandboxes: usize,
+    /// Creates admitted at once (running or waiting for a create slot); more are 429.
+    #[serde(default = "default_max_creates_in_flight")]
+    pub max_creates_in_flight: usize,
+}
+
+fn default_max_sandboxes() -> usize {
+    1024
+}
+
+fn default_max_creates_in_flight() -> usize {
+    128
 }
 
 impl LimitsSection {
@@ -292,6 +306,8 @@ impl Default for LimitsSection {
             default_memory: None,
             default_cpu: None,
             default_ephemeral_storage: None,
+            max_sandboxes: default_max_sandboxes(),
+            max_creates_in_flight: default_max_creates_in_flight(),
         }
     }
 }

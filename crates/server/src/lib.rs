@@ -200,6 +200,10 @@ impl Server {
                 registries: (config.images.pull == config::PullPolicy::Missing)
                     .then(|| config.registries.clone()),
                 default_env: default_env(&config),
+                caps: sandboxes::Caps {
+                    sandboxes: config.limits.max_sandboxes,
+                    creates_in_flight: config.limits.max_creates_in_flight,
+                },
             },
         );
         sandboxes.recover().await.context("recovering sandboxes")?;

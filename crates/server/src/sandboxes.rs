@@ -56,6 +56,36 @@ struct Inner {
     /// server's settings for execd, such as `[runtime] spare_shell`). Not in the record: it is
     /// the server's, not the client's.
     default_env: BTreeMap<String, String>,
+    caps: Caps,
+    /// Creates admitted and not yet done (see `Caps::creates_in_flight`).
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// What one server takes on at once, whoever asks: beyond it a create is answered 429 with
+/// `Retry-After` instead of queueing without end (`[limits] max_sandboxes`, `max_creates_in_flight`).
+#[derive(Debug, Clone, Copy)]
+pub struct Caps {
+    /// Sandboxes that have not ended (warm pool sandboxes included).
+    pub sandboxes: usize,
+    /// Creates admitted and not yet answered (they wait their turn for a create slot).
+    pub creates_in_flight: usize,
+}
+
+/// One admitted create, counted until it is done.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn limit_reached(message: String) -> ApiError {
+    ApiError::new(
+        http::StatusCode::TOO_MANY_REQUESTS,
+        ErrorCode::LimitReached,
+        message,
+    )
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,6 +100,7 @@ pub struct Options {
     pub registries: Option<warren_registry::RegistriesConfig>,
     /// Set in every sandbox's environment unless its create sets the variable.
     pub default_env: BTreeMap<String, String>,
+    pub caps: Caps,
 }
 
 impl Sandboxes {
@@ -85,6 +116,7 @@ impl Sandboxes {
             retention_seconds,
             registries,
             default_env,
+            caps,
         } = options;
         let images = Arc::new(images);
         let puller = registries.map(|config| {
@@ -107,6 +139,8 @@ impl Sandboxes {
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
                 default_env,
+                caps,
+                in_flight: Default::default(),
             }),
         }
     }
@@ -292,6 +326,18 @@ impl Sandboxes {
         background: Background,
     ) -> Result<SandboxRecord, ApiError> {
         self.check_room("a sandbox")?;
+        let caps = self.inner.caps;
+        let in_flight = self
+            .inner
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _in_flight = InFlight(&self.inner.in_flight);
+        if in_flight >= caps.creates_in_flight {
+            return Err(limit_reached(format!(
+                "{} creates are in flight, the most this server takes at once ([limits] max_creates_in_flight); retry shortly",
+                caps.creates_in_flight
+            )));
+        }
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.inner.runtime.image_source() {
             ImageSource::Store => {
@@ -366,11 +412,26 @@ impl Sandboxes {
             op: tokio::sync::Mutex::new(()),
         });
         let _op = entry.op.lock().await;
-        self.inner
-            .entries
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), entry.clone());
+        {
+            // Counted and inserted under one lock: concurrent creates cannot all slip under the cap.
+            let mut entries = self
+                .inner
+                .entries
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let live = entries
+                .values()
+                .filter(|e| !lock(&e.record).state.is_terminal())
+                .count();
+            if live >= caps.sandboxes {
+                drop(entries);
+                let _ = self.inner.images.release(&id);
+                return Err(limit_reached(format!(
+                    "{live} sandboxes are running, the most this server runs at once ([limits] max_sandboxes); retry when one ends"
+                )));
+            }
+            entries.insert(id.clone(), entry.clone());
+        }
         self.persist(&record);
 
         let mut env = self.inner.default_env.clone();
