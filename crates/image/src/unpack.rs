@@ -28,6 +28,22 @@ const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 const OVERLAY_XATTR_PREFIX: &str = "trusted.overlay.";
 const COPY_BUF: usize = 128 * 1024;
 
+/// Bounds on what one layer unpacks to, checked while it streams: a layer from a hostile registry
+/// or archive must not fill the host's disk, nor make a tree deeper than what walks it can take.
+/// (A 407 KB gzip of zeros and a 10 KB tar with a sparse file each became 401 MiB on disk before.)
+pub mod bounds {
+    /// Entries of one layer.
+    pub const MAX_ENTRIES: u64 = 2_000_000;
+    /// Folders above an entry: snapshots keep paths of at most 3,072 bytes (`dirtar`), which is
+    /// at most 1,536 levels.
+    pub const MAX_DEPTH: usize = 1536;
+    /// Bytes of data written for one layer. Runs of zeros are holes (sparse files stay sparse)
+    /// and are not counted here, only in [`MAX_APPARENT_BYTES`].
+    pub const MAX_DATA_BYTES: u64 = 64 << 30;
+    /// The layer's files' sizes together, holes included.
+    pub const MAX_APPARENT_BYTES: u64 = 1 << 40;
+}
+
 /// A reader that hashes (sha256) and counts everything read through it.
 pub(crate) struct HashingReader<R> {
     inner: R,
@@ -92,6 +108,7 @@ pub(crate) fn unpack_layer<R: Read>(
         dir_times: HashMap::new(),
         known_dirs: HashSet::new(),
         bytes: 0,
+        data: 0,
         buf: vec![0; COPY_BUF],
     };
     let read_err = |e: io::Error| ImageError::source_with(label, "read layer tar", e);
@@ -101,6 +118,12 @@ pub(crate) fn unpack_layer<R: Read>(
         for entry in archive.entries().map_err(read_err)? {
             let mut entry = entry.map_err(read_err)?;
             entries += 1;
+            if entries > bounds::MAX_ENTRIES {
+                return Err(ImageError::source(
+                    label,
+                    format!("the layer has more than {} entries", bounds::MAX_ENTRIES),
+                ));
+            }
             unpacker.entry(&mut entry)?;
         }
     }
@@ -151,6 +174,8 @@ struct Unpacker {
     known_dirs: HashSet<PathBuf>,
     /// Apparent size of the regular files written.
     bytes: u64,
+    /// Bytes of data written (holes not counted).
+    data: u64,
     buf: Vec<u8>,
 }
 
@@ -185,6 +210,9 @@ impl Unpacker {
             }
             Err(reason) => return Err(self.unsafe_entry(&shown, reason)),
         };
+        if rel.components().count() > bounds::MAX_DEPTH {
+            return Err(self.unsafe_entry(&shown, "deeper than 1,536 folders"));
+        }
         let (Some(name), Some(parent_rel)) = (rel.file_name(), rel.parent()) else {
             return Err(self.unsafe_entry(&shown, "no file name"));
         };
@@ -247,8 +275,17 @@ impl Unpacker {
                     other => other,
                 }
                 .map_err(ImageError::io("create file", &path))?;
-                self.copy(entry, &mut file, &path)?;
                 self.bytes += entry.size();
+                if self.bytes > bounds::MAX_APPARENT_BYTES {
+                    return Err(ImageError::source(
+                        &self.label,
+                        format!(
+                            "the layer's files come to more than {} bytes",
+                            bounds::MAX_APPARENT_BYTES
+                        ),
+                    ));
+                }
+                self.copy(entry, &mut file, &path)?;
                 // On the open file: no second path walk.
                 std::os::unix::fs::fchown(&file, Some(meta.uid), Some(meta.gid))
                     .map_err(ImageError::io("chown", &path))?;
@@ -382,16 +419,45 @@ impl Unpacker {
         file: &mut File,
         path: &Path,
     ) -> Result<(), ImageError> {
+        use std::io::{Seek, SeekFrom};
+        // Zeros are skipped over, leaving holes: a file of zeros (a GNU sparse entry's holes
+        // come out of the reader as zeros too) takes no disk, whatever its size.
+        let mut len = 0u64;
+        let mut hole = false;
         loop {
             let n = match entry.read(&mut self.buf) {
-                Ok(0) => return Ok(()),
+                Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(self.read_err(e)),
             };
+            len += n as u64;
+            if self.buf[..n].iter().all(|b| *b == 0) {
+                file.seek(SeekFrom::Current(n as i64))
+                    .map_err(ImageError::io("write file", path))?;
+                hole = true;
+                continue;
+            }
+            self.data += n as u64;
+            if self.data > bounds::MAX_DATA_BYTES {
+                return Err(ImageError::source(
+                    &self.label,
+                    format!(
+                        "the layer unpacks to more than {} bytes of data",
+                        bounds::MAX_DATA_BYTES
+                    ),
+                ));
+            }
             file.write_all(&self.buf[..n])
                 .map_err(ImageError::io("write file", path))?;
+            hole = false;
         }
+        if hole {
+            // a file that ends in a hole has its size only once told
+            file.set_len(len)
+                .map_err(ImageError::io("write file", path))?;
+        }
+        Ok(())
     }
 
     /// Creates the missing directories of `rel` below the root and returns the full path, refusing
@@ -548,6 +614,48 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let r = unpack_layer(data, dir.path(), Path::new("test.tar"));
         (dir, r)
+    }
+
+    #[test]
+    fn zeros_stay_holes_and_data_round_trips() {
+        // 64 MiB of zeros with a little data in the middle and none at the end: the bomb shape
+        let size = 64u64 << 20;
+        let body = io::repeat(0)
+            .take(size / 2)
+            .chain(&b"middle"[..])
+            .chain(io::repeat(0).take(size / 2 - 6));
+        let data = tar_of(|b| {
+            let mut h = header(EntryType::Regular, 0o644, size);
+            b.append_data(&mut h, "zeros", body).expect("append");
+        });
+        let (dir, r) = unpack(&data);
+        r.expect("unpack");
+        let path = dir.path().join("zeros");
+        let meta = fs::metadata(&path).expect("meta");
+        assert_eq!(meta.len(), size, "the size is kept");
+        assert!(
+            meta.blocks() * 512 < 1 << 20,
+            "{} bytes on disk",
+            meta.blocks() * 512
+        );
+        let content = fs::read(&path).expect("read");
+        assert_eq!(
+            &content[(size / 2) as usize..(size / 2) as usize + 6],
+            b"middle"
+        );
+        assert!(content[..(size / 2) as usize].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn a_tree_deeper_than_the_bound_is_refused() {
+        let deep = vec!["d"; bounds::MAX_DEPTH + 1].join("/");
+        let data = tar_of(|b| {
+            let mut h = header(EntryType::Regular, 0o644, 1);
+            b.append_data(&mut h, &deep, &b"x"[..]).expect("append");
+        });
+        let (_dir, r) = unpack(&data);
+        let e = r.expect_err("refused").to_string();
+        assert!(e.contains("deeper than"), "{e}");
     }
 
     #[test]
