@@ -669,13 +669,31 @@ def test_token_auth(srv, regs, builder, bb_base):
 # --------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_plain_http_registry_not_marked_insecure(srv, regs, builder, bb_base):
+def test_an_unconfigured_registry_at_an_internal_address_is_refused(srv, regs, builder, bb_base):
+    """SSRF through pull-on-create: a create naming `HOST:PORT/repo:tag` made the server connect to
+    any address (loopback, the host's services, private ranges) and its error told an open port
+    from a closed one. A registry with no [registries] entry must be public: this one, on loopback,
+    is refused before any connection, with the reason; a listener on another loopback port sees
+    no connection; nothing is cached."""
+    import socket
     R.registry_push(regs.plain, "e2e/plain", "1", bb_image(builder, bb_base, {"etc/e2e-plain": "x"}))
     name = f"{regs.plain.host}/e2e/plain:1"           # this host has no [registries] entry
     before = layer_entries(srv)
-    api_error(create(srv, name), 502, "SANDBOX::IMAGE_PULL_FAILED", name, "insecure")
-    cli_failure(pull(srv, name, check=False), name, "insecure")
+    api_error(create(srv, name), 502, "SANDBOX::IMAGE_PULL_FAILED", name, "internal address")
+    cli_failure(pull(srv, name, check=False), name, "internal address")
     assert_nothing_cached(srv, before, name)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        for target in (f"127.0.0.1:{port}/probe/x:1", f"localhost:{port}/probe/x:1"):
+            api_error(create(srv, target), 502, "SANDBOX::IMAGE_PULL_FAILED", target.split("/")[0])
+        try:
+            listener.accept()
+            raise AssertionError("the server connected to an internal address it was only named")
+        except BlockingIOError:
+            pass
 
 
 # --------------------------------------------------------------------------

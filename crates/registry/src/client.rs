@@ -52,18 +52,42 @@ impl Client {
         &self.config
     }
 
-    fn http_for(&self, host: &str) -> Result<reqwest::Client, String> {
+    /// Whether the operator configured `endpoint` (see `guard`): a host with settings of its own,
+    /// or a mirror named in them.
+    fn trusted(&self, endpoint: &Endpoint) -> bool {
+        endpoint.mirror || self.config.host(&endpoint.host).is_some()
+    }
+
+    fn http_for(&self, host: &str, trusted: bool) -> Result<reqwest::Client, String> {
+        let key = format!("{host} {trusted}");
         let mut clients = self.http.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = clients.get(host) {
+        if let Some(c) = clients.get(&key) {
             return Ok(c.clone());
         }
+        let redirects = if trusted {
+            reqwest::redirect::Policy::limited(10)
+        } else {
+            // every hop of an unconfigured registry's redirects is checked as its first was
+            reqwest::redirect::Policy::custom(|attempt| {
+                if attempt.previous().len() >= 10 {
+                    attempt.error("too many redirects")
+                } else if crate::guard::url_allowed(attempt.url()) {
+                    attempt.follow()
+                } else {
+                    attempt.error("a redirect to an internal address")
+                }
+            })
+        };
         let mut builder = reqwest::Client::builder()
             .use_rustls_tls()
             .connect_timeout(CONNECT_TIMEOUT)
             .read_timeout(READ_TIMEOUT)
             .tcp_nodelay(true)
             .user_agent(USER_AGENT)
-            .redirect(reqwest::redirect::Policy::limited(10));
+            .redirect(redirects);
+        if !trusted {
+            builder = builder.dns_resolver(Arc::new(crate::guard::PublicOnly));
+        }
         if let Some(ca) = self.config.host(host).and_then(|h| h.ca_file.as_ref()) {
             let pem = std::fs::read(ca)
                 .map_err(|e| format!("reading ca_file {} for {host}: {e}", ca.display()))?;
@@ -76,7 +100,7 @@ impl Client {
         let client = builder
             .build()
             .map_err(|e| format!("HTTP client for {host}: {}", describe_http(&e)))?;
-        clients.insert(host.to_owned(), client.clone());
+        clients.insert(key, client.clone());
         Ok(client)
     }
 
@@ -88,18 +112,35 @@ impl Client {
         repository: &str,
         auth: Option<&Credentials>,
     ) -> Result<Session, PullError> {
-        let http = self
-            .http_for(&endpoint.host)
-            .map_err(|detail| PullError::Unreachable {
-                image: image.to_owned(),
-                registry: endpoint.host.clone(),
-                detail,
-            })?;
+        let trusted = self.trusted(endpoint);
+        let refused = || {
+            PullError::Unreachable {
+            image: image.to_owned(),
+            registry: endpoint.host.clone(),
+            detail: format!(
+                "{} is an internal address, reached only by a registry configured under [registries.\"{}\"]",
+                endpoint.base, endpoint.host
+            ),
+        }
+        };
+        if !trusted
+            && !reqwest::Url::parse(&endpoint.base).is_ok_and(|u| crate::guard::url_allowed(&u))
+        {
+            return Err(refused());
+        }
+        let http =
+            self.http_for(&endpoint.host, trusted)
+                .map_err(|detail| PullError::Unreachable {
+                    image: image.to_owned(),
+                    registry: endpoint.host.clone(),
+                    detail,
+                })?;
         let credentials = auth
             .cloned()
             .or_else(|| self.config.credentials(&endpoint.host));
         Ok(Session {
             http,
+            trusted,
             image: image.to_owned(),
             endpoint: endpoint.clone(),
             repository: repository.to_owned(),
@@ -114,6 +155,9 @@ impl Client {
 #[derive(Clone)]
 pub(crate) struct Session {
     http: reqwest::Client,
+    /// Configured by the operator (see `guard`); otherwise errors do not say how a connection
+    /// failed, and the token realm must be public too.
+    trusted: bool,
     image: String,
     endpoint: Endpoint,
     repository: String,
@@ -134,6 +178,18 @@ impl Session {
     }
 
     fn unreachable(&self, detail: String) -> PullError {
+        if !self.trusted {
+            // Refused, timed out, reset, a TLS failure: all one answer, or the error would tell a
+            // caller which ports are open behind whatever the name resolves to.
+            return PullError::Unreachable {
+                image: self.image.clone(),
+                registry: self.endpoint.host.clone(),
+                detail: format!(
+                    "{} could not be reached (a registry that is not configured must be on a public address)",
+                    self.endpoint.base
+                ),
+            };
+        }
         let hint = if self.endpoint.base.starts_with("https://") {
             format!(
                 "; if it serves plain HTTP, set `insecure = true` under [registries.\"{}\"]",
@@ -248,6 +304,11 @@ impl Session {
                     .ok_or_else(|| self.bad("Bearer challenge without realm"))?;
                 if !(realm.starts_with("https://") || realm.starts_with("http://")) {
                     return Err(self.bad(format!("token realm {realm:?} is not an http(s) URL")));
+                }
+                if !self.trusted
+                    && !reqwest::Url::parse(realm).is_ok_and(|u| crate::guard::url_allowed(&u))
+                {
+                    return Err(self.bad("the token realm is an internal address"));
                 }
                 let scope = params
                     .get("scope")

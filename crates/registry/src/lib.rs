@@ -9,6 +9,7 @@
 mod client;
 mod config;
 mod error;
+mod guard;
 mod pull;
 
 pub use client::Client;
