@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -205,3 +206,49 @@ def test_creates_beyond_the_servers_caps_are_429_with_retry_after(capped_server)
         assert c.delete(f"/v1/sandboxes/{made[0]}").status_code == 204
         r = c.post("/v1/sandboxes", json=body)
         assert r.status_code == 202, r.text
+
+
+@pytest.fixture
+def files_capped_server(runtime, work_root):
+    """A private server with the default [limits] but `open_files = 4096`."""
+    srv = W.WarrenServer(runtime, work_root, f"nofile-{uuid.uuid4().hex[:6]}")
+    srv.more_config = "[limits]\nopen_files = 4096\n"
+    srv.start()
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
+def test_a_create_that_names_no_limits_is_bounded_by_default(files_capped_server):
+    """A sandbox created without `resourceLimits` had no memory bound, no CPU quota, and each of its
+    4,096 processes could open as many files as host root may. Now it gets `[limits]`' defaults:
+    4 GiB of memory (and no swap), 2 CPUs, and `open_files` per process."""
+    from opensandbox import SandboxSync
+    srv = files_capped_server
+    body = W.create_body(srv.sandbox_image("host"))
+    body.pop("resourceLimits", None)
+    with srv.client() as c:
+        r = c.post("/v1/sandboxes", json=body)
+        assert r.status_code == 202, r.text
+        sid = r.json()["id"]
+    sbx = SandboxSync.connect(sid, connection_config=srv.sdk_config())
+    code, out, err = W.sh(sbx, "cat /sys/fs/cgroup/memory.max 2>/dev/null || "
+                               "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; "
+                               "cat /sys/fs/cgroup/cpu.max 2>/dev/null || "
+                               "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us; "
+                               "ulimit -Hn; ulimit -Sn")
+    assert code == 0, err
+    values = out.split()
+    assert int(values[-2]) == 4096 and int(values[-1]) <= 4096, f"open files: {out}"
+    if srv.gvisor:
+        # gVisor's /sys is its own: the bounds are on the sandbox's cgroup on the host
+        memory = next(Path("/sys/fs/cgroup").glob(f"memory/warren/{sid}/memory.limit_in_bytes"), None) \
+            or next(Path("/sys/fs/cgroup").glob(f"warren/{sid}/memory.max"), None)
+        assert memory is not None, "the sandbox's host cgroup"
+        values = [memory.read_text().strip()]
+        quota = next(Path("/sys/fs/cgroup").glob(f"cpu*/warren/{sid}/cpu.cfs_quota_us"), None)
+        assert quota is not None, "the sandbox's host cpu cgroup (cgroup v1 here)"
+        values += [quota.read_text().strip(), (quota.parent / "cpu.cfs_period_us").read_text().strip()]
+    assert values[0] == str(4 << 30), f"memory bound: {out}"
+    quota, period = int(values[1]), int(values[2])
+    assert quota == 2 * period, f"CPU quota: {out}"

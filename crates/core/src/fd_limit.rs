@@ -15,6 +15,21 @@ use std::sync::OnceLock;
 /// The soft limit the process started with, once [`raise`] has run.
 static ORIGINAL_SOFT: OnceLock<libc::rlim_t> = OnceLock::new();
 
+/// The most a process the server starts may raise its limit to (see [`cap_children`]).
+static CHILD_HARD: OnceLock<libc::rlim_t> = OnceLock::new();
+
+/// Caps the hard limit of what this process starts from now on at `max` (`[limits] open_files`):
+/// a sandbox's 4,096 processes could otherwise each open as many files as the host allows its
+/// root (20,000 here, a million elsewhere). The first call wins.
+pub fn cap_children(max: u64) {
+    let _ = CHILD_HARD.set(max.max(1));
+}
+
+/// The hard limit a child gets where this process's is `hard`.
+fn child_hard(hard: libc::rlim_t) -> libc::rlim_t {
+    CHILD_HARD.get().map_or(hard, |cap| hard.min(*cap))
+}
+
 /// Raises this process's soft `RLIMIT_NOFILE` to its hard limit; (before, after). Remembers the
 /// soft limit it found for [`restore_in_child`]. Calling it again changes nothing.
 pub fn raise() -> io::Result<(u64, u64)> {
@@ -35,15 +50,20 @@ pub fn raise() -> io::Result<(u64, u64)> {
 /// do if it never ran).
 pub fn restore_in_child(cmd: &mut Command) {
     use std::os::unix::process::CommandExt;
-    let Some(&soft) = ORIGINAL_SOFT.get() else {
+    let soft = ORIGINAL_SOFT.get().copied();
+    let cap = CHILD_HARD.get().copied();
+    if soft.is_none() && cap.is_none() {
         return;
-    };
+    }
     // SAFETY: between fork and exec only getrlimit/setrlimit run, both async-signal-safe, on
     // stack memory (`get` allocates nothing, nor does `last_os_error`).
     unsafe {
         cmd.pre_exec(move || {
             let mut lim = get()?;
-            lim.rlim_cur = soft.min(lim.rlim_max);
+            if let Some(cap) = cap {
+                lim.rlim_max = lim.rlim_max.min(cap);
+            }
+            lim.rlim_cur = soft.unwrap_or(lim.rlim_cur).min(lim.rlim_max);
             if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -56,7 +76,7 @@ pub fn restore_in_child(cmd: &mut Command) {
 /// `process.rlimits`): the soft limit from before [`raise`]; `None` if it never ran.
 pub fn for_children() -> Option<(u64, u64)> {
     let soft = *ORIGINAL_SOFT.get()?;
-    let hard = get().ok()?.rlim_max;
+    let hard = child_hard(get().ok()?.rlim_max);
     Some((soft.min(hard), hard))
 }
 

@@ -219,6 +219,11 @@ impl DockerRuntime {
         if let Some(r) = &self.config.oci_runtime {
             host["Runtime"] = json!(r);
         }
+        // Open files per process, as native sandboxes get them (`[limits] open_files`), not the
+        // daemon's own limit.
+        if let Some((soft, hard)) = warren_core::fd_limit::for_children() {
+            host["Ulimits"] = json!([{"Name": "nofile", "Soft": soft, "Hard": hard}]);
+        }
         json!({
             "Image": image,
             "Entrypoint": entrypoint,

@@ -249,7 +249,16 @@ impl Default for RuntimeSection {
 pub struct LimitsSection {
     #[serde(default = "default_pids")]
     pub pids: u64,
+    /// Open files per process of a sandbox (its hard `RLIMIT_NOFILE`; the soft one is the
+    /// server's own at start, 1024 on most systems).
+    #[serde(default = "default_open_files")]
+    pub open_files: u64,
+    /// For creates that name no memory: a sandbox without a bound could take the host's memory,
+    /// and with it every other sandbox's. `"none"` leaves such creates unbounded.
+    #[serde(default = "default_memory")]
     pub default_memory: Option<String>,
+    /// For creates that name no CPU (`"none"`: no quota).
+    #[serde(default = "default_cpu")]
     pub default_cpu: Option<String>,
     /// `ephemeral-storage` for creates that leave it out: an operator's bound on every sandbox's
     /// root filesystem, whatever its clients ask for.
@@ -278,11 +287,13 @@ impl LimitsSection {
             cpu_millis: self
                 .default_cpu
                 .as_deref()
+                .filter(|v| *v != "none")
                 .map(warren_core::parse_cpu_millis)
                 .transpose()?,
             memory_bytes: self
                 .default_memory
                 .as_deref()
+                .filter(|v| *v != "none")
                 .map(warren_core::parse_memory_bytes)
                 .transpose()?,
             pids: self.pids,
@@ -299,12 +310,25 @@ fn default_pids() -> u64 {
     4096
 }
 
+fn default_open_files() -> u64 {
+    65_536
+}
+
+fn default_memory() -> Option<String> {
+    Some("4Gi".into())
+}
+
+fn default_cpu() -> Option<String> {
+    Some("2".into())
+}
+
 impl Default for LimitsSection {
     fn default() -> Self {
         Self {
             pids: default_pids(),
-            default_memory: None,
-            default_cpu: None,
+            open_files: default_open_files(),
+            default_memory: default_memory(),
+            default_cpu: default_cpu(),
             default_ephemeral_storage: None,
             max_sandboxes: default_max_sandboxes(),
             max_creates_in_flight: default_max_creates_in_flight(),

@@ -154,6 +154,7 @@ impl Server {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
         }
+        warren_core::fd_limit::cap_children(config.limits.open_files);
         warren_api::local::prepare_data_dir(&config.data_dir)
             .with_context(|| format!("preparing data dir {}", config.data_dir.display()))?;
         let api_key: Option<Arc<str>> = if config.insecure_no_auth {
