@@ -78,12 +78,16 @@ class Server:
             cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n'
                            + (f"max_parallel_creates = {max_parallel}\n" if max_parallel is not None else "")
                            + extra_config)
-        env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
-        self.log = open(self.dir / "server.log", "wb")
-        self.proc = subprocess.Popen(
-            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.dir / "data"),
-             "--config", str(cfg)],
-            stdout=self.log, stderr=self.log, env=env, start_new_session=True)
+        self.env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")
+        self.cmd = [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir",
+                    str(self.dir / "data"), "--config", str(cfg)]
+        self.log = open(self.dir / "server.log", "ab")
+        self.restart()
+
+    def restart(self):
+        """Starts the server (again, after a kill: same data dir, port and key)."""
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log, env=self.env,
+                                     start_new_session=True)
         deadline = time.time() + 30
         while time.time() < deadline:
             try:
@@ -100,20 +104,26 @@ class Server:
                 return int(line.split()[1])
         return 0
 
-    def stop(self):
+    def stop(self, keep: bool = False):
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if not keep:
+            self.cleanup()
+
+    def cleanup(self):
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- one sandbox's life, per client kind -------------------------------------------------------
 
-async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str) -> float:
+async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str,
+                   track: dict[str, set] | None = None) -> float:
+    """One cycle; `track` (soak.py) collects the ids whose create and whose delete were answered."""
     t0 = time.perf_counter()
     h = {"OPEN-SANDBOX-API-KEY": key}
     r = await client.post(f"{base}/v1/sandboxes", headers=h, json={
@@ -122,6 +132,8 @@ async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str) -
     if r.status_code != 202:
         raise RuntimeError(f"create: {r.status_code} {r.text}")
     sid = r.json()["id"]
+    if track is not None:
+        track["created"].add(sid)
     try:
         ep = (await client.get(f"{base}/v1/sandboxes/{sid}/endpoints/44772", headers=h)).json()
         first = None
@@ -142,6 +154,8 @@ async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str) -
         d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
         if d.status_code != 204:
             raise RuntimeError(f"delete: {d.status_code} {d.text}")
+        if track is not None:
+            track["deleted"].add(sid)
 
 
 async def sdk_once(cfg, image: str) -> float:

@@ -15,6 +15,7 @@ mod routes;
 mod sandbox_files;
 pub mod sandboxes;
 mod snapshots;
+mod supervise;
 mod tokens;
 mod validate;
 pub mod volumes;
@@ -155,6 +156,7 @@ impl Server {
             Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
         }
         warren_core::fd_limit::cap_children(config.limits.open_files);
+        supervise::log_panics();
         warren_api::local::prepare_data_dir(&config.data_dir)
             .with_context(|| format!("preparing data dir {}", config.data_dir.display()))?;
         let api_key: Option<Arc<str>> = if config.insecure_no_auth {

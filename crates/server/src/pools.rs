@@ -201,7 +201,7 @@ impl Pools {
             }
         }
         for pool in started {
-            tokio::spawn(self.clone().refill_loop(pool));
+            self.spawn_refill(pool);
         }
         Ok(())
     }
@@ -263,7 +263,7 @@ impl Pools {
 
     pub fn create(&self, spec: PoolSpec) -> Result<WirePool, ApiError> {
         let pool = self.insert(self.prepare(spec, false)?)?;
-        tokio::spawn(self.clone().refill_loop(pool.clone()));
+        self.spawn_refill(pool.clone());
         self.save();
         Ok(self.wire(&pool))
     }
@@ -286,7 +286,7 @@ impl Pools {
             pools.insert(name.to_owned(), new.clone());
             old
         };
-        tokio::spawn(self.clone().refill_loop(new.clone()));
+        self.spawn_refill(new.clone());
         self.save();
         self.retire(old).await;
         Ok(self.wire(&new))
@@ -509,6 +509,14 @@ impl Pools {
     }
 
     /// Keeps the pool at `bufferMax` warm sandboxes, within `poolMax` in all.
+    /// A pool's refill loop, run again should it panic (see `supervise`).
+    fn spawn_refill(&self, pool: Arc<Pool>) {
+        let this = self.clone();
+        crate::supervise::supervised("pool refill", move || {
+            this.clone().refill_loop(pool.clone())
+        });
+    }
+
     async fn refill_loop(self, pool: Arc<Pool>) {
         let mut failures = 0u32;
         let sandboxes = self.inner.sandboxes.clone();

@@ -931,7 +931,16 @@ impl Sandboxes {
         }
         captured
             .map_err(|e| ApiError::internal("capturing the file system", &e))?
-            .map_err(|e| ApiError::internal("capturing the file system", &e))
+            .map_err(|e| match e {
+                // What the sandbox made cannot be a layer (a path past what a layer holds): the
+                // caller's to know, without the host path of the sandbox's folder.
+                warren_image::ImageError::InvalidSource { reason, .. } => ApiError::new(
+                    http::StatusCode::UNPROCESSABLE_ENTITY,
+                    ErrorCode::SnapshotInvalidSourceState,
+                    format!("the sandbox's files cannot be captured: {reason}"),
+                ),
+                e => ApiError::internal("capturing the file system", &e),
+            })
     }
 
     pub async fn renew(
@@ -1107,9 +1116,15 @@ impl Sandboxes {
     }
 
     /// Background loop: expires sandboxes on time and forgets ended ones after the retention period.
+    /// Run again should it panic (see `supervise`).
     pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
-        let this = self.clone();
-        tokio::spawn(async move {
+        let reaper = self.clone();
+        crate::supervise::supervised("reaper", move || reaper.clone().reap())
+    }
+
+    async fn reap(self) {
+        let this = self;
+        {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -1155,7 +1170,7 @@ impl Sandboxes {
                     }
                 }
             }
-        })
+        }
     }
 
     /// Stops every live sandbox (used by `warren run`'s embedded server and tests, not by `serve`, whose

@@ -173,11 +173,15 @@ impl Snapshots {
         let me = self.clone();
         let capture = rec.clone();
         tokio::spawn(async move {
-            let outcome = me
-                .inner
-                .sandboxes
-                .capture(&capture.sandbox_id, &capture.image)
-                .await;
+            // In a task of its own: should it panic, the snapshot still ends, Failed.
+            let (sandboxes, sid, image) = (
+                me.inner.sandboxes.clone(),
+                capture.sandbox_id.clone(),
+                capture.image.clone(),
+            );
+            let outcome = tokio::spawn(async move { sandboxes.capture(&sid, &image).await })
+                .await
+                .unwrap_or_else(|e| Err(ApiError::internal("taking the snapshot", &e)));
             let mut done = capture.clone();
             done.last_transition_at = Utc::now();
             match outcome {
@@ -185,7 +189,12 @@ impl Snapshots {
                 Err(e) => {
                     done.state = FAILED.into();
                     done.reason = Some("capture_failed".into());
-                    done.message = Some(e.message);
+                    done.message = Some(if e.hidden {
+                        tracing::error!(snapshot_id = %done.id, "{}", e.message);
+                        "internal error; the server's log has the cause".into()
+                    } else {
+                        e.message
+                    });
                 }
             }
             // Deleted while it was being taken: drop what the capture made. Checked and written
