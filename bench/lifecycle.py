@@ -65,7 +65,7 @@ class Server:
     """A `warren serve` of our own, stopped by PID."""
 
     def __init__(self, binary: Path, oci: str, standby: int, kind: str = "native",
-                 max_parallel: int | None = None, extra_config: str = ""):
+                 max_parallel: int | None = None, extra_config: str = "", top_config: str = ""):
         self.dir = Path(tempfile.mkdtemp(prefix="warren-bench-"))
         self.port = free_port()
         self.key = secrets.token_hex(16)
@@ -75,7 +75,7 @@ class Server:
             cfg.write_text('[runtime]\nkind = "docker"\n[docker]\npull = "never"\n'
                            + (f'host = "{host}"\n' if host else ""))
         else:
-            cfg.write_text(f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n'
+            cfg.write_text(top_config + f'[runtime]\nkind = "native"\noci_runtime = "{oci}"\nstandby_helpers = {standby}\n'
                            + (f"max_parallel_creates = {max_parallel}\n" if max_parallel is not None else "")
                            + extra_config)
         self.env = dict(os.environ, WARREN_API_KEY=self.key, WARREN_LOG="warn")

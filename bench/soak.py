@@ -10,7 +10,7 @@ and its roots folder, sandbox cgroups, veth links, nftables rules, processes in 
 devices, folders in its `sandboxes/` and `trash/`. The server's RSS and open descriptors are sampled
 every `--sample` cycles: a flat curve is the goal.
 
-    bench/soak.py [--cycles 10000] [--concurrency 10] [--chaos 0] [--json OUT]
+    bench/soak.py [--cycles 10000] [--concurrency 10] [--chaos 0] [--retention S] [--json OUT]
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def host_state(data: Path) -> dict:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if "/warren/" in Path(f"/proc/{pid}/cgroup").read_text():
+                cg = Path(f"/proc/{pid}/cgroup").read_text()
+                # (standby setup helpers wait in `.standby-*` cgroups: the server's, not sandboxes')
+                if "/warren/" in cg and "/warren/.standby-" not in cg:
                     in_sandboxes += 1
             except OSError:
                 pass
@@ -76,9 +78,18 @@ async def run(srv: Server, cycles: int, concurrency: int, sample: int, chaos: fl
     errors: dict[str, int] = {}
     track: dict[str, set] = {"created": set(), "deleted": set()}
     samples = [(0, *server_sample(srv))]
-    next_kill = time.monotonic() + chaos if chaos else None
     restarts = 0
     sem = asyncio.Semaphore(concurrency)
+
+    async def kill_now_and_then() -> None:
+        # Under the load: creates, commands and deletes are in flight when the kill lands.
+        nonlocal restarts
+        while True:
+            await asyncio.sleep(chaos)
+            srv.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(srv.proc.wait)
+            await asyncio.to_thread(srv.restart)
+            restarts += 1
 
     async def one(client: httpx.AsyncClient) -> None:
         nonlocal done, failed
@@ -91,6 +102,7 @@ async def run(srv: Server, cycles: int, concurrency: int, sample: int, chaos: fl
                 kind = type(e).__name__ + (": " + str(e)[:60] if not chaos else "")
                 errors[kind] = errors.get(kind, 0) + 1
 
+    killer = asyncio.create_task(kill_now_and_then()) if chaos else None
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
         started = 0
         while started < cycles:
@@ -98,12 +110,14 @@ async def run(srv: Server, cycles: int, concurrency: int, sample: int, chaos: fl
             await asyncio.gather(*(one(client) for _ in range(batch)))
             started += batch
             samples.append((started, *server_sample(srv)))
-            if next_kill and time.monotonic() >= next_kill:
-                srv.proc.send_signal(signal.SIGKILL)
-                srv.proc.wait()
-                srv.restart()
-                restarts += 1
-                next_kill = time.monotonic() + chaos
+    if killer:
+        killer.cancel()
+        try:
+            await killer
+        except asyncio.CancelledError:
+            pass
+        if srv.proc.poll() is not None:
+            srv.restart()
     return {"ok": done, "failed": failed, "errors": errors, "samples": samples,
             "restarts": restarts, "track": track}
 
@@ -114,11 +128,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=10)
     ap.add_argument("--sample", type=int, default=500, help="cycles between samples of the server")
     ap.add_argument("--chaos", type=float, default=0, help="SIGKILL and restart the server every S seconds")
+    ap.add_argument("--retention", type=int, default=None,
+                    help="terminated_retention_seconds of the server (default: its own, an hour)")
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    srv = Server(Path(args.warren), "embedded", 2)
+    top = f"terminated_retention_seconds = {args.retention}\n" if args.retention is not None else ""
+    srv = Server(Path(args.warren), "embedded", 2, top_config=top)
     data = srv.dir / "data"
     before = host_state(data)
     t0 = time.monotonic()
