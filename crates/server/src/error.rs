@@ -91,9 +91,9 @@ impl ApiError {
     }
 }
 
-/// On a response: it answers an internal error, whose message the request-id middleware writes
-/// (`crate::request_id`), naming the request so its log lines can be found.
-/// It holds the error's code.
+/// Marks a response that answers an internal error: the request-id middleware (`request_id` in
+/// the crate root) writes its message, naming the request so its log lines can be found. It holds
+/// the error's code.
 #[derive(Debug, Clone)]
 pub struct InternalError(pub String);
 
