@@ -240,7 +240,13 @@ def test_a_create_that_names_no_limits_is_bounded_by_default(files_capped_server
     assert code == 0, err
     values = out.split()
     assert int(values[-2]) == 4096 and int(values[-1]) <= 4096, f"open files: {out}"
-    if srv.gvisor:
+    if srv.gvisor and srv.is_docker:
+        # gVisor's /sys is its own: the daemon holds the container's bounds
+        inspect = subprocess.run(["docker", "inspect", "-f", "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}}",
+                                  f"warren-{sid}"], capture_output=True, text=True, check=True)
+        memory, nano = inspect.stdout.split()
+        values = [memory, str(int(nano) // 10_000), "100000"]
+    elif srv.gvisor:
         # gVisor's /sys is its own: the bounds are on the sandbox's cgroup on the host
         memory = next(Path("/sys/fs/cgroup").glob(f"memory/warren/{sid}/memory.limit_in_bytes"), None) \
             or next(Path("/sys/fs/cgroup").glob(f"warren/{sid}/memory.max"), None)
