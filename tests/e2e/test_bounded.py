@@ -105,14 +105,21 @@ def test_a_deep_tree_left_in_the_trash_is_removed_at_start(fresh_server):
     assert srv.alive()
 
 
+def _private_server(runtime, work_root, name: str, more_config: str):
+    """A server of the test's own, with `more_config` after its usual configuration; what
+    sandboxes it still has go with it."""
+    srv = W.WarrenServer(runtime, work_root, f"{name}-{uuid.uuid4().hex[:6]}")
+    srv.more_config = more_config
+    srv.start()
+    yield srv
+    srv.delete_all_sandboxes()
+    srv.stop()
+
+
 @pytest.fixture
 def slow_server(runtime, work_root):
     """A private server whose connections get 2 s to send a request's headers."""
-    srv = W.WarrenServer(runtime, work_root, f"slow-{uuid.uuid4().hex[:6]}")
-    srv.more_config = "[http]\nheader_timeout_seconds = 2\n"
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _private_server(runtime, work_root, "slow", "[http]\nheader_timeout_seconds = 2\n")
 
 
 @pytest.mark.timeout(300)
@@ -167,12 +174,8 @@ def test_slow_clients_are_cut_off_and_do_not_starve_others(slow_server):
 @pytest.fixture
 def capped_server(runtime, work_root):
     """A private server that runs at most 2 sandboxes and admits 2 creates at a time."""
-    srv = W.WarrenServer(runtime, work_root, f"capped-{uuid.uuid4().hex[:6]}")
-    srv.more_config = "[limits]\nmax_sandboxes = 2\nmax_creates_in_flight = 2\n"
-    srv.start()
-    yield srv
-    srv.delete_all_sandboxes()
-    srv.stop()
+    yield from _private_server(runtime, work_root, "capped",
+                               "[limits]\nmax_sandboxes = 2\nmax_creates_in_flight = 2\n")
 
 
 @pytest.mark.timeout(300)
@@ -211,12 +214,7 @@ def test_creates_beyond_the_servers_caps_are_429_with_retry_after(capped_server)
 @pytest.fixture
 def files_capped_server(runtime, work_root):
     """A private server with the default [limits] but `open_files = 4096`."""
-    srv = W.WarrenServer(runtime, work_root, f"nofile-{uuid.uuid4().hex[:6]}")
-    srv.more_config = "[limits]\nopen_files = 4096\n"
-    srv.start()
-    yield srv
-    srv.delete_all_sandboxes()
-    srv.stop()
+    yield from _private_server(runtime, work_root, "nofile", "[limits]\nopen_files = 4096\n")
 
 
 def test_a_create_that_names_no_limits_is_bounded_by_default(files_capped_server):

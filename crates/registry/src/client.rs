@@ -113,20 +113,15 @@ impl Client {
         auth: Option<&Credentials>,
     ) -> Result<Session, PullError> {
         let trusted = self.trusted(endpoint);
-        let refused = || {
-            PullError::Unreachable {
-            image: image.to_owned(),
-            registry: endpoint.host.clone(),
-            detail: format!(
-                "{} is an internal address, reached only by a registry configured under [registries.\"{}\"]",
-                endpoint.base, endpoint.host
-            ),
-        }
-        };
-        if !trusted
-            && !reqwest::Url::parse(&endpoint.base).is_ok_and(|u| crate::guard::url_allowed(&u))
-        {
-            return Err(refused());
+        if !trusted && !crate::guard::text_allowed(&endpoint.base) {
+            return Err(PullError::Unreachable {
+                image: image.to_owned(),
+                registry: endpoint.host.clone(),
+                detail: format!(
+                    "{} is an internal address, reached only by a registry configured under [registries.\"{}\"]",
+                    endpoint.base, endpoint.host
+                ),
+            });
         }
         let http =
             self.http_for(&endpoint.host, trusted)
@@ -305,9 +300,7 @@ impl Session {
                 if !(realm.starts_with("https://") || realm.starts_with("http://")) {
                     return Err(self.bad(format!("token realm {realm:?} is not an http(s) URL")));
                 }
-                if !self.trusted
-                    && !reqwest::Url::parse(realm).is_ok_and(|u| crate::guard::url_allowed(&u))
-                {
+                if !self.trusted && !crate::guard::text_allowed(realm) {
                     return Err(self.bad("the token realm is an internal address"));
                 }
                 let scope = params

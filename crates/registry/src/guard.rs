@@ -77,6 +77,12 @@ pub fn url_allowed(url: &reqwest::Url) -> bool {
     }
 }
 
+/// [`url_allowed`] for a URL as text (an endpoint's base, a token realm): one that does not parse
+/// is not allowed.
+pub fn text_allowed(url: &str) -> bool {
+    reqwest::Url::parse(url).is_ok_and(|u| url_allowed(&u))
+}
+
 /// A resolver that answers only public addresses.
 pub struct PublicOnly;
 

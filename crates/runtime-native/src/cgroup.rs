@@ -219,11 +219,13 @@ impl Cgroup {
                     let memsw = dir.join("memory.memsw.limit_in_bytes");
                     let value = mem.to_string();
                     if memsw.exists() {
-                        if fs::write(&limit, &value).is_err() {
+                        // lowered (or first set): the limit, then memsw; raised: memsw first
+                        if fs::write(&limit, &value).is_ok() {
+                            write(&memsw, &value)?;
+                        } else {
                             write(&memsw, &value)?;
                             write(&limit, &value)?;
                         }
-                        write(&memsw, &value)?;
                     } else {
                         write(&limit, &value)?;
                     }

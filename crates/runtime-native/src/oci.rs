@@ -90,11 +90,7 @@ fn roots_in(run: &Path, data_dir: &Path) -> io::Result<PathBuf> {
     let roots = run.join("roots");
     let ours = roots.join(format!("{}-{}", meta.dev(), meta.ino()));
     for dir in [run, &roots, &ours] {
-        match fs::DirBuilder::new().mode(0o711).create(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
+        make_dir(dir, 0o711)?;
         let mode = fs::symlink_metadata(dir)?.permissions().mode();
         if mode & 0o011 != 0o011 {
             fs::set_permissions(dir, fs::Permissions::from_mode((mode & 0o7777) | 0o011))?;
@@ -359,17 +355,21 @@ fn mount_rootfs(spec: &InitSpec, idmapped: Option<&Idmapped>) -> Result<(), OciE
     inside
 }
 
+/// A folder made with `mode` (under the umask), or left as it is if there already.
+fn make_dir(dir: &Path, mode: u32) -> io::Result<()> {
+    match fs::DirBuilder::new().mode(mode).create(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// `root`'s folder (the sandbox's in [`roots_for`]'s) and `root` itself, the mount point.
 fn make_root_folder(root: &Path, range: Option<userns::IdRange>) -> io::Result<()> {
     let Some(folder) = root.parent() else {
         return Err(io::Error::other("a root needs a folder"));
     };
     for dir in [folder, root] {
-        match fs::DirBuilder::new().mode(0o700).create(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
+        make_dir(dir, 0o700)?;
     }
     if let Some(range) = range {
         std::os::unix::fs::chown(folder, Some(0), Some(range.base))?;

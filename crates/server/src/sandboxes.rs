@@ -1124,50 +1124,47 @@ impl Sandboxes {
 
     async fn reap(self) {
         let this = self;
-        {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let now = Utc::now();
-                let retention = this.inner.retention;
-                let expired = |r: &SandboxRecord| {
-                    !r.state.is_terminal()
-                        && r.state != SandboxState::Stopping
-                        && r.state != SandboxState::Pending
-                        && r.expires_at.is_some_and(|t| t <= now)
-                };
-                let forgotten = |r: &SandboxRecord| {
-                    r.state.is_terminal() && now - r.last_transition_at > retention
-                };
-                for rec in this.select(|r| expired(r) || forgotten(r)) {
-                    if expired(&rec) {
-                        let this = this.clone();
-                        tokio::spawn(async move {
-                            // Renew may have raced us; re-check under the operation lock inside delete.
-                            if this
-                                .get(&rec.id)
-                                .and_then(|r| r.expires_at)
-                                .is_some_and(|t| t <= Utc::now())
-                            {
-                                match this.delete(&rec.id, REASON_TTL_EXPIRY).await {
-                                    Ok(()) => {
-                                        tracing::info!(sandbox_id = %rec.id, "sandbox expired")
-                                    }
-                                    Err(e) => {
-                                        tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped")
-                                    }
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let now = Utc::now();
+            let retention = this.inner.retention;
+            let expired = |r: &SandboxRecord| {
+                !r.state.is_terminal()
+                    && r.state != SandboxState::Stopping
+                    && r.state != SandboxState::Pending
+                    && r.expires_at.is_some_and(|t| t <= now)
+            };
+            let forgotten =
+                |r: &SandboxRecord| r.state.is_terminal() && now - r.last_transition_at > retention;
+            for rec in this.select(|r| expired(r) || forgotten(r)) {
+                if expired(&rec) {
+                    let this = this.clone();
+                    tokio::spawn(async move {
+                        // Renew may have raced us; re-check under the operation lock inside delete.
+                        if this
+                            .get(&rec.id)
+                            .and_then(|r| r.expires_at)
+                            .is_some_and(|t| t <= Utc::now())
+                        {
+                            match this.delete(&rec.id, REASON_TTL_EXPIRY).await {
+                                Ok(()) => {
+                                    tracing::info!(sandbox_id = %rec.id, "sandbox expired")
+                                }
+                                Err(e) => {
+                                    tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped")
                                 }
                             }
-                        });
-                    } else if forgotten(&rec) {
-                        this.inner
-                            .entries
-                            .write()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&rec.id);
-                        let _ = this.inner.store.remove(&rec.id);
-                    }
+                        }
+                    });
+                } else if forgotten(&rec) {
+                    this.inner
+                        .entries
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&rec.id);
+                    let _ = this.inner.store.remove(&rec.id);
                 }
             }
         }
