@@ -74,12 +74,29 @@ fn read_name(msg: &[u8], mut pos: usize) -> Option<(String, usize)> {
     Some((labels.join("."), end.unwrap_or(pos)))
 }
 
+/// Whether the name written at the start of `labels` (up to where its reading ended) uses a pointer.
+fn has_pointer(labels: &[u8]) -> bool {
+    let mut i = 0;
+    while let Some(&len) = labels.get(i) {
+        if len & 0xC0 != 0 {
+            return true;
+        }
+        i += usize::from(len) + 1;
+    }
+    false
+}
+
 /// The single question of a query (`None` for anything that is not a plain one-question query).
+/// The question's name must be written out, not compressed: there is nothing before it to point at,
+/// and a reply echoes the question section alone (a pointer past it would dangle there).
 pub fn parse_query(msg: &[u8]) -> Option<Question> {
     if msg.len() < 12 || msg[2] & 0x80 != 0 || u16_at(msg, 4)? != 1 {
         return None;
     }
     let (name, pos) = read_name(msg, 12)?;
+    if has_pointer(&msg[12..pos]) {
+        return None;
+    }
     let qtype = u16_at(msg, pos)?;
     let qclass = u16_at(msg, pos + 2)?;
     Some(Question {
@@ -246,5 +263,12 @@ mod tests {
         loop_ptr[12] = 0xC0;
         loop_ptr[13] = 12; // points at itself
         assert!(parse_query(&loop_ptr).is_none());
+        // found by fuzzing: a question whose name points past the question section
+        let forward = [
+            0x3f, 0xff, 0x0e, 0x00, 0x00, 0x01, 0x2b, 0x0e, 0x00, 0x00, 0x00, 0x01, 0xc0, 0x12,
+            0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x09, 0x01, 0x00, 0x01, 0x25, 0x2b, 0x6a,
+            0x6b,
+        ];
+        assert!(parse_query(&forward).is_none());
     }
 }

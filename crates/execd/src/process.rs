@@ -319,15 +319,13 @@ pub struct Utf8Carry {
 }
 
 impl Utf8Carry {
+    /// Takes the next bytes of a stream; returns its text so far, holding back only a character
+    /// still incomplete at the end. Invalid bytes become U+FFFD exactly as in a lossy decoding of the
+    /// whole stream, wherever the stream was cut.
     pub fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
-        let valid_up_to = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            // Truly invalid bytes: emit lossily rather than holding them forever.
-            Err(_) => self.pending.len(),
-        };
-        let rest = self.pending.split_off(valid_up_to);
+        let keep = incomplete_tail(&self.pending);
+        let rest = self.pending.split_off(self.pending.len() - keep);
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending = rest;
         out
@@ -337,6 +335,21 @@ impl Utf8Carry {
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         out
+    }
+}
+
+/// Bytes at the end of `b` that may still become a character: invalid sequences before them are
+/// settled (a lossy decoding replaces them whatever follows), an incomplete one at the end is not.
+fn incomplete_tail(b: &[u8]) -> usize {
+    let mut start = 0;
+    loop {
+        match std::str::from_utf8(&b[start..]) {
+            Ok(_) => return 0,
+            Err(e) => match e.error_len() {
+                None => return b.len() - start - e.valid_up_to(),
+                Some(n) => start += e.valid_up_to() + n,
+            },
+        }
     }
 }
 
@@ -438,5 +451,16 @@ mod tests {
         }
         out.push_str(&carry.finish());
         assert_eq!(out, "héllo€");
+    }
+
+    #[test]
+    fn utf8_carry_after_an_invalid_byte_keeps_the_next_char_whole() {
+        // An invalid byte, then a character cut in two: it used to come out as three U+FFFD.
+        let bytes = [0xff, 0xe2, 0x82, 0xac];
+        let mut carry = Utf8Carry::default();
+        let mut out = carry.push(&bytes[..2]);
+        out.push_str(&carry.push(&bytes[2..]));
+        out.push_str(&carry.finish());
+        assert_eq!(out, String::from_utf8_lossy(&bytes));
     }
 }

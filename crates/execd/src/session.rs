@@ -206,6 +206,75 @@ fn err_marker(token: &str) -> String {
     format!("__WARREN_END_{token}__")
 }
 
+/// Splits one stream of a session run into the command's output and the end marker that the run's
+/// script prints after it (on stdout followed by the exit code and `__\n`), whatever pieces the pipe
+/// delivers them in: output is released as soon as it cannot be the start of the marker, and never
+/// cuts a UTF-8 character.
+pub struct MarkerScan {
+    buf: Vec<u8>,
+    carry: Utf8Carry,
+    marker: Vec<u8>,
+    /// Stdout: the marker is followed by the exit code.
+    with_rc: bool,
+}
+
+/// What one [`MarkerScan::feed`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Scanned {
+    /// Output that is now certain (may be empty).
+    pub text: String,
+    /// The marker was read (on stdout with its exit code; `-1` when that was not a number): the
+    /// command is done on this stream and nothing after the marker is its output.
+    pub end: Option<i32>,
+}
+
+impl MarkerScan {
+    pub fn new(marker: Vec<u8>, with_rc: bool) -> Self {
+        Self {
+            buf: Vec::new(),
+            carry: Utf8Carry::default(),
+            marker,
+            with_rc,
+        }
+    }
+
+    pub fn feed(&mut self, bytes: &[u8]) -> Scanned {
+        self.buf.extend_from_slice(bytes);
+        let Some(pos) = find(&self.buf, &self.marker) else {
+            let upto = safe_len(&self.buf, &self.marker);
+            return Scanned {
+                text: self.release(upto),
+                end: None,
+            };
+        };
+        let end = if self.with_rc {
+            parse_rc(&self.buf[pos + self.marker.len()..]).map(|parsed| parsed.unwrap_or(-1))
+        } else {
+            Some(0)
+        };
+        let mut text = self.release(pos);
+        if end.is_some() {
+            text.push_str(&self.carry.finish());
+            self.buf.clear();
+        }
+        Scanned { text, end }
+    }
+
+    /// The stream ended before its marker: everything held back.
+    pub fn finish(&mut self) -> String {
+        let n = self.buf.len();
+        let mut text = self.release(n);
+        text.push_str(&self.carry.finish());
+        text
+    }
+
+    fn release(&mut self, upto: usize) -> String {
+        let rest = self.buf.split_off(upto);
+        let chunk = std::mem::replace(&mut self.buf, rest);
+        self.carry.push(&chunk)
+    }
+}
+
 /// How much of `buf` can be emitted without possibly cutting a marker that is still arriving.
 fn safe_len(buf: &[u8], marker: &[u8]) -> usize {
     let max = marker.len().saturating_sub(1).min(buf.len());
@@ -234,32 +303,28 @@ fn parse_rc(rest: &[u8]) -> Option<Result<i32, ()>> {
 
 /// Per-stream state of one run.
 struct Side {
-    buf: Vec<u8>,
-    carry: Utf8Carry,
+    scan: MarkerScan,
     done: bool,
     kind: EventKind,
 }
 
 impl Side {
-    fn new(kind: EventKind) -> Self {
+    fn new(kind: EventKind, marker: Vec<u8>) -> Self {
         Self {
-            buf: Vec::new(),
-            carry: Utf8Carry::default(),
+            scan: MarkerScan::new(marker, kind == EventKind::Stdout),
             done: false,
             kind,
         }
     }
 
-    async fn emit(
-        &mut self,
-        upto: usize,
+    /// Sends the text, if any; the client may be gone, but the run still has to reach its markers
+    /// to keep the shell in sync.
+    async fn send(
+        &self,
+        text: String,
         tx: &tokio::sync::mpsc::Sender<warren_api::execd::StreamEvent>,
     ) {
-        let rest = self.buf.split_off(upto);
-        let chunk = std::mem::replace(&mut self.buf, rest);
-        let text = self.carry.push(&chunk);
         if !text.is_empty() {
-            // The client may be gone; the run still has to reach its markers to keep the shell in sync.
             let _ = tx.send(sse::event(self.kind, Some(text))).await;
         }
     }
@@ -292,10 +357,8 @@ async fn run_in_session(
             .await;
         return true;
     }
-    let out_m = out_marker(&token).into_bytes();
-    let err_m = err_marker(&token).into_bytes();
-    let mut out = Side::new(EventKind::Stdout);
-    let mut err = Side::new(EventKind::Stderr);
+    let mut out = Side::new(EventKind::Stdout, out_marker(&token).into_bytes());
+    let mut err = Side::new(EventKind::Stderr, err_marker(&token).into_bytes());
     let mut rc: Option<i32> = None;
     let deadline = async {
         match timeout {
@@ -320,39 +383,26 @@ async fn run_in_session(
             r = stdout.read(&mut obuf), if !out.done => match r {
                 Ok(0) | Err(_) => {
                     // The shell itself exited (e.g. the command ran `exit`).
-                    let n = out.buf.len();
-                    out.emit(n, &tx).await;
+                    let rest = out.scan.finish();
+                    out.send(rest, &tx).await;
                     let _ = tx.send(sse::error("-1", vec!["session shell exited".to_string()])).await;
                     return true;
                 }
                 Ok(n) => {
-                    out.buf.extend_from_slice(&obuf[..n]);
-                    if let Some(pos) = find(&out.buf, &out_m) {
-                        match parse_rc(&out.buf[pos + out_m.len()..]) {
-                            Some(parsed) => {
-                                rc = Some(parsed.unwrap_or(-1));
-                                out.emit(pos, &tx).await;
-                                out.done = true;
-                            }
-                            None => out.emit(pos, &tx).await,
-                        }
-                    } else {
-                        let upto = safe_len(&out.buf, &out_m);
-                        out.emit(upto, &tx).await;
+                    let scanned = out.scan.feed(&obuf[..n]);
+                    out.send(scanned.text, &tx).await;
+                    if scanned.end.is_some() {
+                        rc = scanned.end;
+                        out.done = true;
                     }
                 }
             },
             r = stderr.read(&mut ebuf), if !err.done => match r {
                 Ok(0) | Err(_) => err.done = true,
                 Ok(n) => {
-                    err.buf.extend_from_slice(&ebuf[..n]);
-                    if let Some(pos) = find(&err.buf, &err_m) {
-                        err.emit(pos, &tx).await;
-                        err.done = true;
-                    } else {
-                        let upto = safe_len(&err.buf, &err_m);
-                        err.emit(upto, &tx).await;
-                    }
+                    let scanned = err.scan.feed(&ebuf[..n]);
+                    err.send(scanned.text, &tx).await;
+                    err.done = scanned.end.is_some();
                 }
             },
             _ = &mut deadline, if interrupted_at.is_none() => {
@@ -437,6 +487,23 @@ mod tests {
     #[test]
     fn quoting_survives_single_quotes() {
         assert_eq!(quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn scans_the_marker_in_any_pieces() {
+        let stream = "héllo\n__WARREN_END_ab_7__\ntrailing".as_bytes();
+        for cut in 0..stream.len() {
+            let mut scan = MarkerScan::new(b"__WARREN_END_ab_".to_vec(), true);
+            let first = scan.feed(&stream[..cut]);
+            let second = scan.feed(&stream[cut..]);
+            let end = first.end.or(second.end);
+            let text = if first.end.is_some() {
+                first.text
+            } else {
+                first.text + &second.text
+            };
+            assert_eq!((text.as_str(), end), ("héllo\n", Some(7)), "cut at {cut}");
+        }
     }
 
     #[test]

@@ -25,6 +25,17 @@ mod reference;
 mod source;
 mod unpack;
 
+/// Entry points for the fuzz targets in `fuzz/`; not an API.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    use std::path::Path;
+
+    /// Unpacks one uncompressed layer tar into the empty folder `dest`, as pulls and imports do.
+    pub fn unpack_layer(tar: &[u8], dest: &Path) -> Result<u64, crate::ImageError> {
+        crate::unpack::unpack_layer(tar, dest, Path::new("fuzz")).map(|u| u.entries)
+    }
+}
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Write};

@@ -20,6 +20,32 @@ mod tokens;
 mod validate;
 pub mod volumes;
 
+/// Entry points for the fuzz targets in `fuzz/`; not an API.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    use std::path::PathBuf;
+
+    use crate::config::LimitsSection;
+    use crate::volumes::StoragePolicy;
+
+    /// Checks a `POST /v1/sandboxes` body as the route does, under the default `[limits]` and a
+    /// host-volume allow list of `allowed`. `Err` is the answer's status and message; a body that
+    /// is not a create request at all is `Ok(())` (the route's JSON extractor answers it).
+    pub fn validate_create(body: &[u8], allowed: PathBuf) -> Result<(), (u16, String)> {
+        let Ok(req) = serde_json::from_slice(body) else {
+            return Ok(());
+        };
+        let limits: LimitsSection = toml::from_str("").expect("the default [limits]");
+        let storage = StoragePolicy {
+            allowed_host_paths: vec![allowed],
+            protected: Vec::new(),
+        };
+        crate::validate::create_plan(req, &limits, Some(86_400), &storage)
+            .map(drop)
+            .map_err(|e| (e.status.as_u16(), e.message))
+    }
+}
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 
