@@ -111,18 +111,17 @@ fn mount(
 
 /// `mount_setattr(2)` on the mount at `dir` and every mount below it.
 fn set_read_only(dir: &Path, read_only: bool) -> io::Result<()> {
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
-    }
-    const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    const AT_RECURSIVE: libc::c_uint = 0x8000;
-    let attr = MountAttr {
-        attr_set: if read_only { MOUNT_ATTR_RDONLY } else { 0 },
-        attr_clr: if read_only { 0 } else { MOUNT_ATTR_RDONLY },
+    let attr = libc::mount_attr {
+        attr_set: if read_only {
+            libc::MOUNT_ATTR_RDONLY
+        } else {
+            0
+        },
+        attr_clr: if read_only {
+            0
+        } else {
+            libc::MOUNT_ATTR_RDONLY
+        },
         propagation: 0,
         userns_fd: 0,
     };
@@ -132,9 +131,9 @@ fn set_read_only(dir: &Path, read_only: bool) -> io::Result<()> {
             libc::SYS_mount_setattr,
             libc::AT_FDCWD,
             path.as_ptr(),
-            AT_RECURSIVE,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
+            libc::AT_RECURSIVE,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
         )
     };
     check(rc as libc::c_int)
