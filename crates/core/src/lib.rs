@@ -7,7 +7,6 @@ pub mod fd_limit;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;
-pub mod tree;
 
 pub use quantity::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, QuantityError};
 

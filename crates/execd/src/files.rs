@@ -442,7 +442,8 @@ pub async fn rmdir(State(app): State<Arc<AppState>>, RawQuery(q): RawQuery) -> A
             };
             match std::fs::symlink_metadata(target.path()) {
                 Ok(m) if m.is_dir() => {
-                    std::fs::remove_dir_all(target.path()).map_err(|e| ApiError::io(&p, e))?
+                    // A sandbox's tree may be any depth: a loop, never std's recursion.
+                    warren_fstree::remove_all(target.path()).map_err(|e| ApiError::io(&p, e))?
                 }
                 Ok(_) => return Err(ApiError::invalid_file(format!("{p} is not a directory"))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -814,7 +814,7 @@ impl ImageStore {
                 continue;
             }
             let path = tmp.join(&entry);
-            let _ = fs::remove_dir_all(&path).or_else(|_| fs::remove_file(&path));
+            let _ = warren_fstree::remove_all(&path);
         }
         Ok(())
     }
@@ -1091,7 +1091,7 @@ fn read_dir_names(dir: &Path) -> Result<Vec<String>, ImageError> {
 fn empty_trash(trash: Vec<PathBuf>) {
     for dir in trash {
         // Already unreachable from the store; a leftover is retried by the next `open`.
-        let _ = fs::remove_dir_all(&dir);
+        let _ = warren_fstree::remove_all(&dir);
     }
 }
 

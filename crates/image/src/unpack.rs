@@ -520,7 +520,7 @@ impl Unpacker {
                     let rel = rel.to_path_buf();
                     self.known_dirs.retain(|d| !d.starts_with(&rel));
                 }
-                fs::remove_dir_all(path).map_err(ImageError::io("remove dir", path))
+                warren_fstree::remove_all(path).map_err(ImageError::io("remove dir", path))
             }
             Ok(_) => fs::remove_file(path).map_err(ImageError::io("remove file", path)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

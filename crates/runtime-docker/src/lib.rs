@@ -532,7 +532,7 @@ impl DockerRuntime {
     fn remove_dir(&self, id: &str) {
         warren_core::unmount_socket_dir(&self.run_dir(id));
         let dir = self.config.data_dir.join("sandboxes").join(id);
-        if let Err(e) = warren_core::tree::remove_all(&dir) {
+        if let Err(e) = warren_fstree::remove_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(sandbox_id = id, error = %e, "removing the sandbox folder");
             }

@@ -68,7 +68,7 @@ impl Folders {
         if spare.exists() {
             let away = trash.join(format!("spare-folders.{}", std::process::id()));
             if fs::rename(&spare, &away).is_err() {
-                warren_core::tree::remove_all(&spare)?;
+                warren_fstree::remove_all(&spare)?;
             }
         }
         fs::create_dir(&spare)?;
@@ -120,13 +120,13 @@ impl Folders {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "a spare folder could not be used; making one");
-                    let _ = warren_core::tree::remove_all(&spare);
+                    let _ = warren_fstree::remove_all(&spare);
                 }
             }
         }
         fs::create_dir(&dir)?;
         if let Err(e) = self.fill(&dir) {
-            let _ = warren_core::tree::remove_all(&dir);
+            let _ = warren_fstree::remove_all(&dir);
             return Err(e);
         }
         Ok(dir)
@@ -143,10 +143,10 @@ impl Folders {
             self.trash.join(format!("{id}.{}", supply.next))
         };
         match rename_noreplace(&dir, &away) {
-            Ok(()) => warren_core::tree::remove_all(&away),
+            Ok(()) => warren_fstree::remove_all(&away),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             // (A name left in the trash by an earlier server, say: removed where it is.)
-            Err(_) => warren_core::tree::remove_all(&dir).or_else(|e| match e.kind() {
+            Err(_) => warren_fstree::remove_all(&dir).or_else(|e| match e.kind() {
                 io::ErrorKind::NotFound => Ok(()),
                 _ => Err(e),
             }),
@@ -161,7 +161,7 @@ impl Folders {
             let _ = maker.join();
         }
         for spare in std::mem::take(&mut lock(&self.supply).ready) {
-            let _ = warren_core::tree::remove_all(spare);
+            let _ = warren_fstree::remove_all(spare);
         }
     }
 
@@ -208,13 +208,13 @@ impl Folders {
                     let mut supply = lock(&self.supply);
                     if supply.closed {
                         drop(supply);
-                        let _ = warren_core::tree::remove_all(&path);
+                        let _ = warren_fstree::remove_all(&path);
                         return;
                     }
                     supply.ready.push(path);
                 }
                 Err(e) => {
-                    let _ = warren_core::tree::remove_all(&path);
+                    let _ = warren_fstree::remove_all(&path);
                     pause = (pause * 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
                     tracing::debug!(error = %e, "making a spare sandbox folder failed");
                 }
@@ -227,7 +227,7 @@ impl Folders {
             return;
         };
         for entry in entries.flatten() {
-            if let Err(e) = warren_core::tree::remove_all(entry.path()) {
+            if let Err(e) = warren_fstree::remove_all(entry.path()) {
                 tracing::warn!(error = %e, path = %entry.path().display(), "removing a deleted sandbox's folder failed");
             }
         }

@@ -135,7 +135,7 @@ impl Volumes {
                 tracing::info!(volume = %claim, "volume still in use; not deleting it");
                 continue;
             }
-            if let Err(e) = warren_core::tree::remove_all(self.dir(claim)) {
+            if let Err(e) = warren_fstree::remove_all(self.dir(claim)) {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(volume = %claim, error = %e, "deleting a volume");
                 }

@@ -411,3 +411,40 @@ async fn directories_mkdir_list_rm() {
         (400, Some("INVALID_REQUEST_BODY"))
     );
 }
+
+/// A tree deeper than any thread's stack could walk recursively (std's `remove_dir_all` recursed
+/// once per level and aborted execd): made by descriptor, since its paths pass `PATH_MAX`.
+fn deep_tree(root: &std::path::Path, levels: usize) {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    std::fs::create_dir(root).expect("root");
+    let mut fd = OwnedFd::from(std::fs::File::open(root).expect("open root"));
+    for _ in 0..levels {
+        // SAFETY: mkdirat/openat on an open folder with a NUL-terminated name; the new
+        // descriptor is owned at once.
+        unsafe {
+            assert_eq!(libc::mkdirat(fd.as_raw_fd(), c"d".as_ptr(), 0o755), 0);
+            let child = libc::openat(
+                fd.as_raw_fd(),
+                c"d".as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            );
+            assert!(child >= 0, "open level");
+            fd = OwnedFd::from_raw_fd(child);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_directory_deeper_than_any_stack_is_deleted() {
+    let execd = Execd::start().await;
+    deep_tree(&execd.work().join("deep"), 100_000);
+    let resp = execd
+        .http
+        .delete(execd.url("/directories?path=deep"))
+        .send()
+        .await
+        .expect("execd answers, not aborts");
+    assert_eq!(resp.status(), 200);
+    assert!(!execd.work().join("deep").exists());
+    assert_eq!(execd.get("/ping").await.status(), 200, "execd still serves");
+}

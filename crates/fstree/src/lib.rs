@@ -1,5 +1,5 @@
 //! Removing folder trees that sandboxes (and images) made: a sandbox's folder, a named volume, the
-//! trash. Such a tree may be 100,000 levels deep or a million entries wide, so the walk is a loop,
+//! trash, a folder deleted through execd's files API, an unpacked image. Such a tree may be 100,000 levels deep or a million entries wide, so the walk is a loop,
 //! not a recursion (std's `remove_dir_all` recurses once per level: a 100,000-level tree overflowed
 //! its thread's stack and aborted the server, again at every restart while emptying the trash), it
 //! works by descriptor (no path grows past `PATH_MAX`), and it keeps at most [`OPEN_LEVELS`] folders
