@@ -130,8 +130,19 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_api_key,
         ))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
+}
+
+/// The answer to a request whose handler panicked (a bug): an internal error naming the request,
+/// instead of a connection closed without a word. The panic itself is logged by the hook that
+/// `supervise::log_panics` installs.
+fn panicked(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    axum::response::IntoResponse::into_response(error::ApiError::internal(
+        "answering the request",
+        &std::io::Error::other("the handler panicked"),
+    ))
 }
 
 /// Echoes the client's `X-Request-ID` or assigns one, on every response; what the server logs
@@ -408,14 +419,40 @@ mod tests {
     use tower::ServiceExt;
 
     #[tokio::test]
-    async fn an_internal_error_answers_with_its_request_id_and_no_cause() {
+    async fn an_internal_error_or_a_panic_answers_with_its_request_id_and_no_cause() {
         async fn fails() -> Result<(), error::ApiError> {
             let cause = std::io::Error::other("open /var/lib/warren/secret/path: EACCES");
             Err(error::ApiError::internal("making the sandbox", &cause))
         }
+        async fn panics() -> Result<(), error::ApiError> {
+            panic!("a bug in a handler")
+        }
         let app: axum::Router = axum::Router::new()
             .route("/x", axum::routing::get(fails))
+            .route("/panic", axum::routing::get(panics))
+            .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
             .layer(axum::middleware::from_fn(request_id));
+        let req = axum::http::Request::builder()
+            .uri("/panic")
+            .body(axum::body::Body::empty())
+            .expect("request");
+        let resp = app
+            .clone()
+            .oneshot(req)
+            .await
+            .expect("an answer, not a dropped connection");
+        assert_eq!(resp.status(), 500);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("internal error (request id")),
+            "{body}"
+        );
         let req = axum::http::Request::builder()
             .uri("/x")
             .header(REQUEST_ID_HEADER, "req-42")

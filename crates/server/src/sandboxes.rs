@@ -450,34 +450,19 @@ impl Sandboxes {
             Some(s) => s.acquire().await.ok(),
             None => None,
         };
-        let created = match self.inner.runtime.create(&spec).await {
-            Ok(state) => match &egress {
-                // The link comes once the sandbox's namespace exists; a failure undoes the create.
-                Some(eg) => {
-                    let linked = match self.link(eg, &id, &state, policy.clone(), None).await {
-                        Ok(index) if plan.credential_proxy => {
-                            self.start_credential_proxy(eg, &id).await.map(|()| index)
-                        }
-                        other => other,
-                    };
-                    match linked {
-                        Ok(index) => Ok((state, Some(index))),
-                        Err(e) => {
-                            let _ = self.inner.runtime.destroy(&id, &state).await;
-                            self.unlink(&id).await;
-                            Err(e)
-                        }
-                    }
-                }
-                None => Ok((state, None)),
-            },
-            Err(e) => Err(match crate::disk_space::shortage(&self.inner.data_dir) {
-                // Filled while this create ran: say so, as the runtime's own error rarely can.
-                Some(why) => crate::disk_space::insufficient(format!(
-                    "creating the sandbox failed: {why} ({e})"
-                )),
-                None => ApiError::from_runtime("creating the sandbox", e),
-            }),
+        // A panic while the runtime makes this sandbox (a bug in Warren or a runtime) is this
+        // sandbox's failure alone: it is marked Failed with what could be made of it released,
+        // instead of a task that ends silently and a record left Pending for ever.
+        let provisioned = std::panic::AssertUnwindSafe(self.provision(
+            &id,
+            &spec,
+            egress.as_ref(),
+            &policy,
+            plan.credential_proxy,
+        ));
+        let created = match futures::FutureExt::catch_unwind(provisioned).await {
+            Ok(created) => created,
+            Err(_) => return Err(self.failed_by_panic(&entry, egress.is_some()).await),
         };
         match created {
             Ok((state, link)) => {
@@ -510,6 +495,78 @@ impl Sandboxes {
                 Err(e)
             }
         }
+    }
+
+    /// The runtime's part of a create: the sandbox made, then its network link (and credential
+    /// proxy) if its policy lets anything out; a failure of the link undoes the sandbox.
+    async fn provision(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+        egress: Option<&Arc<warren_egress::Egress>>,
+        policy: &warren_egress::NetworkPolicy,
+        credential_proxy: bool,
+    ) -> Result<(warren_core::RuntimeState, Option<u32>), ApiError> {
+        match self.inner.runtime.create(spec).await {
+            Ok(state) => match egress {
+                // The link comes once the sandbox's namespace exists; a failure undoes the create.
+                Some(eg) => {
+                    let linked = match self.link(eg, id, &state, policy.clone(), None).await {
+                        Ok(index) if credential_proxy => {
+                            self.start_credential_proxy(eg, id).await.map(|()| index)
+                        }
+                        other => other,
+                    };
+                    match linked {
+                        Ok(index) => Ok((state, Some(index))),
+                        Err(e) => {
+                            let _ = self.inner.runtime.destroy(id, &state).await;
+                            self.unlink(id).await;
+                            Err(e)
+                        }
+                    }
+                }
+                None => Ok((state, None)),
+            },
+            Err(e) => Err(match crate::disk_space::shortage(&self.inner.data_dir) {
+                // Filled while this create ran: say so, as the runtime's own error rarely can.
+                Some(why) => crate::disk_space::insufficient(format!(
+                    "creating the sandbox failed: {why} ({e})"
+                )),
+                None => ApiError::from_runtime("creating the sandbox", e),
+            }),
+        }
+    }
+
+    /// After a panic in [`Sandboxes::provision`]: releases what the runtime may have made (its
+    /// state is unknown, so by id alone), marks the sandbox Failed and answers "internal error".
+    async fn failed_by_panic(&self, entry: &Entry, linked: bool) -> ApiError {
+        let id = lock(&entry.record).id.clone();
+        tracing::error!(sandbox_id = %id, "creating the sandbox panicked; it is marked Failed");
+        if let Err(e) = self
+            .inner
+            .runtime
+            .destroy(&id, &serde_json::Value::Null)
+            .await
+        {
+            tracing::warn!(sandbox_id = %id, error = %e, "cleaning up after the panic failed");
+        }
+        if linked {
+            self.unlink(&id).await;
+        }
+        let _ = self.inner.images.release(&id);
+        let message = "creating the sandbox panicked (a bug in Warren); the server's log has it";
+        self.update(entry, |r| {
+            r.transition(
+                SandboxState::Failed,
+                Some("internal_error"),
+                Some(message.into()),
+            )
+        });
+        ApiError::internal(
+            "creating the sandbox",
+            &std::io::Error::other(format!("sandbox {id}: {message}")),
+        )
     }
 
     /// Gives a sandbox its network link (`index` re-adopts an existing one).
@@ -1241,4 +1298,131 @@ fn pull_error(e: &warren_registry::PullError) -> ApiError {
         K::Internal => return ApiError::internal("pulling the image", e),
     };
     ApiError::new(status, code, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use warren_core::{ExitInfo, RuntimeState};
+
+    /// A runtime whose creates panic, counting the clean-ups the server asks of it.
+    #[derive(Default)]
+    struct PanickingRuntime {
+        destroyed: AtomicU32,
+    }
+
+    #[async_trait::async_trait]
+    impl Runtime for PanickingRuntime {
+        fn name(&self) -> String {
+            "panicking".into()
+        }
+        fn image_source(&self) -> ImageSource {
+            ImageSource::Engine
+        }
+        async fn create(&self, _spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
+            panic!("a bug while making the sandbox")
+        }
+        fn execd_socket(&self, id: &str) -> PathBuf {
+            PathBuf::from(format!("/nonexistent/{id}"))
+        }
+        fn wait_exit(
+            &self,
+            _: &str,
+            _: &RuntimeState,
+        ) -> futures::future::BoxFuture<'static, ExitInfo> {
+            Box::pin(futures::future::pending())
+        }
+        async fn pause(&self, _: &str, _: &RuntimeState) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn resume(&self, _: &str, _: &RuntimeState) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn destroy(&self, _: &str, _: &RuntimeState) -> Result<(), RuntimeError> {
+            self.destroyed.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        async fn liveness(&self, _: &str, _: &RuntimeState) -> Liveness {
+            Liveness::Gone
+        }
+    }
+
+    fn plan() -> CreatePlan {
+        CreatePlan {
+            image: "any:latest".into(),
+            snapshot_id: None,
+            warm_pool: None,
+            image_auth: None,
+            volumes: Vec::new(),
+            entrypoint: Some(vec!["true".into()]),
+            timeout_seconds: Some(60),
+            limits: warren_core::ResourceLimits {
+                cpu_millis: None,
+                memory_bytes: None,
+                pids: 64,
+                disk_bytes: None,
+            },
+            env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            extensions: BTreeMap::new(),
+            network_policy: None,
+            credential_proxy: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panic_while_creating_fails_that_sandbox_alone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let runtime = Arc::new(PanickingRuntime::default());
+        let sandboxes = Sandboxes::new(
+            dir.path(),
+            runtime.clone(),
+            Store::open(dir.path()).expect("store"),
+            ImageStore::open(dir.path()).expect("images"),
+            Arc::new(
+                Network::new(&crate::config::NetworkSection::default(), dir.path())
+                    .expect("network"),
+            ),
+            Options {
+                retention_seconds: 3600,
+                registries: None,
+                default_env: BTreeMap::new(),
+                caps: Caps {
+                    sandboxes: 10,
+                    creates_in_flight: 10,
+                },
+            },
+        );
+        for _ in 0..2 {
+            let err = tokio::spawn({
+                let sandboxes = sandboxes.clone();
+                async move { sandboxes.create(plan()).await }
+            })
+            .await
+            .expect("the panic stays inside the create")
+            .expect_err("the create fails");
+            assert_eq!(err.status, http::StatusCode::INTERNAL_SERVER_ERROR);
+        }
+        let records = sandboxes.all();
+        assert_eq!(records.len(), 2, "both kept to say why: {records:?}");
+        for r in &records {
+            assert_eq!(r.state, SandboxState::Failed);
+            assert_eq!(r.reason.as_deref(), Some("internal_error"));
+        }
+        assert_eq!(
+            runtime.destroyed.load(Ordering::SeqCst),
+            2,
+            "each cleaned up"
+        );
+        // the records on disk say the same: a restart does not find them Pending
+        let (stored, _) = Store::open(dir.path())
+            .expect("reopen")
+            .load_all()
+            .expect("load");
+        assert!(
+            stored.iter().all(|r| r.state == SandboxState::Failed),
+            "{stored:?}"
+        );
+    }
 }
