@@ -88,7 +88,8 @@ pub fn run(command: ImageCommand, data_dir: &Path) -> anyhow::Result<ExitCode> {
             };
             let format = out.output.unwrap_or_default();
             let bars = (!quiet && std::io::stderr().is_terminal()).then(Bars::new);
-            let puller = Puller::new(warren_registry::Client::new(registries), Arc::new(store));
+            // One image: the cap on pulls at once does not come into it.
+            let puller = Puller::new(warren_registry::Client::new(registries), Arc::new(store), 1);
             let rt = tokio::runtime::Runtime::new()?;
             let progress = bars.clone().map(|b| Arc::new(b) as Arc<dyn PullProgress>);
             let record = rt

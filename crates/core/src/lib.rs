@@ -8,7 +8,9 @@ pub mod policy;
 pub mod quantity;
 pub mod runtime;
 
-pub use quantity::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, QuantityError};
+pub use quantity::{
+    parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, parse_size_bytes, QuantityError,
+};
 
 /// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line already
 /// holds (wrappers that quote their source). `Display` alone drops the causes, and with them the

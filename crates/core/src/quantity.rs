@@ -69,6 +69,11 @@ pub fn parse_disk_bytes(value: &str) -> Result<u64, QuantityError> {
     )
 }
 
+/// A size in bytes in the same notation (`64Gi`, `500M`, `1024`) for a setting named `resource`.
+pub fn parse_size_bytes(resource: &'static str, value: &str) -> Result<u64, QuantityError> {
+    parse_bytes(resource, value, 1, "must be at least 1 byte")
+}
+
 fn parse_bytes(
     resource: &'static str,
     value: &str,

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use tar::{EntryType, Header};
 
-use crate::unpack::{unpack_layer, Unpacked};
+use crate::unpack::{unpack_layer, Budget, Unpacked};
 use crate::ImageError;
 
 /// Unpacks the folder `src` into `dest` through its deterministic tar stream (written by a thread into
@@ -24,8 +24,9 @@ pub(crate) fn unpack_dir(
     src: &Path,
     dest: &Path,
     exclude: Option<(u64, u64)>,
+    budget: &Budget,
 ) -> Result<Unpacked, ImageError> {
-    unpack_tree(src, dest, exclude, false, None)
+    unpack_tree(src, dest, exclude, false, None, budget)
 }
 
 /// Like [`unpack_dir`] for an overlayfs upper directory: its whiteouts (0:0 character devices) and
@@ -36,8 +37,9 @@ pub(crate) fn unpack_upper(
     src: &Path,
     dest: &Path,
     id_base: Option<u32>,
+    budget: &Budget,
 ) -> Result<Unpacked, ImageError> {
-    unpack_tree(src, dest, None, true, id_base)
+    unpack_tree(src, dest, None, true, id_base, budget)
 }
 
 fn unpack_tree(
@@ -46,6 +48,7 @@ fn unpack_tree(
     exclude: Option<(u64, u64)>,
     overlay: bool,
     id_base: Option<u32>,
+    budget: &Budget,
 ) -> Result<Unpacked, ImageError> {
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ImageError::Io {
@@ -67,6 +70,7 @@ fn unpack_tree(
         io::BufReader::with_capacity(256 * 1024, File::from(read_end)),
         dest,
         src,
+        budget,
     );
     let written = writer
         .join()

@@ -32,7 +32,8 @@ pub mod fuzzing {
 
     /// Unpacks one uncompressed layer tar into the empty folder `dest`, as pulls and imports do.
     pub fn unpack_layer(tar: &[u8], dest: &Path) -> Result<u64, crate::ImageError> {
-        crate::unpack::unpack_layer(tar, dest, Path::new("fuzz")).map(|u| u.entries)
+        let budget = crate::unpack::Budget::new(crate::UnpackLimits::default());
+        crate::unpack::unpack_layer(tar, dest, Path::new("fuzz"), &budget).map(|u| u.entries)
     }
 }
 
@@ -50,7 +51,8 @@ pub use error::{BoxError, ImageError};
 pub use reference::{Reference, DOCKER_HUB, HOST_IMAGE};
 
 use source::{hex_digest, ImagePlan, Plan};
-use unpack::{unpack_layer, HashingReader, Unpacked};
+use unpack::{unpack_layer, Budget, HashingReader, Unpacked};
+pub use unpack::{UnpackLimits, MAX_DEPTH};
 
 /// Images under this repository are sandbox snapshots, made and removed through the snapshot API;
 /// `prune` leaves them alone.
@@ -162,6 +164,8 @@ pub struct Pruned {
 /// The staging folder of one pull (see [`ImageStore::staging`]).
 pub struct Staging {
     dir: tempfile::TempDir,
+    /// The pulled image's layers together are held to the store's [`UnpackLimits`].
+    budget: Budget,
 }
 
 impl Staging {
@@ -180,13 +184,21 @@ impl Staging {
         let blob_hex = hex_digest(blob_digest).ok_or_else(|| bad(blob_digest))?;
         let diff_hex = hex_digest(diff_id).ok_or_else(|| bad(diff_id))?;
         let dest = make_stage_dir(self.dir.path(), index)?;
-        unpack_verified(blob, dest, label, Some(blob_hex), Some(diff_hex))
+        unpack_verified(
+            blob,
+            dest,
+            label,
+            Some(blob_hex),
+            Some(diff_hex),
+            &self.budget,
+        )
     }
 }
 
 pub struct ImageStore {
     root: PathBuf,
     leases: Leases,
+    limits: UnpackLimits,
 }
 
 impl ImageStore {
@@ -197,6 +209,7 @@ impl ImageStore {
         let store = ImageStore {
             leases: Leases::new(root.join("leases.jsonl")),
             root,
+            limits: UnpackLimits::default(),
         };
         for dir in [
             store.root.clone(),
@@ -222,6 +235,12 @@ impl ImageStore {
         };
         empty_trash(trash);
         Ok(store)
+    }
+
+    /// Bounds what each import, pull and snapshot may unpack to from now on (default:
+    /// [`UnpackLimits::default`]); a depth past [`MAX_DEPTH`] counts as that.
+    pub fn set_unpack_limits(&mut self, limits: UnpackLimits) {
+        self.limits = limits;
     }
 
     /// The store's root directory (`<data_dir>/images`).
@@ -253,7 +272,13 @@ impl ImageStore {
                 .prefix(&format!("import-{}-", std::process::id()))
                 .tempdir_in(self.tmp_dir())
                 .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
-            let (id, config, layers) = self.prepare(&reference, source, staging.path(), reuse)?;
+            let (id, config, layers) = self.prepare(
+                &reference,
+                source,
+                staging.path(),
+                reuse,
+                &Budget::new(self.limits),
+            )?;
             if let Some(record) = self.commit(&name, id, config, None, &layers)? {
                 return Ok(record);
             }
@@ -437,7 +462,10 @@ impl ImageStore {
             .prefix(&format!("pull-{}-", std::process::id()))
             .tempdir_in(self.tmp_dir())
             .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
-        Ok(Staging { dir })
+        Ok(Staging {
+            dir,
+            budget: Budget::new(self.limits),
+        })
     }
 
     /// The layer with this diff_id (`sha256:<hex>`) if the store has it, so a pull need not fetch it.
@@ -517,7 +545,10 @@ impl ImageStore {
         let name = reference.to_string();
         let staging = self.staging()?;
         let dest = make_stage_dir(staging.dir.path(), 0)?;
-        let top = staged(dirtar::unpack_upper(upper, &dest, id_base)?, dest)?;
+        let top = staged(
+            dirtar::unpack_upper(upper, &dest, id_base, &Budget::new(self.limits))?,
+            dest,
+        )?;
         let mut layers = Vec::with_capacity(base_layers.len() + 1);
         for path in base_layers {
             let hex = path
@@ -618,12 +649,13 @@ impl ImageStore {
         source: &Path,
         staging: &Path,
         reuse: bool,
+        budget: &Budget,
     ) -> Result<(String, ImageConfig, Vec<StagedLayer>), ImageError> {
         match source::plan(source, &self.tmp_dir(), reference)? {
             Plan::RootfsDir(dir) => {
                 let dest = make_stage_dir(staging, 0)?;
                 let exclude = fs::metadata(&self.root).ok().map(|m| (m.dev(), m.ino()));
-                let unpacked = dirtar::unpack_dir(&dir, &dest, exclude)?;
+                let unpacked = dirtar::unpack_dir(&dir, &dest, exclude, budget)?;
                 Ok(rootfs_image(staged(unpacked, dest)?))
             }
             Plan::RootfsTar(path) => {
@@ -631,14 +663,14 @@ impl ImageStore {
                 let file = File::open(&path).map_err(ImageError::io("open source", &path))?;
                 let reader =
                     source::decompressed(BufReader::with_capacity(256 * 1024, file), &path)?;
-                let unpacked = unpack_layer(reader, &dest, &path)?;
+                let unpacked = unpack_layer(reader, &dest, &path, budget)?;
                 if unpacked.entries == 0 {
                     return Err(ImageError::source(&path, "empty archive"));
                 }
                 Ok(rootfs_image(staged(unpacked, dest)?))
             }
             Plan::Image(plan) => {
-                let layers = self.prepare_layers(&plan, staging, reuse)?;
+                let layers = self.prepare_layers(&plan, staging, reuse, budget)?;
                 Ok((plan.id, plan.config, layers))
             }
         }
@@ -649,6 +681,7 @@ impl ImageStore {
         plan: &ImagePlan,
         staging: &Path,
         reuse: bool,
+        budget: &Budget,
     ) -> Result<Vec<StagedLayer>, ImageError> {
         let mut out: Vec<StagedLayer> = Vec::with_capacity(plan.layers.len());
         for (i, layer) in plan.layers.iter().enumerate() {
@@ -678,6 +711,7 @@ impl ImageStore {
                 &label,
                 layer.blob_digest.as_deref(),
                 layer.diff_id.as_deref(),
+                budget,
             )?);
         }
         Ok(out)
@@ -960,11 +994,12 @@ fn unpack_verified(
     label: &Path,
     blob_digest: Option<&str>,
     diff_id: Option<&str>,
+    budget: &Budget,
 ) -> Result<StagedLayer, ImageError> {
     let mut raw = HashingReader::new(blob);
     let unpacked = {
         let buffered = BufReader::with_capacity(256 * 1024, &mut raw);
-        unpack_layer(source::decompressed(buffered, label)?, &dest, label)?
+        unpack_layer(source::decompressed(buffered, label)?, &dest, label, budget)?
     };
     raw.drain()
         .map_err(|e| ImageError::source_with(label, "read layer", e))?;

@@ -13,6 +13,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::sys::stat::{makedev, mknod, utimensat, Mode, SFlag, UtimensatFlags};
 use nix::sys::time::TimeSpec;
@@ -28,20 +29,108 @@ const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 const OVERLAY_XATTR_PREFIX: &str = "trusted.overlay.";
 const COPY_BUF: usize = 128 * 1024;
 
-/// Bounds on what one layer unpacks to, checked while it streams: a layer from a hostile registry
-/// or archive must not fill the host's disk, nor make a tree deeper than what walks it can take.
-/// (A 407 KB gzip of zeros and a 10 KB tar with a sparse file each became 401 MiB on disk before.)
-pub mod bounds {
-    /// Entries of one layer.
-    pub const MAX_ENTRIES: u64 = 2_000_000;
-    /// Folders above an entry: snapshots keep paths of at most 3,072 bytes (`dirtar`), which is
-    /// at most 1,536 levels.
-    pub const MAX_DEPTH: usize = 1536;
-    /// Bytes of data written for one layer. Runs of zeros are holes (sparse files stay sparse)
-    /// and are not counted here, only in [`MAX_APPARENT_BYTES`].
-    pub const MAX_DATA_BYTES: u64 = 64 << 30;
-    /// The layer's files' sizes together, holes included.
-    pub const MAX_APPARENT_BYTES: u64 = 1 << 40;
+/// Folders above an entry, at most: snapshots keep paths of at most 3,072 bytes (`dirtar`), which
+/// is at most 1,536 levels, so no image may be deeper whatever its limits say.
+pub const MAX_DEPTH: usize = 1536;
+
+/// Bounds on what one image unpacks to, all its layers together, checked while they stream: an
+/// image from a hostile registry or archive must not fill the host's disk, nor make a tree deeper
+/// than what walks it can take. (A 407 KB gzip of zeros and a 10 KB tar with a sparse file each
+/// became 401 MiB on disk before there were bounds.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnpackLimits {
+    /// Entries of all layers.
+    pub max_entries: u64,
+    /// Folders above an entry (at most [`MAX_DEPTH`]).
+    pub max_depth: usize,
+    /// Bytes of data written. Runs of zeros are holes (sparse files stay sparse) and are not
+    /// counted here, only in `max_apparent_bytes`.
+    pub max_data_bytes: u64,
+    /// The files' sizes together, holes included.
+    pub max_apparent_bytes: u64,
+}
+
+impl Default for UnpackLimits {
+    fn default() -> Self {
+        UnpackLimits {
+            max_entries: 2_000_000,
+            max_depth: MAX_DEPTH,
+            max_data_bytes: 64 << 30,
+            max_apparent_bytes: 1 << 40,
+        }
+    }
+}
+
+/// One image's running totals against its [`UnpackLimits`], shared by the threads that unpack
+/// its layers at once.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    limits: UnpackLimits,
+    entries: AtomicU64,
+    data: AtomicU64,
+    apparent: AtomicU64,
+}
+
+impl Budget {
+    pub(crate) fn new(limits: UnpackLimits) -> Self {
+        Budget {
+            limits: UnpackLimits {
+                max_depth: limits.max_depth.min(MAX_DEPTH),
+                ..limits
+            },
+            entries: AtomicU64::new(0),
+            data: AtomicU64::new(0),
+            apparent: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts `n` more against `total`; `Err` names what went past `max`.
+    fn spend(
+        total: &AtomicU64,
+        n: u64,
+        max: u64,
+        what: &str,
+        label: &Path,
+    ) -> Result<(), ImageError> {
+        let now = total.fetch_add(n, Ordering::Relaxed).saturating_add(n);
+        if now > max {
+            return Err(ImageError::source(
+                label,
+                format!("the image {what} more than {max} (an unpack limit of this server)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn entry(&self, label: &Path) -> Result<(), ImageError> {
+        Self::spend(
+            &self.entries,
+            1,
+            self.limits.max_entries,
+            "has entries",
+            label,
+        )
+    }
+
+    fn data(&self, n: u64, label: &Path) -> Result<(), ImageError> {
+        Self::spend(
+            &self.data,
+            n,
+            self.limits.max_data_bytes,
+            "unpacks to bytes of data",
+            label,
+        )
+    }
+
+    fn apparent(&self, n: u64, label: &Path) -> Result<(), ImageError> {
+        Self::spend(
+            &self.apparent,
+            n,
+            self.limits.max_apparent_bytes,
+            "has files of bytes",
+            label,
+        )
+    }
 }
 
 /// A reader that hashes (sha256) and counts everything read through it.
@@ -97,6 +186,7 @@ pub(crate) fn unpack_layer<R: Read>(
     reader: R,
     dest: &Path,
     label: &Path,
+    budget: &Budget,
 ) -> Result<Unpacked, ImageError> {
     // tempfile makes 0700 dirs; the layer root becomes `/` of the sandbox unless an entry says otherwise.
     fs::set_permissions(dest, fs::Permissions::from_mode(0o755))
@@ -108,7 +198,7 @@ pub(crate) fn unpack_layer<R: Read>(
         dir_times: HashMap::new(),
         known_dirs: HashSet::new(),
         bytes: 0,
-        data: 0,
+        budget,
         buf: vec![0; COPY_BUF],
     };
     let read_err = |e: io::Error| ImageError::source_with(label, "read layer tar", e);
@@ -118,12 +208,7 @@ pub(crate) fn unpack_layer<R: Read>(
         for entry in archive.entries().map_err(read_err)? {
             let mut entry = entry.map_err(read_err)?;
             entries += 1;
-            if entries > bounds::MAX_ENTRIES {
-                return Err(ImageError::source(
-                    label,
-                    format!("the layer has more than {} entries", bounds::MAX_ENTRIES),
-                ));
-            }
+            budget.entry(label)?;
             unpacker.entry(&mut entry)?;
         }
     }
@@ -163,7 +248,7 @@ struct Meta {
     xattrs: Vec<(String, Vec<u8>)>,
 }
 
-struct Unpacker {
+struct Unpacker<'b> {
     root: PathBuf,
     label: PathBuf,
     /// Directory mtimes are applied last: creating children would bump them again.
@@ -174,12 +259,12 @@ struct Unpacker {
     known_dirs: HashSet<PathBuf>,
     /// Apparent size of the regular files written.
     bytes: u64,
-    /// Bytes of data written (holes not counted).
-    data: u64,
+    /// The image's totals, which this layer adds to.
+    budget: &'b Budget,
     buf: Vec<u8>,
 }
 
-impl Unpacker {
+impl Unpacker<'_> {
     fn unsafe_entry(&self, entry: &str, reason: &'static str) -> ImageError {
         ImageError::UnsafeEntry {
             path: self.label.clone(),
@@ -210,8 +295,8 @@ impl Unpacker {
             }
             Err(reason) => return Err(self.unsafe_entry(&shown, reason)),
         };
-        if rel.components().count() > bounds::MAX_DEPTH {
-            return Err(self.unsafe_entry(&shown, "deeper than 1,536 folders"));
+        if rel.components().count() > self.budget.limits.max_depth {
+            return Err(self.unsafe_entry(&shown, "deeper than the folders an image may nest"));
         }
         let (Some(name), Some(parent_rel)) = (rel.file_name(), rel.parent()) else {
             return Err(self.unsafe_entry(&shown, "no file name"));
@@ -276,15 +361,7 @@ impl Unpacker {
                 }
                 .map_err(ImageError::io("create file", &path))?;
                 self.bytes += entry.size();
-                if self.bytes > bounds::MAX_APPARENT_BYTES {
-                    return Err(ImageError::source(
-                        &self.label,
-                        format!(
-                            "the layer's files come to more than {} bytes",
-                            bounds::MAX_APPARENT_BYTES
-                        ),
-                    ));
-                }
+                self.budget.apparent(entry.size(), &self.label)?;
                 self.copy(entry, &mut file, &path)?;
                 // On the open file: no second path walk.
                 std::os::unix::fs::fchown(&file, Some(meta.uid), Some(meta.gid))
@@ -438,16 +515,7 @@ impl Unpacker {
                 hole = true;
                 continue;
             }
-            self.data += n as u64;
-            if self.data > bounds::MAX_DATA_BYTES {
-                return Err(ImageError::source(
-                    &self.label,
-                    format!(
-                        "the layer unpacks to more than {} bytes of data",
-                        bounds::MAX_DATA_BYTES
-                    ),
-                ));
-            }
+            self.budget.data(n as u64, &self.label)?;
             file.write_all(&self.buf[..n])
                 .map_err(ImageError::io("write file", path))?;
             hole = false;
@@ -611,9 +679,77 @@ mod tests {
     }
 
     fn unpack(data: &[u8]) -> (tempfile::TempDir, Result<Unpacked, ImageError>) {
+        unpack_within(data, &Budget::new(UnpackLimits::default()))
+    }
+
+    fn unpack_within(
+        data: &[u8],
+        budget: &Budget,
+    ) -> (tempfile::TempDir, Result<Unpacked, ImageError>) {
         let dir = tempfile::tempdir().expect("tempdir");
-        let r = unpack_layer(data, dir.path(), Path::new("test.tar"));
+        let r = unpack_layer(data, dir.path(), Path::new("test.tar"), budget);
         (dir, r)
+    }
+
+    #[test]
+    fn the_limits_hold_for_all_layers_of_an_image_together() {
+        let layer = |name: &str| {
+            tar_of(|b| {
+                for i in 0..3 {
+                    let mut h = header(EntryType::Regular, 0o644, 1000);
+                    b.append_data(&mut h, format!("{name}{i}"), &[7u8; 1000][..])
+                        .expect("append");
+                }
+            })
+        };
+        // entries: two layers of 3 within 5 each, not together
+        let budget = Budget::new(UnpackLimits {
+            max_entries: 5,
+            ..UnpackLimits::default()
+        });
+        let (_a, first) = unpack_within(&layer("a"), &budget);
+        first.expect("the first layer fits");
+        let (_b, second) = unpack_within(&layer("b"), &budget);
+        let e = second
+            .expect_err("the second passes the image's bound")
+            .to_string();
+        assert!(e.contains("more than 5"), "{e}");
+        // data: 6,000 bytes written against 5,000
+        let budget = Budget::new(UnpackLimits {
+            max_data_bytes: 5000,
+            ..UnpackLimits::default()
+        });
+        let (_a, first) = unpack_within(&layer("a"), &budget);
+        first.expect("the first layer fits");
+        let (_b, second) = unpack_within(&layer("b"), &budget);
+        assert!(
+            matches!(second, Err(ImageError::InvalidSource { .. })),
+            "{second:?}"
+        );
+        // apparent size, holes included: one sparse file past the bound
+        let budget = Budget::new(UnpackLimits {
+            max_apparent_bytes: 1 << 20,
+            ..UnpackLimits::default()
+        });
+        let sparse = tar_of(|b| {
+            let mut h = header(EntryType::Regular, 0o644, 2 << 20);
+            b.append_data(&mut h, "holes", io::repeat(0).take(2 << 20))
+                .expect("append");
+        });
+        let (_c, r) = unpack_within(&sparse, &budget);
+        assert!(r.is_err(), "{r:?}");
+        // depth: a configured bound below the hard one
+        let budget = Budget::new(UnpackLimits {
+            max_depth: 4,
+            ..UnpackLimits::default()
+        });
+        let deep = tar_of(|b| {
+            let mut h = header(EntryType::Regular, 0o644, 1);
+            b.append_data(&mut h, "a/b/c/d/e", &b"x"[..])
+                .expect("append");
+        });
+        let (_d, r) = unpack_within(&deep, &budget);
+        assert!(r.expect_err("too deep").to_string().contains("deeper than"));
     }
 
     #[test]
@@ -648,7 +784,7 @@ mod tests {
 
     #[test]
     fn a_tree_deeper_than_the_bound_is_refused() {
-        let deep = vec!["d"; bounds::MAX_DEPTH + 1].join("/");
+        let deep = vec!["d"; MAX_DEPTH + 1].join("/");
         let data = tar_of(|b| {
             let mut h = header(EntryType::Regular, 0o644, 1);
             b.append_data(&mut h, &deep, &b"x"[..]).expect("append");

@@ -407,14 +407,23 @@ impl Session {
     pub async fn stream_blob(
         &self,
         digest: &str,
+        size: u64,
         sink: &mpsc::Sender<Chunk>,
         on_bytes: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<u64, PullError> {
         let mut received: u64 = 0;
         let mut attempt = 0;
         loop {
-            let outcome = self.stream_from(digest, received, sink, on_bytes).await;
+            let outcome = self
+                .stream_from(digest, received, size, sink, on_bytes)
+                .await;
             match outcome {
+                Ok(Streamed::Done(n)) if received + n != size => {
+                    return Err(self.bad(format!(
+                        "blob {digest}: the registry sent {} bytes where the manifest says {size}",
+                        received + n
+                    )))
+                }
                 Ok(Streamed::Done(n)) => return Ok(received + n),
                 Ok(Streamed::Stopped) => return Ok(received),
                 Err((n, e)) => {
@@ -434,6 +443,7 @@ impl Session {
         &self,
         digest: &str,
         from: u64,
+        size: u64,
         sink: &mpsc::Sender<Chunk>,
         on_bytes: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<Streamed, (u64, StreamFailure)> {
@@ -461,17 +471,20 @@ impl Session {
             }
         } else {
             match self.check_status(resp).await {
-                Ok(r) => return self.pump(r, digest, sink, on_bytes).await,
+                Ok(r) => return self.pump(r, digest, size, sink, on_bytes).await,
                 Err(e) => return Err(fail(0, e, false)),
             }
         }
-        self.pump(resp, digest, sink, on_bytes).await
+        self.pump(resp, digest, size - from.min(size), sink, on_bytes)
+            .await
     }
 
+    /// Feeds the body to `sink`, refusing past `left` bytes (what the manifest's size leaves).
     async fn pump(
         &self,
         resp: Response,
         digest: &str,
+        left: u64,
         sink: &mpsc::Sender<Chunk>,
         on_bytes: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<Streamed, (u64, StreamFailure)> {
@@ -481,6 +494,18 @@ impl Session {
             match chunk {
                 Ok(bytes) => {
                     n += bytes.len() as u64;
+                    if n > left {
+                        let error = self.bad(format!(
+                            "blob {digest}: the registry sends more bytes than the manifest says"
+                        ));
+                        return Err((
+                            n,
+                            StreamFailure {
+                                error,
+                                resumable: false,
+                            },
+                        ));
+                    }
                     on_bytes(bytes.len() as u64);
                     if sink.send(Chunk::Data(bytes)).await.is_err() {
                         return Ok(Streamed::Stopped);

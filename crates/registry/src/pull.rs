@@ -60,15 +60,21 @@ struct Inner {
     client: Client,
     store: Arc<ImageStore>,
     inflight: Mutex<HashMap<String, SharedPull>>,
+    /// One permit per pull that may download and unpack at once; more wait their turn. Each pull
+    /// holds disk, bandwidth and a few unpack threads, so a caller naming many images cannot
+    /// start them all together.
+    slots: tokio::sync::Semaphore,
 }
 
 impl Puller {
-    pub fn new(client: Client, store: Arc<ImageStore>) -> Self {
+    /// A puller into `store` running at most `max_pulls` different pulls at once (at least one).
+    pub fn new(client: Client, store: Arc<ImageStore>, max_pulls: usize) -> Self {
         Puller {
             inner: Arc::new(Inner {
                 client,
                 store,
                 inflight: Mutex::new(HashMap::new()),
+                slots: tokio::sync::Semaphore::new(max_pulls.max(1)),
             }),
         }
     }
@@ -152,6 +158,8 @@ impl Puller {
         progress: Option<Arc<dyn PullProgress>>,
     ) -> Result<ImageRecord, PullError> {
         let image = reference.to_string();
+        // Never closed; were it, pulling without a slot is still correct.
+        let _slot = self.inner.slots.acquire().await.ok();
         let (registry, repository) = reference.registry();
         let endpoints = self
             .inner
@@ -230,9 +238,13 @@ impl Puller {
             let mut layers = Vec::with_capacity(doc.layers.len());
             for (desc, diff_id) in doc.layers.iter().zip(diff_ids) {
                 oci::check_layer_media_type(&desc.media_type).map_err(&invalid)?;
+                // The download is held to this size: without it a registry could send for ever.
+                let size = desc.size.ok_or_else(|| {
+                    invalid(format!("layer {} has no size in the manifest", desc.digest))
+                })?;
                 layers.push(PlannedLayer {
                     digest: desc.digest.clone(),
-                    size: desc.size.unwrap_or(0),
+                    size,
                     diff_id,
                 });
             }
@@ -371,7 +383,9 @@ impl Puller {
                 p.advanced(index, n);
             }
         };
-        let download = session.stream_blob(&layer.digest, &tx, &on_bytes).await;
+        let download = session
+            .stream_blob(&layer.digest, layer.size, &tx, &on_bytes)
+            .await;
         // Tell the unpacker how the stream ended: a clean end, or a failure that must not pass
         // for one (a cut tar could otherwise look complete up to its digest check).
         let _ = match &download {

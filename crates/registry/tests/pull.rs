@@ -57,6 +57,8 @@ struct Behaviour {
     ranges: bool,
     /// Demand a Bearer token from `/token` (basic auth `u:p`).
     token: bool,
+    /// Follow the layer's bytes with zeros that never end.
+    endless: bool,
 }
 
 struct Fake {
@@ -65,6 +67,9 @@ struct Fake {
     behaviour: Behaviour,
     blob_gets: AtomicUsize,
     manifest_gets: AtomicUsize,
+    /// Manifest requests being answered now, and the most at once.
+    manifests_now: AtomicUsize,
+    manifests_peak: AtomicUsize,
     range_requests: Mutex<Vec<String>>,
     port: u16,
 }
@@ -94,6 +99,8 @@ async fn start(behaviour: Behaviour) -> (Arc<Fake>, String, Vec<u8>) {
         behaviour,
         blob_gets: AtomicUsize::new(0),
         manifest_gets: AtomicUsize::new(0),
+        manifests_now: AtomicUsize::new(0),
+        manifests_peak: AtomicUsize::new(0),
         range_requests: Mutex::new(Vec::new()),
         port,
     });
@@ -145,8 +152,11 @@ async fn manifest_get(State(fake): State<Arc<Fake>>, headers: HeaderMap) -> Resp
         return r;
     }
     fake.manifest_gets.fetch_add(1, Ordering::SeqCst);
+    let now = fake.manifests_now.fetch_add(1, Ordering::SeqCst) + 1;
+    fake.manifests_peak.fetch_max(now, Ordering::SeqCst);
     // Slow enough that concurrent pulls overlap.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    fake.manifests_now.fetch_sub(1, Ordering::SeqCst);
     (
         [(
             header::CONTENT_TYPE,
@@ -207,16 +217,32 @@ async fn blob_get(
             )
                 .into_response()
         }
+        _ if fake.behaviour.endless && data.len() > 1 << 20 => {
+            let zeros = futures::stream::repeat_with(|| {
+                Ok::<_, std::io::Error>(bytes::Bytes::from_static(&[0u8; 65536]))
+            });
+            let stream = futures::StreamExt::chain(
+                futures::stream::once(
+                    async move { Ok::<_, std::io::Error>(bytes::Bytes::from(data)) },
+                ),
+                zeros,
+            );
+            Body::from_stream(stream).into_response()
+        }
         _ => data.into_response(),
     }
 }
 
 fn puller(host: &str) -> (tempfile::TempDir, Puller) {
+    puller_of(host, 4)
+}
+
+fn puller_of(host: &str, max_pulls: usize) -> (tempfile::TempDir, Puller) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(ImageStore::open(dir.path()).expect("store"));
     let config: RegistriesConfig =
         serde_json::from_value(serde_json::json!({ host: {"insecure": true} })).expect("config");
-    (dir, Puller::new(Client::new(config), store))
+    (dir, Puller::new(Client::new(config), store, max_pulls))
 }
 
 fn tmp_is_empty(dir: &tempfile::TempDir) -> bool {
@@ -232,6 +258,7 @@ async fn a_cut_connection_is_resumed_with_range() {
         cut_after: Some(1 << 20),
         ranges: true,
         token: false,
+        endless: false,
     })
     .await;
     let (dir, puller) = puller(&host);
@@ -257,6 +284,7 @@ async fn a_cut_connection_without_range_support_fails_cleanly() {
         cut_after: Some(1 << 20),
         ranges: false,
         token: false,
+        endless: false,
     })
     .await;
     let (dir, puller) = puller(&host);
@@ -335,4 +363,50 @@ async fn bearer_tokens_are_fetched_with_the_credentials() {
         .pull(&name, Some(right), None)
         .await
         .expect("pull with token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_longer_than_its_manifest_says_is_cut_off() {
+    let (_fake, host, _) = start(Behaviour {
+        endless: true,
+        ..Default::default()
+    })
+    .await;
+    let (dir, puller) = puller(&host);
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        puller.pull(&format!("{host}/test/img:v1"), None, None),
+    )
+    .await
+    .expect("ends, though the registry never does")
+    .expect_err("must fail");
+    assert_eq!(err.kind(), PullErrorKind::Upstream, "{err}");
+    assert!(
+        err.to_string()
+            .contains("more bytes than the manifest says"),
+        "{err}"
+    );
+    assert!(tmp_is_empty(&dir));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_images_wait_for_a_pull_slot() {
+    for (max_pulls, most_at_once) in [(1, 1), (4, 3)] {
+        let (fake, host, _) = start(Behaviour::default()).await;
+        let (_dir, puller) = puller_of(&host, max_pulls);
+        // three tags: three different pulls (one image behind them)
+        let pulls = ["v1", "v2", "v3"].map(|tag| {
+            let puller = puller.clone();
+            let name = format!("{host}/test/img:{tag}");
+            tokio::spawn(async move { puller.pull(&name, None, None).await })
+        });
+        for r in futures::future::join_all(pulls).await {
+            r.expect("join").expect("pull");
+        }
+        assert_eq!(
+            fake.manifests_peak.load(Ordering::SeqCst),
+            most_at_once,
+            "with {max_pulls} slots"
+        );
+    }
 }

@@ -90,14 +90,83 @@ pub struct ImagesSection {
     /// `never`: only imported or already pulled images can be used.
     #[serde(default = "default_pull")]
     pub pull: PullPolicy,
+    /// Different images pulled at once, at most; more wait their turn.
+    #[serde(default = "default_max_concurrent_pulls")]
+    pub max_concurrent_pulls: usize,
+    /// What one image, all its layers together, may unpack to (pulls and snapshots alike): bytes
+    /// of data written (runs of zeros stay holes and are not counted) …
+    #[serde(default = "default_max_unpacked_bytes")]
+    pub max_unpacked_bytes: String,
+    /// … its files' sizes, holes included …
+    #[serde(default = "default_max_apparent_bytes")]
+    pub max_apparent_bytes: String,
+    /// … entries …
+    #[serde(default = "default_max_entries")]
+    pub max_entries: u64,
+    /// … and folders above an entry (at most 1,536, what a snapshot can keep).
+    #[serde(default = "default_max_depth")]
+    pub max_depth: usize,
 }
 
 impl Default for ImagesSection {
     fn default() -> Self {
         ImagesSection {
             pull: default_pull(),
+            max_concurrent_pulls: default_max_concurrent_pulls(),
+            max_unpacked_bytes: default_max_unpacked_bytes(),
+            max_apparent_bytes: default_max_apparent_bytes(),
+            max_entries: default_max_entries(),
+            max_depth: default_max_depth(),
         }
     }
+}
+
+impl ImagesSection {
+    /// The unpack bounds these settings give. Checked at start, so that a typo is an error then.
+    pub fn unpack_limits(&self) -> anyhow::Result<warren_image::UnpackLimits> {
+        if self.max_depth == 0 || self.max_depth > warren_image::MAX_DEPTH {
+            anyhow::bail!(
+                "max_depth must be 1 to {} (what a snapshot can keep), not {}",
+                warren_image::MAX_DEPTH,
+                self.max_depth
+            );
+        }
+        if self.max_concurrent_pulls == 0 {
+            anyhow::bail!("max_concurrent_pulls must be at least 1");
+        }
+        Ok(warren_image::UnpackLimits {
+            max_entries: self.max_entries,
+            max_depth: self.max_depth,
+            max_data_bytes: warren_core::parse_size_bytes(
+                "max_unpacked_bytes",
+                &self.max_unpacked_bytes,
+            )?,
+            max_apparent_bytes: warren_core::parse_size_bytes(
+                "max_apparent_bytes",
+                &self.max_apparent_bytes,
+            )?,
+        })
+    }
+}
+
+fn default_max_concurrent_pulls() -> usize {
+    4
+}
+
+fn default_max_unpacked_bytes() -> String {
+    "64Gi".into()
+}
+
+fn default_max_apparent_bytes() -> String {
+    "1Ti".into()
+}
+
+fn default_max_entries() -> u64 {
+    2_000_000
+}
+
+fn default_max_depth() -> usize {
+    warren_image::MAX_DEPTH
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -429,6 +498,7 @@ impl ServerConfig {
             runtime.execd_path = Some(PathBuf::from(p));
         }
         file.limits.defaults().context("[limits]")?;
+        file.images.unpack_limits().context("[images]")?;
         if flags.insecure_no_auth && !listen.ip().is_loopback() {
             anyhow::bail!(
                 "--insecure-no-auth is accepted only on a loopback address, not {listen}"
@@ -573,6 +643,24 @@ maxWaitSeconds = 30
         ] {
             let err = load(&format!("[limits]\n{bad}\n")).expect_err(bad);
             assert!(format!("{err:#}").contains("[limits]"), "{err:#}");
+        }
+        let cfg =
+            load("[images]\nmax_unpacked_bytes = \"10Gi\"\nmax_entries = 5000\nmax_depth = 64\n")
+                .expect("load");
+        let limits = cfg.images.unpack_limits().expect("limits");
+        assert_eq!(
+            (limits.max_data_bytes, limits.max_entries, limits.max_depth),
+            (10 << 30, 5000, 64)
+        );
+        assert_eq!(limits.max_apparent_bytes, 1 << 40, "the default");
+        for bad in [
+            "max_unpacked_bytes = \"huge\"",
+            "max_depth = 5000",
+            "max_depth = 0",
+            "max_concurrent_pulls = 0",
+        ] {
+            let err = load(&format!("[images]\n{bad}\n")).expect_err(bad);
+            assert!(format!("{err:#}").contains("[images]"), "{err:#}");
         }
     }
 }

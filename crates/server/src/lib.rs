@@ -225,7 +225,8 @@ impl Server {
             .with_context(|| format!("binding {}", config.listen))?;
         let local_addr = listener.local_addr()?;
         let runtime = make_runtime(&config)?;
-        let images = ImageStore::open(&config.data_dir).context("opening the image store")?;
+        let mut images = ImageStore::open(&config.data_dir).context("opening the image store")?;
+        images.set_unpack_limits(config.images.unpack_limits().context("[images]")?);
         let store = Store::open(&config.data_dir).context("opening the state store")?;
         let network = Arc::new(network::Network::new(&config.network, &config.data_dir)?);
         let sandboxes = Sandboxes::new(
@@ -238,6 +239,7 @@ impl Server {
                 retention_seconds: config.terminated_retention_seconds,
                 registries: (config.images.pull == config::PullPolicy::Missing)
                     .then(|| config.registries.clone()),
+                max_pulls: config.images.max_concurrent_pulls,
                 default_env: default_env(&config),
                 caps: sandboxes::Caps {
                     sandboxes: config.limits.max_sandboxes,

@@ -98,6 +98,8 @@ pub struct Options {
     pub retention_seconds: i64,
     /// Where to pull images a create names but the store lacks; `None`: no pulls.
     pub registries: Option<warren_registry::RegistriesConfig>,
+    /// Different images pulled at once, at most.
+    pub max_pulls: usize,
     /// Set in every sandbox's environment unless its create sets the variable.
     pub default_env: BTreeMap<String, String>,
     pub caps: Caps,
@@ -115,12 +117,17 @@ impl Sandboxes {
         let Options {
             retention_seconds,
             registries,
+            max_pulls,
             default_env,
             caps,
         } = options;
         let images = Arc::new(images);
         let puller = registries.map(|config| {
-            warren_registry::Puller::new(warren_registry::Client::new(config), images.clone())
+            warren_registry::Puller::new(
+                warren_registry::Client::new(config),
+                images.clone(),
+                max_pulls,
+            )
         });
         let create_slots = runtime
             .create_parallelism()
@@ -1387,6 +1394,7 @@ mod tests {
             Options {
                 retention_seconds: 3600,
                 registries: None,
+                max_pulls: 1,
                 default_env: BTreeMap::new(),
                 caps: Caps {
                     sandboxes: 10,
