@@ -161,22 +161,56 @@ def registry(tmp_path_factory):
                     ["docker", "tag", W.TEST_IMAGE_NAME, ref], ["docker", "push", ref], ["docker", "rmi", ref]):
             r = subprocess.run(cmd, input=password, capture_output=True, text=True, env=env)
             assert r.returncode == 0, f"{cmd}: {r.stderr}"
-        yield {"ref": ref, "user": user, "password": password}
+        yield {"ref": ref, "user": user, "password": password, "log": d / "registry.log"}
     finally:
         proc.terminate()
         proc.wait(10)
         log.close()
 
 
-@pytest.fixture
-def pulling_server(server, work_root):
+def serve_pulling(server, work_root, more_config: str):
     """A server of the same runtime that may pull (the shared one never does)."""
     srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-pull-{uuid.uuid4().hex[:6]}")
     srv.docker_pull = True
+    srv.more_config = more_config
     srv.start()
     yield srv
     srv.delete_all_sandboxes()
     srv.stop()
+
+
+@pytest.fixture
+def pulling_server(server, work_root, registry):
+    """It pulls from the test registry, on loopback: a private address, which the daemon is sent to
+    only for a registry configured under [registries]."""
+    yield from serve_pulling(server, work_root, f'[registries."{registry["ref"].split("/")[0]}"]\n')
+
+
+@pytest.fixture
+def unconfigured_pulling_server(server, work_root):
+    yield from serve_pulling(server, work_root, "")
+
+
+def test_the_daemon_is_not_sent_to_a_private_registry_nobody_configured(unconfigured_pulling_server, registry):
+    """A create naming HOST:PORT/repo makes the daemon connect there: an unconfigured registry must be
+    public, and the answer is the same for an open port (the registry) and a closed one."""
+    srv = unconfigured_pulling_server
+    open_host = registry["ref"].split("/")[0]
+    closed_host = f"127.0.0.1:{W.free_port()}"
+    answers = []
+    seen_before = registry["log"].stat().st_size
+    with srv.client() as c:
+        for ref in (registry["ref"], f"{closed_host}/e2e/bookworm:v1", "169.254.169.254/latest/meta:v1"):
+            r = c.post("/v1/sandboxes", json=W.create_body(ref))
+            W.assert_error_body(r, codes=[404])
+            assert r.json()["code"] == "SANDBOX::IMAGE_NOT_FOUND", r.text
+            assert "not public" in r.json()["message"], r.text
+            answers.append(r.json()["message"])
+        assert answers[0].replace(open_host, "R") == answers[1].replace(closed_host, "R")
+        assert c.get("/v1/sandboxes").json()["items"] == [], "nothing half-made"
+    # the registry was never asked
+    log = registry["log"].read_bytes()[seen_before:].decode(errors="replace")
+    assert "/v2/" not in log, log[-2000:]
 
 
 def test_create_pulls_with_image_auth(pulling_server, registry):

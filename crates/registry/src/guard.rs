@@ -10,6 +10,8 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
+use crate::RegistriesConfig;
+
 /// Whether `ip` is one a pull from an unconfigured registry must not reach: loopback, private,
 /// CGNAT, link-local, multicast, reserved and unspecified ranges, and the host's own addresses.
 pub fn is_internal(ip: IpAddr) -> bool {
@@ -83,6 +85,60 @@ pub fn text_allowed(url: &str) -> bool {
     reqwest::Url::parse(url).is_ok_and(|u| url_allowed(&u))
 }
 
+/// Whether another puller (the Docker daemon) may be asked to pull `image`: yes from a registry
+/// configured under `[registries]` and from Docker Hub; from any other only if its host is a public
+/// address or a name that resolves to public addresses only. The refusal reads the same whatever
+/// the cause (an internal address, a name that does not resolve), so it tells nothing about what
+/// listens where. The daemon resolves the name again and follows redirects by its own rules, which
+/// this check cannot see: a registry reachable only through such tricks needs the daemon's own
+/// network policy.
+pub async fn delegated_pull_allowed(config: &RegistriesConfig, image: &str) -> Result<(), String> {
+    let Ok(reference) = warren_image::Reference::parse(image) else {
+        // A name this check cannot read is not handed on on the chance that the daemon can.
+        return Err(format!(
+            "{image:?} is not an image reference this server can check before a pull"
+        ));
+    };
+    let (registry, _) = reference.registry();
+    if registry == warren_image::DOCKER_HUB || config.host(registry).is_some() {
+        return Ok(());
+    }
+    let refused = || {
+        format!(
+            "the registry {registry} is not public, or cannot be resolved to a public address; only a registry configured under [registries.\"{registry}\"] can be private"
+        )
+    };
+    let (host, port) = split_host_port(registry).ok_or_else(refused)?;
+    let found: Vec<SocketAddr> = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|_| refused())?
+            .collect(),
+    };
+    if found.is_empty() || found.iter().any(|a| is_internal(a.ip())) {
+        return Err(refused());
+    }
+    Ok(())
+}
+
+/// `host[:port]` or `[v6]:port` of a reference's registry part (443 when none is given).
+fn split_host_port(registry: &str) -> Option<(&str, u16)> {
+    if let Some(rest) = registry.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']')?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p.parse().ok()?,
+            None if tail.is_empty() => 443,
+            None => return None,
+        };
+        return Some((host, port));
+    }
+    match registry.rsplit_once(':') {
+        Some((host, port)) => Some((host, port.parse().ok()?)),
+        None => Some((registry, 443)),
+    }
+}
+
 /// A resolver that answers only public addresses.
 pub struct PublicOnly;
 
@@ -135,5 +191,51 @@ mod tests {
         )));
         assert!(url_allowed(&url("https://registry.example.com/v2/")));
         assert!(url_allowed(&url("https://1.1.1.1/v2/")));
+    }
+
+    #[tokio::test]
+    async fn a_pull_left_to_another_puller_is_checked_the_same_way() {
+        let none = RegistriesConfig::default();
+        for image in [
+            "127.0.0.1:5000/x:1",
+            "127.0.0.1:1/x:1",
+            "localhost:5000/x:1",
+            "[::1]:5000/x:1",
+            "169.254.169.254/latest:1",
+            "10.0.0.1:443/x:1",
+        ] {
+            let e = delegated_pull_allowed(&none, image).await.expect_err(image);
+            assert!(
+                e.contains("is not public") || e.contains("can check"),
+                "{e}"
+            );
+        }
+        // one answer for an open and a closed port
+        let answer = |image: &'static str, registry: &'static str| {
+            let none = none.clone();
+            async move {
+                delegated_pull_allowed(&none, image)
+                    .await
+                    .err()
+                    .map(|e| e.replace(registry, "R"))
+            }
+        };
+        assert_eq!(
+            answer("127.0.0.1:5000/x:1", "127.0.0.1:5000").await,
+            answer("127.0.0.1:1/x:1", "127.0.0.1:1").await
+        );
+        for image in [
+            "busybox:1",
+            "library/debian:12",
+            "docker.io/x/y:1",
+            "1.1.1.1/x:1",
+        ] {
+            delegated_pull_allowed(&none, image).await.expect(image);
+        }
+        let configured: RegistriesConfig =
+            serde_json::from_value(serde_json::json!({"127.0.0.1:5000": {}})).expect("config");
+        delegated_pull_allowed(&configured, "127.0.0.1:5000/x:1")
+            .await
+            .expect("configured, so trusted");
     }
 }

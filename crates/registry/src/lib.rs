@@ -15,4 +15,5 @@ mod pull;
 pub use client::Client;
 pub use config::{Credentials, Endpoint, HostConfig, RegistriesConfig};
 pub use error::{PullError, PullErrorKind};
+pub use guard::delegated_pull_allowed;
 pub use pull::{LayerInfo, PullProgress, Puller};

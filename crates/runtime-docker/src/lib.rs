@@ -46,6 +46,9 @@ pub struct DockerConfig {
     pub oci_runtime: Option<String>,
     /// Pull images the daemon does not have (else they must be there already).
     pub pull: bool,
+    /// The server's `[registries]`: a registry configured there may be private; the daemon is
+    /// asked to pull from any other only if it is public (see `delegated_pull_allowed`).
+    pub registries: warren_registry::RegistriesConfig,
     pub data_dir: PathBuf,
     /// The static execd binary on the host (the daemon must run on this host to bind-mount it).
     pub execd_path: PathBuf,
@@ -135,6 +138,15 @@ impl DockerRuntime {
                 "image {name:?} is not on the Docker host, and this server does not pull ([docker] pull = \"never\")"
             )));
         }
+        // The daemon connects wherever a create's name points; a caller must not make it reach
+        // the host's own or private services, nor learn from its errors which ports are open.
+        warren_registry::delegated_pull_allowed(&self.config.registries, name)
+            .await
+            .map_err(|why| {
+                RuntimeError::ImageNotFound(format!(
+                    "image {name:?} is not on the Docker host, and it is not pulled: {why}"
+                ))
+            })?;
         let registry_auth = auth.map(|a| {
             let json = json!({"username": a.username, "password": a.password});
             base64::engine::general_purpose::URL_SAFE.encode(json.to_string())
@@ -794,6 +806,7 @@ mod tests {
             host: Some("unix:///nonexistent".into()),
             oci_runtime: Some("runsc".into()),
             pull: false,
+            registries: Default::default(),
             data_dir: std::env::temp_dir().join("warren-docker-unit"),
             execd_path: "/opt/warren-execd".into(),
             ready_timeout: Duration::from_secs(1),

@@ -366,6 +366,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                         anyhow::bail!("[docker] pull = {other:?}: use \"missing\" or \"never\"")
                     }
                 },
+                registries: config.registries.clone(),
                 data_dir: config.data_dir.clone(),
                 // The daemon bind-mounts it: it must be an absolute host path.
                 execd_path: std::fs::canonicalize(&execd_path)
