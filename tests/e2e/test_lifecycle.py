@@ -119,6 +119,20 @@ def test_ephemeral_storage_bounds_the_root_filesystem(server, test_image, make_s
     assert "exit=0" in out, out
 
 
+def test_a_create_without_a_disk_bound_gets_the_default_one(server, test_image, make_sandbox):
+    """No sandbox can fill the host's disk unless the operator says so: a create that names no
+    `ephemeral-storage` gets [limits] default_ephemeral_storage (10Gi), on a sparse disk of its own.
+    gVisor holds root writes in the sandbox's memory (bounded by the memory limit); Docker's
+    overlay2 on ext4 cannot bound them, so there no default applies."""
+    if server.is_docker or server.gvisor:
+        pytest.skip("this runtime does not bound disk writes apart (see the docstring)")
+    sbx = make_sandbox(test_image, resource={"cpu": "1", "memory": "512Mi"})
+    code, out, err = sh(sbx, "df -B1 --output=size / | tail -1")
+    assert code == 0, err
+    size = int(out.strip())
+    assert 9 << 30 < size <= 10 << 30, f"the root's file system is {size} bytes"
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

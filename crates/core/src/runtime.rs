@@ -224,6 +224,13 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Whether this runtime bounds a sandbox's root filesystem writes to its `ephemeral-storage`
+    /// on every host it runs on. Only such a runtime gets the server's default bound for creates
+    /// that name none; elsewhere a create naming one may still be tried (and refused if it cannot).
+    fn bounds_disk(&self) -> bool {
+        false
+    }
+
     /// The host pid of a process in the sandbox's network namespace, when the runtime lets Warren give
     /// that namespace a network link (egress). `None`: this runtime cannot have networking.
     fn network_pid(&self, _state: &RuntimeState) -> Option<i32> {

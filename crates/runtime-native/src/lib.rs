@@ -434,7 +434,7 @@ impl NativeRuntime {
             .make(&spec.id)
             .map_err(|e| RuntimeError::backend_with(format!("creating {}", dir.display()), e))?;
         if let Some(bytes) = spec.limits.disk_bytes {
-            disk::make(dir, bytes).map_err(|e| {
+            disk::make(&self.inner.config.data_dir, dir, bytes).map_err(|e| {
                 RuntimeError::backend_with(
                     format!("making the sandbox's {bytes}-byte disk (ephemeral-storage)"),
                     e,
@@ -992,6 +992,11 @@ impl NativeRuntime {
 
 #[async_trait::async_trait]
 impl Runtime for NativeRuntime {
+    fn bounds_disk(&self) -> bool {
+        // gVisor keeps root writes in its own memory (bounded by the memory limit instead).
+        !self.is_gvisor()
+    }
+
     fn supports_network(&self) -> bool {
         // gVisor runs its own network stack inside the sandbox (started with --network=none here):
         // a link in the host-side namespace would not reach it.

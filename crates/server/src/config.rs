@@ -329,8 +329,9 @@ pub struct LimitsSection {
     /// For creates that name no CPU (`"none"`: no quota).
     #[serde(default = "default_cpu")]
     pub default_cpu: Option<String>,
-    /// `ephemeral-storage` for creates that leave it out: an operator's bound on every sandbox's
-    /// root filesystem, whatever its clients ask for.
+    /// `ephemeral-storage` for creates that leave it out, so that no sandbox can fill the host's
+    /// disk. Unset: [`DEFAULT_EPHEMERAL_STORAGE`] on a runtime that bounds disk writes (see
+    /// [`LimitsSection::resolve_disk_default`]); `"none"` leaves such creates unbounded.
     pub default_ephemeral_storage: Option<String>,
     /// Sandboxes that have not ended, at most (warm pools' included); a create beyond is 429.
     #[serde(default = "default_max_sandboxes")]
@@ -369,11 +370,35 @@ impl LimitsSection {
             disk_bytes: self
                 .default_ephemeral_storage
                 .as_deref()
+                .filter(|v| *v != "none")
                 .map(warren_core::parse_disk_bytes)
                 .transpose()?,
         })
     }
+
+    /// Settles `default_ephemeral_storage` for a runtime that does (or does not) bound disk
+    /// writes: unset becomes [`DEFAULT_EPHEMERAL_STORAGE`] where it can be enforced and no bound
+    /// elsewhere (gVisor holds root writes in the sandbox's memory, under its memory limit); a
+    /// bound the operator set where it cannot be enforced is an error at start, not a refusal of
+    /// every create.
+    pub fn resolve_disk_default(&mut self, runtime_bounds_disk: bool) -> anyhow::Result<()> {
+        match self.default_ephemeral_storage.as_deref() {
+            None if runtime_bounds_disk => {
+                self.default_ephemeral_storage = Some(DEFAULT_EPHEMERAL_STORAGE.into());
+            }
+            None | Some("none") => self.default_ephemeral_storage = None,
+            Some(q) if !runtime_bounds_disk => anyhow::bail!(
+                "[limits] default_ephemeral_storage = {q:?}: this runtime cannot bound a sandbox's disk writes; set it to \"none\""
+            ),
+            Some(_) => {}
+        }
+        Ok(())
+    }
 }
+
+/// The bound on a sandbox's root filesystem writes when neither the create nor the config names
+/// one. The disk is sparse: only what a sandbox writes takes room on the host.
+pub const DEFAULT_EPHEMERAL_STORAGE: &str = "10Gi";
 
 fn default_pids() -> u64 {
     4096
@@ -644,6 +669,28 @@ maxWaitSeconds = 30
             let err = load(&format!("[limits]\n{bad}\n")).expect_err(bad);
             assert!(format!("{err:#}").contains("[limits]"), "{err:#}");
         }
+        // the disk default, settled per runtime
+        let mut limits = LimitsSection::default();
+        limits.resolve_disk_default(true).expect("bounding runtime");
+        assert_eq!(
+            limits.defaults().expect("defaults").disk_bytes,
+            Some(10 << 30),
+            "bounded by default"
+        );
+        let mut limits = LimitsSection::default();
+        limits.resolve_disk_default(false).expect("gVisor");
+        assert_eq!(limits.defaults().expect("defaults").disk_bytes, None);
+        let mut limits = LimitsSection {
+            default_ephemeral_storage: Some("none".into()),
+            ..LimitsSection::default()
+        };
+        limits.resolve_disk_default(true).expect("operator's choice");
+        assert_eq!(limits.defaults().expect("defaults").disk_bytes, None);
+        let mut limits = LimitsSection {
+            default_ephemeral_storage: Some("5Gi".into()),
+            ..LimitsSection::default()
+        };
+        assert!(limits.resolve_disk_default(false).is_err(), "cannot be kept");
         let cfg =
             load("[images]\nmax_unpacked_bytes = \"10Gi\"\nmax_entries = 5000\nmax_depth = 64\n")
                 .expect("load");
