@@ -222,6 +222,16 @@ async def docker_once(image: str) -> float:
 
 # --- drivers ---------------------------------------------------------------------------------
 
+def busy_jiffies() -> int:
+    """The machine's CPU time so far (all cores, idle and iowait excepted), in clock ticks."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+def cpu_ms_per_cycle(jiffies: int, cycles: int) -> float:
+    return jiffies * 1000 / os.sysconf("SC_CLK_TCK") / cycles if cycles else float("nan")
+
+
 async def measure(make, n: int, concurrency: int) -> dict:
     times: list[float] = []
     errors: list[str] = []
@@ -234,10 +244,11 @@ async def measure(make, n: int, concurrency: int) -> dict:
             except Exception as e:  # noqa: BLE001 - counted and reported
                 errors.append(str(e)[:200])
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), busy_jiffies()
     await asyncio.gather(*(one() for _ in range(n)))
+    cpu = cpu_ms_per_cycle(busy_jiffies() - cpu0, len(times))
     ms = [t * 1000 for t in times]
-    return {"n": n, "concurrency": concurrency, "ok": len(times), "failed": len(errors),
+    return {"n": n, "concurrency": concurrency, "ok": len(times), "failed": len(errors), "cpu_ms": cpu,
             "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
             "mean_ms": statistics.fmean(ms) if ms else float("nan"), "wall_s": time.perf_counter() - t0,
             "errors": errors[:3]}
@@ -248,13 +259,16 @@ def rust_client_run(load: Path, port: int, key: str, image: str, n: int, concurr
     """The same cycle as raw_once, driven by the compiled warren-sdk client (bench/load) in its own
     process, so no Python CPU competes with the server for the machine's cores; `pause_ms` between
     cycles."""
+    cpu0 = busy_jiffies()
     out = subprocess.run([str(load), "--domain", f"127.0.0.1:{port}", "--api-key", key, "--image", image,
                           "--command", COMMAND, "--n", str(n), "--concurrency", str(concurrency),
                           "--pause-ms", str(pause_ms)],
                          check=True, capture_output=True, text=True, timeout=600)
+    busy = busy_jiffies() - cpu0
     r = json.loads(out.stdout)
     ms = r["times_ms"]
-    return {"n": n, "concurrency": concurrency, "ok": len(ms), "failed": len(r["errors"]),
+    cpu = cpu_ms_per_cycle(busy, len(ms))
+    return {"n": n, "concurrency": concurrency, "ok": len(ms), "failed": len(r["errors"]), "cpu_ms": cpu,
             "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
             "mean_ms": statistics.fmean(ms) if ms else float("nan"), "wall_s": r["wall_s"],
             "errors": [e[:200] for e in r["errors"][:3]]}
@@ -284,6 +298,9 @@ async def main() -> None:
                     help="also run Warren on the Docker runtime (and `docker run`), when a daemon answers")
     ap.add_argument("--no-userns", action="store_true",
                     help="also run the raw API rows against a server without user namespaces")
+    ap.add_argument("--no-disk", action="store_true",
+                    help="also run the raw API and Rust rows against a server whose sandboxes get no disk "
+                         "of their own by default ([limits] default_ephemeral_storage = \"none\")")
     ap.add_argument("--load", help="the warren-load binary (default: beside --warren)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -294,11 +311,14 @@ async def main() -> None:
     docker_server = Server(Path(args.warren), args.oci, 0, kind="docker") if use_docker else None
     plain_server = (Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel,
                             extra_config="user_namespaces = false\n") if args.no_userns else None)
+    nodisk_server = (Server(Path(args.warren), args.oci, args.standby, max_parallel=args.max_parallel,
+                            extra_config='[limits]\ndefault_ephemeral_storage = "none"\n')
+                     if args.no_disk else None)
     image = args.image
     if image == "test":
         image = args.docker_image
         rootfs = os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs")
-        for srv in (server, plain_server):
+        for srv in (server, plain_server, nodisk_server):
             if srv:
                 subprocess.run([args.warren, "image", "import", image, rootfs, "--data-dir", str(srv.dir / "data")],
                                check=True, capture_output=True)
@@ -349,6 +369,16 @@ async def main() -> None:
                 kinds = {k2: v2 for k, v in kinds.items()
                          for k2, v2 in ([(k, v), ("warren raw API no-userns", plain_row)]
                                         if k == "warren raw API" else [(k, v)])}
+            if nodisk_server:
+                nbase = f"http://127.0.0.1:{nodisk_server.port}"
+                for _ in range(3):
+                    await raw_once(client, nbase, nodisk_server.key, image)
+                await asyncio.gather(*(raw_once(client, nbase, nodisk_server.key, image)
+                                       for _ in range(args.concurrency)))
+                nodisk_row = lambda: raw_once(client, nbase, nodisk_server.key, image)  # noqa: E731
+                kinds = {k2: v2 for k, v in kinds.items()
+                         for k2, v2 in ([(k, v), ("warren raw API no-disk", nodisk_row)]
+                                        if k == "warren raw API" else [(k, v)])}
             if docker_server:
                 dbase = f"http://127.0.0.1:{docker_server.port}"
                 for _ in range(3):
@@ -365,6 +395,9 @@ async def main() -> None:
                 for conc in (1, args.concurrency):
                     results[f"warren Rust SDK c={conc}"] = rust_client_run(
                         load, server.port, server.key, image, args.n, conc)
+                    if nodisk_server:
+                        results[f"warren Rust SDK no-disk c={conc}"] = rust_client_run(
+                            load, nodisk_server.port, nodisk_server.key, image, args.n, conc)
             else:
                 print(f"# {load} not built (cargo build --release -p warren-bench): Rust SDK rows omitted")
         await shared.aclose()
@@ -375,19 +408,21 @@ async def main() -> None:
             docker_server.stop()
         if plain_server:
             plain_server.stop()
+        if nodisk_server:
+            nodisk_server.stop()
 
     machine = f"{os.cpu_count()} cpus, {platform.machine()}, Linux {platform.release()}"
     print(f"# create -> first output of {COMMAND!r} -> delete; image {image!r}, oci runtime {args.oci}, "
           f"standby helpers {args.standby}, n={args.n} per row")
     print(f"# machine: {machine}; server RSS after the run: {rss / 1024:.1f} MiB")
     print(f"{'kind':<30}{'ok/n':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'p50 / fork':>12}"
-          + (f"{'p50 / docker':>14}" if use_docker else ""))
+          f"{'CPU ms/cycle':>14}" + (f"{'p50 / docker':>14}" if use_docker else ""))
     for name, r in results.items():
         conc = name.rsplit("c=", 1)[1]
         floor = results.get(f"fork+exec c={conc}")
         ratio = r["p50_ms"] / floor["p50_ms"] if floor and floor["p50_ms"] else float("nan")
         line = (f"{name:<30}{r['ok']:>4}/{r['n']:<4}{r['p50_ms']:>10.1f}{r['p90_ms']:>10.1f}"
-                f"{r['p99_ms']:>10.1f}{ratio:>12.1f}")
+                f"{r['p99_ms']:>10.1f}{ratio:>12.1f}{r['cpu_ms']:>14.1f}")
         docker = results.get(f"docker run --rm c={conc}")
         if docker and docker["p50_ms"]:
             line += f"{r['p50_ms'] / docker['p50_ms']:>14.2f}"

@@ -87,6 +87,81 @@ def test_a_tree_deeper_than_any_stack_snapshots_cleanly_survives_a_restart_and_d
                  message="the trash to empty")
 
 
+# A million empty files, a thousand per folder.
+WIDE_TREE = """
+import os, sys
+top, entries = sys.argv[1], int(sys.argv[2])
+for d in range(entries // 1000):
+    folder = os.path.join(top, str(d))
+    os.makedirs(folder)
+    fd = os.open(folder, os.O_RDONLY)
+    for f in range(999):
+        os.close(os.open(str(f), os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
+print("made", entries)
+"""
+
+ENTRIES = 1_000_000
+
+
+@pytest.mark.timeout(900)
+def test_a_million_entry_tree_snapshots_survives_a_restart_and_deletes(fresh_server):
+    """A sandbox's tree of 1,000,000 entries (within the default bounds: 2,000,000 per image, an
+    inode per 8 KiB of its 10 GiB disk) is snapshotted, restored, re-adopted after a restart and
+    removed with its sandbox and snapshot, the server answering all along. The walks are the
+    server's own, the same under every native runtime: embedded alone runs it (gVisor keeps such
+    writes in memory and snapshots nothing)."""
+    from opensandbox import SandboxSync
+
+    srv = fresh_server
+    _native_only(srv)
+    if srv.runtime != "embedded":
+        pytest.skip("the same walks as under the embedded runtime")
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
+    W.track_sandbox(sbx.id)
+    sbx.files.write_file("/tmp/wide.py", WIDE_TREE)
+    code, out, err = W.sh(sbx, f"python3 /tmp/wide.py /wide {ENTRIES}", timeout=timedelta(seconds=400))
+    assert code == 0 and f"made {ENTRIES}" in out, (out, err)
+
+    with srv.client() as c:
+        r = c.post(f"/v1/sandboxes/{sbx.id}/snapshots", json={"name": "wide"})
+        assert r.status_code in (200, 201, 202), r.text
+        snap = r.json()["id"]
+
+        def ended():
+            assert c.get("/health").status_code == 200
+            st = c.get(f"/v1/snapshots/{snap}").json()["status"]
+            return st if st["state"] in ("Ready", "Failed") else None
+        st = W.wait_until(ended, 600, interval=1, message="the snapshot to end")
+        assert st["state"] == "Ready", st
+    with srv.client() as c:
+        r = c.post("/v1/sandboxes", json={**W.create_body(), "image": None, "snapshotId": snap})
+        assert r.status_code == 202, r.text
+        restored = SandboxSync.connect(r.json()["id"], connection_config=srv.sdk_config())
+        W.track_sandbox(restored.id)
+    code, out, err = W.sh(restored, "ls /wide | wc -l; ls /wide/999 | wc -l")
+    assert code == 0 and out.split() == ["1000", "999"], (out, err)
+    restored.kill()
+
+    srv.kill9()
+    srv.start()
+    sbx = SandboxSync.connect(sbx.id, connection_config=srv.sdk_config())
+    code, out, err = W.sh(sbx, "ls /wide/0 | wc -l")
+    assert code == 0 and out.strip() == "999", ("re-adopted after the restart", out, err)
+
+    folder = srv.data_dir / "sandboxes" / sbx.id
+    sbx.kill()
+    with srv.client() as c:
+        assert c.delete(f"/v1/snapshots/{snap}").status_code in (200, 204)
+    W.wait_until(lambda: not folder.exists(), 300, interval=0.5, message="the sandbox folder to go")
+    trash = srv.data_dir / "trash"
+    W.wait_until(lambda: not any(trash.iterdir()) if trash.exists() else True, 300, interval=0.5,
+                 message="the trash to empty")
+    with srv.client() as c:
+        assert c.get("/health").status_code == 200
+
+
 @pytest.mark.timeout(600)
 def test_a_deep_tree_left_in_the_trash_is_removed_at_start(fresh_server):
     """A server that died while removing a sandbox's folder leaves it in the trash; the next one

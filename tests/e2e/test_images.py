@@ -123,7 +123,7 @@ def test_folders_warren_needs_come_from_a_base_layer_and_the_image_wins(server, 
         assert lines[1] == "755 directory", lines
         assert lines[-1] == "x"
         if not server.gvisor:  # gVisor keeps a sandbox's writes in its own overlay
-            upper = server.data_dir / "sandboxes" / sbx.id / "upper"
+            upper = W.upper_dir(server.data_dir, sbx.id)
             made = sorted(p.name for p in upper.iterdir())
             assert made == ["workspace"], f"only what the sandbox wrote is in its upper dir: {made}"
         sbx.kill()

@@ -52,7 +52,7 @@ def range_of(sbx) -> int:
 
 
 def upper(srv, sbx) -> Path:
-    return srv.data_dir / "sandboxes" / sbx.id / "upper"
+    return W.upper_dir(srv.data_dir, sbx.id)
 
 
 def test_root_is_a_range_of_its_own(userns_server):

@@ -106,6 +106,13 @@ def track_sandbox(sandbox_id: str | None) -> None:
 # small utilities
 # --------------------------------------------------------------------------
 
+def upper_dir(data_dir: Path, sandbox_id: str) -> Path:
+    """A native sandbox's overlay upper folder: on its own disk (`disk/upper`, by default) or, for a
+    sandbox without one, in its folder."""
+    folder = data_dir / "sandboxes" / sandbox_id
+    return folder / "disk" / "upper" if (folder / "disk").is_dir() else folder / "upper"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
