@@ -88,10 +88,14 @@ async def main() -> None:
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--image", default="host")
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
+    ap.add_argument("--only", choices=["idle"], help="run only the idle sandboxes' row")
+    ap.add_argument("--no-disk", action="store_true",
+                    help="sandboxes without a disk of their own ([limits] default_ephemeral_storage = \"none\")")
     ap.add_argument("--json")
     args = ap.parse_args()
     server = Server(Path(args.warren), "embedded", 2,
-                    extra_config='[network]\ndns_upstream = "127.0.0.1:9"\n[images]\npull = "never"\n')
+                    extra_config='[network]\ndns_upstream = "127.0.0.1:9"\n[images]\npull = "never"\n'
+                    + ('[limits]\ndefault_ephemeral_storage = "none"\n' if args.no_disk else ""))
     image = args.image
     if image == "test":
         image = "warren-test:bookworm"
@@ -106,125 +110,126 @@ async def main() -> None:
     try:
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             plain = body(image)
-            # The floor, in the same run: this machine's speed at starting a process moves every row
-            # (it has differed by 2x from one day to the next), so read the rows against it.
-            results["fork+exec c=1 (sh -c, no sandbox)"] = await measure(fork_once, args.n, 1)
-            for _ in range(3):
-                await cycle(client, base, h, plain)
-            print("no pool …", flush=True)
-            for conc in (1, 10, 50, 100):
-                results[f"no pool c={conc}"] = await measure(lambda: cycle(client, base, h, plain), args.n, conc)
-            if docker_available():
-                print("docker run …", flush=True)
-                for conc in (1, 10):
-                    results[f"docker run --rm c={conc}"] = await measure(lambda: docker_once("warren-test:bookworm"),
-                                                                         min(args.n, 50), conc)
+            if args.only != "idle":
+                # The floor, in the same run: this machine's speed at starting a process moves every row
+                # (it has differed by 2x from one day to the next), so read the rows against it.
+                results["fork+exec c=1 (sh -c, no sandbox)"] = await measure(fork_once, args.n, 1)
+                for _ in range(3):
+                    await cycle(client, base, h, plain)
+                print("no pool …", flush=True)
+                for conc in (1, 10, 50, 100):
+                    results[f"no pool c={conc}"] = await measure(lambda: cycle(client, base, h, plain), args.n, conc)
+                if docker_available():
+                    print("docker run …", flush=True)
+                    for conc in (1, 10):
+                        results[f"docker run --rm c={conc}"] = await measure(lambda: docker_once("warren-test:bookworm"),
+                                                                             min(args.n, 50), conc)
 
-            # --- warm pool ---
-            p = args.pool
-            pool_body = body(image, env={"BENCH_POOL": "1"})
-            spec = {"name": "bench", "template": pool_body, "maxWaitSeconds": 120,
-                    "capacitySpec": {"bufferMin": p, "bufferMax": p, "poolMin": 0, "poolMax": p}}
-            r = await client.post(f"{base}/v1/pools", headers=h, json=spec)
-            assert r.status_code == 201, r.text
-
-            async def warm():
-                while (await client.get(f"{base}/v1/pools/bench", headers=h)).json()["status"]["available"] < p:
-                    await asyncio.sleep(0.05)
-            print("pool …", flush=True)
-            await warm()
-            serial = []
-            for _ in range(min(args.n, p)):
-                serial.append(await cycle(client, base, h, pool_body))
-                await warm()
-            ms = sorted(x * 1000 for x in serial)
-            results["pool claim c=1"] = {"n": len(ms), "concurrency": 1, "ok": len(ms), "failed": 0,
-                                         "p50_ms": ms[len(ms) // 2], "p90_ms": ms[int(len(ms) * 0.9)],
-                                         "p99_ms": ms[-1], "errors": []}
-            # The same claims from a compiled client (warren-load, on warren-sdk): its create body is
-            # exactly a template without env, so a pool of that template serves it automatically.
-            load = Path(args.warren).with_name("warren-load")
-            if load.exists():
-                rust_spec = {**spec, "name": "bench-rust", "template": plain}
-                r = await client.post(f"{base}/v1/pools", headers=h, json=rust_spec)
+                # --- warm pool ---
+                p = args.pool
+                pool_body = body(image, env={"BENCH_POOL": "1"})
+                spec = {"name": "bench", "template": pool_body, "maxWaitSeconds": 120,
+                        "capacitySpec": {"bufferMin": p, "bufferMax": p, "poolMin": 0, "poolMax": p}}
+                r = await client.post(f"{base}/v1/pools", headers=h, json=spec)
                 assert r.status_code == 201, r.text
-                while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
-                    await asyncio.sleep(0.05)
-                results["pool claim c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
-                                                                            p, 1)
-                # The same claims 300 ms apart: each from a full, quiet pool, with the previous
-                # cycle's refill done (back to back, each claim shares the CPUs with the refill
-                # its predecessor's delete started).
-                while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
-                    await asyncio.sleep(0.05)
-                results["pool claim c=1, Rust SDK client, 300 ms apart"] = rust_client_run(
-                    load, server.port, server.key, image, p, 1, pause_ms=300)
-                await client.delete(f"{base}/v1/pools/bench-rust", headers=h)
-                results["no pool c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
-                                                                         p, 1)
-            else:
-                print(f"# {load} not built (cargo build --release -p warren-bench): Rust SDK rows omitted")
-            for mult in (1, 2, 4):
+
+                async def warm():
+                    while (await client.get(f"{base}/v1/pools/bench", headers=h)).json()["status"]["available"] < p:
+                        await asyncio.sleep(0.05)
+                print("pool …", flush=True)
                 await warm()
-                n = mult * p
-                results[f"pool burst {mult}x ({n}) c={n}"] = await measure(
-                    lambda: cycle(client, base, h, pool_body), n, n)
-            await client.delete(f"{base}/v1/pools/bench", headers=h)
+                serial = []
+                for _ in range(min(args.n, p)):
+                    serial.append(await cycle(client, base, h, pool_body))
+                    await warm()
+                ms = sorted(x * 1000 for x in serial)
+                results["pool claim c=1"] = {"n": len(ms), "concurrency": 1, "ok": len(ms), "failed": 0,
+                                             "p50_ms": ms[len(ms) // 2], "p90_ms": ms[int(len(ms) * 0.9)],
+                                             "p99_ms": ms[-1], "errors": []}
+                # The same claims from a compiled client (warren-load, on warren-sdk): its create body is
+                # exactly a template without env, so a pool of that template serves it automatically.
+                load = Path(args.warren).with_name("warren-load")
+                if load.exists():
+                    rust_spec = {**spec, "name": "bench-rust", "template": plain}
+                    r = await client.post(f"{base}/v1/pools", headers=h, json=rust_spec)
+                    assert r.status_code == 201, r.text
+                    while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
+                        await asyncio.sleep(0.05)
+                    results["pool claim c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
+                                                                                p, 1)
+                    # The same claims 300 ms apart: each from a full, quiet pool, with the previous
+                    # cycle's refill done (back to back, each claim shares the CPUs with the refill
+                    # its predecessor's delete started).
+                    while (await client.get(f"{base}/v1/pools/bench-rust", headers=h)).json()["status"]["available"] < p:
+                        await asyncio.sleep(0.05)
+                    results["pool claim c=1, Rust SDK client, 300 ms apart"] = rust_client_run(
+                        load, server.port, server.key, image, p, 1, pause_ms=300)
+                    await client.delete(f"{base}/v1/pools/bench-rust", headers=h)
+                    results["no pool c=1, Rust SDK client"] = rust_client_run(load, server.port, server.key, image,
+                                                                             p, 1)
+                else:
+                    print(f"# {load} not built (cargo build --release -p warren-bench): Rust SDK rows omitted")
+                for mult in (1, 2, 4):
+                    await warm()
+                    n = mult * p
+                    results[f"pool burst {mult}x ({n}) c={n}"] = await measure(
+                        lambda: cycle(client, base, h, pool_body), n, n)
+                await client.delete(f"{base}/v1/pools/bench", headers=h)
 
-            # --- sustained creates ---
-            print(f"sustained for {args.sustain:.0f} s …", flush=True)
-            done = 0
-            errors = 0
-            stop = time.perf_counter() + args.sustain
+                # --- sustained creates ---
+                print(f"sustained for {args.sustain:.0f} s …", flush=True)
+                done = 0
+                errors = 0
+                stop = time.perf_counter() + args.sustain
 
-            async def worker():
-                nonlocal done, errors
-                while time.perf_counter() < stop:
-                    try:
-                        await cycle(client, base, h, plain)
-                        done += 1
-                    except Exception:  # noqa: BLE001 - counted
-                        errors += 1
-            t0 = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(10)))
-            wall = time.perf_counter() - t0
-            notes["sustained"] = {"seconds": wall, "cycles": done, "errors": errors, "per_second": done / wall}
-            # The same for the compiled client: on 2 cores the Python client above takes about a third
-            # of the machine's CPU, so its rate says as much about httpx as about the server.
-            load = Path(args.warren).with_name("warren-load")
-            if load.exists():
-                print(f"sustained for {args.sustain:.0f} s, compiled client …", flush=True)
-                out = subprocess.run([str(load), "--domain", f"127.0.0.1:{server.port}", "--api-key", server.key,
-                                      "--image", image, "--seconds", str(args.sustain), "--concurrency", "10"],
-                                     check=True, capture_output=True, text=True, timeout=args.sustain + 300)
-                r = json.loads(out.stdout)
-                ms = sorted(r["times_ms"])
-                notes["sustained_rust_client"] = {
-                    "seconds": r["wall_s"], "cycles": len(ms), "errors": len(r["errors"]),
-                    "per_second": len(ms) / r["wall_s"],
-                    "create_to_first_output_p50_ms": ms[len(ms) // 2] if ms else None,
-                    "create_to_first_output_p99_ms": ms[int(len(ms) * 0.99)] if ms else None}
-
-            # --- fork from a snapshot ---
-            if image != "host":
-                print("fork …", flush=True)
-                r = await client.post(f"{base}/v1/sandboxes", headers=h, json=plain)
-                src = r.json()["id"]
-                ep = (await client.get(f"{base}/v1/sandboxes/{src}/endpoints/44772", headers=h)).json()
-                await client.post(f"http://{ep['endpoint']}/command", headers=ep.get("headers", {}),
-                                  json={"command": "seq 1 100000 > /root/state && pip --version >/dev/null 2>&1; true"})
+                async def worker():
+                    nonlocal done, errors
+                    while time.perf_counter() < stop:
+                        try:
+                            await cycle(client, base, h, plain)
+                            done += 1
+                        except Exception:  # noqa: BLE001 - counted
+                            errors += 1
                 t0 = time.perf_counter()
-                snap = (await client.post(f"{base}/v1/sandboxes/{src}/snapshots", headers=h, json={})).json()
-                while (await client.get(f"{base}/v1/snapshots/{snap['id']}", headers=h)).json()["status"]["state"] != "Ready":
-                    await asyncio.sleep(0.01)
-                notes["snapshot_ms"] = (time.perf_counter() - t0) * 1000
-                fork_body = {k: v for k, v in plain.items() if k != "image"} | {"snapshotId": snap["id"]}
-                t0 = time.perf_counter()
-                results[f"fork of {args.fork} c=10"] = await measure(
-                    lambda: cycle(client, base, h, fork_body), args.fork, 10)
-                notes["fork_wall_ms"] = (time.perf_counter() - t0) * 1000
-                await client.delete(f"{base}/v1/sandboxes/{src}", headers=h)
-                await client.delete(f"{base}/v1/snapshots/{snap['id']}", headers=h)
+                await asyncio.gather(*(worker() for _ in range(10)))
+                wall = time.perf_counter() - t0
+                notes["sustained"] = {"seconds": wall, "cycles": done, "errors": errors, "per_second": done / wall}
+                # The same for the compiled client: on 2 cores the Python client above takes about a third
+                # of the machine's CPU, so its rate says as much about httpx as about the server.
+                load = Path(args.warren).with_name("warren-load")
+                if load.exists():
+                    print(f"sustained for {args.sustain:.0f} s, compiled client …", flush=True)
+                    out = subprocess.run([str(load), "--domain", f"127.0.0.1:{server.port}", "--api-key", server.key,
+                                          "--image", image, "--seconds", str(args.sustain), "--concurrency", "10"],
+                                         check=True, capture_output=True, text=True, timeout=args.sustain + 300)
+                    r = json.loads(out.stdout)
+                    ms = sorted(r["times_ms"])
+                    notes["sustained_rust_client"] = {
+                        "seconds": r["wall_s"], "cycles": len(ms), "errors": len(r["errors"]),
+                        "per_second": len(ms) / r["wall_s"],
+                        "create_to_first_output_p50_ms": ms[len(ms) // 2] if ms else None,
+                        "create_to_first_output_p99_ms": ms[int(len(ms) * 0.99)] if ms else None}
+
+                # --- fork from a snapshot ---
+                if image != "host":
+                    print("fork …", flush=True)
+                    r = await client.post(f"{base}/v1/sandboxes", headers=h, json=plain)
+                    src = r.json()["id"]
+                    ep = (await client.get(f"{base}/v1/sandboxes/{src}/endpoints/44772", headers=h)).json()
+                    await client.post(f"http://{ep['endpoint']}/command", headers=ep.get("headers", {}),
+                                      json={"command": "seq 1 100000 > /root/state && pip --version >/dev/null 2>&1; true"})
+                    t0 = time.perf_counter()
+                    snap = (await client.post(f"{base}/v1/sandboxes/{src}/snapshots", headers=h, json={})).json()
+                    while (await client.get(f"{base}/v1/snapshots/{snap['id']}", headers=h)).json()["status"]["state"] != "Ready":
+                        await asyncio.sleep(0.01)
+                    notes["snapshot_ms"] = (time.perf_counter() - t0) * 1000
+                    fork_body = {k: v for k, v in plain.items() if k != "image"} | {"snapshotId": snap["id"]}
+                    t0 = time.perf_counter()
+                    results[f"fork of {args.fork} c=10"] = await measure(
+                        lambda: cycle(client, base, h, fork_body), args.fork, 10)
+                    notes["fork_wall_ms"] = (time.perf_counter() - t0) * 1000
+                    await client.delete(f"{base}/v1/sandboxes/{src}", headers=h)
+                    await client.delete(f"{base}/v1/snapshots/{snap['id']}", headers=h)
 
             # --- idle sandboxes ---
             print(f"{args.idle} idle sandboxes …", flush=True)

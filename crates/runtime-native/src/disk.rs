@@ -268,8 +268,7 @@ mod loop_device {
                         }
                         return Err(io::Error::last_os_error());
                     }
-                    if unsafe { libc::ioctl(fd.as_raw_fd(), LOOP_SET_STATUS64, &config.info) } < 0
-                    {
+                    if unsafe { libc::ioctl(fd.as_raw_fd(), LOOP_SET_STATUS64, &config.info) } < 0 {
                         let e = io::Error::last_os_error();
                         unsafe { libc::ioctl(fd.as_raw_fd(), LOOP_CLR_FD) };
                         return Err(e);
@@ -362,7 +361,11 @@ mod tests {
         assert_eq!(templates.len(), 1);
         let image = fs::metadata(dirs[0].join(IMAGE_FILE)).expect("image");
         assert_eq!(image.len(), size);
-        assert!(image.blocks() * 512 < 4 << 20, "sparse: {} blocks", image.blocks());
+        assert!(
+            image.blocks() * 512 < 4 << 20,
+            "sparse: {} blocks",
+            image.blocks()
+        );
         // the disk's size bounds what is written on it
         let mut f = fs::File::create(mount_point(&dirs[0]).join("upper/big")).expect("file");
         let chunk = vec![7u8; 1 << 20];
@@ -376,10 +379,19 @@ mod tests {
         assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
         assert!(written < size, "{written}");
         drop(f);
-        let allocated = || fs::metadata(dirs[0].join(IMAGE_FILE)).expect("image").blocks() * 512;
+        let allocated = || {
+            fs::metadata(dirs[0].join(IMAGE_FILE))
+                .expect("image")
+                .blocks()
+                * 512
+        };
         assert!(allocated() > size / 2, "the writes took room on the host");
         fs::remove_file(mount_point(&dirs[0]).join("upper/big")).expect("rm");
-        assert!(allocated() < 4 << 20, "a delete gives the room back: {}", allocated());
+        assert!(
+            allocated() < 4 << 20,
+            "a delete gives the room back: {}",
+            allocated()
+        );
         // the others are not touched by it
         assert!(fs::read_dir(mount_point(&dirs[1]).join("upper"))
             .expect("upper")

@@ -684,13 +684,18 @@ maxWaitSeconds = 30
             default_ephemeral_storage: Some("none".into()),
             ..LimitsSection::default()
         };
-        limits.resolve_disk_default(true).expect("operator's choice");
+        limits
+            .resolve_disk_default(true)
+            .expect("operator's choice");
         assert_eq!(limits.defaults().expect("defaults").disk_bytes, None);
         let mut limits = LimitsSection {
             default_ephemeral_storage: Some("5Gi".into()),
             ..LimitsSection::default()
         };
-        assert!(limits.resolve_disk_default(false).is_err(), "cannot be kept");
+        assert!(
+            limits.resolve_disk_default(false).is_err(),
+            "cannot be kept"
+        );
         let cfg =
             load("[images]\nmax_unpacked_bytes = \"10Gi\"\nmax_entries = 5000\nmax_depth = 64\n")
                 .expect("load");

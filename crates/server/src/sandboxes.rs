@@ -469,7 +469,7 @@ impl Sandboxes {
         ));
         let created = match futures::FutureExt::catch_unwind(provisioned).await {
             Ok(created) => created,
-            Err(_) => return Err(self.failed_by_panic(&entry, egress.is_some()).await),
+            Err(_) => return Err(self.failed_by_panic(&entry, "creating the sandbox").await),
         };
         match created {
             Ok((state, link)) => {
@@ -545,33 +545,31 @@ impl Sandboxes {
         }
     }
 
-    /// After a panic in [`Sandboxes::provision`]: releases what the runtime may have made (its
-    /// state is unknown, so by id alone), marks the sandbox Failed and answers "internal error".
-    async fn failed_by_panic(&self, entry: &Entry, linked: bool) -> ApiError {
-        let id = lock(&entry.record).id.clone();
-        tracing::error!(sandbox_id = %id, "creating the sandbox panicked; it is marked Failed");
-        if let Err(e) = self
-            .inner
-            .runtime
-            .destroy(&id, &serde_json::Value::Null)
-            .await
-        {
+    /// After a panic in a task of the sandbox in `entry` (`task` says which): releases what the
+    /// runtime made of it (by the state on record: none yet while it is created), marks it Failed,
+    /// and returns the "internal error" a caller waiting for that task gets.
+    async fn failed_by_panic(&self, entry: &Entry, task: &str) -> ApiError {
+        let (id, state) = {
+            let r = lock(&entry.record);
+            (r.id.clone(), r.runtime_state.clone())
+        };
+        tracing::error!(sandbox_id = %id, task, "a sandbox's task panicked; it is marked Failed");
+        if let Err(e) = self.inner.runtime.destroy(&id, &state).await {
             tracing::warn!(sandbox_id = %id, error = %e, "cleaning up after the panic failed");
         }
-        if linked {
-            self.unlink(&id).await;
-        }
+        self.unlink(&id).await;
         let _ = self.inner.images.release(&id);
-        let message = "creating the sandbox panicked (a bug in Warren); the server's log has it";
+        self.inner.execd_conns.forget(&id);
+        let message = format!("{task} panicked (a bug in Warren); the server's log has it");
         self.update(entry, |r| {
             r.transition(
                 SandboxState::Failed,
                 Some("internal_error"),
-                Some(message.into()),
+                Some(message.clone()),
             )
         });
         ApiError::internal(
-            "creating the sandbox",
+            task,
             &std::io::Error::other(format!("sandbox {id}: {message}")),
         )
     }
@@ -719,7 +717,9 @@ impl Sandboxes {
         let this = self.clone();
         let id = rec.id.clone();
         let exit = self.inner.runtime.wait_exit(&rec.id, &rec.runtime_state);
-        tokio::spawn(async move {
+        let watcher = self.clone();
+        let watched = id.clone();
+        let watch = async move {
             let info = exit.await;
             let Some(entry) = this.entry(&id) else { return };
             let _op = entry.op.lock().await;
@@ -759,6 +759,22 @@ impl Sandboxes {
                 r.transition(state, Some("process_exited"), Some(message))
             });
             this.inner.execd_conns.forget(&id);
+        };
+        tokio::spawn(async move {
+            // A panic here is this sandbox's alone: it ends Failed, not running unwatched.
+            if futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(watch))
+                .await
+                .is_err()
+            {
+                if let Some(entry) = watcher.entry(&watched) {
+                    let _op = entry.op.lock().await;
+                    if !lock(&entry.record).state.is_terminal() {
+                        watcher
+                            .failed_by_panic(&entry, "watching the sandbox")
+                            .await;
+                    }
+                }
+            }
         });
     }
 
@@ -1313,9 +1329,11 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
     use warren_core::{ExitInfo, RuntimeState};
 
-    /// A runtime whose creates panic, counting the clean-ups the server asks of it.
+    /// A runtime that panics while it makes a sandbox (`in_create`) or else while it waits for
+    /// one to end, counting the clean-ups the server asks of it.
     #[derive(Default)]
     struct PanickingRuntime {
+        in_create: bool,
         destroyed: AtomicU32,
     }
 
@@ -1328,7 +1346,10 @@ mod tests {
             ImageSource::Engine
         }
         async fn create(&self, _spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
-            panic!("a bug while making the sandbox")
+            if self.in_create {
+                panic!("a bug while making the sandbox")
+            }
+            Ok(serde_json::json!({"made": true}))
         }
         fn execd_socket(&self, id: &str) -> PathBuf {
             PathBuf::from(format!("/nonexistent/{id}"))
@@ -1338,7 +1359,10 @@ mod tests {
             _: &str,
             _: &RuntimeState,
         ) -> futures::future::BoxFuture<'static, ExitInfo> {
-            Box::pin(futures::future::pending())
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                panic!("a bug while watching the sandbox")
+            })
         }
         async fn pause(&self, _: &str, _: &RuntimeState) -> Result<(), RuntimeError> {
             Ok(())
@@ -1378,18 +1402,14 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_panic_while_creating_fails_that_sandbox_alone() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let runtime = Arc::new(PanickingRuntime::default());
-        let sandboxes = Sandboxes::new(
-            dir.path(),
-            runtime.clone(),
-            Store::open(dir.path()).expect("store"),
-            ImageStore::open(dir.path()).expect("images"),
+    fn sandboxes(dir: &Path, runtime: Arc<PanickingRuntime>) -> Sandboxes {
+        Sandboxes::new(
+            dir,
+            runtime,
+            Store::open(dir).expect("store"),
+            ImageStore::open(dir).expect("images"),
             Arc::new(
-                Network::new(&crate::config::NetworkSection::default(), dir.path())
-                    .expect("network"),
+                Network::new(&crate::config::NetworkSection::default(), dir).expect("network"),
             ),
             Options {
                 retention_seconds: 3600,
@@ -1401,7 +1421,17 @@ mod tests {
                     creates_in_flight: 10,
                 },
             },
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn a_panic_while_creating_fails_that_sandbox_alone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let runtime = Arc::new(PanickingRuntime {
+            in_create: true,
+            ..Default::default()
+        });
+        let sandboxes = sandboxes(dir.path(), runtime.clone());
         for _ in 0..2 {
             let err = tokio::spawn({
                 let sandboxes = sandboxes.clone();
@@ -1431,6 +1461,32 @@ mod tests {
         assert!(
             stored.iter().all(|r| r.state == SandboxState::Failed),
             "{stored:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panic_while_watching_fails_that_sandbox_and_cleans_it_up() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let runtime = Arc::new(PanickingRuntime::default());
+        let sandboxes = sandboxes(dir.path(), runtime.clone());
+        let rec = sandboxes.create(plan()).await.expect("made");
+        assert_eq!(rec.state, SandboxState::Running);
+        let failed = async {
+            loop {
+                match sandboxes.get(&rec.id) {
+                    Some(r) if r.state == SandboxState::Failed => return r,
+                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        };
+        let r = tokio::time::timeout(Duration::from_secs(10), failed)
+            .await
+            .expect("marked Failed");
+        assert_eq!(r.reason.as_deref(), Some("internal_error"));
+        assert_eq!(
+            runtime.destroyed.load(Ordering::SeqCst),
+            1,
+            "its sandbox removed"
         );
     }
 }
