@@ -357,28 +357,22 @@ async def main() -> None:
                 "warren SDK": lambda: sdk_once(cfg, image),
                 "warren SDK shared": lambda: sdk_once(cfg_shared, image),
             }
-            if plain_server:
-                ubase = f"http://127.0.0.1:{plain_server.port}"
+            async def paired(other: Server, name: str) -> None:
+                """`name`'s row against `other`, right after the raw API rows it is compared with,
+                so a drift of the machine's speed between them stays small."""
+                nonlocal kinds
+                obase = f"http://127.0.0.1:{other.port}"
                 for _ in range(3):
-                    await raw_once(client, ubase, plain_server.key, image)
-                await asyncio.gather(*(raw_once(client, ubase, plain_server.key, image)
+                    await raw_once(client, obase, other.key, image)
+                await asyncio.gather(*(raw_once(client, obase, other.key, image)
                                        for _ in range(args.concurrency)))
-                # right after the raw API rows it is compared with, so a drift of the machine's
-                # speed between them stays small
-                plain_row = lambda: raw_once(client, ubase, plain_server.key, image)  # noqa: E731
+                row = lambda: raw_once(client, obase, other.key, image)  # noqa: E731
                 kinds = {k2: v2 for k, v in kinds.items()
-                         for k2, v2 in ([(k, v), ("warren raw API no-userns", plain_row)]
-                                        if k == "warren raw API" else [(k, v)])}
+                         for k2, v2 in ([(k, v), (name, row)] if k == "warren raw API" else [(k, v)])}
             if nodisk_server:
-                nbase = f"http://127.0.0.1:{nodisk_server.port}"
-                for _ in range(3):
-                    await raw_once(client, nbase, nodisk_server.key, image)
-                await asyncio.gather(*(raw_once(client, nbase, nodisk_server.key, image)
-                                       for _ in range(args.concurrency)))
-                nodisk_row = lambda: raw_once(client, nbase, nodisk_server.key, image)  # noqa: E731
-                kinds = {k2: v2 for k, v in kinds.items()
-                         for k2, v2 in ([(k, v), ("warren raw API no-disk", nodisk_row)]
-                                        if k == "warren raw API" else [(k, v)])}
+                await paired(nodisk_server, "warren raw API no-disk")
+            if plain_server:
+                await paired(plain_server, "warren raw API no-userns")
             if docker_server:
                 dbase = f"http://127.0.0.1:{docker_server.port}"
                 for _ in range(3):
