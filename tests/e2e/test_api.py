@@ -180,6 +180,18 @@ def test_renew_into_the_past(api, raw_sandbox):
     W.assert_error_body(r, codes=[400])
 
 
+def test_state_filters_take_every_state_the_clients_know(api, raw_sandbox):
+    """A state the reference's models define but no sandbox here is in (`Allocated`, `Unknown`)
+    filters to nothing, with or beside a real one; a name nobody defines is a 400."""
+    sid = raw_sandbox()["id"]
+    ids = lambda params: {i["id"] for i in api.get("/v1/sandboxes", params=params).json()["items"]}  # noqa: E731
+    assert ids({"state": "Allocated", "pageSize": 200}) == set()
+    assert ids({"state": "unknown", "pageSize": 200}) == set()
+    assert sid in ids({"state": "Allocated,Running", "pageSize": 200})
+    assert sid not in ids({"state": "Paused", "pageSize": 200})
+    W.assert_error_body(api.get("/v1/sandboxes", params={"state": "Sleeping"}), codes=[400])
+
+
 def test_bad_metadata_filter_and_paging(api):
     r = api.get("/v1/sandboxes", params={"page": 0})
     W.assert_error_body(r, codes=[400])

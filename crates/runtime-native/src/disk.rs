@@ -98,6 +98,7 @@ fn template(data_dir: &Path, bytes: u64) -> io::Result<PathBuf> {
         return Ok(path);
     }
     fs::create_dir_all(&dir)?;
+    remove_dead_partials(&dir);
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let partial = dir.join(format!(
         ".partial-{}-{}",
@@ -109,6 +110,26 @@ fn template(data_dir: &Path, bytes: u64) -> io::Result<PathBuf> {
         let _ = fs::remove_file(&partial);
     }
     made.map(|()| path)
+}
+
+/// Removes the half-made templates of servers that died while formatting them.
+fn remove_dead_partials(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(".partial-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
 }
 
 fn format_template(partial: &Path, bytes: u64) -> io::Result<()> {
@@ -347,6 +368,10 @@ mod tests {
         }
         let data = tempfile::tempdir().expect("tempdir");
         let size = 64u64 << 20;
+        // a half-made template of a server that died (no such pid) goes when one is made
+        fs::create_dir(data.path().join(TEMPLATES_DIR)).expect("templates");
+        let dead = data.path().join(TEMPLATES_DIR).join(".partial-4194305-0");
+        fs::write(&dead, b"half").expect("partial");
         let dirs: Vec<PathBuf> = (0..3).map(|i| data.path().join(format!("s{i}"))).collect();
         for dir in &dirs {
             fs::create_dir(dir).expect("sandbox folder");
@@ -358,7 +383,8 @@ mod tests {
         let templates: Vec<_> = fs::read_dir(data.path().join(TEMPLATES_DIR))
             .expect("templates")
             .collect();
-        assert_eq!(templates.len(), 1);
+        assert_eq!(templates.len(), 1, "the template alone: {templates:?}");
+        assert!(!dead.exists());
         let image = fs::metadata(dirs[0].join(IMAGE_FILE)).expect("image");
         assert_eq!(image.len(), size);
         assert!(

@@ -23,6 +23,11 @@ use crate::AppState;
 
 const MAX_PAGE_SIZE: u32 = 1000;
 
+/// States the reference system's clients may filter by that no Warren sandbox is ever shown in
+/// (the reference's own internal `Allocated` shows as Running there too; `Unknown` is the SDK's
+/// name for a state it does not know): a filter naming one matches nothing, as there.
+const STATES_NEVER_SHOWN: [&str; 2] = ["Allocated", "Unknown"];
+
 /// Runs a state-changing operation to its end even when the client goes away. hyper drops a
 /// handler's future once its connection closes, and an operation cut off between two of its awaits
 /// would stay half-done: a create dropped while it waits for a slot or for the runtime leaves a
@@ -193,16 +198,20 @@ pub async fn list(
     RawQuery(query): RawQuery,
 ) -> Result<Json<ListSandboxesResponse>, ApiError> {
     let mut states = Vec::new();
+    // Set by any `state` parameter, even one naming only states no sandbox here is ever in.
+    let mut by_state = false;
     let mut metadata: Vec<(String, String)> = Vec::new();
     let mut paging = Paging::default();
     for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         match k.as_ref() {
             "state" => {
                 for s in v.split(',').filter(|s| !s.is_empty()) {
-                    states.push(
-                        SandboxState::parse(s)
-                            .ok_or_else(|| ApiError::invalid(format!("unknown state {s:?}")))?,
-                    );
+                    by_state = true;
+                    match SandboxState::parse(s) {
+                        Some(state) => states.push(state),
+                        None if STATES_NEVER_SHOWN.iter().any(|n| n.eq_ignore_ascii_case(s)) => {}
+                        None => return Err(ApiError::invalid(format!("unknown state {s:?}"))),
+                    }
                 }
             }
             "metadata" => metadata.extend(parse_metadata_filter(&v)?),
@@ -215,7 +224,7 @@ pub async fn list(
         .all()
         .into_iter()
         .filter(|r| r.warm_pool.is_none())
-        .filter(|r| states.is_empty() || states.contains(&r.state))
+        .filter(|r| !by_state || states.contains(&r.state))
         .filter(|r| metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
         .collect();
     let (items, pagination) = paging.apply(&matching);
