@@ -96,20 +96,16 @@ impl Budget {
         if now > max {
             return Err(ImageError::source(
                 label,
-                format!("the image {what} more than {max} (an unpack limit of this server)"),
+                format!(
+                    "the image holds more than {max} {what} (a limit of this server's, [images])"
+                ),
             ));
         }
         Ok(())
     }
 
     fn entry(&self, label: &Path) -> Result<(), ImageError> {
-        Self::spend(
-            &self.entries,
-            1,
-            self.limits.max_entries,
-            "has entries",
-            label,
-        )
+        Self::spend(&self.entries, 1, self.limits.max_entries, "entries", label)
     }
 
     fn data(&self, n: u64, label: &Path) -> Result<(), ImageError> {
@@ -117,7 +113,7 @@ impl Budget {
             &self.data,
             n,
             self.limits.max_data_bytes,
-            "unpacks to bytes of data",
+            "bytes of data",
             label,
         )
     }
@@ -127,7 +123,7 @@ impl Budget {
             &self.apparent,
             n,
             self.limits.max_apparent_bytes,
-            "has files of bytes",
+            "bytes in its files' sizes",
             label,
         )
     }
