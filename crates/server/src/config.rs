@@ -376,23 +376,19 @@ impl LimitsSection {
         })
     }
 
-    /// Settles `default_ephemeral_storage` for a runtime that does (or does not) bound disk
-    /// writes: unset becomes [`DEFAULT_EPHEMERAL_STORAGE`] where it can be enforced and no bound
-    /// elsewhere (gVisor holds root writes in the sandbox's memory, under its memory limit); a
-    /// bound the operator set where it cannot be enforced is an error at start, not a refusal of
-    /// every create.
-    pub fn resolve_disk_default(&mut self, runtime_bounds_disk: bool) -> anyhow::Result<()> {
+    /// Settles `default_ephemeral_storage` for a runtime that does (or does not) always bound
+    /// disk writes: unset becomes [`DEFAULT_EPHEMERAL_STORAGE`] where it is enforced and no bound
+    /// elsewhere (gVisor holds root writes in the sandbox's memory, under its memory limit; Docker
+    /// bounds them only on some storage drivers). A bound the operator set is kept as set: where
+    /// the runtime cannot keep it, creates are refused with the reason (501), as when they name one.
+    pub fn resolve_disk_default(&mut self, runtime_bounds_disk: bool) {
         match self.default_ephemeral_storage.as_deref() {
             None if runtime_bounds_disk => {
                 self.default_ephemeral_storage = Some(DEFAULT_EPHEMERAL_STORAGE.into());
             }
             None | Some("none") => self.default_ephemeral_storage = None,
-            Some(q) if !runtime_bounds_disk => anyhow::bail!(
-                "[limits] default_ephemeral_storage = {q:?}: this runtime cannot bound a sandbox's disk writes; set it to \"none\""
-            ),
             Some(_) => {}
         }
-        Ok(())
     }
 }
 
@@ -670,32 +666,18 @@ maxWaitSeconds = 30
             assert!(format!("{err:#}").contains("[limits]"), "{err:#}");
         }
         // the disk default, settled per runtime
-        let mut limits = LimitsSection::default();
-        limits.resolve_disk_default(true).expect("bounding runtime");
-        assert_eq!(
-            limits.defaults().expect("defaults").disk_bytes,
-            Some(10 << 30),
-            "bounded by default"
-        );
-        let mut limits = LimitsSection::default();
-        limits.resolve_disk_default(false).expect("gVisor");
-        assert_eq!(limits.defaults().expect("defaults").disk_bytes, None);
-        let mut limits = LimitsSection {
-            default_ephemeral_storage: Some("none".into()),
-            ..LimitsSection::default()
+        let settled = |set: Option<&str>, bounds: bool| {
+            let mut limits = LimitsSection {
+                default_ephemeral_storage: set.map(str::to_string),
+                ..LimitsSection::default()
+            };
+            limits.resolve_disk_default(bounds);
+            limits.defaults().expect("defaults").disk_bytes
         };
-        limits
-            .resolve_disk_default(true)
-            .expect("operator's choice");
-        assert_eq!(limits.defaults().expect("defaults").disk_bytes, None);
-        let mut limits = LimitsSection {
-            default_ephemeral_storage: Some("5Gi".into()),
-            ..LimitsSection::default()
-        };
-        assert!(
-            limits.resolve_disk_default(false).is_err(),
-            "cannot be kept"
-        );
+        assert_eq!(settled(None, true), Some(10 << 30), "bounded by default");
+        assert_eq!(settled(None, false), None, "gVisor, Docker");
+        assert_eq!(settled(Some("none"), true), None, "the operator's choice");
+        assert_eq!(settled(Some("5Gi"), false), Some(5 << 30), "kept as set");
         let cfg =
             load("[images]\nmax_unpacked_bytes = \"10Gi\"\nmax_entries = 5000\nmax_depth = 64\n")
                 .expect("load");

@@ -226,7 +226,7 @@ impl Server {
         let local_addr = listener.local_addr()?;
         let runtime = make_runtime(&config)?;
         let mut config = config;
-        config.limits.resolve_disk_default(runtime.bounds_disk())?;
+        config.limits.resolve_disk_default(runtime.bounds_disk());
         let mut images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         images.set_unpack_limits(config.images.unpack_limits().context("[images]")?);
         let store = Store::open(&config.data_dir).context("opening the state store")?;
