@@ -155,10 +155,16 @@ def main() -> None:
             page += 1
         vanished = sorted(created - deleted - set(listed))
         leftover = [sid for sid in listed if sid in created and sid not in deleted]
-        unexplained = [sid for sid in leftover if listed[sid]["state"] not in ("Running", "Terminated")
+        # Creates the server took but whose answer the kill cut off: they are real sandboxes (the
+        # client saw a broken connection, as with any request in flight when a server dies) and
+        # stay until deleted or expired, so they are deleted here too before the host is checked.
+        unanswered = [sid for sid in listed if sid not in created]
+        unexplained = [sid for sid in leftover + unanswered
+                       if listed[sid]["state"] not in ("Running", "Terminated")
                        and not listed[sid].get("reason")]
-        for sid in leftover:
-            c.delete(f"/v1/sandboxes/{sid}")
+        for sid in leftover + unanswered:
+            if listed[sid]["state"] != "Terminated":
+                c.delete(f"/v1/sandboxes/{sid}")
     time.sleep(2)
     after_live = host_state(data)
     srv.stop(keep=True)
@@ -172,7 +178,8 @@ def main() -> None:
     if result["errors"]:
         print("# failures by kind:", json.dumps(result["errors"]))
     print(f"# acknowledged {len(created)}, deleted by their clients {len(deleted)}, listed at the end "
-          f"{len(leftover)} (deleted now; without a reason: {len(unexplained)}), vanished {len(vanished)}")
+          f"{len(leftover)} + {len(unanswered)} whose create was never answered (deleted now; "
+          f"without a reason: {len(unexplained)}), vanished {len(vanished)}")
     print(f"# server RSS KiB first/last/max: {rss[0]}/{rss[-1]}/{max(rss)}; open fds first/last/max: "
           f"{fds[0]}/{fds[-1]}/{max(fds)}")
     print("# host state before:", json.dumps(before))
@@ -181,7 +188,8 @@ def main() -> None:
     print("# leaked:", json.dumps(leaks) if leaks else "nothing")
     if args.json:
         out = dict(result, track=None, acknowledged=len(created), deleted=len(deleted),
-                   listed_at_end=len(leftover), vanished=vanished, before=before, after=after,
+                   listed_at_end=len(leftover), unanswered=len(unanswered),
+                   unexplained=unexplained, vanished=vanished, before=before, after=after,
                    leaks=leaks, elapsed=elapsed)
         Path(args.json).write_text(json.dumps(out, indent=1))
     srv.cleanup()
