@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 use warren_api::execd::{CommandStatus, EventKind, RunCommandRequest};
 
 use crate::error::{code, ApiError, ApiJson, ApiResult};
+use crate::lines::Lines;
 use crate::logbuf::LogBuffer;
 use crate::process::{self, kill_group, ProcessSpec, Program, Running, StdinMode, Stream};
 use crate::reaper::Exit;
@@ -242,9 +243,9 @@ fn spawn_pumps(
     stderr: Option<tokio::net::unix::pipe::Receiver>,
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
-    mpsc::Receiver<(Stream, String)>,
+    mpsc::Receiver<(Stream, Vec<u8>)>,
 ) {
-    let (otx, orx) = mpsc::channel::<(Stream, String)>(64);
+    let (otx, orx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
     let pumps = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
         .into_iter()
         .filter_map(|(p, s)| p.map(|p| tokio::spawn(process::pump(p, s, otx.clone()))))
@@ -267,8 +268,8 @@ async fn supervise_background(
     } = running;
     let (pumps, mut orx) = spawn_pumps(stdout, stderr);
     let writer = tokio::spawn(async move {
-        while let Some((_, text)) = orx.recv().await {
-            log.append(text.as_bytes());
+        while let Some((_, bytes)) = orx.recv().await {
+            log.append(&bytes);
         }
     });
     let (exit, timed_out) = wait_exit(
@@ -302,13 +303,26 @@ async fn supervise_foreground(
     let (pumps, mut orx) = spawn_pumps(stdout, stderr);
     let tx = stream.tx.clone();
     let forward = tokio::spawn(async move {
-        while let Some((s, text)) = orx.recv().await {
-            let kind = match s {
-                Stream::Stdout => EventKind::Stdout,
-                Stream::Stderr => EventKind::Stderr,
+        // One event per line (see `crate::lines`); each stream's last unterminated line once
+        // both have ended.
+        let mut framers = [
+            (EventKind::Stdout, Lines::default()),
+            (EventKind::Stderr, Lines::default()),
+        ];
+        while let Some((s, bytes)) = orx.recv().await {
+            let (kind, lines) = match s {
+                Stream::Stdout => &mut framers[0],
+                Stream::Stderr => &mut framers[1],
             };
-            if tx.send(sse::event(kind, Some(text))).await.is_err() {
-                break;
+            for line in lines.feed(&bytes) {
+                if tx.send(sse::event(*kind, Some(line))).await.is_err() {
+                    return;
+                }
+            }
+        }
+        for (kind, lines) in &mut framers {
+            if let Some(line) = lines.finish() {
+                let _ = tx.send(sse::event(*kind, Some(line))).await;
             }
         }
     });

@@ -10,6 +10,7 @@ pub mod error;
 pub mod files;
 pub mod ids;
 pub mod interpreter;
+pub mod lines;
 pub mod logbuf;
 pub mod metrics;
 pub mod oom;

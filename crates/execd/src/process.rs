@@ -360,61 +360,21 @@ pub enum Stream {
     Stderr,
 }
 
-/// A partial line is sent after this much silence, so a prompt without a newline still shows up.
-const PARTIAL_LINE_FLUSH: Duration = Duration::from_millis(50);
-/// A line longer than this is sent in pieces rather than held.
-const MAX_PENDING: usize = 256 * 1024;
-
-/// Reads `pipe` to EOF, sending decoded text chunks that end on line boundaries: clients (and the
-/// reference execd) treat events as whole lines, so a line is never split across two events unless it
-/// is very long or the writer pauses mid-line. Stops early if the receiver is gone.
-pub async fn pump(mut pipe: pipe::Receiver, stream: Stream, tx: mpsc::Sender<(Stream, String)>) {
+/// Reads `pipe` to EOF, sending what each read brought as it is (the reader frames it: lines for
+/// a foreground command's events, the log of a background one). Stops early if the receiver is gone.
+pub async fn pump(mut pipe: pipe::Receiver, stream: Stream, tx: mpsc::Sender<(Stream, Vec<u8>)>) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut carry = Utf8Carry::default();
-    let mut pending = String::new();
     loop {
-        let read = if pending.is_empty() {
-            pipe.read(&mut buf).await
-        } else {
-            // Cancelling a pipe read loses nothing: no bytes are consumed until it completes.
-            match tokio::time::timeout(PARTIAL_LINE_FLUSH, pipe.read(&mut buf)).await {
-                Ok(r) => r,
-                Err(_) => {
-                    if tx
-                        .send((stream, std::mem::take(&mut pending)))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    continue;
-                }
-            }
-        };
-        match read {
+        match pipe.read(&mut buf).await {
             Ok(0) => break,
             Ok(n) => {
-                pending.push_str(&carry.push(&buf[..n]));
-                let cut = if pending.len() > MAX_PENDING {
-                    pending.len()
-                } else {
-                    pending.rfind('\n').map(|i| i + 1).unwrap_or(0)
-                };
-                if cut > 0 {
-                    let rest = pending.split_off(cut);
-                    let complete = std::mem::replace(&mut pending, rest);
-                    if tx.send((stream, complete)).await.is_err() {
-                        return;
-                    }
+                if tx.send((stream, buf[..n].to_vec())).await.is_err() {
+                    return;
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         }
-    }
-    pending.push_str(&carry.finish());
-    if !pending.is_empty() {
-        let _ = tx.send((stream, pending)).await;
     }
 }
 

@@ -20,6 +20,7 @@ use tokio::net::unix::pipe;
 use warren_api::execd::EventKind;
 
 use crate::error::{code, ApiError, ApiJson, ApiResult, OptionalJson};
+use crate::lines::Lines;
 use crate::process::{self, kill_group, shell, ProcessSpec, Program, StdinMode, Utf8Carry};
 use crate::reaper::Exit;
 use crate::sse;
@@ -304,6 +305,8 @@ fn parse_rc(rest: &[u8]) -> Option<Result<i32, ()>> {
 /// Per-stream state of one run.
 struct Side {
     scan: MarkerScan,
+    /// The command's output, one event per line as for `/command` (see `crate::lines`).
+    lines: Lines,
     done: bool,
     kind: EventKind,
 }
@@ -312,20 +315,26 @@ impl Side {
     fn new(kind: EventKind, marker: Vec<u8>) -> Self {
         Self {
             scan: MarkerScan::new(marker, kind == EventKind::Stdout),
+            lines: Lines::default(),
             done: false,
             kind,
         }
     }
 
-    /// Sends the text, if any; the client may be gone, but the run still has to reach its markers
-    /// to keep the shell in sync.
+    /// Sends the lines `text` completes, and with `last` the unterminated rest; the client may be
+    /// gone, but the run still has to reach its markers to keep the shell in sync.
     async fn send(
-        &self,
+        &mut self,
         text: String,
+        last: bool,
         tx: &tokio::sync::mpsc::Sender<warren_api::execd::StreamEvent>,
     ) {
-        if !text.is_empty() {
-            let _ = tx.send(sse::event(self.kind, Some(text))).await;
+        let mut lines = self.lines.feed(text.as_bytes());
+        if last {
+            lines.extend(self.lines.finish());
+        }
+        for line in lines {
+            let _ = tx.send(sse::event(self.kind, Some(line))).await;
         }
     }
 }
@@ -384,13 +393,13 @@ async fn run_in_session(
                 Ok(0) | Err(_) => {
                     // The shell itself exited (e.g. the command ran `exit`).
                     let rest = out.scan.finish();
-                    out.send(rest, &tx).await;
+                    out.send(rest, true, &tx).await;
                     let _ = tx.send(sse::error("-1", vec!["session shell exited".to_string()])).await;
                     return true;
                 }
                 Ok(n) => {
                     let scanned = out.scan.feed(&obuf[..n]);
-                    out.send(scanned.text, &tx).await;
+                    out.send(scanned.text, scanned.end.is_some(), &tx).await;
                     if scanned.end.is_some() {
                         rc = scanned.end;
                         out.done = true;
@@ -398,10 +407,14 @@ async fn run_in_session(
                 }
             },
             r = stderr.read(&mut ebuf), if !err.done => match r {
-                Ok(0) | Err(_) => err.done = true,
+                Ok(0) | Err(_) => {
+                    let rest = err.scan.finish();
+                    err.send(rest, true, &tx).await;
+                    err.done = true;
+                }
                 Ok(n) => {
                     let scanned = err.scan.feed(&ebuf[..n]);
-                    err.send(scanned.text, &tx).await;
+                    err.send(scanned.text, scanned.end.is_some(), &tx).await;
                     err.done = scanned.end.is_some();
                 }
             },

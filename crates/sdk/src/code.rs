@@ -5,7 +5,7 @@ use warren_api::execd::{CodeContext, CreateContextRequest, RunCodeContext, RunCo
 use crate::client::{json, send};
 use crate::error::Result;
 use crate::sandbox::Sandbox;
-use crate::stream::{EventStream, Output};
+use crate::stream::{EventStream, Framing, Output};
 
 /// Where a run goes: a context by id, or the default context of a language.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,7 +58,10 @@ impl Sandbox {
             context: Some(context),
         };
         let (r, url) = self.execd(reqwest::Method::POST, "/code");
-        Ok(EventStream::new(send(r.json(&body), &url).await?))
+        Ok(EventStream::new(
+            send(r.json(&body), &url).await?,
+            Framing::Raw,
+        ))
     }
 
     /// Runs `code` and collects what it produced; an exception is in `error`, not an `Err`.

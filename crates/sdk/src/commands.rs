@@ -6,7 +6,7 @@ use warren_api::execd::{CommandStatus, RunCommandRequest};
 use crate::client::{json, send};
 use crate::error::{Error, Result};
 use crate::sandbox::Sandbox;
-use crate::stream::{EventStream, Output};
+use crate::stream::{EventStream, Framing, Output};
 
 /// Output of a background command from a cursor on.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +31,10 @@ impl Sandbox {
     /// Starts a foreground command and returns its events as they happen.
     pub async fn stream(&self, req: &RunCommandRequest) -> Result<EventStream> {
         let (r, url) = self.execd(reqwest::Method::POST, "/command");
-        Ok(EventStream::new(send(r.json(req), &url).await?))
+        Ok(EventStream::new(
+            send(r.json(req), &url).await?,
+            Framing::Lines,
+        ))
     }
 
     /// Starts a background command; returns its id for [`Sandbox::status`], [`Sandbox::logs`] and
@@ -120,7 +123,10 @@ impl Session {
             .sandbox
             .execd(reqwest::Method::POST, &format!("/session/{}/run", self.id));
         let body = serde_json::json!({ "command": command, "timeout": timeout_ms });
-        Ok(EventStream::new(send(r.json(&body), &url).await?))
+        Ok(EventStream::new(
+            send(r.json(&body), &url).await?,
+            Framing::Lines,
+        ))
     }
 
     /// Runs `command` in the session and collects its output.

@@ -14,19 +14,46 @@ type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
 /// A stream of [`StreamEvent`]s. Keep-alive `ping` events are skipped. It ends when the server closes
 /// the stream, which execd does the moment the command or cell ends.
+///
+/// Command and session output comes one line per event without its terminator (the protocol's
+/// framing; an empty line is `"\n"`): this stream gives each such line back with a `\n`, so the
+/// texts put together are the output (a `\r` or `\r\n` reads as `\n`, and a last line without one
+/// gets one). Code output is the kernel's text as it was sent.
 pub struct EventStream {
     body: ByteStream,
     buf: BytesMut,
     done: bool,
+    framing: Framing,
+}
+
+/// How the server framed the output events of a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// One event per line, its terminator removed (`/command`, `/session/{id}/run`).
+    Lines,
+    /// The text as produced (`/code`).
+    Raw,
 }
 
 impl EventStream {
-    pub(crate) fn new(resp: reqwest::Response) -> Self {
+    pub(crate) fn new(resp: reqwest::Response, framing: Framing) -> Self {
         Self {
             body: Box::pin(resp.bytes_stream()),
             buf: BytesMut::new(),
             done: false,
+            framing,
         }
+    }
+
+    /// The event as this stream hands it out (see the type's documentation).
+    fn unframe(&self, mut ev: StreamEvent) -> StreamEvent {
+        let output = matches!(ev.kind, EventKind::Stdout | EventKind::Stderr);
+        if self.framing == Framing::Lines && output {
+            if let Some(text) = ev.text.as_mut().filter(|t| t.as_str() != "\n") {
+                text.push('\n');
+            }
+        }
+        ev
     }
 
     /// Reads the stream to its end, collecting output and the outcome.
@@ -76,7 +103,7 @@ impl Stream for EventStream {
         loop {
             while let Some(line) = self.next_line() {
                 if let Some(ev) = parse_line(&line) {
-                    return Poll::Ready(Some(ev));
+                    return Poll::Ready(Some(ev.map(|ev| self.unframe(ev))));
                 }
             }
             if self.done {
@@ -84,7 +111,7 @@ impl Stream for EventStream {
                 if self.buf.has_remaining() {
                     let rest = std::mem::take(&mut self.buf);
                     if let Some(ev) = parse_line(&rest) {
-                        return Poll::Ready(Some(ev));
+                        return Poll::Ready(Some(ev.map(|ev| self.unframe(ev))));
                     }
                 }
                 return Poll::Ready(None);
@@ -167,6 +194,39 @@ mod tests {
             parse_line(b"{nope"),
             Some(Err(Error::Protocol(_)))
         ));
+    }
+
+    /// A stream of the given event lines, as a server would send it.
+    fn stream_of(lines: &[&str], framing: Framing) -> EventStream {
+        let body = lines.iter().map(|l| format!("{l}\n\n")).collect::<String>();
+        EventStream::new(http::Response::new(body).into(), framing)
+    }
+
+    #[tokio::test]
+    async fn line_events_read_back_as_the_output() {
+        let events = [
+            r#"{"type":"init","timestamp":1,"text":"c1"}"#,
+            r#"{"type":"stdout","timestamp":1,"text":"a"}"#,
+            r#"{"type":"stdout","timestamp":1,"text":"\n"}"#,
+            r#"{"type":"stderr","timestamp":1,"text":"oops"}"#,
+            r#"{"type":"stdout","timestamp":1,"text":"b"}"#,
+            r#"{"type":"execution_complete","timestamp":1,"execution_time":3}"#,
+        ];
+        let out = stream_of(&events, Framing::Lines)
+            .collect_output()
+            .await
+            .expect("output");
+        assert_eq!(
+            (out.stdout.as_str(), out.stderr.as_str()),
+            ("a\n\nb\n", "oops\n")
+        );
+        assert_eq!(out.id.as_deref(), Some("c1"));
+        // Code output is the kernel's text as sent.
+        let out = stream_of(&events, Framing::Raw)
+            .collect_output()
+            .await
+            .expect("output");
+        assert_eq!(out.stdout, "a\nb");
     }
 
     #[test]

@@ -25,8 +25,8 @@ async fn foreground_streams_in_order_with_exact_framing() {
         ["init", "stdout", "stdout", "execution_complete"]
     );
     assert!(!events[0]["text"].as_str().expect("init text").is_empty());
-    assert_eq!(events[1]["text"], "a\n");
-    assert_eq!(events[2]["text"], "b\n");
+    assert_eq!(events[1]["text"], "a");
+    assert_eq!(events[2]["text"], "b");
     let t = events[3]["execution_time"]
         .as_i64()
         .expect("execution_time");
@@ -39,7 +39,7 @@ async fn nonzero_exit_ends_with_error_event() {
     let execd = Execd::start().await;
     let events = execd.run(json!({"command": "echo oops >&2; exit 7"})).await;
     assert_eq!(kinds(&events), ["init", "stderr", "error"]);
-    assert_eq!(events[1]["text"], "oops\n");
+    assert_eq!(events[1]["text"], "oops");
     let err = &events[2]["error"];
     assert_eq!(err["ename"], "CommandExecError");
     assert_eq!(err["evalue"], "7");
@@ -338,4 +338,77 @@ async fn utf8_split_across_reads_is_preserved() {
         .run(json!({"command": "printf '\\303'; sleep 0.1; printf '\\251\\n'"}))
         .await;
     assert_eq!(text_of(&events, "stdout"), "é\n");
+}
+
+/// The reference's framing, byte for byte: one event per line without its terminator (`\n`, `\r`,
+/// `\r\n`), an empty line as "\n", a last line without terminator at the end, a line that pauses
+/// midway still one event, a long line in pieces, bytes that are not UTF-8 as U+FFFD.
+#[tokio::test]
+async fn output_is_one_event_per_line_as_the_reference_frames_it() {
+    let execd = Execd::start().await;
+    let events = execd
+        .run(json!({"command": concat!(
+            "printf 'a\\nb\\r\\nc\\rd\\n\\n\\r\\n'; printf 'Name: '; sleep 0.2; echo ann; ",
+            "printf 'e1\\ne2\\n' >&2; printf '\\377ok\\n'; printf 'last'; printf 'tail' >&2"
+        )}))
+        .await;
+    assert_eq!(
+        kinds(&events).last().map(String::as_str),
+        Some("execution_complete")
+    );
+    assert_eq!(
+        lines_of(&events, "stdout"),
+        [
+            "a",
+            "b",
+            "c",
+            "d",
+            "\n",
+            "\n",
+            "Name: ann",
+            "\u{FFFD}ok",
+            "last"
+        ]
+    );
+    assert_eq!(lines_of(&events, "stderr"), ["e1", "e2", "tail"]);
+
+    let long = warren_execd::lines::MAX_LINE * 2 + 10;
+    let events = execd
+        .run(json!({"command": format!("head -c {long} /dev/zero | tr '\\0' x; echo; echo end")}))
+        .await;
+    let lines = lines_of(&events, "stdout");
+    assert_eq!(
+        lines.iter().map(String::len).collect::<Vec<_>>(),
+        [
+            warren_execd::lines::MAX_LINE,
+            warren_execd::lines::MAX_LINE,
+            10,
+            3
+        ]
+    );
+}
+
+/// A background command's logs stay the bytes it wrote (`GET /command/{id}/logs` is text, not
+/// events).
+#[tokio::test]
+async fn background_logs_keep_the_output_as_written() {
+    let execd = Execd::start().await;
+    let events = execd
+        .run(json!({"command": "printf 'a\\n\\nb\\n'", "background": true}))
+        .await;
+    let id = events[0]["text"].as_str().expect("id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let body = execd
+            .get(&format!("/command/{id}/logs?cursor=0"))
+            .await
+            .text()
+            .await
+            .expect("logs");
+        if body == "a\n\nb\n" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "logs were {body:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

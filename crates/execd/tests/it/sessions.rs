@@ -44,9 +44,24 @@ async fn session_keeps_state_and_separates_streams() {
     )
     .await;
     assert_eq!(
-        text_of(&ev, "stdout"),
-        format!("42\n{}\nfn1\npartial", execd.work().join("sub").display())
+        lines_of(&ev, "stdout"),
+        [
+            "42".to_owned(),
+            execd.work().join("sub").display().to_string(),
+            "fn1".to_owned(),
+            "partial".to_owned()
+        ]
     );
+
+    // Framed as `/command` frames it: a line per event, whatever the terminator.
+    let ev = run(
+        &execd,
+        &sid,
+        json!({"command": "printf 'a\\r\\nb\\rc\\n\\nd'; printf 'x\\ny' >&2"}),
+    )
+    .await;
+    assert_eq!(lines_of(&ev, "stdout"), ["a", "b", "c", "\n", "d"]);
+    assert_eq!(lines_of(&ev, "stderr"), ["x", "y"]);
     assert_eq!(
         kinds(&ev).last().map(String::as_str),
         Some("execution_complete")

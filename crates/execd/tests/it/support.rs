@@ -152,11 +152,21 @@ pub fn kinds(events: &[Value]) -> Vec<String> {
 }
 
 /// Concatenated text of the events of one kind.
-pub fn text_of(events: &[Value], kind: &str) -> String {
+/// The texts of the `kind` events, as sent.
+pub fn lines_of(events: &[Value], kind: &str) -> Vec<String> {
     events
         .iter()
         .filter(|e| e["type"] == kind)
-        .filter_map(|e| e["text"].as_str())
+        .filter_map(|e| e["text"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A command's or session's output put back together from its line events: each line with a
+/// `\n` (an empty line is sent as `"\n"` already).
+pub fn text_of(events: &[Value], kind: &str) -> String {
+    lines_of(events, kind)
+        .into_iter()
+        .map(|l| if l == "\n" { l } else { l + "\n" })
         .collect()
 }
 
