@@ -236,7 +236,14 @@ impl Client {
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             let ev: serde_json::Value = serde_json::from_str(line).expect("event json");
             match ev["type"].as_str() {
-                Some("stdout") => out.push_str(ev["text"].as_str().unwrap_or_default()),
+                // one event per line, its terminator removed; an empty line comes as "\n"
+                Some("stdout") => match ev["text"].as_str().unwrap_or_default() {
+                    "\n" => out.push('\n'),
+                    line => {
+                        out.push_str(line);
+                        out.push('\n');
+                    }
+                },
                 Some("execution_complete") => code = Some(0),
                 Some("error") => code = ev["error"]["evalue"].as_str().and_then(|v| v.parse().ok()),
                 _ => {}
