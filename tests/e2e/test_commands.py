@@ -95,8 +95,8 @@ def test_streaming_stderr_and_handlers(host_sandbox):
     ex = host_sandbox.commands.run("echo a; echo b >&2; sleep 0.2; echo c", handlers=handlers)
     assert ex.exit_code == 0
     assert events["init"] == [ex.id]
-    assert "".join(events["stdout"]).split() == ["a", "c"]
-    assert "".join(events["stderr"]).split() == ["b"]
+    assert events["stdout"] == ["a", "c"]
+    assert events["stderr"] == ["b"]
     assert len(events["complete"]) == 1 and events["complete"][0] >= 150
     assert events["error"] == []
 
@@ -315,7 +315,7 @@ def test_session_streaming_and_timeout(host_sandbox):
         seen = []
         ex = cmds.run_in_session(sid, "echo one; sleep 0.5; echo two",
                                  handlers=ExecutionHandlersSync(on_stdout=lambda m: seen.append(m.text)))
-        assert "".join(seen).split() == ["one", "two"]
+        assert seen == ["one", "two"]
         t0 = time.monotonic()
         ex = cmds.run_in_session(sid, "sleep 5401", timeout=timedelta(seconds=1))
         assert time.monotonic() - t0 < 6

@@ -686,19 +686,11 @@ def leaked_sandbox_dirs(data_dirs: Iterable[Path], sandbox_ids: Iterable[str]) -
 
 
 def join_chunks(messages) -> str:
-    """Join SDK OutputMessages the way the SDK's own formatter does: events may
-    be whole lines without their newline (reference execd) or raw chunks
-    carrying their own line endings; both read back the same."""
-    parts: list[str] = []
-    last = ""
-    for m in messages:
-        text = m.text
-        if text and last and last not in "\r\n" and text[0] not in "\r\n":
-            parts.append("\n")
-        parts.append(text)
-        if text:
-            last = text[-1]
-    return "".join(parts)
+    """The output as the command wrote it, from SDK OutputMessages framed as the reference frames
+    them: one event per line without its terminator, an empty line as "\\n". Every line reads back
+    ending in "\\n" (a last line the command left unterminated gains one; test_output_framing checks
+    the events themselves)."""
+    return "".join(m.text if m.text == "\n" else m.text + "\n" for m in messages)
 
 
 def sh(sbx, command: str, **opts):

@@ -35,7 +35,7 @@ pub enum CommandCommand {
     Logs {
         id: String,
         execution: String,
-        /// Only output after this line (the cursor a previous call printed on stderr).
+        /// Only output after this byte offset (the cursor a previous call printed on stderr).
         #[arg(long)]
         cursor: Option<u64>,
     },

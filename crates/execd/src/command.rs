@@ -23,7 +23,7 @@ use crate::reaper::Exit;
 use crate::sse;
 use crate::AppState;
 
-/// Response header carrying the line cursor of `GET /command/{id}/logs`.
+/// Response header carrying the byte cursor of `GET /command/{id}/logs` (the offset to read from next).
 pub const TAIL_CURSOR_HEADER: &str = "EXECD-COMMANDS-TAIL-CURSOR";
 /// Grace between SIGTERM and SIGKILL on interrupt.
 pub const INTERRUPT_GRACE: Duration = Duration::from_secs(2);

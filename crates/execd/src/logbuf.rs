@@ -1,11 +1,13 @@
-//! The combined output of a background command, addressed by line so `GET /command/{id}/logs?cursor=N`
-//! can return only what the client has not seen. Memory is bounded: the oldest lines are dropped (their
-//! numbers stay reserved, so cursors remain valid).
+//! The combined output of a background command, kept as the bytes the command wrote and addressed
+//! by byte offset, as the reference execd does: `GET /command/{id}/logs?cursor=N` returns what came
+//! after byte `N` and the offset to pass next. Memory is bounded: the oldest bytes are dropped (their
+//! offsets stay reserved, so cursors remain valid; a cursor into the dropped part reads from the
+//! oldest byte kept).
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
-/// Bytes of complete lines kept per command.
+/// Bytes kept per command.
 pub const MAX_LOG_BYTES: usize = 16 * 1024 * 1024;
 
 #[derive(Default)]
@@ -15,12 +17,11 @@ pub struct LogBuffer {
 
 #[derive(Default)]
 struct Inner {
-    lines: VecDeque<String>,
-    /// Lines dropped from the front to respect the cap.
+    bytes: VecDeque<u8>,
+    /// Bytes dropped from the front to respect the cap: the offset of `bytes[0]`.
     dropped: usize,
-    bytes: usize,
-    /// The unterminated last line.
-    partial: Vec<u8>,
+    /// The command ended: nothing more will be appended.
+    closed: bool,
 }
 
 impl LogBuffer {
@@ -30,53 +31,59 @@ impl LogBuffer {
 
     pub fn append(&self, bytes: &[u8]) {
         let mut inner = self.lock();
-        inner.partial.extend_from_slice(bytes);
-        while let Some(pos) = inner.partial.iter().position(|b| *b == b'\n') {
-            let rest = inner.partial.split_off(pos + 1);
-            let mut line = std::mem::replace(&mut inner.partial, rest);
-            line.pop();
-            inner.push_line(String::from_utf8_lossy(&line).into_owned());
+        inner.bytes.extend(bytes);
+        let over = inner.bytes.len().saturating_sub(MAX_LOG_BYTES);
+        if over > 0 {
+            inner.bytes.drain(..over);
+            inner.dropped += over;
         }
     }
 
-    /// The process ended: an unterminated last line becomes a line of its own.
+    /// The process ended: a character cut off at the end is returned as it is (replaced).
     pub fn close(&self) {
-        let mut inner = self.lock();
-        if !inner.partial.is_empty() {
-            let line = String::from_utf8_lossy(&std::mem::take(&mut inner.partial)).into_owned();
-            inner.push_line(line);
-        }
+        self.lock().closed = true;
     }
 
-    /// Lines after line `cursor` (1-based: cursor 0 means from the start), each ending in `\n`, and the new
-    /// cursor (the number of the last line returned). A running command's unterminated line is held back.
+    /// The output after byte `cursor` (from the start with 0) and the offset to read from next.
+    /// While the command runs, a UTF-8 character whose last bytes have not arrived is held back, so
+    /// a reader never sees it split into replacement characters.
     pub fn tail(&self, cursor: usize) -> (String, usize) {
         let inner = self.lock();
-        let total = inner.dropped + inner.lines.len();
-        let start = cursor.max(inner.dropped).min(total);
-        let mut out = String::new();
-        for line in inner.lines.iter().skip(start - inner.dropped) {
-            out.push_str(line);
-            out.push('\n');
+        let end = inner.dropped + inner.bytes.len();
+        let start = cursor.clamp(inner.dropped, end);
+        let (front, back) = inner.bytes.as_slices();
+        let mut out: Vec<u8> = Vec::with_capacity(end - start);
+        let skip = start - inner.dropped;
+        if skip < front.len() {
+            out.extend_from_slice(&front[skip..]);
+            out.extend_from_slice(back);
+        } else {
+            out.extend_from_slice(&back[skip - front.len()..]);
         }
-        (out, total.max(cursor.min(total)))
+        if !inner.closed {
+            out.truncate(out.len() - incomplete_tail(&out));
+        }
+        let next = start + out.len();
+        (String::from_utf8_lossy(&out).into_owned(), next)
     }
 }
 
-impl Inner {
-    fn push_line(&mut self, line: String) {
-        self.bytes += line.len() + 1;
-        self.lines.push_back(line);
-        while self.bytes > MAX_LOG_BYTES {
-            match self.lines.pop_front() {
-                Some(l) => {
-                    self.bytes -= l.len() + 1;
-                    self.dropped += 1;
-                }
-                None => break,
-            }
+/// How many bytes at the end of `bytes` begin a UTF-8 character that is not complete yet.
+fn incomplete_tail(bytes: &[u8]) -> usize {
+    for back in 1..=bytes.len().min(3) {
+        let b = bytes[bytes.len() - back];
+        if b & 0xC0 == 0x80 {
+            continue; // a continuation byte: look further back for the lead
         }
+        let needed = match b {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            _ => return 0,
+        };
+        return if needed > back { back } else { 0 };
     }
+    0
 }
 
 #[cfg(test)]
@@ -84,16 +91,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cursor_walks_lines() {
+    fn cursor_walks_bytes_as_written() {
         let log = LogBuffer::default();
         log.append(b"a\nb");
-        assert_eq!(log.tail(0), ("a\n".to_string(), 1));
-        log.append(b"c\nd\n");
-        assert_eq!(log.tail(1), ("bc\nd\n".to_string(), 3));
-        assert_eq!(log.tail(3), (String::new(), 3));
+        assert_eq!(log.tail(0), ("a\nb".to_string(), 3));
+        log.append(b"c\r\nd\n");
+        assert_eq!(log.tail(3), ("c\r\nd\n".to_string(), 8));
+        assert_eq!(log.tail(8), (String::new(), 8));
         log.append(b"tail");
         log.close();
-        assert_eq!(log.tail(3), ("tail\n".to_string(), 4));
-        assert_eq!(log.tail(99), (String::new(), 4));
+        assert_eq!(log.tail(8), ("tail".to_string(), 12));
+        assert_eq!(log.tail(99), (String::new(), 12), "a cursor past the end is clamped");
+    }
+
+    #[test]
+    fn a_character_cut_by_the_pipe_waits_for_its_last_bytes() {
+        let log = LogBuffer::default();
+        log.append("x é".as_bytes());
+        log.append(&"✓".as_bytes()[..2]);
+        assert_eq!(log.tail(0), ("x é".to_string(), 4));
+        log.append(&"✓".as_bytes()[2..]);
+        assert_eq!(log.tail(4), ("✓".to_string(), 7));
+        log.append(&[0xE2, 0x9C]);
+        log.close();
+        assert_eq!(log.tail(7), ("\u{FFFD}".to_string(), 9), "an ended command's last bytes are all given");
+    }
+
+    #[test]
+    fn the_oldest_bytes_are_dropped_and_offsets_kept() {
+        let log = LogBuffer::default();
+        log.append(&vec![b'a'; MAX_LOG_BYTES]);
+        log.append(b"bcd");
+        let (text, next) = log.tail(0);
+        assert_eq!(text.len(), MAX_LOG_BYTES);
+        assert!(text.ends_with("abcd"));
+        assert_eq!(next, MAX_LOG_BYTES + 3);
+        assert_eq!(log.tail(MAX_LOG_BYTES + 1), ("cd".to_string(), MAX_LOG_BYTES + 3));
     }
 }

@@ -55,7 +55,8 @@ impl Sandbox {
         json(send(r, &url).await?).await
     }
 
-    /// Combined output of a background command after line `cursor` (from the start without one).
+    /// Combined output of a background command after byte `cursor` (from the start without one),
+    /// as the command wrote it.
     pub async fn logs(&self, command_id: &str, cursor: Option<u64>) -> Result<Logs> {
         let (mut r, url) =
             self.execd_call(reqwest::Method::GET, &format!("/command/{command_id}/logs"));

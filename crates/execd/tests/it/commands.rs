@@ -199,8 +199,9 @@ async fn background_status_and_logs_with_cursor() {
     assert_eq!(st["exit_code"], 0);
     assert!(st["finished_at"].is_string());
 
+    // the cursor is a byte offset, as in the reference: 3 lines of 4, 4 and 6 bytes
     let resp = execd.get(&format!("/command/{id}/logs?cursor=0")).await;
-    assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "3");
+    assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "14");
     assert!(resp.headers()["content-type"]
         .to_str()
         .expect("ct")
@@ -215,8 +216,8 @@ async fn background_status_and_logs_with_cursor() {
     lines[..2].sort();
     assert_eq!(lines, ["one", "two", "three"]);
 
-    let resp = execd.get(&format!("/command/{id}/logs?cursor=2")).await;
-    assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "3");
+    let resp = execd.get(&format!("/command/{id}/logs?cursor=8")).await;
+    assert_eq!(resp.headers()["EXECD-COMMANDS-TAIL-CURSOR"], "14");
     assert_eq!(resp.text().await.expect("text"), "three\n");
 
     let resp = execd.get("/command/status/nope").await;
@@ -394,7 +395,7 @@ async fn output_is_one_event_per_line_as_the_reference_frames_it() {
 async fn background_logs_keep_the_output_as_written() {
     let execd = Execd::start().await;
     let events = execd
-        .run(json!({"command": "printf 'a\\n\\nb\\n'", "background": true}))
+        .run(json!({"command": "printf 'a\\r\\n\\nb\\rlast'", "background": true}))
         .await;
     let id = events[0]["text"].as_str().expect("id").to_owned();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -405,7 +406,7 @@ async fn background_logs_keep_the_output_as_written() {
             .text()
             .await
             .expect("logs");
-        if body == "a\n\nb\n" {
+        if body == "a\r\n\nb\rlast" {
             break;
         }
         assert!(Instant::now() < deadline, "logs were {body:?}");
