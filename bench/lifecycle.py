@@ -123,7 +123,8 @@ class Server:
 
 async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str,
                    track: dict[str, set] | None = None) -> float:
-    """One cycle; `track` (soak.py) collects the ids whose create and whose delete were answered."""
+    """One cycle; `track` (soak.py) collects the ids whose create was answered, whose delete was
+    sent, and whose delete was answered."""
     t0 = time.perf_counter()
     h = {"OPEN-SANDBOX-API-KEY": key}
     r = await client.post(f"{base}/v1/sandboxes", headers=h, json={
@@ -151,6 +152,8 @@ async def raw_once(client: httpx.AsyncClient, base: str, key: str, image: str,
             raise RuntimeError("no output")
         return first
     finally:
+        if track is not None:
+            track["delete_sent"].add(sid)
         d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
         if d.status_code != 204:
             raise RuntimeError(f"delete: {d.status_code} {d.text}")

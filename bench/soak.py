@@ -76,7 +76,7 @@ async def run(srv: Server, cycles: int, concurrency: int, sample: int, chaos: fl
     base = lambda: f"http://127.0.0.1:{srv.port}"  # noqa: E731 (the port is kept across restarts)
     done = failed = 0
     errors: dict[str, int] = {}
-    track: dict[str, set] = {"created": set(), "deleted": set()}
+    track: dict[str, set] = {"created": set(), "delete_sent": set(), "deleted": set()}
     samples = [(0, *server_sample(srv))]
     restarts = 0
     sem = asyncio.Semaphore(concurrency)
@@ -141,9 +141,11 @@ def main() -> None:
     t0 = time.monotonic()
     result = asyncio.run(run(srv, args.cycles, args.concurrency, args.sample, args.chaos))
     elapsed = time.monotonic() - t0
-    # Every acknowledged sandbox is either gone because its client deleted it (the cycle's delete
-    # was answered) or still listed, running or ended with a reason: none vanished.
+    # Every acknowledged sandbox is either gone because its client deleted it (a deleted sandbox
+    # leaves the list at once; a delete whose answer a kill cut off may have been done) or still
+    # listed, running or ended with a reason: none vanished.
     created, deleted = result["track"]["created"], result["track"]["deleted"]
+    delete_sent = result["track"]["delete_sent"]
     with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60,
                       headers={"OPEN-SANDBOX-API-KEY": srv.key}) as c:
         listed, page = {}, 1
@@ -153,7 +155,8 @@ def main() -> None:
             if len(body["items"]) < 200:
                 break
             page += 1
-        vanished = sorted(created - deleted - set(listed))
+        vanished = sorted(created - delete_sent - set(listed))
+        still_listed_after_delete = sorted(deleted & set(listed))
         leftover = [sid for sid in listed if sid in created and sid not in deleted]
         # Creates the server took but whose answer the kill cut off: they are real sandboxes (the
         # client saw a broken connection, as with any request in flight when a server dies) and
@@ -179,7 +182,8 @@ def main() -> None:
         print("# failures by kind:", json.dumps(result["errors"]))
     print(f"# acknowledged {len(created)}, deleted by their clients {len(deleted)}, listed at the end "
           f"{len(leftover)} + {len(unanswered)} whose create was never answered (deleted now; "
-          f"without a reason: {len(unexplained)}), vanished {len(vanished)}")
+          f"without a reason: {len(unexplained)}), vanished {len(vanished)}, "
+          f"still listed after an answered delete {len(still_listed_after_delete)}")
     print(f"# server RSS KiB first/last/max: {rss[0]}/{rss[-1]}/{max(rss)}; open fds first/last/max: "
           f"{fds[0]}/{fds[-1]}/{max(fds)}")
     print("# host state before:", json.dumps(before))
@@ -189,7 +193,8 @@ def main() -> None:
     if args.json:
         out = dict(result, track=None, acknowledged=len(created), deleted=len(deleted),
                    listed_at_end=len(leftover), unanswered=len(unanswered),
-                   unexplained=unexplained, vanished=vanished, before=before, after=after,
+                   unexplained=unexplained, vanished=vanished,
+                   still_listed_after_delete=still_listed_after_delete, before=before, after=after,
                    leaks=leaks, elapsed=elapsed)
         Path(args.json).write_text(json.dumps(out, indent=1))
     srv.cleanup()

@@ -356,4 +356,6 @@ def test_a_short_soak_with_the_server_killed_under_load_loses_nothing(server, wo
     assert result["ok"] > 0, res.stdout
     assert result["vanished"] == [], f"acknowledged sandboxes vanished: {result['vanished']}"
     assert result["unexplained"] == [], f"listed as ended without a reason: {result['unexplained']}"
+    assert result["still_listed_after_delete"] == [], (
+        f"deleted sandboxes still listed: {result['still_listed_after_delete']}")
     assert result["leaks"] == {}, f"left on the host: {result['leaks']}\n{res.stdout}"

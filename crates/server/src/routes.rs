@@ -262,7 +262,7 @@ fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError>
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
-    responses((status = 204, description = "Terminated (user_delete)"), (status = 404, body = ErrorBody)))]
+    responses((status = 204, description = "Deleted: get and list no longer know it"), (status = 404, body = ErrorBody)))]
 pub async fn delete(
     State(app): State<AppState>,
     Path(id): Path<String>,

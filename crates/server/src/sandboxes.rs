@@ -782,7 +782,8 @@ impl Sandboxes {
         self.entry(id).ok_or_else(|| ApiError::not_found(id))
     }
 
-    /// Kills a sandbox and keeps its record as Terminated with `reason`.
+    /// Kills a sandbox. Its record is kept as Terminated with `reason` for the retention period,
+    /// except after a user's delete, which forgets it at once.
     pub async fn delete(&self, id: &str, reason: &str) -> Result<(), ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
@@ -821,6 +822,12 @@ impl Sandboxes {
                 self.update(&entry, |r| {
                     r.transition(SandboxState::Terminated, Some(reason), None)
                 });
+                if reason == REASON_USER_DELETE {
+                    // A deleted sandbox is gone at once, as in the reference: clients that count their
+                    // sandboxes by a metadata tag (the official client-side pools) wait for the list to
+                    // shrink. Sandboxes that ended on their own stay visible for the retention period.
+                    self.forget(id);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -1239,15 +1246,20 @@ impl Sandboxes {
                         }
                     });
                 } else if forgotten(&rec) {
-                    this.inner
-                        .entries
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&rec.id);
-                    let _ = this.inner.store.remove(&rec.id);
+                    this.forget(&rec.id);
                 }
             }
         }
+    }
+
+    /// Drops an ended sandbox's record: list and get no longer know it.
+    fn forget(&self, id: &str) {
+        self.inner
+            .entries
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        let _ = self.inner.store.remove(id);
     }
 
     /// Stops every live sandbox (used by `warren run`'s embedded server and tests, not by `serve`, whose

@@ -234,10 +234,8 @@ fn sandbox_command_and_file_verbs() {
     assert_eq!(metrics["mem_total_mib"], 256.0);
     assert!(cli.ok(&["sandbox", "kill", &id]).contains(&id));
 
-    assert_eq!(
-        cli.json(&["sandbox", "get", &id])["status"]["state"],
-        "Terminated"
-    );
+    let gone = cli.run(&["sandbox", "get", &id]);
+    assert_eq!(gone.status.code(), Some(1), "a killed sandbox is gone at once");
     assert_no_trace(&server.data(), &id);
 
     // Errors: one line, non-zero.

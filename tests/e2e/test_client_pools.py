@@ -1,0 +1,90 @@
+"""The official SDK's client-side pools (`SandboxPoolSync`, `SandboxPoolAsync` with the in-memory state
+stores) against Warren, and the rule they rely on: a deleted sandbox leaves the list and answers 404 at
+once, as in the reference, so a caller counting its sandboxes by a metadata tag sees the count fall
+(issue 30). Sandboxes that ended on their own stay visible for `terminated_retention_seconds`
+(test_lifecycle's expiry test)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+
+from opensandbox import (InMemoryAsyncPoolStateStore, InMemoryPoolStateStore, PoolCreationSpec,
+                         SandboxManagerSync, SandboxPoolAsync, SandboxPoolSync)
+from opensandbox.models.sandboxes import SandboxFilter
+
+import warren_e2e as W
+
+
+def tagged(manager: SandboxManagerSync, tag: str) -> dict[str, str]:
+    """id → state of every listed sandbox carrying the tag."""
+    page = manager.list_sandbox_infos(SandboxFilter(metadata={"e2e-pool": tag}, page_size=100))
+    return {s.id: s.status.state for s in page.sandbox_infos}
+
+
+def test_deleted_sandbox_is_gone_from_list_and_get(api, raw_sandbox):
+    tag = uuid.uuid4().hex[:12]
+    sid = raw_sandbox(metadata={"e2e-pool": tag})["id"]
+    listed = api.get("/v1/sandboxes", params={"metadata": f"e2e-pool={tag}"}).json()["items"]
+    assert [s["id"] for s in listed] == [sid]
+    assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    W.assert_error_body(api.get(f"/v1/sandboxes/{sid}"), codes=[404])
+    assert api.get("/v1/sandboxes", params={"metadata": f"e2e-pool={tag}"}).json()["items"] == []
+    # not even under a filter for the state it ended in
+    r = api.get("/v1/sandboxes", params={"state": "Terminated", "metadata": f"e2e-pool={tag}"})
+    assert r.status_code == 200 and r.json()["items"] == []
+
+
+def test_sync_pool_warms_hands_out_and_releases(server, manager):
+    tag = uuid.uuid4().hex[:12]
+    pool = SandboxPoolSync(
+        pool_name=f"e2e-{tag}", max_idle=2, state_store=InMemoryPoolStateStore(),
+        connection_config=server.sdk_config(),
+        creation_spec=PoolCreationSpec(image=server.sandbox_image("host"), metadata={"e2e-pool": tag}),
+        warmup_concurrency=2, idle_timeout=timedelta(minutes=5))
+    pool.start()
+    try:
+        W.wait_until(lambda: pool.snapshot().idle_count == 2, 60, interval=0.3, message="the pool to warm up")
+        for sid in tagged(manager, tag):
+            W.track_sandbox(sid)
+        sbx = pool.acquire(sandbox_timeout=timedelta(minutes=5))
+        W.track_sandbox(sbx.id)
+        ex = sbx.commands.run("echo pooled")
+        assert [m.text for m in ex.logs.stdout] == ["pooled"]
+        sbx.kill()
+        sbx.close()
+        assert sbx.id not in tagged(manager, tag), "a killed sandbox must leave the list at once"
+    finally:
+        pool.release_all_idle()
+        pool.shutdown(graceful=False)
+    # The pool's idle sandboxes were killed: the tag counts none, none answers get.
+    W.wait_until(lambda: not tagged(manager, tag), 20, interval=0.3,
+                 message="the pool's sandboxes to leave the list")
+
+
+def test_async_pool_releases_everything(server, manager):
+    tag = uuid.uuid4().hex[:12]
+
+    async def main():
+        pool = SandboxPoolAsync(
+            pool_name=f"e2e-{tag}", max_idle=2, state_store=InMemoryAsyncPoolStateStore(),
+            connection_config=server.sdk_async_config(),
+            creation_spec=PoolCreationSpec(image=server.sandbox_image("host"), metadata={"e2e-pool": tag}),
+            warmup_concurrency=2, idle_timeout=timedelta(minutes=5))
+        await pool.start()
+        try:
+            for _ in range(300):
+                if (await pool.snapshot()).idle_count == 2:
+                    break
+                await asyncio.sleep(0.2)
+            assert (await pool.snapshot()).idle_count == 2, await pool.snapshot()
+            for sid in tagged(manager, tag):
+                W.track_sandbox(sid)
+            assert await pool.release_all_idle() == 2
+        finally:
+            await pool.shutdown(graceful=False)
+
+    asyncio.run(main())
+    W.wait_until(lambda: not tagged(manager, tag), 20, interval=0.3,
+                 message="the pool's sandboxes to leave the list")
