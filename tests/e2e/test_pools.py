@@ -212,6 +212,62 @@ def test_pool_replace_checks_the_new_spec_first(server, api, pool):
                  message="one warm sandbox after shrinking the pool to bufferMax 1")
 
 
+@pytest.mark.timeout(300)
+def test_pool_update_with_only_capacity_keeps_the_warm_sandboxes(server, api, pool):
+    """The reference's update shape, `PUT /pools/{name}` with `{capacitySpec}` alone: the sizes
+    change, the template stays, warm sandboxes stay warm (none is remade), those beyond the new
+    bufferMax go; answers carry `createdAt` and a `status.revision` that moves with the spec."""
+    name, spec = pool["name"], pool["spec"]
+    _warm_up(api, name, 3)
+    first = api.get(f"/v1/pools/{name}").json()
+    assert W.parse_time(first["createdAt"]) <= W.utcnow()
+    assert first["status"]["revision"]
+    # Warm sandboxes are not listed; on the host, each is its entrypoint's process (not on gVisor,
+    # whose processes are not host processes).
+    host_pids = not server.gvisor
+    warm_before = set(_warm_pids(pool["marker"])) if host_pids else set()
+    assert not host_pids or len(warm_before) == 3, warm_before
+
+    grown = {"capacitySpec": {**spec["capacitySpec"], "bufferMin": 1, "bufferMax": 4}}
+    r = api.put(f"/v1/pools/{name}", json=grown)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["capacitySpec"] == grown["capacitySpec"]
+    assert body["template"]["env"] == spec["template"]["env"], "the template is kept"
+    assert body["createdAt"] == first["createdAt"]
+    assert body["status"]["revision"] != first["status"]["revision"]
+    assert body["status"]["available"] >= 3, body
+    _warm_up(api, name, 4)
+    assert warm_before <= set(_warm_pids(pool["marker"])), "the warm sandboxes were kept, not remade"
+
+    shrunk = {"capacitySpec": {**spec["capacitySpec"], "bufferMin": 1, "bufferMax": 1}}
+    r = api.put(f"/v1/pools/{name}", json=shrunk)
+    assert r.status_code == 200, r.text
+    W.wait_until(lambda: _status(api, name)["available"] == 1, 30, interval=0.2,
+                 message="the warm sandboxes beyond bufferMax 1 to go")
+    if host_pids:
+        W.wait_until(lambda: len(_warm_pids(pool["marker"])) == 1, 30, interval=0.2,
+                     message="one warm sandbox process after shrinking to bufferMax 1")
+        assert set(_warm_pids(pool["marker"])) <= warm_before, "the one kept is one of the first"
+    # a claim is still served from the kept one
+    r = api.post("/v1/sandboxes", json={**W.create_body(spec["template"]["image"]["uri"]),
+                                        "env": spec["template"]["env"], "extensions": {"poolRef": name}})
+    assert r.status_code == 202, r.text
+    W.track_sandbox(r.json()["id"])
+    assert api.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 204
+
+    # bad updates change nothing: sizes out of order, another name, an unknown pool
+    before = api.get(f"/v1/pools/{name}").json()
+    W.assert_error_body(api.put(f"/v1/pools/{name}", json={"capacitySpec": {**spec["capacitySpec"],
+                                                                            "bufferMax": 9}}), codes=[400])
+    W.assert_error_body(api.put(f"/v1/pools/{name}", json={**shrunk, "name": "other"}), codes=[400])
+    W.assert_error_body(api.put(f"/v1/pools/{name}", json={}), codes=[400])
+    W.assert_error_body(api.put("/v1/pools/e2e-no-such-pool", json=shrunk), codes=[404])
+    after = api.get(f"/v1/pools/{name}").json()
+    assert after["capacitySpec"] == before["capacitySpec"]
+    assert after["status"]["revision"] == before["status"]["revision"]
+
+
 def _warm_pids(marker: str) -> list[int]:
     """Host PIDs of the pool's warm sandboxes' entrypoints (they carry the template's env)."""
     out = []

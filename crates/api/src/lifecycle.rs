@@ -357,6 +357,22 @@ pub struct PoolSpec {
     pub max_wait_seconds: Option<u64>,
 }
 
+/// `PUT /pools/{name}` body. The reference's shape is `{capacitySpec}` alone, which changes the
+/// sizes and keeps the warm sandboxes; with a `template` (Warren's own) the pool is replaced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PoolUpdate {
+    /// The pool's own name, if given (anything else is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<CreateSandboxRequest>,
+    pub capacity_spec: CapacitySpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_seconds: Option<u64>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -366,6 +382,8 @@ pub struct PoolStatus {
     pub allocated: u32,
     /// Warm, ready to hand out.
     pub available: u32,
+    /// Changes whenever the pool's spec does (a digest of it).
+    pub revision: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -375,6 +393,7 @@ pub struct Pool {
     #[serde(flatten)]
     pub spec: PoolSpec,
     pub status: PoolStatus,
+    pub created_at: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,6 +8,7 @@ pub mod error;
 mod execd_conns;
 mod front;
 pub mod network;
+mod docs;
 mod openapi;
 mod pools;
 mod proxy;
@@ -83,6 +84,8 @@ pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/health", get(routes::health))
         .route("/openapi.json", get(openapi::document))
+        .route("/docs", get(docs::swagger))
+        .route("/redoc", get(docs::redoc))
         .route("/sandboxes", post(routes::create).get(routes::list))
         .route("/sandboxes/{id}", get(routes::get).delete(routes::delete))
         .route("/sandboxes/{id}/pause", post(routes::pause))
@@ -104,7 +107,7 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/pools/{name}",
             get(routes::get_pool)
-                .put(routes::replace_pool)
+                .put(routes::update_pool)
                 .delete(routes::delete_pool),
         )
         .route(

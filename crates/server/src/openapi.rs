@@ -39,7 +39,7 @@ use crate::routes;
         routes::create_pool,
         routes::list_pools,
         routes::get_pool,
-        routes::replace_pool,
+        routes::update_pool,
         routes::delete_pool
     ),
     components(schemas(
@@ -65,6 +65,7 @@ use crate::routes;
         warren_api::lifecycle::CapacitySpec,
         warren_api::lifecycle::PoolSpec,
         warren_api::lifecycle::PoolStatus,
+        warren_api::lifecycle::PoolUpdate,
         warren_api::lifecycle::Pool,
         warren_api::lifecycle::ListPoolsResponse
     ))

@@ -13,7 +13,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use warren_api::lifecycle::{CapacitySpec, Pool as WirePool, PoolSpec, PoolStatus, SandboxState};
+use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
+use warren_api::lifecycle::{
+    CapacitySpec, Pool as WirePool, PoolSpec, PoolStatus, PoolUpdate, SandboxState,
+};
 use warren_api::ErrorCode;
 use warren_core::Background;
 use warren_store::SandboxRecord;
@@ -63,6 +67,8 @@ struct Inner {
 
 struct Pool {
     spec: PoolSpec,
+    /// When the pool was first made (kept across updates and restarts).
+    created_at: DateTime<Utc>,
     /// The template as a validated create, marked as this pool's warm sandbox.
     plan: CreatePlan,
     from_config: bool,
@@ -148,8 +154,9 @@ impl Pools {
         // Refills start only once the warm sandboxes that survived are back on their lists: a
         // refill that looked first would see none and make a pool's worth more.
         let mut started = Vec::new();
+        let now = Utc::now();
         for spec in from_config {
-            let pool = self.prepare(spec.clone(), true).map_err(|e| {
+            let pool = self.prepare(spec.clone(), true, now).map_err(|e| {
                 anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
             })?;
             self.insert(pool.clone()).map_err(|e| {
@@ -157,7 +164,7 @@ impl Pools {
             })?;
             started.push(pool);
         }
-        let saved: Vec<PoolSpec> = match std::fs::read(&self.inner.file) {
+        let saved: Vec<SavedPool> = match std::fs::read(&self.inner.file) {
             Ok(bytes) => serde_json::from_slice(&bytes)
                 .with_context(|| format!("parsing {}", self.inner.file.display()))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -165,9 +172,9 @@ impl Pools {
                 return Err(e).with_context(|| format!("reading {}", self.inner.file.display()))
             }
         };
-        for spec in saved {
+        for SavedPool { spec, created_at } in saved {
             match self
-                .prepare(spec.clone(), false)
+                .prepare(spec.clone(), false, created_at.unwrap_or(now))
                 .and_then(|p| self.insert(p))
             {
                 Ok(pool) => started.push(pool),
@@ -216,7 +223,12 @@ impl Pools {
     }
 
     /// A validated pool, not yet in the registry and not refilling.
-    fn prepare(&self, spec: PoolSpec, from_config: bool) -> Result<Arc<Pool>, ApiError> {
+    fn prepare(
+        &self,
+        spec: PoolSpec,
+        from_config: bool,
+        created_at: DateTime<Utc>,
+    ) -> Result<Arc<Pool>, ApiError> {
         validate_spec(&spec)?;
         let mut plan = create_plan(
             spec.template.clone(),
@@ -236,6 +248,7 @@ impl Pools {
         plan.extensions = BTreeMap::new();
         Ok(Arc::new(Pool {
             spec,
+            created_at,
             plan,
             from_config,
             warm: Mutex::new(VecDeque::new()),
@@ -262,33 +275,65 @@ impl Pools {
     }
 
     pub fn create(&self, spec: PoolSpec) -> Result<WirePool, ApiError> {
-        let pool = self.insert(self.prepare(spec, false)?)?;
+        let pool = self.insert(self.prepare(spec, false, Utc::now())?)?;
         self.spawn_refill(pool.clone());
         self.save();
         Ok(self.wire(&pool))
     }
 
-    /// Replaces a pool's template or sizes: its warm sandboxes go and new ones are made. The new
-    /// spec is checked first (a bad one changes nothing), and the new pool takes the name in the
-    /// same step the old one gives it up, so no create meanwhile finds no pool of that name;
-    /// creates waiting on the old one move to the new one.
-    pub async fn replace(&self, name: &str, spec: PoolSpec) -> Result<WirePool, ApiError> {
-        if spec.name != name {
+    /// `PUT /pools/{name}`. With only `capacitySpec` (the reference's shape) the sizes change and
+    /// the warm sandboxes stay (those beyond the new `bufferMax` go); with a `template` the pool
+    /// is replaced: its warm sandboxes go and new ones are made. Either way the new spec is
+    /// checked first (a bad one changes nothing), and the new pool takes the name in the same
+    /// step the old one gives it up, so no create meanwhile finds no pool of that name; creates
+    /// waiting on the old one move to the new one.
+    pub async fn update(&self, name: &str, update: PoolUpdate) -> Result<WirePool, ApiError> {
+        if update.name.as_deref().is_some_and(|n| n != name) {
             return Err(ApiError::invalid("the body's name must be the pool's name"));
         }
-        let new = self.prepare(spec, false)?;
-        let old = {
+        let old = self.pool(name).ok_or_else(|| not_found(name))?;
+        let keep_warm = update.template.is_none();
+        let spec = PoolSpec {
+            name: name.to_owned(),
+            template: update.template.unwrap_or_else(|| old.spec.template.clone()),
+            capacity_spec: update.capacity_spec,
+            max_wait_seconds: update.max_wait_seconds.or(old.spec.max_wait_seconds),
+        };
+        let new = self.prepare(spec, false, old.created_at)?;
+        let (old, moved, extra) = {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
             let old = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
             if old.from_config {
                 return Err(from_config(name));
             }
+            let (mut moved, mut extra) = (0, Vec::new());
+            if keep_warm {
+                // Closed under the warm list's lock, as a refill looks at it: each sandbox is
+                // either on the list drained here or deleted by the refill that made it.
+                let mut from = old.warm.lock().unwrap_or_else(|e| e.into_inner());
+                old.closed.store(true, Ordering::SeqCst);
+                let mut to = new.warm.lock().unwrap_or_else(|e| e.into_inner());
+                for id in from.drain(..) {
+                    if (to.len() as u32) < new.spec.capacity_spec.buffer_max {
+                        to.push_back(id);
+                        moved += 1;
+                    } else {
+                        extra.push(id);
+                    }
+                }
+            }
             pools.insert(name.to_owned(), new.clone());
-            old
+            (old, moved, extra)
         };
+        for _ in 0..moved {
+            new.available.notify_one();
+        }
         self.spawn_refill(new.clone());
         self.save();
         self.retire(old).await;
+        for id in extra {
+            let _ = self.inner.sandboxes.delete(&id, REASON_USER_DELETE).await;
+        }
         Ok(self.wire(&new))
     }
 
@@ -639,19 +684,24 @@ impl Pools {
                 total: available + allocated + creating,
                 allocated,
                 available,
+                revision: revision(&pool.spec),
             },
+            created_at: crate::routes::rfc3339(pool.created_at),
         }
     }
 
     fn save(&self) {
-        let specs: Vec<PoolSpec> = {
+        let specs: Vec<SavedPool> = {
             let pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-            let mut specs: Vec<PoolSpec> = pools
+            let mut specs: Vec<SavedPool> = pools
                 .values()
                 .filter(|p| !p.from_config)
-                .map(|p| p.spec.clone())
+                .map(|p| SavedPool {
+                    spec: p.spec.clone(),
+                    created_at: Some(p.created_at),
+                })
                 .collect();
-            specs.sort_by(|a, b| a.name.cmp(&b.name));
+            specs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
             specs
         };
         let tmp = self.inner.file.with_extension("json.tmp");
@@ -663,6 +713,22 @@ impl Pools {
             tracing::error!("saving pools to {} failed: {e}", self.inner.file.display());
         }
     }
+}
+
+/// An API-made pool as kept in the data dir (files written before `createdAt` was kept lack it).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedPool {
+    #[serde(flatten)]
+    spec: PoolSpec,
+    #[serde(default, rename = "createdAt", skip_serializing_if = "Option::is_none")]
+    created_at: Option<DateTime<Utc>>,
+}
+
+/// The pool's revision: a digest of its spec, so it changes exactly when the spec does.
+fn revision(spec: &PoolSpec) -> String {
+    let bytes = serde_json::to_vec(spec).unwrap_or_default();
+    let digest = Sha256::digest(&bytes);
+    digest[..6].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn not_found(name: &str) -> ApiError {

@@ -538,15 +538,15 @@ pub async fn get_pool(
 }
 
 #[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
-    request_body = warren_api::lifecycle::PoolSpec,
-    responses((status = 200, body = warren_api::lifecycle::Pool), (status = 404, body = ErrorBody)))]
-pub async fn replace_pool(
+    request_body = warren_api::lifecycle::PoolUpdate,
+    responses((status = 200, body = warren_api::lifecycle::Pool), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn update_pool(
     State(app): State<AppState>,
     Path(name): Path<String>,
-    ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
+    ApiJson(update): ApiJson<warren_api::lifecycle::PoolUpdate>,
 ) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
     let pools = app.pools.clone();
-    to_completion(async move { pools.replace(&name, spec).await })
+    to_completion(async move { pools.update(&name, update).await })
         .await
         .map(Json)
 }
