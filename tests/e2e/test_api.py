@@ -31,6 +31,21 @@ def test_openapi_document(server):
     assert "/sandboxes" in paths
 
 
+@pytest.mark.parametrize("page,viewer", [("docs", "SwaggerUIBundle"), ("redoc", "Redoc.init")])
+def test_docs_pages(server, page, viewer):
+    """/docs and /redoc beside /openapi.json, as the reference serves them: no key needed, the
+    viewer pointed at the document, and every route indexed in the page itself (readable where the
+    viewer's CDN cannot be reached, as on this machine)."""
+    doc = httpx.get(f"{server.base_url}/openapi.json", timeout=10).json()
+    for prefix in ("", "/v1"):
+        r = httpx.get(f"{server.base_url}{prefix}/{page}", timeout=10)
+        assert r.status_code == 200, r.text[:300]
+        assert r.headers["content-type"].startswith("text/html")
+        assert viewer in r.text and '"/openapi.json"' in r.text
+        for path in doc["paths"]:
+            assert f"<code>{path}</code>" in r.text, f"{path} is not in /{page}"
+
+
 def test_missing_api_key(server):
     with server.client(api_key=None) as c:
         r = c.get("/v1/sandboxes")

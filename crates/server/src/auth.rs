@@ -16,11 +16,11 @@ use warren_api::{ErrorCode, API_KEY_HEADER};
 use crate::error::ApiError;
 use crate::AppState;
 
-/// Paths that answer without a key: health, the OpenAPI document, and the sandbox proxy (which checks
-/// its own per-sandbox token).
+/// Paths that answer without a key: health, the OpenAPI document and its pages, and the sandbox
+/// proxy (which checks its own per-sandbox token).
 fn is_public(path: &str) -> bool {
     let p = path.strip_prefix("/v1").unwrap_or(path);
-    p == "/health" || p == "/openapi.json" || is_proxy_path(p)
+    matches!(p, "/health" | "/openapi.json" | "/docs" | "/redoc") || is_proxy_path(p)
 }
 
 fn is_proxy_path(p: &str) -> bool {
