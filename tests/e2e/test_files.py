@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 from opensandbox.exceptions import SandboxException
+from opensandbox.models.execd import RunCommandOpts
 from opensandbox.models.filesystem import (
     ContentReplaceEntry,
     DirectoryListEntry,
@@ -115,6 +116,37 @@ def test_directories_and_file_ops(host_sandbox):
     fs.delete_directories([base])
     code, out, _ = sh(host_sandbox, f"test -e {base} && echo exists || echo gone")
     assert out.strip() == "gone"
+
+
+def test_directories_as_the_reference_counts_them(host_sandbox):
+    """The reference's own file test, run unchanged: two directories made through the SDK are two
+    lines of `ls | grep` (one stdout event per line) — the check that used to find 1 where 2 were
+    expected; search finds files only, by name, with `*`; a listing walks depth first, a folder's
+    contents right after it, and depth 0 lists nothing."""
+    stamp = uuid.uuid4().hex[:10]
+    d1, d2 = f"/tmp/fs_test1_{stamp}", f"/tmp/fs_test2_{stamp}"
+    fs = host_sandbox.files
+    fs.create_directories([WriteEntry(path=d1, mode=755), WriteEntry(path=d2, mode=644)])
+    try:
+        info = fs.get_file_info([d1, d2])
+        assert info[d1].mode == 755 and info[d2].mode == 644
+        ran = host_sandbox.commands.run(f"ls -la | grep fs_test | grep {stamp}",
+                                        opts=RunCommandOpts(working_directory="/tmp"))
+        assert ran.exit_code == 0
+        assert len(ran.logs.stdout) == 2, [m.text for m in ran.logs.stdout]
+
+        fs.write_files([WriteEntry(path=f"{d1}/f{i}.txt", data="x" * i, mode=644) for i in (1, 2, 3)]
+                       + [WriteEntry(path=f"{d1}/sub/g.txt", data="g"),
+                          WriteEntry(path=f"{d1}/sub.txt", data="s")])
+        found = {e.path for e in fs.search(SearchEntry(path=d1, pattern="*"))}
+        assert found == {f"{d1}/f1.txt", f"{d1}/f2.txt", f"{d1}/f3.txt", f"{d1}/sub/g.txt", f"{d1}/sub.txt"}, \
+            "files only, at any depth"
+        listing = [e.path for e in fs.list_directory(DirectoryListEntry(path=d1, depth=2))]
+        assert listing == [f"{d1}/f1.txt", f"{d1}/f2.txt", f"{d1}/f3.txt", f"{d1}/sub", f"{d1}/sub/g.txt",
+                           f"{d1}/sub.txt"]
+        assert fs.list_directory(DirectoryListEntry(path=d1, depth=0)) == []
+    finally:
+        fs.delete_directories([d1, d2])
 
 
 def test_missing_file(host_sandbox):

@@ -237,14 +237,14 @@ pub async fn run(
     Ok(response)
 }
 
-/// Starts one reader per output pipe; their text arrives on the returned channel, tagged by stream.
+/// The bytes a command wrote, as they were read, tagged by stream.
+type Output = mpsc::Receiver<(Stream, Vec<u8>)>;
+
+/// Starts one reader per output pipe; their bytes arrive on the returned channel.
 fn spawn_pumps(
     stdout: Option<tokio::net::unix::pipe::Receiver>,
     stderr: Option<tokio::net::unix::pipe::Receiver>,
-) -> (
-    Vec<tokio::task::JoinHandle<()>>,
-    mpsc::Receiver<(Stream, Vec<u8>)>,
-) {
+) -> (Vec<tokio::task::JoinHandle<()>>, Output) {
     let (otx, orx) = mpsc::channel::<(Stream, Vec<u8>)>(64);
     let pumps = [(stdout, Stream::Stdout), (stderr, Stream::Stderr)]
         .into_iter()

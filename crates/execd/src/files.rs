@@ -283,11 +283,12 @@ pub async fn search(
             )));
         }
         let ids = Ids::load();
-        // A pattern with a slash matches the path below the root, otherwise just the file name.
+        // As in the reference, the pattern matches the file name; one with a slash (which never
+        // matches a name there) matches the path below the root, `*` within one folder.
         let by_path = pattern_s.contains('/');
         let opts = glob::MatchOptions {
             case_sensitive: true,
-            require_literal_separator: false,
+            require_literal_separator: by_path,
             require_literal_leading_dot: false,
         };
         let mut out = Vec::new();
@@ -310,10 +311,16 @@ pub async fn search(
             }
         })
         .map_err(|e| ApiError::io(&root_s, e))?;
-        out.sort_by(|a, b| a.path.cmp(&b.path));
+        sort_as_walked(&mut out);
         Ok(Json(out))
     })
     .await
+}
+
+/// The reference's order: depth first, each folder's entries by name, a folder's contents right
+/// after it (`a/b`, `a/b/x`, `a/b.txt`), which is the order of the paths' components.
+fn sort_as_walked(entries: &mut [FileInfo]) {
+    entries.sort_by(|a, b| Path::new(&a.path).cmp(Path::new(&b.path)));
 }
 
 #[derive(Debug, Deserialize)]
@@ -386,7 +393,8 @@ pub async fn list(
 ) -> ApiResult<Json<Vec<FileInfo>>> {
     let params = Params::parse(q.as_deref());
     let p = params.require("path")?.to_string();
-    let depth = params.number::<usize>("depth")?.unwrap_or(1).max(1);
+    // 0 lists nothing, as in the reference (after the path is checked)
+    let depth = params.number::<usize>("depth")?.unwrap_or(1);
     let root = app.resolve(&p);
     blocking(move || {
         // The entry itself, resolved once: it must be a folder, not a link to one, and is walked
@@ -401,11 +409,13 @@ pub async fn list(
         }
         let ids = Ids::load();
         let mut out = Vec::new();
-        walk(&dir, &root, depth, &mut |path, meta, _| {
-            out.push(file_info(path, meta, &ids))
-        })
-        .map_err(|e| ApiError::io(&p, e))?;
-        out.sort_by(|a, b| a.path.cmp(&b.path));
+        if depth > 0 {
+            walk(&dir, &root, depth, &mut |path, meta, _| {
+                out.push(file_info(path, meta, &ids))
+            })
+            .map_err(|e| ApiError::io(&p, e))?;
+        }
+        sort_as_walked(&mut out);
         Ok(Json(out))
     })
     .await

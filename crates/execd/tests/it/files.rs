@@ -383,6 +383,28 @@ async fn directories_mkdir_list_rm() {
         .await
         .expect("json");
     assert_eq!(deep.len(), 4);
+    let none: Vec<Value> = execd
+        .get("/directories/list?path=x&depth=0")
+        .await
+        .json()
+        .await
+        .expect("json");
+    assert!(none.is_empty(), "depth 0 lists nothing: {none:?}");
+    // a folder's contents come right after it, as the reference walks
+    std::fs::write(w.join("x/y.txt"), "").expect("write");
+    let order: Vec<String> = execd
+        .get("/directories/list?path=x&depth=2")
+        .await
+        .json::<Vec<Value>>()
+        .await
+        .expect("json")
+        .iter()
+        .map(|f| f["path"].as_str().expect("p").to_string())
+        .collect();
+    assert_eq!(
+        order,
+        [p("x/file"), p("x/link"), p("x/y"), p("x/y/z"), p("x/y.txt")]
+    );
 
     let resp = execd.get("/directories/list?path=x/link").await;
     assert_eq!(resp.status(), 400, "symlinked directory is refused");
