@@ -28,7 +28,8 @@ pub struct FileConfig {
     pub public_host: Option<String>,
     /// Upper bound for `timeout` on create, in seconds.
     pub max_sandbox_timeout_seconds: Option<i64>,
-    /// How long records of ended sandboxes stay listable, in seconds.
+    /// How long records of sandboxes that ended on their own stay listable, in seconds (a deleted
+    /// sandbox is forgotten at once).
     pub terminated_retention_seconds: Option<i64>,
     #[serde(default)]
     pub runtime: RuntimeSection,
