@@ -243,6 +243,53 @@ def test_interrupt_runaway_loop_keeps_context(ci):
     ci.codes.delete_context(ctx.id)
 
 
+@pytest.mark.timeout(600)
+def test_interrupt_at_every_moment_ends_the_run(ci):
+    """An interrupt lands before the kernel starts executing (right after `init`), while it runs,
+    and after its last output; many times. Every run must end with a terminal event (the SDK's
+    `run` returns) and the next run on the context must succeed. An interrupt that landed while
+    the kernel was between messages used to be lost (ipykernel ignores SIGINT outside an
+    execution): the stream then sent only pings and the context answered 409 for good."""
+    ctx = ci.codes.create_context("python")
+    codes = ["while True: pass",
+             "print('go', flush=True)\nwhile True: pass",
+             "import time\nfor i in range(3):\n    print(i, flush=True)\ntime.sleep(600)"]
+    delays = [0, 0, 0.005, 0.02, 0.05, 0.1, 0.3, "output"]
+    try:
+        for round_ in range(3):
+            for code in codes:
+                for delay in delays:
+                    started, printed = threading.Event(), threading.Event()
+                    holder = {}
+
+                    def on_init(init):
+                        holder["id"] = init.id
+                        started.set()
+
+                    def run():
+                        holder["ex"] = ci.codes.run(code, context=ctx, handlers=ExecutionHandlersSync(
+                            on_init=on_init, on_stdout=lambda m: printed.set()))
+
+                    t = threading.Thread(target=run, daemon=True)
+                    t.start()
+                    assert started.wait(30)
+                    if delay == "output":
+                        # after the last output; a loop that prints nothing is caught mid-run
+                        assert printed.wait(30) if "print" in code else not time.sleep(0.2)
+                    else:
+                        time.sleep(delay)
+                    ci.codes.interrupt(holder["id"])
+                    t.join(30)
+                    where = f"round {round_}, code {code!r}, interrupt after {delay}"
+                    assert not t.is_alive(), f"the run never ended ({where})"
+                    ex = holder["ex"]
+                    assert ex.error is not None and ex.error.name == "KeyboardInterrupt", (where, ex.error)
+                    after = ci.codes.run("40 + 2", context=ctx)
+                    assert after.error is None and texts(after) == ["42"], (where, after.error)
+    finally:
+        ci.codes.delete_context(ctx.id)
+
+
 def test_busy_context_is_refused_not_queued(code_sandbox):
     sbx, ci = code_sandbox
     ctx = ci.codes.create_context("python")

@@ -15,7 +15,7 @@ pub mod zmtp;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -42,7 +42,19 @@ pub struct Context {
     kernel: Kernel,
     /// Held by the running execution.
     busy: Arc<tokio::sync::Mutex<()>>,
+    /// Counts `DELETE /code?id=` calls: the running execution (if any) sees each one through.
+    interrupts: tokio::sync::watch::Sender<u64>,
 }
+
+/// How long an interrupt may show no effect before it is sent again. A kernel drops an interrupt
+/// that lands outside an execution (ipykernel ignores SIGINT between messages), and one sent right
+/// after `init` can land before the kernel starts executing. Not sooner: one that lands while the
+/// kernel is already ending the execution (past the user's code, sending its reply) stops the
+/// kernel, so none is sent once the execution shows it ended (an `error`, idle).
+const INTERRUPT_AGAIN: Duration = Duration::from_secs(1);
+/// After an interrupt, how long an idle kernel gets to send the `execute_reply` it owes before the
+/// run ends without it.
+const REPLY_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 impl Context {
     fn info(&self) -> CodeContext {
@@ -141,6 +153,7 @@ async fn start_context(
         language,
         kernel,
         busy: Default::default(),
+        interrupts: tokio::sync::watch::Sender::new(0),
     });
     lock(&app.contexts.map).insert(id, ctx.clone());
     Ok(ctx)
@@ -236,6 +249,8 @@ pub async fn interrupt(
         q.id.filter(|s| !s.is_empty())
             .ok_or_else(|| ApiError::missing_query("id"))?;
     let ctx = app.contexts.get(&id).ok_or_else(|| not_found(&id))?;
+    // The running execution sends it, and again until it ends; with none running, nothing waits.
+    ctx.interrupts.send_modify(|n| *n += 1);
     ctx.kernel.interrupt().await;
     Ok(StatusCode::OK)
 }
@@ -316,6 +331,10 @@ fn kernel_died(why: String) -> StreamEvent {
 /// Runs one execution and turns the kernel's messages into the event stream. Returns only when the
 /// kernel is idle again (or dead), so the context's busy lock covers the whole execution even when the
 /// client went away (then the execution is interrupted, not left running).
+///
+/// Once interrupted (`DELETE /code`, or the client gone) the interrupt is sent again until the
+/// execution ends, and an idle kernel ends it even without its `execute_reply` (after
+/// [`REPLY_AFTER_IDLE`]): the stream always ends with a terminal event, and the context is free.
 async fn drive(ctx: &Context, code: &str, out: EventStream) {
     let started = Instant::now();
     let send = |ev: StreamEvent| {
@@ -324,19 +343,48 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
             let _ = tx.send(ev).await;
         }
     };
+    // Interrupts from before this run are not for it; any after its `init` are.
+    let mut interrupts = ctx.interrupts.subscribe();
+    interrupts.mark_unchanged();
     send(sse::init(&ctx.id)).await;
     let (msg_id, mut rx) = match ctx.kernel.execute(code).await {
         Ok(r) => r,
         Err(why) => return send(kernel_died(why)).await,
     };
-    let (mut idle, mut reply, mut failed, mut interrupted) = (false, None::<Value>, false, false);
+    let (mut idle, mut reply, mut failed) = (false, None::<Value>, false);
+    // When an interrupt was last sent for this execution, and when the kernel was first seen idle
+    // after one.
+    let (mut interrupted, mut idle_since) = (None::<Instant>, None::<Instant>);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !(idle && reply.is_some()) {
         let ev = tokio::select! {
             ev = rx.recv() => ev,
-            _ = out.cancelled.cancelled(), if !interrupted => {
-                interrupted = true;
+            _ = out.cancelled.cancelled(), if interrupted.is_none() => {
                 tracing::info!(context = %ctx.id, "client went away; interrupting the execution");
+                interrupted = Some(Instant::now());
                 ctx.kernel.interrupt().await;
+                continue;
+            }
+            Ok(()) = interrupts.changed() => {
+                interrupted = Some(Instant::now()); // the handler sent it
+                continue;
+            }
+            _ = tick.tick(), if interrupted.is_some() => {
+                if idle_since.is_some_and(|t| t.elapsed() >= REPLY_AFTER_IDLE) {
+                    tracing::info!(context = %ctx.id, "interrupted kernel is idle without a reply; ending the run");
+                    reply = Some(serde_json::json!({
+                        "status": "error",
+                        "ename": "KeyboardInterrupt",
+                        "evalue": "interrupted",
+                        "traceback": [],
+                    }));
+                    break;
+                }
+                if !idle && !failed && interrupted.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN) {
+                    interrupted = Some(Instant::now());
+                    ctx.kernel.interrupt().await;
+                }
                 continue;
             }
         };
@@ -357,6 +405,9 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
         let c = &msg.content;
         if msg.msg_type() == "status" {
             idle |= c["execution_state"] == "idle";
+            if idle && interrupted.is_some() {
+                idle_since.get_or_insert_with(Instant::now);
+            }
         }
         if failed {
             continue; // `error` is terminal for the stream; just wait for the kernel to go idle
