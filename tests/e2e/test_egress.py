@@ -408,6 +408,65 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
     assert SECRET not in server_log, "a secret reached the server's log"
 
 
+def test_credential_vault_injects_over_plain_http(net_server, fakenet):
+    """A binding with `schemes: ["http"]` (port 80 by default) injects into plain HTTP too, as the
+    reference's does; the upstream sees the header, the sandbox an echo of it redacted. Plain HTTP
+    names its host only in a header the sandbox writes, so a request to another server's address
+    claiming the bound host (fronting) gets nothing; nor does an unbound host."""
+    _native_net(net_server)
+    from opensandbox import SandboxSync
+    from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding, CredentialProxyConfig,
+                                              CredentialMatch, InlineCredentialSource, NetworkPolicy)
+    image = W.TEST_IMAGE_NAME
+    net_server.import_image(image, W.test_rootfs())
+    sbx = SandboxSync.create(image, connection_config=net_server.sdk_config(), network_policy=NetworkPolicy.model_validate(
+        {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"},
+                                             {"action": "allow", "target": "other.test"}]}),
+        credential_proxy=CredentialProxyConfig(enabled=True))
+    W.track_sandbox(sbx.id)
+    try:
+        sbx.credential_vault.create(
+            credentials=[Credential(name="api", source=InlineCredentialSource(value=SECRET))],
+            bindings=[CredentialBinding(name="plain", match=CredentialMatch(hosts=["allowed.test"], schemes=["http"],
+                                                                            paths=["/v1/*"]),
+                                        auth=CredentialAuth(type="bearer", credential="api"))])
+        fetch = ("python3 -c \"import sys,urllib.request; "
+                 "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, fetch + "http://allowed.test/v1/plain")
+        assert code == 0, err
+        assert out.strip() == f"hello from {fakenet['allowed']} auth=Bearer [REDACTED]", out
+        log = fakenet["request_log"].read_text()
+        assert f"/v1/plain authorization=Bearer {SECRET}" in log, log
+        # Keep-alive: a second request on the same connection is injected too.
+        two = ("python3 -c \"import http.client; c=http.client.HTTPConnection('allowed.test', 80, timeout=5); "
+               "[(c.request('GET', p), print(c.getresponse().read().decode().strip())) for p in ('/v1/k1', '/v1/k2')]\"")
+        code, out, err = W.sh(sbx, two)
+        assert code == 0 and out.count("auth=Bearer [REDACTED]") == 2, (out, err)
+        # Outside the binding's paths, nothing.
+        code, out, err = W.sh(sbx, fetch + "http://allowed.test/other")
+        assert code == 0 and "auth=None" in out, (out, err)
+        # Fronting: to other.test's address, claiming to be allowed.test.
+        front = ("python3 -c \"import http.client,socket; a=socket.gethostbyname('other.test'); "
+                 "c=http.client.HTTPConnection(a, 80, timeout=5); c.request('GET', '/v1/fronted', headers={'Host': 'allowed.test'}); "
+                 "print(c.getresponse().read().decode().strip())\"")
+        code, out, err = W.sh(sbx, front)
+        assert code == 0 and f"hello from {fakenet['other']} auth=None" in out, (out, err)
+        assert f"/v1/fronted authorization=None" in fakenet["request_log"].read_text()
+        # An unbound host over plain HTTP: untouched.
+        code, out, err = W.sh(sbx, fetch + "http://other.test/v1/unbound")
+        assert code == 0 and "auth=None" in out, (out, err)
+        # HTTPS is not bound here: tunnelled, its own certificate arrives (the fake CA is trusted
+        # for this call only), nothing injected.
+        sbx.files.write_file("/tmp/fake-ca.pem", fakenet["ca"].read_text())
+        pinned = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
+                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, pinned + "https://allowed.test/v1/tls")
+        assert code == 0 and "auth=None" in out, (out, err)
+    finally:
+        sbx.kill()
+    assert SECRET not in net_server.log_path.read_text(), "a secret reached the server's log"
+
+
 def test_full_subnet_refuses_creates_cleanly(server, work_root):
     """When every link address of the server's subnet is taken, a create with a network policy gets
     429 and a message that names the setting; the sandbox it had already started is removed and

@@ -41,6 +41,15 @@ pub enum EgressError {
     NoCredentialProxy(String),
 }
 
+/// Names kept per answered address (a wildcard zone can point any number at one address; past
+/// this, later names get no plain-HTTP credentials there until earlier answers expire).
+const MAX_NAMES_PER_ADDRESS: usize = 64;
+
+/// A DNS name as compared: lower case, no trailing dot.
+fn normal_name(name: &str) -> String {
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
 /// One sandbox's link and policy.
 struct SandboxNet {
     id: String,
@@ -49,6 +58,10 @@ struct SandboxNet {
     policy: NetworkPolicy,
     /// Destinations learned from allowed answers: address → (name, expiry).
     learned: HashMap<Ipv4Addr, (String, Instant)>,
+    /// Every name whose allowed answer held an address, with its expiry: plain HTTP names its host
+    /// only in a header the sandbox writes, so the vault injects there only for a host whose
+    /// answer led the sandbox to that address (no fronting a credential to another server).
+    answered: HashMap<Ipv4Addr, HashMap<String, Instant>>,
     /// The credential proxy, when enabled: the sandbox's CA and its vault (if one was sent).
     ca: Option<Arc<crate::mitm::SandboxCa>>,
     vault: Option<crate::vault::Vault>,
@@ -237,6 +250,7 @@ impl Egress {
             addr: link.sandbox,
             policy,
             learned: HashMap::new(),
+            answered: HashMap::new(),
             ca: None,
             vault: None,
         };
@@ -379,6 +393,7 @@ impl Egress {
         }
         for d in dropped {
             net.learned.remove(&d);
+            net.answered.remove(&d);
         }
         Ok(())
     }
@@ -417,6 +432,11 @@ impl Egress {
                 // just before expiry must not die mid-handshake.
                 let ttl = (*ttl).clamp(60, 86_400);
                 let wanted = now + Duration::from_secs(u64::from(ttl));
+                let names = net.answered.entry(*dest).or_default();
+                names.retain(|_, exp| *exp > now);
+                if names.len() < MAX_NAMES_PER_ADDRESS {
+                    names.insert(normal_name(name), wanted);
+                }
                 if let Some((_, exp)) = net.learned.get(dest) {
                     // Still good for more than half the new lifetime: leave the firewall alone (an
                     // nft run costs milliseconds; lookups repeat far more often than that).
@@ -525,6 +545,20 @@ impl Egress {
 
     /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
     /// request, so revocations reach kept connections).
+    /// Whether an allowed answer to `src` for `name` held `dst`, and `src` may still reach it.
+    pub(crate) fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
+        let st = self.lock();
+        let Some(net) = st.by_addr.get(&src).and_then(|id| st.by_id.get(id)) else {
+            return false;
+        };
+        let now = Instant::now();
+        net.answered
+            .get(&dst)
+            .and_then(|names| names.get(&normal_name(name)))
+            .is_some_and(|exp| *exp > now)
+            && self.allows(net, dst)
+    }
+
     pub(crate) fn vault_for(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
         let st = self.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
@@ -656,6 +690,12 @@ struct Lookup(std::sync::Weak<Egress>);
 impl crate::mitm::Lookup for Lookup {
     fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
         self.0.upgrade()?.vault_for(src, dst)
+    }
+
+    fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
+        self.0
+            .upgrade()
+            .is_some_and(|e| e.answered(src, dst, name))
     }
 
     fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::mitm::Decision> {

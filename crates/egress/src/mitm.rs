@@ -1,10 +1,14 @@
-//! The credential vault's interception: HTTPS from a sandbox with a vault (its port-443 traffic is
-//! redirected here by the firewall) is read up to the TLS ClientHello. When a binding of the
+//! The credential vault's interception: traffic from a sandbox with a vault to ports 443 and 80 is
+//! redirected here by the firewall. HTTPS is read up to the TLS ClientHello. When a binding of the
 //! sandbox's vault could apply to that host, the connection is terminated with a certificate from the
 //! sandbox's own CA (installed in the sandbox's trust store), each request gets the headers of the
 //! one binding that matches it (none when zero or several match), it goes on to the real server over
-//! verified TLS, and the answer comes back with any secret value redacted. Every other connection is
-//! tunnelled untouched. Policy is enforced here too: the redirect bypasses the firewall's checks.
+//! verified TLS, and the answer comes back with any secret value redacted. Plain HTTP, when a
+//! binding takes `http` on that port, is served request by request the same way, the host taken
+//! from the `Host` header — and believed only when an allowed DNS answer for that host led the
+//! sandbox to this address, since nothing else proves where a plain request goes. Every other
+//! connection is tunnelled untouched. Policy is enforced here too: the redirect bypasses the
+//! firewall's checks.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -105,6 +109,8 @@ pub struct Decision {
 pub trait Lookup: Send + Sync + 'static {
     fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Decision>;
     fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Vault>;
+    /// Whether an allowed DNS answer to `src` for `name` held `dst` (and `src` may reach it).
+    fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool;
 }
 
 /// How long a sandbox may take to send its ClientHello, and the proxy to reach a server.
@@ -269,15 +275,31 @@ impl Mitm {
             .lookup
             .decide(*src.ip(), *dst.ip())
             .ok_or_else(|| format!("{} may not reach {dst}", src.ip()))?;
-        // The ClientHello: one TLS record (enough for any SNI).
+        // A TLS record header, or the start of a plain HTTP request line.
         let mut hello = vec![0u8; 5];
-        let read_hello = async {
-            client.read_exact(&mut hello).await?;
-            let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
-            hello.resize(5 + len.min(16 * 1024 + 256), 0);
-            client.read_exact(&mut hello[5..]).await
-        };
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello)
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, client.read_exact(&mut hello))
+            .await
+            .map_err(|_| "nothing sent in time".to_string())?
+            .map_err(|e| e.to_string())?;
+        if hello[0] != 0x16 {
+            let plain = decision
+                .vault
+                .as_ref()
+                .is_some_and(|v| v.takes_scheme_on("http", dst.port()));
+            let client = Prefixed {
+                prefix: hello,
+                pos: 0,
+                inner: client,
+            };
+            return match plain {
+                true => serve_plain(self.lookup.clone(), *src.ip(), client, dst).await,
+                false => tunnel(client, dst).await,
+            };
+        }
+        // The ClientHello: one TLS record (enough for any SNI).
+        let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
+        hello.resize(5 + len.min(16 * 1024 + 256), 0);
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, client.read_exact(&mut hello[5..]))
             .await
             .map_err(|_| "no ClientHello in time".to_string())?
             .map_err(|e| e.to_string())?;
@@ -343,12 +365,57 @@ async fn intercept(
         // The vault as it is now: a revoked credential or a narrowed policy applies to kept
         // connections from their next request.
         let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
-        forward(req, vault, upstream, tls_cfg, host, dst)
+        forward(req, vault, upstream, Target::Tls(tls_cfg, host), dst)
     });
     hyper::server::conn::http1::Builder::new()
         .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// Plain HTTP from a sandbox whose vault takes `http` on this port: each request is forwarded to
+/// the address the sandbox dialled, with credentials only where its `Host` is proven (see
+/// [`Lookup::answered`]).
+async fn serve_plain(
+    lookup: Arc<dyn Lookup>,
+    src: Ipv4Addr,
+    client: Prefixed<TcpStream>,
+    dst: SocketAddrV4,
+) -> Result<(), String> {
+    let upstream = Arc::new(tokio::sync::Mutex::new(
+        None::<hyper::client::conn::http1::SendRequest<RedactBody>>,
+    ));
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let upstream = upstream.clone();
+        let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
+        let host = req
+            .headers()
+            .get(hyper::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(|h| host_of(h).to_owned())
+            .unwrap_or_default();
+        let proven = !host.is_empty() && lookup.answered(src, *dst.ip(), &host);
+        forward(req, vault, upstream, Target::Plain { host, proven }, dst)
+    });
+    hyper::server::conn::http1::Builder::new()
+        .serve_connection(hyper_util::rt::TokioIo::new(client), service)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The host of a `Host` header value, without its port.
+fn host_of(header: &str) -> &str {
+    if header.starts_with('[') {
+        return header.find(']').map_or(header, |end| &header[..=end]);
+    }
+    header.split_once(':').map_or(header, |(h, _)| h)
+}
+
+/// Where a request goes on: over TLS to the host the sandbox's ClientHello named, or plain to the
+/// address it dialled (`proven`: its `Host` is the name an answer gave for that address).
+enum Target {
+    Tls(Arc<rustls::ClientConfig>, String),
+    Plain { host: String, proven: bool },
 }
 
 struct Fixed(Arc<CertifiedKey>);
@@ -378,6 +445,20 @@ async fn tunnel(mut client: Prefixed<TcpStream>, dst: SocketAddrV4) -> Result<()
 }
 
 type RedactBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+/// An HTTP/1.1 client connection to the server over `io`, driven by a task of its own.
+async fn handshake<T>(io: T) -> Result<hyper::client::conn::http1::SendRequest<RedactBody>, BoxError>
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+        .await
+        .map_err(boxed)?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(send)
+}
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type Upstream =
@@ -392,8 +473,7 @@ async fn forward(
     req: hyper::Request<Incoming>,
     vault: Option<Arc<Vault>>,
     upstream: Upstream,
-    tls_cfg: Arc<rustls::ClientConfig>,
-    host: String,
+    target: Target,
     dst: SocketAddrV4,
 ) -> Result<hyper::Response<ResponseBody>, BoxError> {
     let Some(vault) = vault else {
@@ -407,15 +487,21 @@ async fn forward(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
-    // The request goes to the host the TLS session named, whatever Host the client wrote (no
-    // fronting a credential to another origin behind the same address).
-    let authority = if dst.port() == 443 {
-        host.clone()
-    } else {
-        format!("{host}:{}", dst.port())
+    let (scheme, host) = match &target {
+        Target::Tls(_, host) => {
+            // The request goes to the host the TLS session named, whatever Host the client wrote
+            // (no fronting a credential to another origin behind the same address).
+            let authority = if dst.port() == 443 {
+                host.clone()
+            } else {
+                format!("{host}:{}", dst.port())
+            };
+            let authority = hyper::header::HeaderValue::from_str(&authority).map_err(boxed)?;
+            parts.headers.insert(hyper::header::HOST, authority);
+            ("https", host.clone())
+        }
+        Target::Plain { host, .. } => ("http", host.clone()),
     };
-    let authority = hyper::header::HeaderValue::from_str(&authority).map_err(boxed)?;
-    parts.headers.insert(hyper::header::HOST, authority);
     for hop in [
         "connection",
         "keep-alive",
@@ -426,7 +512,10 @@ async fn forward(
     ] {
         parts.headers.remove(hop);
     }
-    let injections = vault.injections("https", &host, dst.port(), parts.method.as_str(), &path);
+    let injections = match &target {
+        Target::Plain { proven: false, .. } => None,
+        _ => vault.injections(scheme, &host, dst.port(), parts.method.as_str(), &path),
+    };
     if injections.is_some() {
         // A secret echoed in pieces by ranged answers could not be redacted.
         parts.headers.remove(hyper::header::RANGE);
@@ -452,16 +541,16 @@ async fn forward(
             .map_err(boxed)?
             .map_err(boxed)?;
         let _ = tcp.set_nodelay(true);
-        let name = ServerName::try_from(host.clone()).map_err(boxed)?;
-        let tls = tokio_rustls::TlsConnector::from(tls_cfg)
-            .connect(name, tcp)
-            .await?;
-        let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .map_err(boxed)?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
+        let send = match target {
+            Target::Tls(tls_cfg, host) => {
+                let name = ServerName::try_from(host).map_err(boxed)?;
+                let tls = tokio_rustls::TlsConnector::from(tls_cfg)
+                    .connect(name, tcp)
+                    .await?;
+                handshake(tls).await?
+            }
+            Target::Plain { .. } => handshake(tcp).await?,
+        };
         *guard = Some(send);
     }
     let send = guard
@@ -527,6 +616,14 @@ async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_header_without_its_port() {
+        assert_eq!(host_of("api.test"), "api.test");
+        assert_eq!(host_of("api.test:8080"), "api.test");
+        assert_eq!(host_of("[::1]:80"), "[::1]");
+        assert_eq!(host_of("[::1]"), "[::1]");
+    }
 
     #[test]
     fn sni_of_a_real_client_hello() {

@@ -30,7 +30,7 @@ pub struct Firewall {
     /// The host address the DNS filter and the vault proxy listen on (on `lo`).
     pub service: Ipv4Addr,
     pub dns_port: u16,
-    /// The credential vault's proxy: port-443 traffic of sandboxes in `vault4` goes there.
+    /// The credential vault's proxy: port-80 and port-443 traffic of sandboxes in `vault4` goes there.
     pub vault_port: u16,
 }
 
@@ -93,7 +93,7 @@ impl Firewall {
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "{p}*" udp dport 53 dnat ip to {svc}:{port}
-    iifname "{p}*" ip saddr @vault4 tcp dport 443 dnat ip to {svc}:{vport}
+    iifname "{p}*" ip saddr @vault4 tcp dport {{ 80, 443 }} dnat ip to {svc}:{vport}
   }}
   chain input {{
     type filter hook input priority filter; policy accept;

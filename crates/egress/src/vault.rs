@@ -39,7 +39,8 @@ struct Credential {
 pub struct Match {
     #[serde(default = "https")]
     pub schemes: Vec<String>,
-    #[serde(default = "port443")]
+    /// Without any: each scheme's own (443 for https, 80 for http).
+    #[serde(default)]
     pub ports: Vec<u16>,
     pub hosts: Vec<String>,
     #[serde(default = "methods")]
@@ -50,9 +51,6 @@ pub struct Match {
 
 fn https() -> Vec<String> {
     vec!["https".into()]
-}
-fn port443() -> Vec<u16> {
-    vec![443]
 }
 fn methods() -> Vec<String> {
     ["GET", "POST", "PUT", "PATCH", "DELETE"]
@@ -157,7 +155,7 @@ fn parse_binding(v: &Value) -> Result<(String, Match, Auth), VaultError> {
         .as_str()
         .filter(|n| !n.trim().is_empty())
         .ok_or_else(|| invalid("a binding needs a non-empty name"))?;
-    let matcher: Match = serde_json::from_value(v["match"].clone())
+    let mut matcher: Match = serde_json::from_value(v["match"].clone())
         .map_err(|e| invalid(format!("binding {name}: match: {e}")))?;
     if matcher.hosts.is_empty() {
         return Err(invalid(format!("binding {name}: match.hosts is required")));
@@ -168,6 +166,14 @@ fn parse_binding(v: &Value) -> Result<(String, Match, Auth), VaultError> {
                 "binding {name}: scheme {s:?} (http or https)"
             )));
         }
+    }
+    if matcher.ports.is_empty() {
+        matcher.ports = matcher
+            .schemes
+            .iter()
+            .map(|s| if s == "http" { 80 } else { 443 })
+            .collect();
+        matcher.ports.dedup();
     }
     let auth: Auth = serde_json::from_value(v["auth"].clone())
         .map_err(|e| invalid(format!("binding {name}: auth: {e}")))?;
@@ -358,6 +364,13 @@ impl Vault {
 
     /// Whether some binding could apply to connections to `host:port` over `scheme` (then they are
     /// intercepted; all others are tunnelled untouched).
+    /// Whether any binding takes `scheme` on `port`, for some host.
+    pub fn takes_scheme_on(&self, scheme: &str, port: u16) -> bool {
+        self.bindings
+            .values()
+            .any(|b| b.matcher.schemes.iter().any(|s| s == scheme) && b.matcher.ports.contains(&port))
+    }
+
     pub fn wants(&self, scheme: &str, host: &str, port: u16) -> bool {
         self.bindings.values().any(|b| {
             b.matcher.schemes.iter().any(|s| s == scheme)
@@ -554,6 +567,25 @@ mod tests {
         );
         assert!(v.wants("https", "x.both.test", 443));
         assert!(!v.wants("https", "example.test", 443));
+    }
+
+    #[test]
+    fn ports_default_to_each_schemes_own() {
+        let v = Vault::create(&json!({
+            "credentials": [{"name": "k", "source": {"type": "inline", "value": "v1"}}],
+            "bindings": [
+                {"name": "plain", "match": {"hosts": ["a.test"], "schemes": ["http"]}, "auth": {"type": "bearer", "credential": "k"}},
+                {"name": "both", "match": {"hosts": ["b.test"], "schemes": ["http", "https"]}, "auth": {"type": "bearer", "credential": "k"}},
+                {"name": "odd", "match": {"hosts": ["c.test"], "schemes": ["http"], "ports": [8080]}, "auth": {"type": "bearer", "credential": "k"}}
+            ]})).expect("vault");
+        assert!(v.injections("http", "a.test", 80, "GET", "/").is_some());
+        assert!(v.injections("http", "a.test", 443, "GET", "/").is_none());
+        assert!(v.injections("https", "a.test", 443, "GET", "/").is_none());
+        assert!(v.injections("http", "b.test", 80, "GET", "/").is_some());
+        assert!(v.injections("https", "b.test", 443, "GET", "/").is_some());
+        assert!(v.injections("http", "c.test", 80, "GET", "/").is_none());
+        assert!(v.takes_scheme_on("http", 80) && v.takes_scheme_on("http", 8080));
+        assert!(!vault().takes_scheme_on("http", 80), "https-only bindings take no plain HTTP");
     }
 
     #[test]
