@@ -132,3 +132,49 @@ def test_typescript_sdk(server, osb, tmp_path):
     assert out["state"] == "Running" and out["stdout"] == "hello-from-ts" and out["content"] == "written by ts"
     with server.client() as c:
         assert c.get(f"/v1/sandboxes/{out['id']}").status_code == 404, "a deleted sandbox is gone at once"
+
+
+def test_diagnostics_with_the_sdk_and_osb(server, osb, make_sandbox, manager):
+    """The diagnostics API the 1.1.1 clients call (issue 30): logs (`container`: what the entrypoint
+    printed) and events (`runtime`: the sandbox's state changes) through the SDK's manager and
+    `osb diagnostics`, an unknown scope refused with its code, and the deprecated plain-text forms
+    `osb devops` reads (logs, events, inspect without secrets, summary)."""
+    from opensandbox.exceptions import SandboxException
+    sbx = make_sandbox("host", entrypoint=["sh", "-c", "echo entry-started; echo entry-err >&2; exec tail -f /dev/null"],
+                       env={"E2E_DIAG_SECRET": "do-not-show"})
+    sid = sbx.id
+    logs = W.wait_until(lambda: (c := manager.get_diagnostic_logs(sid, scope="container"))
+                        and "entry-started" in (c.content or "") and c, 10, interval=0.2,
+                        message="the entrypoint's output in the diagnostic logs")
+    assert logs.kind == "logs" and logs.scope == "container" and logs.delivery == "inline"
+    assert "entry-err" in logs.content and logs.truncated is False
+    events = manager.get_diagnostic_events(sid, scope="runtime")
+    assert events.kind == "events" and events.delivery == "inline"
+    states = [line.split()[1] for line in events.content.splitlines()]
+    assert states[:2] == ["Pending", "Running"], events.content
+    everything = manager.get_diagnostic_logs(sid, scope="all")
+    assert "entry-started" in everything.content and "Running" in everything.content
+    with pytest.raises(SandboxException) as err:
+        manager.get_diagnostic_logs(sid, scope="kernel")
+    assert "DIAGNOSTICS_SCOPE_UNSUPPORTED" in str(err.value) or "supported scopes" in str(err.value)
+
+    manager.pause_sandbox(sid)
+    paused = manager.get_diagnostic_logs(sid, scope="container")
+    assert paused.content == "" and any("Paused" in w for w in paused.warnings or []), paused
+    assert "Paused" in manager.get_diagnostic_events(sid, scope="runtime").content
+    manager.resume_sandbox(sid)
+
+    out = osb("diagnostics", "logs", sid, "--scope", "container").stdout
+    assert "entry-started" in out
+    out = osb("diagnostics", "events", sid, "--scope", "runtime", "-o", "json").stdout
+    assert json.loads(out)["kind"] == "events"
+    # the deprecated plain-text forms
+    assert "entry-started" in osb("devops", "logs", sid, "--tail", "5").stdout
+    assert "Resuming" in osb("devops", "events", sid).stdout
+    inspect = osb("devops", "inspect", sid).stdout
+    assert sid in inspect and "E2E_DIAG_SECRET" in inspect and "do-not-show" not in inspect
+    assert sbx.get_info().status.state == "Running"
+    summary = osb("devops", "summary", sid).stdout
+    assert "SANDBOX DIAGNOSTICS SUMMARY" in summary and "entry-started" in summary
+    missing = osb("diagnostics", "logs", "no-such-sandbox", "--scope", "container", check=False)
+    assert missing.returncode != 0

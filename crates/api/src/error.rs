@@ -54,6 +54,8 @@ pub enum ErrorCode {
     SandboxStartFailed,
     /// The server runs or creates as many sandboxes as it is configured to (429, `Retry-After`).
     LimitReached,
+    /// A diagnostics scope this server does not have (400).
+    DiagnosticsScopeUnsupported,
     Unknown,
 }
 
@@ -89,6 +91,7 @@ impl ErrorCode {
             Self::InsufficientStorage => "SANDBOX::INSUFFICIENT_STORAGE",
             Self::SandboxStartFailed => "SANDBOX::START_FAILED",
             Self::LimitReached => "SANDBOX::LIMIT_REACHED",
+            Self::DiagnosticsScopeUnsupported => "DIAGNOSTICS_SCOPE_UNSUPPORTED",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

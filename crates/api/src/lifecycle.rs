@@ -402,3 +402,25 @@ pub struct Pool {
 pub struct ListPoolsResponse {
     pub items: Vec<Pool>,
 }
+
+/// `GET /sandboxes/{id}/diagnostics/logs|events?scope=…`: best-effort diagnostic text, sent inline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DiagnosticContent {
+    pub sandbox_id: String,
+    /// `logs` or `events`.
+    pub kind: String,
+    pub scope: String,
+    /// Always `inline` here (the protocol also knows `url`).
+    pub delivery: String,
+    pub content_type: String,
+    /// Older text was dropped to stay within the server's bounds.
+    pub truncated: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_length: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}

@@ -8,6 +8,7 @@ pub mod error;
 mod execd_conns;
 mod front;
 pub mod network;
+mod diagnostics;
 mod docs;
 mod openapi;
 mod pools;
@@ -100,6 +101,10 @@ pub fn router(state: AppState) -> Router {
                 .patch(routes::network_policy)
                 .delete(routes::network_policy),
         )
+        .route("/sandboxes/{id}/diagnostics/logs", get(diagnostics::logs))
+        .route("/sandboxes/{id}/diagnostics/events", get(diagnostics::events))
+        .route("/sandboxes/{id}/diagnostics/inspect", get(diagnostics::inspect))
+        .route("/sandboxes/{id}/diagnostics/summary", get(diagnostics::summary))
         .route("/metrics/events", post(routes::metrics_event))
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/snapshots", get(routes::list_snapshots))

@@ -40,7 +40,9 @@ use crate::routes;
         routes::list_pools,
         routes::get_pool,
         routes::update_pool,
-        routes::delete_pool
+        routes::delete_pool,
+        crate::diagnostics::logs,
+        crate::diagnostics::events
     ),
     components(schemas(
         CreateSandboxRequest,
@@ -67,7 +69,8 @@ use crate::routes;
         warren_api::lifecycle::PoolStatus,
         warren_api::lifecycle::PoolUpdate,
         warren_api::lifecycle::Pool,
-        warren_api::lifecycle::ListPoolsResponse
+        warren_api::lifecycle::ListPoolsResponse,
+        warren_api::lifecycle::DiagnosticContent
     ))
 )]
 pub struct ApiDoc;

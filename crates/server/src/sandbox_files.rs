@@ -1,6 +1,6 @@
-//! Reading and writing a file inside a sandbox from the server, through its execd (so every path is
-//! resolved inside the sandbox, never on the host). Used to put the credential vault's CA into the
-//! sandbox's trust store.
+//! Calls from the server to a sandbox's execd: reading and writing a file inside the sandbox (so
+//! every path is resolved inside the sandbox, never on the host; used to put the credential vault's
+//! CA into the sandbox's trust store), and reading the output execd keeps (diagnostics).
 
 use axum::body::Body;
 use http_body_util::BodyExt;
@@ -85,4 +85,42 @@ pub async fn write(socket: &std::path::Path, path: &str, data: &[u8]) -> Result<
         )
         .into()),
     }
+}
+
+/// What the entrypoint and execd printed (execd's bounded ring), and how many older bytes the ring
+/// dropped.
+pub async fn output(socket: &std::path::Path) -> Result<(Vec<u8>, u64), Error> {
+    let req = http::Request::get("/logs")
+        .header(http::header::HOST, "localhost")
+        .body(Body::empty())?;
+    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
+    let call = async {
+        let stream = tokio::net::UnixStream::connect(&reachable).await?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let resp = send.send_request(req).await?;
+        let status = resp.status().as_u16();
+        let dropped = resp
+            .headers()
+            .get("x-warren-dropped-bytes")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        // execd keeps 1 MiB; more is not its answer
+        let body = http_body_util::Limited::new(resp.into_body(), 2 << 20)
+            .collect()
+            .await?
+            .to_bytes()
+            .to_vec();
+        Ok::<_, Error>((status, body, dropped))
+    };
+    let (status, body, dropped) = tokio::time::timeout(std::time::Duration::from_secs(15), call)
+        .await
+        .map_err(|_| "the sandbox's execd did not answer in time")??;
+    if status != 200 {
+        return Err(format!("execd answered HTTP {status}").into());
+    }
+    Ok((body, dropped))
 }

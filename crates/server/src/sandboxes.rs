@@ -2,7 +2,7 @@
 //! sandbox's operation lock, moves the state machine, persists the record, and drives the runtime.
 //! Background tasks watch for sandboxes whose processes end on their own and for expiry.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::Duration;
@@ -29,6 +29,60 @@ struct Entry {
     record: StdMutex<SandboxRecord>,
     /// Serialises lifecycle operations on one sandbox (create, delete, pause, …).
     op: tokio::sync::Mutex<()>,
+    /// Its state changes since this server started (diagnostics), the newest [`MAX_EVENTS`]. In
+    /// memory only: the journal keeps the record, not its history.
+    events: StdMutex<Events>,
+}
+
+/// State changes kept per sandbox.
+const MAX_EVENTS: usize = 200;
+
+/// One state change of a sandbox, as diagnostics show it.
+#[derive(Debug, Clone)]
+pub struct LifecycleEvent {
+    pub at: DateTime<Utc>,
+    pub state: SandboxState,
+    pub reason: Option<String>,
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Events {
+    pub list: VecDeque<LifecycleEvent>,
+    /// Older events dropped past [`MAX_EVENTS`].
+    pub dropped: usize,
+    /// The record was read back from the journal at start: what happened before is not known.
+    pub recovered: bool,
+}
+
+impl Events {
+    fn push(&mut self, rec: &SandboxRecord) {
+        if self.list.len() == MAX_EVENTS {
+            self.list.pop_front();
+            self.dropped += 1;
+        }
+        self.list.push_back(LifecycleEvent {
+            at: rec.last_transition_at,
+            state: rec.state,
+            reason: rec.reason.clone(),
+            message: rec.message.clone(),
+        });
+    }
+}
+
+impl Entry {
+    fn new(rec: &SandboxRecord, recovered: bool) -> Self {
+        let mut events = Events {
+            recovered,
+            ..Events::default()
+        };
+        events.push(rec);
+        Entry {
+            record: StdMutex::new(rec.clone()),
+            op: tokio::sync::Mutex::new(()),
+            events: StdMutex::new(events),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -195,6 +249,11 @@ impl Sandboxes {
         self.entry(id).map(|e| lock(&e.record).clone())
     }
 
+    /// The state changes of sandbox `id` this server has seen.
+    pub fn events(&self, id: &str) -> Option<Events> {
+        self.entry(id).map(|e| lock(&e.events).clone())
+    }
+
     /// The state of sandbox `id`, without copying its record (pools look at every warm one of
     /// theirs each time a sandbox is claimed or ends).
     pub fn state(&self, id: &str) -> Option<SandboxState> {
@@ -254,7 +313,11 @@ impl Sandboxes {
         let (snapshot, ended) = {
             let mut rec = lock(&entry.record);
             let was_terminal = rec.state.is_terminal();
+            let was = (rec.state, rec.last_transition_at);
             f(&mut rec);
+            if (rec.state, rec.last_transition_at) != was {
+                lock(&entry.events).push(&rec);
+            }
             (rec.clone(), !was_terminal && rec.state.is_terminal())
         };
         self.persist(&snapshot);
@@ -414,10 +477,7 @@ impl Sandboxes {
             network_link: None,
             credential_proxy: plan.credential_proxy,
         };
-        let entry = Arc::new(Entry {
-            record: StdMutex::new(record.clone()),
-            op: tokio::sync::Mutex::new(()),
-        });
+        let entry = Arc::new(Entry::new(&record, false));
         let _op = entry.op.lock().await;
         {
             // Counted and inserted under one lock: concurrent creates cannot all slip under the cap.
@@ -1155,10 +1215,7 @@ impl Sandboxes {
                 }
             }
             let watch = rec.state == SandboxState::Running || rec.state == SandboxState::Paused;
-            let entry = Arc::new(Entry {
-                record: StdMutex::new(rec.clone()),
-                op: tokio::sync::Mutex::new(()),
-            });
+            let entry = Arc::new(Entry::new(&rec, true));
             self.inner
                 .entries
                 .write()
