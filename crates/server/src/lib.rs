@@ -18,6 +18,7 @@ mod sandbox_files;
 pub mod sandboxes;
 mod snapshots;
 mod supervise;
+mod templates;
 mod tokens;
 mod validate;
 pub mod volumes;
@@ -78,6 +79,7 @@ pub struct AppState {
     pub sandboxes: Sandboxes,
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
+    pub templates: templates::Templates,
     pub local_addr: SocketAddr,
 }
 
@@ -109,6 +111,14 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/snapshots", get(routes::list_snapshots))
         .route("/pools", post(routes::create_pool).get(routes::list_pools))
+        .route(
+            "/templates",
+            post(routes::create_template).get(routes::list_templates),
+        )
+        .route(
+            "/templates/{id}",
+            get(routes::get_template).delete(routes::delete_template),
+        )
         .route(
             "/pools/{name}",
             get(routes::get_pool)
@@ -273,6 +283,15 @@ impl Server {
             .start(&config.pools)
             .await
             .context("starting the pools")?;
+        let templates = templates::Templates::open(
+            &config.data_dir,
+            sandboxes.clone(),
+            snapshots.clone(),
+            config.limits.clone(),
+            config.max_timeout_seconds,
+            storage.clone(),
+        )
+        .context("opening the templates")?;
         let state = AppState {
             storage,
             config: Arc::new(config),
@@ -280,6 +299,7 @@ impl Server {
             sandboxes,
             snapshots,
             pools,
+            templates,
             local_addr,
         };
         Ok(Self {

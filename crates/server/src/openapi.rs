@@ -42,7 +42,11 @@ use crate::routes;
         routes::update_pool,
         routes::delete_pool,
         crate::diagnostics::logs,
-        crate::diagnostics::events
+        crate::diagnostics::events,
+        routes::create_template,
+        routes::list_templates,
+        routes::get_template,
+        routes::delete_template
     ),
     components(schemas(
         CreateSandboxRequest,
@@ -70,7 +74,12 @@ use crate::routes;
         warren_api::lifecycle::PoolUpdate,
         warren_api::lifecycle::Pool,
         warren_api::lifecycle::ListPoolsResponse,
-        warren_api::lifecycle::DiagnosticContent
+        warren_api::lifecycle::DiagnosticContent,
+        warren_api::lifecycle::CreateTemplateRequest,
+        warren_api::lifecycle::TemplateReadiness,
+        warren_api::lifecycle::TemplateStatus,
+        warren_api::lifecycle::Template,
+        warren_api::lifecycle::ListTemplatesResponse
     ))
 )]
 pub struct ApiDoc;

@@ -140,8 +140,9 @@ pub async fn health() -> Json<Health> {
               (status = 507, description = "the data dir's filesystem is too full", body = ErrorBody)))]
 pub async fn create(
     State(app): State<AppState>,
-    ApiJson(req): ApiJson<CreateSandboxRequest>,
+    ApiJson(mut req): ApiJson<CreateSandboxRequest>,
 ) -> Result<Response, ApiError> {
+    app.templates.apply(&mut req)?;
     let mut plan = create_plan(
         req,
         &app.config.limits,
@@ -559,5 +560,61 @@ pub async fn delete_pool(
 ) -> Result<StatusCode, ApiError> {
     let pools = app.pools.clone();
     to_completion(async move { pools.delete(&name).await }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- templates ----
+
+#[utoipa::path(post, path = "/v1/templates", tag = "templates", request_body = warren_api::lifecycle::CreateTemplateRequest,
+    responses((status = 201, description = "Pending: built in the background", body = warren_api::lifecycle::Template), (status = 400, body = ErrorBody)))]
+pub async fn create_template(
+    State(app): State<AppState>,
+    ApiJson(req): ApiJson<warren_api::lifecycle::CreateTemplateRequest>,
+) -> Result<Response, ApiError> {
+    let template = app.templates.create(req)?;
+    Ok((StatusCode::CREATED, Json(template)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/templates", tag = "templates",
+    params(("metadata" = Option<String>, Query), ("page" = Option<u32>, Query), ("pageSize" = Option<u32>, Query)),
+    responses((status = 200, body = warren_api::lifecycle::ListTemplatesResponse), (status = 400, body = ErrorBody)))]
+pub async fn list_templates(
+    State(app): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<warren_api::lifecycle::ListTemplatesResponse>, ApiError> {
+    let mut metadata = BTreeMap::new();
+    let mut paging = Paging::default();
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match k.as_ref() {
+            "metadata" => metadata.extend(parse_metadata_filter(&v)?),
+            "page" | "pageSize" | "page_size" => paging.set(&k, &v)?,
+            _ => {}
+        }
+    }
+    let all = app.templates.list(&metadata);
+    let (items, pagination) = paging.apply(&all);
+    Ok(Json(warren_api::lifecycle::ListTemplatesResponse {
+        items: items.to_vec(),
+        pagination,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/templates/{id}", tag = "templates", params(("id" = String, Path)),
+    responses((status = 200, body = warren_api::lifecycle::Template), (status = 404, body = ErrorBody)))]
+pub async fn get_template(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<warren_api::lifecycle::Template>, ApiError> {
+    app.templates.get(&id).map(Json)
+}
+
+#[utoipa::path(delete, path = "/v1/templates/{id}", tag = "templates", params(("id" = String, Path)),
+    responses((status = 204, description = "deleted, with its golden image"), (status = 404, body = ErrorBody)))]
+pub async fn delete_template(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let templates = app.templates.clone();
+    to_completion(async move { templates.delete(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -124,3 +124,49 @@ pub async fn output(socket: &std::path::Path) -> Result<(Vec<u8>, u64), Error> {
     }
     Ok((body, dropped))
 }
+
+/// Whether something inside the sandbox accepts connections on its loopback `port`: execd's proxy
+/// answers at once that nothing is reachable there, or goes on to talk to whatever listens.
+pub async fn port_open(socket: &std::path::Path, port: u16) -> Result<bool, Error> {
+    let req = http::Request::get(format!("/proxy/{port}/"))
+        .header(http::header::HOST, "localhost")
+        .body(Body::empty())?;
+    match tokio::time::timeout(std::time::Duration::from_secs(2), call_unbounded(socket, req)).await
+    {
+        // Connected, and whatever listens has not answered an HTTP request (it need not speak HTTP).
+        Err(_) => Ok(true),
+        Ok(Ok((502, body))) => Ok(!String::from_utf8_lossy(&body).contains("nothing reachable")),
+        Ok(Ok(_)) => Ok(true),
+        Ok(Err(e)) => Err(e),
+    }
+}
+
+/// Runs `command` in the sandbox (`sh -c`, as execd runs commands) and returns its exit code.
+pub async fn run(socket: &std::path::Path, command: &str) -> Result<i32, Error> {
+    let body = serde_json::json!({"command": command}).to_string();
+    let req = http::Request::post("/command")
+        .header(http::header::HOST, "localhost")
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))?;
+    let (status, body) = call(socket, req).await?;
+    if status != 200 {
+        return Err(format!("execd answered HTTP {status}: {}", String::from_utf8_lossy(&body)).into());
+    }
+    for line in String::from_utf8_lossy(&body).lines() {
+        let line = line.trim().trim_start_matches("data:").trim();
+        let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        match ev["type"].as_str() {
+            Some("execution_complete") => return Ok(0),
+            Some("error") => {
+                return Ok(ev["error"]["evalue"]
+                    .as_str()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(-1))
+            }
+            _ => {}
+        }
+    }
+    Err("the command's stream ended without its exit code".into())
+}

@@ -64,7 +64,7 @@ pub fn create_plan(
     storage: &StoragePolicy,
 ) -> Result<CreatePlan, ApiError> {
     if req.template_id.is_some() {
-        return Err(unsupported("templateId (templates are not implemented)"));
+        return Err(ApiError::invalid("templateId cannot be used here (only on POST /sandboxes)"));
     }
     let volumes = crate::volumes::validate(req.volumes.as_deref().unwrap_or_default(), storage)?;
     let network_policy = match &req.network_policy {
