@@ -18,8 +18,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use warren_api::lifecycle::{
-    CreateSandboxRequest, CreateTemplateRequest, ImageSpec, Template, TemplateReadiness,
-    TemplateStatus,
+    CreateSandboxRequest, CreateTemplateRequest, ImageSpec, Template, TemplateStatus,
 };
 use warren_api::ErrorCode;
 
@@ -492,6 +491,7 @@ fn not_found(id: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use warren_api::lifecycle::TemplateReadiness;
 
     fn req(probe: Option<&str>) -> CreateTemplateRequest {
         CreateTemplateRequest {
