@@ -89,6 +89,31 @@ def test_server_proxy_mode(server, make_sandbox):
     assert sbx.files.read_file("/tmp/p.txt") == "p"
 
 
+def test_endpoint_query_parameters_as_the_reference_answers_them(server, make_sandbox, api):
+    """`use_server_proxy` is accepted (every endpoint is the server's proxy); `expires` (a signed
+    route) is checked as the reference checks it and refused as it refuses it on a server without
+    signing keys — never silently ignored, which would hand back a URL that needs headers."""
+    import time
+    from opensandbox.exceptions import SandboxException
+    sbx = make_sandbox("host")
+    plain = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080").json()
+    proxied = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080", params={"use_server_proxy": "true"})
+    assert proxied.status_code == 200 and proxied.json()["endpoint"] == plain["endpoint"]
+    later = int(time.time()) + 600
+    for params, what in [({"expires": str(later)}, "not configured"),
+                         ({"expires": "1"}, "greater than current time"),
+                         ({"expires": "soon"}, "Unix timestamp"),
+                         ({"expires": "-5"}, "Unix timestamp"),
+                         ({"expires": str(later), "use_server_proxy": "true"}, "cannot be combined"),
+                         ({"use_server_proxy": "maybe"}, "true or false")]:
+        r = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080", params=params)
+        W.assert_error_body(r, codes=[400], code="SANDBOX::INVALID_PARAMETER")
+        assert what in r.json()["message"], (params, r.json())
+    with pytest.raises(SandboxException) as err:
+        sbx.get_signed_endpoint(8080, later)
+    assert "not configured" in str(err.value)
+
+
 def _execd_connections(sandbox_id: str) -> set[str]:
     """Inodes of the connections execd (in the sandbox with this id) has accepted and still holds
     open. An accepted Unix socket lives in the connecting side's network namespace, so it is listed

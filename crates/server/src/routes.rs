@@ -356,12 +356,19 @@ pub async fn network_policy(
 
 /// Every port is reached through Warren's own listener; the token in `headers` opens only this port
 /// of this sandbox (execd's and the egress surface's ports each have their own).
+///
+/// `use_server_proxy` changes nothing (every endpoint is the server's proxy already). `expires`
+/// asks for a signed route (a URL that carries its own credential): checked as the reference checks
+/// it, then refused as the reference refuses it without signing keys configured.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/endpoints/{port}", tag = "sandboxes",
-    params(("id" = String, Path), ("port" = u16, Path), ("use_server_proxy" = Option<bool>, Query, description = "accepted; every endpoint goes through the server")),
-    responses((status = 200, body = Endpoint), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+    params(("id" = String, Path), ("port" = u16, Path),
+           ("use_server_proxy" = Option<bool>, Query, description = "accepted; every endpoint goes through the server"),
+           ("expires" = Option<u64>, Query, description = "a signed route's expiry (Unix seconds): not configured on this server (400)")),
+    responses((status = 200, body = Endpoint), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn endpoint(
     State(app): State<AppState>,
     Path((id, port)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Json<Endpoint>, ApiError> {
     let port: u16 = port
@@ -369,6 +376,7 @@ pub async fn endpoint(
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
+    check_endpoint_query(query.as_deref().unwrap_or_default())?;
     let rec = app
         .sandboxes
         .get(&id)
@@ -406,6 +414,48 @@ pub async fn endpoint(
         endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),
         headers: out,
     }))
+}
+
+/// The endpoint route's query: `use_server_proxy` a boolean; `expires` a future Unix time, not with
+/// the server proxy, and then refused, since this server has no signing keys for signed routes.
+fn check_endpoint_query(query: &str) -> Result<(), ApiError> {
+    let (mut server_proxy, mut expires) = (false, None);
+    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+        match k.as_ref() {
+            "use_server_proxy" | "useServerProxy" => {
+                server_proxy = match v.to_ascii_lowercase().as_str() {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => return Err(ApiError::invalid(format!("use_server_proxy must be true or false, not {v:?}"))),
+                }
+            }
+            "expires" => {
+                expires = Some(v.parse::<u64>().map_err(|_| {
+                    ApiError::invalid(format!(
+                        "expires must be a non-negative Unix timestamp (uint64), not {v:?}"
+                    ))
+                })?)
+            }
+            _ => {}
+        }
+    }
+    let Some(expires) = expires else {
+        return Ok(());
+    };
+    if server_proxy {
+        return Err(ApiError::invalid(
+            "use_server_proxy cannot be combined with expires; signed endpoints require the gateway route",
+        ));
+    }
+    let now = Utc::now().timestamp().max(0) as u64;
+    if expires <= now {
+        return Err(ApiError::invalid(format!(
+            "expires ({expires}) must be greater than current time ({now})"
+        )));
+    }
+    Err(ApiError::invalid(
+        "signed routes (expires) are not configured on this server: reach the endpoint with the headers an endpoint without expires returns",
+    ))
 }
 
 fn valid_host(h: &str) -> bool {
