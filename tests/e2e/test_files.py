@@ -222,3 +222,32 @@ def test_symlink_escape(host_sandbox):
     except SandboxException:
         return
     assert got != host_shadow
+
+
+def test_files_with_identity(host_sandbox):
+    """`files_with_identity(uid, gid)` (the 1.1.1 SDKs): every permission is checked as that user,
+    and what it makes is its own."""
+    root_fs, base = host_sandbox.files, f"/tmp/e2e-ident-{uuid.uuid4().hex[:6]}"
+    root_fs.create_directories([WriteEntry(path=f"{base}/mine", mode=700)])
+    root_fs.set_permissions([SetPermissionEntry(path=f"{base}/mine", mode=700, owner="41001", group="41000")])
+    root_fs.write_files([WriteEntry(path=f"{base}/root-only.txt", data="root's", mode=600)])
+    as_user = host_sandbox.files_with_identity(41001, 41000)
+    as_other = host_sandbox.files_with_identity(41002, 41000)
+
+    as_user.write_files([WriteEntry(path=f"{base}/mine/note.txt", data="hello", mode=640)])
+    info = root_fs.get_file_info([f"{base}/mine/note.txt"])[f"{base}/mine/note.txt"]
+    assert (info.owner, info.group, info.mode) == ("41001", "41000", 640), info
+    assert as_user.read_file(f"{base}/mine/note.txt") == "hello"
+    assert [e.path for e in as_user.search(SearchEntry(path=f"{base}/mine", pattern="*"))] == [f"{base}/mine/note.txt"]
+
+    for attempt in (lambda: as_other.read_file(f"{base}/mine/note.txt"),
+                    lambda: as_user.read_file(f"{base}/root-only.txt"),
+                    lambda: as_other.write_files([WriteEntry(path=f"{base}/mine/x.txt", data="x")]),
+                    lambda: as_other.list_directory(DirectoryListEntry(path=f"{base}/mine")),
+                    lambda: as_user.delete_files([f"{base}/root-only.txt"])):
+        with pytest.raises(SandboxException):
+            attempt()
+    assert root_fs.read_file(f"{base}/root-only.txt") == "root's", "the refused delete left it"
+    code, out, _ = sh(host_sandbox, f"ls {base}/mine")
+    assert out.split() == ["note.txt"], out
+    root_fs.delete_directories([base])

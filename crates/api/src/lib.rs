@@ -19,6 +19,8 @@ pub const ACCESS_TOKEN_HEADER: &str = "X-Warren-Sandbox-Token";
 pub const REQUEST_ID_HEADER: &str = "X-Request-ID";
 /// The execd port inside every sandbox.
 pub const EXECD_PORT: u16 = 44772;
+/// Inside every sandbox, whatever the runtime: where execd's binary is mounted (read-only).
+pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
 /// The egress policy surface port.
 pub const EGRESS_PORT: u16 = 18080;
 /// The Jupyter port the code-interpreter SDK health-checks.

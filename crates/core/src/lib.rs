@@ -37,7 +37,7 @@ pub use runtime::{
 /// socket appears in (bind-mounted from a per-sandbox host folder the server connects through) on
 /// the runtimes that cannot hand execd a listening socket bound outside (gVisor, Docker); the
 /// embedded runtime and runc bind it outside with [`bind_socket_in`] and mount no such folder.
-pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
+pub const EXECD_IN_SANDBOX: &str = warren_api::EXECD_IN_SANDBOX;
 pub const SOCKET_DIR_IN_SANDBOX: &str = "/.warren/run";
 pub const EXECD_SOCKET_NAME: &str = "execd.sock";
 

@@ -233,7 +233,8 @@ fn copy_file(src: &Path, src_display: &str, dest: &Path, dest_display: &str) -> 
 /// Walks the folder `root` (resolved through `safe_path`, as the folder itself or as an entry of
 /// its parent) without following symlinks, calling
 /// `visit` with each entry's path under `shown` (the name the caller gave `root`), its metadata and
-/// its depth (1 = child).
+/// its depth (1 = child). A `root` that cannot be read is an error; unreadable folders below it
+/// are left out.
 fn walk(
     root: &safe_path::Resolved,
     shown: &Path,
@@ -243,8 +244,12 @@ fn walk(
     let base = root.path();
     let mut stack = vec![(PathBuf::new(), 1usize)];
     while let Some((rel, depth)) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(base.join(&rel)) else {
-            continue;
+        let entries = match std::fs::read_dir(base.join(&rel)) {
+            Ok(entries) => entries,
+            // The folder asked for must be readable (a listing as a user who may not read it is
+            // refused, not empty); a folder below it that is not is left out.
+            Err(e) if rel.as_os_str().is_empty() => return Err(e),
+            Err(_) => continue,
         };
         for entry in entries.flatten() {
             let rel = rel.join(entry.file_name());

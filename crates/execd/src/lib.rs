@@ -17,6 +17,7 @@ pub mod oom;
 pub mod output;
 pub mod process;
 pub mod proxy;
+pub mod identity;
 pub mod pty;
 pub mod query;
 pub mod reaper;
@@ -107,6 +108,22 @@ pub fn prebuild_routes() {
     let _ = PREBUILT.set(routes());
 }
 
+/// The file and directory routes: execd's own, and all a filesystem worker serves (see `identity`).
+pub fn files_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/files", axum::routing::delete(files::delete_files))
+        .route("/files/info", get(files::info))
+        .route("/files/permissions", post(files::permissions))
+        .route("/files/mv", post(files::mv))
+        .route("/files/search", get(files::search))
+        .route("/files/replace", post(files::replace))
+        .route("/files/upload", post(upload::upload))
+        .route("/files/download", get(download::download))
+        .route("/directories", post(files::mkdir).delete(files::rmdir))
+        .route("/directories/list", get(files::list))
+        .fallback(|| async { ApiError::not_found(code::NOT_SUPPORTED, "no such route") })
+}
+
 fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/ping", get(|| async { StatusCode::OK }))
@@ -133,16 +150,11 @@ fn routes() -> Router<Arc<AppState>> {
             "/code/contexts/{id}",
             get(interpreter::get_context).delete(interpreter::delete_context),
         )
-        .route("/files", axum::routing::delete(files::delete_files))
-        .route("/files/info", get(files::info))
-        .route("/files/permissions", post(files::permissions))
-        .route("/files/mv", post(files::mv))
-        .route("/files/search", get(files::search))
-        .route("/files/replace", post(files::replace))
-        .route("/files/upload", post(upload::upload))
-        .route("/files/download", get(download::download))
-        .route("/directories", post(files::mkdir).delete(files::rmdir))
-        .route("/directories/list", get(files::list))
+        .merge(files_routes())
+        .route(
+            "/v1/filesystem/{uid}/{gid}/{*rest}",
+            any(identity::forward),
+        )
         .route("/metrics", get(metrics::metrics))
         .route("/metrics/watch", get(metrics::watch))
         .route("/proxy/{port}", any(proxy::proxy))

@@ -32,6 +32,15 @@ fn data(len: usize) -> Vec<u8> {
 
 /// Uploads `files` (path, mode, content) as one chunked multipart body.
 async fn upload(execd: &Execd, files: Vec<(String, u32, Bytes)>) -> reqwest::Response {
+    upload_to(execd, "/files/upload", files).await
+}
+
+/// [`upload`] to `route` (the plain one, or one with an identity).
+async fn upload_to(
+    execd: &Execd,
+    route: &str,
+    files: Vec<(String, u32, Bytes)>,
+) -> reqwest::Response {
     let mut chunks: Vec<Bytes> = Vec::new();
     for (path, mode, content) in files {
         let meta = json!({"path": path, "owner": null, "group": null, "mode": mode}).to_string();
@@ -57,7 +66,7 @@ async fn upload(execd: &Execd, files: Vec<(String, u32, Bytes)>) -> reqwest::Res
     ));
     execd
         .http
-        .post(execd.url("/files/upload"))
+        .post(execd.url(route))
         .header(
             "content-type",
             format!("multipart/form-data; boundary={BOUNDARY}"),
@@ -469,4 +478,79 @@ async fn a_directory_deeper_than_any_stack_is_deleted() {
     assert_eq!(resp.status(), 200);
     assert!(!execd.work().join("deep").exists());
     assert_eq!(execd.get("/ping").await.status(), 200, "execd still serves");
+}
+
+/// `/v1/filesystem/{uid}/{gid}/…`: the same routes, with the kernel checking every permission as
+/// that user and group, and what they make theirs.
+#[tokio::test]
+async fn files_with_an_identity_are_that_users() {
+    use std::os::unix::fs::MetadataExt;
+    let execd = Execd::start().await;
+    let w = execd.work();
+    std::fs::set_permissions(&w, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let private = w.join("private");
+    std::fs::create_dir(&private).expect("mkdir");
+    std::fs::write(private.join("secret.txt"), "only 41001").expect("write");
+    std::fs::set_permissions(private.join("secret.txt"), std::fs::Permissions::from_mode(0o600))
+        .expect("chmod");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    for p in [private.clone(), private.join("secret.txt")] {
+        std::os::unix::fs::chown(&p, Some(41001), Some(41000)).expect("chown");
+    }
+    let secret = private.join("secret.txt").display().to_string();
+    let download = |who: &str| format!("/v1/filesystem/{who}/files/download?path={secret}");
+
+    let owner = execd.get(&download("41001/41000")).await;
+    assert_eq!(owner.status(), 200);
+    assert_eq!(owner.text().await.expect("body"), "only 41001");
+    let other = execd.get(&download("41002/41000")).await;
+    assert_eq!(other.status(), 403, "another user may not read it");
+    let root = execd.get(&download("0/0")).await;
+    assert_eq!(root.status(), 200, "identity 0 is root's");
+
+    // What the identity makes is its own; where it may not write, nothing is made.
+    let resp = upload_to(
+        &execd,
+        "/v1/filesystem/41001/41000/files/upload",
+        vec![(private.join("new.txt").display().to_string(), 644, Bytes::from_static(b"mine"))],
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    let meta = std::fs::metadata(private.join("new.txt")).expect("made");
+    assert_eq!((meta.uid(), meta.gid()), (41001, 41000));
+    let resp = upload_to(
+        &execd,
+        "/v1/filesystem/41002/41000/files/upload",
+        vec![(private.join("theirs.txt").display().to_string(), 644, Bytes::from_static(b"x"))],
+    )
+    .await;
+    assert!(resp.status().is_client_error(), "{}", resp.status());
+    assert!(!private.join("theirs.txt").exists());
+    let resp = execd
+        .post_json(
+            "/v1/filesystem/41002/41000/directories",
+            json!({private.join("d").display().to_string(): {"mode": 755}}),
+        )
+        .await;
+    assert!(resp.status().is_client_error(), "{}", resp.status());
+    assert!(!private.join("d").exists());
+    let listed = execd
+        .get(&format!(
+            "/v1/filesystem/41002/41000/directories/list?path={}",
+            private.display()
+        ))
+        .await;
+    assert_eq!(listed.status(), 403);
+
+    // Bad ids and routes that take no identity are refused.
+    for path in [
+        "/v1/filesystem/4294967295/0/files/info?path=/".to_string(),
+        "/v1/filesystem/x/0/files/info?path=/".to_string(),
+    ] {
+        assert_eq!(execd.get(&path).await.status(), 400, "{path}");
+    }
+    assert_eq!(
+        execd.get("/v1/filesystem/0/0/command/status/x").await.status(),
+        404
+    );
 }
