@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding, CredentialMatch,
+                                          InlineCredentialSource)
 
 import warren_e2e as W
 from fakenet import FakeNet
@@ -97,9 +99,9 @@ def test_https_to_an_allowed_name(net_server, fakenet):
         sbx.files.write_file("/tmp/ca.pem", fakenet["ca"].read_text())
         fetch = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/ca.pem'); "
                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, fetch + "https://allowed.test/")
+        code, out, err = W.sh(sbx, FETCH + "https://allowed.test/")
         assert code == 0 and fakenet["allowed"] in out, err
-        code, out, err = W.sh(sbx, fetch + "https://other.test/")
+        code, out, err = W.sh(sbx, FETCH + "https://other.test/")
         assert code != 0, out
     finally:
         sbx.kill()
@@ -336,16 +338,18 @@ def test_policy_survives_a_server_crash(net_server, fakenet):
 
 
 SECRET = "sk-live-" + secrets.token_hex(12)
+# print a URL's body from inside a sandbox: with the sandbox's trust, and trusting the fake CA only
+FETCH = ("python3 -c \"import sys,urllib.request; "
+         "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
+PINNED = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
+          "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
 
 
-def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
-    """HTTPS to a bound host: the upstream sees the real header, the sandbox sees neither the secret
-    (env, files, an echo of it is redacted) nor anything but a placeholder. Unbound hosts are
-    tunnelled untouched (their own certificate reaches the client)."""
+def _vault_sandbox(net_server):
+    """A sandbox with the credential proxy on, allowed to reach allowed.test and other.test."""
     _native_net(net_server)
     from opensandbox import SandboxSync
-    from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding, CredentialProxyConfig,
-                                              CredentialMatch, InlineCredentialSource, NetworkPolicy)
+    from opensandbox.models.sandboxes import CredentialProxyConfig, NetworkPolicy
     image = W.TEST_IMAGE_NAME
     net_server.import_image(image, W.test_rootfs())
     sbx = SandboxSync.create(image, connection_config=net_server.sdk_config(), network_policy=NetworkPolicy.model_validate(
@@ -353,6 +357,14 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
                                              {"action": "allow", "target": "other.test"}]}),
         credential_proxy=CredentialProxyConfig(enabled=True))
     W.track_sandbox(sbx.id)
+    return sbx
+
+
+def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
+    """HTTPS to a bound host: the upstream sees the real header, the sandbox sees neither the secret
+    (env, files, an echo of it is redacted) nor anything but a placeholder. Unbound hosts are
+    tunnelled untouched (their own certificate reaches the client)."""
+    sbx = _vault_sandbox(net_server)
     try:
         state = sbx.credential_vault.create(
             credentials=[Credential(name="api", source=InlineCredentialSource(value=SECRET))],
@@ -360,22 +372,18 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
                                         auth=CredentialAuth(type="bearer", credential="api"))])
         assert state.revision == 1 and [c.name for c in state.credentials] == ["api"]
         assert SECRET not in json.dumps(sbx.credential_vault.get().model_dump())
-        fetch = ("python3 -c \"import sys,urllib.request; "
-                 "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, fetch + "https://allowed.test/v1/models")
+        code, out, err = W.sh(sbx, FETCH + "https://allowed.test/v1/models")
         assert code == 0, err
         assert out.strip() == f"hello from {fakenet['allowed']} auth=Bearer [REDACTED]", out
         log = fakenet["request_log"].read_text()
         assert f"/v1/models authorization=Bearer {SECRET}" in log, log
         # Outside the binding's paths: nothing injected.
-        code, out, err = W.sh(sbx, fetch + "https://allowed.test/other")
+        code, out, err = W.sh(sbx, FETCH + "https://allowed.test/other")
         assert code == 0 and "auth=None" in out, (out, err)
         # An unbound host is tunnelled: its own certificate arrives (the sandbox trusts the fake CA
         # only for this call), nothing is injected.
         sbx.files.write_file("/tmp/fake-ca.pem", fakenet["ca"].read_text())
-        pinned = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
-                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, pinned + "https://other.test/v1/x")
+        code, out, err = W.sh(sbx, PINNED + "https://other.test/v1/x")
         assert code == 0 and "auth=None" in out, (out, err)
         # The proxy judges like the firewall: an allow-all CIDR reaches the internet through it,
         # not an internal address.
@@ -396,11 +404,11 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
             {"name": "api", "source": {"type": "inline", "value": SECRET + "-2"}}]})
         with pytest.raises(Exception):
             sbx.credential_vault.patch(expected_revision=1, credentials={"delete": []})
-        W.sh(sbx, fetch + "https://allowed.test/v1/again")
+        W.sh(sbx, FETCH + "https://allowed.test/v1/again")
         assert f"/v1/again authorization=Bearer {SECRET}-2" in fakenet["request_log"].read_text()
         sbx.credential_vault.delete()
         # No vault: tunnelled, so the real certificate arrives (trusted here through the fake CA).
-        W.sh(sbx, pinned + "https://allowed.test/v1/after-delete")
+        W.sh(sbx, PINNED + "https://allowed.test/v1/after-delete")
         assert "/v1/after-delete authorization=None" in fakenet["request_log"].read_text()
     finally:
         sbx.kill()
@@ -413,26 +421,14 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
     reference's does; the upstream sees the header, the sandbox an echo of it redacted. Plain HTTP
     names its host only in a header the sandbox writes, so a request to another server's address
     claiming the bound host (fronting) gets nothing; nor does an unbound host."""
-    _native_net(net_server)
-    from opensandbox import SandboxSync
-    from opensandbox.models.sandboxes import (Credential, CredentialAuth, CredentialBinding, CredentialProxyConfig,
-                                              CredentialMatch, InlineCredentialSource, NetworkPolicy)
-    image = W.TEST_IMAGE_NAME
-    net_server.import_image(image, W.test_rootfs())
-    sbx = SandboxSync.create(image, connection_config=net_server.sdk_config(), network_policy=NetworkPolicy.model_validate(
-        {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"},
-                                             {"action": "allow", "target": "other.test"}]}),
-        credential_proxy=CredentialProxyConfig(enabled=True))
-    W.track_sandbox(sbx.id)
+    sbx = _vault_sandbox(net_server)
     try:
         sbx.credential_vault.create(
             credentials=[Credential(name="api", source=InlineCredentialSource(value=SECRET))],
             bindings=[CredentialBinding(name="plain", match=CredentialMatch(hosts=["allowed.test"], schemes=["http"],
                                                                             paths=["/v1/*"]),
                                         auth=CredentialAuth(type="bearer", credential="api"))])
-        fetch = ("python3 -c \"import sys,urllib.request; "
-                 "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, fetch + "http://allowed.test/v1/plain")
+        code, out, err = W.sh(sbx, FETCH + "http://allowed.test/v1/plain")
         assert code == 0, err
         assert out.strip() == f"hello from {fakenet['allowed']} auth=Bearer [REDACTED]", out
         log = fakenet["request_log"].read_text()
@@ -443,7 +439,7 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
         code, out, err = W.sh(sbx, two)
         assert code == 0 and out.count("auth=Bearer [REDACTED]") == 2, (out, err)
         # Outside the binding's paths, nothing.
-        code, out, err = W.sh(sbx, fetch + "http://allowed.test/other")
+        code, out, err = W.sh(sbx, FETCH + "http://allowed.test/other")
         assert code == 0 and "auth=None" in out, (out, err)
         # Fronting: to other.test's address, claiming to be allowed.test.
         front = ("python3 -c \"import http.client,socket; a=socket.gethostbyname('other.test'); "
@@ -453,14 +449,12 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
         assert code == 0 and f"hello from {fakenet['other']} auth=None" in out, (out, err)
         assert f"/v1/fronted authorization=None" in fakenet["request_log"].read_text()
         # An unbound host over plain HTTP: untouched.
-        code, out, err = W.sh(sbx, fetch + "http://other.test/v1/unbound")
+        code, out, err = W.sh(sbx, FETCH + "http://other.test/v1/unbound")
         assert code == 0 and "auth=None" in out, (out, err)
         # HTTPS is not bound here: tunnelled, its own certificate arrives (the fake CA is trusted
         # for this call only), nothing injected.
         sbx.files.write_file("/tmp/fake-ca.pem", fakenet["ca"].read_text())
-        pinned = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
-                  "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, pinned + "https://allowed.test/v1/tls")
+        code, out, err = W.sh(sbx, PINNED + "https://allowed.test/v1/tls")
         assert code == 0 and "auth=None" in out, (out, err)
     finally:
         sbx.kill()

@@ -18,17 +18,25 @@ async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16
     .map_err(|_| "the sandbox's execd did not answer in time")?
 }
 
-async fn call_unbounded(
+/// Sends `req` to execd over a connection of its own; the answer's body is left to read.
+async fn send(
     socket: &std::path::Path,
     req: http::Request<Body>,
-) -> Result<(u16, Vec<u8>), Error> {
+) -> Result<http::Response<hyper::body::Incoming>, Error> {
     let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
     let stream = tokio::net::UnixStream::connect(&reachable).await?;
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let resp = send.send_request(req).await?;
+    Ok(send.send_request(req).await?)
+}
+
+async fn call_unbounded(
+    socket: &std::path::Path,
+    req: http::Request<Body>,
+) -> Result<(u16, Vec<u8>), Error> {
+    let resp = send(socket, req).await?;
     let status = resp.status().as_u16();
     let body = http_body_util::Limited::new(resp.into_body(), 8 << 20)
         .collect()
@@ -93,14 +101,8 @@ pub async fn output(socket: &std::path::Path) -> Result<(Vec<u8>, u64), Error> {
     let req = http::Request::get("/logs")
         .header(http::header::HOST, "localhost")
         .body(Body::empty())?;
-    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
     let call = async {
-        let stream = tokio::net::UnixStream::connect(&reachable).await?;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let resp = send.send_request(req).await?;
+        let resp = send(socket, req).await?;
         let status = resp.status().as_u16();
         let dropped = resp
             .headers()
