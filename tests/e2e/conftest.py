@@ -7,6 +7,7 @@ stopped by PID. See README.md for the full contract.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -55,8 +56,9 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = rest + last
 
 
-class _TestTimeout(Exception):
-    pass
+class _TestTimeout(BaseException):
+    """A BaseException, like KeyboardInterrupt: the SDK's loops catch `Exception` and carry on
+    (the pool's release_all_idle logs and takes the next id), which would swallow the limit."""
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -71,10 +73,14 @@ def pytest_runtest_call(item):
             raise _TestTimeout(f"test exceeded {limit:.0f}s (WARREN_E2E_TEST_TIMEOUT / @pytest.mark.timeout)")
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, limit)
+        # Last resort when even that is ignored: print every thread's stack and end the run, so a
+        # hang costs minutes and names its place instead of eating the whole CI budget.
+        faulthandler.dump_traceback_later(limit + 120, exit=True)
     try:
         yield
     finally:
         if use_alarm:
+            faulthandler.cancel_dump_traceback_later()
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
 

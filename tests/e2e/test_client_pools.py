@@ -56,8 +56,11 @@ def test_sync_pool_warms_hands_out_and_releases(server, manager):
         sbx.close()
         assert sbx.id not in tagged(manager, tag), "a killed sandbox must leave the list at once"
     finally:
+        # Stop the pool before draining it: a running pool refills while release_all_idle takes idle
+        # sandboxes, and release_all_idle loops until the store is empty (forever when the runtime's
+        # delete is slower than its create, as with gVisor).
+        pool.shutdown(graceful=True)
         pool.release_all_idle()
-        pool.shutdown(graceful=False)
     # The pool's idle sandboxes were killed: the tag counts none, none answers get.
     W.wait_until(lambda: not tagged(manager, tag), 20, interval=0.3,
                  message="the pool's sandboxes to leave the list")
@@ -81,9 +84,9 @@ def test_async_pool_releases_everything(server, manager):
             assert (await pool.snapshot()).idle_count == 2, await pool.snapshot()
             for sid in tagged(manager, tag):
                 W.track_sandbox(sid)
-            assert await pool.release_all_idle() == 2
         finally:
-            await pool.shutdown(graceful=False)
+            await pool.shutdown(graceful=True)     # stopped first: see the sync test
+        assert await pool.release_all_idle() == 2
 
     asyncio.run(main())
     W.wait_until(lambda: not tagged(manager, tag), 20, interval=0.3,

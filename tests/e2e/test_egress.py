@@ -66,6 +66,9 @@ def create(srv, policy):
 
 FETCH = ("python3 -c \"import sys,urllib.request; "
          "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
+# FETCH trusting only the fake network's CA (written to /tmp/fake-ca.pem in the sandbox first)
+PINNED = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
+          "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
 RESOLVE = "python3 -c \"import socket,sys; print(socket.gethostbyname(sys.argv[1]))\" "
 CONNECT = ("python3 -c \"import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
            "timeout=3); print('connected')\" ")
@@ -96,12 +99,10 @@ def test_https_to_an_allowed_name(net_server, fakenet):
     _native_net(net_server)
     sbx = create(net_server, {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]})
     try:
-        sbx.files.write_file("/tmp/ca.pem", fakenet["ca"].read_text())
-        fetch = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/ca.pem'); "
-                 "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
-        code, out, err = W.sh(sbx, FETCH + "https://allowed.test/")
+        sbx.files.write_file("/tmp/fake-ca.pem", fakenet["ca"].read_text())
+        code, out, err = W.sh(sbx, PINNED + "https://allowed.test/")
         assert code == 0 and fakenet["allowed"] in out, err
-        code, out, err = W.sh(sbx, FETCH + "https://other.test/")
+        code, out, err = W.sh(sbx, PINNED + "https://other.test/")
         assert code != 0, out
     finally:
         sbx.kill()
@@ -339,10 +340,6 @@ def test_policy_survives_a_server_crash(net_server, fakenet):
 
 SECRET = "sk-live-" + secrets.token_hex(12)
 # print a URL's body from inside a sandbox: with the sandbox's trust, and trusting the fake CA only
-FETCH = ("python3 -c \"import sys,urllib.request; "
-         "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
-PINNED = ("python3 -c \"import ssl,sys,urllib.request; c=ssl.create_default_context(cafile='/tmp/fake-ca.pem'); "
-          "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
 
 
 def _vault_sandbox(net_server):

@@ -527,7 +527,7 @@ def test_multiarch_index_picks_amd64(srv, regs, builder, bb_base, fmt):
     sid = created(create(srv, name))
     try:
         sbx = connect(srv, sid)
-        assert run(sbx, "cat /etc/e2e-arch /etc/e2e-fmt") == f"amd64\n{fmt}"
+        assert run(sbx, "cat /etc/e2e-arch /etc/e2e-fmt") == f"amd64\n{fmt}\n"
     finally:
         delete(srv, sid)
     for other in (arm, s390):

@@ -63,10 +63,7 @@ pub async fn logs(
     check_scope("logs", &scope, LOG_SCOPES)?;
     let (mut text, mut note) = output(&app, &id).await?;
     if scope == "all" {
-        let events = app
-            .sandboxes
-            .events(&id)
-            .ok_or_else(|| ApiError::not_found(&id))?;
+        let events = events_of(&app, &id)?;
         text.push_str("\n--- lifecycle events ---\n");
         text.push_str(&events_text(&events, usize::MAX));
         note.warnings.extend(events_warnings(&events));
@@ -83,10 +80,7 @@ pub async fn events(
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
 ) -> Result<Response, ApiError> {
-    let events = app
-        .sandboxes
-        .events(&id)
-        .ok_or_else(|| ApiError::not_found(&id))?;
+    let events = events_of(&app, &id)?;
     let Some(scope) = q.scope else {
         let limit = q.limit.unwrap_or(50).clamp(1, 500);
         return Ok(deprecated(events_text(&events, limit)));
@@ -118,10 +112,7 @@ pub async fn summary(
     let tail = q.tail.unwrap_or(50).clamp(1, 10_000);
     let limit = q.event_limit.unwrap_or(20).clamp(1, 500);
     let inspect = inspect_text(&app, &id)?;
-    let events = app
-        .sandboxes
-        .events(&id)
-        .ok_or_else(|| ApiError::not_found(&id))?;
+    let events = events_of(&app, &id)?;
     let logs = match output(&app, &id).await {
         Ok((text, _)) => last_lines(&text, tail),
         Err(e) => format!("[error] {}\n", e.message),
@@ -159,7 +150,7 @@ fn check_scope(kind: &str, scope: &str, supported: &[&str]) -> Result<(), ApiErr
 /// The sandbox's output, with what explains an empty or partial one. A sandbox that is not running
 /// has no execd to ask: the text is empty and a warning says why.
 async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
-    let rec = app.sandboxes.get(id).ok_or_else(|| ApiError::not_found(id))?;
+    let rec = visible(app, id)?;
     let mut note = Note::default();
     if rec.state != SandboxState::Running {
         note.warnings.push(format!(
@@ -185,6 +176,20 @@ async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
             Ok((String::new(), note))
         }
     }
+}
+
+/// The sandbox's record, as get shows it: warm pool and template-build sandboxes are not the
+/// caller's to see.
+fn visible(app: &AppState, id: &str) -> Result<warren_store::SandboxRecord, ApiError> {
+    app.sandboxes
+        .get(id)
+        .filter(|r| r.warm_pool.is_none())
+        .ok_or_else(|| ApiError::not_found(id))
+}
+
+fn events_of(app: &AppState, id: &str) -> Result<Events, ApiError> {
+    visible(app, id)?;
+    app.sandboxes.events(id).ok_or_else(|| ApiError::not_found(id))
 }
 
 fn events_warnings(events: &Events) -> Vec<String> {
@@ -218,7 +223,7 @@ fn events_text(events: &Events, limit: usize) -> String {
 }
 
 fn inspect_text(app: &AppState, id: &str) -> Result<String, ApiError> {
-    let rec = app.sandboxes.get(id).ok_or_else(|| ApiError::not_found(id))?;
+    let rec = visible(app, id)?;
     let mut value = serde_json::to_value(&rec).unwrap_or_default();
     if let Some(map) = value.as_object_mut() {
         // The sandbox's endpoint secret is no diagnostic; env values often are secrets.
