@@ -339,7 +339,6 @@ def test_policy_survives_a_server_crash(net_server, fakenet):
 
 
 SECRET = "sk-live-" + secrets.token_hex(12)
-# print a URL's body from inside a sandbox: with the sandbox's trust, and trusting the fake CA only
 
 
 def _vault_sandbox(net_server):
@@ -445,6 +444,17 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
         code, out, err = W.sh(sbx, front)
         assert code == 0 and f"hello from {fakenet['other']} auth=None" in out, (out, err)
         assert f"/v1/fronted authorization=None" in fakenet["request_log"].read_text()
+        # Ambiguous requests are refused by the proxy itself, before anything goes upstream: two
+        # Host headers (the upstream might route by the other), or a request target naming
+        # another host than Host.
+        raw = ("python3 -c \"import socket,sys; s=socket.create_connection(('allowed.test', 80), timeout=5); "
+               "s.sendall(sys.argv[1].encode().decode('unicode_escape').encode()); print(s.recv(200).decode().splitlines()[0])\" ")
+        for request in ("GET /v1/twohosts HTTP/1.1\\r\\nHost: allowed.test\\r\\nHost: other.test\\r\\n\\r\\n",
+                        "GET http://other.test/v1/absolute HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n"):
+            code, out, err = W.sh(sbx, raw + f"'{request}'")
+            assert code == 0 and " 400 " in out, (request, out, err)
+        log = fakenet["request_log"].read_text()
+        assert "/v1/twohosts" not in log and "/v1/absolute" not in log, log
         # An unbound host over plain HTTP: untouched.
         code, out, err = W.sh(sbx, FETCH + "http://other.test/v1/unbound")
         assert code == 0 and "auth=None" in out, (out, err)

@@ -105,6 +105,29 @@ def test_template_whose_probe_never_passes_fails(server, manager, api):
         manager.delete_template(t.template_id)
 
 
+def test_template_whose_golden_image_was_deleted_fails(server, manager, api):
+    """The golden image is an ordinary snapshot: deleted through /snapshots, the template cannot start
+    anything any more and says so (Failed, 409 on create) instead of a restore error."""
+    if server.is_docker or server.gvisor:
+        pytest.skip("templates are built on snapshots: embedded and runc")
+    server.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    t = manager.create_template(CreateTemplateRequest(
+        image=W.TEST_IMAGE_NAME, publish="s3://bucket/e2e", entrypoint=["sleep", "infinity"],
+        readiness=TemplateReadiness(warmup_seconds=0)))
+    try:
+        done = _wait(manager, t.template_id)
+        assert done.status.phase == "Succeeded", done.status
+        snapshot = done.status.manifest_ref.removeprefix("warren-snapshot://")
+        assert api.delete(f"/v1/snapshots/{snapshot}").status_code in (200, 204)
+        r = api.post("/v1/sandboxes", json={"templateId": t.template_id, "timeout": 300})
+        W.assert_error_body(r, codes=[409])
+        assert "golden image" in r.json()["message"], r.json()
+        after = manager.get_template(t.template_id)
+        assert after.status.phase == "Failed" and snapshot in (after.status.message or ""), after.status
+    finally:
+        manager.delete_template(t.template_id)
+
+
 @pytest.mark.parametrize("body", [
     {"image": "", "publish": "s3://b/p"},
     {"image": "host", "publish": ""},

@@ -33,6 +33,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_IMAGE_NAME = "warren-test:bookworm"
 JUPYTER_IMAGE_NAME = "warren-test:jupyter"
+CODE_IMAGE_NAME = "warren-test:code-interpreter"
 RUN_ID = uuid.uuid4().hex[:12]
 MARKER_ENV = "WARREN_E2E_RUN"
 
@@ -61,6 +62,12 @@ def test_rootfs() -> Path:
 
 def jupyter_rootfs() -> Path:
     return Path(os.environ.get("WARREN_TEST_JUPYTER_ROOTFS", "/var/cache/warren/test-rootfs-jupyter"))
+
+
+def code_rootfs() -> Path:
+    """The jupyter image plus the Java, JavaScript and TypeScript kernels (build-test-image's
+    code-interpreter variant)."""
+    return Path(os.environ.get("WARREN_TEST_CODE_ROOTFS", "/var/cache/warren/test-rootfs-code-interpreter"))
 
 
 def allow_skip() -> bool:

@@ -434,8 +434,11 @@ impl Egress {
                 let wanted = now + Duration::from_secs(u64::from(ttl));
                 let names = net.answered.entry(*dest).or_default();
                 names.retain(|_, exp| *exp > now);
-                if names.len() < MAX_NAMES_PER_ADDRESS {
-                    names.insert(normal_name(name), wanted);
+                let key = normal_name(name);
+                // A name already kept is renewed even at the cap (only new names wait).
+                if names.len() < MAX_NAMES_PER_ADDRESS || names.contains_key(&key) {
+                    let exp = names.entry(key).or_insert(wanted);
+                    *exp = (*exp).max(wanted);
                 }
                 if let Some((_, exp)) = net.learned.get(dest) {
                     // Still good for more than half the new lifetime: leave the firewall alone (an
@@ -543,9 +546,9 @@ impl Egress {
                 || net.policy.default_action == Action::Allow)
     }
 
-    /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
-    /// request, so revocations reach kept connections).
-    /// Whether an allowed answer to `src` for `name` held `dst`, and `src` may still reach it.
+    /// Whether an allowed answer to `src` for `name` held `dst`, and `src` may still reach it under
+    /// the policy as it is now (a rule removed since the answer no longer vouches for the name; an
+    /// internal address only for a name a rule names itself, as when it was learned).
     pub(crate) fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
         let st = self.lock();
         let Some(net) = st.by_addr.get(&src).and_then(|id| st.by_id.get(id)) else {
@@ -556,9 +559,13 @@ impl Egress {
             .get(&dst)
             .and_then(|names| names.get(&normal_name(name)))
             .is_some_and(|exp| *exp > now)
+            && net.policy.decide_name(name) == Action::Allow
+            && (!is_internal(dst) || net.policy.names_exactly(name))
             && self.allows(net, dst)
     }
 
+    /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
+    /// request, so revocations reach kept connections).
     pub(crate) fn vault_for(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
         let st = self.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
@@ -693,9 +700,7 @@ impl crate::mitm::Lookup for Lookup {
     }
 
     fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
-        self.0
-            .upgrade()
-            .is_some_and(|e| e.answered(src, dst, name))
+        self.0.upgrade().is_some_and(|e| e.answered(src, dst, name))
     }
 
     fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::mitm::Decision> {

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -375,7 +376,8 @@ async fn intercept(
 
 /// Plain HTTP from a sandbox whose vault takes `http` on this port: each request is forwarded to
 /// the address the sandbox dialled, with credentials only where its `Host` is proven (see
-/// [`Lookup::answered`]).
+/// [`Lookup::answered`]). A request with more than one `Host` is refused: the upstream might route
+/// by the other one.
 async fn serve_plain(
     lookup: Arc<dyn Lookup>,
     src: Ipv4Addr,
@@ -385,22 +387,68 @@ async fn serve_plain(
     let upstream = Arc::new(tokio::sync::Mutex::new(
         None::<hyper::client::conn::http1::SendRequest<RedactBody>>,
     ));
+    let sent_secret = Arc::new(AtomicBool::new(false));
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let upstream = upstream.clone();
         let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
-        let host = req
-            .headers()
-            .get(hyper::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .map(|h| host_of(h).to_owned())
-            .unwrap_or_default();
-        let proven = !host.is_empty() && lookup.answered(src, *dst.ip(), &host);
-        forward(req, vault, upstream, Target::Plain { host, proven }, dst)
+        // (one future type for both outcomes: `forward` answers a refusal itself)
+        let target = match plain_host(&req) {
+            Err(why) => Target::Refused(why),
+            Ok(host) => Target::Plain {
+                proven: host
+                    .as_deref()
+                    .is_some_and(|h| lookup.answered(src, *dst.ip(), h)),
+                host: host.unwrap_or_default(),
+                sent_secret: sent_secret.clone(),
+            },
+        };
+        forward(req, vault, upstream.clone(), target, dst)
     });
     hyper::server::conn::http1::Builder::new()
         .serve_connection(hyper_util::rt::TokioIo::new(client), service)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// The DNS name a plain request's `Host` gives (lower case, without its port); `None` when there is
+/// none fit to prove (absent, an address, not a name), an error when the request is ambiguous.
+fn plain_host<B>(req: &hyper::Request<B>) -> Result<Option<String>, &'static str> {
+    let mut hosts = req.headers().get_all(hyper::header::HOST).iter();
+    let (Some(first), None) = (hosts.next(), hosts.next()) else {
+        return match req.headers().contains_key(hyper::header::HOST) {
+            true => Err("more than one Host header"),
+            false => Ok(None),
+        };
+    };
+    let Ok(value) = first.to_str() else {
+        return Ok(None);
+    };
+    let name = host_of(value.trim());
+    if let Some(authority) = req.uri().authority() {
+        // absolute-form: its authority must name the same host
+        if !authority.host().eq_ignore_ascii_case(name) {
+            return Err("the request target and Host name different hosts");
+        }
+    }
+    let port_ok = value.trim()[name.len()..]
+        .strip_prefix(':')
+        .is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    let is_name = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && name.parse::<Ipv4Addr>().is_err();
+    Ok((port_ok && is_name).then(|| name.trim_end_matches('.').to_ascii_lowercase()))
+}
+
+/// A 400 answered by the proxy itself.
+fn refusal(why: &'static str) -> hyper::Response<ResponseBody> {
+    let frame: Result<Frame<Bytes>, BoxError> =
+        Ok(Frame::data(Bytes::from(format!("warren egress: {why}\n"))));
+    let body = futures::stream::iter([frame]).boxed();
+    let mut resp = hyper::Response::new(StreamBody::new(body));
+    *resp.status_mut() = hyper::StatusCode::BAD_REQUEST;
+    resp
 }
 
 /// The host of a `Host` header value, without its port.
@@ -412,10 +460,17 @@ fn host_of(header: &str) -> &str {
 }
 
 /// Where a request goes on: over TLS to the host the sandbox's ClientHello named, or plain to the
-/// address it dialled (`proven`: its `Host` is the name an answer gave for that address).
+/// address it dialled (`proven`: its `Host` is the name an answer gave for that address;
+/// `sent_secret`: a credential went up this client connection, so its answers are redacted).
 enum Target {
     Tls(Arc<rustls::ClientConfig>, String),
-    Plain { host: String, proven: bool },
+    Plain {
+        host: String,
+        proven: bool,
+        sent_secret: Arc<AtomicBool>,
+    },
+    /// Nowhere: the request is answered 400 by the proxy itself, for this reason.
+    Refused(&'static str),
 }
 
 struct Fixed(Arc<CertifiedKey>);
@@ -447,7 +502,9 @@ async fn tunnel(mut client: Prefixed<TcpStream>, dst: SocketAddrV4) -> Result<()
 type RedactBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 
 /// An HTTP/1.1 client connection to the server over `io`, driven by a task of its own.
-async fn handshake<T>(io: T) -> Result<hyper::client::conn::http1::SendRequest<RedactBody>, BoxError>
+async fn handshake<T>(
+    io: T,
+) -> Result<hyper::client::conn::http1::SendRequest<RedactBody>, BoxError>
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -487,21 +544,29 @@ async fn forward(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
-    let (scheme, host) = match &target {
-        Target::Tls(_, host) => {
-            // The request goes to the host the TLS session named, whatever Host the client wrote
-            // (no fronting a credential to another origin behind the same address).
-            let authority = if dst.port() == 443 {
-                host.clone()
-            } else {
-                format!("{host}:{}", dst.port())
-            };
-            let authority = hyper::header::HeaderValue::from_str(&authority).map_err(boxed)?;
-            parts.headers.insert(hyper::header::HOST, authority);
-            ("https", host.clone())
-        }
-        Target::Plain { host, .. } => ("http", host.clone()),
+    // Whether the vault takes this request at all: a plain request it does not take (another
+    // host, or one whose Host is not proven) goes on as the sandbox wrote it.
+    let (scheme, host, taken) = match &target {
+        Target::Tls(_, host) => ("https", host.clone(), true),
+        Target::Plain { host, proven, .. } => (
+            "http",
+            host.clone(),
+            *proven && vault.wants("http", host, dst.port()),
+        ),
+        Target::Refused(why) => return Ok(refusal(why)),
     };
+    if taken {
+        // The request goes to the host the TLS session named or the answer proved, whatever Host
+        // the client wrote (no fronting a credential to another origin behind the same address).
+        let default_port = if scheme == "https" { 443 } else { 80 };
+        let authority = if dst.port() == default_port {
+            host.clone()
+        } else {
+            format!("{host}:{}", dst.port())
+        };
+        let authority = hyper::header::HeaderValue::from_str(&authority)?;
+        parts.headers.insert(hyper::header::HOST, authority);
+    }
     for hop in [
         "connection",
         "keep-alive",
@@ -512,9 +577,9 @@ async fn forward(
     ] {
         parts.headers.remove(hop);
     }
-    let injections = match &target {
-        Target::Plain { proven: false, .. } => None,
-        _ => vault.injections(scheme, &host, dst.port(), parts.method.as_str(), &path),
+    let injections = match taken {
+        true => vault.injections(scheme, &host, dst.port(), parts.method.as_str(), &path),
+        false => None,
     };
     if injections.is_some() {
         // A secret echoed in pieces by ranged answers could not be redacted.
@@ -528,10 +593,21 @@ async fn forward(
                 .headers
                 .insert(name, hyper::header::HeaderValue::from_str(&v)?);
         }
+        if let Target::Plain { sent_secret, .. } = &target {
+            sent_secret.store(true, Ordering::Relaxed);
+        }
         tracing::debug!(%host, %path, "vault: credential injected");
     }
-    // Compressed answers could not be redacted.
-    parts.headers.remove(hyper::header::ACCEPT_ENCODING);
+    // Answers to be scanned for secrets: every intercepted TLS answer, and on plain HTTP every
+    // answer once a credential went up this connection (a server may echo it later).
+    let scan = match &target {
+        Target::Plain { sent_secret, .. } => sent_secret.load(Ordering::Relaxed),
+        _ => true,
+    };
+    if scan || taken {
+        // Compressed answers could not be redacted.
+        parts.headers.remove(hyper::header::ACCEPT_ENCODING);
+    }
     parts.uri = path.parse().map_err(boxed)?;
     let req = hyper::Request::from_parts(parts, body.boxed());
     let mut guard = upstream.lock().await;
@@ -549,7 +625,7 @@ async fn forward(
                     .await?;
                 handshake(tls).await?
             }
-            Target::Plain { .. } => handshake(tcp).await?,
+            _ => handshake(tcp).await?,
         };
         *guard = Some(send);
     }
@@ -568,6 +644,16 @@ async fn forward(
         }
     };
     drop(guard);
+    if !scan {
+        let (parts, body) = resp.into_parts();
+        let frames = body
+            .into_data_stream()
+            .map(|chunk| -> Result<Frame<Bytes>, BoxError> {
+                chunk.map(Frame::data).map_err(|e| Box::new(e) as BoxError)
+            })
+            .boxed();
+        return Ok(hyper::Response::from_parts(parts, StreamBody::new(frames)));
+    }
     let secrets = vault.redactions();
     let (mut parts, body) = resp.into_parts();
     let encoded = parts
@@ -616,6 +702,37 @@ async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn request(hosts: &[&str], uri: &str) -> hyper::Request<()> {
+        let mut b = hyper::Request::builder().uri(uri);
+        for h in hosts {
+            b = b.header(hyper::header::HOST, *h);
+        }
+        b.body(()).expect("request")
+    }
+
+    #[test]
+    fn a_plain_request_proves_only_one_well_formed_host_name() {
+        let host = |hosts: &[&str], uri: &str| plain_host(&request(hosts, uri));
+        assert_eq!(host(&["API.test"], "/x"), Ok(Some("api.test".into())));
+        assert_eq!(host(&["api.test:8080"], "/x"), Ok(Some("api.test".into())));
+        assert_eq!(host(&["api.test."], "/x"), Ok(Some("api.test".into())));
+        assert_eq!(
+            host(&["api.test"], "http://api.test/x"),
+            Ok(Some("api.test".into()))
+        );
+        // Nothing to prove: the request goes on without credentials.
+        assert_eq!(host(&[], "/x"), Ok(None));
+        assert_eq!(host(&["10.0.0.1"], "/x"), Ok(None));
+        assert_eq!(host(&["api.test:"], "/x"), Ok(None));
+        assert_eq!(host(&["api.test:80x"], "/x"), Ok(None));
+        assert_eq!(host(&["api_test/x"], "/x"), Ok(None));
+        assert_eq!(host(&[""], "/x"), Ok(None));
+        // Ambiguous: refused, the upstream might route by the other name.
+        assert!(host(&["api.test", "evil.test"], "/x").is_err());
+        assert!(host(&["api.test", "api.test"], "/x").is_err());
+        assert!(host(&["api.test"], "http://evil.test/x").is_err());
+    }
 
     #[test]
     fn host_header_without_its_port() {

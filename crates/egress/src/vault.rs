@@ -366,9 +366,9 @@ impl Vault {
     /// intercepted; all others are tunnelled untouched).
     /// Whether any binding takes `scheme` on `port`, for some host.
     pub fn takes_scheme_on(&self, scheme: &str, port: u16) -> bool {
-        self.bindings
-            .values()
-            .any(|b| b.matcher.schemes.iter().any(|s| s == scheme) && b.matcher.ports.contains(&port))
+        self.bindings.values().any(|b| {
+            b.matcher.schemes.iter().any(|s| s == scheme) && b.matcher.ports.contains(&port)
+        })
     }
 
     pub fn wants(&self, scheme: &str, host: &str, port: u16) -> bool {
@@ -585,7 +585,10 @@ mod tests {
         assert!(v.injections("https", "b.test", 443, "GET", "/").is_some());
         assert!(v.injections("http", "c.test", 80, "GET", "/").is_none());
         assert!(v.takes_scheme_on("http", 80) && v.takes_scheme_on("http", 8080));
-        assert!(!vault().takes_scheme_on("http", 80), "https-only bindings take no plain HTTP");
+        assert!(
+            !vault().takes_scheme_on("http", 80),
+            "https-only bindings take no plain HTTP"
+        );
     }
 
     #[test]

@@ -50,12 +50,11 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
-    if args.get(1).is_some_and(|a| a == crate::identity::WORKER_ARG) {
-        let rest: Vec<String> = args[2..]
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
-        return crate::identity::worker(&rest);
+    if args
+        .get(1)
+        .is_some_and(|a| a == crate::identity::WORKER_ARG)
+    {
+        return crate::identity::worker(&args[2..]);
     }
     init_logging(None);
     let args = Args::parse_from(args);

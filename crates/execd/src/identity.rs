@@ -4,7 +4,9 @@
 //!
 //! As in the reference, each request is served by a worker process of its own: execd starts its
 //! binary again with `--filesystem-worker UID GID`, which drops to that identity (no supplementary
-//! groups, no capabilities) before it reads anything, and hands it the request over a socket pair.
+//! groups; the kernel clears the capabilities when a root process takes a uid other than 0 — uid 0
+//! stays root, as on the plain routes) before it reads anything, and hands it the request over a
+//! socket pair. At most [`MAX_WORKERS`] run at once; more requests get 429.
 //! Nothing of execd's own identity is shared with the worker but the binary, so a path the user
 //! may not reach stays unreachable however the request is shaped; bodies stream both ways, so
 //! uploads and downloads of any size work as on the plain routes.
@@ -58,12 +60,30 @@ async fn forward_inner(
             })
     };
     let (uid, gid) = (id("uid", uid)?, id("gid", gid)?);
-    if !(rest.starts_with("files") || rest.starts_with("directories")) {
+    // The rest of the path as the client sent it (still percent-encoded: the decoded `rest` could
+    // hold a `?` or `/` that was not there), which must be one of the file routes.
+    let raw_rest = raw_rest(req.uri().path()).unwrap_or_default().to_owned();
+    let first = raw_rest.split('/').next().unwrap_or_default();
+    if rest.is_empty() || !(first == "files" || first == "directories") {
         return Err(ApiError::not_found(
             code::NOT_SUPPORTED,
             "only /files and /directories routes take an identity",
         ));
     }
+    // One worker per request in flight, up to a bound: each is a process.
+    let permit = app
+        .filesystem_workers
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                code::TOO_MANY_REQUESTS,
+                format!(
+                    "{MAX_WORKERS} requests with an identity are in flight; retry when one ends"
+                ),
+            )
+        })?;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| ApiError::runtime(format!("a socket for the worker: {e}")))?;
     let mut cmd = std::process::Command::new(OWN_BINARY);
@@ -80,8 +100,8 @@ async fn forward_inner(
     drop(cmd); // our copy of the worker's end: the worker alone holds it now
     ours.set_nonblocking(true)
         .map_err(|e| ApiError::runtime(e.to_string()))?;
-    let stream = tokio::net::UnixStream::from_std(ours)
-        .map_err(|e| ApiError::runtime(e.to_string()))?;
+    let stream =
+        tokio::net::UnixStream::from_std(ours).map_err(|e| ApiError::runtime(e.to_string()))?;
     let (mut send, conn) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
         .await
         .map_err(|e| ApiError::runtime(format!("the filesystem worker: {e}")))?;
@@ -90,11 +110,12 @@ async fn forward_inner(
         // The worker exits once its connection closes; its status is the reaper's to collect.
         let _ = spawned.exit.await;
         drop(spawned.child);
+        drop(permit);
     });
     let (mut parts, body) = req.into_parts();
     let path_and_query = match parts.uri.query() {
-        Some(q) => format!("/{rest}?{q}"),
-        None => format!("/{rest}"),
+        Some(q) => format!("/{raw_rest}?{q}"),
+        None => format!("/{raw_rest}"),
     };
     parts.uri = Uri::try_from(path_and_query).map_err(|e| ApiError::bad_body(e.to_string()))?;
     let resp = send
@@ -102,6 +123,17 @@ async fn forward_inner(
         .await
         .map_err(|e| ApiError::runtime(format!("the filesystem worker: {e}")))?;
     Ok(resp.map(Body::new))
+}
+
+/// Workers alive at once, per execd.
+pub const MAX_WORKERS: usize = 64;
+
+/// What follows `/v1/filesystem/{uid}/{gid}/` in a raw request path.
+fn raw_rest(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/filesystem/")?;
+    let (_uid, rest) = rest.split_once('/')?;
+    let (_gid, rest) = rest.split_once('/')?;
+    Some(rest)
 }
 
 /// This process's own binary, whatever its path in the sandbox's view (`/proc/self/exe` reaches it
@@ -114,12 +146,13 @@ const OWN_BINARY: &str = "/proc/self/exe";
 /// socket): take the identity, then serve one connection of file requests. Returns the exit code.
 /// Binaries that run execd in-process dispatch [`WORKER_ARG`] here first thing.
 /// Must run in the only thread of its process (setgroups and setres[ug]id below are per thread).
-pub fn worker(args: &[String]) -> i32 {
+pub fn worker(args: &[std::ffi::OsString]) -> i32 {
     let [uid, gid, workdir] = args else {
         eprintln!("warren-execd {WORKER_ARG}: UID GID WORKDIR");
         return 2;
     };
-    let (Ok(uid), Ok(gid)) = (uid.parse::<u32>(), gid.parse::<u32>()) else {
+    let id = |v: &std::ffi::OsString| v.to_str().and_then(|v| v.parse::<u32>().ok());
+    let (Some(uid), Some(gid)) = (id(uid), id(gid)) else {
         eprintln!("warren-execd {WORKER_ARG}: bad uid or gid");
         return 2;
     };
@@ -137,9 +170,8 @@ pub fn worker(args: &[String]) -> i32 {
     let workdir = std::path::PathBuf::from(workdir);
     runtime.block_on(async move {
         // SAFETY: fd 0 is the socket execd handed over; nothing else in this process owns it.
-        let std_stream = unsafe {
-            <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(0)
-        };
+        let std_stream =
+            unsafe { <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(0) };
         if std_stream.set_nonblocking(true).is_err() {
             return 1;
         }

@@ -8,6 +8,7 @@ pub mod daemon;
 pub mod download;
 pub mod error;
 pub mod files;
+pub mod identity;
 pub mod ids;
 pub mod interpreter;
 pub mod lines;
@@ -17,7 +18,6 @@ pub mod oom;
 pub mod output;
 pub mod process;
 pub mod proxy;
-pub mod identity;
 pub mod pty;
 pub mod query;
 pub mod reaper;
@@ -50,6 +50,8 @@ pub struct AppState {
     pub metrics: metrics::Sources,
     /// A shell started ahead of the next command.
     pub spare: spare::SpareShell,
+    /// Filesystem workers (files as another identity) alive at once.
+    pub filesystem_workers: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -63,6 +65,7 @@ impl AppState {
             contexts: Default::default(),
             metrics: Default::default(),
             spare: Default::default(),
+            filesystem_workers: Arc::new(tokio::sync::Semaphore::new(identity::MAX_WORKERS)),
         }
     }
 
@@ -151,10 +154,7 @@ fn routes() -> Router<Arc<AppState>> {
             get(interpreter::get_context).delete(interpreter::delete_context),
         )
         .merge(files_routes())
-        .route(
-            "/v1/filesystem/{uid}/{gid}/{*rest}",
-            any(identity::forward),
-        )
+        .route("/v1/filesystem/{uid}/{gid}/{*rest}", any(identity::forward))
         .route("/metrics", get(metrics::metrics))
         .route("/metrics/watch", get(metrics::watch))
         .route("/proxy/{port}", any(proxy::proxy))

@@ -101,7 +101,11 @@ mod tests {
         log.append(b"tail");
         log.close();
         assert_eq!(log.tail(8), ("tail".to_string(), 12));
-        assert_eq!(log.tail(99), (String::new(), 12), "a cursor past the end is clamped");
+        assert_eq!(
+            log.tail(99),
+            (String::new(), 12),
+            "a cursor past the end is clamped"
+        );
     }
 
     #[test]
@@ -114,7 +118,11 @@ mod tests {
         assert_eq!(log.tail(4), ("✓".to_string(), 7));
         log.append(&[0xE2, 0x9C]);
         log.close();
-        assert_eq!(log.tail(7), ("\u{FFFD}".to_string(), 9), "an ended command's last bytes are all given");
+        assert_eq!(
+            log.tail(7),
+            ("\u{FFFD}".to_string(), 9),
+            "an ended command's last bytes are all given"
+        );
     }
 
     #[test]
@@ -126,6 +134,9 @@ mod tests {
         assert_eq!(text.len(), MAX_LOG_BYTES);
         assert!(text.ends_with("abcd"));
         assert_eq!(next, MAX_LOG_BYTES + 3);
-        assert_eq!(log.tail(MAX_LOG_BYTES + 1), ("cd".to_string(), MAX_LOG_BYTES + 3));
+        assert_eq!(
+            log.tail(MAX_LOG_BYTES + 1),
+            ("cd".to_string(), MAX_LOG_BYTES + 3)
+        );
     }
 }

@@ -172,7 +172,8 @@ async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
         }
         Err(e) => {
             tracing::debug!(sandbox_id = %id, error = %e, "diagnostics: reading the output");
-            note.warnings.push(format!("the sandbox's output could not be read: {e}"));
+            note.warnings
+                .push(format!("the sandbox's output could not be read: {e}"));
             Ok((String::new(), note))
         }
     }
@@ -189,13 +190,18 @@ fn visible(app: &AppState, id: &str) -> Result<warren_store::SandboxRecord, ApiE
 
 fn events_of(app: &AppState, id: &str) -> Result<Events, ApiError> {
     visible(app, id)?;
-    app.sandboxes.events(id).ok_or_else(|| ApiError::not_found(id))
+    app.sandboxes
+        .events(id)
+        .ok_or_else(|| ApiError::not_found(id))
 }
 
 fn events_warnings(events: &Events) -> Vec<String> {
     let mut out = Vec::new();
     if events.recovered {
-        out.push("the server restarted since the sandbox was created: earlier events are not kept".into());
+        out.push(
+            "the server restarted since the sandbox was created: earlier events are not kept"
+                .into(),
+        );
     }
     if events.dropped > 0 {
         out.push(format!("the oldest {} events were dropped", events.dropped));
@@ -226,8 +232,30 @@ fn inspect_text(app: &AppState, id: &str) -> Result<String, ApiError> {
     let rec = visible(app, id)?;
     let mut value = serde_json::to_value(&rec).unwrap_or_default();
     if let Some(map) = value.as_object_mut() {
-        // The sandbox's endpoint secret is no diagnostic; env values often are secrets.
-        map.remove("token");
+        // What the caller may know of its sandbox, and nothing else: not its endpoint secret, not
+        // the host's view of it (pids, paths, link index) — a list of what to keep, so a field
+        // added to the record later stays out until it is put here.
+        const SHOWN: &[&str] = &[
+            "id",
+            "image",
+            "snapshot_id",
+            "pool_ref",
+            "entrypoint",
+            "env",
+            "metadata",
+            "extensions",
+            "limits",
+            "created_at",
+            "expires_at",
+            "state",
+            "reason",
+            "message",
+            "last_transition_at",
+            "network_policy",
+            "credential_proxy",
+        ];
+        map.retain(|k, _| SHOWN.contains(&k.as_str()));
+        // env values often are secrets
         if let Some(env) = map.get_mut("env").and_then(|e| e.as_object_mut()) {
             for v in env.values_mut() {
                 *v = serde_json::Value::String("(set)".into());

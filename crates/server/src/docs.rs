@@ -136,15 +136,24 @@ mod tests {
         let doc = serde_json::to_value(ApiDoc::openapi()).expect("doc");
         for Html(page) in [swagger().await, redoc().await] {
             assert!(page.starts_with("<!doctype html>"));
-            assert!(page.contains("\"/openapi.json\""), "the viewer loads the document");
+            assert!(
+                page.contains("\"/openapi.json\""),
+                "the viewer loads the document"
+            );
             for path in doc["paths"].as_object().expect("paths").keys() {
-                assert!(page.contains(&format!("<code>{}</code>", escape(path))), "{path} not indexed");
+                assert!(
+                    page.contains(&format!("<code>{}</code>", escape(path))),
+                    "{path} not indexed"
+                );
             }
         }
     }
 
     #[test]
     fn text_is_escaped() {
-        assert_eq!(escape(r#"<a href="x">&'"#), "&lt;a href=&quot;x&quot;&gt;&amp;&#39;");
+        assert_eq!(
+            escape(r#"<a href="x">&'"#),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
     }
 }

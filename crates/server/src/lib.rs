@@ -3,13 +3,13 @@
 
 pub mod auth;
 pub mod config;
+mod diagnostics;
 mod disk_space;
+mod docs;
 pub mod error;
 mod execd_conns;
 mod front;
 pub mod network;
-mod diagnostics;
-mod docs;
 mod openapi;
 mod pools;
 mod proxy;
@@ -17,6 +17,7 @@ mod routes;
 mod sandbox_files;
 pub mod sandboxes;
 mod snapshots;
+mod state_file;
 mod supervise;
 mod templates;
 mod tokens;
@@ -104,9 +105,18 @@ pub fn router(state: AppState) -> Router {
                 .delete(routes::network_policy),
         )
         .route("/sandboxes/{id}/diagnostics/logs", get(diagnostics::logs))
-        .route("/sandboxes/{id}/diagnostics/events", get(diagnostics::events))
-        .route("/sandboxes/{id}/diagnostics/inspect", get(diagnostics::inspect))
-        .route("/sandboxes/{id}/diagnostics/summary", get(diagnostics::summary))
+        .route(
+            "/sandboxes/{id}/diagnostics/events",
+            get(diagnostics::events),
+        )
+        .route(
+            "/sandboxes/{id}/diagnostics/inspect",
+            get(diagnostics::inspect),
+        )
+        .route(
+            "/sandboxes/{id}/diagnostics/summary",
+            get(diagnostics::summary),
+        )
         .route("/metrics/events", post(routes::metrics_event))
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/snapshots", get(routes::list_snapshots))

@@ -61,6 +61,8 @@ struct Inner {
     /// API-made pools are kept here; pools of the config file are not (they are the file's).
     file: PathBuf,
     pools: Mutex<HashMap<String, Arc<Pool>>>,
+    /// Serializes [`Pools::save`].
+    saving: Mutex<()>,
     /// When the last warm sandbox was handed out, from any pool (see [`CLAIM_HOLD`]).
     last_claim: Mutex<Option<tokio::time::Instant>>,
 }
@@ -142,6 +144,7 @@ impl Pools {
                 storage,
                 file: data_dir.join("pools.json"),
                 pools: Mutex::new(HashMap::new()),
+                saving: Mutex::new(()),
                 last_claim: Mutex::new(None),
             }),
         }
@@ -302,9 +305,16 @@ impl Pools {
         let new = self.prepare(spec, false, old.created_at)?;
         let (old, moved, extra) = {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-            let old = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
-            if old.from_config {
+            let current = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
+            if current.from_config {
                 return Err(from_config(name));
+            }
+            if !Arc::ptr_eq(&current, &old) {
+                // Another update won meanwhile: this one's kept fields came from the pool before it.
+                return Err(ApiError::conflict(
+                    ErrorCode::InvalidState,
+                    format!("pool {name} was changed by another request meanwhile; send the update again"),
+                ));
             }
             let (mut moved, mut extra) = (0, Vec::new());
             if keep_warm {
@@ -691,6 +701,8 @@ impl Pools {
     }
 
     fn save(&self) {
+        // Held from the snapshot to the rename: two saves racing cannot leave the older on disk.
+        let _saving = self.inner.saving.lock().unwrap_or_else(|e| e.into_inner());
         let specs: Vec<SavedPool> = {
             let pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
             let mut specs: Vec<SavedPool> = pools
@@ -704,11 +716,9 @@ impl Pools {
             specs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
             specs
         };
-        let tmp = self.inner.file.with_extension("json.tmp");
         let write = serde_json::to_vec_pretty(&specs)
             .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(&tmp, bytes))
-            .and_then(|()| std::fs::rename(&tmp, &self.inner.file));
+            .and_then(|bytes| crate::state_file::replace(&self.inner.file, &bytes));
         if let Err(e) = write {
             tracing::error!("saving pools to {} failed: {e}", self.inner.file.display());
         }

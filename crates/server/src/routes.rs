@@ -426,7 +426,11 @@ fn check_endpoint_query(query: &str) -> Result<(), ApiError> {
                 server_proxy = match v.to_ascii_lowercase().as_str() {
                     "true" | "1" => true,
                     "false" | "0" => false,
-                    _ => return Err(ApiError::invalid(format!("use_server_proxy must be true or false, not {v:?}"))),
+                    _ => {
+                        return Err(ApiError::invalid(format!(
+                            "use_server_proxy must be true or false, not {v:?}"
+                        )))
+                    }
                 }
             }
             "expires" => {

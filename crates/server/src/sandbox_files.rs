@@ -133,7 +133,11 @@ pub async fn port_open(socket: &std::path::Path, port: u16) -> Result<bool, Erro
     let req = http::Request::get(format!("/proxy/{port}/"))
         .header(http::header::HOST, "localhost")
         .body(Body::empty())?;
-    match tokio::time::timeout(std::time::Duration::from_secs(2), call_unbounded(socket, req)).await
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        call_unbounded(socket, req),
+    )
+    .await
     {
         // Connected, and whatever listens has not answered an HTTP request (it need not speak HTTP).
         Err(_) => Ok(true),
@@ -152,7 +156,11 @@ pub async fn run(socket: &std::path::Path, command: &str) -> Result<i32, Error> 
         .body(Body::from(body))?;
     let (status, body) = call(socket, req).await?;
     if status != 200 {
-        return Err(format!("execd answered HTTP {status}: {}", String::from_utf8_lossy(&body)).into());
+        return Err(format!(
+            "execd answered HTTP {status}: {}",
+            String::from_utf8_lossy(&body)
+        )
+        .into());
     }
     for line in String::from_utf8_lossy(&body).lines() {
         let line = line.trim().trim_start_matches("data:").trim();

@@ -308,9 +308,7 @@ impl Snapshots {
     fn persist(&self, rec: &SnapshotRecord) {
         let path = self.path(&rec.id);
         let write = || -> std::io::Result<()> {
-            let tmp = path.with_extension("json.tmp");
-            std::fs::write(&tmp, serde_json::to_vec_pretty(rec)?)?;
-            std::fs::rename(&tmp, &path)
+            crate::state_file::replace(&path, &serde_json::to_vec_pretty(rec)?)
         };
         if let Err(e) = write() {
             tracing::error!(snapshot = %rec.id, "persisting the snapshot record failed: {e}");

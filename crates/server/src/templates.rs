@@ -92,6 +92,8 @@ pub struct Templates {
 struct Inner {
     file: PathBuf,
     records: Mutex<BTreeMap<String, Record>>,
+    /// Serializes [`Templates::save`].
+    saving: Mutex<()>,
     sandboxes: Sandboxes,
     snapshots: Snapshots,
     /// What a build's sandbox is checked and completed with, as any create is.
@@ -113,23 +115,36 @@ impl Templates {
         use anyhow::Context;
         let file = data_dir.join("templates.json");
         let mut records: BTreeMap<String, Record> = match std::fs::read(&file) {
-            Ok(bytes) => {
-                serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", file.display()))?
-            }
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .with_context(|| format!("parsing {}", file.display()))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(e).with_context(|| format!("reading {}", file.display())),
         };
+        // A build cut off by the restart ends Failed; a golden image it had begun is thrown away
+        // (its sandbox, a warm sandbox of no pool, is deleted by the pools' start).
+        let mut orphans = Vec::new();
         for rec in records.values_mut() {
             if rec.phase == PENDING || rec.phase == BUILDING {
                 rec.phase = FAILED.into();
-                rec.message = Some("the server restarted while the template was being built".into());
+                rec.message =
+                    Some("the server restarted while the template was being built".into());
                 rec.updated_at = Utc::now();
+                orphans.extend(rec.snapshot_id.take());
             }
+        }
+        if !orphans.is_empty() {
+            let snapshots = snapshots.clone();
+            tokio::spawn(async move {
+                for id in orphans {
+                    let _ = snapshots.delete(&id).await;
+                }
+            });
         }
         let this = Templates {
             inner: Arc::new(Inner {
                 file,
                 records: Mutex::new(records),
+                saving: Mutex::new(()),
                 sandboxes,
                 snapshots,
                 limits,
@@ -251,6 +266,21 @@ impl Templates {
                 ),
             ));
         }
+        let golden = rec.snapshot_id.clone().unwrap_or_default();
+        if self.inner.snapshots.get(&golden).is_none() {
+            // Its snapshot was deleted through the snapshots API: the template cannot start
+            // anything any more, and says so from now on.
+            let why = format!("its golden image (snapshot {golden}) was deleted");
+            self.set(&id, |r| {
+                r.phase = FAILED.into();
+                r.message = Some(why.clone());
+                r.snapshot_id = None;
+            });
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!("template {id} is {FAILED} ({why}); sandboxes start only from a Succeeded template"),
+            ));
+        }
         let t = rec.request;
         req.snapshot_id = rec.snapshot_id;
         req.entrypoint = t.entrypoint;
@@ -281,8 +311,12 @@ impl Templates {
             entrypoint: req.entrypoint.clone(),
             env: req.env.clone(),
             resource_limits: req.resource_limits.clone(),
-            // the build's own bound: the warmup, the snapshot, and room to spare
-            timeout: Some((warmup + SNAPSHOT_TIMEOUT.as_secs() + 600) as i64),
+            // the build's own bound: the warmup, the snapshot, and room to spare, within the
+            // server's maximum (a build that needs more fails on its own deadlines first)
+            timeout: Some(
+                ((warmup + SNAPSHOT_TIMEOUT.as_secs() + 600) as i64)
+                    .min(self.inner.max_timeout.unwrap_or(i64::MAX)),
+            ),
             ..Default::default()
         };
         let mut plan = crate::validate::create_plan(
@@ -299,8 +333,9 @@ impl Templates {
             .create(plan)
             .await
             .map_err(|e| format!("starting the template's sandbox: {}", e.message))?;
+        let sandbox = DeleteOnDrop(Some((self.inner.sandboxes.clone(), rec.id.clone())));
         let result = self.ready_and_capture(id, &rec.id, &probe, warmup).await;
-        let _ = self.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
+        sandbox.delete().await;
         result
     }
 
@@ -346,6 +381,9 @@ impl Templates {
             .create(sandbox, Some(format!("template {id}")))
             .await
             .map_err(|e| format!("taking the golden image: {}", e.message))?;
+        // Recorded at once: whatever cuts the build off from here (a restart, a panic) leaves a
+        // record that names the snapshot to throw away.
+        self.set(id, |r| r.snapshot_id = Some(snap.id.clone()));
         let until = tokio::time::Instant::now() + SNAPSHOT_TIMEOUT;
         loop {
             match self.inner.snapshots.get(&snap.id) {
@@ -369,6 +407,8 @@ impl Templates {
 
     /// Records how the build ended; a template deleted meanwhile loses what the build made.
     async fn finish(&self, id: &str, outcome: Result<String, String>) {
+        // a golden image begun by a build that failed or whose template went meanwhile
+        let mut leftover = None;
         let kept = {
             let mut records = self.lock();
             match records.get_mut(id) {
@@ -382,6 +422,7 @@ impl Templates {
                         Err(why) => {
                             r.phase = FAILED.into();
                             r.message = Some(why.clone());
+                            leftover = r.snapshot_id.take();
                         }
                     }
                     true
@@ -390,7 +431,10 @@ impl Templates {
             }
         };
         if let (false, Ok(snapshot)) = (kept, &outcome) {
-            let _ = self.inner.snapshots.delete(snapshot).await;
+            leftover = Some(snapshot.clone());
+        }
+        if let Some(snapshot) = leftover {
+            let _ = self.inner.snapshots.delete(&snapshot).await;
         }
         if let Err(why) = &outcome {
             tracing::warn!(template = %id, "template build failed: {why}");
@@ -407,15 +451,41 @@ impl Templates {
     }
 
     fn save(&self) {
+        // Held from the snapshot to the rename: two saves racing cannot leave the older on disk.
+        let _saving = self.inner.saving.lock().unwrap_or_else(|e| e.into_inner());
         let bytes = match serde_json::to_vec_pretty(&*self.lock()) {
             Ok(b) => b,
             Err(e) => return tracing::error!("serializing templates: {e}"),
         };
-        let tmp = self.inner.file.with_extension("json.tmp");
-        if let Err(e) =
-            std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &self.inner.file))
-        {
-            tracing::error!("saving templates to {} failed: {e}", self.inner.file.display());
+        if let Err(e) = crate::state_file::replace(&self.inner.file, &bytes) {
+            tracing::error!(
+                "saving templates to {} failed: {e}",
+                self.inner.file.display()
+            );
+        }
+    }
+}
+
+/// A build's sandbox, deleted however the build ends: awaited on the normal path, from a task of
+/// its own when the build is dropped (a panic) before it gets there.
+struct DeleteOnDrop(Option<(Sandboxes, String)>);
+
+impl DeleteOnDrop {
+    async fn delete(mut self) {
+        if let Some((sandboxes, id)) = self.0.take() {
+            let _ = sandboxes.delete(&id, REASON_USER_DELETE).await;
+        }
+    }
+}
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        if let Some((sandboxes, id)) = self.0.take() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = sandboxes.delete(&id, REASON_USER_DELETE).await;
+                });
+            }
         }
     }
 }
@@ -458,9 +528,9 @@ fn validate(req: &CreateTemplateRequest) -> Result<Probe, ApiError> {
                 }
                 Probe::Command(cmd.to_owned())
             } else if let Some(addr) = p.strip_prefix("tcp://") {
-                let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
-                    ApiError::invalid("readiness.probe tcp:// needs HOST:PORT")
-                })?;
+                let (host, port) = addr
+                    .rsplit_once(':')
+                    .ok_or_else(|| ApiError::invalid("readiness.probe tcp:// needs HOST:PORT"))?;
                 if !matches!(host, "127.0.0.1" | "localhost" | "[::1]" | "0.0.0.0") {
                     return Err(ApiError::invalid(
                         "readiness.probe tcp:// checks the sandbox's own loopback (127.0.0.1:PORT)",

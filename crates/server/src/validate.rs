@@ -64,7 +64,9 @@ pub fn create_plan(
     storage: &StoragePolicy,
 ) -> Result<CreatePlan, ApiError> {
     if req.template_id.is_some() {
-        return Err(ApiError::invalid("templateId cannot be used here (only on POST /sandboxes)"));
+        return Err(ApiError::invalid(
+            "templateId cannot be used here (only on POST /sandboxes)",
+        ));
     }
     let volumes = crate::volumes::validate(req.volumes.as_deref().unwrap_or_default(), storage)?;
     let network_policy = match &req.network_policy {

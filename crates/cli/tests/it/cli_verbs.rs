@@ -235,7 +235,11 @@ fn sandbox_command_and_file_verbs() {
     assert!(cli.ok(&["sandbox", "kill", &id]).contains(&id));
 
     let gone = cli.run(&["sandbox", "get", &id]);
-    assert_eq!(gone.status.code(), Some(1), "a killed sandbox is gone at once");
+    assert_eq!(
+        gone.status.code(),
+        Some(1),
+        "a killed sandbox is gone at once"
+    );
     assert_no_trace(&server.data(), &id);
 
     // Errors: one line, non-zero.

@@ -92,7 +92,10 @@ async fn create_pause_resume_delete_leaves_nothing() {
     let gone = c
         .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
         .await;
-    assert_eq!(gone.status, 404, "a deleted sandbox is gone at once, as in the reference");
+    assert_eq!(
+        gone.status, 404,
+        "a deleted sandbox is gone at once, as in the reference"
+    );
     let again = c
         .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
         .await;

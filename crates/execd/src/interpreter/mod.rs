@@ -55,6 +55,10 @@ const INTERRUPT_AGAIN: Duration = Duration::from_secs(1);
 /// After an interrupt, how long an idle kernel gets to send the `execute_reply` it owes before the
 /// run ends without it.
 const REPLY_AFTER_IDLE: Duration = Duration::from_secs(1);
+/// Interrupts sent again at most this many times per execution: code that catches
+/// `KeyboardInterrupt` and goes on is the user's to stop (a restart of the context), not a signal
+/// every second for as long as it runs.
+const INTERRUPT_RESENDS: u32 = 10;
 
 impl Context {
     fn info(&self) -> CodeContext {
@@ -355,6 +359,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     // When an interrupt was last sent for this execution, and when the kernel was first seen idle
     // after one.
     let (mut interrupted, mut idle_since) = (None::<Instant>, None::<Instant>);
+    let mut resends = 0u32;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !(idle && reply.is_some()) {
@@ -363,11 +368,18 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
             _ = out.cancelled.cancelled(), if interrupted.is_none() => {
                 tracing::info!(context = %ctx.id, "client went away; interrupting the execution");
                 interrupted = Some(Instant::now());
+                if idle {
+                    idle_since.get_or_insert_with(Instant::now);
+                }
                 ctx.kernel.interrupt().await;
                 continue;
             }
             Ok(()) = interrupts.changed() => {
                 interrupted = Some(Instant::now()); // the handler sent it
+                if idle {
+                    // already idle, the reply still owed: the idle clock starts now
+                    idle_since.get_or_insert_with(Instant::now);
+                }
                 continue;
             }
             _ = tick.tick(), if interrupted.is_some() => {
@@ -381,7 +393,12 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                     }));
                     break;
                 }
-                if !idle && !failed && interrupted.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN) {
+                let ending = idle || failed || reply.is_some();
+                if !ending
+                    && resends < INTERRUPT_RESENDS
+                    && interrupted.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN)
+                {
+                    resends += 1;
                     interrupted = Some(Instant::now());
                     ctx.kernel.interrupt().await;
                 }

@@ -1,5 +1,6 @@
 //! Just enough ZMTP 3.0 (the ZeroMQ wire protocol, rfc.zeromq.org/spec/23) for a Jupyter client: the
-//! client ends of DEALER and SUB sockets over one TCP connection each, NULL security.
+//! client ends of DEALER and SUB sockets over one TCP connection each, NULL security; and ZMTP/2.0
+//! (rfc 15) for kernels whose ZeroMQ predates 3.0.
 //!
 //! Why not a ZeroMQ crate: a Jupyter client needs one connection per channel, no reconnection logic
 //! (the kernel is our child; if it goes, the context is dead) and no routing, so the protocol is a
@@ -48,7 +49,13 @@ pub struct Sender {
     wr: OwnedWriteHalf,
 }
 
-/// Connects to `addr`, exchanges greetings and READY; for SUB also subscribes to every topic.
+/// Connects to `addr`, exchanges greetings (and READY on ZMTP 3); for SUB also subscribes to every
+/// topic.
+///
+/// The greeting goes in two steps, as libzmq sends it: the signature and major version first, the
+/// rest once the peer's major version is known. A ZMTP/2.0 peer (rfc 15: jeromq 0.3, in the JVM
+/// kernels) answers with revision 1 and gets a ZMTP/2.0 handshake instead: no mechanism, no
+/// commands, the same frames.
 pub async fn connect(addr: &str, kind: SocketType) -> io::Result<(Sender, Receiver)> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
@@ -57,9 +64,26 @@ pub async fn connect(addr: &str, kind: SocketType) -> io::Result<(Sender, Receiv
     let mut rx = Receiver {
         rd: BufReader::new(rd),
     };
-    tx.wr.write_all(&greeting()).await?;
+    let ours = greeting();
+    tx.wr.write_all(&ours[..11]).await?;
     let mut peer = [0u8; 64];
-    rx.rd.read_exact(&mut peer).await?;
+    // A peer that waits for our whole greeting before it sends its own is served after a pause.
+    match tokio::time::timeout(PEER_MAJOR_WAIT, rx.rd.read_exact(&mut peer[..11])).await {
+        Ok(read) => {
+            read?;
+            check_signature(&peer)?;
+            if peer[10] == ZMTP2_REVISION {
+                return zmtp2_handshake(tx, rx, kind).await;
+            }
+            tx.wr.write_all(&ours[11..]).await?;
+        }
+        Err(_) => {
+            tx.wr.write_all(&ours[11..]).await?;
+            rx.rd.read_exact(&mut peer[..11]).await?;
+            check_signature(&peer)?;
+        }
+    }
+    rx.rd.read_exact(&mut peer[11..]).await?;
     check_greeting(&peer)?;
     tx.write_frame(&ready(kind), FLAG_COMMAND).await?;
     // The peer's READY (or ERROR) is the first command it sends.
@@ -79,11 +103,43 @@ pub async fn connect(addr: &str, kind: SocketType) -> io::Result<(Sender, Receiv
             _ => continue,
         }
     }
+    subscribe_all(&mut tx, kind).await?;
+    Ok((tx, rx))
+}
+
+/// How long the peer's signature and major version may take before our whole greeting goes out.
+const PEER_MAJOR_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// The revision byte of a ZMTP/2.0 greeting.
+const ZMTP2_REVISION: u8 = 1;
+
+/// ZMTP/2.0 after the signatures: revision (sent), our socket type and an empty identity; the
+/// peer's the same way.
+async fn zmtp2_handshake(
+    mut tx: Sender,
+    mut rx: Receiver,
+    kind: SocketType,
+) -> io::Result<(Sender, Receiver)> {
+    let socket_type = match kind {
+        SocketType::Dealer => 5,
+        SocketType::Sub => 2,
+    };
+    tx.wr.write_all(&[socket_type, 0, 0]).await?;
+    let _peer_type = rx.rd.read_u8().await?;
+    let (flags, _identity) = rx.read_frame().await?;
+    if flags & FLAG_MORE != 0 {
+        return Err(protocol("a ZMTP/2.0 identity of more than one frame"));
+    }
+    subscribe_all(&mut tx, kind).await?;
+    Ok((tx, rx))
+}
+
+/// SUB sockets subscribe to every topic: a message whose first byte is 1 (an empty topic matches
+/// everything), in ZMTP 2.0 and 3.0 alike.
+async fn subscribe_all(tx: &mut Sender, kind: SocketType) -> io::Result<()> {
     if kind == SocketType::Sub {
-        // ZMTP 3.0 subscriptions are messages whose first byte is 1; an empty topic matches everything.
         tx.send(&[Bytes::from_static(&[1])]).await?;
     }
-    Ok((tx, rx))
+    Ok(())
 }
 
 impl Sender {
@@ -157,10 +213,15 @@ fn greeting() -> [u8; 64] {
     g
 }
 
-fn check_greeting(g: &[u8; 64]) -> io::Result<()> {
+fn check_signature(g: &[u8]) -> io::Result<()> {
     if g[0] != 0xff || g[9] & 0x01 != 0x01 {
         return Err(protocol("peer is not a ZeroMQ socket"));
     }
+    Ok(())
+}
+
+fn check_greeting(g: &[u8; 64]) -> io::Result<()> {
+    check_signature(g)?;
     if g[10] < 3 {
         return Err(protocol(&format!(
             "peer speaks ZMTP {}.x; 3.0 or later is needed",
@@ -271,5 +332,47 @@ mod tests {
             .await
             .expect("send");
         assert_eq!(peer.await.expect("peer"), b"hello");
+    }
+
+    /// A ZMTP/2.0 peer as jeromq 0.3.5 (BeakerX's Java kernel) answers: its signature (padding
+    /// byte 8 set) and revision 1 right after ours, then socket type and identity; frames as in 3.0.
+    #[tokio::test]
+    async fn talks_to_a_zmtp2_peer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let peer = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut sig = [0u8; 10];
+            s.read_exact(&mut sig).await.expect("signature");
+            assert_eq!((sig[0], sig[9]), (0xff, 0x7f));
+            s.write_all(&[0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 1, 6])
+                .await
+                .expect("greet");
+            // their major version, then the ZMTP/2.0 socket type (SUB) and an empty identity
+            let mut rest = [0u8; 4];
+            s.read_exact(&mut rest).await.expect("rest");
+            assert_eq!(rest, [3, 2, 0, 0]);
+            s.write_all(&[0, 0]).await.expect("identity");
+            // the subscription to everything
+            let mut sub = [0u8; 3];
+            s.read_exact(&mut sub).await.expect("subscription");
+            assert_eq!(sub, [0, 1, 1]);
+            let mut buf = Vec::new();
+            encode_frame(&mut buf, b"topic", FLAG_MORE);
+            encode_frame(&mut buf, &[7u8; 400], 0);
+            s.write_all(&buf).await.expect("send");
+        });
+        let started = std::time::Instant::now();
+        let (_tx, mut rx) = connect(&addr, SocketType::Sub).await.expect("connect");
+        assert!(
+            started.elapsed() < PEER_MAJOR_WAIT,
+            "an eager peer is not waited for"
+        );
+        let msg = rx.recv().await.expect("recv");
+        assert_eq!(&msg[0][..], b"topic");
+        assert_eq!(msg[1].len(), 400);
+        peer.await.expect("peer");
     }
 }

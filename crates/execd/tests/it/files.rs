@@ -491,8 +491,11 @@ async fn files_with_an_identity_are_that_users() {
     let private = w.join("private");
     std::fs::create_dir(&private).expect("mkdir");
     std::fs::write(private.join("secret.txt"), "only 41001").expect("write");
-    std::fs::set_permissions(private.join("secret.txt"), std::fs::Permissions::from_mode(0o600))
-        .expect("chmod");
+    std::fs::set_permissions(
+        private.join("secret.txt"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .expect("chmod");
     std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     for p in [private.clone(), private.join("secret.txt")] {
         std::os::unix::fs::chown(&p, Some(41001), Some(41000)).expect("chown");
@@ -512,7 +515,11 @@ async fn files_with_an_identity_are_that_users() {
     let resp = upload_to(
         &execd,
         "/v1/filesystem/41001/41000/files/upload",
-        vec![(private.join("new.txt").display().to_string(), 644, Bytes::from_static(b"mine"))],
+        vec![(
+            private.join("new.txt").display().to_string(),
+            644,
+            Bytes::from_static(b"mine"),
+        )],
     )
     .await;
     assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
@@ -521,7 +528,11 @@ async fn files_with_an_identity_are_that_users() {
     let resp = upload_to(
         &execd,
         "/v1/filesystem/41002/41000/files/upload",
-        vec![(private.join("theirs.txt").display().to_string(), 644, Bytes::from_static(b"x"))],
+        vec![(
+            private.join("theirs.txt").display().to_string(),
+            644,
+            Bytes::from_static(b"x"),
+        )],
     )
     .await;
     assert!(resp.status().is_client_error(), "{}", resp.status());
@@ -550,7 +561,10 @@ async fn files_with_an_identity_are_that_users() {
         assert_eq!(execd.get(&path).await.status(), 400, "{path}");
     }
     assert_eq!(
-        execd.get("/v1/filesystem/0/0/command/status/x").await.status(),
+        execd
+            .get("/v1/filesystem/0/0/command/status/x")
+            .await
+            .status(),
         404
     );
 }
