@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from opensandbox import (InMemoryAsyncPoolStateStore, InMemoryPoolStateStore, PoolCreationSpec,
                          SandboxManagerSync, SandboxPoolAsync, SandboxPoolSync)
@@ -34,6 +34,32 @@ def test_deleted_sandbox_is_gone_from_list_and_get(api, raw_sandbox):
     # not even under a filter for the state it ended in
     r = api.get("/v1/sandboxes", params={"state": "Terminated", "metadata": f"e2e-pool={tag}"})
     assert r.status_code == 200 and r.json()["items"] == []
+
+
+def test_operations_racing_a_delete_answer_404_not_the_dead_state(server, api, raw_sandbox):
+    """Pause, renew and metadata patches sent while a delete runs wait for it; once it is done the
+    sandbox is unknown, so they answer 404 like any unknown sandbox (not 409 "Terminated" about a
+    record no list or get shows)."""
+    from concurrent.futures import ThreadPoolExecutor
+    until = (datetime.now(timezone.utc) + timedelta(minutes=20)).isoformat()
+    ops = {
+        "pause": lambda sid: api.post(f"/v1/sandboxes/{sid}/pause"),
+        "renew": lambda sid: api.post(f"/v1/sandboxes/{sid}/renew-expiration", json={"expiresAt": until}),
+        "metadata": lambda sid: api.patch(f"/v1/sandboxes/{sid}/metadata", json={"k": "v"}),
+    }
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(4):
+            sid = raw_sandbox()["id"]
+            W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Running", 60,
+                         interval=0.1, message="the sandbox to run")
+            deleting = pool.submit(api.delete, f"/v1/sandboxes/{sid}")
+            racing = {name: pool.submit(op, sid) for name, op in ops.items()}
+            assert deleting.result().status_code == 204
+            for name, fut in racing.items():
+                r = fut.result()
+                # before the delete took the sandbox: done; after: unknown
+                assert r.status_code in (200, 202, 204, 404), (name, r.status_code, r.text)
+            assert api.get(f"/v1/sandboxes/{sid}").status_code == 404
 
 
 def test_sync_pool_warms_hands_out_and_releases(server, manager):

@@ -103,6 +103,10 @@ def test_opensandbox_mcp_over_stdio(server, osb):
             try:
                 ran = await call("command_run", sandbox_id=sid, command="echo from-mcp")
                 assert "from-mcp" in json.dumps(ran)
+                # framed as the reference frames it: a line per event, a blank line as "\n", the
+                # last line without its terminator
+                ran = await call("command_run", sandbox_id=sid, command="printf 'a\\nb\\n\\nc'")
+                assert [m["text"] for m in ran["logs"]["stdout"]] == ["a", "b", "\n", "c"], ran
                 await call("file_write", sandbox_id=sid, path="/tmp/mcp.txt", content="mcp wrote this")
                 read = await call("file_read", sandbox_id=sid, path="/tmp/mcp.txt")
                 assert "mcp wrote this" in json.dumps(read)

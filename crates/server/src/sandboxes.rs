@@ -725,6 +725,7 @@ impl Sandboxes {
     ) -> Result<warren_egress::NetworkPolicy, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
             return Err(ApiError::conflict(
@@ -842,11 +843,22 @@ impl Sandboxes {
         self.entry(id).ok_or_else(|| ApiError::not_found(id))
     }
 
+    /// After waiting for a sandbox's operation lock: a user's delete that held it forgot the
+    /// sandbox, and what waited behind it answers as for any unknown sandbox (404), not with the
+    /// Terminated state of a record nobody can see any more.
+    fn still_known(&self, id: &str, entry: &Arc<Entry>) -> Result<(), ApiError> {
+        match self.entry(id) {
+            Some(current) if Arc::ptr_eq(&current, entry) => Ok(()),
+            _ => Err(ApiError::not_found(id)),
+        }
+    }
+
     /// Kills a sandbox. Its record is kept as Terminated with `reason` for the retention period,
     /// except after a user's delete, which forgets it at once.
     pub async fn delete(&self, id: &str, reason: &str) -> Result<(), ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         if rec.state.is_terminal() {
             return Err(ApiError::new(
@@ -936,6 +948,7 @@ impl Sandboxes {
         };
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         if rec.state != from {
             return Err(ApiError::conflict(
@@ -1030,6 +1043,7 @@ impl Sandboxes {
     ) -> Result<warren_image::ImageRecord, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         snapshot_source_state(&rec)?;
         let unsupported = || {
@@ -1097,6 +1111,7 @@ impl Sandboxes {
     ) -> Result<DateTime<Utc>, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
             return Err(ApiError::conflict(
@@ -1127,6 +1142,7 @@ impl Sandboxes {
     ) -> Result<SandboxRecord, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
         if lock(&entry.record).state.is_terminal() {
             return Err(ApiError::conflict(
                 ErrorCode::InvalidState,

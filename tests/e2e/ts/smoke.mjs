@@ -10,6 +10,11 @@ try {
   const run = await sandbox.commands.run("echo hello-from-ts");
   const out = run.logs.stdout.map((m) => m.text).join("");
   if (!out.includes("hello-from-ts")) throw new Error(`unexpected stdout: ${JSON.stringify(out)}`);
+  // framed as the reference frames it: a line per event, a blank line as "\n", the last line
+  // without its terminator
+  const lines = (await sandbox.commands.run("printf 'a\\nb\\n\\nc'")).logs.stdout.map((m) => m.text);
+  if (JSON.stringify(lines) !== JSON.stringify(["a", "b", "\n", "c"]))
+    throw new Error(`unexpected framing: ${JSON.stringify(lines)}`);
   await sandbox.files.writeFiles([{ path: "/tmp/ts.txt", data: "written by ts", mode: 644 }]);
   const content = await sandbox.files.readFile("/tmp/ts.txt");
   if (content !== "written by ts") throw new Error(`unexpected file: ${JSON.stringify(content)}`);
