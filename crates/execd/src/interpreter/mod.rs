@@ -475,10 +475,16 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     match reply["status"].as_str() {
         Some("error") => send(error_event(&reply)).await,
         Some("aborted") => {
+            // An interrupt that reaches the kernel before the execution starts makes ipykernel
+            // abort it: to the caller that is its interrupt, answered as every other one.
+            let (ename, evalue) = match interrupted {
+                Some(_) => ("KeyboardInterrupt", "interrupted before it started"),
+                None => ("ExecutionAborted", "the kernel aborted the execution"),
+            };
             send(StreamEvent {
                 error: Some(ExecError {
-                    ename: "ExecutionAborted".into(),
-                    evalue: "the kernel aborted the execution".into(),
+                    ename: ename.into(),
+                    evalue: evalue.into(),
                     traceback: Vec::new(),
                 }),
                 ..sse::event(EventKind::Error, None)
