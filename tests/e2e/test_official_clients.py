@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from opensandbox.exceptions import SandboxApiException
 
 import warren_e2e as W
 
@@ -182,3 +183,19 @@ def test_diagnostics_with_the_sdk_and_osb(server, osb, make_sandbox, manager):
     assert "SANDBOX DIAGNOSTICS SUMMARY" in summary and "entry-started" in summary
     missing = osb("diagnostics", "logs", "no-such-sandbox", "--scope", "container", check=False)
     assert missing.returncode != 0
+
+
+def test_isolation_api_answers_unavailable_as_the_reference_does(make_sandbox):
+    """The 1.1.1 SDK's `sandbox.isolation` (the `/v1/isolated/…` routes): Warren's sandboxes refuse
+    nested namespaces and mounts to everything in them, so capabilities say isolation is unavailable
+    and why, and the session routes answer 503 SERVICE_UNAVAILABLE — as the reference answers in a
+    sandbox without its isolation runner — instead of 404s the SDK cannot read."""
+    sbx = make_sandbox("host")
+    caps = sbx.isolation.capabilities()
+    assert caps.available is False and caps.message, caps
+    assert caps.commit_supported is False and caps.diff_supported is False, caps
+    for attempt in (lambda: sbx.isolation.list(),
+                    lambda: sbx.isolation.run_once("echo hi", workspace="/tmp")):
+        with pytest.raises(SandboxApiException) as e:
+            attempt()
+        assert e.value.status_code == 503 and "SERVICE_UNAVAILABLE" in str(e.value), e.value

@@ -21,6 +21,7 @@ pub mod code {
     pub const SESSION_NOT_FOUND: &str = "SESSION_NOT_FOUND";
     pub const SESSION_BUSY: &str = "SESSION_BUSY";
     pub const NOT_SUPPORTED: &str = "NOT_SUPPORTED";
+    pub const SERVICE_UNAVAILABLE: &str = "SERVICE_UNAVAILABLE";
     /// Warren's own: a bounded resource of execd is in use (filesystem workers).
     pub const TOO_MANY_REQUESTS: &str = "TOO_MANY_REQUESTS";
     pub const UNKNOWN: &str = "UNKNOWN";

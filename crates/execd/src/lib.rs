@@ -11,6 +11,7 @@ pub mod files;
 pub mod identity;
 pub mod ids;
 pub mod interpreter;
+pub mod isolation;
 pub mod lines;
 pub mod logbuf;
 pub mod metrics;
@@ -155,6 +156,8 @@ fn routes() -> Router<Arc<AppState>> {
         )
         .merge(files_routes())
         .route("/v1/filesystem/{uid}/{gid}/{*rest}", any(identity::forward))
+        .route("/v1/isolated/capabilities", get(isolation::capabilities))
+        .route("/v1/isolated/{*rest}", any(isolation::unavailable))
         .route("/metrics", get(metrics::metrics))
         .route("/metrics/watch", get(metrics::watch))
         .route("/proxy/{port}", any(proxy::proxy))

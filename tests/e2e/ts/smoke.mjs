@@ -15,6 +15,10 @@ try {
   const lines = (await sandbox.commands.run("printf 'a\\nb\\n\\nc'")).logs.stdout.map((m) => m.text);
   if (JSON.stringify(lines) !== JSON.stringify(["a", "b", "\n", "c"]))
     throw new Error(`unexpected framing: ${JSON.stringify(lines)}`);
+  // isolation: unavailable in Warren's sandboxes, and said so in a shape the SDK reads
+  const caps = await sandbox.isolation.capabilities();
+  if (caps.available !== false || !caps.message || caps.commit_supported !== false || caps.diff_supported !== false)
+    throw new Error(`unexpected isolation capabilities: ${JSON.stringify(caps)}`);
   await sandbox.files.writeFiles([{ path: "/tmp/ts.txt", data: "written by ts", mode: 644 }]);
   const content = await sandbox.files.readFile("/tmp/ts.txt");
   if (content !== "written by ts") throw new Error(`unexpected file: ${JSON.stringify(content)}`);
