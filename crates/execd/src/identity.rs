@@ -34,10 +34,11 @@ const UNAVAILABLE: &str = "FILESYSTEM_IDENTITY_UNAVAILABLE";
 /// as `uid:gid`.
 pub async fn forward(
     State(app): State<Arc<AppState>>,
-    Path((uid, gid, rest)): Path<(String, String, String)>,
+    // (the rest of the path is read raw from the request: see `raw_rest`)
+    Path((uid, gid, _rest)): Path<(String, String, String)>,
     req: Request,
 ) -> Response {
-    match forward_inner(&app, &uid, &gid, &rest, req).await {
+    match forward_inner(&app, &uid, &gid, req).await {
         Ok(resp) => resp,
         Err(e) => e.into_response(),
     }
@@ -47,7 +48,6 @@ async fn forward_inner(
     app: &AppState,
     uid: &str,
     gid: &str,
-    rest: &str,
     req: Request,
 ) -> Result<Response, ApiError> {
     let id = |name: &str, v: &str| {
@@ -64,7 +64,7 @@ async fn forward_inner(
     // hold a `?` or `/` that was not there), which must be one of the file routes.
     let raw_rest = raw_rest(req.uri().path()).unwrap_or_default().to_owned();
     let first = raw_rest.split('/').next().unwrap_or_default();
-    if rest.is_empty() || !(first == "files" || first == "directories") {
+    if !(first == "files" || first == "directories") {
         return Err(ApiError::not_found(
             code::NOT_SUPPORTED,
             "only /files and /directories routes take an identity",

@@ -1,8 +1,6 @@
 //! API-key authentication for the lifecycle API, and the key's life on disk: with no key configured
 //! the server generates one, stores it 0600 in the data dir and says where.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use axum::extract::{Request, State};
@@ -67,16 +65,7 @@ pub fn load_or_generate_key(data_dir: &Path) -> std::io::Result<(String, bool)> 
     let mut bytes = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut bytes);
     let key: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(key.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, &path)?;
+    crate::state_file::replace(&path, key.as_bytes())?;
     Ok((key, true))
 }
 

@@ -293,13 +293,19 @@ mod tests {
         assert!(check_greeting(&g).is_err());
     }
 
-    /// A hand-made peer: reads our greeting and READY, answers with its own, then sends a 2-part message.
-    #[tokio::test]
-    async fn talks_to_a_peer() {
+    /// Where a hand-made peer listens, and its address.
+    async fn peer_listener() -> (tokio::net::TcpListener, String) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
+        (listener, addr)
+    }
+
+    /// A hand-made peer: reads our greeting and READY, answers with its own, then sends a 2-part message.
+    #[tokio::test]
+    async fn talks_to_a_peer() {
+        let (listener, addr) = peer_listener().await;
         let peer = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
             let mut g = [0u8; 64];
@@ -338,10 +344,7 @@ mod tests {
     /// byte 8 set) and revision 1 right after ours, then socket type and identity; frames as in 3.0.
     #[tokio::test]
     async fn talks_to_a_zmtp2_peer() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr").to_string();
+        let (listener, addr) = peer_listener().await;
         let peer = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.expect("accept");
             let mut sig = [0u8; 10];
