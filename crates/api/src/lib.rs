@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod execd;
+pub mod isolated;
 pub mod lifecycle;
 pub mod local;
 

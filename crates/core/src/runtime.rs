@@ -75,6 +75,9 @@ pub struct SandboxSpec {
     /// Made ahead of need (a warm pool's sandbox): while this is on, where the runtime can, the
     /// sandbox's CPU yields to the sandboxes in use, from its setup on, until [`Runtime::promote`].
     pub background: Background,
+    /// Asked for isolated sessions inside (`extensions["bootstrap.execd.isolation"] = "enable"`):
+    /// a runtime that can offer them starts what execd needs to make them.
+    pub isolation: bool,
 }
 
 /// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone

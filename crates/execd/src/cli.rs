@@ -83,6 +83,7 @@ where
             None => jupyter_port_from_env(),
         },
         ready_fd,
+        isolation_helper: None,
     })
 }
 

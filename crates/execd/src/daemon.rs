@@ -35,6 +35,8 @@ pub struct Config {
     pub jupyter_port: Option<u16>,
     /// Closed once every listener is bound (see `adopt_ready_fd`).
     pub ready_fd: Option<OwnedFd>,
+    /// The isolation helper's socket, where the runtime started one (see `isolation`).
+    pub isolation_helper: Option<OwnedFd>,
 }
 
 /// As the sandbox's init, execd lets go of what its runtime handed it from the host that the
@@ -98,7 +100,7 @@ pub fn adopt_ready_fd(fd: i32) -> Option<OwnedFd> {
 }
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
-pub async fn run(config: Config) -> anyhow::Result<i32> {
+pub async fn run(mut config: Config) -> anyhow::Result<i32> {
     crate::oom::remember();
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
@@ -120,7 +122,10 @@ pub async fn run(config: Config) -> anyhow::Result<i32> {
     } else {
         None
     };
-    let state = Arc::new(AppState::new(reaper.clone(), config.workdir.clone()));
+    let mut state = AppState::new(reaper.clone(), config.workdir.clone());
+    state.isolation = crate::isolation::Isolation::new(config.isolation_helper.take());
+    let state = Arc::new(state);
+    crate::isolation::Isolation::start_collector(&state);
     let app = router(state.clone());
 
     let mut entry_pid = None;

@@ -70,20 +70,7 @@ async fn forward_inner(
             "only /files and /directories routes take an identity",
         ));
     }
-    // One worker per request in flight, up to a bound: each is a process.
-    let permit = app
-        .filesystem_workers
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                code::TOO_MANY_REQUESTS,
-                format!(
-                    "{MAX_WORKERS} requests with an identity are in flight; retry when one ends"
-                ),
-            )
-        })?;
+    let permit = worker_permit(app)?;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| ApiError::runtime(format!("a socket for the worker: {e}")))?;
     let mut cmd = std::process::Command::new(OWN_BINARY);
@@ -98,6 +85,43 @@ async fn forward_inner(
         .spawn(&mut cmd)
         .map_err(|e| ApiError::runtime(format!("starting the filesystem worker: {e}")))?;
     drop(cmd); // our copy of the worker's end: the worker alone holds it now
+    let path_and_query = match req.uri().query() {
+        Some(q) => format!("/{raw_rest}?{q}"),
+        None => format!("/{raw_rest}"),
+    };
+    relay(ours, req, path_and_query, async move {
+        // The worker exits once its connection closes; its status is the reaper's to collect.
+        let _ = spawned.exit.await;
+        drop(spawned.child);
+        drop(permit);
+    })
+    .await
+}
+
+/// One worker per request in flight, up to [`MAX_WORKERS`]: each is a process. More get 429.
+pub(crate) fn worker_permit(app: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    app.filesystem_workers
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                code::TOO_MANY_REQUESTS,
+                format!(
+                    "{MAX_WORKERS} requests served by a worker are in flight; retry when one ends"
+                ),
+            )
+        })
+}
+
+/// Sends `req` (its path replaced by `path_and_query`) to a worker on `ours` and streams the
+/// answer back; `ended` runs once the connection has closed (the worker's end, permits).
+pub(crate) async fn relay(
+    ours: std::os::unix::net::UnixStream,
+    req: Request,
+    path_and_query: String,
+    ended: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<Response, ApiError> {
     ours.set_nonblocking(true)
         .map_err(|e| ApiError::runtime(e.to_string()))?;
     let stream =
@@ -107,16 +131,9 @@ async fn forward_inner(
         .map_err(|e| ApiError::runtime(format!("the filesystem worker: {e}")))?;
     tokio::spawn(async move {
         let _ = conn.await;
-        // The worker exits once its connection closes; its status is the reaper's to collect.
-        let _ = spawned.exit.await;
-        drop(spawned.child);
-        drop(permit);
+        ended.await;
     });
     let (mut parts, body) = req.into_parts();
-    let path_and_query = match parts.uri.query() {
-        Some(q) => format!("/{raw_rest}?{q}"),
-        None => format!("/{raw_rest}"),
-    };
     parts.uri = Uri::try_from(path_and_query).map_err(|e| ApiError::bad_body(e.to_string()))?;
     let resp = send
         .send_request(axum::http::Request::from_parts(parts, body))
@@ -140,7 +157,7 @@ fn raw_rest(path: &str) -> Option<&str> {
 /// even where no path does): `warren-execd`, or under the embedded runtime, which runs execd in
 /// the sandbox's first process without exec'ing it, the `warren` binary — both start a worker on
 /// [`WORKER_ARG`].
-const OWN_BINARY: &str = "/proc/self/exe";
+pub(crate) const OWN_BINARY: &str = "/proc/self/exe";
 
 /// The worker's whole life (`warren-execd --filesystem-worker UID GID WORKDIR`, its stdin the
 /// socket): take the identity, then serve one connection of file requests. Returns the exit code.

@@ -51,8 +51,10 @@ pub struct AppState {
     pub metrics: metrics::Sources,
     /// A shell started ahead of the next command.
     pub spare: spare::SpareShell,
-    /// Filesystem workers (files as another identity) alive at once.
+    /// Filesystem workers (files as another identity, files of isolated sessions) alive at once.
     pub filesystem_workers: Arc<tokio::sync::Semaphore>,
+    /// Isolated sessions (`/v1/isolated/…`).
+    pub isolation: isolation::Isolation,
 }
 
 impl AppState {
@@ -67,6 +69,7 @@ impl AppState {
             metrics: Default::default(),
             spare: Default::default(),
             filesystem_workers: Arc::new(tokio::sync::Semaphore::new(identity::MAX_WORKERS)),
+            isolation: Default::default(),
         }
     }
 
@@ -157,7 +160,25 @@ fn routes() -> Router<Arc<AppState>> {
         .merge(files_routes())
         .route("/v1/filesystem/{uid}/{gid}/{*rest}", any(identity::forward))
         .route("/v1/isolated/capabilities", get(isolation::capabilities))
-        .route("/v1/isolated/{*rest}", any(isolation::unavailable))
+        .route("/v1/isolated/session", post(isolation::create))
+        .route("/v1/isolated/sessions", get(isolation::list))
+        .route(
+            "/v1/isolated/session/{id}",
+            get(isolation::get_session).delete(isolation::delete),
+        )
+        .route("/v1/isolated/session/{id}/run", post(isolation::run))
+        .route(
+            "/v1/isolated/session/{id}/runs/{run}",
+            get(isolation::run_status),
+        )
+        .route(
+            "/v1/isolated/session/{id}/runs/{run}/logs",
+            get(isolation::run_logs),
+        )
+        .route("/v1/isolated/session/{id}/diff", get(isolation::diff))
+        .route("/v1/isolated/session/{id}/commit", post(isolation::commit))
+        .route("/v1/isolated/session/{id}/{*rest}", any(isolation::files))
+        .route("/v1/isolated/{*rest}", any(isolation::unknown))
         .route("/metrics", get(metrics::metrics))
         .route("/metrics/watch", get(metrics::watch))
         .route("/proxy/{port}", any(proxy::proxy))

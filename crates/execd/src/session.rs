@@ -452,7 +452,7 @@ async fn run_in_session(
 }
 
 /// Kills every descendant of the session shell but not the shell, so the session survives a timeout.
-fn kill_descendants(shell_pid: i32) {
+pub(crate) fn kill_descendants(shell_pid: i32) {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return;
     };

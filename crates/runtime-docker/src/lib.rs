@@ -828,6 +828,7 @@ mod tests {
             },
             volumes: Vec::new(),
             background: Default::default(),
+            isolation: false,
         };
         let b = rt.create_body(
             &spec,

@@ -269,6 +269,13 @@ fn prepare_execd(
     security::close_descriptors_except(&keep)
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
+    // Forked here: in the sandbox's user namespace (never with the host's rights: no helper
+    // without one), before the privilege boundary below.
+    let isolation_helper = if spec.isolation && in_userns {
+        Some(crate::isolation::start(&keep)?)
+    } else {
+        None
+    };
     if in_userns {
         // Without `no_new_privs` a filter needs CAP_SYS_ADMIN (in the namespace) to be
         // installed: before the capabilities go.
@@ -298,5 +305,6 @@ fn prepare_execd(
         entrypoint: spec.entrypoint.clone(),
         jupyter_port: warren_execd::cli::jupyter_port_from_env(),
         ready_fd: warren_execd::daemon::adopt_ready_fd(ready_fd),
+        isolation_helper,
     })
 }

@@ -19,6 +19,7 @@ mod children;
 mod disk;
 mod folders;
 mod hugetext;
+mod isolation;
 pub mod init;
 mod leftovers;
 mod oci;
@@ -381,6 +382,7 @@ impl NativeRuntime {
             volumes: Vec::new(),
             base_layer: Some(self.inner.base_layer.clone()),
             userns: None,
+            isolation: spec.isolation,
         }
     }
 

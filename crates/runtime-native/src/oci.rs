@@ -557,6 +557,7 @@ mod tests {
             }],
             base_layer: Some("/base".into()),
             userns: None,
+            isolation: false,
         }
     }
 

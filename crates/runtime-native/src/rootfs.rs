@@ -34,9 +34,9 @@ pub enum RootfsError {
     Pivot(PathBuf, #[source] nix::Error),
 }
 
-type Result<T> = std::result::Result<T, RootfsError>;
+pub(crate) type Result<T> = std::result::Result<T, RootfsError>;
 
-fn mnt(
+pub(crate) fn mnt(
     src: Option<&str>,
     target: &Path,
     fstype: Option<&str>,
@@ -50,7 +50,7 @@ fn mnt(
     })
 }
 
-fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()> {
+pub(crate) fn bind(src: &Path, target: &Path, readonly: bool, extra: MsFlags) -> Result<()> {
     mount(
         Some(src),
         target,
@@ -266,7 +266,7 @@ const MOUNT_OPTIONS_MAX: usize = 4095;
 pub(crate) mod mount_api {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
     const MOUNT_ATTR_NOEXEC: u64 = 0x8;
@@ -304,6 +304,47 @@ pub(crate) mod mount_api {
         } else {
             Ok(rc)
         }
+    }
+
+    /// Clears `attrs` on the mount at `dfd`/`path`, and with `recursive` every mount below it.
+    pub fn clear(
+        dfd: libc::c_int,
+        path: &std::ffi::CStr,
+        attrs: u64,
+        recursive: bool,
+    ) -> nix::Result<()> {
+        let attr = MountAttr {
+            attr_set: 0,
+            attr_clr: attrs,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        // SAFETY: mount_setattr(2) with a NUL-terminated path and a struct of the size passed.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                dfd,
+                path.as_ptr(),
+                if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 },
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        })
+        .map(drop)
+    }
+
+    /// A new tmpfs, attached nowhere (its descriptor names its root).
+    pub fn tmpfs_detached(options: &[(&str, &str)]) -> nix::Result<OwnedFd> {
+        // SAFETY: fsopen(2) with a NUL-terminated name; the result is owned here.
+        let fs =
+            check(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
+        // SAFETY: a fresh descriptor, owned by nobody else.
+        let fs = unsafe { OwnedFd::from_raw_fd(fs as libc::c_int) };
+        for (key, value) in options {
+            fsconfig(&fs, FSCONFIG_SET_STRING, Some(key), Some(value))?;
+        }
+        fsconfig(&fs, FSCONFIG_CMD_CREATE, None, None)?;
+        mount_created(&fs)
     }
 
     /// Sets `attrs` on the mount at `dfd`/`path` and every mount below it.
@@ -726,7 +767,7 @@ fn mount_root(
     Ok(())
 }
 
-fn mount_proc(root: &Path) -> Result<()> {
+pub(crate) fn mount_proc(root: &Path) -> Result<()> {
     let proc_dir = root.join("proc");
     onto(&proc_dir, || {
         mnt(

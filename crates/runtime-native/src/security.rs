@@ -360,6 +360,32 @@ pub enum SecurityError {
 /// `clone`, whose flags a filter can read), anything else up to the newest listed call → EPERM,
 /// newer calls → ENOSYS.
 pub fn seccomp_filter() -> Result<seccomp::Program, SecurityError> {
+    filter_with(&[])
+}
+
+/// The calls the isolation helper makes besides the sandbox's (`crate::isolation`): namespaces
+/// and mounts, for the sessions it makes (`clone` with namespace flags, `unshare` of a user
+/// namespace included).
+const ISOLATION_HELPER_SYSCALLS: &[i64] = &[
+    libc::SYS_unshare,
+    libc::SYS_setns,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_mount_setattr,
+    libc::SYS_open_tree,
+    libc::SYS_move_mount,
+    libc::SYS_fsopen,
+    libc::SYS_fsconfig,
+    libc::SYS_fsmount,
+];
+
+/// The isolation helper's filter: the sandbox's, plus [`ISOLATION_HELPER_SYSCALLS`] and `clone`
+/// with any flags. Each session's processes stack the sandbox's own filter on it.
+pub fn isolation_helper_filter() -> Result<seccomp::Program, SecurityError> {
+    filter_with(ISOLATION_HELPER_SYSCALLS)
+}
+
+fn filter_with(extra: &[i64]) -> Result<seccomp::Program, SecurityError> {
     use warren_core::policy::{ALLOWED_PERSONAS, CLONE_NAMESPACE_FLAGS, DENIED_SOCKET_FAMILY};
     let mut verdicts: BTreeMap<u32, Verdict> = ALLOWED_SYSCALLS
         .iter()
@@ -367,8 +393,15 @@ pub fn seccomp_filter() -> Result<seccomp::Program, SecurityError> {
         .collect();
     verdicts.insert(
         libc::SYS_clone as u32,
-        Verdict::AllowUnlessFlags(CLONE_NAMESPACE_FLAGS),
+        if extra.is_empty() {
+            Verdict::AllowUnlessFlags(CLONE_NAMESPACE_FLAGS)
+        } else {
+            Verdict::Allow
+        },
     );
+    for nr in extra {
+        verdicts.insert(*nr as u32, Verdict::Allow);
+    }
     verdicts.insert(libc::SYS_clone3 as u32, Verdict::Errno(libc::ENOSYS as u16));
     verdicts.insert(
         libc::SYS_personality as u32,

@@ -53,6 +53,9 @@ pub struct InitSpec {
     /// The sandbox's ids on the host, when it runs in a user namespace of its own.
     #[serde(default)]
     pub userns: Option<crate::userns::IdRange>,
+    /// Start the isolation helper for execd's isolated sessions (see `isolation`).
+    #[serde(default)]
+    pub isolation: bool,
 }
 
 impl InitSpec {

@@ -24,6 +24,7 @@ use warren_store::SandboxRecord;
 
 use crate::config::LimitsSection;
 use crate::error::ApiError;
+use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
 use crate::validate::{create_plan, CreatePlan};
 use crate::volumes::StoragePolicy;
@@ -248,7 +249,8 @@ impl Pools {
         plan.warm_pool = Some(spec.name.clone());
         plan.timeout_seconds = None;
         plan.metadata = BTreeMap::new();
-        plan.extensions = BTreeMap::new();
+        // Of the template's extensions only one shapes the sandbox: isolated sessions.
+        plan.extensions.retain(|k, _| k == crate::sandboxes::ISOLATION_EXTENSION);
         Ok(Arc::new(Pool {
             spec,
             created_at,
@@ -427,6 +429,13 @@ impl Pools {
                 return Err(ApiError::invalid(format!(
                     "extensions.poolRef: pool {name} runs image {:?}, not {:?}",
                     pool.plan.image, plan.image
+                )));
+            }
+            if isolation_requested(&plan.extensions) && !isolation_requested(&pool.plan.extensions)
+            {
+                return Err(ApiError::invalid(format!(
+                    "extensions.poolRef: pool {name} makes sandboxes without isolated sessions \
+                     (its template has no extensions.{ISOLATION_EXTENSION} = enable)"
                 )));
             }
             return Ok(Some(name.clone()));
@@ -798,6 +807,7 @@ fn same_sandbox(template: &CreatePlan, plan: &CreatePlan) -> bool {
     candidate.metadata = template.metadata.clone();
     candidate.extensions = template.extensions.clone();
     candidate == *template
+        && isolation_requested(&plan.extensions) == isolation_requested(&template.extensions)
 }
 
 /// A warm sandbox from before a restart still is what the pool's template makes.

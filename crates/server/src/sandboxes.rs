@@ -37,6 +37,17 @@ struct Entry {
 /// State changes kept per sandbox.
 const MAX_EVENTS: usize = 200;
 
+/// The create extension that asks for execd's isolated sessions (`/v1/isolated/…`), as the
+/// reference names it.
+pub const ISOLATION_EXTENSION: &str = "bootstrap.execd.isolation";
+
+/// Whether a create's extensions ask for isolated sessions.
+pub fn isolation_requested(extensions: &BTreeMap<String, String>) -> bool {
+    extensions
+        .get(ISOLATION_EXTENSION)
+        .is_some_and(|v| v == "enable")
+}
+
 /// One state change of a sandbox, as diagnostics show it.
 #[derive(Debug, Clone)]
 pub struct LifecycleEvent {
@@ -451,6 +462,7 @@ impl Sandboxes {
         } else {
             None
         };
+        let isolation = isolation_requested(&plan.extensions);
         let now = Utc::now();
         let record = SandboxRecord {
             id: id.clone(),
@@ -511,6 +523,7 @@ impl Sandboxes {
             limits: plan.limits,
             volumes: plan.volumes,
             background,
+            isolation,
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {

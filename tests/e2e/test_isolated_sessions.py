@@ -1,0 +1,364 @@
+"""Isolated sessions (`/v1/isolated/…`, the 1.1.1 SDK's `sandbox.isolation`) in a sandbox created
+with `extensions={"bootstrap.execd.isolation": "enable"}`, driven by the official Python SDK.
+
+A session is a set of namespaces of its own inside the sandbox (PID, mount, UTS, IPC, cgroup, the
+network's unless shared), the sandbox's tree read-only, its workspace rw, ro or an overlay. These
+tests try what code in a session would try: to write outside its workspace, to see or signal the
+sandbox's processes, to read secrets from the environment, to unshare or mount, to reach another
+session's files — and check the reference's observable behaviour (events, exit codes, background
+runs, validation). Only the embedded runtime with user namespaces offers sessions; elsewhere
+capabilities say why (test_official_clients checks that answer)."""
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+import warren_e2e as W
+
+ISOLATION = {"bootstrap.execd.isolation": "enable"}
+
+
+@pytest.fixture(scope="module")
+def iso(server):
+    if server.runtime != "embedded":
+        pytest.skip("isolated sessions are offered by the embedded runtime")
+    from opensandbox import SandboxSync
+    from datetime import timedelta
+    sbx = SandboxSync.create(
+        server.sandbox_image("host"),
+        connection_config=server.sdk_config(),
+        timeout=timedelta(minutes=10),
+        ready_timeout=timedelta(seconds=60),
+        env={"OPENAI_API_KEY": "sk-secret", "AWS_REGION": "eu", "PLAIN_VAR": "plain"},
+        extensions=ISOLATION,
+    )
+    W.track_sandbox(sbx.id)
+    yield sbx
+    sbx.kill()
+    sbx.close()
+
+
+def _req(**kw):
+    from opensandbox.models.isolated import CreateIsolatedSessionRequest, IsolatedWorkspaceSpec
+    ws = kw.pop("workspace", None)
+    mode = kw.pop("mode", None)
+    if ws is not None:
+        kw["workspace"] = IsolatedWorkspaceSpec(path=ws, mode=mode)
+    return CreateIsolatedSessionRequest(**kw)
+
+
+def _sh(sbx, cmd):
+    ex = sbx.commands.run(cmd)
+    out = "\n".join(m.text for m in ex.logs.stdout)
+    return ex, out
+
+
+def _text(ex):
+    return "\n".join(m.text for m in ex.logs.stdout)
+
+
+def test_capabilities_and_lifecycle(iso):
+    caps = iso.isolation.capabilities()
+    assert caps.available is True, caps
+    assert caps.setpriv_available is True and caps.userns_available is False
+    assert caps.commit_supported is False and caps.diff_supported is False
+    s = iso.isolation.create(_req(workspace="/workspace"))
+    uuid.UUID(s.session_id)  # the SDK's files adapter insists on a UUID
+    assert s.info.created_at is not None
+    state = s.get()
+    assert state.status == "active"
+    assert state.profile == "strict" and state.uid_mode == "setpriv"
+    assert state.idle_timeout_seconds == 0
+    assert state.workspace.path == "/workspace" and state.workspace.mode == "overlay"
+    listed = {x.session_id: x for x in iso.isolation.list()}
+    assert s.session_id in listed and listed[s.session_id].last_run_at is not None
+    attached = iso.isolation.attach(s.session_id)
+    assert _text(attached.run("echo attached")) == "attached"
+    s.delete()
+    from opensandbox.exceptions import SandboxApiException
+    with pytest.raises(SandboxApiException) as e:
+        s.delete()
+    assert e.value.status_code == 404
+    with pytest.raises(SandboxApiException):
+        s.get()
+
+
+def test_runs_keep_state_and_report_exit_codes(iso):
+    from opensandbox.models.isolated import IsolatedRunOpts
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        ex = s.run("echo one; echo; echo two; echo err >&2")
+        # One event per line, empty lines dropped, stderr merged into stdout (the reference's).
+        assert [m.text for m in ex.logs.stdout] == ["one", "two", "err"], ex.logs
+        assert ex.error is None
+        s.run("export KEEP=kept; cd /tmp")
+        assert _text(s.run("echo $KEEP; pwd")) == "kept\n/tmp"
+        # A run with envs is a subshell: nothing it does stays.
+        assert _text(s.run("echo $X; export GONE=1", opts=IsolatedRunOpts(envs={"X": "x1"}))) == "x1"
+        assert _text(s.run("echo ${GONE:-unset}")) == "unset"
+        ex = s.run("exit 3")
+        # `exit` ends the shell: the reference removes the session.
+        assert ex.error is not None
+        from opensandbox.exceptions import SandboxApiException
+        with pytest.raises(SandboxApiException):
+            s.run("true")
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        ex = s.run("false")
+        assert ex.error.name == "ExitError" and ex.error.value == "1", ex.error
+        ex = s.run("(exit 7)")
+        assert ex.error.name == "ExitError" and ex.error.value == "7"
+        t0 = time.monotonic()
+        ex = s.run("sleep 30", opts=IsolatedRunOpts(timeout_seconds=1))
+        assert time.monotonic() - t0 < 10
+        assert ex.error.name == "RuntimeError", ex.error
+        # The session survives its run's timeout.
+        assert _text(s.run("echo still")) == "still"
+
+
+def test_a_session_is_apart_from_the_sandbox(iso):
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        pid = int(_text(s.run("echo $$")))
+        assert pid <= 2, pid
+        # The sandbox's processes cannot be signalled (nor, with a /proc of its own, seen).
+        _, sbx_pid = _sh(iso, "echo $$")
+        ex = s.run(f"kill -0 {sbx_pid} 2>&1 || echo refused")
+        assert "refused" in _text(ex) or "No such process" in _text(ex)
+        # The tree outside the workspace is read-only.
+        ex = s.run("touch /etc/x 2>&1; echo rc=$?")
+        assert "rc=1" in _text(ex) and "Read-only" in _text(ex), _text(ex)
+        # Secrets stay out of the environment by default; plain variables pass.
+        env = _text(s.run("env"))
+        assert "PLAIN_VAR=plain" in env and "OPENAI_API_KEY" not in env and "AWS_REGION" not in env
+        # Code in a session is under the sandbox's own filter: no namespaces, no mounts.
+        ex = s.run("unshare -U true 2>&1; echo rc=$?; mount -t tmpfs none /mnt 2>&1; echo rc=$?")
+        assert _text(ex).count("rc=0") == 0, _text(ex)
+        # Writes in an overlay workspace stay in the session.
+        s.run("echo from-session > /workspace/overlay-file")
+        assert _text(s.run("cat /workspace/overlay-file")) == "from-session"
+        ex, _ = _sh(iso, "test -e /workspace/overlay-file && echo leaked || echo apart")
+        assert _text(ex) == "apart"
+        # /tmp is private under the strict profile.
+        s.run("echo x > /tmp/strict-private")
+        ex, _ = _sh(iso, "test -e /tmp/strict-private && echo leaked || echo apart")
+        assert _text(ex) == "apart"
+
+
+def test_workspace_modes(iso):
+    iso.commands.run("mkdir -p /workspace/modes && echo lower > /workspace/modes/base")
+    with iso.isolation.session(_req(workspace="/workspace/modes", mode="rw")) as s:
+        s.run("echo written > /workspace/modes/rw-file")
+        ex, _ = _sh(iso, "cat /workspace/modes/rw-file")
+        assert _text(ex) == "written"
+    with iso.isolation.session(_req(workspace="/workspace/modes", mode="ro")) as s:
+        ex = s.run("echo no > /workspace/modes/ro-file 2>&1; echo rc=$?")
+        assert "rc=1" in _text(ex) or "rc=2" in _text(ex), _text(ex)
+        assert _text(s.run("cat /workspace/modes/base")) == "lower"
+    with iso.isolation.session(_req(workspace="/workspace/modes")) as s:
+        s.run("echo changed > /workspace/modes/base; rm /workspace/modes/rw-file")
+        assert _text(s.run("cat /workspace/modes/base; ls /workspace/modes")) == "changed\nbase"
+        ex, _ = _sh(iso, "cat /workspace/modes/base; ls /workspace/modes")
+        assert _text(ex) == "lower\nbase\nrw-file"
+
+
+def test_no_network_when_not_shared(iso):
+    with iso.isolation.session(_req(workspace="/workspace", share_net=False)) as s:
+        assert _text(s.run("ls /sys/class/net")) == "lo"
+    with iso.isolation.session(_req(workspace="/workspace", profile="balanced")) as s:
+        s.run("echo shared > /tmp/balanced-tmp")
+        ex, _ = _sh(iso, "cat /tmp/balanced-tmp")
+        assert _text(ex) == "shared"
+
+
+def test_identity(iso):
+    with iso.isolation.session(_req(workspace="/workspace/id", mode="rw", uid=1000, gid=1000)) as s:
+        assert _text(s.run("id -u; id -g")) == "1000\n1000"
+
+
+def test_background_runs(iso):
+    from opensandbox.models.isolated import IsolatedRunOpts
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        run = s.run_background("echo bg-out; echo bg-err >&2; echo $BGV; exit 7",
+                               opts=IsolatedRunOpts(envs={"BGV": "v"}))
+        for _ in range(100):
+            st = s.run_status(run.run_id)
+            if not st.running:
+                break
+            time.sleep(0.1)
+        assert st.running is False and st.exit_code == 7 and st.finished_at is not None, st
+        logs = s.run_logs(run.run_id)
+        assert logs.text == "bg-out\nbg-err\nv\n" and logs.cursor == len(logs.text)
+        assert s.run_logs(run.run_id, cursor=logs.cursor).text == ""
+        # Its output never reaches the next foreground run.
+        assert _text(s.run("echo fg")) == "fg"
+        from opensandbox.exceptions import SandboxApiException
+        with pytest.raises(SandboxApiException) as e:
+            s.run_status(str(uuid.uuid4()))
+        assert e.value.status_code == 404
+
+
+def test_files_routes_see_what_the_session_sees(iso):
+    from opensandbox.models.filesystem import WriteEntry
+    with iso.isolation.session(_req(workspace="/workspace/files")) as s:
+        s.files.write_files([WriteEntry(path="/workspace/files/a.txt", data="via-api")])
+        # Written into the session's overlay: the session sees it at once, the sandbox never.
+        assert _text(s.run("cat /workspace/files/a.txt")) == "via-api"
+        ex, _ = _sh(iso, "test -e /workspace/files/a.txt && echo leaked || echo apart")
+        assert _text(ex) == "apart"
+        s.run("echo from-run > /workspace/files/b.txt")
+        assert s.files.read_file("/workspace/files/b.txt") == "from-run\n"
+        info = s.files.get_file_info(["/workspace/files/b.txt"])
+        assert info["/workspace/files/b.txt"].size == len("from-run\n")
+
+
+def test_bad_requests(iso, server):
+    """Raw HTTP to execd through the sandbox's endpoint: each bad create is a 400 with a code."""
+    ep = iso.get_endpoint(44772)
+    headers = dict(ep.headers or {})
+    base = f"http://{ep.endpoint}"
+    bad = [
+        {},
+        {"workspace": {"path": "relative"}},
+        {"workspace": {"path": "/w/"}},
+        {"workspace": {"path": "/w", "mode": "bogus"}},
+        {"workspace": {"path": "/proc/sys"}},
+        {"workspace": {"path": "/w"}, "extra_writable": ["/etc"]},
+        {"workspace": {"path": "/w"}, "binds": [{"source": "/etc", "dest": "/x"}]},
+        {"workspace": {"path": "/w"}, "overlays": [{"path": "/w"}]},
+        {"overlays": [{"path": f"/o{i}"} for i in range(17)]},
+        {"overlays": [{"path": "/o", "mode": "rw", "persist": True}]},
+        {"workspace": {"path": "/w"}, "uid_mode": "bogus"},
+    ]
+    with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
+        for body in bad:
+            r = c.post("/v1/isolated/session", json=body)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            assert r.json()["code"] == "INVALID_REQUEST_BODY", r.text
+        r = c.post("/v1/isolated/session", json={"workspace": {"path": "/w"}, "uid_mode": "userns"})
+        assert r.status_code == 503 and r.json()["code"] == "NOT_SUPPORTED"
+        r = c.get(f"/v1/isolated/session/{uuid.uuid4()}")
+        assert r.status_code == 404 and r.json()["code"] == "SESSION_NOT_FOUND"
+        sid = c.post("/v1/isolated/session", json={"workspace": {"path": "/workspace"}}).json()["session_id"]
+        try:
+            for method, path in (("GET", "diff"), ("POST", "commit")):
+                r = c.request(method, f"/v1/isolated/session/{sid}/{path}")
+                assert r.status_code == 503 and r.json()["code"] == "NOT_SUPPORTED"
+            r = c.post(f"/v1/isolated/session/{sid}/run", json={"code": ""})
+            assert r.status_code == 400
+            r = c.get(f"/v1/isolated/session/{sid}/runs/{uuid.uuid4()}/logs", params={"cursor": "-1"})
+            assert r.status_code == 400
+        finally:
+            c.delete(f"/v1/isolated/session/{sid}")
+
+
+def _wait_pid(run, pattern, tries=50):
+    for _ in range(tries):
+        out = _text(run(f"pgrep -f '{pattern}' || true")).strip()
+        if out:
+            return out.splitlines()[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no process matching {pattern}")
+
+
+def test_a_session_cannot_reach_into_the_sandbox_or_other_sessions(iso):
+    """The sandbox's /proc is what a session sees (the kernel refuses it one of its own there), so
+    the sandbox's processes are listed; each session process runs in a user namespace of its own,
+    so their /proc/<pid>/{environ,root} stay closed — while the sandbox itself can read them."""
+    from opensandbox.models.execd import RunCommandOpts
+    iso.commands.run("SANDBOX_ONLY_SECRET=s3 sleep 600", opts=RunCommandOpts(background=True))
+    sbx_run = lambda c: iso.commands.run(c)  # noqa: E731
+    target = _wait_pid(sbx_run, "sleep 600")
+    # The test could fail: from the sandbox, the same reads work.
+    ex, _ = _sh(iso, f"tr '\\0' '\\n' < /proc/{target}/environ | grep SANDBOX_ONLY_SECRET")
+    assert _text(ex) == "SANDBOX_ONLY_SECRET=s3"
+    from opensandbox.models.isolated import IsolatedRunOpts
+    with iso.isolation.session(_req(workspace="/workspace")) as a, \
+            iso.isolation.session(_req(workspace="/workspace")) as b:
+        for s in (a, b):
+            out = _text(s.run(
+                f"cat /proc/{target}/environ 2>&1 >/dev/null; echo rc=$?; "
+                f"ls /proc/{target}/root/ 2>&1 >/dev/null; echo rc=$?; "
+                f"echo x > /proc/{target}/root/tmp/escaped 2>&1; echo rc=$?; "
+                f"kill -9 {target} 2>&1; echo rc=$?"))
+            assert "rc=0" not in out, out
+        ex, _ = _sh(iso, "test -e /tmp/escaped && echo escaped || echo kept")
+        assert _text(ex) == "kept"
+        # Session a's own processes are closed to session b the same way.
+        a.run_background("A_SESSION_SECRET=a1 sleep 601")
+        other = _wait_pid(b.run, "sleep 601")
+        out = _text(b.run(f"cat /proc/{other}/environ 2>&1 >/dev/null; echo rc=$?; "
+                          f"ls /proc/{other}/root/workspace 2>&1 >/dev/null; echo rc=$?"))
+        assert "rc=0" not in out, out
+        # And their files are their own.
+        a.run("echo a > /workspace/only-a; echo a > /tmp/only-a")
+        assert _text(b.run("ls /workspace/only-a /tmp/only-a 2>/dev/null | wc -l")) == "0"
+    iso.commands.run(f"kill {target}")
+
+
+def test_sessions_leave_nothing_behind(iso):
+    def session_processes():
+        ex = iso.commands.run("ps -eo pid=,comm=,args=")
+        return [l for l in _text(ex).splitlines()
+                if "session-init" in l or "sleep 602" in l or "--noprofile" in l]
+    before = session_processes()
+    for _ in range(3):
+        s = iso.isolation.create(_req(workspace="/workspace"))
+        s.run_background("sleep 602")
+        s.run("echo hi")
+        s.delete()
+    for _ in range(50):
+        left = session_processes()
+        if left == before:
+            break
+        time.sleep(0.1)
+    assert left == before, left
+    # Every ended runner is collected by the helper (no zombies).
+    for _ in range(30):
+        zombies = [l for l in _text(iso.commands.run("ps -eo stat=,comm=")).splitlines() if l.startswith("Z")]
+        if not zombies:
+            break
+        time.sleep(0.1)
+    assert not zombies, zombies
+
+
+def test_idle_sessions_are_collected(iso):
+    s = iso.isolation.create(_req(workspace="/workspace", idle_timeout_seconds=1))
+    assert s.get().idle_remaining_seconds is not None
+    from opensandbox.exceptions import SandboxApiException
+    for _ in range(50):
+        try:
+            s.get()
+        except SandboxApiException as e:
+            assert e.status_code == 404
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("idle session not collected")
+
+
+def test_async_sdk(iso, server):
+    import asyncio
+    from opensandbox import Sandbox
+    from opensandbox.models.isolated import CreateIsolatedSessionRequest, IsolatedWorkspaceSpec
+
+    async def go():
+        sbx = await Sandbox.connect(iso.id, connection_config=server.sdk_async_config())
+        try:
+            caps = await sbx.isolation.capabilities()
+            assert caps.available
+            s = await sbx.isolation.create(CreateIsolatedSessionRequest(
+                workspace=IsolatedWorkspaceSpec(path="/workspace")))
+            ex = await s.run("echo async")
+            assert [m.text for m in ex.logs.stdout] == ["async"]
+            run = await s.run_background("echo bg")
+            for _ in range(50):
+                st = await s.run_status(run.run_id)
+                if not st.running:
+                    break
+                await asyncio.sleep(0.1)
+            assert st.exit_code == 0 and (await s.run_logs(run.run_id)).text == "bg\n"
+            await s.delete()
+        finally:
+            await sbx.close()
+
+    asyncio.run(go())
