@@ -114,6 +114,12 @@ def test_runs_keep_state_and_report_exit_codes(iso):
         assert ex.error.name == "RuntimeError", ex.error
         # The session survives its run's timeout.
         assert _text(s.run("echo still")) == "still"
+        # Runs in one session take turns; both finish, each with its own output.
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(s.run, "sleep 0.5; echo first")
+            second = pool.submit(s.run, "echo second")
+            assert {_text(first.result()), _text(second.result())} == {"first", "second"}
 
 
 def test_a_session_is_apart_from_the_sandbox(iso):
@@ -362,3 +368,55 @@ def test_async_sdk(iso, server):
             await sbx.close()
 
     asyncio.run(go())
+
+
+def test_other_runtimes_say_why(server, make_sandbox):
+    """Runtimes without the isolation helper (runc, gVisor, Docker) take the extension and answer
+    as the reference does without its isolation runner: available false, and why."""
+    if server.runtime == "embedded":
+        pytest.skip("the embedded runtime offers isolated sessions")
+    sbx = make_sandbox("host", extensions=ISOLATION)
+    caps = sbx.isolation.capabilities()
+    assert caps.available is False and "embedded runtime" in caps.message, caps
+    from opensandbox.exceptions import SandboxApiException
+    with pytest.raises(SandboxApiException) as e:
+        sbx.isolation.create(_req(workspace="/workspace"))
+    assert e.value.status_code == 503
+
+
+def test_pools_keep_the_extension_apart(server, api):
+    """A pool whose template asks for isolated sessions makes sandboxes that have them; a create
+    asking for them is never handed a warm sandbox without (and a poolRef to such a pool is
+    refused, not silently served)."""
+    if server.runtime != "embedded":
+        pytest.skip("isolated sessions are offered by the embedded runtime")
+    marker = uuid.uuid4().hex
+    plain, isolated = f"e2e-plain-{marker[:6]}", f"e2e-iso-{marker[:6]}"
+    template = W.create_body("host")
+    template["env"] = {"E2E_POOL": marker}
+    cap = {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 3}
+    for name, ext in ((plain, {}), (isolated, ISOLATION)):
+        r = api.post("/v1/pools", json={"name": name, "capacitySpec": cap,
+                                        "template": {**template, "extensions": ext}})
+        assert r.status_code == 201, r.text
+    try:
+        for name in (plain, isolated):
+            W.wait_until(lambda n=name: api.get(f"/v1/pools/{n}").json()["status"]["available"] >= 1,
+                         120, interval=0.1, message=f"pool {name} warm")
+        r = api.post("/v1/sandboxes", json={**template, "extensions": {"poolRef": plain, **ISOLATION}})
+        W.assert_error_body(r, codes=[400])
+        from opensandbox import SandboxSync
+        for ext, pool_name, available in (({}, plain, False), (ISOLATION, isolated, True)):
+            r = api.post("/v1/sandboxes", json={**template, "extensions": ext})
+            assert r.status_code in (200, 202), r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            sbx = SandboxSync.connect(sid, connection_config=server.sdk_config())
+            try:
+                assert sbx.isolation.capabilities().available is available
+            finally:
+                sbx.kill()
+                sbx.close()
+    finally:
+        for name in (plain, isolated):
+            api.delete(f"/v1/pools/{name}")

@@ -129,12 +129,16 @@ def test_typescript_sdk(server, osb, tmp_path):
     # ESM resolves packages from the script's folder: run a copy placed next to node_modules
     script = sdk_dir / "smoke.mjs"
     shutil.copy(Path(__file__).parent / "ts" / "smoke.mjs", script)
-    res = subprocess.run(["node", str(script), server.domain, server.api_key, server.sandbox_image("host")],
-                         capture_output=True, text=True, timeout=120, cwd=sdk_dir)
+    isolation = ["isolation"] if server.runtime == "embedded" else []
+    res = subprocess.run(["node", str(script), server.domain, server.api_key, server.sandbox_image("host"),
+                          *isolation], capture_output=True, text=True, timeout=120, cwd=sdk_dir)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     out = json.loads(res.stdout.strip().splitlines()[-1])
     W.track_sandbox(out["id"])
     assert out["state"] == "Running" and out["stdout"] == "hello-from-ts" and out["content"] == "written by ts"
+    if isolation:
+        text, pid = out["isolated"]
+        assert text == "from-ts" and int(pid) <= 2, out["isolated"]
     with server.client() as c:
         assert c.get(f"/v1/sandboxes/{out['id']}").status_code == 404, "a deleted sandbox is gone at once"
 

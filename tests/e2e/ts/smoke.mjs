@@ -1,9 +1,11 @@
 // Smoke test of the official TypeScript SDK (npm @alibaba-group/opensandbox) against Warren:
 // create, run a command, write and read a file, kill. Run by tests/e2e/test_official_clients.py
 // from a folder where the SDK is installed (scripts/install-deps puts it in .ci/cache/ts-sdk).
-// Usage: node smoke.mjs DOMAIN API_KEY IMAGE
+// Usage: node smoke.mjs DOMAIN API_KEY IMAGE [isolation]
+// With `isolation` (a runtime that offers isolated sessions), a second sandbox created with
+// extensions {"bootstrap.execd.isolation": "enable"} runs code in a session.
 import { ConnectionConfig, Sandbox } from "@alibaba-group/opensandbox";
-const [domain, apiKey, image] = process.argv.slice(2);
+const [domain, apiKey, image, isolation] = process.argv.slice(2);
 const config = new ConnectionConfig({ domain, apiKey });
 const sandbox = await Sandbox.create({ connectionConfig: config, image, timeoutSeconds: 600 });
 try {
@@ -22,8 +24,30 @@ try {
   await sandbox.files.writeFiles([{ path: "/tmp/ts.txt", data: "written by ts", mode: 644 }]);
   const content = await sandbox.files.readFile("/tmp/ts.txt");
   if (content !== "written by ts") throw new Error(`unexpected file: ${JSON.stringify(content)}`);
+  let isolated = null;
+  if (isolation === "isolation") {
+    const iso = await Sandbox.create({
+      connectionConfig: config, image, timeoutSeconds: 600,
+      extensions: { "bootstrap.execd.isolation": "enable" },
+    });
+    try {
+      const caps = await iso.isolation.capabilities();
+      if (caps.available !== true) throw new Error(`isolation unavailable: ${JSON.stringify(caps)}`);
+      isolated = await iso.isolation.withSession({ workspace: { path: "/workspace" } }, async (s) => {
+        await s.run("echo from-ts > /workspace/ts-session");
+        const ex = await s.run("cat /workspace/ts-session; echo $$");
+        return ex.logs.stdout.map((m) => m.text);
+      });
+      const outside = await iso.commands.run("test -e /workspace/ts-session && echo leaked || echo apart");
+      if (outside.logs.stdout.map((m) => m.text).join("") !== "apart")
+        throw new Error("a session's overlay write reached the sandbox");
+    } finally {
+      await iso.kill();
+      await iso.close();
+    }
+  }
   const info = await sandbox.getInfo();
-  console.log(JSON.stringify({ id: sandbox.id, state: info.status.state, stdout: out, content }));
+  console.log(JSON.stringify({ id: sandbox.id, state: info.status.state, stdout: out, content, isolated }));
 } finally {
   await sandbox.kill();
   await sandbox.close();

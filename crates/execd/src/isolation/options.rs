@@ -2,8 +2,6 @@
 //! session's state echoes what it really is), and turned into the helper's mounts and the
 //! session's environment.
 
-use std::path::{Component, Path};
-
 use axum::http::StatusCode;
 use warren_api::isolated::{BindMount, CreateSessionRequest, EnvPassthrough, OverlaySpec};
 
@@ -42,11 +40,11 @@ fn check_path(what: &str, path: &str) -> Result<(), ApiError> {
     if !path.starts_with('/') {
         return Err(bad(format!("{what} {path:?} must be an absolute path")));
     }
-    let clean = Path::new(path)
-        .components()
-        .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
-        && (path == "/" || !path.ends_with('/'))
-        && !path.contains("//");
+    let clean = path == "/"
+        || path
+            .split('/')
+            .skip(1)
+            .all(|seg| !seg.is_empty() && seg != "." && seg != "..");
     if !clean {
         return Err(bad(format!("{what} {path:?} must be a clean path")));
     }
