@@ -234,6 +234,9 @@ def test_bad_requests(iso, server):
         {"overlays": [{"path": f"/o{i}"} for i in range(17)]},
         {"overlays": [{"path": "/o", "mode": "rw", "persist": True}]},
         {"workspace": {"path": "/w"}, "uid_mode": "bogus"},
+        # -1 would leave setresuid's uid unchanged (root); 70000 is no id of the sandbox's range
+        {"workspace": {"path": "/w"}, "uid": 4294967295},
+        {"workspace": {"path": "/w"}, "gid": 70000},
     ]
     with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
         for body in bad:

@@ -131,10 +131,7 @@ impl Helper {
                     private_tmp,
                     share_net,
                 } => match self.create(&mounts, private_tmp, share_net) {
-                    Ok((id, pidfd)) => (
-                        Reply::Created { session: id },
-                        Some(pidfd),
-                    ),
+                    Ok((id, pidfd)) => (Reply::Created { session: id }, Some(pidfd)),
                     Err(error) => (Reply::Failed { error }, None),
                 },
                 Request::Exec {
@@ -182,8 +179,8 @@ impl Helper {
         if self.sessions.len() >= MAX_SESSIONS {
             return Err(format!("at most {MAX_SESSIONS} sessions at once"));
         }
-        let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-            .map_err(|e| format!("pipe: {e}"))?;
+        let (report_r, report_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
         let (ns_ours, ns_theirs) = channel::pair().map_err(|e| format!("socket pair: {e}"))?;
         // SAFETY: the helper is single-threaded.
         let keeper = match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -247,13 +244,7 @@ impl Helper {
         };
         let id = self.next;
         self.next += 1;
-        self.sessions.insert(
-            id,
-            Session {
-                keeper,
-                namespaces,
-            },
-        );
+        self.sessions.insert(id, Session { keeper, namespaces });
         Ok((id, keeper_pidfd))
     }
 
@@ -373,8 +364,40 @@ fn keep_session(
     }
 }
 
+/// What execd checked already, checked again where the rights are: every path of a mount is
+/// absolute and plain, outside the kernel's trees, and (sources) names no symlink — a path
+/// through `/proc/<pid>/root` into another session would otherwise be followed with the helper's
+/// rights.
+fn check_mounts(mounts: &[Mount]) -> Result<(), String> {
+    let plain = |p: &str| {
+        p.starts_with('/')
+            && p.split('/')
+                .skip(1)
+                .all(|s| !s.is_empty() && s != "." && s != "..")
+            && !["/proc", "/sys", "/dev"]
+                .iter()
+                .any(|k| p == *k || p.starts_with(&format!("{k}/")))
+    };
+    for m in mounts {
+        let (source, target) = match m {
+            Mount::Writable { path } | Mount::ReadOnly { path } | Mount::Overlay { path } => {
+                (path, path)
+            }
+            Mount::Bind { source, dest, .. } => (source, dest),
+        };
+        if !plain(source) || !plain(target) {
+            return Err(format!("refused mount {source} on {target}"));
+        }
+        if std::fs::canonicalize(source).map_or(true, |real| real != Path::new(source)) {
+            return Err(format!("refused mount of {source}: not a canonical path"));
+        }
+    }
+    Ok(())
+}
+
 /// The session's namespaces and mounts, made in the keeper.
 fn make_session(mounts: &[Mount], private_tmp: bool, share_net: bool) -> Result<(), String> {
+    check_mounts(mounts)?;
     let mut flags = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWUTS
@@ -388,22 +411,21 @@ fn make_session(mounts: &[Mount], private_tmp: bool, share_net: bool) -> Result<
         rootfs::loopback_up().map_err(|e| format!("bringing up lo: {e}"))?;
     }
     let none: Option<&str> = None;
-    mount(
-        none,
-        "/",
-        none,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        none,
-    )
-    .map_err(|e| format!("making / private: {e}"))?;
+    mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)
+        .map_err(|e| format!("making / private: {e}"))?;
     // The sandbox's whole tree read-only, then writable again where the session writes.
     mount_api::set_recursive(libc::AT_FDCWD, c"/", mount_api::MOUNT_ATTR_RDONLY)
         .map_err(|e| format!("making / read-only: {e}"))?;
     writable(Path::new("/dev"))?;
     // /proc as the sandbox has it: writable at the top (a process's own files), its read-only
     // parts (/proc/sys and the like) still read-only.
-    mount_api::clear(libc::AT_FDCWD, c"/proc", mount_api::MOUNT_ATTR_RDONLY, false)
-        .map_err(|e| format!("making /proc writable: {e}"))?;
+    mount_api::clear(
+        libc::AT_FDCWD,
+        c"/proc",
+        mount_api::MOUNT_ATTR_RDONLY,
+        false,
+    )
+    .map_err(|e| format!("making /proc writable: {e}"))?;
     let tmpfs = |target: &str, options: &str| {
         if !Path::new(target).is_dir() {
             return Ok(());
@@ -447,9 +469,7 @@ fn make_session(mounts: &[Mount], private_tmp: bool, share_net: bool) -> Result<
                 readonly: true,
             } => rootfs::bind(Path::new(source), Path::new(dest), true, MsFlags::empty())
                 .map_err(|e| warren_core::error_chain(&e))?,
-            Mount::Bind { source, dest, .. } => {
-                bind_writable(Path::new(source), Path::new(dest))?
-            }
+            Mount::Bind { source, dest, .. } => bind_writable(Path::new(source), Path::new(dest))?,
             Mount::Overlay { path } => {
                 let scratch = scratch.as_ref().ok_or("no upper layer")?;
                 overlay(path, scratch, i)?;
@@ -534,7 +554,10 @@ fn session_init(
                 fds.push(OwnedFd::from(f));
             }
             Err(e) => {
-                say(&mut report, &format!("opening the session's {name} namespace: {e}"));
+                say(
+                    &mut report,
+                    &format!("opening the session's {name} namespace: {e}"),
+                );
                 // SAFETY: _exit in a forked child.
                 unsafe { libc::_exit(1) }
             }
@@ -542,7 +565,10 @@ fn session_init(
     }
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     if let Err(e) = channel::send(&ns_sock, &names, &raw) {
-        say(&mut report, &format!("sending the session's namespaces: {e}"));
+        say(
+            &mut report,
+            &format!("sending the session's namespaces: {e}"),
+        );
         // SAFETY: _exit in a forked child.
         unsafe { libc::_exit(1) }
     }
@@ -609,7 +635,15 @@ fn run_in_session(
         Ok(ForkResult::Child) => {
             drop((unshared_r, mapped_w));
             let why = match own_user_namespace(unshared_w, mapped_r) {
-                Ok(()) => exec_child(argv, env, cwd, (uid, gid), stdio, status.as_raw_fd(), filter),
+                Ok(()) => exec_child(
+                    argv,
+                    env,
+                    cwd,
+                    (uid, gid),
+                    stdio,
+                    status.as_raw_fd(),
+                    filter,
+                ),
                 Err(why) => why,
             };
             say(&mut status, &format!("error {why}"));
@@ -620,7 +654,9 @@ fn run_in_session(
             drop(stdio);
             drop((unshared_w, mapped_r));
             let mut byte = [0u8; 1];
-            let unshared = std::fs::File::from(unshared_r).read_exact(&mut byte).is_ok();
+            let unshared = std::fs::File::from(unshared_r)
+                .read_exact(&mut byte)
+                .is_ok();
             if unshared {
                 if let Err(why) = map_identity(child) {
                     say(&mut status, &format!("error {why}"));

@@ -325,7 +325,11 @@ pub(crate) mod mount_api {
                 libc::SYS_mount_setattr,
                 dfd,
                 path.as_ptr(),
-                if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 },
+                if recursive {
+                    libc::AT_RECURSIVE as libc::c_uint
+                } else {
+                    0
+                },
                 &attr as *const MountAttr,
                 std::mem::size_of::<MountAttr>(),
             )

@@ -250,7 +250,8 @@ impl Pools {
         plan.timeout_seconds = None;
         plan.metadata = BTreeMap::new();
         // Of the template's extensions only one shapes the sandbox: isolated sessions.
-        plan.extensions.retain(|k, _| k == crate::sandboxes::ISOLATION_EXTENSION);
+        plan.extensions
+            .retain(|k, _| k == crate::sandboxes::ISOLATION_EXTENSION);
         Ok(Arc::new(Pool {
             spec,
             created_at,

@@ -64,9 +64,13 @@ pub enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Reply {
     /// The session exists. With it: a pidfd that becomes readable when the session ends.
-    Created { session: u64 },
+    Created {
+        session: u64,
+    },
     Done,
-    Failed { error: String },
+    Failed {
+        error: String,
+    },
 }
 
 /// Sends `msg` with `fds`.
@@ -106,7 +110,11 @@ pub fn recv<T: for<'de> Deserialize<'de>>(
         for cmsg in msg.cmsgs()? {
             if let ControlMessageOwned::ScmRights(received) = cmsg {
                 // SAFETY: the kernel just installed these descriptors in this process for us.
-                fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                fds.extend(
+                    received
+                        .into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
             }
         }
         let truncated = msg

@@ -166,9 +166,9 @@ impl Helper {
                     _ => {}
                 }
             }
-            let _ = tx.send(Some(
-                end.unwrap_or_else(|| End::Failed("the runner ended without a status".into())),
-            ));
+            let _ = tx.send(Some(end.unwrap_or_else(|| {
+                End::Failed("the runner ended without a status".into())
+            })));
         });
         Ok(Started { pid, end: rx })
     }

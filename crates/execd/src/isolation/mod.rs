@@ -115,10 +115,13 @@ impl Isolation {
     async fn remove(&self, id: &str) -> ApiResult<()> {
         let helper = self.helper()?.clone();
         let session = self.map().remove(id).ok_or_else(session_not_found)?;
-        helper
-            .destroy(session.helper_id)
-            .await
-            .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code::SERVICE_UNAVAILABLE, e))
+        helper.destroy(session.helper_id).await.map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code::SERVICE_UNAVAILABLE,
+                e,
+            )
+        })
     }
 }
 
@@ -176,7 +179,10 @@ pub async fn create(
     // The workspace and overlay folders are made if missing, as the reference does.
     for o in &options.overlays {
         std::fs::create_dir_all(&o.path).map_err(|e| {
-            ApiError::bad_body(format!("{} must be an existing path or one execd can make: {e}", o.path))
+            ApiError::bad_body(format!(
+                "{} must be an existing path or one execd can make: {e}",
+                o.path
+            ))
         })?;
     }
     let private_tmp = options.profile == "strict";
@@ -185,7 +191,11 @@ pub async fn create(
         .await
         .map_err(|e| ApiError::runtime(format!("making the session: {e}")))?;
     let id = uuid::Uuid::new_v4().to_string();
-    let env = options.env(std::env::vars());
+    // (variables that are not UTF-8 are left out: the wire cannot carry them anyway)
+    let env = options.env(
+        std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
+    );
     let session = match IsoSession::start(&helper, id.clone(), made.id, options, env).await {
         Ok(s) => s,
         Err(e) => {
@@ -438,7 +448,9 @@ async fn files_inner(app: &Arc<AppState>, id: &str, req: Request) -> ApiResult<R
         .map_err(|e| ApiError::runtime(format!("a socket for the worker: {e}")))?;
     let theirs = OwnedFd::from(theirs);
     let out = helper::null().map_err(|e| ApiError::runtime(e.to_string()))?;
-    let err = out.try_clone().map_err(|e| ApiError::runtime(e.to_string()))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| ApiError::runtime(e.to_string()))?;
     let o = &session.options;
     let started = helper
         .exec(

@@ -53,7 +53,9 @@ fn check_path(what: &str, path: &str) -> Result<(), ApiError> {
     }
     for kernel in ["/proc", "/sys", "/dev"] {
         if path == kernel || path.starts_with(&format!("{kernel}/")) {
-            return Err(bad(format!("{what} {path:?} is in {kernel}, which sessions cannot mount over")));
+            return Err(bad(format!(
+                "{what} {path:?} is in {kernel}, which sessions cannot mount over"
+            )));
         }
     }
     // overlayfs takes its folders in one option string.
@@ -71,10 +73,7 @@ fn allowed(what: &str, path: &str) -> Result<String, ApiError> {
     check_path(what, path)?;
     let real = std::fs::canonicalize(path)
         .map_err(|_| bad(format!("{what} {path:?} must be an existing path")))?;
-    if !ALLOWLIST
-        .iter()
-        .any(|root| real.starts_with(root))
-    {
+    if !ALLOWLIST.iter().any(|root| real.starts_with(root)) {
         return Err(bad(format!(
             "{what} {path:?} not in allowlist ({})",
             ALLOWLIST.join(", ")
@@ -198,6 +197,17 @@ pub fn normalize(req: CreateSessionRequest) -> Result<Options, ApiError> {
     }
     // SAFETY: getuid/getgid cannot fail.
     let (own_uid, own_gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (req.uid.unwrap_or(own_uid), req.gid.unwrap_or(own_gid));
+    for (what, id, map) in [
+        ("uid", uid, "/proc/self/uid_map"),
+        ("gid", gid, "/proc/self/gid_map"),
+    ] {
+        if !mapped(id, map) {
+            return Err(bad(format!(
+                "{what} {id} is not an id of this sandbox (see {map})"
+            )));
+        }
+    }
     Ok(Options {
         profile,
         overlays,
@@ -205,8 +215,8 @@ pub fn normalize(req: CreateSessionRequest) -> Result<Options, ApiError> {
         binds,
         share_net: req.share_net.unwrap_or(true),
         env_passthrough,
-        uid: req.uid.unwrap_or(own_uid),
-        gid: req.gid.unwrap_or(own_gid),
+        uid,
+        gid,
         uid_mode,
         idle_timeout_seconds,
     })
@@ -219,7 +229,11 @@ impl Options {
             .overlays
             .iter()
             .map(|o| {
-                let path = o.path.clone();
+                // Mounted where the path leads (the helper takes canonical paths only).
+                let path = std::fs::canonicalize(&o.path)
+                    .ok()
+                    .and_then(|p| p.to_str().map(str::to_owned))
+                    .unwrap_or_else(|| o.path.clone());
                 match o.mode.as_deref() {
                     Some("rw") => Mount::Writable { path },
                     Some("ro") => Mount::ReadOnly { path },
@@ -263,6 +277,24 @@ impl Options {
     }
 }
 
+/// Whether `id` is one of this process's user namespace (`u32::MAX` never is: to setresuid it
+/// means "unchanged").
+fn mapped(id: u32, map_file: &str) -> bool {
+    if id == u32::MAX {
+        return false;
+    }
+    let Ok(map) = std::fs::read_to_string(map_file) else {
+        return true;
+    };
+    map.lines().any(|l| {
+        let f: Vec<u64> = l
+            .split_whitespace()
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        matches!(f[..], [inner, _, count] if (inner..inner + count).contains(&u64::from(id)))
+    })
+}
+
 fn blacklisted(key: &str) -> bool {
     let upper = key.to_ascii_uppercase();
     BLACKLIST_SUFFIXES.iter().any(|s| upper.ends_with(s))
@@ -293,14 +325,29 @@ mod tests {
         assert_eq!(o.uid_mode, "setpriv");
         assert!(o.share_net);
         assert_eq!(o.env_passthrough.mode.as_deref(), Some("deny"));
-        assert_eq!(o.mounts(), vec![Mount::Overlay { path: "/workspace".into() }]);
+        assert_eq!(
+            o.mounts(),
+            vec![Mount::Overlay {
+                path: "/workspace".into()
+            }]
+        );
     }
 
     #[test]
     fn refuses_what_the_reference_refuses_and_what_cannot_be_mounted() {
         for path in [
-            "workspace", "/a/", "/a/../b", "/a/./b", "//a", "/", "/proc", "/proc/sys", "/dev/x",
-            "/sys", "/a,b", "/a:b",
+            "workspace",
+            "/a/",
+            "/a/../b",
+            "/a/./b",
+            "//a",
+            "/",
+            "/proc",
+            "/proc/sys",
+            "/dev/x",
+            "/sys",
+            "/a,b",
+            "/a:b",
         ] {
             let err = normalize(ws(path)).expect_err(path);
             assert_eq!(err.status, StatusCode::BAD_REQUEST, "{path}");
@@ -335,6 +382,12 @@ mod tests {
         let mut outside = ws("/w");
         outside.extra_writable = Some(vec!["/etc".into()]);
         assert!(normalize(outside).is_err());
+        let mut minus_one = ws("/w");
+        minus_one.uid = Some(u32::MAX);
+        assert!(
+            normalize(minus_one).is_err(),
+            "-1 would leave setresuid unchanged"
+        );
         let mut userns = ws("/w");
         userns.uid_mode = Some("userns".into());
         assert_eq!(
@@ -363,7 +416,10 @@ mod tests {
             mode: Some("allow".into()),
             keys: Some(vec!["AWS_REGION".into()]),
         });
-        assert_eq!(normalize(allow).expect("valid").env(base()), vec!["AWS_REGION=r"]);
+        assert_eq!(
+            normalize(allow).expect("valid").env(base()),
+            vec!["AWS_REGION=r"]
+        );
         let mut deny = ws("/w");
         deny.env_passthrough = Some(EnvPassthrough {
             mode: Some("deny".into()),

@@ -28,7 +28,7 @@ use crate::session::MarkerScan;
 use crate::sse;
 
 /// Background runs kept per session (finished ones beyond this are forgotten, oldest first).
-const MAX_RUNS: usize = 256;
+const MAX_RUNS: usize = 64;
 
 pub struct Shell {
     stdin: pipe::Sender,
