@@ -136,6 +136,8 @@ def test_a_session_is_apart_from_the_sandbox(iso):
         # Secrets stay out of the environment by default; plain variables pass.
         env = _text(s.run("env"))
         assert "PLAIN_VAR=plain" in env and "OPENAI_API_KEY" not in env and "AWS_REGION" not in env
+        # Nothing of execd's or the helper's is open in a session's processes (0-2, and ls's own).
+        assert int(_text(s.run("ls /proc/self/fd | wc -l"))) <= 4
         # Code in a session is under the sandbox's own filter: no namespaces, no mounts.
         ex = s.run("unshare -U true 2>&1; echo rc=$?; mount -t tmpfs none /mnt 2>&1; echo rc=$?")
         assert _text(ex).count("rc=0") == 0, _text(ex)

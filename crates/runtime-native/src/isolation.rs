@@ -331,6 +331,9 @@ fn keep_session(
     ns_sock: OwnedFd,
     filter: &crate::seccomp::Program,
 ) -> ! {
+    // Nothing of the helper's stays open here (execd's socket, other sessions' namespaces, which
+    // would live on as long as this session does).
+    let _ = security::close_descriptors_except(&[report.as_raw_fd(), ns_sock.as_raw_fd()]);
     let mut report = std::fs::File::from(report);
     let fail = |report: &mut std::fs::File, why: String| -> ! {
         say(report, &why);
@@ -614,6 +617,13 @@ fn run_in_session(
         say(&mut status, &format!("error joining the session: {e}"));
         return 1;
     }
+    // Nothing of the helper's stays open (execd's socket, the sessions' namespaces).
+    let keep: Vec<RawFd> = stdio
+        .iter()
+        .map(|f| f.as_raw_fd())
+        .chain([status.as_raw_fd()])
+        .collect();
+    let _ = security::close_descriptors_except(&keep);
     // The child goes into a user namespace of its own, under the sandbox's and mapping the same
     // ids: its root is the sandbox's root to files, but to the kernel's ptrace checks it is in
     // another namespace without CAP_SYS_PTRACE there, so the sandbox's processes — listed in the
