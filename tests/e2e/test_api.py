@@ -22,6 +22,47 @@ def test_health_needs_no_key(server):
     assert r.json() == {"status": "healthy"} or r.json().get("status") == "healthy"
 
 
+# What each runtime can do, as /health must report it.
+CAPABILITIES = {
+    "embedded": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=True),
+    "runc": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=False),
+    "runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False),
+    "docker": dict(snapshots=False, egressPolicy=True, diskBound=False, isolatedSessions=False),
+    "docker-runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False),
+}
+
+
+def test_health_reports_the_runtime_and_what_it_can_do(server, api):
+    """/health says which runtime runs sandboxes and what it can do; the answers the server gives
+    agree with it (a snapshot or a network policy where the runtime has none is refused)."""
+    info = httpx.get(f"{server.base_url}/health", timeout=10).json()["runtime"]
+    assert info["kind"] == ("docker" if server.is_docker else "native"), info
+    assert info["name"] == {"embedded": "native/embedded", "runc": "native/runc", "runsc": "native/runsc",
+                            "docker": "docker", "docker-runsc": "docker/runsc"}[server.runtime], info
+    caps = info["capabilities"]
+    assert caps["execdTransport"] == "unix" and caps["pause"] is True, caps
+    assert caps["userNamespaces"] is server.userns, caps
+    expected = CAPABILITIES[server.runtime]
+    assert {k: caps[k] for k in expected} == expected, caps
+    r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host")))
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+    W.track_sandbox(sid)
+    try:
+        snap = api.post(f"/v1/sandboxes/{sid}/snapshots", json={"name": "caps"})
+        if caps["snapshots"]:
+            assert snap.status_code in (200, 201, 202), snap.text
+            api.delete(f"/v1/snapshots/{snap.json()['id']}")
+        else:
+            W.assert_error_body(snap, codes=[400, 501])
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+    if not caps["egressPolicy"]:
+        body = W.create_body(server.sandbox_image("host"))
+        body["networkPolicy"] = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "example.com"}]}
+        W.assert_error_body(api.post("/v1/sandboxes", json=body), codes=[400])
+
+
 def test_openapi_document(server):
     r = httpx.get(f"{server.base_url}/openapi.json", timeout=10)
     assert r.status_code == 200, r.text[:300]

@@ -233,6 +233,50 @@ pub struct MetricsEvent {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     pub status: String,
+    /// The runtime this server runs sandboxes with, and what it can do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<RuntimeInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RuntimeInfo {
+    /// The configured kind (`native`, `docker`).
+    pub kind: String,
+    /// The runtime in full (`native/embedded`, `native/runsc`, `docker/runsc`, …).
+    pub name: String,
+    pub capabilities: RuntimeCapabilities,
+}
+
+/// What a runtime can do: what `/health` reports and what the server checks (instead of asking
+/// which runtime it runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeCapabilities {
+    /// How the server reaches a sandbox's execd.
+    pub execd_transport: ExecdTransport,
+    /// `POST /sandboxes/{id}/pause|resume`.
+    pub pause: bool,
+    /// Snapshots (and templates, built on them) of a sandbox's file system.
+    pub snapshots: bool,
+    /// A network link whose egress a policy governs (`networkPolicy`, the credential vault).
+    pub egress_policy: bool,
+    /// `ephemeral-storage` bounds a sandbox's root file system writes (the default bound applies).
+    pub disk_bound: bool,
+    /// Sandbox root is an unprivileged range of host ids of its own.
+    pub user_namespaces: bool,
+    /// execd's isolated sessions, for sandboxes that ask (`bootstrap.execd.isolation`).
+    pub isolated_sessions: bool,
+}
+
+/// How the server reaches execd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ExecdTransport {
+    /// A Unix socket on the server's host.
+    Unix,
 }
 
 /// A storage mount: exactly one of `host`, `pvc` (a named volume) or `ossfs`.

@@ -4,6 +4,7 @@
 
 pub mod beneath;
 pub mod fd_limit;
+pub mod image;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;
@@ -29,8 +30,9 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 pub use runtime::{
-    Background, ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime, RuntimeError,
-    RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
+    Background, ExecdTransport, ExitInfo, ImageSource, Liveness, ResourceLimits, Runtime,
+    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount,
+    VolumeSource,
 };
 
 /// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its

@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use crate::image::ResolvedImage;
 use futures::future::BoxFuture;
-use warren_image::ResolvedImage;
+pub use warren_api::lifecycle::{ExecdTransport, RuntimeCapabilities};
 
 /// Limits always applied; the server fills defaults for what the request leaves out.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -222,17 +223,12 @@ pub trait Runtime: Send + Sync + 'static {
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
 
-    /// Whether sandboxes of this runtime can be given a network link (see [`Runtime::network_pid`]).
-    fn supports_network(&self) -> bool {
-        false
-    }
-
-    /// Whether this runtime bounds a sandbox's root filesystem writes to its `ephemeral-storage`
-    /// on every host it runs on. Only such a runtime gets the server's default bound for creates
-    /// that name none; elsewhere a create naming one may still be tried (and refused if it cannot).
-    fn bounds_disk(&self) -> bool {
-        false
-    }
+    /// What this runtime can do (`/health` reports it; the server checks it instead of the
+    /// runtime's name). `egress_policy`: sandboxes can be given a network link (see
+    /// [`Runtime::network_pid`]). `disk_bound`: root file system writes are bounded by
+    /// `ephemeral-storage` on every host it runs on — only such a runtime gets the server's default
+    /// bound for creates that name none. `snapshots`: [`Runtime::upper_dir`] answers.
+    fn capabilities(&self) -> RuntimeCapabilities;
 
     /// The host pid of a process in the sandbox's network namespace, when the runtime lets Warren give
     /// that namespace a network link (egress). `None`: this runtime cannot have networking.

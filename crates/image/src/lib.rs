@@ -58,24 +58,13 @@ pub use unpack::{UnpackLimits, MAX_DEPTH};
 /// `prune` leaves them alone.
 pub const SNAPSHOT_REPOSITORY: &str = "warren-snapshot/";
 
+/// What a sandbox's runtime takes from an image: the types live in `warren-core` (the runtime
+/// boundary), the store that makes them here.
+pub use warren_core::image::{ImageConfig, ResolvedImage};
+
 /// The store's id for the built-in `host` image (it has no content to hash).
 pub const HOST_IMAGE_ID: &str = "host";
 const MAX_HOLDER_LEN: usize = 128;
-
-/// Process configuration of an image (from its OCI/Docker config; empty for a rootfs import).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ImageConfig {
-    #[serde(default)]
-    pub env: Vec<String>,
-    #[serde(default)]
-    pub entrypoint: Vec<String>,
-    #[serde(default)]
-    pub cmd: Vec<String>,
-    #[serde(default)]
-    pub working_dir: Option<String>,
-    #[serde(default)]
-    pub user: Option<String>,
-}
 
 /// One named image as listed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,21 +84,6 @@ pub struct ImageRecord {
     /// RFC 3339, when the image (by id) was first imported.
     pub created_at: String,
     pub builtin: bool,
-}
-
-/// What the runtime needs to build a sandbox's root filesystem.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResolvedImage {
-    /// The built-in `host` image; the runtime builds its view of the host.
-    Host,
-    Layers {
-        name: String,
-        id: String,
-        /// Extracted layer dirs, lowest first, each at most once (ready for overlayfs `lowerdir`,
-        /// which wants them in the reverse order).
-        layers: Vec<PathBuf>,
-        config: ImageConfig,
-    },
 }
 
 /// `images/<id-hex>.json`.

@@ -26,9 +26,9 @@ use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use warren_core::{
-    policy, ExitInfo, ImageSource, Liveness, Runtime, RuntimeError, RuntimeState, SandboxImage,
-    SandboxSpec, VolumeMount, VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME,
-    SOCKET_DIR_IN_SANDBOX,
+    policy, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities,
+    RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
+    EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
 
 pub use client::{Client, DockerError, Endpoint};
@@ -596,16 +596,29 @@ impl Runtime for DockerRuntime {
         ImageSource::Engine
     }
 
-    fn supports_network(&self) -> bool {
-        // gVisor keeps its own network stack inside the sandbox: a link in the container's
-        // host-side namespace would not reach it. The daemon must be on this host (its pids are ours).
-        self.config.oci_runtime.as_deref() != Some("runsc") && self.local_daemon()
+    fn capabilities(&self) -> RuntimeCapabilities {
+        RuntimeCapabilities {
+            execd_transport: ExecdTransport::Unix,
+            pause: true,
+            // No writable layer on this host that Warren can copy.
+            snapshots: false,
+            // gVisor keeps its own network stack inside the sandbox: a link in the container's
+            // host-side namespace would not reach it. The daemon must be on this host (its pids
+            // are ours).
+            egress_policy: self.config.oci_runtime.as_deref() != Some("runsc")
+                && self.local_daemon(),
+            // StorageOpt bounds the root only on some storage drivers.
+            disk_bound: false,
+            // The daemon's `userns-remap` is its own.
+            user_namespaces: false,
+            isolated_sessions: false,
+        }
     }
 
     fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
         let st: DockerState = serde_json::from_value(state.clone()).ok()?;
         let (pid, start) = st.pid?;
-        (self.supports_network() && warren_core::process_start_time(pid) == Some(start))
+        (self.capabilities().egress_policy && warren_core::process_start_time(pid) == Some(start))
             .then_some(pid)
     }
 

@@ -46,11 +46,11 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
+use warren_core::image::ResolvedImage;
 use warren_core::{
-    ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeError, RuntimeState, SandboxImage,
-    SandboxSpec,
+    ExecdTransport, ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError,
+    RuntimeState, SandboxImage, SandboxSpec,
 };
-use warren_image::ResolvedImage;
 
 use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
 
@@ -994,15 +994,23 @@ impl NativeRuntime {
 
 #[async_trait::async_trait]
 impl Runtime for NativeRuntime {
-    fn bounds_disk(&self) -> bool {
-        // gVisor keeps root writes in its own memory (bounded by the memory limit instead).
-        !self.is_gvisor()
-    }
-
-    fn supports_network(&self) -> bool {
-        // gVisor runs its own network stack inside the sandbox (started with --network=none here):
-        // a link in the host-side namespace would not reach it.
-        !self.is_gvisor()
+    fn capabilities(&self) -> RuntimeCapabilities {
+        let gvisor = self.is_gvisor();
+        RuntimeCapabilities {
+            execd_transport: ExecdTransport::Unix,
+            pause: true,
+            // gVisor keeps the sandbox's writes in its own overlay, in its own memory (bounded by
+            // the memory limit instead), and runs its own network stack inside the sandbox
+            // (started with --network=none here): a link in the host-side namespace would not
+            // reach it.
+            snapshots: !gvisor,
+            egress_policy: !gvisor,
+            disk_bound: !gvisor,
+            user_namespaces: self.inner.userns.is_some(),
+            // The isolation helper is forked by the embedded runtime's PID 1, in the sandbox's
+            // user namespace (see `isolation`).
+            isolated_sessions: self.inner.oci.is_none() && self.inner.userns.is_some(),
+        }
     }
 
     fn id_base(&self, id: &str) -> Option<u32> {
@@ -1029,7 +1037,7 @@ impl Runtime for NativeRuntime {
     }
 
     fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
-        if !self.supports_network() {
+        if !self.capabilities().egress_policy {
             return None;
         }
         Self::live_pid(state)

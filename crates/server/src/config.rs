@@ -243,8 +243,8 @@ pub struct DockerSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeSection {
-    #[serde(default = "default_kind")]
-    pub kind: String,
+    #[serde(default)]
+    pub kind: RuntimeKind,
     /// `embedded` (Warren's own namespaces code) or an OCI runtime binary: `runc`, `crun`, `runsc`.
     #[serde(default = "default_oci")]
     pub oci_runtime: String,
@@ -289,8 +289,24 @@ fn default_standby() -> usize {
     2
 }
 
-fn default_kind() -> String {
-    "native".into()
+/// Which runtime runs sandboxes (`[runtime] kind`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RuntimeKind {
+    /// Warren's own (`oci_runtime = "embedded"`) or an OCI runtime binary on this host.
+    #[default]
+    Native,
+    /// A Docker Engine (`[docker]`).
+    Docker,
+}
+
+impl RuntimeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuntimeKind::Native => "native",
+            RuntimeKind::Docker => "docker",
+        }
+    }
 }
 fn default_oci() -> String {
     "embedded".into()
@@ -299,7 +315,7 @@ fn default_oci() -> String {
 impl Default for RuntimeSection {
     fn default() -> Self {
         Self {
-            kind: default_kind(),
+            kind: RuntimeKind::default(),
             oci_runtime: default_oci(),
             execd_path: None,
             standby_helpers: default_standby(),
@@ -599,6 +615,18 @@ maxWaitSeconds = 30
         );
         let default: FileConfig = toml::from_str("").expect("empty");
         assert_eq!(default.images.pull, PullPolicy::Missing);
+    }
+
+    #[test]
+    fn the_runtime_kind_is_one_of_the_known_ones() {
+        let default: FileConfig = toml::from_str("").expect("empty");
+        assert_eq!(default.runtime.kind, RuntimeKind::Native);
+        let docker: FileConfig = toml::from_str("[runtime]\nkind = \"docker\"\n").expect("docker");
+        assert_eq!(docker.runtime.kind, RuntimeKind::Docker);
+        let err = toml::from_str::<FileConfig>("[runtime]\nkind = \"podman\"\n")
+            .expect_err("unknown kind")
+            .to_string();
+        assert!(err.contains("native") && err.contains("docker"), "{err}");
     }
 
     #[test]

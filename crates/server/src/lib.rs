@@ -66,7 +66,7 @@ use warren_runtime_docker::{DockerConfig, DockerRuntime};
 use warren_runtime_native::{NativeConfig, NativeRuntime};
 use warren_store::Store;
 
-pub use config::{Overrides, ServerConfig};
+pub use config::{Overrides, RuntimeKind, ServerConfig};
 pub use sandboxes::Sandboxes;
 
 /// Lifecycle request bodies are small JSON documents; anything larger is refused with a 413.
@@ -254,7 +254,9 @@ impl Server {
         let local_addr = listener.local_addr()?;
         let runtime = make_runtime(&config)?;
         let mut config = config;
-        config.limits.resolve_disk_default(runtime.bounds_disk());
+        config
+            .limits
+            .resolve_disk_default(runtime.capabilities().disk_bound);
         let mut images = ImageStore::open(&config.data_dir).context("opening the image store")?;
         images.set_unpack_limits(config.images.unpack_limits().context("[images]")?);
         let store = Store::open(&config.data_dir).context("opening the state store")?;
@@ -393,9 +395,9 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         Some(p) => p.clone(),
         None => exe.with_file_name("warren-execd"),
     };
-    match config.runtime.kind.as_str() {
-        "native" => {}
-        "docker" => {
+    match config.runtime.kind {
+        RuntimeKind::Native => {}
+        RuntimeKind::Docker => {
             let docker = DockerConfig {
                 host: config.docker.host.clone(),
                 oci_runtime: config.docker.runtime.clone(),
@@ -414,9 +416,6 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 ready_timeout: start_timeout(30)?,
             };
             return Ok(Arc::new(DockerRuntime::new(docker)?));
-        }
-        other => {
-            anyhow::bail!("runtime kind {other:?} is not available (supported: native, docker)")
         }
     }
     // The config file may hold the API key; the host image must not show it.

@@ -128,9 +128,15 @@ pub fn to_wire(r: &SandboxRecord) -> Sandbox {
 }
 
 #[utoipa::path(get, path = "/v1/health", tag = "health", responses((status = 200, body = Health)))]
-pub async fn health() -> Json<Health> {
+pub async fn health(State(app): State<AppState>) -> Json<Health> {
+    let runtime = app.sandboxes.runtime();
     Json(Health {
         status: "healthy".into(),
+        runtime: Some(warren_api::lifecycle::RuntimeInfo {
+            kind: app.config.runtime.kind.as_str().into(),
+            name: runtime.name(),
+            capabilities: runtime.capabilities(),
+        }),
     })
 }
 

@@ -441,7 +441,7 @@ impl Sandboxes {
             .clone()
             .unwrap_or_else(|| self.inner.network.default_policy());
         let egress = if needs_link(&policy) {
-            if !self.inner.runtime.supports_network() {
+            if !self.inner.runtime.capabilities().egress_policy {
                 let _ = self.inner.images.release(&id);
                 return Err(ApiError::new(
                     http::StatusCode::BAD_REQUEST,
@@ -759,7 +759,7 @@ impl Sandboxes {
                 Some(index)
             }
             None if needs_link(&policy) => {
-                if !self.inner.runtime.supports_network() {
+                if !self.inner.runtime.capabilities().egress_policy {
                     return Err(ApiError::new(
                         http::StatusCode::BAD_REQUEST,
                         ErrorCode::ApiNotSupported,
@@ -1069,6 +1069,9 @@ impl Sandboxes {
                 ),
             )
         };
+        if !self.inner.runtime.capabilities().snapshots {
+            return Err(unsupported());
+        }
         let upper = self.inner.runtime.upper_dir(id).ok_or_else(unsupported)?;
         let images = self.inner.images.clone();
         let holder = id.to_owned();
@@ -1439,6 +1442,17 @@ mod tests {
     impl Runtime for PanickingRuntime {
         fn name(&self) -> String {
             "panicking".into()
+        }
+        fn capabilities(&self) -> warren_core::RuntimeCapabilities {
+            warren_core::RuntimeCapabilities {
+                execd_transport: warren_core::ExecdTransport::Unix,
+                pause: true,
+                snapshots: false,
+                egress_policy: false,
+                disk_bound: false,
+                user_namespaces: false,
+                isolated_sessions: false,
+            }
         }
         fn image_source(&self) -> ImageSource {
             ImageSource::Engine
