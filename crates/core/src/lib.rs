@@ -3,6 +3,8 @@
 //! through this trait and maps `RuntimeError` kinds, never backend strings, onto API errors.
 
 pub mod beneath;
+#[cfg(any(test, feature = "fake"))]
+pub mod fake;
 pub mod fd_limit;
 pub mod image;
 pub mod policy;

@@ -18,6 +18,8 @@ mod sandbox_files;
 pub mod sandboxes;
 mod snapshots;
 mod state_file;
+#[cfg(test)]
+mod state_machine_tests;
 mod supervise;
 mod templates;
 mod tokens;

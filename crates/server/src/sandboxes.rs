@@ -23,6 +23,8 @@ use crate::validate::CreatePlan;
 
 pub const REASON_USER_DELETE: &str = "user_delete";
 pub const REASON_TTL_EXPIRY: &str = "ttl_expiry";
+/// The runtime could not remove the sandbox: a delete (or its record's end) tries again.
+pub const REASON_DELETE_FAILED: &str = "delete_failed";
 
 struct Entry {
     /// The current record; held only for short, non-async sections.
@@ -873,7 +875,8 @@ impl Sandboxes {
         let _op = entry.op.lock().await;
         self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
-        if rec.state.is_terminal() {
+        // A sandbox whose delete failed still holds what the runtime made: a delete tries again.
+        if rec.state.is_terminal() && rec.reason.as_deref() != Some(REASON_DELETE_FAILED) {
             return Err(ApiError::new(
                 http::StatusCode::NOT_FOUND,
                 ErrorCode::SandboxNotFound,
@@ -920,7 +923,7 @@ impl Sandboxes {
                 self.update(&entry, |r| {
                     r.transition(
                         SandboxState::Failed,
-                        Some("delete_failed"),
+                        Some(REASON_DELETE_FAILED),
                         Some(err.message.clone()),
                     )
                 });
@@ -1335,6 +1338,18 @@ impl Sandboxes {
                         }
                     });
                 } else if forgotten(&rec) {
+                    if rec.reason.as_deref() == Some(REASON_DELETE_FAILED) {
+                        // Its delete failed: one more try before the record goes.
+                        if let Err(e) = this
+                            .inner
+                            .runtime
+                            .destroy(&rec.id, &rec.runtime_state)
+                            .await
+                        {
+                            tracing::warn!(sandbox_id = %rec.id, error = %e, "removing a sandbox whose delete failed failed again; forgetting it");
+                        }
+                        let _ = this.inner.images.release(&rec.id);
+                    }
                     this.forget(&rec.id);
                 }
             }
@@ -1425,7 +1440,7 @@ fn pull_error(e: &warren_registry::PullError) -> ApiError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
     use warren_core::{ExitInfo, RuntimeState};
@@ -1491,7 +1506,8 @@ mod tests {
         }
     }
 
-    fn plan() -> CreatePlan {
+    /// A create of the smallest kind, for a runtime that takes image references.
+    pub(crate) fn plan() -> CreatePlan {
         CreatePlan {
             image: "any:latest".into(),
             snapshot_id: None,
@@ -1514,7 +1530,8 @@ mod tests {
         }
     }
 
-    fn sandboxes(dir: &Path, runtime: Arc<PanickingRuntime>) -> Sandboxes {
+    /// Sandboxes over `runtime`, with everything else in `dir`.
+    pub(crate) fn sandboxes(dir: &Path, runtime: Arc<dyn Runtime>) -> Sandboxes {
         Sandboxes::new(
             dir,
             runtime,
