@@ -43,6 +43,17 @@ struct Inner {
     destroyed: Vec<String>,
 }
 
+/// What the fake runtime says it can do (pause only): for other test runtimes too.
+pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
+    execd_transport: ExecdTransport::Unix,
+    pause: true,
+    snapshots: false,
+    egress_policy: false,
+    disk_bound: false,
+    user_namespaces: false,
+    isolated_sessions: false,
+};
+
 /// See the module documentation.
 #[derive(Default)]
 pub struct FakeRuntime {
@@ -139,15 +150,7 @@ impl Runtime for FakeRuntime {
     }
 
     fn capabilities(&self) -> RuntimeCapabilities {
-        RuntimeCapabilities {
-            execd_transport: ExecdTransport::Unix,
-            pause: true,
-            snapshots: false,
-            egress_policy: false,
-            disk_bound: false,
-            user_namespaces: false,
-            isolated_sessions: false,
-        }
+        CAPABILITIES
     }
 
     fn image_source(&self) -> ImageSource {

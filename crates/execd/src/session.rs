@@ -182,7 +182,8 @@ pub async fn run(
     Ok(response)
 }
 
-fn quote(s: &str) -> String {
+/// `s` as one single-quoted shell word.
+pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 

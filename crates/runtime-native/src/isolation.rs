@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::mount::{mount, MsFlags};
@@ -125,14 +125,14 @@ impl Helper {
                     return;
                 }
             };
-            let (reply, give) = match request {
+            let reply = match request {
                 Request::Create {
                     mounts,
                     private_tmp,
                     share_net,
                 } => match self.create(&mounts, private_tmp, share_net) {
-                    Ok((id, pidfd)) => (Reply::Created { session: id }, Some(pidfd)),
-                    Err(error) => (Reply::Failed { error }, None),
+                    Ok(id) => Reply::Created { session: id },
+                    Err(error) => Reply::Failed { error },
                 },
                 Request::Exec {
                     session,
@@ -142,19 +142,18 @@ impl Helper {
                     uid,
                     gid,
                 } => match self.exec(session, &argv, &env, &cwd, uid, gid, fds) {
-                    Ok(()) => (Reply::Done, None),
-                    Err(error) => (Reply::Failed { error }, None),
+                    Ok(()) => Reply::Done,
+                    Err(error) => Reply::Failed { error },
                 },
                 Request::Destroy { session } => {
                     if let Some(s) = self.sessions.remove(&session) {
                         let _ = nix::sys::signal::kill(s.keeper, nix::sys::signal::SIGKILL);
                         let _ = waitpid(s.keeper, None);
                     }
-                    (Reply::Done, None)
+                    Reply::Done
                 }
             };
-            let fds: Vec<RawFd> = give.iter().map(|fd| fd.as_raw_fd()).collect();
-            if channel::send(&self.sock, &reply, &fds).is_err() {
+            if channel::send(&self.sock, &reply, &[]).is_err() {
                 return;
             }
         }
@@ -175,7 +174,7 @@ impl Helper {
         mounts: &[Mount],
         private_tmp: bool,
         share_net: bool,
-    ) -> Result<(u64, OwnedFd), String> {
+    ) -> Result<u64, String> {
         if self.sessions.len() >= MAX_SESSIONS {
             return Err(format!("at most {MAX_SESSIONS} sessions at once"));
         }
@@ -237,15 +236,10 @@ impl Helper {
                 .collect::<Vec<_>>(),
             _ => return fail("the session did not send its namespaces".into()),
         };
-        // The keeper is our child and not yet waited for, so its pid names it still.
-        let keeper_pidfd = match pidfd_open(keeper) {
-            Ok(fd) => fd,
-            Err(e) => return fail(format!("pidfd_open: {e}")),
-        };
         let id = self.next;
         self.next += 1;
         self.sessions.insert(id, Session { keeper, namespaces });
-        Ok((id, keeper_pidfd))
+        Ok(id)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -312,16 +306,6 @@ fn say(pipe: &mut std::fs::File, line: &str) {
     let _ = pipe.write_all(&bytes);
 }
 
-fn pidfd_open(pid: Pid) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open(2) with a pid and no flags; the result is owned here.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
 /// The keeper: makes the session's namespaces and mounts, forks the session's PID 1, and lives as
 /// long as it does. Never returns.
 fn keep_session(
@@ -372,15 +356,6 @@ fn keep_session(
 /// through `/proc/<pid>/root` into another session would otherwise be followed with the helper's
 /// rights.
 fn check_mounts(mounts: &[Mount]) -> Result<(), String> {
-    let plain = |p: &str| {
-        p.starts_with('/')
-            && p.split('/')
-                .skip(1)
-                .all(|s| !s.is_empty() && s != "." && s != "..")
-            && !["/proc", "/sys", "/dev"]
-                .iter()
-                .any(|k| p == *k || p.starts_with(&format!("{k}/")))
-    };
     for m in mounts {
         let (source, target) = match m {
             Mount::Writable { path } | Mount::ReadOnly { path } | Mount::Overlay { path } => {
@@ -388,8 +363,10 @@ fn check_mounts(mounts: &[Mount]) -> Result<(), String> {
             }
             Mount::Bind { source, dest, .. } => (source, dest),
         };
-        if !plain(source) || !plain(target) {
-            return Err(format!("refused mount {source} on {target}"));
+        if let Some(why) =
+            channel::mount_path_problem(source).or_else(|| channel::mount_path_problem(target))
+        {
+            return Err(format!("refused mount {source} on {target}: {why}"));
         }
         if std::fs::canonicalize(source).map_or(true, |real| real != Path::new(source)) {
             return Err(format!("refused mount of {source}: not a canonical path"));

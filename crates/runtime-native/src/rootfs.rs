@@ -319,22 +319,7 @@ pub(crate) mod mount_api {
             propagation: 0,
             userns_fd: 0,
         };
-        // SAFETY: mount_setattr(2) with a NUL-terminated path and a struct of the size passed.
-        check(unsafe {
-            libc::syscall(
-                libc::SYS_mount_setattr,
-                dfd,
-                path.as_ptr(),
-                if recursive {
-                    libc::AT_RECURSIVE as libc::c_uint
-                } else {
-                    0
-                },
-                &attr as *const MountAttr,
-                std::mem::size_of::<MountAttr>(),
-            )
-        })
-        .map(drop)
+        setattr(dfd, path, &attr, recursive)
     }
 
     /// A new tmpfs, attached nowhere (its descriptor names its root).
@@ -370,7 +355,18 @@ pub(crate) mod mount_api {
             propagation: 0,
             userns_fd: userns.map_or(0, |ns| ns.as_raw_fd() as u64),
         };
-        let flags = libc::AT_RECURSIVE
+        setattr(dfd, path, &attr, true)
+    }
+
+    /// mount_setattr(2) of `attr` on the mount at `dfd`/`path` (`dfd` itself when `path` is
+    /// empty), and with `recursive` every mount below it.
+    fn setattr(
+        dfd: libc::c_int,
+        path: &std::ffi::CStr,
+        attr: &MountAttr,
+        recursive: bool,
+    ) -> nix::Result<()> {
+        let flags = if recursive { libc::AT_RECURSIVE } else { 0 }
             | if path.is_empty() {
                 libc::AT_EMPTY_PATH
             } else {
@@ -384,7 +380,7 @@ pub(crate) mod mount_api {
                 dfd,
                 path.as_ptr(),
                 flags as libc::c_uint,
-                &attr as *const MountAttr,
+                attr as *const MountAttr,
                 std::mem::size_of::<MountAttr>(),
             )
         })
@@ -652,17 +648,7 @@ pub(crate) mod mount_api {
             propagation: 0,
             userns_fd: userns.as_raw_fd() as u64,
         };
-        // SAFETY: mount_setattr(2) on the copy we own, with a struct of the size passed.
-        check(unsafe {
-            libc::syscall(
-                libc::SYS_mount_setattr,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_EMPTY_PATH as libc::c_uint,
-                &attr as *const MountAttr,
-                std::mem::size_of::<MountAttr>(),
-            )
-        })?;
+        setattr(tree.as_raw_fd(), c"", &attr, false)?;
         Ok(tree)
     }
 

@@ -391,6 +391,26 @@ impl Sandboxes {
 
     /// A 507 while the data dir's filesystem is too full for `what` ("a sandbox", "a snapshot")
     /// to be made (see `disk_space`).
+    /// 400 where the runtime keeps no writable layer to copy (its capabilities say so).
+    pub fn check_snapshots(&self) -> Result<(), ApiError> {
+        if self.inner.runtime.capabilities().snapshots {
+            Ok(())
+        } else {
+            Err(self.snapshots_unsupported())
+        }
+    }
+
+    fn snapshots_unsupported(&self) -> ApiError {
+        ApiError::new(
+            http::StatusCode::BAD_REQUEST,
+            ErrorCode::ApiNotSupported,
+            format!(
+                "snapshots: the {} runtime keeps no writable layer Warren can copy (the native runtime, embedded or runc, can)",
+                self.inner.runtime.name()
+            ),
+        )
+    }
+
     pub fn check_room(&self, what: &str) -> Result<(), ApiError> {
         crate::disk_space::check(&self.inner.data_dir, what)
     }
@@ -1062,20 +1082,12 @@ impl Sandboxes {
         self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         snapshot_source_state(&rec)?;
-        let unsupported = || {
-            ApiError::new(
-                http::StatusCode::BAD_REQUEST,
-                ErrorCode::ApiNotSupported,
-                format!(
-                    "snapshots: the {} runtime keeps no writable layer Warren can copy (the native runtime, embedded or runc, can)",
-                    self.inner.runtime.name()
-                ),
-            )
-        };
-        if !self.inner.runtime.capabilities().snapshots {
-            return Err(unsupported());
-        }
-        let upper = self.inner.runtime.upper_dir(id).ok_or_else(unsupported)?;
+        self.check_snapshots()?;
+        let upper = self
+            .inner
+            .runtime
+            .upper_dir(id)
+            .ok_or_else(|| self.snapshots_unsupported())?;
         let images = self.inner.images.clone();
         let holder = id.to_owned();
         let base = tokio::task::spawn_blocking(move || images.leased(&holder))
@@ -1459,15 +1471,7 @@ pub(crate) mod tests {
             "panicking".into()
         }
         fn capabilities(&self) -> warren_core::RuntimeCapabilities {
-            warren_core::RuntimeCapabilities {
-                execd_transport: warren_core::ExecdTransport::Unix,
-                pause: true,
-                snapshots: false,
-                egress_policy: false,
-                disk_bound: false,
-                user_namespaces: false,
-                isolated_sessions: false,
-            }
+            warren_core::fake::CAPABILITIES
         }
         fn image_source(&self) -> ImageSource {
             ImageSource::Engine

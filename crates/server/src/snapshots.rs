@@ -154,17 +154,7 @@ impl Snapshots {
             .get(sandbox_id)
             .ok_or_else(|| ApiError::not_found(sandbox_id))?;
         snapshot_source_state(&source)?;
-        let runtime = self.inner.sandboxes.runtime();
-        if !runtime.capabilities().snapshots {
-            return Err(ApiError::new(
-                http::StatusCode::BAD_REQUEST,
-                ErrorCode::ApiNotSupported,
-                format!(
-                    "snapshots: the {} runtime keeps no writable layer Warren can copy (the native runtime, embedded or runc, can)",
-                    runtime.name()
-                ),
-            ));
-        }
+        self.inner.sandboxes.check_snapshots()?;
         // The capture copies the sandbox's writable layer into the image store.
         self.inner.sandboxes.check_room("a snapshot")?;
         let id = uuid::Uuid::new_v4().to_string();

@@ -73,6 +73,38 @@ pub enum Reply {
     },
 }
 
+/// Why `path` cannot be where a session mounts something (or takes it from), or `None`: it must
+/// be absolute and plain (no empty, `.` or `..` part), not `/`, outside the kernel's trees, and free
+/// of what overlayfs options cannot carry. execd checks it to answer 400; the helper again, since
+/// it acts with the rights.
+pub fn mount_path_problem(path: &str) -> Option<String> {
+    if !path.starts_with('/') {
+        return Some("must be an absolute path".into());
+    }
+    if path == "/" {
+        return Some("must not be /".into());
+    }
+    if !path
+        .split('/')
+        .skip(1)
+        .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+    {
+        return Some("must be a clean path".into());
+    }
+    for kernel in ["/proc", "/sys", "/dev"] {
+        if path == kernel || path.starts_with(&format!("{kernel}/")) {
+            return Some(format!("is in {kernel}, which sessions cannot mount over"));
+        }
+    }
+    // overlayfs takes its folders in one option string.
+    if path.contains([',', ':', '\\']) || path.contains(char::is_control) {
+        return Some(
+            "holds a character mounts cannot take (',', ':', '\\' or a control character)".into(),
+        );
+    }
+    None
+}
+
 /// Sends `msg` with `fds`.
 pub fn send<T: Serialize>(sock: &impl AsRawFd, msg: &T, fds: &[RawFd]) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(msg).map_err(std::io::Error::other)?;

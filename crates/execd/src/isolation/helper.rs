@@ -30,13 +30,6 @@ pub struct Started {
     pub end: tokio::sync::watch::Receiver<Option<End>>,
 }
 
-/// A session as the helper made it.
-pub struct Made {
-    pub id: u64,
-    /// Readable once the session has ended.
-    pub pidfd: OwnedFd,
-}
-
 impl Helper {
     pub fn new(sock: OwnedFd) -> Arc<Self> {
         Arc::new(Self {
@@ -44,11 +37,7 @@ impl Helper {
         })
     }
 
-    async fn call(
-        self: &Arc<Self>,
-        request: Request,
-        fds: Vec<OwnedFd>,
-    ) -> Result<(Reply, Vec<OwnedFd>), String> {
+    async fn call(self: &Arc<Self>, request: Request, fds: Vec<OwnedFd>) -> Result<Reply, String> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let sock = me.sock.lock().unwrap_or_else(|e| e.into_inner());
@@ -56,7 +45,7 @@ impl Helper {
             channel::send(&*sock, &request, &raw).map_err(|e| format!("isolation helper: {e}"))?;
             drop(fds);
             match channel::recv::<Reply>(&*sock) {
-                Ok(Some(got)) => Ok(got),
+                Ok(Some((reply, _))) => Ok(reply),
                 Ok(None) => Err("the isolation helper has gone".to_string()),
                 Err(e) => Err(format!("isolation helper: {e}")),
             }
@@ -65,35 +54,30 @@ impl Helper {
         .map_err(|e| format!("isolation helper: {e}"))?
     }
 
+    /// Makes a session; its id, as the helper names it.
     pub async fn create(
         self: &Arc<Self>,
         mounts: Vec<Mount>,
         private_tmp: bool,
         share_net: bool,
-    ) -> Result<Made, String> {
+    ) -> Result<u64, String> {
         let request = Request::Create {
             mounts,
             private_tmp,
             share_net,
         };
         match self.call(request, Vec::new()).await? {
-            (Reply::Created { session }, fds) => {
-                let pidfd = fds
-                    .into_iter()
-                    .next()
-                    .ok_or("the helper sent no pidfd for the session")?;
-                Ok(Made { id: session, pidfd })
-            }
-            (Reply::Failed { error }, _) => Err(error),
-            (other, _) => Err(format!("unexpected answer {other:?}")),
+            Reply::Created { session } => Ok(session),
+            Reply::Failed { error } => Err(error),
+            other => Err(format!("unexpected answer {other:?}")),
         }
     }
 
     pub async fn destroy(self: &Arc<Self>, session: u64) -> Result<(), String> {
         match self.call(Request::Destroy { session }, Vec::new()).await? {
-            (Reply::Done, _) => Ok(()),
-            (Reply::Failed { error }, _) => Err(error),
-            (other, _) => Err(format!("unexpected answer {other:?}")),
+            Reply::Done => Ok(()),
+            Reply::Failed { error } => Err(error),
+            other => Err(format!("unexpected answer {other:?}")),
         }
     }
 
@@ -122,9 +106,9 @@ impl Helper {
             .call(request, vec![stdin, stdout, stderr, status_w])
             .await?
         {
-            (Reply::Done, _) => {}
-            (Reply::Failed { error }, _) => return Err(error),
-            (other, _) => return Err(format!("unexpected answer {other:?}")),
+            Reply::Done => {}
+            Reply::Failed { error } => return Err(error),
+            other => return Err(format!("unexpected answer {other:?}")),
         }
         let status = tokio::net::unix::pipe::Receiver::from_owned_fd(status_r)
             .map_err(|e| format!("status pipe: {e}"))?;

@@ -186,7 +186,7 @@ pub async fn create(
         })?;
     }
     let private_tmp = options.profile == "strict";
-    let made = helper
+    let helper_id = helper
         .create(options.mounts(), private_tmp, options.share_net)
         .await
         .map_err(|e| ApiError::runtime(format!("making the session: {e}")))?;
@@ -196,14 +196,13 @@ pub async fn create(
         std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
     );
-    let session = match IsoSession::start(&helper, id.clone(), made.id, options, env).await {
+    let session = match IsoSession::start(&helper, id.clone(), helper_id, options, env).await {
         Ok(s) => s,
         Err(e) => {
-            let _ = helper.destroy(made.id).await;
+            let _ = helper.destroy(helper_id).await;
             return Err(ApiError::runtime(e));
         }
     };
-    watch_end(&session, made.pidfd);
     iso.map().insert(id.clone(), session.clone());
     tracing::info!(session = %id, "isolated session created");
     Ok((
@@ -214,20 +213,6 @@ pub async fn create(
         }),
     )
         .into_response())
-}
-
-/// Marks the session dead when its namespaces end (the pidfd becomes readable).
-fn watch_end(session: &Arc<IsoSession>, pidfd: OwnedFd) {
-    let dead = session.dead.clone();
-    // SAFETY: the pidfd is owned here and moved into the AsyncFd, which deregisters it before
-    // it is closed.
-    let Ok(fd) = (unsafe { tokio::io::unix::AsyncFd::register(pidfd) }) else {
-        return;
-    };
-    tokio::spawn(async move {
-        let _ = fd.readable().await;
-        dead.store(true, std::sync::atomic::Ordering::SeqCst);
-    });
 }
 
 fn state_of(s: &IsoSession) -> SessionState {

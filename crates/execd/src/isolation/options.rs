@@ -5,7 +5,7 @@
 use axum::http::StatusCode;
 use warren_api::isolated::{BindMount, CreateSessionRequest, EnvPassthrough, OverlaySpec};
 
-use super::channel::Mount;
+use super::channel::{mount_path_problem, Mount};
 use crate::error::{code, ApiError};
 
 /// Mounts a session takes at most (workspace and overlays together).
@@ -35,36 +35,12 @@ fn bad(message: impl Into<String>) -> ApiError {
     ApiError::bad_body(message)
 }
 
-/// Absolute, with no `.`, `..`, doubled or trailing `/`; and not in the kernel's trees.
+/// See [`mount_path_problem`].
 fn check_path(what: &str, path: &str) -> Result<(), ApiError> {
-    if !path.starts_with('/') {
-        return Err(bad(format!("{what} {path:?} must be an absolute path")));
+    match mount_path_problem(path) {
+        Some(why) => Err(bad(format!("{what} {path:?} {why}"))),
+        None => Ok(()),
     }
-    let clean = path == "/"
-        || path
-            .split('/')
-            .skip(1)
-            .all(|seg| !seg.is_empty() && seg != "." && seg != "..");
-    if !clean {
-        return Err(bad(format!("{what} {path:?} must be a clean path")));
-    }
-    if path == "/" {
-        return Err(bad(format!("{what} must not be /")));
-    }
-    for kernel in ["/proc", "/sys", "/dev"] {
-        if path == kernel || path.starts_with(&format!("{kernel}/")) {
-            return Err(bad(format!(
-                "{what} {path:?} is in {kernel}, which sessions cannot mount over"
-            )));
-        }
-    }
-    // overlayfs takes its folders in one option string.
-    if path.contains([',', ':', '\\']) || path.contains(char::is_control) {
-        return Err(bad(format!(
-            "{what} {path:?} holds a character mounts cannot take (',', ':', '\\' or a control character)"
-        )));
-    }
-    Ok(())
 }
 
 /// `path` resolved (symlinks followed: what is mounted is what was checked) and inside the

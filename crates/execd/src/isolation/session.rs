@@ -24,7 +24,7 @@ use super::options::Options;
 use crate::command::rfc3339;
 use crate::lines::Lines;
 use crate::logbuf::LogBuffer;
-use crate::session::MarkerScan;
+use crate::session::{quote, MarkerScan};
 use crate::sse;
 
 /// Background runs kept per session (finished ones beyond this are forgotten, oldest first).
@@ -65,10 +65,6 @@ struct RunState {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// The shell every session and background run uses.
