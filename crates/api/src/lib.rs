@@ -16,6 +16,9 @@ pub use error::{ErrorBody, ErrorCode};
 pub const API_KEY_HEADER: &str = "OPEN-SANDBOX-API-KEY";
 /// Header carrying the per-sandbox endpoint token on proxied requests.
 pub const ACCESS_TOKEN_HEADER: &str = "X-Warren-Sandbox-Token";
+/// The credential execd checks on every request when it is started with one (over TCP); the
+/// reference execd's header for its `--access-token`.
+pub const EXECD_TOKEN_HEADER: &str = "X-EXECD-ACCESS-TOKEN";
 /// Request id header, generated when the client sends none.
 pub const REQUEST_ID_HEADER: &str = "X-Request-ID";
 /// The execd port inside every sandbox.

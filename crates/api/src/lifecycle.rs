@@ -277,6 +277,8 @@ pub struct RuntimeCapabilities {
 pub enum ExecdTransport {
     /// A Unix socket on the server's host.
     Unix,
+    /// TCP, with a per-sandbox credential execd checks on every request.
+    Tcp,
 }
 
 /// A storage mount: exactly one of `host`, `pvc` (a named volume) or `ossfs`.

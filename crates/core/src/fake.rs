@@ -180,8 +180,8 @@ impl Runtime for FakeRuntime {
         Ok(serde_json::json!({ "fake": spec.id }))
     }
 
-    fn execd_socket(&self, id: &str) -> std::path::PathBuf {
-        std::path::PathBuf::from(format!("/nonexistent/fake/{id}"))
+    fn execd_address(&self, id: &str, _state: &RuntimeState) -> crate::ExecdAddress {
+        crate::ExecdAddress::Unix(std::path::PathBuf::from(format!("/nonexistent/fake/{id}")))
     }
 
     fn wait_exit(&self, id: &str, _state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {

@@ -76,6 +76,10 @@ pub struct SandboxSpec {
     /// Made ahead of need (a warm pool's sandbox): while this is on, where the runtime can, the
     /// sandbox's CPU yields to the sandboxes in use, from its setup on, until [`Runtime::promote`].
     pub background: Background,
+    /// The SHA-256 (hex) of the credential the server sends execd over TCP: a runtime whose execd
+    /// listens on TCP starts it with `--access-token-sha256` this. Only the verifier enters the
+    /// sandbox, where its processes can read it; the credential stays with the server.
+    pub execd_verifier: String,
     /// Asked for isolated sessions inside (`extensions["bootstrap.execd.isolation"] = "enable"`):
     /// a runtime that can offer them starts what execd needs to make them.
     pub isolation: bool,
@@ -101,6 +105,15 @@ impl Background {
     pub fn set(&self, on: bool) {
         self.0.store(on, std::sync::atomic::Ordering::SeqCst);
     }
+}
+
+/// Where execd listens, as the server reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecdAddress {
+    /// A Unix socket on the server's host (only the host's root can connect).
+    Unix(PathBuf),
+    /// A TCP address (another host, a pod, or a loopback port): execd checks the credential.
+    Tcp(std::net::SocketAddr),
 }
 
 /// Backend-specific facts about a live sandbox (pids, paths, container ids), persisted by the server.
@@ -198,8 +211,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// of the sandbox is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError>;
 
-    /// The host path of the Unix socket execd serves on.
-    fn execd_socket(&self, id: &str) -> PathBuf;
+    /// Where the server reaches the sandbox's execd (`state` is what [`Runtime::create`] returned).
+    /// Over TCP the server sends the sandbox's execd credential with every request, whose
+    /// verifier [`SandboxSpec::execd_verifier`] the runtime gave execd.
+    fn execd_address(&self, id: &str, state: &RuntimeState) -> ExecdAddress;
 
     /// Resolves when the sandbox's main process has ended (or at once if it already has).
     fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo>;

@@ -1,5 +1,6 @@
-//! execd's command line: `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR]
-//! [--jupyter-port N] [--ready-fd FD] [-- ENTRYPOINT ARGV...]`, parsed and run.
+//! execd's command line: `warren-execd [--socket PATH]... [--listen ADDR] [--listen-fd FD]
+//! [--access-token-sha256 HEX] [--workdir DIR] [--jupyter-port N] [--ready-fd FD]
+//! [-- ENTRYPOINT ARGV...]`, parsed and run.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,9 +29,15 @@ struct Args {
     /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
     #[arg(long, value_name = "PORT")]
     jupyter_port: Option<u16>,
-    /// A listening Unix socket to serve on, bound by whoever started execd (outside the sandbox).
+    /// A listening Unix or TCP socket to serve on, bound by whoever started execd (outside the
+    /// sandbox).
     #[arg(long, value_name = "FD")]
     listen_fd: Option<i32>,
+    /// Answer only requests whose `X-EXECD-ACCESS-TOKEN` hashes to this SHA-256 (hex), on every
+    /// listener: for a TCP listener others can reach. Only the hash is given, since a sandbox's
+    /// processes can read execd's command line.
+    #[arg(long, value_name = "HEX")]
+    access_token_sha256: Option<String>,
     /// A descriptor execd closes once it listens: whoever holds the other end of this pipe learns
     /// that execd is ready without polling its socket.
     #[arg(long, value_name = "FD")]
@@ -58,6 +65,18 @@ where
     }
     init_logging(None);
     let args = Args::parse_from(args);
+    let access = match args
+        .access_token_sha256
+        .as_deref()
+        .map(crate::access::Verifier::from_hex)
+    {
+        Some(Err(e)) => {
+            eprintln!("warren-execd: {e}");
+            return 2;
+        }
+        Some(Ok(v)) => Some(v),
+        None => None,
+    };
     // Before anything is spawned: the entrypoint and commands must not inherit it.
     let ready_fd = args.ready_fd.and_then(daemon::adopt_ready_fd);
     let listeners: Vec<_> = args
@@ -84,6 +103,7 @@ where
         },
         ready_fd,
         isolation_helper: None,
+        access,
     })
 }
 

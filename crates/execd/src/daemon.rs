@@ -25,9 +25,9 @@ pub const STOP_GRACE: Duration = Duration::from_secs(10);
 pub struct Config {
     /// Unix sockets to bind.
     pub sockets: Vec<PathBuf>,
-    /// Unix sockets bound already, outside the sandbox, by whoever started execd (see
+    /// Sockets bound already, outside the sandbox, by whoever started execd (see
     /// `warren_core::bind_socket_in`).
-    pub listeners: Vec<std::os::unix::net::UnixListener>,
+    pub listeners: Vec<Listener>,
     pub listen: Option<SocketAddr>,
     pub workdir: PathBuf,
     pub entrypoint: Vec<String>,
@@ -37,6 +37,17 @@ pub struct Config {
     pub ready_fd: Option<OwnedFd>,
     /// The isolation helper's socket, where the runtime started one (see `isolation`).
     pub isolation_helper: Option<OwnedFd>,
+    /// Answer only requests that carry this credential (see `access`).
+    pub access: Option<crate::access::Verifier>,
+}
+
+/// A listening socket handed to execd.
+#[derive(Debug)]
+pub enum Listener {
+    Unix(std::os::unix::net::UnixListener),
+    /// Bound outside the sandbox's network namespace (a loopback port of the host): the sandbox's
+    /// own processes cannot reach it, and whoever can must hold execd's credential.
+    Tcp(std::net::TcpListener),
 }
 
 /// As the sandbox's init, execd lets go of what its runtime handed it from the host that the
@@ -59,10 +70,10 @@ fn shed_host_objects() {
     }
 }
 
-/// Takes the `--listen-fd` descriptor: a listening Unix socket bound outside the sandbox (by an
-/// OCI runtime's caller, passed with `--preserve-fds`), marked close-on-exec. `None` (with a
-/// warning) when `fd` is not an open socket.
-pub fn adopt_listen_fd(fd: i32) -> Option<std::os::unix::net::UnixListener> {
+/// Takes the `--listen-fd` descriptor: a listening Unix or TCP socket bound outside the sandbox
+/// (by an OCI runtime's caller, passed with `--preserve-fds`), marked close-on-exec. `None` (with
+/// a warning) when `fd` is not an open socket.
+pub fn adopt_listen_fd(fd: i32) -> Option<Listener> {
     use std::os::fd::{AsRawFd, FromRawFd};
     // SAFETY: fcntl on a descriptor number only reads and sets its flags; a closed one fails.
     if fd < 3 || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
@@ -80,7 +91,17 @@ pub fn adopt_listen_fd(fd: i32) -> Option<std::os::unix::net::UnixListener> {
         tracing::warn!(fd, "--listen-fd is not a socket; ignored");
         return None;
     }
-    Some(std::os::unix::net::UnixListener::from(owned))
+    use nix::sys::socket::SockaddrLike;
+    match nix::sys::socket::getsockname::<nix::sys::socket::SockaddrStorage>(owned.as_raw_fd()) {
+        Ok(addr) if addr.family() == Some(nix::sys::socket::AddressFamily::Unix) => Some(
+            Listener::Unix(std::os::unix::net::UnixListener::from(owned)),
+        ),
+        Ok(_) => Some(Listener::Tcp(std::net::TcpListener::from(owned))),
+        Err(e) => {
+            tracing::warn!(fd, error = %e, "--listen-fd: getsockname failed; ignored");
+            None
+        }
+    }
 }
 
 /// Takes the `--ready-fd` descriptor: marks it close-on-exec, so no process execd starts holds it,
@@ -97,6 +118,19 @@ pub fn adopt_ready_fd(fd: i32) -> Option<OwnedFd> {
     }
     // SAFETY: the descriptor is open (fcntl succeeded) and nothing else in execd owns it.
     Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Serves `app` on a TCP listener.
+fn serve_tcp(
+    servers: &mut tokio::task::JoinSet<std::io::Result<()>>,
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) {
+    // Event streams are many small writes; Nagle would hold each back for the peer's delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+    });
+    servers.spawn(axum::serve(listener, app).into_future());
 }
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
@@ -126,7 +160,13 @@ pub async fn run(mut config: Config) -> anyhow::Result<i32> {
     state.isolation = crate::isolation::Isolation::new(config.isolation_helper.take());
     let state = Arc::new(state);
     crate::isolation::Isolation::start_collector(&state);
-    let app = router(state.clone());
+    let app = match config.access.take() {
+        Some(verifier) => router(state.clone()).layer(axum::middleware::from_fn_with_state(
+            Arc::new(verifier),
+            crate::access::check,
+        )),
+        None => router(state.clone()),
+    };
 
     let mut entry_pid = None;
     let entry_exit = if config.entrypoint.is_empty() {
@@ -175,25 +215,33 @@ pub async fn run(mut config: Config) -> anyhow::Result<i32> {
         servers.spawn(axum::serve(listener, app.clone()).into_future());
     }
     for listener in config.listeners {
-        listener
-            .set_nonblocking(true)
-            .context("handed-over socket")?;
-        let listener =
-            tokio::net::UnixListener::from_std(listener).context("handed-over socket")?;
-        tracing::info!("listening on the handed-over socket");
-        servers.spawn(axum::serve(listener, app.clone()).into_future());
+        match listener {
+            Listener::Unix(listener) => {
+                listener
+                    .set_nonblocking(true)
+                    .context("handed-over socket")?;
+                let listener =
+                    tokio::net::UnixListener::from_std(listener).context("handed-over socket")?;
+                tracing::info!("listening on the handed-over socket");
+                servers.spawn(axum::serve(listener, app.clone()).into_future());
+            }
+            Listener::Tcp(listener) => {
+                listener
+                    .set_nonblocking(true)
+                    .context("handed-over socket")?;
+                let listener =
+                    tokio::net::TcpListener::from_std(listener).context("handed-over socket")?;
+                tracing::info!("listening on the handed-over TCP socket");
+                serve_tcp(&mut servers, listener, app.clone());
+            }
+        }
     }
     if let Some(addr) = config.listen {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
         tracing::info!(addr = %listener.local_addr().unwrap_or(addr), "listening");
-        // Event streams are many small writes; Nagle would hold each back for the peer's delayed ACK.
-        let listener =
-            axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-                let _ = tcp.set_nodelay(true);
-            });
-        servers.spawn(axum::serve(listener, app.clone()).into_future());
+        serve_tcp(&mut servers, listener, app.clone());
     }
     // Before anyone learns that execd is ready, who may then stop it: a SIGTERM with no handler yet
     // would end execd without the entrypoint hearing of it (outside a PID namespace, where the

@@ -24,6 +24,8 @@ pub mod code {
     pub const SERVICE_UNAVAILABLE: &str = "SERVICE_UNAVAILABLE";
     /// Warren's own: a bounded resource of execd is in use (filesystem workers).
     pub const TOO_MANY_REQUESTS: &str = "TOO_MANY_REQUESTS";
+    /// Warren's own: the request lacks execd's credential (see `access`).
+    pub const UNAUTHORIZED: &str = "UNAUTHORIZED";
     pub const UNKNOWN: &str = "UNKNOWN";
 }
 

@@ -2,6 +2,7 @@
 //! — commands, shell sessions, code contexts on Jupyter kernels, files, metrics and a port proxy — on Unix sockets and/or TCP, runs the
 //! sandbox's entrypoint, and reaps every process of the sandbox.
 
+pub mod access;
 pub mod cli;
 pub mod command;
 pub mod daemon;

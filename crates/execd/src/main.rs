@@ -1,4 +1,4 @@
-//! `warren-execd [--socket PATH]... [--listen ADDR] [--workdir DIR] [--jupyter-port N] [-- ENTRYPOINT ARGV...]`
+//! `warren-execd [--socket PATH]... [--listen ADDR] [--listen-fd FD] [--access-token-sha256 HEX] [--workdir DIR] [--jupyter-port N] [-- ENTRYPOINT ARGV...]`
 //! (see `warren_execd::cli`).
 
 fn main() {

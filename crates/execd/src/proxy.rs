@@ -100,6 +100,9 @@ pub async fn proxy(mut req: Request) -> Response {
     };
     parts.version = http::Version::HTTP_11;
     strip_hop_headers(&mut parts.headers, is_upgrade);
+    // execd's credential is for execd: a program in the sandbox that saw it could call execd
+    // from outside as the server does.
+    parts.headers.remove(warren_api::EXECD_TOKEN_HEADER);
     if !parts.headers.contains_key(header::HOST) {
         if let Ok(v) = format!("127.0.0.1:{port}").parse() {
             parts.headers.insert(header::HOST, v);

@@ -26,9 +26,9 @@ use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use warren_core::{
-    policy, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities,
-    RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
-    EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
+    policy, ExecdAddress, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime,
+    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount,
+    VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
 
 pub use client::{Client, DockerError, Endpoint};
@@ -643,8 +643,8 @@ impl Runtime for DockerRuntime {
         }
     }
 
-    fn execd_socket(&self, id: &str) -> PathBuf {
-        self.run_dir(id).join(EXECD_SOCKET_NAME)
+    fn execd_address(&self, id: &str, _state: &RuntimeState) -> ExecdAddress {
+        ExecdAddress::Unix(self.run_dir(id).join(EXECD_SOCKET_NAME))
     }
 
     fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
@@ -832,6 +832,7 @@ mod tests {
                 auth: None,
             },
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
+            execd_verifier: String::new(),
             env: [("A".to_string(), "1".to_string())].into_iter().collect(),
             limits: warren_core::ResourceLimits {
                 cpu_millis: Some(500),

@@ -18,6 +18,7 @@ use nix::unistd::{fork, ForkResult};
 use crate::rootfs;
 use crate::security;
 use crate::spec::{InitReply, InitSpec, EXECD_SOCKET_NAME, JOINED_LINE};
+use warren_execd::daemon::Listener;
 
 /// execd's log level in sandboxes of the embedded runtime (set once in the zygote; see `zygote`).
 pub(crate) const EXECD_LOG_LEVEL: &str = "info";
@@ -39,7 +40,7 @@ pub fn main() -> ! {
 /// The helper's work, in a fresh exec or in a child the zygote forked (see `zygote`). Never returns.
 pub(crate) fn helper(join: Vec<String>) -> ! {
     let reply = match run(join) {
-        Ok(pid) => InitReply::Started { pid },
+        Ok((pid, execd_port)) => InitReply::Started { pid, execd_port },
         Err(error) => InitReply::Failed { error },
     };
     let mut out = std::io::stdout().lock();
@@ -54,7 +55,7 @@ pub(crate) fn helper(join: Vec<String>) -> ! {
     })
 }
 
-fn run(join: Vec<String>) -> Result<i32, String> {
+fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
     // A standby helper joins its cgroup before it has a sandbox: the migration is the slow part of
     // setup on cgroup v1, and this way it is off the create path. (A helper the zygote created
     // inside its cgroup, on v2, has nothing to join.)
@@ -91,14 +92,31 @@ fn run(join: Vec<String>) -> Result<i32, String> {
 
     // execd's socket, bound here in the host's folder before anything is unshared: execd gets the
     // listening descriptor, so the sandbox needs no host folder it can write in (such a folder took
-    // writes outside the sandbox's `ephemeral-storage`).
-    let listener =
-        warren_core::bind_socket_in(&spec.socket_dir, EXECD_SOCKET_NAME).map_err(|e| {
-            format!(
-                "binding execd's socket in {}: {e}",
-                spec.socket_dir.display()
-            )
-        })?;
+    // writes outside the sandbox's `ephemeral-storage`). A TCP listener, likewise, is bound in the
+    // host's network namespace, on loopback: the sandbox's processes, in a network namespace of
+    // their own, cannot reach it; a host process that can must hold execd's credential.
+    let (listener, execd_port) = match &spec.execd_tcp_verifier {
+        None => (
+            Listener::Unix(
+                warren_core::bind_socket_in(&spec.socket_dir, EXECD_SOCKET_NAME).map_err(|e| {
+                    format!(
+                        "binding execd's socket in {}: {e}",
+                        spec.socket_dir.display()
+                    )
+                })?,
+            ),
+            None,
+        ),
+        Some(_) => {
+            let tcp = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+                .map_err(|e| format!("binding execd's loopback port: {e}"))?;
+            let port = tcp
+                .local_addr()
+                .map_err(|e| format!("execd's loopback port: {e}"))?
+                .port();
+            (Listener::Tcp(tcp), Some(port))
+        }
+    };
 
     // Compile seccomp before unsharing so a failure costs nothing.
     let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
@@ -164,7 +182,7 @@ fn run(join: Vec<String>) -> Result<i32, String> {
             let mut msg = String::new();
             let _ = fs::File::from(read_end).read_to_string(&mut msg);
             if msg.is_empty() {
-                Ok(child.as_raw())
+                Ok((child.as_raw(), execd_port))
             } else {
                 let _ = waitpid(child, None).map(|s| matches!(s, WaitStatus::Exited(..)));
                 Err(msg)
@@ -180,7 +198,7 @@ fn prepare_execd(
     filter: &crate::seccomp::Program,
     error_pipe: std::os::fd::RawFd,
     premade_root: Option<&OwnedFd>,
-    listener: std::os::unix::net::UnixListener,
+    listener: Listener,
     userns: Option<OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
@@ -217,19 +235,30 @@ fn prepare_execd(
     }
     // The command line the binary would have had, for /proc/1/cmdline.
     let ready = ready_fd.to_string();
+    let listener_fd = match &listener {
+        Listener::Unix(l) => l.as_raw_fd(),
+        Listener::Tcp(l) => l.as_raw_fd(),
+    };
     let mut argv: Vec<String> = [
         "warren-execd",
         "--listen-fd",
-        &listener.as_raw_fd().to_string(),
+        &listener_fd.to_string(),
         "--workdir",
         &spec.workdir,
         "--ready-fd",
         &ready,
-        "--",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    let access = match &spec.execd_tcp_verifier {
+        Some(verifier) => {
+            argv.extend(["--access-token-sha256".to_string(), verifier.clone()]);
+            Some(warren_execd::access::Verifier::from_hex(verifier)?)
+        }
+        None => None,
+    };
+    argv.push("--".into());
     argv.extend(spec.entrypoint.iter().cloned());
     if argv.iter().chain(&spec.env).any(|a| a.contains('\0')) {
         return Err("the entrypoint or env contains a NUL byte".into());
@@ -262,7 +291,7 @@ fn prepare_execd(
         // Last, with every mount made: from here on this process is root of its own range.
         crate::userns::join(&ns).map_err(|e| format!("joining the user namespace: {e}"))?;
     }
-    let keep: Vec<i32> = [ready_fd, error_pipe, listener.as_raw_fd()]
+    let keep: Vec<i32> = [ready_fd, error_pipe, listener_fd]
         .into_iter()
         .chain(warren_execd::oom::descriptor())
         .collect();
@@ -301,6 +330,7 @@ fn prepare_execd(
         sockets: Vec::new(),
         listeners: vec![listener],
         listen: None,
+        access,
         workdir: spec.workdir.clone().into(),
         entrypoint: spec.entrypoint.clone(),
         jupyter_port: warren_execd::cli::jupyter_port_from_env(),

@@ -35,6 +35,7 @@ pub mod zygote;
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Read;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
@@ -48,8 +49,8 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use warren_core::image::ResolvedImage;
 use warren_core::{
-    ExecdTransport, ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError,
-    RuntimeState, SandboxImage, SandboxSpec,
+    ExecdAddress, ExecdTransport, ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeCapabilities,
+    RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
 };
 
 use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
@@ -102,6 +103,9 @@ pub struct NativeConfig {
     /// User namespaces (embedded runtime): `(first host id, ranges)` — each sandbox's root is one
     /// range of 65,536 host ids of its own (see `userns`). `None`: sandbox root is host root.
     pub userns_ids: Option<(u32, u32)>,
+    /// execd listens on a loopback TCP port of the host, and checks a credential, instead of a
+    /// Unix socket (embedded runtime only): the transport remote runtimes use, served on this host.
+    pub execd_tcp: bool,
 }
 
 /// What the server persists for a native sandbox.
@@ -113,6 +117,9 @@ struct NativeState {
     /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     delete_volumes: Vec<String>,
+    /// Where execd listens when it listens on TCP (`execd_tcp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    execd_tcp: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone)]
@@ -188,6 +195,12 @@ impl NativeRuntime {
             return Err(RuntimeError::backend(format!(
                 "execd binary not found at {}",
                 config.execd_path.display()
+            )));
+        }
+        if config.execd_tcp && !matches!(config.oci_runtime.as_str(), "embedded" | "") {
+            return Err(RuntimeError::Unsupported(format!(
+                "execd over TCP ([runtime] execd_transport = \"tcp\") needs the embedded runtime, not {:?}",
+                config.oci_runtime
             )));
         }
         let oci = match config.oci_runtime.as_str() {
@@ -383,6 +396,11 @@ impl NativeRuntime {
             base_layer: Some(self.inner.base_layer.clone()),
             userns: None,
             isolation: spec.isolation,
+            execd_tcp_verifier: self
+                .inner
+                .config
+                .execd_tcp
+                .then(|| spec.execd_verifier.clone()),
         }
     }
 
@@ -457,7 +475,7 @@ impl NativeRuntime {
         let started = Instant::now();
         // One budget for the whole start: the setup helper's answer, then execd listening.
         let deadline = started + self.inner.config.ready_timeout;
-        let (pid, ready) = match &self.inner.oci {
+        let (pid, ready, execd_port) = match &self.inner.oci {
             None => self.start_embedded(spec, log, &log_path, &volumes.mounts, deadline, range)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
@@ -481,7 +499,7 @@ impl NativeRuntime {
                         e,
                     )
                 })?;
-                (pid, None)
+                (pid, None, None)
             }
         };
         *pid_out = Some(pid);
@@ -493,18 +511,18 @@ impl NativeRuntime {
             ))
         })?;
         let spawned = started.elapsed();
-        self.wait_ready(
-            pid,
-            ready,
-            deadline,
-            &dir.join("run").join(EXECD_SOCKET_NAME),
-            &log_path,
-        )?;
+        let execd_tcp = execd_port.map(|port| SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
+        let address = match execd_tcp {
+            Some(addr) => ExecdAddress::Tcp(addr),
+            None => ExecdAddress::Unix(dir.join("run").join(EXECD_SOCKET_NAME)),
+        };
+        self.wait_ready(pid, ready, deadline, &address, &log_path)?;
         tracing::debug!(sandbox_id = %spec.id, spawn_us = spawned.as_micros() as u64, ready_us = started.elapsed().as_micros() as u64, "sandbox started");
         serde_json::to_value(NativeState {
             pid,
             start_time,
             delete_volumes: volumes.delete_on_exit.clone(),
+            execd_tcp,
         })
         .map_err(|e| RuntimeError::backend_with("encoding state", e))
     }
@@ -518,7 +536,7 @@ impl NativeRuntime {
         volumes: &[spec::HostMount],
         deadline: Instant,
         range: Option<userns::IdRange>,
-    ) -> Result<(i32, Option<fs::File>), RuntimeError> {
+    ) -> Result<(i32, Option<fs::File>, Option<u16>), RuntimeError> {
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();
@@ -583,7 +601,14 @@ impl NativeRuntime {
         })?;
         match reply {
             // execd holds the pipe's last writer until it listens (see `init`).
-            InitReply::Started { pid } => Ok((pid, out)),
+            InitReply::Started { pid, execd_port } => {
+                if self.inner.config.execd_tcp && execd_port.is_none() {
+                    return Err(RuntimeError::backend(
+                        "the setup helper reported no TCP port for execd",
+                    ));
+                }
+                Ok((pid, out, execd_port))
+            }
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
@@ -822,7 +847,7 @@ impl NativeRuntime {
         pid: i32,
         ready: Option<fs::File>,
         deadline: Instant,
-        socket: &Path,
+        address: &ExecdAddress,
         log: &Path,
     ) -> Result<(), RuntimeError> {
         if let Some(pipe) = ready {
@@ -830,10 +855,13 @@ impl NativeRuntime {
         }
         let mut delay = Duration::from_micros(200);
         loop {
-            if let Ok((_handle, reachable)) = warren_core::socket_connect_path(socket) {
-                if UnixStream::connect(&reachable).is_ok() {
-                    return Ok(());
-                }
+            let listening = match address {
+                ExecdAddress::Unix(socket) => warren_core::socket_connect_path(socket)
+                    .is_ok_and(|(_handle, reachable)| UnixStream::connect(&reachable).is_ok()),
+                ExecdAddress::Tcp(addr) => std::net::TcpStream::connect(addr).is_ok(),
+            };
+            if listening {
+                return Ok(());
             }
             if !is_alive(pid) {
                 return Err(RuntimeError::StartFailed(format!(
@@ -997,7 +1025,11 @@ impl Runtime for NativeRuntime {
     fn capabilities(&self) -> RuntimeCapabilities {
         let gvisor = self.is_gvisor();
         RuntimeCapabilities {
-            execd_transport: ExecdTransport::Unix,
+            execd_transport: if self.inner.config.execd_tcp {
+                ExecdTransport::Tcp
+            } else {
+                ExecdTransport::Unix
+            },
             pause: true,
             // gVisor keeps the sandbox's writes in its own overlay, in its own memory (bounded by
             // the memory limit instead), and runs its own network stack inside the sandbox
@@ -1078,8 +1110,11 @@ impl Runtime for NativeRuntime {
             .map_err(|e| RuntimeError::backend_with("raising the sandbox's CPU share", e))
     }
 
-    fn execd_socket(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("run").join(EXECD_SOCKET_NAME)
+    fn execd_address(&self, id: &str, state: &RuntimeState) -> ExecdAddress {
+        match Self::state(state).and_then(|st| st.execd_tcp) {
+            Some(addr) => ExecdAddress::Tcp(addr),
+            None => ExecdAddress::Unix(self.sandbox_dir(id).join("run").join(EXECD_SOCKET_NAME)),
+        }
     }
 
     fn wait_exit(&self, _id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {

@@ -558,6 +558,7 @@ mod tests {
             base_layer: Some("/base".into()),
             userns: None,
             isolation: false,
+            execd_tcp_verifier: None,
         }
     }
 

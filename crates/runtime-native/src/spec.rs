@@ -56,6 +56,10 @@ pub struct InitSpec {
     /// Start the isolation helper for execd's isolated sessions (see `isolation`).
     #[serde(default)]
     pub isolation: bool,
+    /// execd listens on a loopback TCP port of the host instead of the socket folder's Unix
+    /// socket, and checks the credential whose SHA-256 (hex) this is (see `warren_execd::access`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execd_tcp_verifier: Option<String>,
 }
 
 impl InitSpec {
@@ -120,8 +124,15 @@ impl HostMount {
 /// The helper's one-line answer on stdout.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum InitReply {
-    Started { pid: i32 },
-    Failed { error: String },
+    Started {
+        pid: i32,
+        /// The loopback port execd listens on, when it listens on TCP.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        execd_port: Option<u16>,
+    },
+    Failed {
+        error: String,
+    },
 }
 
 /// Inside the sandbox: where execd and its socket folder are mounted.

@@ -275,6 +275,15 @@ pub struct RuntimeSection {
     #[serde(default = "default_userns_first_id")]
     pub userns_first_id: u32,
     pub userns_ranges: Option<u32>,
+    /// How the server reaches execd: `unix` (default: a socket only the host's root can open) or
+    /// `tcp` (embedded runtime: a loopback port of the host, every request carrying the sandbox's
+    /// execd credential; the transport of runtimes whose sandboxes live elsewhere, served here).
+    #[serde(default = "default_execd_transport")]
+    pub execd_transport: warren_api::lifecycle::ExecdTransport,
+}
+
+fn default_execd_transport() -> warren_api::lifecycle::ExecdTransport {
+    warren_api::lifecycle::ExecdTransport::Unix
 }
 
 fn default_userns_first_id() -> u32 {
@@ -325,6 +334,7 @@ impl Default for RuntimeSection {
             user_namespaces: None,
             userns_first_id: default_userns_first_id(),
             userns_ranges: None,
+            execd_transport: default_execd_transport(),
         }
     }
 }

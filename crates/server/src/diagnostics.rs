@@ -159,8 +159,13 @@ async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
         ));
         return Ok((String::new(), note));
     }
-    let socket = app.sandboxes.runtime().execd_socket(id);
-    match crate::sandbox_files::output(&socket).await {
+    let endpoint = crate::execd_conns::ExecdEndpoint::new(
+        app.sandboxes
+            .runtime()
+            .execd_address(id, &rec.runtime_state),
+        &rec.token,
+    );
+    match crate::sandbox_files::output(&endpoint).await {
         Ok((bytes, dropped)) => {
             if dropped > 0 {
                 note.truncated = true;

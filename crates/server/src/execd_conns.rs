@@ -16,24 +16,113 @@
 //!   sandbox keeps at most [`MAX_PER_SANDBOX`]; the rest are closed.
 //! - A request that a parked connection could not carry (execd closed it at that moment) comes back
 //!   unsent from hyper and the proxy sends it once more on a fresh connection.
+//!
+//! Every connection to execd, the proxy's or the server's own calls, is opened here ([`open`]):
+//! to a Unix socket on this host, or over TCP, where each request carries the sandbox's execd
+//! credential ([`Sender`] adds it, so no caller can forget it).
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use http::HeaderValue;
+use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
+use hyper::client::conn::TrySendError;
 use hyper_util::rt::TokioIo;
+use warren_core::ExecdAddress;
 
 /// Idle connections kept per sandbox: enough for a client with a few requests in flight.
 pub const MAX_PER_SANDBOX: usize = 4;
 /// A parked connection older than this is closed rather than reused.
 pub const MAX_IDLE: Duration = Duration::from_secs(60);
 
-pub type Sender = SendRequest<Body>;
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where and how the server reaches one sandbox's execd.
+#[derive(Clone)]
+pub struct ExecdEndpoint {
+    pub address: ExecdAddress,
+    /// Sent with every request over TCP (`X-EXECD-ACCESS-TOKEN`).
+    credential: Option<HeaderValue>,
+}
+
+impl std::fmt::Debug for ExecdEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecdEndpoint")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExecdEndpoint {
+    /// `address`, with the credential of the sandbox whose secret is `secret` where the transport
+    /// needs one.
+    pub fn new(address: ExecdAddress, secret: &str) -> Self {
+        let credential = match address {
+            ExecdAddress::Unix(_) => None,
+            ExecdAddress::Tcp(_) => {
+                let mut value = HeaderValue::from_str(&crate::tokens::execd_credential(secret))
+                    .unwrap_or_else(|_| unreachable!("hex is a valid header value"));
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Self {
+            address,
+            credential,
+        }
+    }
+}
+
+/// An HTTP/1 connection to execd that sends the credential with every request.
+pub struct Sender {
+    inner: SendRequest<Body>,
+    credential: Option<HeaderValue>,
+}
+
+impl Sender {
+    fn authorize(&self, req: &mut http::Request<Body>) {
+        // Whatever a client sent in this header is replaced (or, over a Unix socket, dropped).
+        match &self.credential {
+            Some(c) => req
+                .headers_mut()
+                .insert(warren_api::EXECD_TOKEN_HEADER, c.clone()),
+            None => req.headers_mut().remove(warren_api::EXECD_TOKEN_HEADER),
+        };
+    }
+
+    pub async fn send_request(
+        &mut self,
+        mut req: http::Request<Body>,
+    ) -> hyper::Result<http::Response<Incoming>> {
+        self.authorize(&mut req);
+        self.inner.send_request(req).await
+    }
+
+    /// As [`SendRequest::try_send_request`]: a request the connection could not take comes back.
+    pub async fn try_send_request(
+        &mut self,
+        mut req: http::Request<Body>,
+    ) -> Result<http::Response<Incoming>, TrySendError<http::Request<Body>>> {
+        self.authorize(&mut req);
+        self.inner.try_send_request(req).await
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    fn is_ready(&self) -> bool {
+        self.inner.is_ready()
+    }
+
+    async fn ready(&mut self) -> hyper::Result<()> {
+        self.inner.ready().await
+    }
+}
 
 struct Parked {
     sender: Sender,
@@ -120,17 +209,17 @@ impl ExecdConns {
         }
     }
 
-    /// Opens a connection to execd at `socket` and parks it for `id`: the sandbox's first proxied
-    /// request then finds one ready.
+    /// Opens a connection to execd at `endpoint` and parks it for `id`: the sandbox's first
+    /// proxied request then finds one ready.
     pub fn prewarm(
         self: &Arc<Self>,
         id: String,
-        socket: std::path::PathBuf,
+        endpoint: ExecdEndpoint,
         live: impl FnOnce() -> bool + Send + 'static,
     ) {
         let this = self.clone();
         tokio::spawn(async move {
-            match open(&socket).await {
+            match open(&endpoint).await {
                 Ok(sender) => this.park(id, sender, true, live),
                 Err(e) => tracing::debug!(sandbox_id = %id, error = %e, "no connection to park"),
             }
@@ -192,11 +281,39 @@ impl ExecdConns {
 }
 
 /// A fresh HTTP/1 connection to execd; upgrades (WebSocket) stay possible on it.
-pub async fn open(socket: &Path) -> Result<Sender, Error> {
-    // `_handle` keeps the socket's /proc/self/fd path alive until the connect completes; it never
-    // follows a symlink the sandbox may have put in the socket's place (see `socket_connect_path`).
-    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
-    let stream = tokio::net::UnixStream::connect(&reachable).await?;
+pub async fn open(endpoint: &ExecdEndpoint) -> Result<Sender, Error> {
+    let inner = match &endpoint.address {
+        ExecdAddress::Unix(socket) => {
+            // `_handle` keeps the socket's /proc/self/fd path alive until the connect completes;
+            // it never follows a symlink the sandbox may have put in the socket's place (see
+            // `socket_connect_path`).
+            let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
+            let stream = tokio::net::UnixStream::connect(&reachable).await?;
+            handshake(stream).await?
+        }
+        ExecdAddress::Tcp(addr) => {
+            let stream =
+                tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
+                    .await
+                    .map_err(|_| format!("connecting to execd at {addr} timed out"))??;
+            // Event streams are many small writes; see execd's own listener.
+            stream.set_nodelay(true)?;
+            handshake(stream).await?
+        }
+    };
+    Ok(Sender {
+        inner,
+        credential: endpoint.credential.clone(),
+    })
+}
+
+/// How long a TCP connect to execd may take (a pod whose node went away never answers).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn handshake<S>(stream: S) -> Result<SendRequest<Body>, Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
@@ -220,6 +337,76 @@ mod tests {
         socket: std::path::PathBuf,
         accepted: Arc<AtomicUsize>,
         open: Arc<AtomicUsize>,
+    }
+
+    impl Upstream {
+        fn endpoint(&self) -> ExecdEndpoint {
+            ExecdEndpoint::new(ExecdAddress::Unix(self.socket.clone()), "secret")
+        }
+    }
+
+    /// Answers every request with the `X-EXECD-ACCESS-TOKEN` it carried ("-" for none).
+    async fn echo_credential<S>(stream: S)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let svc = hyper::service::service_fn(|req: http::Request<Incoming>| async move {
+            let seen = req
+                .headers()
+                .get(warren_api::EXECD_TOKEN_HEADER)
+                .map_or("-".to_string(), |v| v.to_str().unwrap_or("?").to_string());
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::from(seen)))
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), svc)
+            .await;
+    }
+
+    async fn credential_seen(endpoint: &ExecdEndpoint, sent: Option<&str>) -> String {
+        let mut sender = open(endpoint).await.expect("connect");
+        let mut req = http::Request::get("/").header(http::header::HOST, "localhost");
+        if let Some(v) = sent {
+            req = req.header(warren_api::EXECD_TOKEN_HEADER, v);
+        }
+        let resp = sender
+            .send_request(req.body(Body::empty()).expect("request"))
+            .await
+            .expect("send");
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8(body.to_vec()).expect("utf-8")
+    }
+
+    #[tokio::test]
+    async fn over_tcp_every_request_carries_the_credential_and_never_a_client_s() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.expect("accept");
+                tokio::spawn(echo_credential(stream));
+            }
+        });
+        let endpoint = ExecdEndpoint::new(ExecdAddress::Tcp(addr), "secret");
+        let credential = crate::tokens::execd_credential("secret");
+        assert_eq!(credential_seen(&endpoint, None).await, credential);
+        assert_eq!(credential_seen(&endpoint, Some("forged")).await, credential);
+        // The credential never shows in logs through the endpoint's Debug.
+        assert!(!format!("{endpoint:?}").contains(&credential));
+
+        // Over a Unix socket nothing is added, and what a client sent is dropped.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("execd.sock");
+        let unix = tokio::net::UnixListener::bind(&socket).expect("bind");
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = unix.accept().await.expect("accept");
+                tokio::spawn(echo_credential(stream));
+            }
+        });
+        let endpoint = ExecdEndpoint::new(ExecdAddress::Unix(socket), "secret");
+        assert_eq!(credential_seen(&endpoint, Some("forged")).await, "-");
     }
 
     async fn upstream() -> Upstream {
@@ -292,7 +479,7 @@ mod tests {
     async fn call(conns: &Arc<ExecdConns>, up: &Upstream, path: &str) -> String {
         let mut sender = match conns.take("sb") {
             Some(s) => s,
-            None => open(&up.socket).await.expect("connect"),
+            None => open(&up.endpoint()).await.expect("connect"),
         };
         let resp = sender.send_request(get(path)).await.expect("response");
         conns.put_back("sb".into(), sender, || true);
@@ -335,7 +522,7 @@ mod tests {
     async fn a_response_dropped_before_its_end_does_not_park_the_connection() {
         let up = upstream().await;
         let conns = Arc::new(ExecdConns::default());
-        let mut sender = open(&up.socket).await.expect("connect");
+        let mut sender = open(&up.endpoint()).await.expect("connect");
         let resp = sender.send_request(get("/stream")).await.expect("response");
         conns.put_back("sb".into(), sender, || true);
         let mut body = resp.into_body();
@@ -367,14 +554,14 @@ mod tests {
     async fn nothing_is_parked_for_a_sandbox_that_is_not_live_and_forget_closes() {
         let up = upstream().await;
         let conns = Arc::new(ExecdConns::default());
-        let sender = open(&up.socket).await.expect("connect");
+        let sender = open(&up.endpoint()).await.expect("connect");
         conns.put_back("sb".into(), sender, || false);
         settle().await;
         assert_eq!(conns.parked("sb"), 0);
         settle().await;
         assert_eq!(up.open.load(Ordering::SeqCst), 0);
 
-        conns.prewarm("sb".into(), up.socket.clone(), || true);
+        conns.prewarm("sb".into(), up.endpoint(), || true);
         settle().await;
         assert_eq!(conns.parked("sb"), 1);
         assert_eq!(up.open.load(Ordering::SeqCst), 1);
@@ -392,7 +579,7 @@ mod tests {
     async fn a_sweep_closes_connections_parked_too_long_but_not_those_opened_ahead() {
         let up = upstream().await;
         let conns = Arc::new(ExecdConns::default());
-        conns.prewarm("warm".into(), up.socket.clone(), || true);
+        conns.prewarm("warm".into(), up.endpoint(), || true);
         assert_eq!(call(&conns, &up, "/ping").await, "ok"); // parks one for "sb"
         settle().await;
         conns.sweep(Duration::from_secs(60));
@@ -417,7 +604,7 @@ mod tests {
         let up = upstream().await;
         let conns = Arc::new(ExecdConns::default());
         for _ in 0..MAX_PER_SANDBOX + 2 {
-            let sender = open(&up.socket).await.expect("connect");
+            let sender = open(&up.endpoint()).await.expect("connect");
             conns.put_back("sb".into(), sender, || true);
         }
         settle().await;

@@ -397,8 +397,12 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         Some(p) => p.clone(),
         None => exe.with_file_name("warren-execd"),
     };
+    let execd_tcp = config.runtime.execd_transport == warren_api::lifecycle::ExecdTransport::Tcp;
     match config.runtime.kind {
         RuntimeKind::Native => {}
+        RuntimeKind::Docker if execd_tcp => {
+            anyhow::bail!("[runtime] execd_transport = \"tcp\" is served by the native runtime's embedded mode only")
+        }
         RuntimeKind::Docker => {
             let docker = DockerConfig {
                 host: config.docker.host.clone(),
@@ -453,6 +457,7 @@ fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 let fit = ((u64::from(u32::MAX) - u64::from(first)) / 65_536) as u32;
                 (first, config.runtime.userns_ranges.unwrap_or(fit))
             }),
+        execd_tcp,
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
 }

@@ -248,9 +248,12 @@ const ENV_FILE: &str = "/opt/opensandbox/.env";
 /// Adds the vault's CA to the sandbox's trust: a bundle of Warren's own that the usual variables
 /// point at for every command execd starts from now on, and the image's system bundle too when it
 /// is writable (for programs that ignore those variables).
-pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), String> {
+pub async fn install_ca(
+    endpoint: &crate::execd_conns::ExecdEndpoint,
+    pem: &str,
+) -> Result<(), String> {
     use crate::sandbox_files::{read, write};
-    let mut bundle = read(socket, TRUST_BUNDLE)
+    let mut bundle = read(endpoint, TRUST_BUNDLE)
         .await
         .map_err(|e| e.to_string())?
         .unwrap_or_default();
@@ -258,13 +261,13 @@ pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), Strin
         bundle.push(b'\n');
     }
     bundle.extend_from_slice(pem.as_bytes());
-    write(socket, VAULT_BUNDLE, &bundle)
+    write(endpoint, VAULT_BUNDLE, &bundle)
         .await
         .map_err(|e| format!("the vault's CA bundle: {e}"))?;
-    if let Err(e) = write(socket, TRUST_BUNDLE, &bundle).await {
+    if let Err(e) = write(endpoint, TRUST_BUNDLE, &bundle).await {
         tracing::debug!(error = %e, "the image's trust store is read-only; the variables point at Warren's bundle");
     }
-    let mut env = read(socket, ENV_FILE)
+    let mut env = read(endpoint, ENV_FILE)
         .await
         .map_err(|e| e.to_string())?
         .unwrap_or_default();
@@ -276,7 +279,7 @@ pub async fn install_ca(socket: &std::path::Path, pem: &str) -> Result<(), Strin
     ] {
         env.extend_from_slice(format!("{var}={VAULT_BUNDLE}\n").as_bytes());
     }
-    write(socket, ENV_FILE, &env)
+    write(endpoint, ENV_FILE, &env)
         .await
         .map_err(|e| format!("execd's environment file: {e}"))
 }

@@ -133,7 +133,12 @@ async fn forward(
     parts.version = http::Version::HTTP_11;
     let mut upstream_req = Request::from_parts(parts, body);
 
-    let socket = app.sandboxes.runtime().execd_socket(&id);
+    let endpoint = execd_conns::ExecdEndpoint::new(
+        app.sandboxes
+            .runtime()
+            .execd_address(&id, &rec.runtime_state),
+        &rec.token,
+    );
     let conns = app.sandboxes.execd_conns();
     // An upgrade takes its connection over for good, so it gets a fresh one and never gives it back.
     let reusable = client_upgrade.is_none();
@@ -153,7 +158,7 @@ async fn forward(
             Some(s) => Ok(s),
             None => {
                 fresh += 1;
-                execd_conns::open(&socket).await
+                execd_conns::open(&endpoint).await
             }
         };
         let mut sender = match opened {

@@ -2,17 +2,17 @@
 //! every path is resolved inside the sandbox, never on the host; used to put the credential vault's
 //! CA into the sandbox's trust store), and reading the output execd keeps (diagnostics).
 
+use crate::execd_conns::ExecdEndpoint;
 use axum::body::Body;
 use http_body_util::BodyExt;
-use hyper_util::rt::TokioIo;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// One request to execd, bounded in time and in answer size (the sandbox is not trusted).
-async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16, Vec<u8>), Error> {
+async fn call(endpoint: &ExecdEndpoint, req: http::Request<Body>) -> Result<(u16, Vec<u8>), Error> {
     tokio::time::timeout(
         std::time::Duration::from_secs(15),
-        call_unbounded(socket, req),
+        call_unbounded(endpoint, req),
     )
     .await
     .map_err(|_| "the sandbox's execd did not answer in time")?
@@ -20,23 +20,18 @@ async fn call(socket: &std::path::Path, req: http::Request<Body>) -> Result<(u16
 
 /// Sends `req` to execd over a connection of its own; the answer's body is left to read.
 async fn send(
-    socket: &std::path::Path,
+    endpoint: &ExecdEndpoint,
     req: http::Request<Body>,
 ) -> Result<http::Response<hyper::body::Incoming>, Error> {
-    let (_handle, reachable) = warren_core::socket_connect_path(socket)?;
-    let stream = tokio::net::UnixStream::connect(&reachable).await?;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(send.send_request(req).await?)
+    let mut sender = crate::execd_conns::open(endpoint).await?;
+    Ok(sender.send_request(req).await?)
 }
 
 async fn call_unbounded(
-    socket: &std::path::Path,
+    endpoint: &ExecdEndpoint,
     req: http::Request<Body>,
 ) -> Result<(u16, Vec<u8>), Error> {
-    let resp = send(socket, req).await?;
+    let resp = send(endpoint, req).await?;
     let status = resp.status().as_u16();
     let body = http_body_util::Limited::new(resp.into_body(), 8 << 20)
         .collect()
@@ -51,11 +46,11 @@ fn encode(path: &str) -> String {
 }
 
 /// The file's bytes, or `None` when it does not exist.
-pub async fn read(socket: &std::path::Path, path: &str) -> Result<Option<Vec<u8>>, Error> {
+pub async fn read(endpoint: &ExecdEndpoint, path: &str) -> Result<Option<Vec<u8>>, Error> {
     let req = http::Request::get(format!("/files/download?path={}", encode(path)))
         .header(http::header::HOST, "localhost")
         .body(Body::empty())?;
-    match call(socket, req).await? {
+    match call(endpoint, req).await? {
         (200, body) => Ok(Some(body)),
         (404, _) => Ok(None),
         (status, body) => Err(format!(
@@ -67,7 +62,7 @@ pub async fn read(socket: &std::path::Path, path: &str) -> Result<Option<Vec<u8>
 }
 
 /// Writes (creates or replaces) a file, mode 644.
-pub async fn write(socket: &std::path::Path, path: &str, data: &[u8]) -> Result<(), Error> {
+pub async fn write(endpoint: &ExecdEndpoint, path: &str, data: &[u8]) -> Result<(), Error> {
     let boundary = "warren-server-upload";
     let meta = serde_json::json!({"path": path, "mode": 644});
     let mut body = format!(
@@ -85,7 +80,7 @@ pub async fn write(socket: &std::path::Path, path: &str, data: &[u8]) -> Result<
             format!("multipart/form-data; boundary={boundary}"),
         )
         .body(Body::from(body))?;
-    match call(socket, req).await? {
+    match call(endpoint, req).await? {
         (200, _) => Ok(()),
         (status, body) => Err(format!(
             "writing {path}: HTTP {status}: {}",
@@ -97,12 +92,12 @@ pub async fn write(socket: &std::path::Path, path: &str, data: &[u8]) -> Result<
 
 /// What the entrypoint and execd printed (execd's bounded ring), and how many older bytes the ring
 /// dropped.
-pub async fn output(socket: &std::path::Path) -> Result<(Vec<u8>, u64), Error> {
+pub async fn output(endpoint: &ExecdEndpoint) -> Result<(Vec<u8>, u64), Error> {
     let req = http::Request::get("/logs")
         .header(http::header::HOST, "localhost")
         .body(Body::empty())?;
     let call = async {
-        let resp = send(socket, req).await?;
+        let resp = send(endpoint, req).await?;
         let status = resp.status().as_u16();
         let dropped = resp
             .headers()
@@ -129,13 +124,13 @@ pub async fn output(socket: &std::path::Path) -> Result<(Vec<u8>, u64), Error> {
 
 /// Whether something inside the sandbox accepts connections on its loopback `port`: execd's proxy
 /// answers at once that nothing is reachable there, or goes on to talk to whatever listens.
-pub async fn port_open(socket: &std::path::Path, port: u16) -> Result<bool, Error> {
+pub async fn port_open(endpoint: &ExecdEndpoint, port: u16) -> Result<bool, Error> {
     let req = http::Request::get(format!("/proxy/{port}/"))
         .header(http::header::HOST, "localhost")
         .body(Body::empty())?;
     match tokio::time::timeout(
         std::time::Duration::from_secs(2),
-        call_unbounded(socket, req),
+        call_unbounded(endpoint, req),
     )
     .await
     {
@@ -148,13 +143,13 @@ pub async fn port_open(socket: &std::path::Path, port: u16) -> Result<bool, Erro
 }
 
 /// Runs `command` in the sandbox (`sh -c`, as execd runs commands) and returns its exit code.
-pub async fn run(socket: &std::path::Path, command: &str) -> Result<i32, Error> {
+pub async fn run(endpoint: &ExecdEndpoint, command: &str) -> Result<i32, Error> {
     let body = serde_json::json!({"command": command}).to_string();
     let req = http::Request::post("/command")
         .header(http::header::HOST, "localhost")
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Body::from(body))?;
-    let (status, body) = call(socket, req).await?;
+    let (status, body) = call(endpoint, req).await?;
     if status != 200 {
         return Err(format!(
             "execd answered HTTP {status}: {}",

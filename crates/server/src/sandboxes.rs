@@ -17,7 +17,7 @@ use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
 use crate::error::ApiError;
-use crate::execd_conns::ExecdConns;
+use crate::execd_conns::{ExecdConns, ExecdEndpoint};
 use crate::network::{needs_link, Network};
 use crate::validate::CreatePlan;
 
@@ -265,6 +265,16 @@ impl Sandboxes {
     /// The state changes of sandbox `id` this server has seen.
     pub fn events(&self, id: &str) -> Option<Events> {
         self.entry(id).map(|e| lock(&e.events).clone())
+    }
+
+    /// Where and how the server reaches sandbox `id`'s execd (`None`: no such sandbox).
+    pub fn execd_endpoint(&self, id: &str) -> Option<ExecdEndpoint> {
+        let entry = self.entry(id)?;
+        let record = lock(&entry.record);
+        Some(ExecdEndpoint::new(
+            self.inner.runtime.execd_address(id, &record.runtime_state),
+            &record.token,
+        ))
     }
 
     /// The state of sandbox `id`, without copying its record (pools look at every warm one of
@@ -546,6 +556,7 @@ impl Sandboxes {
             volumes: plan.volumes,
             background,
             isolation,
+            execd_verifier: crate::tokens::execd_verifier(&record.token),
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {
@@ -580,7 +591,10 @@ impl Sandboxes {
                     // of server memory, which an idle sandbox nobody has called yet need not hold.
                     self.inner.execd_conns.prewarm(
                         id.clone(),
-                        self.inner.runtime.execd_socket(&id),
+                        ExecdEndpoint::new(
+                            self.inner.runtime.execd_address(&id, &rec.runtime_state),
+                            &rec.token,
+                        ),
                         self.execd_live(&id),
                     );
                 }
@@ -710,8 +724,10 @@ impl Sandboxes {
         let pem = egress
             .enable_credential_proxy(id)
             .map_err(|e| ApiError::internal("starting the credential proxy", &e))?;
-        let socket = self.inner.runtime.execd_socket(id);
-        crate::network::install_ca(&socket, &pem)
+        let endpoint = self
+            .execd_endpoint(id)
+            .ok_or_else(|| ApiError::not_found(id))?;
+        crate::network::install_ca(&endpoint, &pem)
             .await
             .map_err(|e| {
                 ApiError::internal(
@@ -1482,8 +1498,8 @@ pub(crate) mod tests {
             }
             Ok(serde_json::json!({"made": true}))
         }
-        fn execd_socket(&self, id: &str) -> PathBuf {
-            PathBuf::from(format!("/nonexistent/{id}"))
+        fn execd_address(&self, id: &str, _: &RuntimeState) -> warren_core::ExecdAddress {
+            warren_core::ExecdAddress::Unix(PathBuf::from(format!("/nonexistent/{id}")))
         }
         fn wait_exit(
             &self,

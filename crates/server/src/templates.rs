@@ -346,18 +346,20 @@ impl Templates {
         probe: &Probe,
         warmup: u64,
     ) -> Result<String, String> {
-        let socket = self.inner.sandboxes.runtime().execd_socket(sandbox);
+        let Some(endpoint) = self.inner.sandboxes.execd_endpoint(sandbox) else {
+            return Err(format!("sandbox {sandbox} is gone"));
+        };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(warmup);
         match probe {
             Probe::None if warmup > 0 => tokio::time::sleep(Duration::from_secs(warmup)).await,
             Probe::None => {}
             probe => loop {
                 let ready = match probe {
-                    Probe::Port(port) => crate::sandbox_files::port_open(&socket, *port)
+                    Probe::Port(port) => crate::sandbox_files::port_open(&endpoint, *port)
                         .await
                         .unwrap_or(false),
                     Probe::Command(cmd) => {
-                        crate::sandbox_files::run(&socket, cmd).await.ok() == Some(0)
+                        crate::sandbox_files::run(&endpoint, cmd).await.ok() == Some(0)
                     }
                     Probe::None => true,
                 };

@@ -37,6 +37,22 @@ pub fn opens(secret: &str, port: u16, presented: &[u8]) -> bool {
     bool::from(endpoint_token(secret, port).as_bytes().ct_eq(presented))
 }
 
+/// The credential the server sends the sandbox's execd over TCP (`X-EXECD-ACCESS-TOKEN`): of the
+/// same secret, under a label of its own, so no endpoint token handed out computes it.
+pub fn execd_credential(secret: &str) -> String {
+    let mut mac = <Hmac<Sha256>>::new_from_slice(secret.as_bytes())
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+    mac.update(b"warren-execd-v1");
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// What execd is given to check the credential by (`--access-token-sha256`): its SHA-256, which
+/// the sandbox's processes may read without learning the credential.
+pub fn execd_verifier(secret: &str) -> String {
+    use sha2::Digest;
+    hex::encode(Sha256::digest(execd_credential(secret).as_bytes()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,6 +74,14 @@ mod tests {
         assert!(!app.contains(&a));
         assert!(!opens(&a, 8000, a.as_bytes()));
         assert!(!opens(&a, 8000, b""));
+        // execd's credential is none of the endpoint tokens, and its verifier is not it.
+        let execd = execd_credential(&a);
+        for port in [44772, 18080, 8000] {
+            assert_ne!(execd, endpoint_token(&a, port));
+        }
+        assert_ne!(execd, execd_credential(&b));
+        assert_ne!(execd_verifier(&a), execd);
+        assert_eq!(execd_verifier(&a).len(), 64);
         assert!(!opens(&a, 8000, &app.as_bytes()[..63]));
     }
 
