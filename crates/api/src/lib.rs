@@ -1,6 +1,7 @@
 //! Wire types of the OpenSandbox Sandbox Protocol as Warren speaks it.
 //!
-//! This crate depends on serde only (and libc for one `geteuid` in `local`), so clients (SDK, CLI, MCP) never pull in the server or a runtime.
+//! This crate is wire types only and depends on serde alone, so clients (SDK, CLI, MCP) never pull in the server
+//! or a runtime.
 //! Field names are camelCase on the lifecycle API and snake_case on execd, exactly as the official SDKs
 //! expect; see `shared/reference/opensandbox-protocol.md`.
 
@@ -8,7 +9,6 @@ pub mod error;
 pub mod execd;
 pub mod isolated;
 pub mod lifecycle;
-pub mod local;
 
 pub use error::{ErrorBody, ErrorCode};
 

@@ -61,7 +61,7 @@ pub enum ImageCommand {
 }
 
 pub fn run(command: ImageCommand, data_dir: &Path) -> anyhow::Result<ExitCode> {
-    warren_api::local::prepare_data_dir(data_dir)
+    warren_local::prepare_data_dir(data_dir)
         .with_context(|| format!("preparing data dir {}", data_dir.display()))?;
     let store = ImageStore::open(data_dir)
         .with_context(|| format!("opening the image store in {}", data_dir.display()))?;

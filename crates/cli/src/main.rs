@@ -9,6 +9,7 @@ mod image;
 mod mcp;
 mod output;
 mod run;
+mod runtimes;
 mod sandbox;
 mod settings;
 mod shell;
@@ -319,7 +320,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
-    let server = warren_server::Server::bind(cfg).await?;
+    let server = warren_server::Server::bind(cfg, runtimes::make_runtime).await?;
     eprintln!(
         "warren: listening on http://{} (runtime {})",
         server.local_addr(),

@@ -10,7 +10,7 @@ use warren_api::execd::RunCommandRequest;
 use warren_api::lifecycle::{CreateSandboxRequest, ImageSpec};
 use warren_server::config::{self, EnvSource, ProcessEnv};
 
-use warren_api::local::stored_key;
+use warren_local::stored_key;
 use warren_sdk::{Client, Config};
 
 use crate::client::{env_map, Explain};
@@ -88,7 +88,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 let mut cfg = warren_server::ServerConfig::load(&overrides, &env)?;
                 cfg.api_key = Some(random_key());
                 let key = cfg.api_key.clone();
-                let server = warren_server::Server::bind(cfg)
+                let server = warren_server::Server::bind(cfg, crate::runtimes::make_runtime)
                     .await
                     .context("starting an in-process Warren server")?;
                 let addr = server.local_addr();

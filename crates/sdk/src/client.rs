@@ -9,7 +9,7 @@ use warren_api::lifecycle::{
     CreateSandboxRequest, Endpoint, ListSandboxesResponse, RenewExpirationRequest,
     RenewExpirationResponse, Sandbox as SandboxInfo, SandboxState,
 };
-use warren_api::{local, ErrorBody, API_KEY_HEADER, EXECD_PORT};
+use warren_api::{ErrorBody, API_KEY_HEADER, EXECD_PORT};
 
 use crate::error::{Error, Result};
 use crate::sandbox::Sandbox;
@@ -63,13 +63,14 @@ impl Config {
 
     /// [`Config::from_env`] with a custom variable lookup (for tests and embedding).
     pub fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Self {
-        let domain = env("OPEN_SANDBOX_DOMAIN").unwrap_or_else(|| local::DEFAULT_LISTEN.into());
+        let domain =
+            env("OPEN_SANDBOX_DOMAIN").unwrap_or_else(|| warren_local::DEFAULT_LISTEN.into());
         let data_dir: PathBuf = env("WARREN_DATA_DIR")
             .map(Into::into)
-            .unwrap_or_else(|| local::default_data_dir(&env));
+            .unwrap_or_else(|| warren_local::default_data_dir(&env));
         let key = env("OPEN_SANDBOX_API_KEY")
             .or_else(|| env("WARREN_API_KEY"))
-            .or_else(|| local::stored_key(&data_dir));
+            .or_else(|| warren_local::stored_key(&data_dir));
         let mut cfg = Self::new(&domain);
         cfg.api_key = key;
         cfg

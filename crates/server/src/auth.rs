@@ -50,7 +50,7 @@ pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Ne
     }
 }
 
-pub use warren_api::local::key_file;
+pub use warren_local::key_file;
 
 /// Returns the stored key, generating and storing one (0600) on first use.
 pub fn load_or_generate_key(data_dir: &Path) -> std::io::Result<(String, bool)> {

@@ -15,7 +15,7 @@ pub mod env {
     pub const LOG: &str = "WARREN_LOG";
 }
 
-pub use warren_api::local::{API_KEY_FILE, DEFAULT_LISTEN};
+pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
 
 /// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -506,7 +506,7 @@ impl<const N: usize> EnvSource for [(&str, &str); N] {
 }
 
 pub fn default_data_dir(env: &dyn EnvSource) -> PathBuf {
-    warren_api::local::default_data_dir(|k| env.get(k))
+    warren_local::default_data_dir(|k| env.get(k))
 }
 
 impl ServerConfig {
