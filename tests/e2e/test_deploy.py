@@ -1,0 +1,175 @@
+"""Warren deployed: the container image (deploy/Dockerfile, built by scripts/build-image from this
+repository with nothing fetched) run on the test Docker daemon, driven by the official SDK; and the
+Kubernetes manifests (deploy/kubernetes), rendered as kustomize would and validated offline against
+Kubernetes' own schemas (kubernetes-validate bundles them). No Kubernetes API server can run on
+this machine: the manifests are checked, not applied."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import warren_e2e as W
+
+DEPLOY = W.REPO_ROOT / "deploy" / "kubernetes"
+K8S_VERSION = "1.31.0"
+# Kinds whose objects live in a namespace (the ones the manifests use).
+NAMESPACED = {"ServiceAccount", "Service", "StatefulSet", "Secret", "Role", "RoleBinding",
+              "Deployment", "ConfigMap"}
+
+
+def _render() -> list[dict]:
+    """deploy/kubernetes as `kubectl kustomize` renders it, for the fields its kustomization uses
+    (resources, namespace, labels without selectors, images); any other field fails the test, so
+    this stays the renderer of exactly what is there."""
+    k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert set(k) <= {"apiVersion", "kind", "namespace", "labels", "resources", "images"}, k
+    docs = []
+    for name in k["resources"]:
+        docs += [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+    for d in docs:
+        meta = d.setdefault("metadata", {})
+        if d["kind"] in NAMESPACED:
+            meta["namespace"] = k["namespace"]
+        for group in k.get("labels", []):
+            assert group.get("includeSelectors") is False
+            meta.setdefault("labels", {}).update(group["pairs"])
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for img in k.get("images", []):
+                if c["image"] == img["name"]:
+                    c["image"] = f"{img.get('newName', img['name'])}:{img['newTag']}"
+    return docs
+
+
+def test_every_manifest_is_listed_and_valid_against_the_kubernetes_schema():
+    import kubernetes_validate
+    listed = set(yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"])
+    on_disk = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, f"manifests not in the kustomization, or listed but missing: {listed ^ on_disk}"
+    docs = _render()
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    # The validator is strict: a misspelt field or a wrong type is refused.
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    bad = copy.deepcopy(sts)
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+    bad = copy.deepcopy(sts)
+    bad["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_the_manifests_fit_together():
+    docs = {d["kind"]: d for d in _render()}
+    sts, svc, sa = docs["StatefulSet"], docs["Service"], docs["ServiceAccount"]
+    pod = sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items(), "the Service selects no Warren pod"
+    (c,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["WARREN_LISTEN"]["value"].endswith(f":{ports['http']}")
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, c[probe]
+    # The API key comes from a Secret, never from the manifests.
+    assert env["WARREN_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "warren-api-key", "key": "api-key"}
+    assert "warren-api-key" in (DEPLOY / "kustomization.yaml").read_text()  # how to make it is said
+    # Sandboxes' overlays cannot sit on the container's overlay: the data dir is a volume.
+    mount = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mount[env["WARREN_DATA_DIR"]["value"]] == "data"
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    # Warren with the native runtime calls no Kubernetes API: no token in the pod.
+    assert pod["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    assert sa["automountServiceAccountToken"] is False
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert c["image"] == "warren:latest"
+
+
+def _docker(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def warren_container(work_root):
+    if not any(r.startswith("docker") for r in W.oci_runtimes()):
+        pytest.skip("the image is tested on the Docker runtimes' daemon (WARREN_E2E_OCI_RUNTIMES has none)")
+    if not os.environ.get("DOCKER_HOST") or not shutil.which("docker"):
+        pytest.fail("the container image test needs the test Docker daemon (DOCKER_HOST)", pytrace=False)
+    tag = f"warren-e2e:{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, WARREN_PROFILE=os.environ.get("WARREN_PROFILE", "debug"))
+    built = subprocess.run([str(W.REPO_ROOT / "scripts" / "build-image"), tag], env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    volume = f"warren-e2e-data-{uuid.uuid4().hex[:8]}"
+    key = "wk-" + uuid.uuid4().hex
+    name = f"warren-e2e-{uuid.uuid4().hex[:8]}"
+    port = W.free_port()
+    # What `--privileged` grants, spelt out: runc cannot grant it here, since this machine's
+    # capability bounding set lacks CAP_SYS_RESOURCE. The test daemon has no bridge network
+    # (scripts/start-dockerd), so the container shares the host's and listens on loopback only.
+    privileged = ["--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
+                  "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
+                  "--security-opt", "systempaths=unconfined", "--device-cgroup-rule", "a *:* rwm",
+                  "-v", "/sys/fs/cgroup:/sys/fs/cgroup", "-v", "/dev:/dev"]
+    try:
+        _docker("run", "-d", "--name", name, *privileged, "--network", "host",
+                "-v", f"{volume}:/var/lib/warren", "-e", f"WARREN_API_KEY={key}",
+                "-e", f"WARREN_LISTEN=127.0.0.1:{port}", tag)
+        base = f"http://127.0.0.1:{port}"
+
+        def healthy():
+            try:
+                return httpx.get(f"{base}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            W.wait_until(healthy, 60, interval=0.5, message="Warren in its container to answer /health")
+        except AssertionError:
+            raise AssertionError(_docker("logs", "--tail", "40", name, check=False).stderr)
+        yield base, key, name
+    finally:
+        _docker("rm", "-f", name, check=False)
+        _docker("volume", "rm", "-f", volume, check=False)
+        _docker("rmi", "-f", tag, check=False)
+
+
+def test_the_image_serves_sandboxes_to_the_official_sdk(warren_container):
+    from opensandbox import SandboxSync
+    from opensandbox.config import ConnectionConfigSync
+    base, key, name = warren_container
+    health = httpx.get(f"{base}/health", timeout=10).json()
+    assert health["runtime"]["name"] == "native/embedded", health
+    # The API is authenticated, with the key the container was given.
+    assert httpx.get(f"{base}/v1/sandboxes", timeout=10).status_code == 401
+    config = ConnectionConfigSync(domain=base.removeprefix("http://"), api_key=key,
+                                  request_timeout=timedelta(seconds=60))
+    sbx = SandboxSync.create("host", connection_config=config, timeout=timedelta(minutes=5),
+                             ready_timeout=timedelta(seconds=60))
+    try:
+        code, out, _ = W.sh(sbx, "echo hello from $(hostname); id -u; ls /usr/local/bin")
+        assert code == 0, out
+        lines = out.split("\n")
+        assert lines[0].startswith("hello from "), out
+        assert "warren" in lines, out
+        sbx.files.write_file("/tmp/in-container.txt", "round trip")
+        assert sbx.files.read_file("/tmp/in-container.txt") == "round trip"
+    finally:
+        sbx.kill()
+        sbx.close()
+    # Deleted inside the container: nothing of it is left there.
+    left = _docker("exec", name, "/bin/ls", "/var/lib/warren/sandboxes", check=False).stdout.split()
+    assert sbx.id not in left, left
