@@ -288,6 +288,11 @@ class WarrenServer:
         # Tests never reach a real resolver: a sandbox's DNS goes nowhere (the discard port on
         # loopback) unless the test gives the server its own upstream (`extra_config`).
         network = self.extra_config or '[network]\ndns_upstream = "127.0.0.1:9"\n'
+        if self.runtime == "kubernetes":
+            # The cluster is the test's (tests/e2e/fakekube.py), named in `more_config`.
+            self.config_path.write_text('[runtime]\nkind = "kubernetes"\n' + self.runtime_config + storage
+                                        + network + self.more_config)
+            return
         if self.is_docker:
             text = '[runtime]\nkind = "docker"\n' + self.runtime_config + '[docker]\n'
             if os.environ.get("DOCKER_HOST"):

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use warren_core::Runtime;
 use warren_runtime_docker::{DockerConfig, DockerRuntime};
+use warren_runtime_kubernetes::{Connection, KubernetesConfig, KubernetesRuntime, PodSettings};
 use warren_runtime_native::{NativeConfig, NativeRuntime};
 use warren_server::config::RuntimeKind;
 use warren_server::ServerConfig;
@@ -30,6 +31,7 @@ pub fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     let execd_tcp = config.runtime.execd_transport == warren_api::lifecycle::ExecdTransport::Tcp;
     match config.runtime.kind {
         RuntimeKind::Native => {}
+        RuntimeKind::Kubernetes => return kubernetes(config, start_timeout(120)?),
         RuntimeKind::Docker if execd_tcp => {
             anyhow::bail!("[runtime] execd_transport = \"tcp\" is served by the native runtime's embedded mode only")
         }
@@ -90,4 +92,67 @@ pub fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         execd_tcp,
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
+}
+
+/// The Kubernetes runtime: `[kubernetes]`, or the cluster Warren runs in.
+fn kubernetes(
+    config: &ServerConfig,
+    ready_timeout: std::time::Duration,
+) -> anyhow::Result<Arc<dyn Runtime>> {
+    let k = &config.kubernetes;
+    let connection = match &k.api_server {
+        Some(server) => Connection {
+            server: server.trim_end_matches('/').to_string(),
+            token: match &k.token_file {
+                Some(f) => Some(
+                    std::fs::read_to_string(f)
+                        .with_context(|| format!("[kubernetes] token_file {}", f.display()))?
+                        .trim()
+                        .to_string(),
+                ),
+                None => None,
+            },
+            ca_pem: match &k.ca_file {
+                Some(f) => Some(
+                    std::fs::read(f)
+                        .with_context(|| format!("[kubernetes] ca_file {}", f.display()))?,
+                ),
+                None => None,
+            },
+        },
+        None => Connection::in_cluster().context(
+            "[runtime] kind = \"kubernetes\": not in a cluster (no KUBERNETES_SERVICE_HOST and service account); set [kubernetes] api_server",
+        )?,
+    };
+    let instance = match &k.instance {
+        Some(i) => i.clone(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_ascii_lowercase())
+            .unwrap_or_else(|_| "warren".into()),
+    };
+    warren_runtime_kubernetes::check_label_value("[kubernetes] instance", &instance)
+        .map_err(anyhow::Error::msg)?;
+    let runtime = KubernetesRuntime::new(KubernetesConfig {
+        connection,
+        namespace: k
+            .namespace
+            .clone()
+            .unwrap_or_else(warren_runtime_kubernetes::default_namespace),
+        pod: PodSettings {
+            instance,
+            execd_image: k
+                .execd_image
+                .clone()
+                .unwrap_or_else(|| "warren:latest".into()),
+            execd_image_path: k
+                .execd_image_path
+                .clone()
+                .unwrap_or_else(|| "/usr/local/bin/warren-execd".into()),
+            runtime_class: k.runtime_class.clone(),
+            node_selector: k.node_selector.clone(),
+            tolerations: warren_runtime_kubernetes::tolerations(&k.tolerations),
+        },
+        ready_timeout,
+    })?;
+    Ok(Arc::new(runtime))
 }

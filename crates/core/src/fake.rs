@@ -89,6 +89,7 @@ impl FakeRuntime {
                 code: Some(code),
                 signal: None,
                 vanished: false,
+                detail: None,
             },
         );
     }
@@ -101,6 +102,7 @@ impl FakeRuntime {
                 code: None,
                 signal: Some(9),
                 vanished: true,
+                detail: None,
             },
         );
         self.lock().sandboxes.remove(id);
@@ -191,6 +193,7 @@ impl Runtime for FakeRuntime {
                 code: None,
                 signal: None,
                 vanished: true,
+                detail: None,
             };
             match exit {
                 // A dropped sender (destroyed) ends it as killed.
@@ -198,6 +201,7 @@ impl Runtime for FakeRuntime {
                     code: None,
                     signal: Some(9),
                     vanished: false,
+                    detail: None,
                 }),
                 None => gone,
             }

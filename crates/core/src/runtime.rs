@@ -129,6 +129,8 @@ pub struct ExitInfo {
     /// The sandbox was removed by someone else (a container deleted behind Warren's back), rather
     /// than ending by itself.
     pub vanished: bool,
+    /// What the runtime knows of why (a Pod evicted for memory pressure), for the sandbox's status.
+    pub detail: Option<String>,
 }
 
 /// What a runtime finds when asked about a sandbox it created earlier.

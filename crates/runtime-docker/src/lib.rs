@@ -669,6 +669,7 @@ impl Runtime for DockerRuntime {
                                 code: None,
                                 signal: None,
                                 vanished: true,
+                                detail: None,
                             };
                         }
                         if !status.is_success() {
@@ -693,17 +694,20 @@ impl Runtime for DockerRuntime {
                                 code: None,
                                 signal: None,
                                 vanished: true,
+                                detail: None,
                             },
                             // 128+n: killed by signal n (the shell convention Docker follows)
                             Some(c) if c > 128 && c < 160 => ExitInfo {
                                 code: None,
                                 signal: Some(c - 128),
                                 vanished: false,
+                                detail: None,
                             },
                             c => ExitInfo {
                                 code: c,
                                 signal: None,
                                 vanished: false,
+                                detail: None,
                             },
                         };
                     }

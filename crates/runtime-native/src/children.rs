@@ -143,12 +143,14 @@ pub(crate) fn reap_pidfd_with(fd: &OwnedFd, flags: libc::c_int) -> Option<ExitIn
             code: Some(status),
             signal: None,
             vanished: false,
+            detail: None,
         }
     } else {
         ExitInfo {
             code: None,
             signal: Some(status),
             vanished: false,
+            detail: None,
         }
     })
 }

@@ -1124,6 +1124,7 @@ impl Runtime for NativeRuntime {
                 code: None,
                 signal: None,
                 vanished: false,
+                detail: None,
             };
             let Some(pid) = pid else { return gone };
             let Some(fd) = pidfd_open(pid) else {

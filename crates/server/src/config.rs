@@ -36,6 +36,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub docker: DockerSection,
     #[serde(default)]
+    pub kubernetes: KubernetesSection,
+    #[serde(default)]
     pub storage: StorageSection,
     #[serde(default)]
     pub limits: LimitsSection,
@@ -240,6 +242,33 @@ pub struct DockerSection {
     pub pull: Option<String>,
 }
 
+/// `[kubernetes]`: where the cluster is and what the sandboxes' Pods get.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSection {
+    /// The API server's URL; default: the cluster Warren runs in (its service account).
+    pub api_server: Option<String>,
+    /// A bearer token file and a CA bundle for `api_server` (outside a cluster).
+    pub token_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    /// Where the sandboxes' Pods go; default: Warren's own namespace in a cluster, else `default`.
+    pub namespace: Option<String>,
+    /// This server's label value on its Pods (`io.warren.owner`); default: the host name (a
+    /// StatefulSet's Pod name). Each server must have its own: it removes the Pods of its
+    /// instance that it has no record of.
+    pub instance: Option<String>,
+    /// The image the init container copies execd from (`scripts/build-image` makes it).
+    pub execd_image: Option<String>,
+    /// Where execd is in that image.
+    pub execd_image_path: Option<String>,
+    /// `runtimeClassName` of every sandbox Pod (gVisor, Kata…).
+    pub runtime_class: Option<String>,
+    #[serde(default)]
+    pub node_selector: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub tolerations: Vec<std::collections::BTreeMap<String, String>>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeSection {
@@ -307,6 +336,8 @@ pub enum RuntimeKind {
     Native,
     /// A Docker Engine (`[docker]`).
     Docker,
+    /// Pods on a Kubernetes cluster (`[kubernetes]`).
+    Kubernetes,
 }
 
 impl RuntimeKind {
@@ -314,6 +345,7 @@ impl RuntimeKind {
         match self {
             RuntimeKind::Native => "native",
             RuntimeKind::Docker => "docker",
+            RuntimeKind::Kubernetes => "kubernetes",
         }
     }
 }
@@ -465,6 +497,7 @@ pub struct ServerConfig {
     pub terminated_retention_seconds: i64,
     pub runtime: RuntimeSection,
     pub docker: DockerSection,
+    pub kubernetes: KubernetesSection,
     pub storage: StorageSection,
     pub limits: LimitsSection,
     pub network: NetworkSection,
@@ -562,6 +595,7 @@ impl ServerConfig {
             terminated_retention_seconds: file.terminated_retention_seconds.unwrap_or(3600),
             runtime,
             docker: file.docker.clone(),
+            kubernetes: file.kubernetes.clone(),
             storage: file.storage.clone(),
             limits: file.limits.clone(),
             network: file.network.clone(),

@@ -861,6 +861,10 @@ impl Sandboxes {
                     "the sandbox's processes ended".to_string(),
                 ),
             };
+            let message = match &info.detail {
+                Some(detail) => format!("{message} ({detail})"),
+                None => message,
+            };
             tracing::info!(sandbox_id = %id, %message, "sandbox ended by itself");
             if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");

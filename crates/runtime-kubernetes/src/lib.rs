@@ -1,0 +1,457 @@
+//! The Kubernetes runtime: each sandbox is a Pod in one namespace of a cluster (see `pod` for what
+//! the Pod is). Warren reaches execd over the Pod network, on the Pod's IP, with the per-sandbox
+//! credential execd checks; it follows its Pods through one shared watch (`watch`), so a create
+//! waits for its Pod to run, and a Pod that ends, is evicted or is deleted behind Warren's back
+//! shows as its sandbox's end.
+//!
+//! Sandboxes get no network but execd's port by default: one NetworkPolicy, made once per Warren
+//! instance, denies their Pods all egress and lets in only execd's port (enforced where the cluster's
+//! network plugin enforces NetworkPolicies). Pause and snapshots are not offered on Kubernetes.
+
+mod client;
+pub mod pod;
+mod watch;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::OnceCell;
+use warren_core::{
+    ExecdAddress, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities,
+    RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
+};
+
+pub use client::{Client, Connection, KubeError};
+pub use pod::{PodSettings, LABEL_OWNER, LABEL_SANDBOX};
+use watch::{PodWatch, Seen};
+
+#[derive(Debug, Clone)]
+pub struct KubernetesConfig {
+    pub connection: Connection,
+    pub namespace: String,
+    pub pod: PodSettings,
+    pub ready_timeout: Duration,
+}
+
+/// What the server persists about a sandbox's Pod.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PodState {
+    pod: String,
+    uid: String,
+    ip: String,
+}
+
+pub struct KubernetesRuntime {
+    client: Arc<Client>,
+    config: KubernetesConfig,
+    pods: Arc<PodWatch>,
+    /// The instance's default-deny NetworkPolicy exists (made before the first create).
+    policy: OnceCell<()>,
+}
+
+impl KubernetesRuntime {
+    /// Starts watching the instance's Pods; needs a Tokio runtime.
+    pub fn new(config: KubernetesConfig) -> Result<Self, RuntimeError> {
+        let client = Arc::new(
+            Client::new(config.connection.clone())
+                .map_err(|e| RuntimeError::backend(e.to_string()))?,
+        );
+        let pods = PodWatch::start(
+            client.clone(),
+            format!("/api/v1/namespaces/{}/pods", config.namespace),
+            client::selector(&[(LABEL_OWNER, &config.pod.instance)]),
+        );
+        Ok(Self {
+            client,
+            config,
+            pods,
+            policy: OnceCell::new(),
+        })
+    }
+
+    fn pods_path(&self) -> String {
+        format!("/api/v1/namespaces/{}/pods", self.config.namespace)
+    }
+
+    fn map_err(&self, what: &str, e: KubeError) -> RuntimeError {
+        match e {
+            KubeError::Unavailable { .. } => RuntimeError::Unavailable(format!("{what}: {e}")),
+            KubeError::Api { status: 404, .. } => RuntimeError::NotFound(format!("{what}: {e}")),
+            KubeError::Api { status: 409, .. } => RuntimeError::Conflict(format!("{what}: {e}")),
+            // The API server refused the object (admission, quota, an invalid field).
+            KubeError::Api {
+                status: 400 | 403 | 422,
+                ..
+            } => RuntimeError::Invalid(format!("{what}: {e}")),
+            e => RuntimeError::backend(format!("{what}: {e}")),
+        }
+    }
+
+    /// The NetworkPolicy that gives the instance's sandboxes no egress and only execd's port in.
+    async fn ensure_policy(&self) -> Result<(), RuntimeError> {
+        self.policy
+            .get_or_try_init(|| async {
+                let body = json!({
+                    "apiVersion": "networking.k8s.io/v1",
+                    "kind": "NetworkPolicy",
+                    "metadata": {
+                        "name": format!("warren-sandboxes-{}", self.config.pod.instance),
+                        "labels": {LABEL_OWNER: self.config.pod.instance},
+                    },
+                    "spec": {
+                        "podSelector": {"matchLabels": {LABEL_OWNER: self.config.pod.instance}},
+                        "policyTypes": ["Ingress", "Egress"],
+                        "ingress": [{"ports": [{"protocol": "TCP", "port": warren_api::EXECD_PORT}]}],
+                        "egress": [],
+                    },
+                });
+                let path = format!(
+                    "/apis/networking.k8s.io/v1/namespaces/{}/networkpolicies",
+                    self.config.namespace
+                );
+                match self.client.create(&path, &body).await {
+                    Ok(_) => Ok(()),
+                    Err(e) if e.status() == Some(409) => Ok(()),
+                    Err(e) => Err(self.map_err("creating the sandboxes' NetworkPolicy", e)),
+                }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Waits until Pod `name` runs with an IP and execd accepts connections there.
+    async fn wait_ready(&self, name: &str, deadline: Instant) -> Result<PodView, RuntimeError> {
+        let mut rx = self.pods.subscribe(name);
+        loop {
+            let seen = rx.borrow_and_update().clone();
+            match seen {
+                Seen::Present(view) if view.ended() || view.deleting => {
+                    return Err(RuntimeError::StartFailed(view.failure()))
+                }
+                Seen::Present(view) if view.phase == "Running" => {
+                    if let Some(ip) = view.ip.clone() {
+                        if execd_listens(&ip).await {
+                            return Ok(view);
+                        }
+                        // Running, but execd not listening yet: look again shortly.
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        let _ =
+                            tokio::time::timeout(left.min(Duration::from_millis(50)), rx.changed())
+                                .await;
+                        if Instant::now() >= deadline {
+                            break;
+                        }
+                        continue;
+                    }
+                }
+                Seen::Gone => {
+                    return Err(RuntimeError::StartFailed(
+                        "the Pod was deleted while it started".into(),
+                    ))
+                }
+                _ => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, rx.changed()).await.is_err() {
+                break;
+            }
+        }
+        Err(RuntimeError::StartFailed(format!(
+            "the Pod did not run with execd listening within the start timeout ({} s, [runtime] start_timeout_seconds)",
+            self.config.ready_timeout.as_secs_f64()
+        )))
+    }
+
+    /// Whether the API server still has Pod `name` (unsure counts as yes).
+    async fn pod_exists(&self, name: &str) -> bool {
+        !matches!(
+            self.client.get(&format!("{}/{name}", self.pods_path())).await,
+            Err(e) if e.status() == Some(404)
+        )
+    }
+
+    async fn delete_pod(&self, name: &str) -> Result<(), RuntimeError> {
+        self.client
+            .delete(&format!("{}/{name}", self.pods_path()), 0)
+            .await
+            .map_err(|e| self.map_err("deleting the Pod", e))
+    }
+}
+
+use pod::PodView;
+
+/// Whether execd accepts a connection at `ip` (its port).
+async fn execd_listens(ip: &str) -> bool {
+    let Ok(ip) = ip.parse::<std::net::IpAddr>() else {
+        return false;
+    };
+    let addr = SocketAddr::new(ip, warren_api::EXECD_PORT);
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
+}
+
+fn vanished(detail: &str) -> ExitInfo {
+    ExitInfo {
+        code: None,
+        signal: None,
+        vanished: true,
+        detail: Some(detail.to_string()),
+    }
+}
+
+fn state_of(state: &RuntimeState) -> Option<PodState> {
+    serde_json::from_value(state.clone()).ok()
+}
+
+#[async_trait::async_trait]
+impl Runtime for KubernetesRuntime {
+    fn name(&self) -> String {
+        match &self.config.pod.runtime_class {
+            Some(class) => format!("kubernetes/{class}"),
+            None => "kubernetes".into(),
+        }
+    }
+
+    fn image_source(&self) -> ImageSource {
+        ImageSource::Engine
+    }
+
+    fn capabilities(&self) -> RuntimeCapabilities {
+        RuntimeCapabilities {
+            execd_transport: ExecdTransport::Tcp,
+            pause: false,
+            snapshots: false,
+            // Sandboxes have none (the instance's NetworkPolicy); policies of their own are not
+            // offered yet.
+            egress_policy: false,
+            // `ephemeral-storage` is passed on as a limit, which the kubelet enforces by eviction.
+            disk_bound: false,
+            user_namespaces: false,
+            isolated_sessions: false,
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
+        let SandboxImage::Reference { name: image, auth } = &spec.image else {
+            return Err(RuntimeError::Unsupported(
+                "the Kubernetes runtime runs images the cluster pulls; imported images need the native runtime"
+                    .into(),
+            ));
+        };
+        if image == "host" {
+            return Err(RuntimeError::Unsupported(
+                "the built-in `host` image needs the native runtime".into(),
+            ));
+        }
+        if auth.is_some() {
+            return Err(RuntimeError::Unsupported(
+                "image.auth on Kubernetes: give the namespace's service account an imagePullSecret instead"
+                    .into(),
+            ));
+        }
+        let manifest =
+            pod::manifest(spec, image, &self.config.pod).map_err(RuntimeError::Invalid)?;
+        self.ensure_policy().await?;
+        let deadline = Instant::now() + self.config.ready_timeout;
+        let name = pod::pod_name(&spec.id);
+        let created = self
+            .client
+            .create(&self.pods_path(), &manifest)
+            .await
+            .map_err(|e| self.map_err("creating the Pod", e))?;
+        let uid = created["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        match self.wait_ready(&name, deadline).await {
+            Ok(view) => serde_json::to_value(PodState {
+                pod: name,
+                uid,
+                ip: view.ip.unwrap_or_default(),
+            })
+            .map_err(|e| RuntimeError::backend_with("encoding state", e)),
+            Err(e) => {
+                // Nothing half-made: the Pod goes.
+                let _ = self.delete_pod(&name).await;
+                self.pods.forget(&name);
+                Err(e)
+            }
+        }
+    }
+
+    fn execd_address(&self, _id: &str, state: &RuntimeState) -> ExecdAddress {
+        let addr = state_of(state)
+            .and_then(|s| s.ip.parse::<std::net::IpAddr>().ok())
+            .map(|ip| SocketAddr::new(ip, warren_api::EXECD_PORT))
+            // A record without an address reaches nothing (the discard port of nowhere).
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 9)));
+        ExecdAddress::Tcp(addr)
+    }
+
+    fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
+        let name = state_of(state)
+            .map(|s| s.pod)
+            .unwrap_or_else(|| pod::pod_name(id));
+        let pods = self.pods.clone();
+        let client = self.client.clone();
+        let path = format!("{}/{name}", self.pods_path());
+        Box::pin(async move {
+            pods.synced().await;
+            let mut rx = pods.subscribe(&name);
+            if matches!(*rx.borrow(), Seen::Unknown)
+                && matches!(client.get(&path).await, Err(e) if e.status() == Some(404))
+            {
+                // Not in the watch's list, and not there.
+                return vanished("the Pod was deleted");
+            }
+            loop {
+                let seen = rx.borrow_and_update().clone();
+                match seen {
+                    Seen::Gone => return vanished("the Pod was deleted"),
+                    Seen::Present(view) if view.deleting => {
+                        return vanished("the Pod is being deleted")
+                    }
+                    Seen::Present(view) if view.ended() => {
+                        let code = view.exit.as_ref().map(|(c, _)| *c);
+                        return ExitInfo {
+                            code,
+                            signal: None,
+                            vanished: false,
+                            // The Pod's own reason (an eviction) says more than the code.
+                            detail: view.reason.clone().or_else(|| {
+                                view.exit
+                                    .as_ref()
+                                    .map(|(_, why)| why.clone())
+                                    .filter(|w| !w.is_empty())
+                            }),
+                        };
+                    }
+                    _ => {}
+                }
+                if rx.changed().await.is_err() {
+                    // Forgotten: its sandbox was deleted.
+                    return vanished("the Pod was deleted");
+                }
+            }
+        })
+    }
+
+    async fn pause(&self, _id: &str, _state: &RuntimeState) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unsupported(
+            "pause is not offered on Kubernetes: a Pod cannot be frozen through the Kubernetes API"
+                .into(),
+        ))
+    }
+
+    async fn resume(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
+        self.pause(id, state).await
+    }
+
+    async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
+        let name = state_of(state)
+            .map(|s| s.pod)
+            .unwrap_or_else(|| pod::pod_name(id));
+        self.delete_pod(&name).await?;
+        // Gone from the API server (its containers stopped) before the delete answers, within
+        // bounds: a node that went away leaves its Pods to the node controller. The watch says
+        // when; a Pod it never saw (gone before this server started) is looked up.
+        let mut rx = self.pods.subscribe(&name);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if matches!(*rx.borrow_and_update(), Seen::Gone) || !self.pod_exists(&name).await {
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(1), rx.changed()).await;
+        }
+        self.pods.forget(&name);
+        Ok(())
+    }
+
+    async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
+        let name = state_of(state)
+            .map(|s| s.pod)
+            .unwrap_or_else(|| pod::pod_name(id));
+        match self
+            .client
+            .get(&format!("{}/{name}", self.pods_path()))
+            .await
+        {
+            Ok(pod) => {
+                let view = PodView::of(&pod);
+                let same = state_of(state).is_none_or(|s| s.uid.is_empty() || s.uid == view.uid);
+                if same && !view.ended() && !view.deleting {
+                    Liveness::Running
+                } else {
+                    Liveness::Gone
+                }
+            }
+            Err(e) if e.status() == Some(404) => Liveness::Gone,
+            // Unknown (the API server is unreachable): assume it runs; its watch tells later.
+            Err(e) => {
+                tracing::warn!(sandbox_id = %id, error = %e, "could not look the Pod up");
+                Liveness::Running
+            }
+        }
+    }
+
+    async fn sweep_orphans(&self, known: &[String]) {
+        let selector = client::selector(&[(LABEL_OWNER, &self.config.pod.instance)]);
+        let path = format!(
+            "{}?labelSelector={}",
+            self.pods_path(),
+            watch::encode(&selector)
+        );
+        let Ok(list) = self.client.get(&path).await else {
+            return;
+        };
+        for p in list["items"].as_array().into_iter().flatten() {
+            let Some(id) = p["metadata"]["labels"][LABEL_SANDBOX].as_str() else {
+                continue;
+            };
+            if !known.iter().any(|k| k == id) {
+                if let Some(name) = p["metadata"]["name"].as_str() {
+                    tracing::info!(
+                        pod = name,
+                        "removing a Pod of this instance that has no sandbox record"
+                    );
+                    let _ = self.delete_pod(name).await;
+                }
+            }
+        }
+    }
+}
+
+/// The settings `[kubernetes]` leaves out: in a cluster, its own namespace; else `default`.
+pub fn default_namespace() -> String {
+    Connection::in_cluster_namespace().unwrap_or_else(|| "default".into())
+}
+
+/// The labels and selectors a config may set, checked as Kubernetes would.
+pub fn check_label_value(what: &str, value: &str) -> Result<(), String> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && value.as_bytes()[0].is_ascii_alphanumeric()
+        && value.as_bytes()[value.len() - 1].is_ascii_alphanumeric();
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} = {value:?}: a Kubernetes label value (at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)"
+        ))
+    }
+}
+
+/// Tolerations as TOML gives them, for the Pod spec.
+pub fn tolerations(values: &[BTreeMap<String, String>]) -> Vec<Value> {
+    values.iter().map(|t| json!(t)).collect()
+}

@@ -1,0 +1,350 @@
+//! What a sandbox is on Kubernetes: the Pod Warren creates for it, and what Warren reads back from
+//! a Pod's status.
+//!
+//! The sandbox's image runs as the Pod's one container, with execd (copied from Warren's own
+//! image by an init container into a volume of the Pod) as its first process, listening on TCP for
+//! the server and checking the per-sandbox credential whose verifier it is given. The container
+//! gets the same confinement as a sandbox elsewhere: Docker's capabilities less `MKNOD`, no
+//! privilege escalation, the runtime's default seccomp profile, no service account token, no
+//! service links, cpu and memory bounds as requests and limits.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+use warren_core::{policy, SandboxSpec, VolumeSource};
+
+/// Label carrying the sandbox id.
+pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
+/// Label carrying the Warren instance that owns the Pod.
+pub const LABEL_OWNER: &str = "io.warren.owner";
+/// The Pod's container that runs the sandbox.
+pub const SANDBOX_CONTAINER: &str = "sandbox";
+/// Where execd's binary is in the Pod (the init container copies it there).
+pub const EXECD_DIR: &str = "/.warren/bin";
+const EXECD_VOLUME: &str = "warren-execd";
+
+/// What a Pod template needs besides the sandbox's own spec.
+#[derive(Debug, Clone)]
+pub struct PodSettings {
+    pub instance: String,
+    /// An image holding execd's static binary at `execd_image_path`, and `cp`.
+    pub execd_image: String,
+    pub execd_image_path: String,
+    pub runtime_class: Option<String>,
+    pub node_selector: BTreeMap<String, String>,
+    pub tolerations: Vec<Value>,
+}
+
+pub fn pod_name(id: &str) -> String {
+    format!("warren-{id}")
+}
+
+/// The Pod for `spec`; `image` is the reference the cluster pulls.
+pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Result<Value, String> {
+    let execd = format!("{EXECD_DIR}/warren-execd");
+    let mut command = vec![
+        execd.clone(),
+        "--listen".to_string(),
+        format!("0.0.0.0:{}", warren_api::EXECD_PORT),
+        "--access-token-sha256".to_string(),
+        spec.execd_verifier.clone(),
+        "--".to_string(),
+    ];
+    command.extend(spec.entrypoint.iter().cloned());
+    let env: Vec<Value> = spec
+        .env
+        .iter()
+        .map(|(k, v)| json!({"name": k, "value": v}))
+        .collect();
+    let mut limits = serde_json::Map::new();
+    if let Some(m) = spec.limits.cpu_millis {
+        limits.insert("cpu".into(), json!(format!("{m}m")));
+    }
+    if let Some(b) = spec.limits.memory_bytes {
+        limits.insert("memory".into(), json!(b.to_string()));
+    }
+    if let Some(b) = spec.limits.disk_bytes {
+        // The kubelet evicts a Pod over it (rather than the write failing, as on a sandbox disk).
+        limits.insert("ephemeral-storage".into(), json!(b.to_string()));
+    }
+    let mut volumes = vec![json!({"name": EXECD_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})];
+    let mut mounts = vec![json!({"name": EXECD_VOLUME, "mountPath": EXECD_DIR, "readOnly": true})];
+    for (i, v) in spec.volumes.iter().enumerate() {
+        let VolumeSource::Named {
+            claim, sub_path, ..
+        } = &v.source
+        else {
+            return Err(format!(
+                "volume at {}: host folders are not mounted into Pods; use a persistent volume claim (pvc)",
+                v.target
+            ));
+        };
+        let name = format!("volume-{i}");
+        volumes.push(json!({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": v.read_only}}));
+        let mut mount = json!({"name": name, "mountPath": v.target, "readOnly": v.read_only});
+        if let Some(sub) = sub_path {
+            mount["subPath"] = json!(sub);
+        }
+        mounts.push(mount);
+    }
+    let caps: Vec<&str> = policy::KEPT_CAPABILITIES
+        .iter()
+        .map(|c| c.trim_start_matches("CAP_"))
+        .collect();
+    let mut pod_spec = json!({
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": false,
+        "enableServiceLinks": false,
+        "terminationGracePeriodSeconds": 5,
+        "hostname": spec.id.chars().take(12).collect::<String>(),
+        "volumes": volumes,
+        "initContainers": [{
+            "name": "warren-execd",
+            "image": settings.execd_image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["cp", settings.execd_image_path, execd],
+            "volumeMounts": [{"name": EXECD_VOLUME, "mountPath": EXECD_DIR}],
+            "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+            "resources": {"limits": {"cpu": "100m", "memory": "64Mi"}},
+        }],
+        "containers": [{
+            "name": SANDBOX_CONTAINER,
+            "image": image,
+            "command": command,
+            "env": env,
+            "ports": [{"name": "execd", "containerPort": warren_api::EXECD_PORT, "protocol": "TCP"}],
+            "resources": {"limits": limits.clone(), "requests": limits},
+            "volumeMounts": mounts,
+            "securityContext": {
+                "allowPrivilegeEscalation": false,
+                "capabilities": {"drop": ["ALL"], "add": caps},
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+        }],
+    });
+    if let Some(class) = &settings.runtime_class {
+        pod_spec["runtimeClassName"] = json!(class);
+    }
+    if !settings.node_selector.is_empty() {
+        pod_spec["nodeSelector"] = json!(settings.node_selector);
+    }
+    if !settings.tolerations.is_empty() {
+        pod_spec["tolerations"] = json!(settings.tolerations);
+    }
+    Ok(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(&spec.id),
+            "labels": {
+                LABEL_SANDBOX: spec.id,
+                LABEL_OWNER: settings.instance,
+                "app.kubernetes.io/managed-by": "warren",
+            },
+        },
+        "spec": pod_spec,
+    }))
+}
+
+/// What Warren reads from a Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    pub uid: String,
+    pub phase: String,
+    pub ip: Option<String>,
+    pub deleting: bool,
+    /// The sandbox container's end, when it ended: exit code, and the reason and message.
+    pub exit: Option<(i32, String)>,
+    /// Why the Pod failed as a whole (`Evicted`, …), with its message.
+    pub reason: Option<String>,
+}
+
+impl PodView {
+    pub fn of(pod: &Value) -> Self {
+        let status = &pod["status"];
+        let exit = status["containerStatuses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["name"] == SANDBOX_CONTAINER)
+            .and_then(|c| {
+                let t = &c["state"]["terminated"];
+                let code = i32::try_from(t["exitCode"].as_i64()?).ok()?;
+                let why = [t["reason"].as_str(), t["message"].as_str()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join(": ");
+                Some((code, why))
+            });
+        let reason = status["reason"]
+            .as_str()
+            .map(|r| match status["message"].as_str() {
+                Some(m) => format!("{r}: {m}"),
+                None => r.to_string(),
+            });
+        Self {
+            uid: pod["metadata"]["uid"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            phase: status["phase"].as_str().unwrap_or("Pending").to_string(),
+            ip: status["podIP"]
+                .as_str()
+                .filter(|ip| !ip.is_empty())
+                .map(str::to_string),
+            deleting: !pod["metadata"]["deletionTimestamp"].is_null(),
+            exit,
+            reason,
+        }
+    }
+
+    /// The Pod will run no more.
+    pub fn ended(&self) -> bool {
+        matches!(self.phase.as_str(), "Succeeded" | "Failed")
+    }
+
+    /// Why a Pod that did not come up did not, for the caller.
+    pub fn failure(&self) -> String {
+        match (&self.exit, &self.reason) {
+            (Some((code, why)), _) => format!("the sandbox's container exited ({code}) {why}"),
+            (None, Some(r)) => format!("the Pod failed: {r}"),
+            (None, None) => format!("the Pod is {}", self.phase),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_core::{Background, ResourceLimits, SandboxImage, VolumeMount};
+
+    fn spec() -> SandboxSpec {
+        SandboxSpec {
+            id: "0123456789abcdef".into(),
+            image: SandboxImage::Reference {
+                name: "python:3.12".into(),
+                auth: None,
+            },
+            entrypoint: vec!["sleep".into(), "infinity".into()],
+            env: [("A".to_string(), "1".to_string())].into_iter().collect(),
+            limits: ResourceLimits {
+                cpu_millis: Some(500),
+                memory_bytes: Some(1 << 30),
+                pids: 100,
+                disk_bytes: None,
+            },
+            volumes: Vec::new(),
+            background: Background::default(),
+            isolation: false,
+            execd_verifier: "ab".repeat(32),
+        }
+    }
+
+    fn settings() -> PodSettings {
+        PodSettings {
+            instance: "warren-0".into(),
+            execd_image: "warren:latest".into(),
+            execd_image_path: "/usr/local/bin/warren-execd".into(),
+            runtime_class: Some("gvisor".into()),
+            node_selector: [("pool".to_string(), "sandboxes".to_string())].into(),
+            tolerations: vec![
+                json!({"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}),
+            ],
+        }
+    }
+
+    #[test]
+    fn the_pod_runs_execd_first_with_only_the_verifier_and_no_token_of_the_cluster() {
+        let pod = manifest(&spec(), "python:3.12", &settings()).expect("pod");
+        assert_eq!(pod["metadata"]["name"], "warren-0123456789abcdef");
+        assert_eq!(pod["metadata"]["labels"][LABEL_OWNER], "warren-0");
+        let s = &pod["spec"];
+        assert_eq!(s["automountServiceAccountToken"], false);
+        assert_eq!(s["enableServiceLinks"], false);
+        assert_eq!(s["restartPolicy"], "Never");
+        assert_eq!(s["runtimeClassName"], "gvisor");
+        assert_eq!(s["nodeSelector"]["pool"], "sandboxes");
+        let c = &s["containers"][0];
+        let cmd: Vec<&str> = c["command"]
+            .as_array()
+            .expect("command")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(
+            cmd,
+            [
+                "/.warren/bin/warren-execd",
+                "--listen",
+                "0.0.0.0:44772",
+                "--access-token-sha256",
+                &"ab".repeat(32),
+                "--",
+                "sleep",
+                "infinity"
+            ]
+        );
+        assert_eq!(c["resources"]["limits"]["cpu"], "500m");
+        assert_eq!(c["resources"]["limits"]["memory"], (1u64 << 30).to_string());
+        assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+        let added = c["securityContext"]["capabilities"]["add"]
+            .as_array()
+            .expect("caps");
+        assert!(!added.contains(&json!("MKNOD")) && !added.contains(&json!("SYS_ADMIN")));
+        assert_eq!(
+            s["initContainers"][0]["command"],
+            json!([
+                "cp",
+                "/usr/local/bin/warren-execd",
+                "/.warren/bin/warren-execd"
+            ])
+        );
+        assert_eq!(c["volumeMounts"][0]["readOnly"], true);
+    }
+
+    #[test]
+    fn host_folders_are_refused_and_claims_are_mounted() {
+        let mut s = spec();
+        s.volumes = vec![VolumeMount {
+            target: "/data".into(),
+            read_only: false,
+            source: VolumeSource::Named {
+                claim: "work".into(),
+                sub_path: Some("a/b".into()),
+                create_if_missing: false,
+                delete_on_termination: false,
+            },
+        }];
+        let pod = manifest(&s, "img", &settings()).expect("pod");
+        assert_eq!(
+            pod["spec"]["volumes"][1]["persistentVolumeClaim"]["claimName"],
+            "work"
+        );
+        assert_eq!(
+            pod["spec"]["containers"][0]["volumeMounts"][1]["subPath"],
+            "a/b"
+        );
+        s.volumes[0].source = VolumeSource::Host("/etc".into());
+        assert!(manifest(&s, "img", &settings()).is_err());
+    }
+
+    #[test]
+    fn a_pod_s_status_is_read() {
+        let pod = json!({
+            "metadata": {"uid": "u1", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {"phase": "Failed", "podIP": "10.0.0.5", "reason": "Evicted",
+                       "message": "low on memory",
+                       "containerStatuses": [{"name": "sandbox", "state": {"terminated":
+                           {"exitCode": 137, "reason": "OOMKilled"}}}]},
+        });
+        let v = PodView::of(&pod);
+        assert!(v.ended() && v.deleting);
+        assert_eq!(v.ip.as_deref(), Some("10.0.0.5"));
+        assert_eq!(v.exit, Some((137, "OOMKilled".to_string())));
+        assert_eq!(v.reason.as_deref(), Some("Evicted: low on memory"));
+        let pending = PodView::of(&json!({"metadata": {}}));
+        assert_eq!(pending.phase, "Pending");
+        assert!(!pending.ended());
+    }
+}

@@ -1,0 +1,404 @@
+"""A stand-in for a Kubernetes cluster, for the Kubernetes runtime's end-to-end tests: no API server
+can run on this machine, so this is one — the subset Warren uses — with a test kubelet behind it.
+
+API server (HTTP on loopback): Pods and NetworkPolicies in namespaces; create (every object is
+validated strictly against Kubernetes 1.31's schema first, as admission would, and refused 422 if
+it does not fit), get, list and watch with equality label selectors and resource versions (a watch
+from a version older than the oldest event kept is answered with the 410 `ERROR` event the real
+server sends), delete (a graceful delete marks the Pod, the kubelet stops it, then it is removed).
+
+Kubelet: each created Pod gets a network namespace of its own with an address on a veth link to the
+host (10.249.N.2, the host side 10.249.N.1), where it "runs": the init container is checked to copy
+execd where the sandbox container starts it from, and that container's command runs as a process in
+the Pod's network namespace, with execd's binary from this build in place of the copied one. What a
+container runtime adds (the image's root file system, cgroups, seccomp) is not simulated: commands
+run on this host's file system. The Pod's status follows the process: Running with its IP once
+started, Succeeded or Failed with the exit code when it ends.
+
+Tests can also act as the cluster would behind Warren's back: delete a Pod, evict it, compact the
+event history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+K8S_VERSION = "1.31.0"
+EXECD_IN_POD = "/.warren/bin/warren-execd"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+            "reason": reason, "message": message}
+
+
+def _matches(obj: dict, selector: str | None) -> bool:
+    if not selector:
+        return True
+    labels = obj.get("metadata", {}).get("labels", {}) or {}
+    for term in selector.split(","):
+        k, _, v = term.partition("=")
+        if labels.get(k) != v:
+            return False
+    return True
+
+
+class FakeKube:
+    def __init__(self, execd_path: Path, subnet_prefix: str = "10.249"):
+        import kubernetes_validate  # noqa: F401 - fail early without it
+        self.execd_path = execd_path
+        self.subnet_prefix = subnet_prefix
+        self.lock = threading.Condition()
+        self.objects: dict[tuple[str, str, str], dict] = {}   # (resource, namespace, name)
+        self.events: list[tuple[int, str, str, str, dict]] = []  # rv, type, resource, ns, object
+        self.rv = 100
+        self.oldest_rv = 0  # watches from before this are told 410
+        self.generation = 0  # watches open at a compaction end
+        self.holding = False  # new watches wait meanwhile
+        self.creates: dict[str, int] = {}   # resource -> number of creates (API writes)
+        self.writes = 0
+        self.rejected: list[str] = []
+        self.pods: dict[str, dict] = {}   # pod name -> kubelet's record (process, netns, index)
+        self.next_index = 1
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.closed = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    # ---- store -----------------------------------------------------------------------------
+
+    def _bump(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def _record(self, kind: str, resource: str, ns: str, obj: dict) -> None:
+        """Stores obj with a new version and tells watchers. Holding the lock."""
+        obj["metadata"]["resourceVersion"] = self._bump()
+        if kind == "DELETED":
+            self.objects.pop((resource, ns, obj["metadata"]["name"]), None)
+        else:
+            self.objects[(resource, ns, obj["metadata"]["name"])] = obj
+        self.writes += 1
+        self.events.append((self.rv, kind, resource, ns, json.loads(json.dumps(obj))))
+        self.lock.notify_all()
+
+    def get(self, resource: str, ns: str, name: str) -> dict | None:
+        with self.lock:
+            o = self.objects.get((resource, ns, name))
+            return json.loads(json.dumps(o)) if o else None
+
+    def list(self, resource: str, ns: str, selector: str | None = None) -> list[dict]:
+        with self.lock:
+            return [json.loads(json.dumps(o)) for (r, n, _), o in self.objects.items()
+                    if r == resource and n == ns and _matches(o, selector)]
+
+    def compact_while(self, change) -> None:
+        """Ends the open watches, holds new ones while `change()` runs, then forgets the event
+        history as etcd's compaction does: a watch resumed from before the change is answered
+        410, and only a new list shows what changed."""
+        with self.lock:
+            self.generation += 1
+            self.holding = True
+            self.lock.notify_all()
+        try:
+            change()
+        finally:
+            with self.lock:
+                self.events.clear()
+                self.oldest_rv = self.rv
+                self.holding = False
+                self.lock.notify_all()
+
+    def update_pod(self, ns: str, name: str, change) -> None:
+        with self.lock:
+            pod = self.objects.get(("pods", ns, name))
+            if pod is None:
+                return
+            pod = json.loads(json.dumps(pod))
+            change(pod)
+            self._record("MODIFIED", "pods", ns, pod)
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    def _handler(self):
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                u = urlparse(self.path)
+                q = {k: v[0] for k, v in parse_qs(u.query).items()}
+                parts = u.path.strip("/").split("/")
+                # /api/v1/namespaces/NS/pods[/NAME] or /apis/networking.k8s.io/v1/namespaces/NS/networkpolicies[/NAME]
+                if parts[:2] == ["api", "v1"]:
+                    rest = parts[2:]
+                elif parts[:3] == ["apis", "networking.k8s.io", "v1"]:
+                    rest = parts[3:]
+                else:
+                    return None
+                if len(rest) < 3 or rest[0] != "namespaces":
+                    return None
+                ns, resource = rest[1], rest[2]
+                name = rest[3] if len(rest) > 3 else None
+                if resource not in ("pods", "networkpolicies", "persistentvolumeclaims"):
+                    return None
+                return ns, resource, name, q
+
+            def _body(self) -> dict:
+                n = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(n) or b"{}")
+
+            def do_GET(self):
+                r = self._route()
+                if r is None:
+                    return self._send(404, _status(404, "NotFound", "no such route"))
+                ns, resource, name, q = r
+                if name:
+                    o = fake.get(resource, ns, name)
+                    if o is None:
+                        return self._send(404, _status(404, "NotFound", f'{resource} "{name}" not found'))
+                    return self._send(200, o)
+                if q.get("watch") in ("1", "true"):
+                    return self._watch(ns, resource, q)
+                with fake.lock:
+                    items = fake.list(resource, ns, q.get("labelSelector"))
+                    rv = str(fake.rv)
+                return self._send(200, {"kind": "List", "apiVersion": "v1",
+                                        "metadata": {"resourceVersion": rv}, "items": items})
+
+            def _watch(self, ns, resource, q):
+                since = int(q.get("resourceVersion") or 0)
+                selector = q.get("labelSelector")
+                deadline = time.monotonic() + float(q.get("timeoutSeconds") or 60)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+
+                def chunk(obj):
+                    data = (json.dumps(obj) + "\n").encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+
+                with fake.lock:
+                    fake.lock.wait_for(lambda: not fake.holding, timeout=30)
+                generation = fake.generation
+                try:
+                    if since < fake.oldest_rv:
+                        chunk({"type": "ERROR", "object": _status(410, "Expired", "too old resource version")})
+                    else:
+                        while time.monotonic() < deadline and not fake.closed and fake.generation == generation:
+                            with fake.lock:
+                                batch = [e for e in fake.events if e[0] > since and e[2] == resource
+                                         and e[3] == ns and _matches(e[4], selector)]
+                                if not batch:
+                                    fake.lock.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                                    continue
+                            for rv, kind, _, _, obj in batch:
+                                chunk({"type": kind, "object": obj})
+                                since = rv
+                    self.wfile.write(b"0\r\n\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def do_POST(self):
+                r = self._route()
+                if r is None or r[2]:
+                    return self._send(404, _status(404, "NotFound", "no such route"))
+                ns, resource, _, _ = r
+                obj = self._body()
+                problem = fake.admit(obj)
+                if problem:
+                    fake.rejected.append(problem)
+                    return self._send(422, _status(422, "Invalid", problem))
+                name = obj["metadata"]["name"]
+                with fake.lock:
+                    if (resource, ns, name) in fake.objects:
+                        return self._send(409, _status(409, "AlreadyExists", f'{resource} "{name}" already exists'))
+                    obj["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
+                    if resource == "pods":
+                        obj["status"] = {"phase": "Pending"}
+                    fake.creates[resource] = fake.creates.get(resource, 0) + 1
+                    fake._record("ADDED", resource, ns, obj)
+                    out = json.loads(json.dumps(obj))
+                if resource == "pods":
+                    threading.Thread(target=fake._run_pod, args=(ns, name), daemon=True).start()
+                return self._send(201, out)
+
+            def do_DELETE(self):
+                r = self._route()
+                if r is None or not r[2]:
+                    return self._send(404, _status(404, "NotFound", "no such route"))
+                ns, resource, name, _ = r
+                self._body()
+                o = fake.get(resource, ns, name)
+                if o is None:
+                    return self._send(404, _status(404, "NotFound", f'{resource} "{name}" not found'))
+                if resource == "pods":
+                    fake.update_pod(ns, name, lambda p: p["metadata"].__setitem__("deletionTimestamp", _now()))
+                    threading.Thread(target=fake._stop_pod, args=(ns, name), daemon=True).start()
+                else:
+                    with fake.lock:
+                        fake._record("DELETED", resource, ns, o)
+                return self._send(200, o)
+
+        return H
+
+    def admit(self, obj: dict) -> str | None:
+        """Strict schema validation, as the API server's decoding does."""
+        import kubernetes_validate
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            return f"{obj.get('kind')}: {e}"
+        except Exception as e:  # noqa: BLE001 - an object that is not one at all
+            return f"not a Kubernetes object: {e}"
+        return None
+
+    # ---- kubelet ---------------------------------------------------------------------------
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def _run_pod(self, ns: str, name: str) -> None:
+        pod = self.get("pods", ns, name)
+        if pod is None:
+            return
+        spec = pod["spec"]
+        (init,) = spec.get("initContainers", [])
+        (main,) = spec["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in main.get("volumeMounts", [])}
+        init_mounts = {m["name"]: m["mountPath"] for m in init.get("volumeMounts", [])}
+        # The init container must put execd where the sandbox container starts it from.
+        ok = (init["command"][0] == "cp" and init["command"][2] == main["command"][0] == EXECD_IN_POD
+              and any(EXECD_IN_POD.startswith(p + "/") and init_mounts.get(n) == p for n, p in mounts.items()))
+        if not ok:
+            self.update_pod(ns, name, lambda p: p["status"].update(
+                phase="Failed", reason="CreateContainerError", message="execd is not where it is started from"))
+            return
+        with self.lock:
+            index = self.next_index
+            self.next_index += 1
+        netns = f"wk8s-{os.getpid()}-{index}"
+        host_if, pod_if = f"wkh{index}x{os.getpid() % 1000}", f"wkp{index}x{os.getpid() % 1000}"
+        third = index % 250 + 1
+        host_ip, pod_ip = f"{self.subnet_prefix}.{third}.1", f"{self.subnet_prefix}.{third}.2"
+        record = {"netns": netns, "host_if": host_if, "proc": None, "stopped": False}
+        with self.lock:
+            self.pods[name] = record
+        try:
+            self._ip("netns", "add", netns)
+            self._ip("link", "add", host_if, "type", "veth", "peer", "name", pod_if)
+            self._ip("link", "set", pod_if, "netns", netns)
+            self._ip("addr", "add", f"{host_ip}/24", "dev", host_if)
+            self._ip("link", "set", host_if, "up")
+            self._ip("-n", netns, "addr", "add", f"{pod_ip}/24", "dev", pod_if)
+            self._ip("-n", netns, "link", "set", pod_if, "up")
+            self._ip("-n", netns, "link", "set", "lo", "up")
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
+                   "HOSTNAME": spec.get("hostname", name)}
+            env.update({e["name"]: e["value"] for e in main.get("env", [])})
+            argv = ["ip", "netns", "exec", netns, str(self.execd_path), *main["command"][1:], *main.get("args", [])]
+            with self.lock:
+                if record["stopped"]:
+                    raise RuntimeError("deleted while starting")
+                record["proc"] = subprocess.Popen(argv, env=env, cwd="/", start_new_session=True,
+                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL)
+            self.update_pod(ns, name, lambda p: p["status"].update(
+                phase="Running", podIP=pod_ip, podIPs=[{"ip": pod_ip}], hostIP="127.0.0.1",
+                containerStatuses=[{"name": main["name"], "ready": True, "restartCount": 0,
+                                    "image": main["image"], "imageID": "", "state": {"running": {"startedAt": _now()}}}]))
+            code = record["proc"].wait()
+            if not record["stopped"]:
+                self.update_pod(ns, name, lambda p: p["status"].update(
+                    phase="Succeeded" if code == 0 else "Failed",
+                    containerStatuses=[{"name": main["name"], "ready": False, "restartCount": 0,
+                                        "image": main["image"], "imageID": "",
+                                        "state": {"terminated": {"exitCode": code if code >= 0 else 128 - code,
+                                                                 "reason": "Completed" if code == 0 else "Error"}}}]))
+        except Exception as e:  # noqa: BLE001 - the Pod fails, as a kubelet would report it
+            if not record["stopped"]:
+                self.update_pod(ns, name, lambda p: p["status"].update(phase="Failed", reason="KubeletError",
+                                                                       message=str(e)))
+
+    def _kill(self, record: dict) -> None:
+        proc = record.get("proc")
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        subprocess.run(["ip", "link", "del", record["host_if"]], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", record["netns"]], capture_output=True, timeout=10)
+
+    def _stop_pod(self, ns: str, name: str) -> None:
+        with self.lock:
+            record = self.pods.pop(name, None)
+            if record:
+                record["stopped"] = True
+        if record:
+            self._kill(record)
+        with self.lock:
+            pod = self.objects.get(("pods", ns, name))
+            if pod is not None:
+                self._record("DELETED", "pods", ns, json.loads(json.dumps(pod)))
+
+    def evict(self, ns: str, name: str) -> None:
+        """The kubelet evicts the Pod (node pressure): its containers stop, it stays Failed."""
+        with self.lock:
+            record = self.pods.pop(name, None)
+            if record:
+                record["stopped"] = True
+        if record:
+            self._kill(record)
+        self.update_pod(ns, name, lambda p: p["status"].update(
+            phase="Failed", reason="Evicted", message="The node was low on resource: memory."))
+
+    def pod_ip(self, ns: str, name: str) -> str | None:
+        pod = self.get("pods", ns, name)
+        return pod and pod.get("status", {}).get("podIP")
+
+    def close(self) -> None:
+        self.closed = True
+        with self.lock:
+            records = list(self.pods.values())
+            self.pods.clear()
+            self.lock.notify_all()
+        for r in records:
+            r["stopped"] = True
+            self._kill(r)
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,249 @@
+"""The Kubernetes runtime (`[runtime] kind = "kubernetes"`), driven by the official SDK.
+
+No Kubernetes API server can run on this machine: the cluster here is `fakekube.FakeKube`, an API
+server for the subset Warren uses (which validates every object Warren sends against Kubernetes
+1.31's schema, strictly) and a test kubelet that runs each Pod's sandbox container as a process in
+a network namespace of its own with its own address. So these tests check what Warren asks of a
+cluster and how it follows what the cluster does — the Pod it makes, execd reached over the Pod
+network with its credential, a Pod deleted or evicted behind Warren's back, a restart that finds its
+Pods again, a watch that lost its history — not a container runtime's isolation, which the kubelet
+here does not provide. To run them against a real cluster, see README ("Kubernetes runtime")."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from opensandbox.models.execd import RunCommandOpts
+
+import warren_e2e as W
+from fakekube import FakeKube
+
+NS = "sandboxes"
+IMAGE = "registry.invalid/agent-image:1"  # the test kubelet runs no image; never pulled
+APP_PORT = 8767
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    execd = W.warren_bin().with_name("warren-execd")
+    fake = FakeKube(execd)
+    yield fake
+    fake.close()
+
+
+def _server(work_root, cluster, **extra) -> W.WarrenServer:
+    srv = W.WarrenServer("kubernetes", work_root, f"k8s-{uuid.uuid4().hex[:6]}")
+    runtime_class = extra.get("runtime_class")
+    srv.more_config = (
+        "[kubernetes]\n"
+        f'api_server = "{cluster.url}"\n'
+        f'namespace = "{NS}"\n'
+        f'instance = "{srv.name}"\n'
+        'execd_image = "warren:e2e"\n'
+        + (f'runtime_class = "{runtime_class}"\n' if runtime_class else "")
+        + 'node_selector = { "warren.io/sandboxes" = "true" }\n'
+    )
+    srv.check_binary()
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def k8s(work_root, cluster):
+    srv = _server(work_root, cluster, runtime_class="gvisor")
+    yield srv
+    srv.stop()
+
+
+def _create(srv, **kw):
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create(IMAGE, connection_config=srv.sdk_config(), timeout=timedelta(minutes=10),
+                             ready_timeout=timedelta(seconds=60), **kw)
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+def _pod(cluster, sid):
+    return cluster.get("pods", NS, f"warren-{sid}")
+
+
+def _state(srv, sid):
+    with srv.client() as c:
+        r = c.get(f"/v1/sandboxes/{sid}")
+    return r.json()["status"] if r.status_code == 200 else None
+
+
+def test_health_reports_kubernetes_and_what_it_cannot_do(k8s):
+    info = httpx.get(f"{k8s.base_url}/health", timeout=10).json()["runtime"]
+    assert info["kind"] == "kubernetes" and info["name"] == "kubernetes/gvisor", info
+    caps = info["capabilities"]
+    assert caps["execdTransport"] == "tcp" and caps["pause"] is False and caps["snapshots"] is False, caps
+
+
+def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, cluster):
+    sbx = _create(k8s, env={"AGENT": "k8s"}, metadata={"team": "e2e"})
+    try:
+        pod = _pod(cluster, sbx.id)
+        assert pod is not None, "no Pod for the sandbox"
+        spec = pod["spec"]
+        assert pod["metadata"]["labels"]["io.warren.sandbox"] == sbx.id
+        assert pod["metadata"]["labels"]["io.warren.owner"] == k8s.name
+        assert spec["runtimeClassName"] == "gvisor"
+        assert spec["nodeSelector"] == {"warren.io/sandboxes": "true"}
+        assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+        assert spec["initContainers"][0]["image"] == "warren:e2e"
+        (c,) = spec["containers"]
+        assert c["image"] == IMAGE
+        assert "MKNOD" not in c["securityContext"]["capabilities"]["add"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        # The Pod carries execd's verifier, never the credential the server sends.
+        record = _record(k8s, sbx.id)
+        credential = hmac.new(record["token"].encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+        assert credential not in json.dumps(pod)
+        assert hashlib.sha256(credential.encode()).hexdigest() in c["command"]
+
+        # Commands run in the Pod's network namespace, at the Pod's address.
+        code, out, _ = W.sh(sbx, "echo $AGENT; ls /sys/class/net")
+        assert code == 0, out
+        lines = out.split("\n")
+        assert lines[0] == "k8s", out
+        assert any(line.startswith("wkp") for line in lines), out
+        sbx.files.write_file("/tmp/k8s-e2e-file.txt", "via the pod network")
+        assert sbx.files.read_file("/tmp/k8s-e2e-file.txt") == "via the pod network"
+        bg = sbx.commands.run("for i in 1 2 3; do echo n$i; done; sleep 60", opts=RunCommandOpts(background=True))
+        W.wait_until(lambda: "n3" in sbx.commands.get_background_command_logs(bg.id).content, 15,
+                     message="background logs from the Pod")
+        sbx.commands.interrupt(bg.id)
+
+        # A program in the Pod is reached through the endpoint proxy, over execd.
+        sbx.commands.run(f"python3 -m http.server {APP_PORT} --bind 127.0.0.1 --directory /tmp",
+                         opts=RunCommandOpts(background=True))
+        ep = sbx.get_endpoint(APP_PORT)
+        r = W.wait_until(lambda: (x := httpx.get(f"http://{ep.endpoint}/k8s-e2e-file.txt", headers=ep.headers,
+                                                  timeout=10)).status_code == 200 and x, 15, interval=0.2,
+                         message="the app in the Pod to answer through the proxy")
+        assert r.text == "via the pod network"
+
+        # execd's port on the Pod network opens only with the credential.
+        ip = cluster.pod_ip(NS, f"warren-{sbx.id}")
+        for headers in ({}, {"X-EXECD-ACCESS-TOKEN": hashlib.sha256(credential.encode()).hexdigest()}):
+            r = httpx.post(f"http://{ip}:44772/command", json={"command": "touch /tmp/k8s-pwned"},
+                           headers=headers, timeout=10)
+            assert r.status_code == 401, r.text
+        assert httpx.get(f"http://{ip}:44772/ping", headers={"X-EXECD-ACCESS-TOKEN": credential},
+                         timeout=10).status_code == 200
+    finally:
+        sbx.kill()
+        sbx.close()
+    # Deleted: the Pod is gone from the cluster.
+    W.wait_until(lambda: _pod(cluster, sbx.id) is None, 15, message="the Pod to be deleted")
+    assert cluster.rejected == [], cluster.rejected
+
+
+def _record(srv, sid):
+    found = None
+    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
+        rec = (json.loads(line) or {}).get("put") or {}
+        if rec.get("id") == sid:
+            found = rec
+    assert found, sid
+    return found
+
+
+def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):
+    sbx = _create(k8s)
+    try:
+        with k8s.client() as c:
+            r = c.post(f"/v1/sandboxes/{sbx.id}/pause")
+            W.assert_error_body(r, codes=[501])
+            assert "Kubernetes" in r.json()["message"], r.text
+            W.assert_error_body(c.post(f"/v1/sandboxes/{sbx.id}/snapshots", json={"name": "s"}), codes=[400, 501])
+            # The built-in host image is the native runtime's.
+            r = c.post("/v1/sandboxes", json=W.create_body("host"))
+            W.assert_error_body(r, codes=[400, 501])
+        assert _state(k8s, sbx.id)["state"] == "Running"
+    finally:
+        sbx.kill()
+        sbx.close()
+
+
+def test_a_pod_deleted_or_evicted_behind_warrens_back_ends_its_sandbox(k8s, cluster):
+    gone = _create(k8s)
+    evicted = _create(k8s)
+    try:
+        cluster._stop_pod(NS, f"warren-{gone.id}")
+        cluster.evict(NS, f"warren-{evicted.id}")
+        st = W.wait_until(lambda: (s := _state(k8s, gone.id)) and s["state"] in ("Terminated", "Failed") and s,
+                          15, message="the deleted Pod's sandbox to end")
+        assert "removed outside Warren" in st.get("message", ""), st
+        st = W.wait_until(lambda: (s := _state(k8s, evicted.id)) and s["state"] in ("Terminated", "Failed") and s,
+                          15, message="the evicted Pod's sandbox to end")
+        assert st["state"] == "Failed" and "Evicted" in st.get("message", ""), st
+        # The evicted Pod, which the cluster keeps, is removed with its sandbox's end.
+        W.wait_until(lambda: _pod(cluster, evicted.id) is None, 15, message="the evicted Pod to be removed")
+    finally:
+        for s in (gone, evicted):
+            _kill(s)
+
+
+def test_a_watch_that_lost_its_history_lists_again(k8s, cluster):
+    sbx = _create(k8s)
+    try:
+        # The Pod is evicted while Warren's watch is down, and the history it would resume from
+        # is compacted away: only a new list (after the 410) shows the eviction.
+        cluster.compact_while(lambda: cluster.evict(NS, f"warren-{sbx.id}"))
+        st = W.wait_until(lambda: (s := _state(k8s, sbx.id)) and s["state"] == "Failed" and s, 20,
+                          message="the eviction to be seen after the relist")
+        assert "Evicted" in st.get("message", ""), st
+    finally:
+        _kill(sbx)
+
+
+def _kill(sbx) -> None:
+    """Deletes a sandbox that may have ended already."""
+    try:
+        sbx.kill()
+    except Exception:  # noqa: BLE001 - an ended sandbox is not found
+        pass
+    sbx.close()
+
+
+def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(work_root, cluster):
+    from opensandbox import SandboxSync
+    srv = _server(work_root, cluster)
+    try:
+        kept = _create(srv)
+        kept.files.write_file("/tmp/k8s-before-restart.txt", "before")
+        lost = _create(srv)
+        kept.close()
+        lost.close()
+        srv.kill9()
+        # Meanwhile: one Pod deleted, and a stray Pod of this instance that no record names.
+        cluster._stop_pod(NS, f"warren-{lost.id}")
+        stray = json.loads(json.dumps(_pod(cluster, kept.id)))
+        stray["metadata"] = {"name": "warren-stray-" + uuid.uuid4().hex[:8],
+                             "labels": {**stray["metadata"]["labels"], "io.warren.sandbox": "stray"}}
+        stray.pop("status", None)
+        with httpx.Client(base_url=cluster.url) as c:
+            assert c.post(f"/api/v1/namespaces/{NS}/pods", json=stray).status_code == 201
+        srv.start()
+        again = SandboxSync.connect(kept.id, connection_config=srv.sdk_config())
+        try:
+            code, out, _ = W.sh(again, "cat /tmp/k8s-before-restart.txt")
+            assert (code, out.strip()) == (0, "before"), out
+        finally:
+            again.kill()
+            again.close()
+        st = W.wait_until(lambda: (s := _state(srv, lost.id)) is None or s["state"] in ("Terminated", "Failed"),
+                          15, message="the lost Pod's sandbox to be marked")
+        W.wait_until(lambda: cluster.get("pods", NS, stray["metadata"]["name"]) is None, 15,
+                     message="the stray Pod to be removed")
+        assert st is not None
+    finally:
+        srv.stop()
