@@ -1,8 +1,10 @@
 """Warren deployed: the container image (deploy/Dockerfile, built by scripts/build-image from this
-repository with nothing fetched) run on the test Docker daemon, driven by the official SDK; and the
-Kubernetes manifests (deploy/kubernetes), rendered as kustomize would and validated offline against
-Kubernetes' own schemas (kubernetes-validate bundles them). No Kubernetes API server can run on
-this machine: the manifests are checked, not applied."""
+repository with nothing fetched) run on the test Docker daemon, driven by the official SDK — with
+the native runtime (privileged), and unprivileged with the Kubernetes runtime against the test
+cluster of tests/e2e/fakekube.py; and the Kubernetes manifests (deploy/kubernetes/native and
+/pods), rendered as kustomize would and validated offline against Kubernetes' own schemas
+(kubernetes-validate bundles them). No Kubernetes API server can run on this machine: the
+manifests are checked, not applied."""
 
 from __future__ import annotations
 
@@ -16,26 +18,28 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tomllib
 import yaml
 
 import warren_e2e as W
 
 DEPLOY = W.REPO_ROOT / "deploy" / "kubernetes"
+MODES = ["native", "pods"]
 K8S_VERSION = "1.31.0"
 # Kinds whose objects live in a namespace (the ones the manifests use).
 NAMESPACED = {"ServiceAccount", "Service", "StatefulSet", "Secret", "Role", "RoleBinding",
               "Deployment", "ConfigMap"}
 
 
-def _render() -> list[dict]:
+def _render(mode: str) -> list[dict]:
     """deploy/kubernetes as `kubectl kustomize` renders it, for the fields its kustomization uses
     (resources, namespace, labels without selectors, images); any other field fails the test, so
     this stays the renderer of exactly what is there."""
-    k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    k = yaml.safe_load((DEPLOY / mode / "kustomization.yaml").read_text())
     assert set(k) <= {"apiVersion", "kind", "namespace", "labels", "resources", "images"}, k
     docs = []
     for name in k["resources"]:
-        docs += [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+        docs += [d for d in yaml.safe_load_all((DEPLOY / mode / name).read_text()) if d]
     for d in docs:
         meta = d.setdefault("metadata", {})
         if d["kind"] in NAMESPACED:
@@ -50,12 +54,14 @@ def _render() -> list[dict]:
     return docs
 
 
-def test_every_manifest_is_listed_and_valid_against_the_kubernetes_schema():
+@pytest.mark.parametrize("mode", MODES)
+def test_every_manifest_is_listed_and_valid_against_the_kubernetes_schema(mode):
     import kubernetes_validate
-    listed = set(yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"])
-    on_disk = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(p.name for p in DEPLOY.iterdir()) == MODES
+    listed = set(yaml.safe_load((DEPLOY / mode / "kustomization.yaml").read_text())["resources"])
+    on_disk = {p.name for p in (DEPLOY / mode).glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk, f"manifests not in the kustomization, or listed but missing: {listed ^ on_disk}"
-    docs = _render()
+    docs = _render(mode)
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
     # The validator is strict: a misspelt field or a wrong type is refused.
@@ -70,8 +76,9 @@ def test_every_manifest_is_listed_and_valid_against_the_kubernetes_schema():
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
 
-def test_the_manifests_fit_together():
-    docs = {d["kind"]: d for d in _render()}
+@pytest.mark.parametrize("mode", MODES)
+def test_the_manifests_fit_together(mode):
+    docs = {d["kind"]: d for d in _render(mode)}
     sts, svc, sa = docs["StatefulSet"], docs["Service"], docs["ServiceAccount"]
     pod = sts["spec"]["template"]
     labels = pod["metadata"]["labels"]
@@ -86,16 +93,34 @@ def test_the_manifests_fit_together():
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, c[probe]
     # The API key comes from a Secret, never from the manifests.
     assert env["WARREN_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "warren-api-key", "key": "api-key"}
-    assert "warren-api-key" in (DEPLOY / "kustomization.yaml").read_text()  # how to make it is said
-    # Sandboxes' overlays cannot sit on the container's overlay: the data dir is a volume.
+    assert "warren-api-key" in (DEPLOY / mode / "kustomization.yaml").read_text()  # how to make it is said
     mount = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mount[env["WARREN_DATA_DIR"]["value"]] == "data"
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    # Warren with the native runtime calls no Kubernetes API: no token in the pod.
     assert pod["spec"]["serviceAccountName"] == sa["metadata"]["name"]
-    assert sa["automountServiceAccountToken"] is False
-    assert pod["spec"]["automountServiceAccountToken"] is False
     assert c["image"] == "warren:latest"
+    if mode == "native":
+        # Sandboxes run on the node: privileged; no Kubernetes API is called, so no token.
+        assert c["securityContext"] == {"privileged": True}
+        assert sa["automountServiceAccountToken"] is False
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        assert "Role" not in docs
+        return
+    # A Pod per sandbox: Warren unprivileged, its Role what the runtime calls, in its namespace.
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    role, binding, cm = docs["Role"], docs["RoleBinding"], docs["ConfigMap"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == sts["metadata"]["namespace"]
+    assert "ClusterRole" not in docs and "ClusterRoleBinding" not in docs
+    rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules == {("", "pods"): {"create", "get", "list", "watch", "delete"},
+                     ("networking.k8s.io", "networkpolicies"): {"create", "get"}}, rules
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"]}]
+    config = tomllib.loads(cm["data"]["warren.toml"])
+    assert config["runtime"]["kind"] == "kubernetes"
+    assert config["kubernetes"]["execd_image"] == c["image"]
+    assert c["args"] == ["serve", "--config", "/etc/warren/warren.toml"]
+    assert mount["/etc/warren"] == "config"
 
 
 def _docker(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
@@ -103,7 +128,8 @@ def _docker(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def warren_container(work_root):
+def image():
+    """The image, built once by scripts/build-image (removed after the module)."""
     if not any(r.startswith("docker") for r in W.oci_runtimes()):
         pytest.skip("the image is tested on the Docker runtimes' daemon (WARREN_E2E_OCI_RUNTIMES has none)")
     if not os.environ.get("DOCKER_HOST") or not shutil.which("docker"):
@@ -113,6 +139,26 @@ def warren_container(work_root):
     built = subprocess.run([str(W.REPO_ROOT / "scripts" / "build-image"), tag], env=env,
                            capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
+    yield tag
+    _docker("rmi", "-f", tag, check=False)
+
+
+def _wait_healthy(base: str, name: str) -> None:
+    def healthy():
+        try:
+            return httpx.get(f"{base}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        W.wait_until(healthy, 60, interval=0.5, message="Warren in its container to answer /health")
+    except AssertionError:
+        raise AssertionError(_docker("logs", "--tail", "40", name, check=False).stderr)
+
+
+@pytest.fixture(scope="module")
+def warren_container(image):
+    tag = image
     volume = f"warren-e2e-data-{uuid.uuid4().hex[:8]}"
     key = "wk-" + uuid.uuid4().hex
     name = f"warren-e2e-{uuid.uuid4().hex[:8]}"
@@ -129,22 +175,11 @@ def warren_container(work_root):
                 "-v", f"{volume}:/var/lib/warren", "-e", f"WARREN_API_KEY={key}",
                 "-e", f"WARREN_LISTEN=127.0.0.1:{port}", tag)
         base = f"http://127.0.0.1:{port}"
-
-        def healthy():
-            try:
-                return httpx.get(f"{base}/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            W.wait_until(healthy, 60, interval=0.5, message="Warren in its container to answer /health")
-        except AssertionError:
-            raise AssertionError(_docker("logs", "--tail", "40", name, check=False).stderr)
+        _wait_healthy(base, name)
         yield base, key, name
     finally:
         _docker("rm", "-f", name, check=False)
         _docker("volume", "rm", "-f", volume, check=False)
-        _docker("rmi", "-f", tag, check=False)
 
 
 def test_the_image_serves_sandboxes_to_the_official_sdk(warren_container):
@@ -173,3 +208,50 @@ def test_the_image_serves_sandboxes_to_the_official_sdk(warren_container):
     # Deleted inside the container: nothing of it is left there.
     left = _docker("exec", name, "/bin/ls", "/var/lib/warren/sandboxes", check=False).stdout.split()
     assert sbx.id not in left, left
+
+
+def test_the_image_runs_unprivileged_with_a_pod_per_sandbox(image, work_root):
+    """deploy/kubernetes/pods's shape: Warren with no capability at all, the Kubernetes runtime
+    against the test cluster (on loopback), its sandbox a Pod whose execd it reaches over the Pod
+    network."""
+    from fakekube import FakeKube
+    from opensandbox import SandboxSync
+    from opensandbox.config import ConnectionConfigSync
+    cluster = FakeKube(W.warren_bin().with_name("warren-execd"), subnet_prefix="10.248")
+    name = f"warren-e2e-k8s-{uuid.uuid4().hex[:8]}"
+    volume = f"{name}-data"
+    key = "wk-" + uuid.uuid4().hex
+    port = W.free_port()
+    config = work_root / f"{name}.toml"
+    config.write_text(
+        '[runtime]\nkind = "kubernetes"\n'
+        f'[kubernetes]\napi_server = "{cluster.url}"\nnamespace = "warren"\ninstance = "warren-0"\n'
+        f'execd_image = "{image}"\n')
+    try:
+        _docker("run", "-d", "--name", name, "--network", "host", "--cap-drop", "ALL",
+                "--security-opt", "no-new-privileges", "-v", f"{config}:/etc/warren/warren.toml:ro",
+                "-v", f"{volume}:/var/lib/warren", "-e", f"WARREN_API_KEY={key}",
+                "-e", f"WARREN_LISTEN=127.0.0.1:{port}", image, "serve", "--config", "/etc/warren/warren.toml")
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(base, name)
+        assert httpx.get(f"{base}/health", timeout=10).json()["runtime"]["kind"] == "kubernetes"
+        status = _docker("inspect", "--format", "{{.State.Pid}}", name).stdout.strip()
+        caps = Path(f"/proc/{status}/status").read_text()
+        assert "CapEff:\t0000000000000000" in caps, caps
+        sdk = ConnectionConfigSync(domain=f"127.0.0.1:{port}", api_key=key, request_timeout=timedelta(seconds=60))
+        sbx = SandboxSync.create("registry.invalid/agent:1", connection_config=sdk,
+                                 timeout=timedelta(minutes=5), ready_timeout=timedelta(seconds=60))
+        try:
+            assert cluster.get("pods", "warren", f"warren-{sbx.id}")["spec"]["initContainers"][0]["image"] == image
+            code, out, _ = W.sh(sbx, "echo from a pod")
+            assert (code, out.strip()) == (0, "from a pod"), out
+        finally:
+            sbx.kill()
+            sbx.close()
+        W.wait_until(lambda: cluster.get("pods", "warren", f"warren-{sbx.id}") is None, 15,
+                     message="the Pod to be deleted")
+        assert cluster.rejected == [], cluster.rejected
+    finally:
+        _docker("rm", "-f", name, check=False)
+        _docker("volume", "rm", "-f", volume, check=False)
+        cluster.close()
