@@ -70,7 +70,9 @@ class Server:
         self.port = free_port()
         self.key = secrets.token_hex(16)
         cfg = self.dir / "config.toml"
-        if kind == "docker":
+        if kind == "kubernetes":
+            cfg.write_text(top_config + '[runtime]\nkind = "kubernetes"\n' + extra_config)
+        elif kind == "docker":
             host = os.environ.get("DOCKER_HOST", "")
             cfg.write_text('[runtime]\nkind = "docker"\n[docker]\npull = "never"\n'
                            + (f'host = "{host}"\n' if host else ""))

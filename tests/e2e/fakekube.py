@@ -57,10 +57,22 @@ def _matches(obj: dict, selector: str | None) -> bool:
     return True
 
 
+class _Server(ThreadingHTTPServer):
+    # Many clients at once (a scale simulation): the default backlog of 5 resets connections.
+    request_queue_size = 1024
+
+
 class FakeKube:
-    def __init__(self, execd_path: Path, subnet_prefix: str = "10.249"):
+    def __init__(self, execd_path: Path | None, subnet_prefix: str = "10.249",
+                 simulate_ip: str | None = None, validate: bool = True):
+        """`simulate_ip`: the kubelet runs nothing; every Pod is Running at once at that address
+        (for scale simulations, with one listener standing in for every execd). `validate`: check
+        objects against the schema (off to measure Warren rather than the validator)."""
         import kubernetes_validate  # noqa: F401 - fail early without it
         self.execd_path = execd_path
+        self.simulate_ip = simulate_ip
+        self.validate = validate
+        self.requests: dict[str, int] = {}  # "GET pods", "WATCH pods", "POST pods", …
         self.subnet_prefix = subnet_prefix
         self.lock = threading.Condition()
         self.objects: dict[tuple[str, str, str], dict] = {}   # (resource, namespace, name)
@@ -74,7 +86,7 @@ class FakeKube:
         self.rejected: list[str] = []
         self.pods: dict[str, dict] = {}   # pod name -> kubelet's record (process, netns, index)
         self.next_index = 1
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = _Server(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -159,6 +171,15 @@ class FakeKube:
             def _route(self):
                 u = urlparse(self.path)
                 q = {k: v[0] for k, v in parse_qs(u.query).items()}
+                kind = "WATCH" if q.get("watch") in ("1", "true") else self.command
+                segments = u.path.strip("/").split("/")
+                at = segments.index("namespaces") + 2 if "namespaces" in segments else len(segments) - 1
+                resource = segments[at] if at < len(segments) else "?"
+                if kind == "GET" and at == len(segments) - 1:
+                    kind = "LIST"
+                with fake.lock:
+                    key = f"{kind} {resource}"
+                    fake.requests[key] = fake.requests.get(key, 0) + 1
                 parts = u.path.strip("/").split("/")
                 # /api/v1/namespaces/NS/pods[/NAME] or /apis/networking.k8s.io/v1/namespaces/NS/networkpolicies[/NAME]
                 if parts[:2] == ["api", "v1"]:
@@ -277,6 +298,8 @@ class FakeKube:
 
     def admit(self, obj: dict) -> str | None:
         """Strict schema validation, as the API server's decoding does."""
+        if not self.validate:
+            return None
         import kubernetes_validate
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -294,6 +317,13 @@ class FakeKube:
     def _run_pod(self, ns: str, name: str) -> None:
         pod = self.get("pods", ns, name)
         if pod is None:
+            return
+        if self.simulate_ip:
+            main = pod["spec"]["containers"][0]
+            self.update_pod(ns, name, lambda p: p["status"].update(
+                phase="Running", podIP=self.simulate_ip, containerStatuses=[
+                    {"name": main["name"], "ready": True, "restartCount": 0, "image": main["image"],
+                     "imageID": "", "state": {"running": {"startedAt": _now()}}}]))
             return
         spec = pod["spec"]
         (init,) = spec.get("initContainers", [])

@@ -87,7 +87,13 @@ def test_health_reports_kubernetes_and_what_it_cannot_do(k8s):
 
 
 def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, cluster):
+    _create(k8s).kill()  # the instance's NetworkPolicy is made by its first create
+    before = dict(cluster.requests)
     sbx = _create(k8s, env={"AGENT": "k8s"}, metadata={"team": "e2e"})
+    # A create costs the API server one write and no read: the instance's one watch says the rest.
+    asked = {k: v - before.get(k, 0) for k, v in cluster.requests.items() if v != before.get(k, 0)}
+    assert asked == {"POST pods": 1}, asked
+    assert cluster.creates["networkpolicies"] == 1
     try:
         pod = _pod(cluster, sbx.id)
         assert pod is not None, "no Pod for the sandbox"
