@@ -288,7 +288,7 @@ class FakeKube:
                     return self._send(404, _status(404, "NotFound", f'{resource} "{name}" not found'))
                 if resource == "pods":
                     fake.update_pod(ns, name, lambda p: p["metadata"].__setitem__("deletionTimestamp", _now()))
-                    threading.Thread(target=fake._stop_pod, args=(ns, name), daemon=True).start()
+                    threading.Thread(target=fake.remove_pod, args=(ns, name), daemon=True).start()
                 else:
                     with fake.lock:
                         fake._record("DELETED", resource, ns, o)
@@ -394,13 +394,18 @@ class FakeKube:
         subprocess.run(["ip", "link", "del", record["host_if"]], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", record["netns"]], capture_output=True, timeout=10)
 
-    def _stop_pod(self, ns: str, name: str) -> None:
+    def _stop_containers(self, name: str) -> None:
+        """Stops the Pod's process and removes its network namespace (once)."""
         with self.lock:
             record = self.pods.pop(name, None)
             if record:
                 record["stopped"] = True
         if record:
             self._kill(record)
+
+    def remove_pod(self, ns: str, name: str) -> None:
+        """Stops the Pod and removes it (a delete, or one behind Warren's back)."""
+        self._stop_containers(name)
         with self.lock:
             pod = self.objects.get(("pods", ns, name))
             if pod is not None:
@@ -408,12 +413,7 @@ class FakeKube:
 
     def evict(self, ns: str, name: str) -> None:
         """The kubelet evicts the Pod (node pressure): its containers stop, it stays Failed."""
-        with self.lock:
-            record = self.pods.pop(name, None)
-            if record:
-                record["stopped"] = True
-        if record:
-            self._kill(record)
+        self._stop_containers(name)
         self.update_pod(ns, name, lambda p: p["status"].update(
             phase="Failed", reason="Evicted", message="The node was low on resource: memory."))
 

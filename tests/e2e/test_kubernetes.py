@@ -183,7 +183,7 @@ def test_a_pod_deleted_or_evicted_behind_warrens_back_ends_its_sandbox(k8s, clus
     gone = _create(k8s)
     evicted = _create(k8s)
     try:
-        cluster._stop_pod(NS, f"warren-{gone.id}")
+        cluster.remove_pod(NS, f"warren-{gone.id}")
         cluster.evict(NS, f"warren-{evicted.id}")
         st = W.wait_until(lambda: (s := _state(k8s, gone.id)) and s["state"] in ("Terminated", "Failed") and s,
                           15, message="the deleted Pod's sandbox to end")
@@ -231,7 +231,7 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
         lost.close()
         srv.kill9()
         # Meanwhile: one Pod deleted, and a stray Pod of this instance that no record names.
-        cluster._stop_pod(NS, f"warren-{lost.id}")
+        cluster.remove_pod(NS, f"warren-{lost.id}")
         stray = json.loads(json.dumps(_pod(cluster, kept.id)))
         stray["metadata"] = {"name": "warren-stray-" + uuid.uuid4().hex[:8],
                              "labels": {**stray["metadata"]["labels"], "io.warren.sandbox": "stray"}}

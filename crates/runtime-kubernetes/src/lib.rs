@@ -27,6 +27,7 @@ use warren_core::{
 };
 
 pub use client::{Client, Connection, KubeError};
+use pod::PodView;
 pub use pod::{PodSettings, LABEL_OWNER, LABEL_SANDBOX};
 use watch::{PodWatch, Seen};
 
@@ -83,10 +84,10 @@ impl KubernetesRuntime {
             KubeError::Unavailable { .. } => RuntimeError::Unavailable(format!("{what}: {e}")),
             KubeError::Api { status: 404, .. } => RuntimeError::NotFound(format!("{what}: {e}")),
             KubeError::Api { status: 409, .. } => RuntimeError::Conflict(format!("{what}: {e}")),
-            // The API server refused the object (admission, quota, an invalid field).
+            // The API server refused the object (an invalid field, an admission rule). A 403
+            // (RBAC, a quota) is the deployment's to fix: a server error, in the log.
             KubeError::Api {
-                status: 400 | 403 | 422,
-                ..
+                status: 400 | 422, ..
             } => RuntimeError::Invalid(format!("{what}: {e}")),
             e => RuntimeError::backend(format!("{what}: {e}")),
         }
@@ -182,8 +183,6 @@ impl KubernetesRuntime {
             .map_err(|e| self.map_err("deleting the Pod", e))
     }
 }
-
-use pod::PodView;
 
 /// Whether execd accepts a connection at `ip` (its port).
 async fn execd_listens(ip: &str) -> bool {

@@ -1111,7 +1111,13 @@ impl Runtime for NativeRuntime {
     }
 
     fn execd_address(&self, id: &str, state: &RuntimeState) -> ExecdAddress {
-        match Self::state(state).and_then(|st| st.execd_tcp) {
+        // The one field, not the whole state: the proxy asks on every request. A sandbox keeps
+        // the transport it was made with, whatever the config says now.
+        let tcp = state
+            .get("execd_tcp")
+            .and_then(|v| v.as_str())
+            .and_then(|a| a.parse::<SocketAddr>().ok());
+        match tcp {
             Some(addr) => ExecdAddress::Tcp(addr),
             None => ExecdAddress::Unix(self.sandbox_dir(id).join("run").join(EXECD_SOCKET_NAME)),
         }

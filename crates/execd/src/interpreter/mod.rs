@@ -48,18 +48,16 @@ pub struct Context {
 
 /// How long an interrupt may show no effect before it is sent again. A kernel drops an interrupt
 /// that lands outside an execution (ipykernel ignores SIGINT between messages), and one sent right
-/// after `init` can land before the kernel starts executing. Only then: once the kernel shows the
-/// execution started (`execute_input`), its handler takes the first interrupt, however long a
-/// loaded machine makes it take to show; a second one that lands while the kernel is ending the
-/// execution (past the user's code, sending its reply) breaks ipykernel's handler, which then
-/// aborts every later request on the context.
+/// after `init` can land before the kernel starts executing. Not sooner: one that lands while the
+/// kernel is already ending the execution (past the user's code, sending its reply) stops the
+/// kernel, so none is sent once the execution shows it ended (an `error`, idle).
 const INTERRUPT_AGAIN: Duration = Duration::from_secs(1);
 /// After an interrupt, how long an idle kernel gets to send the `execute_reply` it owes before the
 /// run ends without it.
 const REPLY_AFTER_IDLE: Duration = Duration::from_secs(1);
-/// Interrupts sent again at most this many times per execution, while the kernel has not shown it
-/// started (a kernel that never does is stopped by the context's deletion, not signalled every
-/// second). Code that catches `KeyboardInterrupt` and goes on is the user's to stop.
+/// Interrupts sent again at most this many times per execution: code that catches
+/// `KeyboardInterrupt` and goes on is the user's to stop (a restart of the context), not a signal
+/// every second for as long as it runs.
 const INTERRUPT_RESENDS: u32 = 10;
 
 impl Context {
@@ -362,8 +360,6 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     // after one.
     let (mut interrupted, mut idle_since) = (None::<Instant>, None::<Instant>);
     let mut resends = 0u32;
-    // The kernel started this execution (its `execute_input`): an interrupt is not lost any more.
-    let mut executing = false;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !(idle && reply.is_some()) {
@@ -399,7 +395,6 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                 }
                 let ending = idle || failed || reply.is_some();
                 if !ending
-                    && !executing
                     && resends < INTERRUPT_RESENDS
                     && interrupted.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN)
                 {
@@ -425,7 +420,6 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
             None => return,
         };
         let c = &msg.content;
-        executing |= msg.msg_type() == "execute_input";
         if msg.msg_type() == "status" {
             idle |= c["execution_state"] == "idle";
             if idle && interrupted.is_some() {
