@@ -52,11 +52,6 @@ impl Verifier {
     }
 }
 
-/// The SHA-256 of `credential`, hex: what a runtime passes as `--access-token-sha256`.
-pub fn verifier_hex(credential: &str) -> String {
-    hex::encode(Sha256::digest(credential.as_bytes()))
-}
-
 /// The middleware: 401 `{code, message}` for a request without the credential.
 pub async fn check(State(verifier): State<Arc<Verifier>>, req: Request, next: Next) -> Response {
     let ok = req
@@ -77,6 +72,12 @@ pub async fn check(State(verifier): State<Arc<Verifier>>, req: Request, next: Ne
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a runtime passes as `--access-token-sha256` for `credential` (the server computes it
+    /// in `tokens::execd_verifier`).
+    fn verifier_hex(credential: &str) -> String {
+        hex::encode(Sha256::digest(credential.as_bytes()))
+    }
 
     #[test]
     fn only_the_credential_is_accepted_never_its_verifier() {

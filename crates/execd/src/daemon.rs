@@ -50,6 +50,15 @@ pub enum Listener {
     Tcp(std::net::TcpListener),
 }
 
+impl std::os::fd::AsRawFd for Listener {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Listener::Unix(l) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+}
+
 /// As the sandbox's init, execd lets go of what its runtime handed it from the host that the
 /// sandbox could reach through `/proc/1/*` (an OCI runtime starts it with the caller's stdin and a
 /// host log as stdout and stderr): it becomes non-dumpable, so no process of the sandbox may follow

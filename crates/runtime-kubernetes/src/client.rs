@@ -153,6 +153,16 @@ impl Client {
         self.send(self.request(reqwest::Method::GET, path)).await
     }
 
+    /// The objects under `path` whose labels match `selector`, as a `…List` (its
+    /// `metadata.resourceVersion` is where a watch picks up).
+    pub async fn list(&self, path: &str, selector: &str) -> Result<Value, KubeError> {
+        self.send(
+            self.request(reqwest::Method::GET, path)
+                .query(&[("labelSelector", selector)]),
+        )
+        .await
+    }
+
     pub async fn create(&self, path: &str, object: &Value) -> Result<Value, KubeError> {
         self.send(self.request(reqwest::Method::POST, path).json(object))
             .await

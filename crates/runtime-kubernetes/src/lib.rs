@@ -64,8 +64,8 @@ impl KubernetesRuntime {
         );
         let pods = PodWatch::start(
             client.clone(),
-            format!("/api/v1/namespaces/{}/pods", config.namespace),
-            client::selector(&[(LABEL_OWNER, &config.pod.instance)]),
+            pods_path(&config.namespace),
+            instance_selector(&config.pod.instance),
         );
         Ok(Self {
             client,
@@ -76,7 +76,15 @@ impl KubernetesRuntime {
     }
 
     fn pods_path(&self) -> String {
-        format!("/api/v1/namespaces/{}/pods", self.config.namespace)
+        pods_path(&self.config.namespace)
+    }
+
+    fn pod_path(&self, name: &str) -> String {
+        format!("{}/{name}", self.pods_path())
+    }
+
+    fn selector(&self) -> String {
+        instance_selector(&self.config.pod.instance)
     }
 
     fn map_err(&self, what: &str, e: KubeError) -> RuntimeError {
@@ -171,14 +179,14 @@ impl KubernetesRuntime {
     /// Whether the API server still has Pod `name` (unsure counts as yes).
     async fn pod_exists(&self, name: &str) -> bool {
         !matches!(
-            self.client.get(&format!("{}/{name}", self.pods_path())).await,
+            self.client.get(&self.pod_path(name)).await,
             Err(e) if e.status() == Some(404)
         )
     }
 
     async fn delete_pod(&self, name: &str) -> Result<(), RuntimeError> {
         self.client
-            .delete(&format!("{}/{name}", self.pods_path()), 0)
+            .delete(&self.pod_path(name), 0)
             .await
             .map_err(|e| self.map_err("deleting the Pod", e))
     }
@@ -207,6 +215,23 @@ fn vanished(detail: &str) -> ExitInfo {
 
 fn state_of(state: &RuntimeState) -> Option<PodState> {
     serde_json::from_value(state.clone()).ok()
+}
+
+/// Where the Pods of `namespace` are.
+fn pods_path(namespace: &str) -> String {
+    format!("/api/v1/namespaces/{namespace}/pods")
+}
+
+/// The label selector of an instance's Pods.
+fn instance_selector(instance: &str) -> String {
+    client::selector(&[(LABEL_OWNER, instance)])
+}
+
+/// The name of sandbox `id`'s Pod: as recorded, else as Warren names it.
+fn pod_of(id: &str, state: &RuntimeState) -> String {
+    state_of(state)
+        .map(|s| s.pod)
+        .unwrap_or_else(|| pod::pod_name(id))
 }
 
 #[async_trait::async_trait]
@@ -295,12 +320,10 @@ impl Runtime for KubernetesRuntime {
     }
 
     fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
-        let name = state_of(state)
-            .map(|s| s.pod)
-            .unwrap_or_else(|| pod::pod_name(id));
+        let name = pod_of(id, state);
         let pods = self.pods.clone();
         let client = self.client.clone();
-        let path = format!("{}/{name}", self.pods_path());
+        let path = self.pod_path(&name);
         Box::pin(async move {
             pods.synced().await;
             let mut rx = pods.subscribe(&name);
@@ -354,9 +377,7 @@ impl Runtime for KubernetesRuntime {
     }
 
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
-        let name = state_of(state)
-            .map(|s| s.pod)
-            .unwrap_or_else(|| pod::pod_name(id));
+        let name = pod_of(id, state);
         self.delete_pod(&name).await?;
         // Gone from the API server (its containers stopped) before the delete answers, within
         // bounds: a node that went away leaves its Pods to the node controller. The watch says
@@ -374,14 +395,8 @@ impl Runtime for KubernetesRuntime {
     }
 
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness {
-        let name = state_of(state)
-            .map(|s| s.pod)
-            .unwrap_or_else(|| pod::pod_name(id));
-        match self
-            .client
-            .get(&format!("{}/{name}", self.pods_path()))
-            .await
-        {
+        let name = pod_of(id, state);
+        match self.client.get(&self.pod_path(&name)).await {
             Ok(pod) => {
                 let view = PodView::of(&pod);
                 let same = state_of(state).is_none_or(|s| s.uid.is_empty() || s.uid == view.uid);
@@ -401,13 +416,7 @@ impl Runtime for KubernetesRuntime {
     }
 
     async fn sweep_orphans(&self, known: &[String]) {
-        let selector = client::selector(&[(LABEL_OWNER, &self.config.pod.instance)]);
-        let path = format!(
-            "{}?labelSelector={}",
-            self.pods_path(),
-            watch::encode(&selector)
-        );
-        let Ok(list) = self.client.get(&path).await else {
+        let Ok(list) = self.client.list(&self.pods_path(), &self.selector()).await else {
             return;
         };
         for p in list["items"].as_array().into_iter().flatten() {

@@ -98,9 +98,7 @@ impl PodWatch {
     }
 
     async fn run(&self, client: &Client, path: &str, selector: &str) -> Result<(), KubeError> {
-        let list = client
-            .get(&format!("{path}?labelSelector={}", encode(selector)))
-            .await?;
+        let list = client.list(path, selector).await?;
         let mut version = list["metadata"]["resourceVersion"]
             .as_str()
             .unwrap_or_default()
@@ -155,17 +153,4 @@ impl PodWatch {
             }
         }
     }
-}
-
-/// Percent-encodes a query value.
-pub fn encode(value: &str) -> String {
-    value
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }

@@ -235,10 +235,7 @@ fn prepare_execd(
     }
     // The command line the binary would have had, for /proc/1/cmdline.
     let ready = ready_fd.to_string();
-    let listener_fd = match &listener {
-        Listener::Unix(l) => l.as_raw_fd(),
-        Listener::Tcp(l) => l.as_raw_fd(),
-    };
+    let listener_fd = listener.as_raw_fd();
     let mut argv: Vec<String> = [
         "warren-execd",
         "--listen-fd",

@@ -159,12 +159,7 @@ async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
         ));
         return Ok((String::new(), note));
     }
-    let endpoint = crate::execd_conns::ExecdEndpoint::new(
-        app.sandboxes
-            .runtime()
-            .execd_address(id, &rec.runtime_state),
-        &rec.token,
-    );
+    let endpoint = app.sandboxes.endpoint_of(&rec);
     match crate::sandbox_files::output(&endpoint).await {
         Ok((bytes, dropped)) => {
             if dropped > 0 {

@@ -133,12 +133,7 @@ async fn forward(
     parts.version = http::Version::HTTP_11;
     let mut upstream_req = Request::from_parts(parts, body);
 
-    let endpoint = execd_conns::ExecdEndpoint::new(
-        app.sandboxes
-            .runtime()
-            .execd_address(&id, &rec.runtime_state),
-        &rec.token,
-    );
+    let endpoint = app.sandboxes.endpoint_of(&rec);
     let conns = app.sandboxes.execd_conns();
     // An upgrade takes its connection over for good, so it gets a fresh one and never gives it back.
     let reusable = client_upgrade.is_none();

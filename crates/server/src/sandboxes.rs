@@ -271,10 +271,18 @@ impl Sandboxes {
     pub fn execd_endpoint(&self, id: &str) -> Option<ExecdEndpoint> {
         let entry = self.entry(id)?;
         let record = lock(&entry.record);
-        Some(ExecdEndpoint::new(
-            self.inner.runtime.execd_address(id, &record.runtime_state),
+        Some(self.endpoint_of(&record))
+    }
+
+    /// Where and how the server reaches the execd of the sandbox `record` is of: the runtime's
+    /// address, with the credential of the record's secret where the transport needs it.
+    pub fn endpoint_of(&self, record: &SandboxRecord) -> ExecdEndpoint {
+        ExecdEndpoint::new(
+            self.inner
+                .runtime
+                .execd_address(&record.id, &record.runtime_state),
             &record.token,
-        ))
+        )
     }
 
     /// The state of sandbox `id`, without copying its record (pools look at every warm one of
@@ -591,10 +599,7 @@ impl Sandboxes {
                     // of server memory, which an idle sandbox nobody has called yet need not hold.
                     self.inner.execd_conns.prewarm(
                         id.clone(),
-                        ExecdEndpoint::new(
-                            self.inner.runtime.execd_address(&id, &rec.runtime_state),
-                            &rec.token,
-                        ),
+                        self.endpoint_of(&rec),
                         self.execd_live(&id),
                     );
                 }
