@@ -46,11 +46,14 @@ pub struct Context {
     interrupts: tokio::sync::watch::Sender<u64>,
 }
 
-/// How long an interrupt may show no effect before it is sent again. A kernel drops an interrupt
-/// that lands outside an execution (ipykernel ignores SIGINT between messages), and one sent right
-/// after `init` can land before the kernel starts executing. Not sooner: one that lands while the
-/// kernel is already ending the execution (past the user's code, sending its reply) stops the
-/// kernel, so none is sent once the execution shows it ended (an `error`, idle).
+/// How long an interrupt may show no effect before it is sent again, and how long one asked for
+/// before the kernel shows the execution started (`execute_input`) waits for that before it is sent
+/// anyway (a kernel that never shows it). An interrupt is held until then because ipykernel turns
+/// SIGINT on only while it handles a message, and one landing in the few instructions between
+/// turning it on and entering the handler's `try` escapes the event loop: the kernel exits. Once
+/// the execution started, its handler takes the interrupt. A kernel drops one that lands outside an
+/// execution, hence the resends; none once the execution shows it ended (an `error`, a reply,
+/// idle), since one landing while ipykernel turns SIGINT off again stops the kernel the same way.
 const INTERRUPT_AGAIN: Duration = Duration::from_secs(1);
 /// After an interrupt, how long an idle kernel gets to send the `execute_reply` it owes before the
 /// run ends without it.
@@ -253,9 +256,9 @@ pub async fn interrupt(
         q.id.filter(|s| !s.is_empty())
             .ok_or_else(|| ApiError::missing_query("id"))?;
     let ctx = app.contexts.get(&id).ok_or_else(|| not_found(&id))?;
-    // The running execution sends it, and again until it ends; with none running, nothing waits.
+    // The running execution sends it when the kernel can take it, and again until it ends; with
+    // none running, nothing waits.
     ctx.interrupts.send_modify(|n| *n += 1);
-    ctx.kernel.interrupt().await;
     Ok(StatusCode::OK)
 }
 
@@ -356,33 +359,43 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
         Err(why) => return send(kernel_died(why)).await,
     };
     let (mut idle, mut reply, mut failed) = (false, None::<Value>, false);
-    // When an interrupt was last sent for this execution, and when the kernel was first seen idle
-    // after one.
-    let (mut interrupted, mut idle_since) = (None::<Instant>, None::<Instant>);
+    // When an interrupt was asked for, when one was last sent for this execution, and when the
+    // kernel was first seen idle after one was asked for.
+    let (mut asked, mut sent, mut idle_since) = (None::<Instant>, None::<Instant>, None::<Instant>);
+    // The kernel showed this execution started (its `execute_input`).
+    let mut executing = false;
     let mut resends = 0u32;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !(idle && reply.is_some()) {
+        let ending = idle || failed || reply.is_some();
         let ev = tokio::select! {
             ev = rx.recv() => ev,
-            _ = out.cancelled.cancelled(), if interrupted.is_none() => {
+            _ = out.cancelled.cancelled(), if asked.is_none() => {
                 tracing::info!(context = %ctx.id, "client went away; interrupting the execution");
-                interrupted = Some(Instant::now());
+                asked = Some(Instant::now());
                 if idle {
                     idle_since.get_or_insert_with(Instant::now);
                 }
-                ctx.kernel.interrupt().await;
+                if executing && !ending {
+                    sent = Some(Instant::now());
+                    ctx.kernel.interrupt().await;
+                }
                 continue;
             }
             Ok(()) = interrupts.changed() => {
-                interrupted = Some(Instant::now()); // the handler sent it
+                asked = Some(Instant::now());
                 if idle {
                     // already idle, the reply still owed: the idle clock starts now
                     idle_since.get_or_insert_with(Instant::now);
                 }
+                if executing && !ending {
+                    sent = Some(Instant::now());
+                    ctx.kernel.interrupt().await;
+                }
                 continue;
             }
-            _ = tick.tick(), if interrupted.is_some() => {
+            _ = tick.tick(), if asked.is_some() => {
                 if idle_since.is_some_and(|t| t.elapsed() >= REPLY_AFTER_IDLE) {
                     tracing::info!(context = %ctx.id, "interrupted kernel is idle without a reply; ending the run");
                     reply = Some(serde_json::json!({
@@ -393,13 +406,14 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                     }));
                     break;
                 }
-                let ending = idle || failed || reply.is_some();
+                // sent again after a while without effect; held ones sent anyway after as long
+                let since = sent.or(asked);
                 if !ending
                     && resends < INTERRUPT_RESENDS
-                    && interrupted.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN)
+                    && since.is_some_and(|t| t.elapsed() >= INTERRUPT_AGAIN)
                 {
                     resends += 1;
-                    interrupted = Some(Instant::now());
+                    sent = Some(Instant::now());
                     ctx.kernel.interrupt().await;
                 }
                 continue;
@@ -422,8 +436,16 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
         let c = &msg.content;
         if msg.msg_type() == "status" {
             idle |= c["execution_state"] == "idle";
-            if idle && interrupted.is_some() {
+            if idle && asked.is_some() {
                 idle_since.get_or_insert_with(Instant::now);
+            }
+        }
+        if msg.msg_type() == "execute_input" && !executing {
+            executing = true;
+            // an interrupt held until now goes out at once
+            if asked.is_some() && sent.is_none() && !(idle || failed || reply.is_some()) {
+                sent = Some(Instant::now());
+                ctx.kernel.interrupt().await;
             }
         }
         if failed {
@@ -477,7 +499,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
         Some("aborted") => {
             // An interrupt that reaches the kernel before the execution starts makes ipykernel
             // abort it: to the caller that is its interrupt, answered as every other one.
-            let (ename, evalue) = match interrupted {
+            let (ename, evalue) = match asked {
                 Some(_) => ("KeyboardInterrupt", "interrupted before it started"),
                 None => ("ExecutionAborted", "the kernel aborted the execution"),
             };
