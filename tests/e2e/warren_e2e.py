@@ -216,6 +216,9 @@ class WarrenServer:
         self.log_path = root / f"server-{name}.log"
         self.imported: set[str] = set()
         self.docker_pull = False
+        # Docker runtimes: the daemon (default $DOCKER_HOST) and more lines for `[docker]`
+        self.docker_host: str | None = None
+        self.docker_config = ""
         # appended to the generated config (e.g. a [network] section)
         self.extra_config = ""
         # sections of its own a test adds at the end ([http], [limits]…)
@@ -295,8 +298,9 @@ class WarrenServer:
             return
         if self.is_docker:
             text = '[runtime]\nkind = "docker"\n' + self.runtime_config + '[docker]\n'
-            if os.environ.get("DOCKER_HOST"):
-                text += f'host = "{os.environ["DOCKER_HOST"]}"\n'
+            if self.docker_host or os.environ.get("DOCKER_HOST"):
+                text += f'host = "{self.docker_host or os.environ["DOCKER_HOST"]}"\n'
+            text += self.docker_config
             if self.runtime == "docker-runsc":
                 text += 'runtime = "runsc"\n'
             # the tests must never reach a registry on the internet (an unknown image would be pulled);

@@ -52,6 +52,13 @@ pub fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
                 execd_path: std::fs::canonicalize(&execd_path)
                     .with_context(|| format!("locating execd at {}", execd_path.display()))?,
                 ready_timeout: start_timeout(30)?,
+                tls: config
+                    .docker
+                    .tls_cert_path
+                    .as_deref()
+                    .map(warren_runtime_docker::TlsFiles::in_dir),
+                sandbox_host: config.docker.sandbox_host.clone(),
+                network: config.docker.network.clone(),
             };
             return Ok(Arc::new(DockerRuntime::new(docker)?));
         }

@@ -1,4 +1,5 @@
-//! A small Docker Engine API client: JSON requests over the daemon's Unix socket (or plain TCP), with
+//! A small Docker Engine API client: JSON requests over the daemon's Unix socket, plain TCP, or TCP
+//! with TLS and a client certificate (Docker's `--tlsverify` daemons), with
 //! the API version negotiated once (the daemon's, capped at the newest one this code was written
 //! against) and two kinds of failure the runtime treats differently: the daemon cannot be reached
 //! (`Unavailable`: try later) and the daemon said no (`Api`, with its status and message).
@@ -6,6 +7,7 @@
 #[cfg(test)]
 use std::path::Path;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -43,16 +45,55 @@ impl DockerError {
 pub enum Endpoint {
     Unix(PathBuf),
     Tcp(String),
+    /// TCP with TLS: the daemon's certificate checked against a CA, Warren's client certificate
+    /// presented (what a daemon with `--tlsverify` asks for).
+    Tls(String, TlsClient),
+}
+
+/// A TLS client for one daemon: its name (or address) as the certificate must show it.
+#[derive(Clone)]
+pub struct TlsClient {
+    connector: tokio_rustls::TlsConnector,
+    server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TlsClient({:?})", self.server_name)
+    }
+}
+
+/// The files a TLS connection to a daemon takes, as Docker names them in `DOCKER_CERT_PATH`.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// The CA that signed the daemon's certificate.
+    pub ca: PathBuf,
+    /// Warren's client certificate and its key.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TlsFiles {
+    /// `ca.pem`, `cert.pem` and `key.pem` in `dir` (Docker's `DOCKER_CERT_PATH` layout).
+    pub fn in_dir(dir: &std::path::Path) -> Self {
+        Self {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+        }
+    }
 }
 
 impl Endpoint {
-    /// `DOCKER_HOST` syntax: `unix:///path`, `tcp://host:port` (plain HTTP; TLS is not supported).
+    /// `DOCKER_HOST` syntax: `unix:///path`, `tcp://host:port` (plain HTTP, or TLS once
+    /// [`Endpoint::with_tls`] is applied), `https://host:port` (TLS; needs the files too).
     pub fn parse(host: &str) -> Result<Self, String> {
         if let Some(p) = host.strip_prefix("unix://") {
             Ok(Self::Unix(PathBuf::from(p)))
         } else if let Some(a) = host
             .strip_prefix("tcp://")
             .or_else(|| host.strip_prefix("http://"))
+            .or_else(|| host.strip_prefix("https://"))
         {
             Ok(Self::Tcp(a.trim_end_matches('/').to_string()))
         } else if host.starts_with('/') {
@@ -64,12 +105,78 @@ impl Endpoint {
         }
     }
 
+    /// The same TCP endpoint over TLS with `files`; a Unix socket takes no TLS.
+    pub fn with_tls(self, files: &TlsFiles) -> Result<Self, String> {
+        let Self::Tcp(addr) = self else {
+            return Err("TLS is for tcp:// Docker hosts, not Unix sockets".into());
+        };
+        let read =
+            |p: &PathBuf| std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()));
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut read(&files.ca)?.as_slice()) {
+            let cert = cert.map_err(|e| format!("{}: {e}", files.ca.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("{}: {e}", files.ca.display()))?;
+        }
+        if roots.is_empty() {
+            return Err(format!("{}: no certificate in it", files.ca.display()));
+        }
+        let chain: Vec<_> = rustls_pemfile::certs(&mut read(&files.cert)?.as_slice())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("{}: {e}", files.cert.display()))?;
+        let key = rustls_pemfile::private_key(&mut read(&files.key)?.as_slice())
+            .map_err(|e| format!("{}: {e}", files.key.display()))?
+            .ok_or_else(|| format!("{}: no private key in it", files.key.display()))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| format!("{}: {e}", files.cert.display()))?;
+        let host = host_of(&addr);
+        let server_name = rustls::pki_types::ServerName::try_from(host.to_string())
+            .map_err(|e| format!("{host:?} as a TLS server name: {e}"))?;
+        Ok(Self::Tls(
+            addr,
+            TlsClient {
+                connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+                server_name,
+            },
+        ))
+    }
+
+    /// The host (name or address) a TCP endpoint names, without its port or brackets.
+    pub fn host(&self) -> Option<&str> {
+        match self {
+            Self::Unix(_) => None,
+            Self::Tcp(a) | Self::Tls(a, _) => Some(host_of(a)),
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             Self::Unix(p) => format!("unix://{}", p.display()),
             Self::Tcp(a) => format!("tcp://{a}"),
+            Self::Tls(a, _) => format!("tcp://{a} (TLS)"),
         }
     }
+}
+
+/// `host:port` → `host`; `[v6]:port` → `v6`.
+fn host_of(addr: &str) -> &str {
+    let host = match addr.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => addr,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// A request's body.
+enum Payload<'a> {
+    Json(&'a Value),
+    Tar(&'a Bytes),
 }
 
 trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
@@ -115,6 +222,18 @@ impl Client {
                     .await
                     .map_err(|e| self.unavailable(e))?;
                 let _ = s.set_nodelay(true);
+                Box::new(s)
+            }
+            Endpoint::Tls(a, tls) => {
+                let s = tokio::net::TcpStream::connect(a)
+                    .await
+                    .map_err(|e| self.unavailable(e))?;
+                let _ = s.set_nodelay(true);
+                let s = tls
+                    .connector
+                    .connect(tls.server_name.clone(), s)
+                    .await
+                    .map_err(|e| self.unavailable(format!("TLS: {e}")))?;
                 Box::new(s)
             }
         };
@@ -168,14 +287,43 @@ impl Client {
         headers: &[(&str, String)],
     ) -> Result<(StatusCode, Body), DockerError> {
         let path = format!("/{}{path_and_query}", self.version().await?);
-        self.request(method, &path, body, headers).await
+        self.request(method, &path, body.map(Payload::Json), headers)
+            .await
+    }
+
+    /// Unpacks a tar archive at `path` in a container (`PUT /containers/{id}/archive`): the daemon
+    /// writes it into the container's filesystem, or into a volume mounted there.
+    pub async fn put_archive(
+        &self,
+        container: &str,
+        path: &str,
+        tar: Bytes,
+    ) -> Result<(), DockerError> {
+        let call = async {
+            let url = format!(
+                "/{}/containers/{container}/archive?path={}",
+                self.version().await?,
+                encode(path)
+            );
+            let (status, body) = self
+                .request(Method::PUT, &url, Some(Payload::Tar(&tar)), &[])
+                .await?;
+            self.read_ok(status, body).await.map(|_| ())
+        };
+        tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| {
+                self.unavailable(format!(
+                    "no answer to an archive upload within {CALL_TIMEOUT:?}"
+                ))
+            })?
     }
 
     async fn request(
         &self,
         method: Method,
         path: &str,
-        body: Option<&Value>,
+        body: Option<Payload<'_>>,
         headers: &[(&str, String)],
     ) -> Result<(StatusCode, Body), DockerError> {
         let io = self.connect().await?;
@@ -193,9 +341,13 @@ impl Client {
             req = req.header(*k, v);
         }
         let bytes = match body {
-            Some(v) => {
+            Some(Payload::Json(v)) => {
                 req = req.header(hyper::header::CONTENT_TYPE, "application/json");
                 Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+            }
+            Some(Payload::Tar(b)) => {
+                req = req.header(hyper::header::CONTENT_TYPE, "application/x-tar");
+                b.clone()
             }
             None => Bytes::new(),
         };
@@ -333,6 +485,18 @@ mod tests {
             matches!(Endpoint::parse("tcp://127.0.0.1:2375"), Ok(Endpoint::Tcp(a)) if a == "127.0.0.1:2375")
         );
         assert!(Endpoint::parse("ssh://host").is_err());
+        assert_eq!(host_of("10.0.0.2:2376"), "10.0.0.2");
+        assert_eq!(host_of("[fd00::2]:2376"), "fd00::2");
+        assert_eq!(host_of("docker.internal:2376"), "docker.internal");
+        let e = Endpoint::parse("unix:///x").expect("unix");
+        assert!(e
+            .with_tls(&TlsFiles::in_dir(Path::new("/nonexistent")))
+            .is_err());
+        let e = Endpoint::parse("tcp://127.0.0.1:2376").expect("tcp");
+        let why = e
+            .with_tls(&TlsFiles::in_dir(Path::new("/nonexistent")))
+            .expect_err("no files");
+        assert!(why.contains("/nonexistent/ca.pem"), "{why}");
     }
 
     #[test]

@@ -1,12 +1,19 @@
 //! The Docker runtime: each sandbox is a container on a Docker Engine (the daemon on this host, found
-//! through `DOCKER_HOST` or the config), set up like a native sandbox:
+//! through `DOCKER_HOST` or the config, or a daemon on another host over TCP with TLS), set up like a
+//! native sandbox:
 //!
-//! - execd is bind-mounted read-only from the host (no copy per sandbox) and is the container's PID 1;
-//!   the user's entrypoint runs as its child;
-//! - the server reaches execd through a Unix socket in a per-sandbox host folder bind-mounted at
-//!   `/.warren/run`, exactly as on the native runtime (same proxy, no container networking needed);
+//! - execd is the container's PID 1 and the user's entrypoint runs as its child;
+//! - with a daemon on this host (a Unix socket) execd is bind-mounted read-only from the host (no
+//!   copy per sandbox), and the server reaches it through a Unix socket in a per-sandbox host folder
+//!   bind-mounted at `/.warren/run`, exactly as on the native runtime (no container networking);
+//! - with a daemon elsewhere (`tcp://`) nothing of this host can be mounted: execd is uploaded once
+//!   into a named volume on that daemon (named for its digest) and mounted read-only from there; it
+//!   listens on TCP in the container with the sandbox's credential checked on every request, and
+//!   its port is published on the daemon's host, where the server reaches it. Those sandboxes sit on
+//!   a bridge network of Warren's with traffic between containers off;
 //! - limits (cpu, memory without extra swap, pids), the same capability set as native sandboxes,
-//!   `no-new-privileges`, network `none` (loopback only), an optional OCI runtime (`runsc`);
+//!   `no-new-privileges`, network `none` (loopback only) on this host, an optional OCI runtime
+//!   (`runsc`);
 //! - labels name the sandbox and the Warren data dir that owns it, so after a restart Warren finds its
 //!   containers, and removes the ones it has no record of.
 //!
@@ -31,12 +38,18 @@ use warren_core::{
     VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
 
-pub use client::{Client, DockerError, Endpoint};
+pub use client::{Client, DockerError, Endpoint, TlsFiles};
 
 /// Label carrying the sandbox id.
 pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
 /// Label carrying the data dir of the Warren server that owns the container.
 pub const LABEL_OWNER: &str = "io.warren.owner";
+/// Label carrying the digest of the execd binary a volume holds (remote daemons).
+pub const LABEL_EXECD: &str = "io.warren.execd";
+/// Where execd's volume is mounted in containers on a remote daemon.
+const EXECD_DIR: &str = "/.warren/bin";
+/// The network Warren makes on a remote daemon for its sandboxes, unless `[docker] network` names one.
+pub const SANDBOX_NETWORK: &str = "warren-sandboxes";
 
 #[derive(Debug, Clone)]
 pub struct DockerConfig {
@@ -50,9 +63,18 @@ pub struct DockerConfig {
     /// asked to pull from any other only if it is public (see `delegated_pull_allowed`).
     pub registries: warren_registry::RegistriesConfig,
     pub data_dir: PathBuf,
-    /// The static execd binary on the host (the daemon must run on this host to bind-mount it).
+    /// The static execd binary on the host: bind-mounted by a daemon on this host, uploaded to a
+    /// daemon elsewhere.
     pub execd_path: PathBuf,
     pub ready_timeout: Duration,
+    /// TLS to a `tcp://` daemon: its CA, and Warren's client certificate and key.
+    pub tls: Option<TlsFiles>,
+    /// Where the server reaches ports a remote daemon publishes (its host's address); default: the
+    /// host of `host`.
+    pub sandbox_host: Option<String>,
+    /// The network sandboxes on a remote daemon join; default [`SANDBOX_NETWORK`], made by Warren
+    /// with traffic between containers off. One named here is used as it is.
+    pub network: Option<String>,
 }
 
 /// What the server persists about a container.
@@ -65,6 +87,17 @@ struct DockerState {
     /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     delete_volumes: Vec<String>,
+    /// execd's published address, on a remote daemon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    execd: Option<std::net::SocketAddr>,
+}
+
+/// How execd gets into a container and is reached.
+enum Delivery {
+    /// Bind-mounted from this host; a Unix socket in a bind-mounted host folder.
+    Local,
+    /// From the named volume holding it; TCP on a port published on the daemon's host.
+    Remote { volume: String, network: String },
 }
 
 /// A sandbox's volumes as Docker mounts, and which named volumes resolving them created.
@@ -79,8 +112,13 @@ pub struct DockerRuntime {
     client: std::sync::Arc<Client>,
     /// The daemon is reached over a Unix socket, so it runs on this host and its pids are ours.
     local: bool,
+    /// A remote daemon's host, where its published ports are reached.
+    sandbox_ip: Option<std::net::IpAddr>,
     config: DockerConfig,
     owner: String,
+    /// On a remote daemon: the volume holding execd, once uploaded, and the sandboxes' network.
+    execd_volume: tokio::sync::OnceCell<String>,
+    network: tokio::sync::OnceCell<String>,
 }
 
 impl DockerRuntime {
@@ -90,8 +128,35 @@ impl DockerRuntime {
             .clone()
             .or_else(|| std::env::var("DOCKER_HOST").ok().filter(|h| !h.is_empty()))
             .unwrap_or_else(|| "unix:///var/run/docker.sock".to_string());
-        let endpoint = Endpoint::parse(&host).map_err(RuntimeError::Unsupported)?;
+        let mut endpoint = Endpoint::parse(&host).map_err(RuntimeError::Unsupported)?;
+        let tls = config.tls.clone().or_else(|| {
+            // Docker's own variables, when the host came from the environment too
+            (config.host.is_none()
+                && std::env::var("DOCKER_TLS_VERIFY").is_ok_and(|v| !v.is_empty() && v != "0"))
+            .then(|| {
+                std::env::var_os("DOCKER_CERT_PATH")
+                    .map(PathBuf::from)
+                    .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".docker")))
+                    .map(|d| TlsFiles::in_dir(&d))
+            })
+            .flatten()
+        });
+        if let Some(files) = &tls {
+            endpoint = endpoint
+                .with_tls(files)
+                .map_err(|e| RuntimeError::Unsupported(format!("[docker] TLS: {e}")))?;
+        } else if host.starts_with("https://") {
+            return Err(RuntimeError::Unsupported(
+                "[docker] host is https://: give the CA and client certificate ([docker] tls_cert_path)"
+                    .into(),
+            ));
+        }
         let local = matches!(endpoint, Endpoint::Unix(_));
+        let sandbox_ip = match (&config.sandbox_host, endpoint.host()) {
+            (Some(h), _) => Some(resolve(h)?),
+            (None, Some(h)) if !local => Some(resolve(h)?),
+            _ => None,
+        };
         std::fs::create_dir_all(config.data_dir.join("sandboxes")).map_err(|e| {
             RuntimeError::backend_with(format!("creating {}", config.data_dir.display()), e)
         })?;
@@ -99,8 +164,11 @@ impl DockerRuntime {
         Ok(Self {
             client: std::sync::Arc::new(Client::new(endpoint)),
             local,
+            sandbox_ip,
             config,
             owner,
+            execd_volume: tokio::sync::OnceCell::new(),
+            network: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -173,19 +241,28 @@ impl DockerRuntime {
         image: &str,
         image_config: &Value,
         volumes: &[Value],
+        delivery: &Delivery,
     ) -> Value {
         let workdir = image_config["Config"]["WorkingDir"]
             .as_str()
             .filter(|w| w.starts_with('/'))
             .unwrap_or("/");
-        let mut entrypoint = vec![
-            EXECD_IN_SANDBOX.to_string(),
-            "--socket".into(),
-            format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
-            "--workdir".into(),
-            workdir.to_string(),
-            "--".into(),
-        ];
+        let mut entrypoint = match delivery {
+            Delivery::Local => vec![
+                EXECD_IN_SANDBOX.to_string(),
+                "--socket".into(),
+                format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
+            ],
+            Delivery::Remote { .. } => vec![
+                format!("{EXECD_DIR}/warren-execd"),
+                "--listen".into(),
+                format!("0.0.0.0:{}", warren_api::EXECD_PORT),
+                // only the verifier: the credential itself never enters the sandbox
+                "--access-token-sha256".into(),
+                spec.execd_verifier.clone(),
+            ],
+        };
+        entrypoint.extend(["--workdir".into(), workdir.to_string(), "--".into()]);
         entrypoint.extend(spec.entrypoint.iter().cloned());
         // Docker adds the image's own env; ours (and the request's) win.
         let mut env: BTreeMap<String, String> = BTreeMap::new();
@@ -201,14 +278,25 @@ impl DockerRuntime {
         env.extend(spec.env.clone());
         let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
         // Structured mounts, not `Binds` strings: a `:` in a path cannot be misread.
-        let mut mounts = vec![
-            bind_mount(&self.config.execd_path, EXECD_IN_SANDBOX, true),
-            bind_mount(&self.run_dir(&spec.id), SOCKET_DIR_IN_SANDBOX, false),
-        ];
+        let mut mounts = match delivery {
+            Delivery::Local => vec![
+                bind_mount(&self.config.execd_path, EXECD_IN_SANDBOX, true),
+                bind_mount(&self.run_dir(&spec.id), SOCKET_DIR_IN_SANDBOX, false),
+            ],
+            Delivery::Remote { volume, .. } => vec![json!({
+                "Type": "volume", "Source": volume, "Target": EXECD_DIR, "ReadOnly": true,
+                "VolumeOptions": {"NoCopy": true},
+            })],
+        };
         mounts.extend(volumes.iter().cloned());
+        let execd_port = format!("{}/tcp", warren_api::EXECD_PORT);
+        let network = match delivery {
+            Delivery::Local => "none",
+            Delivery::Remote { network, .. } => network,
+        };
         let mut host = json!({
             "Mounts": mounts,
-            "NetworkMode": "none",
+            "NetworkMode": network,
             "CapDrop": ["ALL"],
             "CapAdd": policy::KEPT_CAPABILITIES,
             "SecurityOpt": security_opts(self.config.oci_runtime.as_deref()),
@@ -236,8 +324,15 @@ impl DockerRuntime {
         if let Some((soft, hard)) = warren_core::fd_limit::for_children() {
             host["Ulimits"] = json!([{"Name": "nofile", "Soft": soft, "Hard": hard}]);
         }
+        let mut exposed = json!({});
+        if let Delivery::Remote { .. } = delivery {
+            // execd's port only, on a port of the daemon's host that the daemon picks
+            host["PortBindings"] = json!({&execd_port: [{"HostIp": "", "HostPort": ""}]});
+            exposed = json!({&execd_port: {}});
+        }
         json!({
             "Image": image,
+            "ExposedPorts": exposed,
             "Entrypoint": entrypoint,
             "Cmd": [],
             "Env": env,
@@ -255,6 +350,14 @@ impl DockerRuntime {
         let mut out = Mounts::default();
         for v in volumes {
             let mount = match &v.source {
+                VolumeSource::Host(_) if !self.local => {
+                    self.remove_volumes(&out.created).await;
+                    return Err(RuntimeError::Unsupported(
+                        "host volumes need a Docker daemon on this host; this one is reached over TCP \
+                         (use a named volume)"
+                            .into(),
+                    ));
+                }
                 VolumeSource::Host(path) => bind_mount(path, &v.target, v.read_only),
                 VolumeSource::Named {
                     claim,
@@ -368,12 +471,13 @@ impl DockerRuntime {
         }
     }
 
+    /// The container's id, and execd's address when it is reached over TCP.
     async fn try_create(
         &self,
         spec: &SandboxSpec,
         name: &str,
         volumes: &Mounts,
-    ) -> Result<String, RuntimeError> {
+    ) -> Result<(String, Option<std::net::SocketAddr>), RuntimeError> {
         let SandboxImage::Reference { name: image, auth } = &spec.image else {
             return Err(RuntimeError::Unsupported(
                 "the Docker runtime runs images from the Docker host; the built-in `host` image and \
@@ -388,13 +492,21 @@ impl DockerRuntime {
         }
         let image_config = self.ensure_image(image, auth.as_ref()).await?;
         let run_dir = self.run_dir(&spec.id);
-        warren_core::mount_socket_dir(&run_dir).map_err(|e| {
-            RuntimeError::backend_with(
-                format!("mounting the socket folder {}", run_dir.display()),
-                e,
-            )
-        })?;
-        let body = self.create_body(spec, image, &image_config, &volumes.mounts);
+        let delivery = if self.local {
+            warren_core::mount_socket_dir(&run_dir).map_err(|e| {
+                RuntimeError::backend_with(
+                    format!("mounting the socket folder {}", run_dir.display()),
+                    e,
+                )
+            })?;
+            Delivery::Local
+        } else {
+            Delivery::Remote {
+                volume: self.execd_volume(image).await?,
+                network: self.sandbox_network().await?,
+            }
+        };
+        let body = self.create_body(spec, image, &image_config, &volumes.mounts, &delivery);
         let created: Value = self
             .client
             .call(
@@ -425,23 +537,167 @@ impl DockerRuntime {
             )
             .await
             .map_err(|e| self.map_err("starting the container", e))?;
-        self.wait_ready(&container, &run_dir.join(EXECD_SOCKET_NAME))
-            .await?;
-        Ok(container)
+        let execd = match delivery {
+            Delivery::Local => {
+                let socket = run_dir.join(EXECD_SOCKET_NAME);
+                self.wait_ready(&container, &Probe::Socket(&socket)).await?;
+                None
+            }
+            Delivery::Remote { .. } => {
+                let addr = self.published_execd(&container).await?;
+                self.wait_ready(&container, &Probe::Http(addr)).await?;
+                Some(addr)
+            }
+        };
+        Ok((container, execd))
     }
 
-    async fn wait_ready(&self, container: &str, socket: &Path) -> Result<(), RuntimeError> {
+    /// Where the daemon published the container's execd port, as the server reaches it.
+    async fn published_execd(&self, container: &str) -> Result<std::net::SocketAddr, RuntimeError> {
+        let info = self.inspect(container).await?;
+        let key = format!("{}/tcp", warren_api::EXECD_PORT);
+        let port = info["NetworkSettings"]["Ports"][&key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find_map(|b| b["HostPort"].as_str()?.parse::<u16>().ok())
+            .ok_or_else(|| {
+                RuntimeError::backend(format!(
+                    "the daemon published no port for execd ({key}): {}",
+                    info["NetworkSettings"]["Ports"]
+                ))
+            })?;
+        let ip = self
+            .sandbox_ip
+            .ok_or_else(|| RuntimeError::backend("no address for the Docker host"))?;
+        Ok(std::net::SocketAddr::new(ip, port))
+    }
+
+    /// The volume holding this execd on the remote daemon, uploaded the first time (per server
+    /// start, and per execd build: the volume is named for the binary's digest). Uploading needs a
+    /// container to write through; one is created from `image` (already on the daemon), never
+    /// started, and removed.
+    async fn execd_volume(&self, image: &str) -> Result<String, RuntimeError> {
+        self.execd_volume
+            .get_or_try_init(|| self.upload_execd(image))
+            .await
+            .cloned()
+    }
+
+    async fn upload_execd(&self, image: &str) -> Result<String, RuntimeError> {
+        let path = self.config.execd_path.clone();
+        let (digest, archive) = tokio::task::spawn_blocking(move || execd_archive(&path))
+            .await
+            .map_err(|e| RuntimeError::backend_with("reading execd", e))?
+            .map_err(|e| RuntimeError::backend(format!("reading execd: {e}")))?;
+        let volume = format!("warren-execd-{}", &digest[..16]);
+        // Shared by every server using this execd build on the daemon: no owner label, so no
+        // server's sweep removes it from under another.
+        let create = json!({"Name": volume, "Labels": {LABEL_EXECD: digest}});
+        self.client
+            .call::<Value>(Method::POST, "/volumes/create", Some(&create))
+            .await
+            .map_err(|e| self.map_err("creating execd's volume", e))?;
+        let helper = format!(
+            "warren-execd-upload-{}-{}",
+            &digest[..12],
+            std::process::id()
+        );
+        let body = json!({
+            "Image": image,
+            "Entrypoint": [format!("{EXECD_DIR}/warren-execd")],
+            "Cmd": [],
+            "Labels": {LABEL_OWNER: self.owner},
+            "HostConfig": {
+                "NetworkMode": "none",
+                "Mounts": [{"Type": "volume", "Source": volume, "Target": EXECD_DIR,
+                            "VolumeOptions": {"NoCopy": true}}],
+            },
+        });
+        let _ = self.remove(&helper).await; // one left by a server that stopped mid-upload
+        self.client
+            .call::<Value>(
+                Method::POST,
+                &format!("/containers/create?name={}", client::encode(&helper)),
+                Some(&body),
+            )
+            .await
+            .map_err(|e| self.map_err("creating the container that uploads execd", e))?;
+        let result = async {
+            // `ready` is written after the binary: a volume that has it holds all of it
+            let ready = format!(
+                "/containers/{helper}/archive?path={}",
+                client::encode(&format!("{EXECD_DIR}/ready"))
+            );
+            let (status, _) = self
+                .client
+                .send(Method::HEAD, &ready, None, &[])
+                .await
+                .map_err(|e| self.map_err("looking into execd's volume", e))?;
+            if status.is_success() {
+                return Ok(());
+            }
+            tracing::info!(volume = %volume, bytes = archive.binary_len, "uploading execd to the Docker host");
+            for tar in [archive.binary, archive.ready] {
+                self.client
+                    .put_archive(&helper, EXECD_DIR, tar)
+                    .await
+                    .map_err(|e| self.map_err("uploading execd", e))?;
+            }
+            Ok(())
+        }
+        .await;
+        let _ = self.remove(&helper).await;
+        result.map(|()| volume)
+    }
+
+    /// `[docker] network`, or Warren's own bridge network with traffic between containers off
+    /// (made the first time; a racing server that made it first is fine).
+    async fn sandbox_network(&self) -> Result<String, RuntimeError> {
+        if let Some(n) = &self.config.network {
+            return Ok(n.clone());
+        }
+        self.network
+            .get_or_try_init(|| async {
+                let path = format!("/networks/{SANDBOX_NETWORK}");
+                match self.client.call::<Value>(Method::GET, &path, None).await {
+                    Ok(_) => return Ok(SANDBOX_NETWORK.to_string()),
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => return Err(self.map_err("looking up the sandbox network", e)),
+                }
+                let body = json!({
+                    "Name": SANDBOX_NETWORK,
+                    "Driver": "bridge",
+                    "CheckDuplicate": true,
+                    "Options": {"com.docker.network.bridge.enable_icc": "false"},
+                    // shared by every server on the daemon, like execd's volume
+                    "Labels": {"io.warren.network": "sandboxes"},
+                });
+                match self
+                    .client
+                    .call::<Value>(Method::POST, "/networks/create", Some(&body))
+                    .await
+                {
+                    Ok(_) | Err(DockerError::Api { status: 409, .. }) => {
+                        Ok(SANDBOX_NETWORK.to_string())
+                    }
+                    Err(e) => Err(self.map_err("creating the sandbox network", e)),
+                }
+            })
+            .await
+            .cloned()
+    }
+
+    async fn wait_ready(&self, container: &str, probe: &Probe<'_>) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + self.config.ready_timeout;
         let mut checks = 0u32;
         loop {
-            if let Ok((_handle, reachable)) = warren_core::socket_connect_path(socket) {
-                if tokio::net::UnixStream::connect(&reachable).await.is_ok() {
-                    return Ok(());
-                }
+            if probe.answers().await {
+                return Ok(());
             }
             checks += 1;
-            // Every ~50 ms also ask the daemon whether the container is still up.
-            if checks.is_multiple_of(25) {
+            // Every ~50 ms (TCP: every check) also ask the daemon whether the container is still up.
+            if checks.is_multiple_of(probe.checks_per_inspect()) {
                 let state = self.inspect(container).await?;
                 if state["State"]["Running"] != json!(true) {
                     return Err(RuntimeError::backend(format!(
@@ -458,7 +714,7 @@ impl DockerRuntime {
                     self.logs_tail(container).await
                 )));
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(probe.interval()).await;
         }
     }
 
@@ -552,6 +808,111 @@ impl DockerRuntime {
     }
 }
 
+/// How a create sees that execd is up.
+enum Probe<'a> {
+    /// Its Unix socket accepts.
+    Socket(&'a Path),
+    /// Its published port answers HTTP. A connection alone proves nothing: the daemon's port proxy
+    /// accepts before anything listens in the container. Any answer will do (a 401: the probe has
+    /// no credential).
+    Http(std::net::SocketAddr),
+}
+
+impl Probe<'_> {
+    async fn answers(&self) -> bool {
+        match self {
+            Self::Socket(socket) => match warren_core::socket_connect_path(socket) {
+                Ok((_handle, reachable)) => {
+                    tokio::net::UnixStream::connect(&reachable).await.is_ok()
+                }
+                Err(_) => false,
+            },
+            Self::Http(addr) => {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let probe = async {
+                    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+                    s.write_all(b"GET /ping HTTP/1.1\r\nHost: execd\r\nConnection: close\r\n\r\n")
+                        .await
+                        .ok()?;
+                    let mut head = [0u8; 8];
+                    s.read_exact(&mut head).await.ok()?;
+                    Some(head.starts_with(b"HTTP/1."))
+                };
+                tokio::time::timeout(Duration::from_secs(2), probe)
+                    .await
+                    .ok()
+                    .flatten()
+                    .unwrap_or(false)
+            }
+        }
+    }
+
+    fn interval(&self) -> Duration {
+        match self {
+            Self::Socket(_) => Duration::from_millis(2),
+            Self::Http(_) => Duration::from_millis(20),
+        }
+    }
+
+    fn checks_per_inspect(&self) -> u32 {
+        match self {
+            Self::Socket(_) => 25,
+            Self::Http(_) => 3,
+        }
+    }
+}
+
+/// execd as two tar archives for a volume: the binary, then a `ready` marker (its digest).
+struct ExecdArchive {
+    binary: bytes::Bytes,
+    binary_len: usize,
+    ready: bytes::Bytes,
+}
+
+/// execd's SHA-256 (hex) and its archives.
+fn execd_archive(path: &Path) -> std::io::Result<(String, ExecdArchive)> {
+    use sha2::Digest;
+    let bin = std::fs::read(path)?;
+    let digest = format!("{:x}", sha2::Sha256::digest(&bin));
+    let tar_of = |name: &str, data: &[u8], mode: u32| -> std::io::Result<bytes::Bytes> {
+        let mut b = tar::Builder::new(Vec::with_capacity(data.len() + 2048));
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        b.append_data(&mut h, name, data)?;
+        Ok(bytes::Bytes::from(b.into_inner()?))
+    };
+    let archive = ExecdArchive {
+        binary: tar_of("warren-execd", &bin, 0o755)?,
+        binary_len: bin.len(),
+        ready: tar_of("ready", digest.as_bytes(), 0o644)?,
+    };
+    Ok((digest, archive))
+}
+
+/// A host name or address as an IP (a name is looked up once, when the runtime starts).
+fn resolve(host: &str) -> Result<std::net::IpAddr, RuntimeError> {
+    if let Ok(ip) = host.parse() {
+        return Ok(ip);
+    }
+    use std::net::ToSocketAddrs;
+    (host, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .map(|a| a.ip())
+        .ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "[docker] the Docker host {host:?} does not resolve to an address"
+            ))
+        })
+}
+
 /// `no-new-privileges` always. Under gVisor, Warren's own deny-list profile instead of Docker's default
 /// one: gVisor cannot evaluate the default profile's argument rules for `clone` (no thread could start).
 fn security_opts(oci_runtime: Option<&str>) -> Vec<String> {
@@ -598,7 +959,11 @@ impl Runtime for DockerRuntime {
 
     fn capabilities(&self) -> RuntimeCapabilities {
         RuntimeCapabilities {
-            execd_transport: ExecdTransport::Unix,
+            execd_transport: if self.local {
+                ExecdTransport::Unix
+            } else {
+                ExecdTransport::Tcp
+            },
             pause: true,
             // No writable layer on this host that Warren can copy.
             snapshots: false,
@@ -626,10 +991,11 @@ impl Runtime for DockerRuntime {
         let name = Self::container_name(&spec.id);
         let volumes = self.volume_mounts(&spec.volumes).await?;
         match self.try_create(spec, &name, &volumes).await {
-            Ok(container) => serde_json::to_value(DockerState {
+            Ok((container, execd)) => serde_json::to_value(DockerState {
                 pid: self.init_pid(&container).await,
                 container,
                 delete_volumes: volumes.delete_on_exit,
+                execd,
             })
             .map_err(|e| RuntimeError::backend_with("encoding state", e)),
             Err(e) => {
@@ -643,8 +1009,11 @@ impl Runtime for DockerRuntime {
         }
     }
 
-    fn execd_address(&self, id: &str, _state: &RuntimeState) -> ExecdAddress {
-        ExecdAddress::Unix(self.run_dir(id).join(EXECD_SOCKET_NAME))
+    fn execd_address(&self, id: &str, state: &RuntimeState) -> ExecdAddress {
+        match state_of(state).and_then(|s| s.execd) {
+            Some(addr) => ExecdAddress::Tcp(addr),
+            None => ExecdAddress::Unix(self.run_dir(id).join(EXECD_SOCKET_NAME)),
+        }
     }
 
     fn wait_exit(&self, id: &str, state: &RuntimeState) -> BoxFuture<'static, ExitInfo> {
@@ -827,6 +1196,9 @@ mod tests {
             data_dir: std::env::temp_dir().join("warren-docker-unit"),
             execd_path: "/opt/warren-execd".into(),
             ready_timeout: Duration::from_secs(1),
+            tls: None,
+            sandbox_host: None,
+            network: None,
         })
         .expect("runtime");
         let spec = SandboxSpec {
@@ -853,6 +1225,7 @@ mod tests {
             "img",
             &json!({"Config": {"Env": ["PATH=/bin", "A=0"], "WorkingDir": "/work"}}),
             &[json!({"Type": "volume", "Source": "vol", "Target": "/data", "ReadOnly": true})],
+            &Delivery::Local,
         );
         assert_eq!(b["HostConfig"]["Mounts"][2]["Source"], "vol");
         assert_eq!(b["Entrypoint"][0], EXECD_IN_SANDBOX);
@@ -880,5 +1253,55 @@ mod tests {
         assert_eq!(h["Mounts"][0]["Target"], EXECD_IN_SANDBOX);
         assert_eq!(h["Mounts"][0]["ReadOnly"], true);
         assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
+        assert!(h.get("PortBindings").is_none());
+
+        // A remote daemon: execd from its volume, on TCP with only the verifier, its port published.
+        let spec = SandboxSpec {
+            execd_verifier: "ab".repeat(32),
+            ..spec
+        };
+        let remote = Delivery::Remote {
+            volume: "warren-execd-0123".into(),
+            network: SANDBOX_NETWORK.into(),
+        };
+        let b = rt.create_body(&spec, "img", &json!({}), &[], &remote);
+        let h = &b["HostConfig"];
+        assert_eq!(b["Entrypoint"][0], "/.warren/bin/warren-execd");
+        assert_eq!(b["Entrypoint"][1], "--listen");
+        assert_eq!(b["Entrypoint"][3], "--access-token-sha256");
+        assert_eq!(b["Entrypoint"][4], "ab".repeat(32));
+        assert_eq!(h["Mounts"][0]["Type"], "volume");
+        assert_eq!(h["Mounts"][0]["Source"], "warren-execd-0123");
+        assert_eq!(h["Mounts"][0]["ReadOnly"], true);
+        assert_eq!(h["Mounts"].as_array().map(Vec::len), Some(1));
+        assert_eq!(h["NetworkMode"], SANDBOX_NETWORK);
+        assert_eq!(h["PortBindings"]["44772/tcp"][0]["HostPort"], "");
+        assert!(b["ExposedPorts"]["44772/tcp"].is_object());
+    }
+
+    #[test]
+    fn execd_archive_is_a_tar_of_the_binary_then_a_marker() {
+        let dir =
+            std::env::temp_dir().join(format!("warren-docker-archive-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let bin = dir.join("execd");
+        std::fs::write(&bin, b"\x7fELF not really").expect("write");
+        let (digest, a) = execd_archive(&bin).expect("archive");
+        assert_eq!(digest.len(), 64);
+        let mut t = tar::Archive::new(a.binary.as_ref());
+        let mut entries = t.entries().expect("entries");
+        let e = entries.next().expect("one").expect("entry");
+        assert_eq!(e.path().expect("path").to_str(), Some("warren-execd"));
+        assert_eq!(e.header().mode().expect("mode"), 0o755);
+        assert_eq!(e.header().size().expect("size"), 15);
+        let mut t = tar::Archive::new(a.ready.as_ref());
+        let e = t
+            .entries()
+            .expect("entries")
+            .next()
+            .expect("one")
+            .expect("entry");
+        assert_eq!(e.path().expect("path").to_str(), Some("ready"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -240,6 +240,14 @@ pub struct DockerSection {
     pub runtime: Option<String>,
     /// `missing` (default): pull images the daemon does not have; `never`: only use local ones.
     pub pull: Option<String>,
+    /// TLS to a `tcp://` daemon (`--tlsverify`): a folder with `ca.pem`, `cert.pem` and `key.pem`,
+    /// as in `DOCKER_CERT_PATH` (which, with `DOCKER_TLS_VERIFY`, applies when `host` is unset).
+    pub tls_cert_path: Option<PathBuf>,
+    /// Where the server reaches ports a remote daemon publishes; default: the host of `host`.
+    pub sandbox_host: Option<String>,
+    /// The network sandboxes on a remote daemon join; default: `warren-sandboxes`, made by Warren
+    /// with traffic between containers off.
+    pub network: Option<String>,
 }
 
 /// `[kubernetes]`: where the cluster is and what the sandboxes' Pods get.

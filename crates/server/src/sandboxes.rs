@@ -487,7 +487,7 @@ impl Sandboxes {
                     http::StatusCode::BAD_REQUEST,
                     ErrorCode::ApiNotSupported,
                     format!(
-                        "networkPolicy: sandboxes of the {} runtime cannot have network access on Warren yet (the native runtime, embedded or runc, can)",
+                        "networkPolicy: Warren cannot enforce network policies on sandboxes of the {} runtime (the native runtime, embedded or runc, can)",
                         self.inner.runtime.name()
                     ),
                 ));
@@ -807,7 +807,7 @@ impl Sandboxes {
                         http::StatusCode::BAD_REQUEST,
                         ErrorCode::ApiNotSupported,
                         format!(
-                            "sandboxes of the {} runtime cannot have network access on Warren yet",
+                            "Warren cannot enforce network policies on sandboxes of the {} runtime",
                             self.inner.runtime.name()
                         ),
                     ));

@@ -1,0 +1,234 @@
+"""The Docker runtime with a daemon on another host (`[docker] host = "tcp://…"` with TLS), driven by
+the official SDK.
+
+The other host is real as far as Warren can tell: `remote_docker.RemoteDocker` starts Debian's
+dockerd in a network namespace of its own, reached only over a veth link, on TCP with TLS and client
+certificates. Nothing of this host is mounted into its containers: execd is uploaded once into a
+volume on that daemon and reached on the port the daemon publishes, with the sandbox's credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import shutil
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from opensandbox.models.execd import RunCommandOpts
+
+import warren_e2e as W
+from remote_docker import RemoteDocker
+
+IMAGE = "warren-e2e-remote:1"
+APP_PORT = 8768
+
+
+@pytest.fixture(scope="module")
+def remote(work_root):
+    if shutil.which("dockerd") is None or shutil.which("openssl") is None:
+        msg = "the remote Docker tests need Debian's docker.io and openssl (scripts/install-deps installs them)"
+        if W.allow_skip():
+            pytest.skip(msg)
+        pytest.fail(msg, pytrace=False)
+    rd = RemoteDocker(work_root)
+    try:
+        rd.import_rootfs(IMAGE, W.test_rootfs())
+        yield rd
+    finally:
+        rd.close()
+
+
+def _server(work_root, remote, certs=None) -> W.WarrenServer:
+    srv = W.WarrenServer("docker", work_root, f"rdock-{uuid.uuid4().hex[:6]}")
+    srv.docker_host = remote.host
+    srv.docker_config = f'tls_cert_path = "{certs or remote.client_certs}"\n'
+    srv.check_binary()
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def rdock(work_root, remote):
+    srv = _server(work_root, remote)
+    yield srv
+    srv.stop()
+
+
+def _create(srv, **kw):
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create(IMAGE, connection_config=srv.sdk_config(), timeout=timedelta(minutes=10),
+                             ready_timeout=timedelta(seconds=60), **kw)
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+def _record(srv, sid):
+    found = None
+    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
+        rec = (json.loads(line) or {}).get("put") or {}
+        if rec.get("id") == sid:
+            found = rec
+    assert found, sid
+    return found
+
+
+def _container(remote, sid):
+    out = remote.docker("ps", "-aq", "--no-trunc", "--filter", f"label=io.warren.sandbox={sid}").stdout.split()
+    return remote.inspect(out[0]) if out else None
+
+
+def test_health_reports_tcp_and_no_egress_enforcement(rdock):
+    info = httpx.get(f"{rdock.base_url}/health", timeout=10).json()["runtime"]
+    assert info["kind"] == "docker", info
+    caps = info["capabilities"]
+    assert caps["execdTransport"] == "tcp" and caps["pause"] is True, caps
+    # Warren cannot reach into a remote host's network namespaces: a policy would not be enforced.
+    assert caps["egressPolicy"] is False, caps
+
+
+def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
+    sbx = _create(rdock, env={"AGENT": "remote"}, metadata={"team": "e2e"})
+    try:
+        c = _container(remote, sbx.id)
+        assert c is not None, "no container on the remote daemon"
+        # Nothing of Warren's host is mounted: execd comes from a volume on the daemon, read-only.
+        mounts = c["Mounts"]
+        assert all(m["Type"] == "volume" for m in mounts), mounts
+        (execd_vol,) = [m for m in mounts if m["Destination"] == "/.warren/bin"]
+        assert execd_vol["RW"] is False, execd_vol
+        assert not c["HostConfig"].get("Binds"), c["HostConfig"].get("Binds")
+        # The container carries execd's verifier, never the credential the server sends.
+        record = _record(rdock, sbx.id)
+        credential = hmac.new(record["token"].encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+        assert credential not in json.dumps(c)
+        assert hashlib.sha256(credential.encode()).hexdigest() in c["Config"]["Entrypoint"]
+
+        code, out, _ = W.sh(sbx, "echo $AGENT; id -u")
+        assert (code, out.split("\n")[:2]) == (0, ["remote", "0"]), out
+        sbx.files.write_file("/tmp/remote-e2e-file.txt", "over the network")
+        assert sbx.files.read_file("/tmp/remote-e2e-file.txt") == "over the network"
+        bg = sbx.commands.run("for i in 1 2 3; do echo n$i; done; sleep 60", opts=RunCommandOpts(background=True))
+        W.wait_until(lambda: "n3" in sbx.commands.get_background_command_logs(bg.id).content, 15,
+                     message="background logs from the remote container")
+        sbx.commands.interrupt(bg.id)
+
+        # A program in the container is reached through the endpoint proxy, over execd.
+        sbx.commands.run(f"python3 -m http.server {APP_PORT} --bind 127.0.0.1 --directory /tmp",
+                         opts=RunCommandOpts(background=True))
+        ep = sbx.get_endpoint(APP_PORT)
+        r = W.wait_until(lambda: (x := httpx.get(f"http://{ep.endpoint}/remote-e2e-file.txt", headers=ep.headers,
+                                                  timeout=10)).status_code == 200 and x, 15, interval=0.2,
+                         message="the app in the remote container to answer through the proxy")
+        assert r.text == "over the network"
+
+        # execd's published port opens only with the credential: not without, not with the
+        # verifier the container shows, not with the API key.
+        port = c["NetworkSettings"]["Ports"]["44772/tcp"][0]["HostPort"]
+        url = f"http://{remote.ip}:{port}"
+        for token in (None, hashlib.sha256(credential.encode()).hexdigest(), rdock.api_key, record["token"]):
+            headers = {"X-EXECD-ACCESS-TOKEN": token} if token else {}
+            r = httpx.post(f"{url}/command", json={"command": "touch /tmp/remote-pwned"}, headers=headers,
+                           timeout=10)
+            assert r.status_code == 401, r.text
+        assert httpx.get(f"{url}/ping", headers={"X-EXECD-ACCESS-TOKEN": credential}, timeout=10).status_code == 200
+        code, out, _ = W.sh(sbx, "ls /tmp/remote-pwned 2>&1 || true")
+        assert "No such file" in out, out
+
+        # Pause and resume go through the daemon; the sandbox goes on after.
+        sbx.pause()
+        assert remote.inspect(c["Id"])["State"]["Paused"] is True
+        from opensandbox import SandboxSync
+        sbx = SandboxSync.resume(sbx.id, connection_config=rdock.sdk_config())
+        code, out, _ = W.sh(sbx, "cat /tmp/remote-e2e-file.txt")
+        assert (code, out.strip()) == (0, "over the network"), out
+    finally:
+        sbx.kill()
+        sbx.close()
+    W.wait_until(lambda: _container(remote, sbx.id) is None, 20, message="the remote container to be removed")
+
+
+def test_sandboxes_cannot_reach_each_other_or_the_daemon(rdock, remote):
+    a, b = _create(rdock), _create(rdock)
+    try:
+        b_ip = next(iter(_container(remote, b.id)["NetworkSettings"]["Networks"].values()))["IPAddress"]
+        assert b_ip, "the sandbox has no address on its network"
+        probe = ("import socket,sys\n"
+                 "host, port = sys.argv[1], int(sys.argv[2])\n"
+                 "s = socket.socket(); s.settimeout(3)\n"
+                 "try:\n"
+                 "    s.connect((host, port)); s.sendall(b'GET /version HTTP/1.0\\r\\n\\r\\n')\n"
+                 "    print('answer', s.recv(200))\n"
+                 "except OSError as e:\n"
+                 "    print('no way', e)\n")
+        a.files.write_file("/tmp/probe.py", probe)
+        # Another sandbox's execd, straight over the sandboxes' network: traffic between them is off.
+        code, out, _ = W.sh(a, f"python3 /tmp/probe.py {b_ip} 44772")
+        assert out.startswith("no way"), out
+        # The daemon's API on its host: TLS with a client certificate, which no sandbox has.
+        code, out, _ = W.sh(a, f"python3 /tmp/probe.py {remote.ip} {remote.port}")
+        assert "ApiVersion" not in out, out
+    finally:
+        for s in (a, b):
+            s.kill()
+            s.close()
+
+
+def test_host_volumes_and_network_policies_are_refused_and_nothing_is_left(rdock, remote):
+    before = set(remote.containers())
+    vols_before = remote.docker("volume", "ls", "-q").stdout.split()
+    rdock.host_volumes.mkdir(parents=True, exist_ok=True)
+    body = W.create_body(IMAGE, volumes=[
+        {"name": "scratch", "pvc": {"claimName": "remote-e2e-scratch", "createIfNotExists": True,
+                                    "deleteOnSandboxTermination": True}, "mountPath": "/scratch"},
+        {"name": "v", "host": {"path": str(rdock.host_volumes)}, "mountPath": "/mnt/x"}])
+    with rdock.client() as c:
+        r = c.post("/v1/sandboxes", json=body)
+    # what this runtime cannot do is a 501, as on Kubernetes
+    W.assert_error_body(r, codes=[501])
+    assert "named volume" in r.json()["message"], r.text
+    assert set(remote.containers()) == before
+    assert remote.docker("volume", "ls", "-q").stdout.split() == vols_before
+    # A policy Warren could not enforce there is refused, not ignored.
+    policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "example.com"}]}
+    with rdock.client() as c:
+        r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, networkPolicy=policy))
+    W.assert_error_body(r, codes=[400])
+    assert "cannot enforce network policies" in r.json()["message"], r.text
+    assert set(remote.containers()) == before
+
+
+def test_a_client_certificate_from_another_ca_is_refused(work_root, remote):
+    srv = _server(work_root, remote, certs=remote.stranger_certs)
+    try:
+        before = set(remote.containers())
+        with srv.client() as c:
+            r = c.post("/v1/sandboxes", json=W.create_body(IMAGE))
+        W.assert_error_body(r, codes=[503])
+        assert remote.ip in r.json()["message"], r.text
+        assert set(remote.containers()) == before
+    finally:
+        srv.stop()
+
+
+def test_a_restarted_server_finds_its_remote_sandboxes(work_root, remote):
+    from opensandbox import SandboxSync
+    srv = _server(work_root, remote)
+    try:
+        kept = _create(srv)
+        kept.files.write_file("/tmp/before-restart.txt", "before")
+        kept.close()
+        srv.kill9()
+        srv.start()
+        again = SandboxSync.connect(kept.id, connection_config=srv.sdk_config())
+        try:
+            code, out, _ = W.sh(again, "cat /tmp/before-restart.txt")
+            assert (code, out.strip()) == (0, "before"), out
+        finally:
+            again.kill()
+            again.close()
+    finally:
+        srv.stop()
