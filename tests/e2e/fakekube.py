@@ -21,6 +21,7 @@ event history.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -44,6 +45,20 @@ def _now() -> str:
 def _status(code: int, reason: str, message: str) -> dict:
     return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
             "reason": reason, "message": message}
+
+
+def _merge_patch(target, patch):
+    """RFC 7386: objects merge key by key, null removes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    if not isinstance(target, dict):
+        target = {}
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = _merge_patch(target.get(k), v)
+    return target
 
 
 def _matches(obj: dict, selector: str | None) -> bool:
@@ -84,6 +99,8 @@ class FakeKube:
         self.creates: dict[str, int] = {}   # resource -> number of creates (API writes)
         self.writes = 0
         self.rejected: list[str] = []
+        self.gc_deleted: list[str] = []  # objects the "garbage collector" removed with their Pod
+        self.pulls: list[tuple[str, dict]] = []  # (image, the registry credentials the kubelet found)
         self.pods: dict[str, dict] = {}   # pod name -> kubelet's record (process, netns, index)
         self.next_index = 1
         self.server = _Server(("127.0.0.1", 0), self._handler())
@@ -192,7 +209,7 @@ class FakeKube:
                     return None
                 ns, resource = rest[1], rest[2]
                 name = rest[3] if len(rest) > 3 else None
-                if resource not in ("pods", "networkpolicies", "persistentvolumeclaims"):
+                if resource not in ("pods", "networkpolicies", "persistentvolumeclaims", "secrets"):
                     return None
                 return ns, resource, name, q
 
@@ -277,6 +294,36 @@ class FakeKube:
                     threading.Thread(target=fake._run_pod, args=(ns, name), daemon=True).start()
                 return self._send(201, out)
 
+            def do_PATCH(self):
+                """JSON merge patch (RFC 7386); a `metadata.resourceVersion` in it is a
+                precondition, answered 409 Conflict when the object has moved on, as the API server
+                does."""
+                r = self._route()
+                if r is None or not r[2]:
+                    return self._send(404, _status(404, "NotFound", "no such route"))
+                ns, resource, name, _ = r
+                if self.headers.get("Content-Type", "").split(";")[0] != "application/merge-patch+json":
+                    self._body()
+                    return self._send(415, _status(415, "UnsupportedMediaType", "only merge patches here"))
+                patch = self._body()
+                with fake.lock:
+                    o = fake.objects.get((resource, ns, name))
+                    if o is None:
+                        return self._send(404, _status(404, "NotFound", f'{resource} "{name}" not found'))
+                    want = (patch.get("metadata") or {}).get("resourceVersion")
+                    if want is not None and want != o["metadata"]["resourceVersion"]:
+                        return self._send(409, _status(409, "Conflict", "the object has been modified"))
+                    merged = _merge_patch(json.loads(json.dumps(o)), patch)
+                    for fixed in ("name", "namespace", "uid", "creationTimestamp"):
+                        merged["metadata"][fixed] = o["metadata"][fixed]
+                    problem = fake.admit(merged)
+                    if problem:
+                        fake.rejected.append(problem)
+                        return self._send(422, _status(422, "Invalid", problem))
+                    fake._record("MODIFIED", resource, ns, merged)
+                    out = json.loads(json.dumps(merged))
+                return self._send(200, out)
+
             def do_DELETE(self):
                 r = self._route()
                 if r is None or not r[2]:
@@ -326,6 +373,20 @@ class FakeKube:
                      "imageID": "", "state": {"running": {"startedAt": _now()}}}]))
             return
         spec = pod["spec"]
+        # The image is "pulled" with the Pod's pull Secrets, which must exist by now (a real
+        # kubelet would back off and try again later).
+        auths: dict = {}
+        for ref in spec.get("imagePullSecrets", []):
+            secret = self.get("secrets", ns, ref["name"])
+            if secret is None:
+                self.update_pod(ns, name, lambda p: p["status"].update(
+                    phase="Pending", reason="ErrImagePull",
+                    message=f'secret "{ref["name"]}" not found'))
+                return
+            if secret.get("type") == "kubernetes.io/dockerconfigjson":
+                auths.update(json.loads(base64.b64decode(secret["data"][".dockerconfigjson"]))["auths"])
+        with self.lock:
+            self.pulls.append((spec["containers"][0]["image"], auths))
         (init,) = spec.get("initContainers", [])
         (main,) = spec["containers"]
         mounts = {m["name"]: m["mountPath"] for m in main.get("volumeMounts", [])}
@@ -404,12 +465,19 @@ class FakeKube:
             self._kill(record)
 
     def remove_pod(self, ns: str, name: str) -> None:
-        """Stops the Pod and removes it (a delete, or one behind Warren's back)."""
+        """Stops the Pod and removes it (a delete, or one behind Warren's back), and, as the
+        garbage collector does, the objects it owns."""
         self._stop_containers(name)
         with self.lock:
             pod = self.objects.get(("pods", ns, name))
             if pod is not None:
                 self._record("DELETED", "pods", ns, json.loads(json.dumps(pod)))
+                uid = pod["metadata"]["uid"]
+                owned = [(r, n, o) for (r, n, _), o in self.objects.items()
+                         if n == ns and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences", []))]
+                for r, n, o in owned:
+                    self.gc_deleted.append(o["metadata"]["name"])
+                    self._record("DELETED", r, n, json.loads(json.dumps(o)))
 
     def evict(self, ns: str, name: str) -> None:
         """The kubelet evicts the Pod (node pressure): its containers stop, it stays Failed."""

@@ -113,7 +113,8 @@ def test_the_manifests_fit_together(mode):
     assert "ClusterRole" not in docs and "ClusterRoleBinding" not in docs
     rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert rules == {("", "pods"): {"create", "get", "list", "watch", "delete"},
-                     ("networking.k8s.io", "networkpolicies"): {"create", "get"}}, rules
+                     ("networking.k8s.io", "networkpolicies"): {"create", "get"},
+                     ("", "secrets"): {"create", "list", "patch", "delete"}}, rules
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"]}]
     config = tomllib.loads(cm["data"]["warren.toml"])

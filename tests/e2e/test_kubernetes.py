@@ -152,6 +152,51 @@ def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, clus
     assert cluster.rejected == [], cluster.rejected
 
 
+def test_a_create_s_registry_credentials_are_a_secret_its_pod_owns(k8s, cluster):
+    image = "registry.example.test:5000/team/agent:1"
+    password = "pw-" + uuid.uuid4().hex
+    sids = []
+    for _ in range(2):
+        body = W.create_body(image)
+        body["image"]["auth"] = {"username": "agent", "password": password}
+        with k8s.client() as c:
+            r = c.post("/v1/sandboxes", json=body)
+        assert r.status_code == 202, r.text
+        assert password not in r.text
+        sids.append(r.json()["id"])
+        W.track_sandbox(sids[-1])
+    deleted, gone_behind = sids
+    for sid in sids:
+        W.wait_until(lambda: (_state(k8s, sid) or {}).get("state") == "Running", 30,
+                     message="the sandbox pulling with its own credentials to run")
+        pod = _pod(cluster, sid)
+        name = f"warren-{sid}-pull"
+        assert {"name": name} in pod["spec"]["imagePullSecrets"], pod["spec"].get("imagePullSecrets")
+        assert password not in json.dumps(pod)
+        secret = cluster.get("secrets", NS, name)
+        assert secret is not None and secret["type"] == "kubernetes.io/dockerconfigjson"
+        (owner,) = secret["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("Pod", pod["metadata"]["name"], pod["metadata"]["uid"])
+        # The kubelet found the credentials for that registry when it pulled.
+        pulled = [a for img, a in cluster.pulls if img == image]
+        assert any(a.get("registry.example.test:5000", {}).get("password") == password for a in pulled), pulled
+    # Never in Warren's own files or log.
+    assert password not in (k8s.data_dir / "state" / "sandboxes.jsonl").read_text()
+    assert password not in k8s.log_path.read_text(errors="replace")
+    # Deleted through Warren: the Secret goes with the Pod.
+    with k8s.client() as c:
+        assert c.delete(f"/v1/sandboxes/{deleted}").status_code == 204
+    W.wait_until(lambda: cluster.get("secrets", NS, f"warren-{deleted}-pull") is None, 15,
+                 message="the deleted sandbox's pull Secret to be removed")
+    # A Pod deleted behind Warren's back takes its Secret with it (the cluster's garbage collector).
+    cluster.remove_pod(NS, f"warren-{gone_behind}")
+    assert f"warren-{gone_behind}-pull" in cluster.gc_deleted
+    assert cluster.get("secrets", NS, f"warren-{gone_behind}-pull") is None
+    W.wait_until(lambda: (s := _state(k8s, gone_behind)) is None or s["state"] in ("Terminated", "Failed"), 15,
+                 message="the sandbox of the removed Pod to end")
+    assert cluster.rejected == [], cluster.rejected
+
+
 def _record(srv, sid):
     found = None
     for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
@@ -236,8 +281,14 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
         stray["metadata"] = {"name": "warren-stray-" + uuid.uuid4().hex[:8],
                              "labels": {**stray["metadata"]["labels"], "io.warren.sandbox": "stray"}}
         stray.pop("status", None)
+        # and a pull Secret of a create cut off before its Pod
+        stray_secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/dockerconfigjson",
+                        "metadata": {"name": "warren-cut-off-pull",
+                                     "labels": {"io.warren.owner": srv.name, "io.warren.sandbox": "cut-off"}},
+                        "data": {".dockerconfigjson": "e30="}}
         with httpx.Client(base_url=cluster.url) as c:
             assert c.post(f"/api/v1/namespaces/{NS}/pods", json=stray).status_code == 201
+            assert c.post(f"/api/v1/namespaces/{NS}/secrets", json=stray_secret).status_code == 201
         srv.start()
         again = SandboxSync.connect(kept.id, connection_config=srv.sdk_config())
         try:
@@ -250,6 +301,8 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
                           15, message="the lost Pod's sandbox to be marked")
         W.wait_until(lambda: cluster.get("pods", NS, stray["metadata"]["name"]) is None, 15,
                      message="the stray Pod to be removed")
+        W.wait_until(lambda: cluster.get("secrets", NS, "warren-cut-off-pull") is None, 15,
+                     message="the stray pull Secret to be removed")
         assert st is not None
     finally:
         srv.stop()

@@ -158,6 +158,7 @@ fn kubernetes(
             runtime_class: k.runtime_class.clone(),
             node_selector: k.node_selector.clone(),
             tolerations: warren_runtime_kubernetes::tolerations(&k.tolerations),
+            image_pull_secrets: k.image_pull_secrets.clone(),
         },
         ready_timeout,
     })?;

@@ -168,6 +168,19 @@ impl Client {
             .await
     }
 
+    /// A JSON merge patch (RFC 7386) of the object at `path`.
+    pub async fn merge_patch(&self, path: &str, patch: &Value) -> Result<Value, KubeError> {
+        self.send(
+            self.request(reqwest::Method::PATCH, path)
+                .header(
+                    reqwest::header::CONTENT_TYPE,
+                    "application/merge-patch+json",
+                )
+                .body(patch.to_string()),
+        )
+        .await
+    }
+
     /// Deletes the object; one already gone is fine.
     pub async fn delete(&self, path: &str, grace_seconds: u32) -> Result<(), KubeError> {
         let body = serde_json::json!({

@@ -45,6 +45,9 @@ struct PodState {
     pod: String,
     uid: String,
     ip: String,
+    /// It pulled with a Secret of its own (`image.auth`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pull_secret: bool,
 }
 
 pub struct KubernetesRuntime {
@@ -81,6 +84,18 @@ impl KubernetesRuntime {
 
     fn pod_path(&self, name: &str) -> String {
         format!("{}/{name}", self.pods_path())
+    }
+
+    fn secrets_path(&self) -> String {
+        format!("/api/v1/namespaces/{}/secrets", self.config.namespace)
+    }
+
+    /// Removes a sandbox's own pull Secret (one already gone is fine).
+    async fn delete_pull_secret(&self, id: &str) {
+        let path = format!("{}/{}", self.secrets_path(), pod::pull_secret_name(id));
+        if let Err(e) = self.client.delete(&path, 0).await {
+            tracing::warn!(sandbox_id = %id, error = %e, "could not delete the sandbox's pull Secret");
+        }
     }
 
     fn selector(&self) -> String {
@@ -274,37 +289,64 @@ impl Runtime for KubernetesRuntime {
                 "the built-in `host` image needs the native runtime".into(),
             ));
         }
-        if auth.is_some() {
-            return Err(RuntimeError::Unsupported(
-                "image.auth on Kubernetes: give the namespace's service account an imagePullSecret instead"
-                    .into(),
-            ));
-        }
         let manifest =
             pod::manifest(spec, image, &self.config.pod).map_err(RuntimeError::Invalid)?;
         self.ensure_policy().await?;
         let deadline = Instant::now() + self.config.ready_timeout;
         let name = pod::pod_name(&spec.id);
-        let created = self
-            .client
-            .create(&self.pods_path(), &manifest)
-            .await
-            .map_err(|e| self.map_err("creating the Pod", e))?;
+        // A create's own registry credentials: a Secret the Pod pulls with, made first (a kubelet
+        // that found it missing would back off for seconds), then owned by the Pod so the
+        // cluster removes it with the Pod, whoever deletes that.
+        if let Some(auth) = auth {
+            let secret = pod::pull_secret(spec, image, auth, &self.config.pod);
+            self.client
+                .create(&self.secrets_path(), &secret)
+                .await
+                .map_err(|e| self.map_err("creating the image pull Secret", e))?;
+        }
+        let created = match self.client.create(&self.pods_path(), &manifest).await {
+            Ok(c) => c,
+            Err(e) => {
+                if auth.is_some() {
+                    self.delete_pull_secret(&spec.id).await;
+                }
+                return Err(self.map_err("creating the Pod", e));
+            }
+        };
         let uid = created["metadata"]["uid"]
             .as_str()
             .unwrap_or_default()
             .to_string();
+        if auth.is_some() {
+            let owner = json!({"metadata": {"ownerReferences": [{
+                "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid,
+            }]}});
+            let path = format!(
+                "{}/{}",
+                self.secrets_path(),
+                pod::pull_secret_name(&spec.id)
+            );
+            if let Err(e) = self.client.merge_patch(&path, &owner).await {
+                // Warren still removes it with the sandbox; only a Pod deleted behind its back
+                // would leave it to the next start's sweep.
+                tracing::warn!(sandbox_id = %spec.id, error = %e, "could not make the Pod own its pull Secret");
+            }
+        }
         match self.wait_ready(&name, deadline).await {
             Ok(view) => serde_json::to_value(PodState {
                 pod: name,
                 uid,
                 ip: view.ip.unwrap_or_default(),
+                pull_secret: auth.is_some(),
             })
             .map_err(|e| RuntimeError::backend_with("encoding state", e)),
             Err(e) => {
-                // Nothing half-made: the Pod goes.
+                // Nothing half-made: the Pod goes, and its Secret.
                 let _ = self.delete_pod(&name).await;
                 self.pods.forget(&name);
+                if auth.is_some() {
+                    self.delete_pull_secret(&spec.id).await;
+                }
                 Err(e)
             }
         }
@@ -379,6 +421,9 @@ impl Runtime for KubernetesRuntime {
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
         let name = pod_of(id, state);
         self.delete_pod(&name).await?;
+        if state_of(state).is_some_and(|s| s.pull_secret) {
+            self.delete_pull_secret(id).await;
+        }
         // Gone from the API server (its containers stopped) before the delete answers, within
         // bounds: a node that went away leaves its Pods to the node controller. The watch says
         // when; a Pod it never saw (gone before this server started) is looked up.
@@ -416,6 +461,24 @@ impl Runtime for KubernetesRuntime {
     }
 
     async fn sweep_orphans(&self, known: &[String]) {
+        // Pull Secrets of sandboxes without a record (a create cut off between its Secret and
+        // its Pod, say), then Pods.
+        if let Ok(list) = self
+            .client
+            .list(&self.secrets_path(), &self.selector())
+            .await
+        {
+            for s in list["items"].as_array().into_iter().flatten() {
+                let id = s["metadata"]["labels"][LABEL_SANDBOX].as_str();
+                if let Some(id) = id.filter(|id| !known.iter().any(|k| k == id)) {
+                    tracing::info!(
+                        sandbox_id = id,
+                        "removing a pull Secret that has no sandbox record"
+                    );
+                    self.delete_pull_secret(id).await;
+                }
+            }
+        }
         let Ok(list) = self.client.list(&self.pods_path(), &self.selector()).await else {
             return;
         };

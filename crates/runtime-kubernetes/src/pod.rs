@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
-use warren_core::{policy, SandboxSpec, VolumeSource};
+use warren_core::{policy, SandboxImage, SandboxSpec, VolumeSource};
 
 /// Label carrying the sandbox id.
 pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
@@ -33,10 +33,66 @@ pub struct PodSettings {
     pub runtime_class: Option<String>,
     pub node_selector: BTreeMap<String, String>,
     pub tolerations: Vec<Value>,
+    /// Secrets every sandbox Pod pulls with.
+    pub image_pull_secrets: Vec<String>,
 }
 
 pub fn pod_name(id: &str) -> String {
     format!("warren-{id}")
+}
+
+/// The Secret holding a create's own registry credentials (`image.auth`).
+pub fn pull_secret_name(id: &str) -> String {
+    format!("warren-{id}-pull")
+}
+
+/// The registry an image reference names, as a `.dockerconfigjson` key: the first path component
+/// when it looks like a host (a dot, a port, `localhost`), else Docker Hub.
+pub fn registry_key(image: &str) -> String {
+    match image.split_once('/') {
+        Some((first, _)) if first.contains('.') || first.contains(':') || first == "localhost" => {
+            if matches!(
+                first,
+                "docker.io" | "index.docker.io" | "registry-1.docker.io"
+            ) {
+                "https://index.docker.io/v1/".into()
+            } else {
+                first.to_string()
+            }
+        }
+        _ => "https://index.docker.io/v1/".into(),
+    }
+}
+
+/// A `kubernetes.io/dockerconfigjson` Secret with `auth` for `image`'s registry, labelled as the
+/// sandbox's (so a restarted server finds the ones left without a Pod).
+pub fn pull_secret(
+    spec: &SandboxSpec,
+    image: &str,
+    auth: &warren_api::lifecycle::ImageAuth,
+    settings: &PodSettings,
+) -> Value {
+    use base64::Engine;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let config = json!({"auths": {registry_key(image): {
+        "username": auth.username,
+        "password": auth.password,
+        "auth": b64(&format!("{}:{}", auth.username, auth.password)),
+    }}});
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/dockerconfigjson",
+        "metadata": {
+            "name": pull_secret_name(&spec.id),
+            "labels": {
+                LABEL_SANDBOX: spec.id,
+                LABEL_OWNER: settings.instance,
+                "app.kubernetes.io/managed-by": "warren",
+            },
+        },
+        "data": {".dockerconfigjson": b64(&config.to_string())},
+    })
 }
 
 /// The Pod for `spec`; `image` is the reference the cluster pulls.
@@ -130,6 +186,17 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
     }
     if !settings.tolerations.is_empty() {
         pod_spec["tolerations"] = json!(settings.tolerations);
+    }
+    let mut pull_secrets: Vec<Value> = settings
+        .image_pull_secrets
+        .iter()
+        .map(|n| json!({"name": n}))
+        .collect();
+    if matches!(&spec.image, SandboxImage::Reference { auth: Some(_), .. }) {
+        pull_secrets.push(json!({"name": pull_secret_name(&spec.id)}));
+    }
+    if !pull_secrets.is_empty() {
+        pod_spec["imagePullSecrets"] = json!(pull_secrets);
     }
     Ok(json!({
         "apiVersion": "v1",
@@ -251,6 +318,7 @@ mod tests {
             tolerations: vec![
                 json!({"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}),
             ],
+            image_pull_secrets: vec!["regcred".into()],
         }
     }
 
@@ -327,6 +395,56 @@ mod tests {
         );
         s.volumes[0].source = VolumeSource::Host("/etc".into());
         assert!(manifest(&s, "img", &settings()).is_err());
+    }
+
+    #[test]
+    fn a_create_s_registry_credentials_go_in_a_secret_of_its_own() {
+        use base64::Engine;
+        let mut s = spec();
+        assert_eq!(
+            manifest(&s, "img", &settings()).expect("pod")["spec"]["imagePullSecrets"],
+            json!([{"name": "regcred"}])
+        );
+        let auth = warren_api::lifecycle::ImageAuth {
+            username: "agent".into(),
+            password: "s3cret:x".into(),
+        };
+        s.image = SandboxImage::Reference {
+            name: "registry.example:5000/team/app:1".into(),
+            auth: Some(auth.clone()),
+        };
+        let pod = manifest(&s, "registry.example:5000/team/app:1", &settings()).expect("pod");
+        assert_eq!(
+            pod["spec"]["imagePullSecrets"],
+            json!([{"name": "regcred"}, {"name": "warren-0123456789abcdef-pull"}])
+        );
+        // the password is in the Secret only
+        assert!(!pod.to_string().contains("s3cret"));
+        let secret = pull_secret(&s, "registry.example:5000/team/app:1", &auth, &settings());
+        assert_eq!(secret["type"], "kubernetes.io/dockerconfigjson");
+        assert_eq!(secret["metadata"]["labels"][LABEL_OWNER], "warren-0");
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let config: Value = serde_json::from_slice(
+            &b64.decode(secret["data"][".dockerconfigjson"].as_str().expect("data"))
+                .expect("base64"),
+        )
+        .expect("json");
+        let entry = &config["auths"]["registry.example:5000"];
+        assert_eq!(entry["username"], "agent");
+        assert_eq!(
+            b64.decode(entry["auth"].as_str().expect("auth"))
+                .expect("b64"),
+            b"agent:s3cret:x"
+        );
+        for (image, key) in [
+            ("python:3.12", "https://index.docker.io/v1/"),
+            ("library/python", "https://index.docker.io/v1/"),
+            ("docker.io/library/python", "https://index.docker.io/v1/"),
+            ("localhost/app", "localhost"),
+            ("ghcr.io/o/app@sha256:00", "ghcr.io"),
+        ] {
+            assert_eq!(registry_key(image), key, "{image}");
+        }
     }
 
     #[test]

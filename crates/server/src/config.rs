@@ -275,6 +275,10 @@ pub struct KubernetesSection {
     pub node_selector: std::collections::BTreeMap<String, String>,
     #[serde(default)]
     pub tolerations: Vec<std::collections::BTreeMap<String, String>>,
+    /// Secrets in the namespace every sandbox Pod pulls its image with (`imagePullSecrets`); a
+    /// create's own `image.auth` adds a Secret of its own.
+    #[serde(default)]
+    pub image_pull_secrets: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
