@@ -100,6 +100,12 @@ class FakeKube:
         self.writes = 0
         self.rejected: list[str] = []
         self.gc_deleted: list[str] = []  # objects the "garbage collector" removed with their Pod
+        self.max_page = 0  # the most items a list page holds (0: what the client asks)
+        self.snapshots: dict[str, tuple[str, list]] = {}  # continue token -> (version, items left)
+        # A watch with bookmarks on that had nothing to send this long gets one (the API server
+        # sends them about once a minute); None: never.
+        self.bookmark_every: float | None = None
+        self.bookmarks_sent = 0
         self.pulls: list[tuple[str, dict]] = []  # (image, the registry credentials the kubelet found)
         self.pods: dict[str, dict] = {}   # pod name -> kubelet's record (process, netns, index)
         self.next_index = 1
@@ -153,6 +159,7 @@ class FakeKube:
         finally:
             with self.lock:
                 self.events.clear()
+                self.snapshots.clear()  # continue tokens expire with the history
                 self.oldest_rv = self.rv
                 self.holding = False
                 self.lock.notify_all()
@@ -229,15 +236,31 @@ class FakeKube:
                     return self._send(200, o)
                 if q.get("watch") in ("1", "true"):
                     return self._watch(ns, resource, q)
+                # Paged as the API server pages: `limit` (capped by `max_page`, as a server may
+                # answer fewer), then `continue` tokens that read on in the first page's snapshot.
+                limit = int(q.get("limit") or 0)
+                if fake.max_page:
+                    limit = min(limit, fake.max_page) if limit else fake.max_page
                 with fake.lock:
-                    items = fake.list(resource, ns, q.get("labelSelector"))
-                    rv = str(fake.rv)
-                return self._send(200, {"kind": "List", "apiVersion": "v1",
-                                        "metadata": {"resourceVersion": rv}, "items": items})
+                    token = q.get("continue")
+                    if token:
+                        if token not in fake.snapshots:
+                            return self._send(410, _status(410, "Expired", "the continue token has expired"))
+                        rv, rest = fake.snapshots.pop(token)
+                    else:
+                        rv, rest = str(fake.rv), fake.list(resource, ns, q.get("labelSelector"))
+                    items, rest = (rest[:limit], rest[limit:]) if limit else (rest, [])
+                    meta = {"resourceVersion": rv}
+                    if rest:
+                        meta["continue"] = uuid.uuid4().hex
+                        fake.snapshots[meta["continue"]] = (rv, rest)
+                return self._send(200, {"kind": "List", "apiVersion": "v1", "metadata": meta, "items": items})
 
             def _watch(self, ns, resource, q):
                 since = int(q.get("resourceVersion") or 0)
                 selector = q.get("labelSelector")
+                bookmarks = q.get("allowWatchBookmarks") in ("1", "true")
+                last_sent = time.monotonic()
                 deadline = time.monotonic() + float(q.get("timeoutSeconds") or 60)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -261,11 +284,21 @@ class FakeKube:
                                 batch = [e for e in fake.events if e[0] > since and e[2] == resource
                                          and e[3] == ns and _matches(e[4], selector)]
                                 if not batch:
-                                    fake.lock.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-                                    continue
+                                    if (bookmarks and fake.bookmark_every and fake.rv > since
+                                            and time.monotonic() - last_sent >= fake.bookmark_every):
+                                        # Nothing for this watch lately: where the store is now,
+                                        # so that a resumed watch starts from there.
+                                        since, last_sent = fake.rv, time.monotonic()
+                                        mark = {"kind": "Pod", "apiVersion": "v1",
+                                                "metadata": {"resourceVersion": str(since)}}
+                                        fake.bookmarks_sent += 1
+                                        batch = [(since, "BOOKMARK", resource, ns, mark)]
+                                    else:
+                                        fake.lock.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+                                        continue
                             for rv, kind, _, _, obj in batch:
                                 chunk({"type": kind, "object": obj})
-                                since = rv
+                                since, last_sent = rv, time.monotonic()
                     self.wfile.write(b"0\r\n\r\n")
                 except (BrokenPipeError, ConnectionResetError):
                     pass

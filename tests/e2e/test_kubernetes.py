@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import time
 import uuid
 from datetime import timedelta
 
@@ -256,6 +257,33 @@ def test_a_watch_that_lost_its_history_lists_again(k8s, cluster):
         _kill(sbx)
 
 
+def test_bookmarks_keep_a_quiet_watch_current_through_a_compaction(k8s, cluster):
+    """At 100,000 Pods a relist is the costliest call Warren makes. Its watch selects only its own
+    Pods, which may be quiet while the rest of the namespace is busy; the API server's bookmarks
+    move the watch's version on, so that a compaction does not leave it too old to resume."""
+    sbx = _create(k8s)
+    try:
+        cluster.bookmark_every = 0.2
+        marks = cluster.bookmarks_sent
+        with httpx.Client(base_url=cluster.url) as c:
+            for i in range(5):  # another app's objects change; Warren's Pods do not
+                other = {"apiVersion": "v1", "kind": "Secret",
+                         "metadata": {"name": f"other-app-{uuid.uuid4().hex[:8]}-{i}"}, "data": {}}
+                assert c.post(f"/api/v1/namespaces/{NS}/secrets", json=other).status_code == 201
+        W.wait_until(lambda: cluster.bookmarks_sent > marks, 10, message="a bookmark for Warren's watch")
+        time.sleep(0.5)  # for Warren to take the bookmark in
+        lists = cluster.requests.get("LIST pods", 0)
+        cluster.compact_while(lambda: None)
+        # The watch resumed where the bookmark left it: it still follows the Pods, with no new list.
+        cluster.evict(NS, f"warren-{sbx.id}")
+        W.wait_until(lambda: (s := _state(k8s, sbx.id)) and s["state"] == "Failed", 20,
+                     message="the eviction to be seen by the resumed watch")
+        assert cluster.requests.get("LIST pods", 0) == lists, "the watch listed again"
+    finally:
+        cluster.bookmark_every = None
+        _kill(sbx)
+
+
 def _kill(sbx) -> None:
     """Deletes a sandbox that may have ended already."""
     try:
@@ -289,6 +317,8 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
         with httpx.Client(base_url=cluster.url) as c:
             assert c.post(f"/api/v1/namespaces/{NS}/pods", json=stray).status_code == 201
             assert c.post(f"/api/v1/namespaces/{NS}/secrets", json=stray_secret).status_code == 201
+        # Lists come in pages of one Pod: Warren must read them all to know what is there.
+        cluster.max_page = 1
         srv.start()
         again = SandboxSync.connect(kept.id, connection_config=srv.sdk_config())
         try:
@@ -304,5 +334,7 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
         W.wait_until(lambda: cluster.get("secrets", NS, "warren-cut-off-pull") is None, 15,
                      message="the stray pull Secret to be removed")
         assert st is not None
+        assert cluster.requests.get("LIST pods", 0) > 2
     finally:
+        cluster.max_page = 0
         srv.stop()

@@ -153,14 +153,48 @@ impl Client {
         self.send(self.request(reqwest::Method::GET, path)).await
     }
 
-    /// The objects under `path` whose labels match `selector`, as a `…List` (its
-    /// `metadata.resourceVersion` is where a watch picks up).
+    /// The objects under `path` whose labels match `selector`, as one `…List` (its
+    /// `metadata.resourceVersion` is where a watch picks up). Read in pages of [`LIST_PAGE`], as
+    /// client-go's reflectors do, so that a namespace of 100,000 Pods is not one answer the API
+    /// server must build and hold at once; the pages are one consistent snapshot (the first
+    /// page's version). A continue token that expired meanwhile (410) starts the list over.
     pub async fn list(&self, path: &str, selector: &str) -> Result<Value, KubeError> {
-        self.send(
-            self.request(reqwest::Method::GET, path)
-                .query(&[("labelSelector", selector)]),
-        )
-        .await
+        let mut attempts = 0;
+        'over: loop {
+            attempts += 1;
+            let mut items: Vec<Value> = Vec::new();
+            let mut first: Option<Value> = None;
+            let mut token = String::new();
+            loop {
+                let limit = LIST_PAGE.to_string();
+                let mut query = vec![("labelSelector", selector), ("limit", limit.as_str())];
+                if !token.is_empty() {
+                    query.push(("continue", token.as_str()));
+                }
+                let page = match self
+                    .send(self.request(reqwest::Method::GET, path).query(&query))
+                    .await
+                {
+                    Ok(p) => p,
+                    Err(e) if e.status() == Some(410) && attempts < 3 => continue 'over,
+                    Err(e) => return Err(e),
+                };
+                items.extend(page["items"].as_array().into_iter().flatten().cloned());
+                token = page["metadata"]["continue"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                let page_meta = first.get_or_insert(page);
+                if token.is_empty() {
+                    let mut list = page_meta.clone();
+                    list["items"] = Value::Array(items);
+                    if let Some(m) = list["metadata"].as_object_mut() {
+                        m.remove("continue");
+                    }
+                    return Ok(list);
+                }
+            }
+        }
     }
 
     pub async fn create(&self, path: &str, object: &Value) -> Result<Value, KubeError> {
@@ -254,6 +288,9 @@ impl Client {
         Ok(())
     }
 }
+
+/// Objects per page of a list.
+pub const LIST_PAGE: usize = 500;
 
 /// The API server's `Status` body as an error.
 fn status_error(status: u16, body: &Value) -> KubeError {
