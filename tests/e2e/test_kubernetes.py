@@ -198,6 +198,42 @@ def test_a_create_s_registry_credentials_are_a_secret_its_pod_owns(k8s, cluster)
     assert cluster.rejected == [], cluster.rejected
 
 
+def test_a_warm_pool_of_pods_serves_creates_without_a_pod_write(k8s, cluster):
+    """Warm pools work on Kubernetes as elsewhere: the pool's Pods are made ahead, a create from it
+    costs the cluster no write on its path (the refill makes the next Pod afterwards). Claims are
+    the server's own: each replica has its pool (see crates/README.md, "Claim contention")."""
+    from opensandbox import SandboxSync
+    name = f"k8s-{uuid.uuid4().hex[:8]}"
+    template = W.create_body(IMAGE)
+    template["env"] = {"E2E_POOL": name}
+    spec = {"name": name, "template": template,
+            "capacitySpec": {"bufferMin": 1, "bufferMax": 2, "poolMin": 0, "poolMax": 3}}
+    with k8s.client() as c:
+        assert c.post("/v1/pools", json=spec).status_code == 201
+        try:
+            W.wait_until(lambda: c.get(f"/v1/pools/{name}").json()["status"]["available"] >= 2, 60,
+                         message="two warm Pods")
+            warm = {p["metadata"]["labels"]["io.warren.sandbox"] for p in cluster.list("pods", NS)}
+            posts = cluster.requests.get("POST pods", 0)
+            sbx = SandboxSync.create(IMAGE, connection_config=k8s.sdk_config(), extensions={"poolRef": name},
+                                     timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
+            W.track_sandbox(sbx.id)
+            try:
+                assert cluster.requests.get("POST pods", 0) - posts <= 1  # at most the refill's
+                assert sbx.id in warm, "the sandbox was not one of the warm Pods"
+                code, out, _ = W.sh(sbx, "echo $E2E_POOL")
+                assert (code, out.strip()) == (0, name), out
+            finally:
+                _kill(sbx)
+            W.wait_until(lambda: _pod(cluster, sbx.id) is None, 15, message="the claimed Pod to be deleted")
+        finally:
+            assert c.delete(f"/v1/pools/{name}").status_code in (204, 404)
+    # The pool's warm Pods go with it.
+    W.wait_until(lambda: not [p for p in cluster.list("pods", NS) if p["spec"]["containers"][0].get("env")
+                              and {"name": "E2E_POOL", "value": name} in p["spec"]["containers"][0]["env"]],
+                 30, message="the pool's Pods to be removed")
+
+
 def _record(srv, sid):
     found = None
     for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
