@@ -41,6 +41,7 @@ def cluster():
 def _server(work_root, cluster, **extra) -> W.WarrenServer:
     srv = W.WarrenServer("kubernetes", work_root, f"k8s-{uuid.uuid4().hex[:6]}")
     runtime_class = extra.get("runtime_class")
+    host_paths = extra.get("host_paths")
     srv.more_config = (
         "[kubernetes]\n"
         f'api_server = "{cluster.url}"\n'
@@ -49,6 +50,7 @@ def _server(work_root, cluster, **extra) -> W.WarrenServer:
         'execd_image = "warren:e2e"\n'
         + (f'runtime_class = "{runtime_class}"\n' if runtime_class else "")
         + 'node_selector = { "warren.io/sandboxes" = "true" }\n'
+        + (f"allowed_host_paths = {json.dumps(host_paths)}\n" if host_paths else "")
     )
     srv.check_binary()
     srv.start()
@@ -85,6 +87,12 @@ def test_health_reports_kubernetes_and_what_it_cannot_do(k8s):
     assert info["kind"] == "kubernetes" and info["name"] == "kubernetes/gvisor", info
     caps = info["capabilities"]
     assert caps["execdTransport"] == "tcp" and caps["pause"] is False and caps["snapshots"] is False, caps
+    # No node folder is allowed by default.
+    assert caps["hostVolumes"] == "none", caps
+    with k8s.client() as c:
+        r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, volumes=[
+            {"name": "v", "host": {"path": "/srv"}, "mountPath": "/mnt/x"}]))
+    W.assert_error_body(r, codes=[501])
 
 
 def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, cluster):
@@ -232,6 +240,39 @@ def test_a_warm_pool_of_pods_serves_creates_without_a_pod_write(k8s, cluster):
     W.wait_until(lambda: not [p for p in cluster.list("pods", NS) if p["spec"]["containers"][0].get("env")
                               and {"name": "E2E_POOL", "value": name} in p["spec"]["containers"][0]["env"]],
                  30, message="the pool's Pods to be removed")
+
+
+def test_node_folders_are_mounted_only_from_allowed_ones(work_root, cluster):
+    """`host` volumes are the node's folders here: checked by name against [kubernetes]
+    allowed_host_paths, the allowed folder itself the hostPath and the rest a subPath (which the
+    kubelet resolves without following a symlink out of the folder, one a sandbox could plant)."""
+    srv = _server(work_root, cluster, host_paths=["/srv/warren-e2e"])
+    try:
+        caps = httpx.get(f"{srv.base_url}/health", timeout=10).json()["runtime"]["capabilities"]
+        assert caps["hostVolumes"] == "node", caps
+        body = W.create_body(IMAGE, volumes=[{"name": "v", "host": {"path": "/srv/warren-e2e/team"},
+                                              "subPath": "a", "mountPath": "/data", "readOnly": True}])
+        with srv.client() as c:
+            r = c.post("/v1/sandboxes", json=body)
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            for path, sub, status in (("/srv/warren-e2e-other", None, 403), ("/etc", None, 403),
+                                      ("/srv/warren-e2e/../../etc", None, 400), ("/srv/warren-e2e", "../x", 400)):
+                bad = W.create_body(IMAGE, volumes=[{"name": "v", "host": {"path": path}, "mountPath": "/data",
+                                                     **({"subPath": sub} if sub else {})}])
+                W.assert_error_body(c.post("/v1/sandboxes", json=bad), codes=[status])
+        W.wait_until(lambda: (_state(srv, sid) or {}).get("state") == "Running", 30, message="the sandbox to run")
+        pod = _pod(cluster, sid)
+        vol = next(v for v in pod["spec"]["volumes"] if "hostPath" in v)
+        assert vol["hostPath"] == {"path": "/srv/warren-e2e", "type": "Directory"}, vol
+        (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == vol["name"]]
+        assert (mount["mountPath"], mount["subPath"], mount["readOnly"]) == ("/data", "team/a", True), mount
+        assert cluster.rejected == [], cluster.rejected
+        with srv.client() as c:
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    finally:
+        srv.stop()
 
 
 def _record(srv, sid):

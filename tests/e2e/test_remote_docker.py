@@ -88,6 +88,8 @@ def test_health_reports_tcp_and_no_egress_enforcement(rdock):
     assert caps["execdTransport"] == "tcp" and caps["pause"] is True, caps
     # Warren cannot reach into a remote host's network namespaces: a policy would not be enforced.
     assert caps["egressPolicy"] is False, caps
+    # Nor mount this host's folders there: named volumes only.
+    assert caps["hostVolumes"] == "none", caps
 
 
 def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
@@ -189,7 +191,7 @@ def test_host_volumes_and_network_policies_are_refused_and_nothing_is_left(rdock
         r = c.post("/v1/sandboxes", json=body)
     # what this runtime cannot do is a 501, as on Kubernetes
     W.assert_error_body(r, codes=[501])
-    assert "named volume" in r.json()["message"], r.text
+    assert "pvc" in r.json()["message"], r.text
     assert set(remote.containers()) == before
     assert remote.docker("volume", "ls", "-q").stdout.split() == vols_before
     # A policy Warren could not enforce there is refused, not ignored.

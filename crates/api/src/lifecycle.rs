@@ -268,6 +268,22 @@ pub struct RuntimeCapabilities {
     pub user_namespaces: bool,
     /// execd's isolated sessions, for sandboxes that ask (`bootstrap.execd.isolation`).
     pub isolated_sessions: bool,
+    /// Whose folders `host` volumes mount, if anyone's (`pvc` volumes work on every runtime).
+    pub host_volumes: HostVolumes,
+}
+
+/// Whose folders `host` volumes mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum HostVolumes {
+    /// The server's own host's, under `[storage] allowed_host_paths`, symlinks resolved there.
+    Server,
+    /// The node's that runs the sandbox, under the runtime's own allow list, checked by name (the
+    /// node resolves the rest).
+    Node,
+    /// No one's.
+    None,
 }
 
 /// How the server reaches execd.

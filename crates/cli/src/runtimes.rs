@@ -159,6 +159,7 @@ fn kubernetes(
             node_selector: k.node_selector.clone(),
             tolerations: warren_runtime_kubernetes::tolerations(&k.tolerations),
             image_pull_secrets: k.image_pull_secrets.clone(),
+            allowed_host_paths: k.allowed_host_paths.clone(),
         },
         ready_timeout,
     })?;

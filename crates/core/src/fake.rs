@@ -52,6 +52,7 @@ pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
     disk_bound: false,
     user_namespaces: false,
     isolated_sessions: false,
+    host_volumes: crate::HostVolumes::Server,
 };
 
 /// See the module documentation.

@@ -32,9 +32,9 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 pub use runtime::{
-    Background, ExecdAddress, ExecdTransport, ExitInfo, ImageSource, Liveness, ResourceLimits,
-    Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
-    VolumeMount, VolumeSource,
+    Background, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
+    ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage,
+    SandboxSpec, VolumeMount, VolumeSource,
 };
 
 /// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its

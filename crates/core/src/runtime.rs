@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use crate::image::ResolvedImage;
 use futures::future::BoxFuture;
-pub use warren_api::lifecycle::{ExecdTransport, RuntimeCapabilities};
+pub use warren_api::lifecycle::{ExecdTransport, HostVolumes, RuntimeCapabilities};
 
 /// Limits always applied; the server fills defaults for what the request leaves out.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

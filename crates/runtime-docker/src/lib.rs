@@ -33,7 +33,7 @@ use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use warren_core::{
-    policy, ExecdAddress, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime,
+    policy, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness, Runtime,
     RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount,
     VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
@@ -977,6 +977,12 @@ impl Runtime for DockerRuntime {
             // The daemon's `userns-remap` is its own.
             user_namespaces: false,
             isolated_sessions: false,
+            // A daemon elsewhere would mount its own host's folders.
+            host_volumes: if self.local {
+                HostVolumes::Server
+            } else {
+                HostVolumes::None
+            },
         }
     }
 

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::OnceCell;
 use warren_core::{
-    ExecdAddress, ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities,
-    RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
+    ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness, Runtime,
+    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
 };
 
 pub use client::{Client, Connection, KubeError};
@@ -274,6 +274,11 @@ impl Runtime for KubernetesRuntime {
             disk_bound: false,
             user_namespaces: false,
             isolated_sessions: false,
+            host_volumes: if self.config.pod.allowed_host_paths.is_empty() {
+                HostVolumes::None
+            } else {
+                HostVolumes::Node
+            },
         }
     }
 

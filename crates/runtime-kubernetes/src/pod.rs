@@ -35,6 +35,9 @@ pub struct PodSettings {
     pub tolerations: Vec<Value>,
     /// Secrets every sandbox Pod pulls with.
     pub image_pull_secrets: Vec<String>,
+    /// Node folders `host` volumes may mount (each whole, as a hostPath; what lies under it through
+    /// the kubelet's subPath, which does not follow a symlink out of the folder).
+    pub allowed_host_paths: Vec<std::path::PathBuf>,
 }
 
 pub fn pod_name(id: &str) -> String {
@@ -126,17 +129,37 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
     let mut volumes = vec![json!({"name": EXECD_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})];
     let mut mounts = vec![json!({"name": EXECD_VOLUME, "mountPath": EXECD_DIR, "readOnly": true})];
     for (i, v) in spec.volumes.iter().enumerate() {
-        let VolumeSource::Named {
-            claim, sub_path, ..
-        } = &v.source
-        else {
-            return Err(format!(
-                "volume at {}: host folders are not mounted into Pods; use a persistent volume claim (pvc)",
-                v.target
-            ));
-        };
         let name = format!("volume-{i}");
-        volumes.push(json!({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": v.read_only}}));
+        let sub_path = match &v.source {
+            VolumeSource::Named {
+                claim, sub_path, ..
+            } => {
+                volumes.push(json!({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": v.read_only}}));
+                sub_path.clone()
+            }
+            VolumeSource::Host(path) => {
+                // The allowed folder itself is the hostPath; the rest of the path is a subPath,
+                // which the kubelet resolves without following a symlink out of the folder (one a
+                // sandbox with that folder writable could have planted for the next).
+                let (root, rest) = settings
+                    .allowed_host_paths
+                    .iter()
+                    .filter(|a| path.starts_with(a))
+                    .max_by_key(|a| a.components().count())
+                    .and_then(|a| Some((a, path.strip_prefix(a).ok()?)))
+                    .ok_or_else(|| {
+                        format!(
+                            "volume at {}: {} is not under a node folder in [kubernetes] allowed_host_paths",
+                            v.target,
+                            path.display()
+                        )
+                    })?;
+                volumes
+                    .push(json!({"name": name, "hostPath": {"path": root, "type": "Directory"}}));
+                let rest = rest.to_string_lossy();
+                (!rest.is_empty()).then(|| rest.to_string())
+            }
+        };
         let mut mount = json!({"name": name, "mountPath": v.target, "readOnly": v.read_only});
         if let Some(sub) = sub_path {
             mount["subPath"] = json!(sub);
@@ -319,6 +342,7 @@ mod tests {
                 json!({"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}),
             ],
             image_pull_secrets: vec!["regcred".into()],
+            allowed_host_paths: vec!["/srv/shared".into(), "/srv/shared/deep".into()],
         }
     }
 
@@ -395,6 +419,29 @@ mod tests {
         );
         s.volumes[0].source = VolumeSource::Host("/etc".into());
         assert!(manifest(&s, "img", &settings()).is_err());
+        s.volumes[0].source = VolumeSource::Host("/srv/sharedx/a".into());
+        assert!(manifest(&s, "img", &settings()).is_err());
+        // an allowed node folder is the hostPath, the rest a subPath the kubelet resolves
+        s.volumes[0].source = VolumeSource::Host("/srv/shared/team-a/x".into());
+        let pod = manifest(&s, "img", &settings()).expect("pod");
+        assert_eq!(
+            pod["spec"]["volumes"][1]["hostPath"],
+            json!({"path": "/srv/shared", "type": "Directory"})
+        );
+        assert_eq!(
+            pod["spec"]["containers"][0]["volumeMounts"][1]["subPath"],
+            "team-a/x"
+        );
+        // the deepest allowed folder that holds it
+        s.volumes[0].source = VolumeSource::Host("/srv/shared/deep".into());
+        let pod = manifest(&s, "img", &settings()).expect("pod");
+        assert_eq!(
+            pod["spec"]["volumes"][1]["hostPath"]["path"],
+            "/srv/shared/deep"
+        );
+        assert!(pod["spec"]["containers"][0]["volumeMounts"][1]
+            .get("subPath")
+            .is_none());
     }
 
     #[test]

@@ -49,8 +49,8 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use warren_core::image::ResolvedImage;
 use warren_core::{
-    ExecdAddress, ExecdTransport, ExitInfo, Liveness, ResourceLimits, Runtime, RuntimeCapabilities,
-    RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
+    ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, Liveness, ResourceLimits, Runtime,
+    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
 };
 
 use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
@@ -1042,6 +1042,7 @@ impl Runtime for NativeRuntime {
             // The isolation helper is forked by the embedded runtime's PID 1, in the sandbox's
             // user namespace (see `isolation`).
             isolated_sessions: self.inner.oci.is_none() && self.inner.userns.is_some(),
+            host_volumes: HostVolumes::Server,
         }
     }
 

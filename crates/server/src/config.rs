@@ -279,6 +279,10 @@ pub struct KubernetesSection {
     /// create's own `image.auth` adds a Secret of its own.
     #[serde(default)]
     pub image_pull_secrets: Vec<String>,
+    /// Node folders `host` volumes may mount (absolute, checked by name: the node resolves them);
+    /// empty (the default): none.
+    #[serde(default)]
+    pub allowed_host_paths: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

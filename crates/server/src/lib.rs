@@ -43,7 +43,7 @@ pub mod fuzzing {
         };
         let storage = StoragePolicy {
             allowed_host_paths: vec![allowed],
-            protected: Vec::new(),
+            ..StoragePolicy::default()
         };
         crate::validate::create_plan(req, &LimitsSection::default(), Some(86_400), &storage)
             .map(drop)
@@ -288,7 +288,10 @@ impl Server {
         let snapshots = snapshots::Snapshots::open(&config.data_dir, sandboxes.clone())
             .context("opening the snapshot records")?;
         let reaper = sandboxes.spawn_reaper();
-        let storage = Arc::new(storage_policy(&config)?);
+        let storage = Arc::new(storage_policy(
+            &config,
+            sandboxes.runtime().capabilities().host_volumes,
+        )?);
         let pools = pools::Pools::new(
             sandboxes.clone(),
             config.limits.clone(),
@@ -351,8 +354,35 @@ impl Server {
 }
 
 /// Canonical allowed folders (a missing one is a configuration error, not a silent no-op), and what
-/// no volume may reach: the data dir and the config file.
-fn storage_policy(config: &ServerConfig) -> anyhow::Result<volumes::StoragePolicy> {
+/// no volume may reach: the data dir and the config file. A runtime whose `host` volumes are its
+/// nodes' folders has its own allow list, of names only.
+fn storage_policy(
+    config: &ServerConfig,
+    host_volumes: warren_core::HostVolumes,
+) -> anyhow::Result<volumes::StoragePolicy> {
+    if host_volumes != warren_core::HostVolumes::Server {
+        let allowed_host_paths = match host_volumes {
+            warren_core::HostVolumes::Node => config
+                .kubernetes
+                .allowed_host_paths
+                .iter()
+                .map(|p| {
+                    volumes::plain_absolute(p).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "[kubernetes] allowed_host_paths: {} must be absolute, without . or ..",
+                            p.display()
+                        )
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
+        return Ok(volumes::StoragePolicy {
+            host_volumes,
+            allowed_host_paths,
+            protected: Vec::new(),
+        });
+    }
     let allowed_host_paths = config
         .storage
         .allowed_host_paths
@@ -368,6 +398,7 @@ fn storage_policy(config: &ServerConfig) -> anyhow::Result<volumes::StoragePolic
         .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
         .collect();
     Ok(volumes::StoragePolicy {
+        host_volumes,
         allowed_host_paths,
         protected,
     })

@@ -10,7 +10,7 @@ use std::path::{Component, Path, PathBuf};
 use http::StatusCode;
 use warren_api::lifecycle::Volume;
 use warren_api::ErrorCode;
-use warren_core::{VolumeMount, VolumeSource};
+use warren_core::{HostVolumes, VolumeMount, VolumeSource};
 
 use crate::error::ApiError;
 
@@ -19,12 +19,41 @@ const MAX_VOLUMES: usize = 32;
 const RESERVED_TARGETS: [&str; 4] = ["/proc", "/sys", "/dev", "/.warren"];
 
 /// What the server allows.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct StoragePolicy {
-    /// Canonical host folders under which `host` volumes may be mounted.
+    /// Whose folders `host` volumes are (the runtime's capability).
+    pub host_volumes: HostVolumes,
+    /// Folders under which `host` volumes may be mounted: canonical ones of this host, or (for
+    /// [`HostVolumes::Node`]) plain absolute names of the nodes' folders.
     pub allowed_host_paths: Vec<PathBuf>,
     /// Host paths no volume may reach (the data dir, the config file).
     pub protected: Vec<PathBuf>,
+}
+
+impl Default for StoragePolicy {
+    fn default() -> Self {
+        Self {
+            host_volumes: HostVolumes::Server,
+            allowed_host_paths: Vec::new(),
+            protected: Vec::new(),
+        }
+    }
+}
+
+/// `path` when it is absolute and plain (no `.` or `..`, no doubled slashes kept), else `None`.
+pub fn plain_absolute(path: &Path) -> Option<PathBuf> {
+    if !path.is_absolute() {
+        return None;
+    }
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::RootDir => {}
+            Component::Normal(p) => out.push(p),
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 fn not_allowed(message: String) -> ApiError {
@@ -165,6 +194,20 @@ fn host_source(
             "volume {name}: host.path {path:?} must be absolute"
         )));
     }
+    match policy.host_volumes {
+        HostVolumes::Server => {}
+        HostVolumes::None => {
+            return Err(ApiError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                ErrorCode::ApiNotSupported,
+                format!(
+                    "volume {name}: this server's runtime mounts no host folders (its sandboxes \
+                     run on another host); use a pvc volume"
+                ),
+            ))
+        }
+        HostVolumes::Node => return node_source(name, path, sub_path, policy),
+    }
     if policy.allowed_host_paths.is_empty() {
         return Err(not_allowed(format!(
             "volume {name}: host folders cannot be mounted on this server (its [storage] \
@@ -214,6 +257,46 @@ fn host_source(
     Ok(resolved)
 }
 
+/// A folder of the node that runs the sandbox: checked by name against the allow list (the
+/// runtime mounts the allowed folder and has the node resolve the rest safely).
+fn node_source(
+    name: &str,
+    path: &str,
+    sub_path: Option<&str>,
+    policy: &StoragePolicy,
+) -> Result<PathBuf, ApiError> {
+    let mut full = plain_absolute(Path::new(path)).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "volume {name}: host.path {path:?} must be absolute, without . or .."
+        ))
+    })?;
+    if let Some(s) = sub_path {
+        full.push(s); // already relative and plain
+    }
+    if policy.allowed_host_paths.is_empty() {
+        return Err(not_allowed(format!(
+            "volume {name}: host folders cannot be mounted on this server (its [kubernetes] \
+             allowed_host_paths is empty)"
+        )));
+    }
+    if !policy
+        .allowed_host_paths
+        .iter()
+        .any(|a| full.starts_with(a))
+    {
+        return Err(not_allowed(format!(
+            "volume {name}: host.path {path} is not under an allowed node folder ({})",
+            policy
+                .allowed_host_paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(full)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +330,55 @@ mod tests {
     }
 
     #[test]
+    fn node_folders_are_checked_by_name() {
+        let policy = StoragePolicy {
+            host_volumes: HostVolumes::Node,
+            allowed_host_paths: vec!["/srv/shared".into()],
+            protected: Vec::new(),
+        };
+        let one = |path: &str, sub: Option<&str>| {
+            let mut v = host("v", path, "/data");
+            v.sub_path = sub.map(str::to_string);
+            validate(&[v], &policy)
+        };
+        let ok = one("/srv/shared/team", Some("a")).expect("allowed");
+        assert_eq!(
+            ok[0].source,
+            VolumeSource::Host("/srv/shared/team/a".into())
+        );
+        assert_eq!(
+            one("/srv/sharedx", None)
+                .map(drop)
+                .expect_err("refused")
+                .status,
+            403
+        );
+        assert_eq!(
+            one("/srv/shared/../etc", None)
+                .map(drop)
+                .expect_err("refused")
+                .status,
+            400
+        );
+        assert_eq!(
+            one("/srv/shared", Some("../x"))
+                .map(drop)
+                .expect_err("refused")
+                .status,
+            400
+        );
+        let none = StoragePolicy {
+            host_volumes: HostVolumes::None,
+            ..policy
+        };
+        let e = validate(&[host("v", "/srv/shared", "/data")], &none).expect_err("refused");
+        assert_eq!(e.status, 501);
+        assert_eq!(plain_absolute(Path::new("/a//b/")), Some("/a/b".into()));
+        assert_eq!(plain_absolute(Path::new("/a/../b")), None);
+        assert_eq!(plain_absolute(Path::new("a/b")), None);
+    }
+
+    #[test]
     fn targets() {
         assert_eq!(mount_target("/data//x/./y").as_deref(), Ok("/data/x/y"));
         assert!(mount_target("relative").is_err());
@@ -275,6 +407,7 @@ mod tests {
         let policy = StoragePolicy {
             allowed_host_paths: vec![std::fs::canonicalize(&allowed).expect("canon")],
             protected: vec![std::fs::canonicalize(&data).expect("canon")],
+            ..StoragePolicy::default()
         };
         let ok = validate(
             &[host(
