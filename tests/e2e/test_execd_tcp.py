@@ -12,7 +12,6 @@ drives the sandbox through the server as usual, across a server restart too."""
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import secrets
 import socket
@@ -61,31 +60,11 @@ def tcp_server(runtime, work_root):
     srv.stop()
 
 
-def _record(srv: W.WarrenServer, sid: str) -> dict:
-    """The sandbox's record as the server keeps it (the last line for the id wins)."""
-    found = None
-    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line).get("put") or {}
-        except ValueError:
-            continue
-        if rec.get("id") == sid:
-            found = rec
-    assert found is not None, f"no record for {sid}"
-    return found
-
-
 def _execd_addr(srv, sid) -> tuple[str, int]:
-    addr = _record(srv, sid)["runtime_state"]["execd_tcp"]
+    addr = W.sandbox_record(srv, sid)["runtime_state"]["execd_tcp"]
     host, port = addr.rsplit(":", 1)
     assert host == "127.0.0.1", addr
     return host, int(port)
-
-
-def _credential(srv, sid) -> str:
-    """What the server sends: HMAC-SHA256 of the sandbox's secret (see server/src/tokens.rs)."""
-    secret = _record(srv, sid)["token"]
-    return hmac.new(secret.encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
 
 
 def _create(srv, **kw):
@@ -125,7 +104,7 @@ def test_execd_s_port_refuses_every_caller_without_the_credential(tcp_server, sb
     host, port = _execd_addr(tcp_server, sbx.id)
     base = f"http://{host}:{port}"
     # The verifier execd is given (`--access-token-sha256`), which a sandbox may read.
-    verifier = hashlib.sha256(_credential(tcp_server, sbx.id).encode()).hexdigest()
+    verifier = hashlib.sha256(W.execd_credential(tcp_server, sbx.id).encode()).hexdigest()
     for headers in ({}, {HEADER: ""}, {HEADER: secrets.token_hex(32)}, {HEADER: verifier},
                     {HEADER: verifier.upper()}, {"OPEN-SANDBOX-API-KEY": tcp_server.api_key},
                     {"X-Warren-Sandbox-Token": sbx.get_endpoint(44772).headers.get("X-Warren-Sandbox-Token", "")}):
@@ -143,12 +122,12 @@ def test_execd_s_port_refuses_every_caller_without_the_credential(tcp_server, sb
     code, _, _ = W.sh(sbx, "test -e /tmp/pwned")
     assert code != 0, "a request without the credential ran a command"
     # The server's credential opens it (so the refusals above are the check, not a dead port).
-    r = httpx.get(base + "/ping", headers={HEADER: _credential(tcp_server, sbx.id)}, timeout=10)
+    r = httpx.get(base + "/ping", headers={HEADER: W.execd_credential(tcp_server, sbx.id)}, timeout=10)
     assert r.status_code == 200, r.text
 
 
 def test_the_sandbox_cannot_find_or_reach_the_credential(tcp_server, sbx):
-    credential = _credential(tcp_server, sbx.id)
+    credential = W.execd_credential(tcp_server, sbx.id)
     _, port = _execd_addr(tcp_server, sbx.id)
     # Everywhere a process of the sandbox could look: every process's command line and
     # environment, what Warren mounts into the sandbox, its own environment.
@@ -181,7 +160,7 @@ def test_a_program_behind_the_endpoint_proxy_never_sees_the_credential(tcp_serve
     # A client's own header of that name does not pass either (nor could it open execd).
     got = seen({HEADER: "from-the-client"})
     assert HEADER.lower() not in got, got
-    assert _credential(tcp_server, sbx.id) not in json.dumps(got)
+    assert W.execd_credential(tcp_server, sbx.id) not in json.dumps(got)
 
 
 def test_a_restarted_server_reaches_its_sandboxes_over_tcp_again(work_root, runtime):

@@ -12,7 +12,6 @@ here does not provide. To run them against a real cluster, see README ("Kubernet
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import time
 import uuid
@@ -20,7 +19,6 @@ from datetime import timedelta
 
 import httpx
 import pytest
-from opensandbox.models.execd import RunCommandOpts
 
 import warren_e2e as W
 from fakekube import FakeKube
@@ -118,8 +116,7 @@ def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, clus
         assert "MKNOD" not in c["securityContext"]["capabilities"]["add"]
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         # The Pod carries execd's verifier, never the credential the server sends.
-        record = _record(k8s, sbx.id)
-        credential = hmac.new(record["token"].encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+        credential = W.execd_credential(k8s, sbx.id)
         assert credential not in json.dumps(pod)
         assert hashlib.sha256(credential.encode()).hexdigest() in c["command"]
 
@@ -129,21 +126,7 @@ def test_a_sandbox_is_a_pod_and_the_sdk_drives_it_over_the_pod_network(k8s, clus
         lines = out.split("\n")
         assert lines[0] == "k8s", out
         assert any(line.startswith("wkp") for line in lines), out
-        sbx.files.write_file("/tmp/k8s-e2e-file.txt", "via the pod network")
-        assert sbx.files.read_file("/tmp/k8s-e2e-file.txt") == "via the pod network"
-        bg = sbx.commands.run("for i in 1 2 3; do echo n$i; done; sleep 60", opts=RunCommandOpts(background=True))
-        W.wait_until(lambda: "n3" in sbx.commands.get_background_command_logs(bg.id).content, 15,
-                     message="background logs from the Pod")
-        sbx.commands.interrupt(bg.id)
-
-        # A program in the Pod is reached through the endpoint proxy, over execd.
-        sbx.commands.run(f"python3 -m http.server {APP_PORT} --bind 127.0.0.1 --directory /tmp",
-                         opts=RunCommandOpts(background=True))
-        ep = sbx.get_endpoint(APP_PORT)
-        r = W.wait_until(lambda: (x := httpx.get(f"http://{ep.endpoint}/k8s-e2e-file.txt", headers=ep.headers,
-                                                  timeout=10)).status_code == 200 and x, 15, interval=0.2,
-                         message="the app in the Pod to answer through the proxy")
-        assert r.text == "via the pod network"
+        W.files_logs_and_proxy_work(sbx, "the Pod", APP_PORT)
 
         # execd's port on the Pod network opens only with the credential.
         ip = cluster.pod_ip(NS, f"warren-{sbx.id}")
@@ -273,16 +256,6 @@ def test_node_folders_are_mounted_only_from_allowed_ones(work_root, cluster):
             assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
     finally:
         srv.stop()
-
-
-def _record(srv, sid):
-    found = None
-    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
-        rec = (json.loads(line) or {}).get("put") or {}
-        if rec.get("id") == sid:
-            found = rec
-    assert found, sid
-    return found
 
 
 def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):

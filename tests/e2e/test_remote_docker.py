@@ -10,7 +10,6 @@ volume on that daemon and reached on the port the daemon publishes, with the san
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import shutil
 import uuid
@@ -18,7 +17,6 @@ from datetime import timedelta
 
 import httpx
 import pytest
-from opensandbox.models.execd import RunCommandOpts
 
 import warren_e2e as W
 from remote_docker import RemoteDocker
@@ -66,16 +64,6 @@ def _create(srv, **kw):
     return sbx
 
 
-def _record(srv, sid):
-    found = None
-    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
-        rec = (json.loads(line) or {}).get("put") or {}
-        if rec.get("id") == sid:
-            found = rec
-    assert found, sid
-    return found
-
-
 def _container(remote, sid):
     out = remote.docker("ps", "-aq", "--no-trunc", "--filter", f"label=io.warren.sandbox={sid}").stdout.split()
     return remote.inspect(out[0]) if out else None
@@ -104,34 +92,20 @@ def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
         assert execd_vol["RW"] is False, execd_vol
         assert not c["HostConfig"].get("Binds"), c["HostConfig"].get("Binds")
         # The container carries execd's verifier, never the credential the server sends.
-        record = _record(rdock, sbx.id)
-        credential = hmac.new(record["token"].encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+        credential = W.execd_credential(rdock, sbx.id)
         assert credential not in json.dumps(c)
         assert hashlib.sha256(credential.encode()).hexdigest() in c["Config"]["Entrypoint"]
 
         code, out, _ = W.sh(sbx, "echo $AGENT; id -u")
         assert (code, out.split("\n")[:2]) == (0, ["remote", "0"]), out
-        sbx.files.write_file("/tmp/remote-e2e-file.txt", "over the network")
-        assert sbx.files.read_file("/tmp/remote-e2e-file.txt") == "over the network"
-        bg = sbx.commands.run("for i in 1 2 3; do echo n$i; done; sleep 60", opts=RunCommandOpts(background=True))
-        W.wait_until(lambda: "n3" in sbx.commands.get_background_command_logs(bg.id).content, 15,
-                     message="background logs from the remote container")
-        sbx.commands.interrupt(bg.id)
-
-        # A program in the container is reached through the endpoint proxy, over execd.
-        sbx.commands.run(f"python3 -m http.server {APP_PORT} --bind 127.0.0.1 --directory /tmp",
-                         opts=RunCommandOpts(background=True))
-        ep = sbx.get_endpoint(APP_PORT)
-        r = W.wait_until(lambda: (x := httpx.get(f"http://{ep.endpoint}/remote-e2e-file.txt", headers=ep.headers,
-                                                  timeout=10)).status_code == 200 and x, 15, interval=0.2,
-                         message="the app in the remote container to answer through the proxy")
-        assert r.text == "over the network"
+        W.files_logs_and_proxy_work(sbx, "the remote container", APP_PORT)
 
         # execd's published port opens only with the credential: not without, not with the
         # verifier the container shows, not with the API key.
         port = c["NetworkSettings"]["Ports"]["44772/tcp"][0]["HostPort"]
         url = f"http://{remote.ip}:{port}"
-        for token in (None, hashlib.sha256(credential.encode()).hexdigest(), rdock.api_key, record["token"]):
+        secret = W.sandbox_record(rdock, sbx.id)["token"]
+        for token in (None, hashlib.sha256(credential.encode()).hexdigest(), rdock.api_key, secret):
             headers = {"X-EXECD-ACCESS-TOKEN": token} if token else {}
             r = httpx.post(f"{url}/command", json={"command": "touch /tmp/remote-pwned"}, headers=headers,
                            timeout=10)
@@ -145,8 +119,8 @@ def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
         assert remote.inspect(c["Id"])["State"]["Paused"] is True
         from opensandbox import SandboxSync
         sbx = SandboxSync.resume(sbx.id, connection_config=rdock.sdk_config())
-        code, out, _ = W.sh(sbx, "cat /tmp/remote-e2e-file.txt")
-        assert (code, out.strip()) == (0, "over the network"), out
+        code, out, _ = W.sh(sbx, f"cat /tmp/e2e-{APP_PORT}.txt")
+        assert (code, out.strip()) == (0, "via the remote container"), out
     finally:
         sbx.kill()
         sbx.close()

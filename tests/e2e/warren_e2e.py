@@ -808,3 +808,47 @@ def json_or_text(resp: httpx.Response) -> Any:
         return resp.json()
     except (ValueError, json.JSONDecodeError):
         return resp.text
+
+
+def sandbox_record(srv: "WarrenServer", sandbox_id: str) -> dict:
+    """The sandbox's record as the server keeps it (the journal's last line for the id wins; a line
+    being written is skipped)."""
+    found = None
+    for line in (srv.data_dir / "state" / "sandboxes.jsonl").read_text().splitlines():
+        try:
+            rec = (json.loads(line) or {}).get("put") or {}
+        except ValueError:
+            continue
+        if rec.get("id") == sandbox_id:
+            found = rec
+    assert found is not None, f"no record for {sandbox_id}"
+    return found
+
+
+def execd_credential(srv: "WarrenServer", sandbox_id: str) -> str:
+    """The credential the server sends execd over TCP: an HMAC of the sandbox's secret (from the
+    server's record), which only the server can compute."""
+    import hashlib
+    import hmac
+    token = sandbox_record(srv, sandbox_id)["token"]
+    return hmac.new(token.encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+
+
+def files_logs_and_proxy_work(sbx, where: str, app_port: int) -> None:
+    """Through the official SDK: a file written and read back, a background command's logs, and a
+    program in the sandbox reached through the endpoint proxy (all over execd)."""
+    from opensandbox.models.execd import RunCommandOpts
+    path, content = f"/tmp/e2e-{app_port}.txt", f"via {where}"
+    sbx.files.write_file(path, content)
+    assert sbx.files.read_file(path) == content
+    bg = sbx.commands.run("for i in 1 2 3; do echo n$i; done; sleep 60", opts=RunCommandOpts(background=True))
+    wait_until(lambda: "n3" in sbx.commands.get_background_command_logs(bg.id).content, 15,
+               message=f"background logs from {where}")
+    sbx.commands.interrupt(bg.id)
+    sbx.commands.run(f"python3 -m http.server {app_port} --bind 127.0.0.1 --directory /tmp",
+                     opts=RunCommandOpts(background=True))
+    ep = sbx.get_endpoint(app_port)
+    r = wait_until(lambda: (x := httpx.get(f"http://{ep.endpoint}/e2e-{app_port}.txt", headers=ep.headers,
+                                           timeout=10)).status_code == 200 and x, 15, interval=0.2,
+                   message=f"the app in {where} to answer through the proxy")
+    assert r.text == content

@@ -56,6 +56,16 @@ pub fn plain_absolute(path: &Path) -> Option<PathBuf> {
     Some(out)
 }
 
+/// The allowed folders, for messages.
+fn allowed_list(policy: &StoragePolicy) -> String {
+    policy
+        .allowed_host_paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn not_allowed(message: String) -> ApiError {
     ApiError::new(
         StatusCode::FORBIDDEN,
@@ -220,12 +230,7 @@ fn host_source(
     if !allowed(&base) {
         return Err(not_allowed(format!(
             "volume {name}: host.path {path} is not under an allowed host path ({})",
-            policy
-                .allowed_host_paths
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
+            allowed_list(policy)
         )));
     }
     let resolved = match sub_path {
@@ -286,12 +291,7 @@ fn node_source(
     {
         return Err(not_allowed(format!(
             "volume {name}: host.path {path} is not under an allowed node folder ({})",
-            policy
-                .allowed_host_paths
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
+            allowed_list(policy)
         )));
     }
     Ok(full)
