@@ -37,6 +37,16 @@ def _openssl_pair(folder: Path, name: str, subject: str, ca: tuple[Path, Path] |
          "-CAcreateserial", "-days", "2", "-extfile", str(extfile), "-out", str(cert))
 
 
+def _mounts_under(root: Path) -> list[str]:
+    prefix = str(root) + "/"
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4].replace("\\040", " ")
+        if target.startswith(prefix):
+            out.append(target)
+    return out
+
+
 class RemoteDocker:
     """dockerd in its own network namespace, on TCP with TLS. `client_certs` is a folder in Docker's
     `DOCKER_CERT_PATH` layout (ca.pem, cert.pem, key.pem) for Warren; `stranger_certs` the same with
@@ -160,6 +170,9 @@ class RemoteDocker:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        # What dockerd leaves mounted in its folders (its network namespace's handle, say).
+        for target in reversed(_mounts_under(self.root)):
+            subprocess.run(["umount", "-l", target], capture_output=True, timeout=10)
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=10)
         subprocess.run(["rm", "-rf", "--one-file-system", str(self.root / "data")], capture_output=True,

@@ -106,3 +106,15 @@ def test_go_has_no_kernel_and_says_so(ci):
     with pytest.raises(SandboxException) as e:
         ci.codes.create_context("go")
     assert "no Jupyter kernel for language 'go'" in str(e.value), e.value
+
+
+def test_console_output_trailing_the_idle_status_is_kept(ci):
+    """Deno publishes console output from a task of its own, which a loaded machine can leave
+    behind the kernel's idle status; a run that ended at idle lost the line (5 of 80 under load)."""
+    ctx = ci.codes.create_context("typescript")
+    try:
+        lost = [i for i in range(30)
+                if stdout(ci.codes.run(f"console.log('line {i}')", context=ctx)).strip() != f"line {i}"]
+        assert lost == [], lost
+    finally:
+        ci.codes.delete_context(ctx.id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import socket
 import uuid
 from datetime import timedelta
 
@@ -64,6 +65,27 @@ def _create(srv, **kw):
     return sbx
 
 
+def _through_relay(relay, target, method, path, token=None, body=""):
+    """One raw HTTP request to execd at `target` through the relay: its status, or None when the
+    relay closed the connection without an answer."""
+    import socket
+    head = [f"{method} {path} HTTP/1.1", "Host: execd", "Connection: close", f"Content-Length: {len(body)}",
+            "Content-Type: application/json"]
+    if token:
+        head.append(f"X-EXECD-ACCESS-TOKEN: {token}")
+    data = b""
+    with socket.create_connection(relay, timeout=15) as s:
+        s.sendall(f"WARREN-RELAY {target}\n".encode() + ("\r\n".join(head) + "\r\n\r\n" + body).encode())
+        try:
+            while chunk := s.recv(4096):
+                data += chunk
+        except ConnectionResetError:  # closed with the request unread
+            pass
+    if not data.startswith(b"HTTP/1."):
+        return None, data
+    return int(data.split()[1]), data
+
+
 def _container(remote, sid):
     out = remote.docker("ps", "-aq", "--no-trunc", "--filter", f"label=io.warren.sandbox={sid}").stdout.split()
     return remote.inspect(out[0]) if out else None
@@ -100,19 +122,23 @@ def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
         assert (code, out.split("\n")[:2]) == (0, ["remote", "0"]), out
         W.files_logs_and_proxy_work(sbx, "the remote container", APP_PORT)
 
-        # execd's published port opens only with the credential: not without, not with the
-        # verifier the container shows, not with the API key.
-        port = c["NetworkSettings"]["Ports"]["44772/tcp"][0]["HostPort"]
-        url = f"http://{remote.ip}:{port}"
+        # Nothing of the sandbox is published: the one way in is the relay, which opens execd only
+        # with the credential: not without, not with the verifier the container shows, not with
+        # the API key or the sandbox's secret.
+        assert not any(c["NetworkSettings"]["Ports"].values()), c["NetworkSettings"]["Ports"]
+        relay = (remote.ip, 44773)
+        ip = next(iter(c["NetworkSettings"]["Networks"].values()))["IPAddress"]
         secret = W.sandbox_record(rdock, sbx.id)["token"]
+        body = '{"command": "touch /tmp/remote-pwned"}'
         for token in (None, hashlib.sha256(credential.encode()).hexdigest(), rdock.api_key, secret):
-            headers = {"X-EXECD-ACCESS-TOKEN": token} if token else {}
-            r = httpx.post(f"{url}/command", json={"command": "touch /tmp/remote-pwned"}, headers=headers,
-                           timeout=10)
-            assert r.status_code == 401, r.text
-        assert httpx.get(f"{url}/ping", headers={"X-EXECD-ACCESS-TOKEN": credential}, timeout=10).status_code == 200
+            status, _ = _through_relay(relay, ip, "POST", "/command", token, body)
+            assert status == 401, (token, status)
+        assert _through_relay(relay, ip, "GET", "/ping", credential)[0] == 200
         code, out, _ = W.sh(sbx, "ls /tmp/remote-pwned 2>&1 || true")
         assert "No such file" in out, out
+        # The relay reaches execd's port of the sandboxes' network only.
+        for target in (remote.ip, remote.host_ip, "127.0.0.1"):
+            assert _through_relay(relay, target, "GET", "/ping", credential)[0] is None, target
 
         # Pause and resume go through the daemon; the sandbox goes on after.
         sbx.pause()
@@ -127,7 +153,7 @@ def test_the_sdk_drives_a_sandbox_on_a_daemon_on_another_host(rdock, remote):
     W.wait_until(lambda: _container(remote, sbx.id) is None, 20, message="the remote container to be removed")
 
 
-def test_sandboxes_cannot_reach_each_other_or_the_daemon(rdock, remote):
+def test_sandboxes_have_no_network_and_cannot_reach_each_other_or_the_daemon(rdock, remote):
     a, b = _create(rdock), _create(rdock)
     try:
         b_ip = next(iter(_container(remote, b.id)["NetworkSettings"]["Networks"].values()))["IPAddress"]
@@ -144,9 +170,17 @@ def test_sandboxes_cannot_reach_each_other_or_the_daemon(rdock, remote):
         # Another sandbox's execd, straight over the sandboxes' network: traffic between them is off.
         code, out, _ = W.sh(a, f"python3 /tmp/probe.py {b_ip} 44772")
         assert out.startswith("no way"), out
-        # The daemon's API on its host: TLS with a client certificate, which no sandbox has.
+        # The daemon's own host is reachable (Docker's internal networks stop only traffic beyond
+        # it), but its API wants a client certificate no sandbox has, and the relay takes no
+        # connection from a sandbox.
         code, out, _ = W.sh(a, f"python3 /tmp/probe.py {remote.ip} {remote.port}")
         assert "ApiVersion" not in out, out
+        code, out, _ = W.sh(a, f"python3 /tmp/probe.py {remote.ip} 44773")
+        assert "HTTP" not in out, out
+        # No network beyond it, as everywhere by default: not this host, where a test server listens.
+        with socket.create_server((remote.host_ip, 0)) as listener:
+            code, out, _ = W.sh(a, f"python3 /tmp/probe.py {remote.host_ip} {listener.getsockname()[1]}")
+        assert out.startswith("no way"), out
     finally:
         for s in (a, b):
             s.kill()

@@ -23,6 +23,11 @@ pub const EXECD_TOKEN_HEADER: &str = "X-EXECD-ACCESS-TOKEN";
 pub const REQUEST_ID_HEADER: &str = "X-Request-ID";
 /// The execd port inside every sandbox.
 pub const EXECD_PORT: u16 = 44772;
+/// What a connection to execd's relay starts with, before the sandbox's address and a newline
+/// (`warren-execd relay`, for sandboxes on a network with no other way in).
+pub const RELAY_PREAMBLE: &str = "WARREN-RELAY ";
+/// The port execd's relay listens on in its container.
+pub const RELAY_PORT: u16 = 44773;
 /// Inside every sandbox, whatever the runtime: where execd's binary is mounted (read-only).
 pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
 /// The egress policy surface port.

@@ -114,6 +114,13 @@ pub enum ExecdAddress {
     Unix(PathBuf),
     /// A TCP address (another host, a pod, or a loopback port): execd checks the credential.
     Tcp(std::net::SocketAddr),
+    /// execd at `target` (its usual port), reached through the relay at `relay` (execd's `relay`
+    /// mode), which a connection's first line tells where to: a network with no other way in.
+    /// execd checks the credential.
+    Relayed {
+        relay: std::net::SocketAddr,
+        target: std::net::IpAddr,
+    },
 }
 
 /// Backend-specific facts about a live sandbox (pids, paths, container ids), persisted by the server.

@@ -1,6 +1,6 @@
 //! execd's command line: `warren-execd [--socket PATH]... [--listen ADDR] [--listen-fd FD]
 //! [--access-token-sha256 HEX] [--workdir DIR] [--jupyter-port N] [--ready-fd FD]
-//! [-- ENTRYPOINT ARGV...]`, parsed and run.
+//! [-- ENTRYPOINT ARGV...]`, parsed and run; or `warren-execd relay …` (see [`crate::relay`]).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,6 +62,9 @@ where
         .is_some_and(|a| a == crate::identity::WORKER_ARG)
     {
         return crate::identity::worker(&args[2..]);
+    }
+    if args.get(1).is_some_and(|a| a == crate::relay::RELAY_ARG) {
+        return crate::relay::run(&args[2..]);
     }
     init_logging(None);
     let args = Args::parse_from(args);

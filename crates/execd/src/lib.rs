@@ -23,6 +23,7 @@ pub mod proxy;
 pub mod pty;
 pub mod query;
 pub mod reaper;
+pub mod relay;
 pub mod safe_path;
 pub mod session;
 pub mod spare;

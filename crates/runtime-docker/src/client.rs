@@ -291,6 +291,42 @@ impl Client {
             .await
     }
 
+    /// Makes image `repo:tag` of a tar archive of a root file system (`POST /images/create` with
+    /// `fromSrc=-`), as `docker import` does.
+    pub async fn import_image(&self, repo: &str, tag: &str, tar: Bytes) -> Result<(), DockerError> {
+        let call = async {
+            let url = format!(
+                "/{}/images/create?fromSrc=-&repo={}&tag={}",
+                self.version().await?,
+                encode(repo),
+                encode(tag)
+            );
+            let (status, body) = self
+                .request(Method::POST, &url, Some(Payload::Tar(&tar)), &[])
+                .await?;
+            let bytes = self.read_ok(status, body).await?;
+            // progress lines; an `error` in them is the failure
+            for line in bytes.split(|b| *b == b'\n') {
+                if let Some(e) = serde_json::from_slice::<Value>(line)
+                    .ok()
+                    .and_then(|v| v["error"].as_str().map(str::to_string))
+                {
+                    return Err(DockerError::Protocol(format!(
+                        "importing {repo}:{tag}: {e}"
+                    )));
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| {
+                self.unavailable(format!(
+                    "no answer to an image import within {CALL_TIMEOUT:?}"
+                ))
+            })?
+    }
+
     /// Unpacks a tar archive at `path` in a container (`PUT /containers/{id}/archive`): the daemon
     /// writes it into the container's filesystem, or into a volume mounted there.
     pub async fn put_archive(

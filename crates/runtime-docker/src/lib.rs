@@ -8,9 +8,12 @@
 //!   bind-mounted at `/.warren/run`, exactly as on the native runtime (no container networking);
 //! - with a daemon elsewhere (`tcp://`) nothing of this host can be mounted: execd is uploaded once
 //!   into a named volume on that daemon (named for its digest) and mounted read-only from there; it
-//!   listens on TCP in the container with the sandbox's credential checked on every request, and
-//!   its port is published on the daemon's host, where the server reaches it. Those sandboxes sit on
-//!   a bridge network of Warren's with traffic between containers off;
+//!   listens on TCP in the container with the sandbox's credential checked on every request. Those
+//!   sandboxes sit on an internal network of Warren's (no route out, no traffic between
+//!   containers: no network, as everywhere by default), which nothing can be published from; one
+//!   relay per daemon (`warren-execd relay`, from an image of execd alone, in the daemon host's
+//!   network namespace) listens on one port of that host, and the server reaches each sandbox's
+//!   execd through it;
 //! - limits (cpu, memory without extra swap, pids), the same capability set as native sandboxes,
 //!   `no-new-privileges`, network `none` (loopback only) on this host, an optional OCI runtime
 //!   (`runsc`);
@@ -50,6 +53,10 @@ pub const LABEL_EXECD: &str = "io.warren.execd";
 const EXECD_DIR: &str = "/.warren/bin";
 /// The network Warren makes on a remote daemon for its sandboxes, unless `[docker] network` names one.
 pub const SANDBOX_NETWORK: &str = "warren-sandboxes";
+/// The relay's container on a remote daemon (one per daemon).
+const RELAY_CONTAINER: &str = "warren-relay";
+/// Label carrying the execd digest of a relay container.
+pub const LABEL_RELAY: &str = "io.warren.relay";
 
 #[derive(Debug, Clone)]
 pub struct DockerConfig {
@@ -69,11 +76,12 @@ pub struct DockerConfig {
     pub ready_timeout: Duration,
     /// TLS to a `tcp://` daemon: its CA, and Warren's client certificate and key.
     pub tls: Option<TlsFiles>,
-    /// Where the server reaches ports a remote daemon publishes (its host's address); default: the
-    /// host of `host`.
+    /// Where the server reaches a remote daemon's relay (its host's address); default: the host of
+    /// `host`.
     pub sandbox_host: Option<String>,
     /// The network sandboxes on a remote daemon join; default [`SANDBOX_NETWORK`], made by Warren
-    /// with traffic between containers off. One named here is used as it is.
+    /// internal (no route out) with traffic between containers off. One named here is used as it
+    /// is (the relay joins it).
     pub network: Option<String>,
 }
 
@@ -87,16 +95,23 @@ struct DockerState {
     /// Named volumes this sandbox created with `deleteOnSandboxTermination`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     delete_volumes: Vec<String>,
-    /// execd's published address, on a remote daemon.
+    /// Where execd is on a remote daemon: the container's address on the sandboxes' network, and
+    /// the relay it was reached through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    execd: Option<std::net::SocketAddr>,
+    execd: Option<RelayedExecd>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct RelayedExecd {
+    relay: std::net::SocketAddr,
+    ip: std::net::IpAddr,
 }
 
 /// How execd gets into a container and is reached.
 enum Delivery {
     /// Bind-mounted from this host; a Unix socket in a bind-mounted host folder.
     Local,
-    /// From the named volume holding it; TCP on a port published on the daemon's host.
+    /// From the named volume holding it; TCP, reached through the relay on the daemon's host.
     Remote { volume: String, network: String },
 }
 
@@ -112,13 +127,15 @@ pub struct DockerRuntime {
     client: std::sync::Arc<Client>,
     /// The daemon is reached over a Unix socket, so it runs on this host and its pids are ours.
     local: bool,
-    /// A remote daemon's host, where its published ports are reached.
+    /// A remote daemon's host, where its relay is reached.
     sandbox_ip: Option<std::net::IpAddr>,
     config: DockerConfig,
     owner: String,
-    /// On a remote daemon: the volume holding execd, once uploaded, and the sandboxes' network.
+    /// On a remote daemon: the volume holding execd, once uploaded; the sandboxes' network and its
+    /// subnet; whether this server has seen the relay running (it looks again before each create).
     execd_volume: tokio::sync::OnceCell<String>,
-    network: tokio::sync::OnceCell<String>,
+    network: tokio::sync::OnceCell<(String, String)>,
+    relay: tokio::sync::Mutex<bool>,
 }
 
 impl DockerRuntime {
@@ -169,6 +186,7 @@ impl DockerRuntime {
             owner,
             execd_volume: tokio::sync::OnceCell::new(),
             network: tokio::sync::OnceCell::new(),
+            relay: tokio::sync::Mutex::new(false),
         })
     }
 
@@ -289,7 +307,6 @@ impl DockerRuntime {
             })],
         };
         mounts.extend(volumes.iter().cloned());
-        let execd_port = format!("{}/tcp", warren_api::EXECD_PORT);
         let network = match delivery {
             Delivery::Local => "none",
             Delivery::Remote { network, .. } => network,
@@ -324,15 +341,8 @@ impl DockerRuntime {
         if let Some((soft, hard)) = warren_core::fd_limit::for_children() {
             host["Ulimits"] = json!([{"Name": "nofile", "Soft": soft, "Hard": hard}]);
         }
-        let mut exposed = json!({});
-        if let Delivery::Remote { .. } = delivery {
-            // execd's port only, on a port of the daemon's host that the daemon picks
-            host["PortBindings"] = json!({&execd_port: [{"HostIp": "", "HostPort": ""}]});
-            exposed = json!({&execd_port: {}});
-        }
         json!({
             "Image": image,
-            "ExposedPorts": exposed,
             "Entrypoint": entrypoint,
             "Cmd": [],
             "Env": env,
@@ -471,13 +481,13 @@ impl DockerRuntime {
         }
     }
 
-    /// The container's id, and execd's address when it is reached over TCP.
+    /// The container's id, and where execd is when it is reached through the relay.
     async fn try_create(
         &self,
         spec: &SandboxSpec,
         name: &str,
         volumes: &Mounts,
-    ) -> Result<(String, Option<std::net::SocketAddr>), RuntimeError> {
+    ) -> Result<(String, Option<RelayedExecd>), RuntimeError> {
         let SandboxImage::Reference { name: image, auth } = &spec.image else {
             return Err(RuntimeError::Unsupported(
                 "the Docker runtime runs images from the Docker host; the built-in `host` image and \
@@ -503,7 +513,7 @@ impl DockerRuntime {
         } else {
             Delivery::Remote {
                 volume: self.execd_volume(image).await?,
-                network: self.sandbox_network().await?,
+                network: self.sandbox_network().await?.0,
             }
         };
         let body = self.create_body(spec, image, &image_config, &volumes.mounts, &delivery);
@@ -543,34 +553,113 @@ impl DockerRuntime {
                 self.wait_ready(&container, &Probe::Socket(&socket)).await?;
                 None
             }
-            Delivery::Remote { .. } => {
-                let addr = self.published_execd(&container).await?;
-                self.wait_ready(&container, &Probe::Http(addr)).await?;
-                Some(addr)
+            Delivery::Remote { network, .. } => {
+                let info = self.inspect(&container).await?;
+                let ip = info["NetworkSettings"]["Networks"][network.as_str()]["IPAddress"]
+                    .as_str()
+                    .and_then(|a| a.parse::<std::net::IpAddr>().ok())
+                    .ok_or_else(|| {
+                        RuntimeError::backend(format!("the container has no address on {network}"))
+                    })?;
+                let relay = self.relay(image).await?;
+                let execd = RelayedExecd { relay, ip };
+                self.wait_ready(&container, &Probe::Relayed(execd)).await?;
+                Some(execd)
             }
         };
         Ok((container, execd))
     }
 
-    /// Where the daemon published the container's execd port, as the server reaches it.
-    async fn published_execd(&self, container: &str) -> Result<std::net::SocketAddr, RuntimeError> {
-        let info = self.inspect(container).await?;
-        let key = format!("{}/tcp", warren_api::EXECD_PORT);
-        let port = info["NetworkSettings"]["Ports"][&key]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find_map(|b| b["HostPort"].as_str()?.parse::<u16>().ok())
-            .ok_or_else(|| {
-                RuntimeError::backend(format!(
-                    "the daemon published no port for execd ({key}): {}",
-                    info["NetworkSettings"]["Ports"]
-                ))
-            })?;
-        let ip = self
-            .sandbox_ip
+    /// The relay's address, the relay made (or found, or made again) first. It runs
+    /// `warren-execd relay` from an image of execd alone (imported once per execd build) in the
+    /// daemon host's network namespace: the host reaches its bridges' containers, which containers
+    /// of a network with traffic between them off cannot. One relay per daemon, shared by every
+    /// server using it (any build's relay speaks the same).
+    async fn relay(&self, image: &str) -> Result<std::net::SocketAddr, RuntimeError> {
+        let mut seen = self.relay.lock().await;
+        let addr = self
+            .relay_addr()
             .ok_or_else(|| RuntimeError::backend("no address for the Docker host"))?;
-        Ok(std::net::SocketAddr::new(ip, port))
+        if !*seen || !self.running(RELAY_CONTAINER).await {
+            let digest = self.execd_volume(image).await?;
+            self.ensure_relay(digest.trim_start_matches("warren-execd-"))
+                .await?;
+            *seen = true;
+        }
+        Ok(addr)
+    }
+
+    fn relay_addr(&self) -> Option<std::net::SocketAddr> {
+        self.sandbox_ip
+            .map(|ip| std::net::SocketAddr::new(ip, warren_api::RELAY_PORT))
+    }
+
+    async fn running(&self, container: &str) -> bool {
+        self.inspect(container)
+            .await
+            .is_ok_and(|i| i["State"]["Running"] == json!(true))
+    }
+
+    async fn ensure_relay(&self, digest: &str) -> Result<(), RuntimeError> {
+        if self.running(RELAY_CONTAINER).await {
+            return Ok(());
+        }
+        let (_, subnet) = self.sandbox_network().await?;
+        let image = format!("warren-execd:{digest}");
+        let path = format!("/images/{}/json", client::encode(&image));
+        if let Err(e) = self.client.call::<Value>(Method::GET, &path, None).await {
+            if !e.is_not_found() {
+                return Err(self.map_err("looking up execd's image", e));
+            }
+            let execd_path = self.config.execd_path.clone();
+            let (_, archive) = tokio::task::spawn_blocking(move || execd_archive(&execd_path))
+                .await
+                .map_err(|e| RuntimeError::backend_with("reading execd", e))?
+                .map_err(|e| RuntimeError::backend(format!("reading execd: {e}")))?;
+            self.client
+                .import_image("warren-execd", digest, archive.binary)
+                .await
+                .map_err(|e| self.map_err("importing execd's image", e))?;
+        }
+        let _ = self.remove(RELAY_CONTAINER).await; // stopped, or of a network gone since
+        let body = json!({
+            "Image": image,
+            "Entrypoint": ["/warren-execd", "relay",
+                           "--listen", format!("0.0.0.0:{}", warren_api::RELAY_PORT),
+                           "--to", subnet, "--port", warren_api::EXECD_PORT.to_string()],
+            "Cmd": [],
+            "User": "65534:65534",
+            "Labels": {LABEL_RELAY: digest},
+            "HostConfig": {
+                "NetworkMode": "host",
+                "RestartPolicy": {"Name": "unless-stopped"},
+                "ReadonlyRootfs": true,
+                "CapDrop": ["ALL"],
+                "SecurityOpt": ["no-new-privileges"],
+                "LogConfig": {"Type": "json-file", "Config": {"max-size": "1m", "max-file": "1"}},
+            },
+        });
+        let path = format!(
+            "/containers/create?name={}",
+            client::encode(RELAY_CONTAINER)
+        );
+        match self
+            .client
+            .call::<Value>(Method::POST, &path, Some(&body))
+            .await
+        {
+            // another server made it meanwhile
+            Ok(_) | Err(DockerError::Api { status: 409, .. }) => {}
+            Err(e) => return Err(self.map_err("creating the relay", e)),
+        }
+        self.try_action(RELAY_CONTAINER, "start").await;
+        if !self.running(RELAY_CONTAINER).await {
+            return Err(RuntimeError::backend(format!(
+                "the relay did not start: {}",
+                self.logs_tail(RELAY_CONTAINER).await
+            )));
+        }
+        Ok(())
     }
 
     /// The volume holding this execd on the remote daemon, uploaded the first time (per server
@@ -651,38 +740,53 @@ impl DockerRuntime {
         result.map(|()| volume)
     }
 
-    /// `[docker] network`, or Warren's own bridge network with traffic between containers off
-    /// (made the first time; a racing server that made it first is fine).
-    async fn sandbox_network(&self) -> Result<String, RuntimeError> {
-        if let Some(n) = &self.config.network {
-            return Ok(n.clone());
-        }
+    /// The sandboxes' network and its subnet: `[docker] network`, or Warren's own, internal (no
+    /// route out) with traffic between containers off (made the first time; a racing server that
+    /// made it first is fine).
+    async fn sandbox_network(&self) -> Result<(String, String), RuntimeError> {
         self.network
             .get_or_try_init(|| async {
-                let path = format!("/networks/{SANDBOX_NETWORK}");
-                match self.client.call::<Value>(Method::GET, &path, None).await {
-                    Ok(_) => return Ok(SANDBOX_NETWORK.to_string()),
-                    Err(e) if e.is_not_found() => {}
-                    Err(e) => return Err(self.map_err("looking up the sandbox network", e)),
-                }
-                let body = json!({
-                    "Name": SANDBOX_NETWORK,
-                    "Driver": "bridge",
-                    "CheckDuplicate": true,
-                    "Options": {"com.docker.network.bridge.enable_icc": "false"},
-                    // shared by every server on the daemon, like execd's volume
-                    "Labels": {"io.warren.network": "sandboxes"},
-                });
-                match self
-                    .client
-                    .call::<Value>(Method::POST, "/networks/create", Some(&body))
-                    .await
-                {
-                    Ok(_) | Err(DockerError::Api { status: 409, .. }) => {
-                        Ok(SANDBOX_NETWORK.to_string())
+                let name = self
+                    .config
+                    .network
+                    .clone()
+                    .unwrap_or_else(|| SANDBOX_NETWORK.to_string());
+                let path = format!("/networks/{}", client::encode(&name));
+                let info = match self.client.call::<Value>(Method::GET, &path, None).await {
+                    Ok(info) => info,
+                    Err(e) if e.is_not_found() && self.config.network.is_none() => {
+                        let body = json!({
+                            "Name": name,
+                            "Driver": "bridge",
+                            "CheckDuplicate": true,
+                            "Internal": true,
+                            "Options": {"com.docker.network.bridge.enable_icc": "false"},
+                            // shared by every server on the daemon, like execd's volume
+                            "Labels": {"io.warren.network": "sandboxes"},
+                        });
+                        match self
+                            .client
+                            .call::<Value>(Method::POST, "/networks/create", Some(&body))
+                            .await
+                        {
+                            Ok(_) | Err(DockerError::Api { status: 409, .. }) => {}
+                            Err(e) => return Err(self.map_err("creating the sandbox network", e)),
+                        }
+                        self.client
+                            .call::<Value>(Method::GET, &path, None)
+                            .await
+                            .map_err(|e| self.map_err("looking up the sandbox network", e))?
                     }
-                    Err(e) => Err(self.map_err("creating the sandbox network", e)),
-                }
+                    Err(e) => return Err(self.map_err(&format!("looking up network {name}"), e)),
+                };
+                let subnet = info["IPAM"]["Config"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find_map(|c| c["Subnet"].as_str())
+                    .ok_or_else(|| RuntimeError::backend(format!("network {name} has no subnet")))?
+                    .to_string();
+                Ok((name, subnet))
             })
             .await
             .cloned()
@@ -812,10 +916,10 @@ impl DockerRuntime {
 enum Probe<'a> {
     /// Its Unix socket accepts.
     Socket(&'a Path),
-    /// Its published port answers HTTP. A connection alone proves nothing: the daemon's port proxy
-    /// accepts before anything listens in the container. Any answer will do (a 401: the probe has
-    /// no credential).
-    Http(std::net::SocketAddr),
+    /// It answers HTTP through the relay. A connection alone proves nothing: the relay (and the
+    /// daemon's port proxy before it) accepts before execd listens. Any answer will do (a 401: the
+    /// probe has no credential).
+    Relayed(RelayedExecd),
 }
 
 impl Probe<'_> {
@@ -827,13 +931,16 @@ impl Probe<'_> {
                 }
                 Err(_) => false,
             },
-            Self::Http(addr) => {
+            Self::Relayed(e) => {
                 use tokio::io::{AsyncReadExt, AsyncWriteExt};
                 let probe = async {
-                    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-                    s.write_all(b"GET /ping HTTP/1.1\r\nHost: execd\r\nConnection: close\r\n\r\n")
-                        .await
-                        .ok()?;
+                    let mut s = tokio::net::TcpStream::connect(e.relay).await.ok()?;
+                    let request = format!(
+                        "{}{}\nGET /ping HTTP/1.1\r\nHost: execd\r\nConnection: close\r\n\r\n",
+                        warren_api::RELAY_PREAMBLE,
+                        e.ip
+                    );
+                    s.write_all(request.as_bytes()).await.ok()?;
                     let mut head = [0u8; 8];
                     s.read_exact(&mut head).await.ok()?;
                     Some(head.starts_with(b"HTTP/1."))
@@ -850,14 +957,14 @@ impl Probe<'_> {
     fn interval(&self) -> Duration {
         match self {
             Self::Socket(_) => Duration::from_millis(2),
-            Self::Http(_) => Duration::from_millis(20),
+            Self::Relayed(_) => Duration::from_millis(20),
         }
     }
 
     fn checks_per_inspect(&self) -> u32 {
         match self {
             Self::Socket(_) => 25,
-            Self::Http(_) => 3,
+            Self::Relayed(_) => 3,
         }
     }
 }
@@ -1017,7 +1124,11 @@ impl Runtime for DockerRuntime {
 
     fn execd_address(&self, id: &str, state: &RuntimeState) -> ExecdAddress {
         match state_of(state).and_then(|s| s.execd) {
-            Some(addr) => ExecdAddress::Tcp(addr),
+            // the relay where this server's config says now (`sandbox_host` may have changed)
+            Some(e) => ExecdAddress::Relayed {
+                relay: self.relay_addr().unwrap_or(e.relay),
+                target: e.ip,
+            },
             None => ExecdAddress::Unix(self.run_dir(id).join(EXECD_SOCKET_NAME)),
         }
     }
@@ -1261,7 +1372,7 @@ mod tests {
         assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
         assert!(h.get("PortBindings").is_none());
 
-        // A remote daemon: execd from its volume, on TCP with only the verifier, its port published.
+        // A remote daemon: execd from its volume, on TCP with only the verifier, nothing published.
         let spec = SandboxSpec {
             execd_verifier: "ab".repeat(32),
             ..spec
@@ -1281,8 +1392,8 @@ mod tests {
         assert_eq!(h["Mounts"][0]["ReadOnly"], true);
         assert_eq!(h["Mounts"].as_array().map(Vec::len), Some(1));
         assert_eq!(h["NetworkMode"], SANDBOX_NETWORK);
-        assert_eq!(h["PortBindings"]["44772/tcp"][0]["HostPort"], "");
-        assert!(b["ExposedPorts"]["44772/tcp"].is_object());
+        // nothing published: the relay is the way in
+        assert!(h.get("PortBindings").is_none() && b.get("ExposedPorts").is_none());
     }
 
     #[test]

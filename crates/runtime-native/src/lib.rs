@@ -859,6 +859,8 @@ impl NativeRuntime {
                 ExecdAddress::Unix(socket) => warren_core::socket_connect_path(socket)
                     .is_ok_and(|(_handle, reachable)| UnixStream::connect(&reachable).is_ok()),
                 ExecdAddress::Tcp(addr) => std::net::TcpStream::connect(addr).is_ok(),
+                // not one of this runtime's
+                ExecdAddress::Relayed { .. } => false,
             };
             if listening {
                 return Ok(());

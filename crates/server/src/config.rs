@@ -243,10 +243,11 @@ pub struct DockerSection {
     /// TLS to a `tcp://` daemon (`--tlsverify`): a folder with `ca.pem`, `cert.pem` and `key.pem`,
     /// as in `DOCKER_CERT_PATH` (which, with `DOCKER_TLS_VERIFY`, applies when `host` is unset).
     pub tls_cert_path: Option<PathBuf>,
-    /// Where the server reaches ports a remote daemon publishes; default: the host of `host`.
+    /// Where the server reaches a remote daemon's relay (port 44773 of its host); default: the
+    /// host of `host`.
     pub sandbox_host: Option<String>,
     /// The network sandboxes on a remote daemon join; default: `warren-sandboxes`, made by Warren
-    /// with traffic between containers off.
+    /// internal, with traffic between containers off.
     pub network: Option<String>,
 }
 

@@ -63,7 +63,7 @@ impl ExecdEndpoint {
     pub fn new(address: ExecdAddress, secret: &str) -> Self {
         let credential = match address {
             ExecdAddress::Unix(_) => None,
-            ExecdAddress::Tcp(_) => {
+            ExecdAddress::Tcp(_) | ExecdAddress::Relayed { .. } => {
                 let mut value = HeaderValue::from_str(&crate::tokens::execd_credential(secret))
                     .unwrap_or_else(|_| unreachable!("hex is a valid header value"));
                 value.set_sensitive(true);
@@ -298,6 +298,19 @@ pub async fn open(endpoint: &ExecdEndpoint) -> Result<Sender, Error> {
                     .map_err(|_| format!("connecting to execd at {addr} timed out"))??;
             // Event streams are many small writes; see execd's own listener.
             stream.set_nodelay(true)?;
+            handshake(stream).await?
+        }
+        ExecdAddress::Relayed { relay, target } => {
+            use tokio::io::AsyncWriteExt;
+            let mut stream =
+                tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(relay))
+                    .await
+                    .map_err(|_| format!("connecting to the relay at {relay} timed out"))??;
+            stream.set_nodelay(true)?;
+            // The relay's one line, then the connection is execd's.
+            stream
+                .write_all(format!("{}{target}\n", warren_api::RELAY_PREAMBLE).as_bytes())
+                .await?;
             handshake(stream).await?
         }
     };

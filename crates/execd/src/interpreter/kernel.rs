@@ -90,6 +90,8 @@ pub struct Kernel {
     /// Never written after the subscription, but closing it would end the subscription.
     _iopub: zmtp::Sender,
     interrupt_mode: InterruptMode,
+    /// Output may trail the kernel's idle status (see [`Kernel::late_output`]).
+    late_output: bool,
     routes: Arc<Routes>,
     exit: watch::Receiver<Option<Exit>>,
     connection_file: PathBuf,
@@ -221,6 +223,12 @@ impl Kernel {
             control: tokio::sync::Mutex::new(control_tx),
             _iopub: iopub_tx,
             interrupt_mode: l.spec.interrupt_mode,
+            late_output: l
+                .spec
+                .argv
+                .first()
+                .and_then(|p| Path::new(p).file_name())
+                .is_some_and(|n| n == "deno"),
             routes,
             exit: exit_rx,
             connection_file: connection_file.to_path_buf(),
@@ -301,6 +309,13 @@ impl Kernel {
             }),
         )
         .await
+    }
+
+    /// Whether the kernel may publish an execution's output after its idle status: Deno's sends
+    /// console output from a task of its own, which a loaded machine can leave behind the idle
+    /// status (seen: a `console.log` whose line never reached the run's stream).
+    pub fn late_output(&self) -> bool {
+        self.late_output
     }
 
     pub fn forget(&self, msg_id: &str) {

@@ -62,6 +62,10 @@ const REPLY_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// `KeyboardInterrupt` and goes on is the user's to stop (a restart of the context), not a signal
 /// every second for as long as it runs.
 const INTERRUPT_RESENDS: u32 = 10;
+/// For kernels whose output may trail their idle status ([`kernel::Kernel::late_output`]): how
+/// long the execution's messages must have been quiet, once it is idle with its reply, before the
+/// run ends.
+const LATE_OUTPUT_QUIET: Duration = Duration::from_millis(50);
 
 impl Context {
     fn info(&self) -> CodeContext {
@@ -367,10 +371,12 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     let mut resends = 0u32;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while !(idle && reply.is_some()) {
+    let late_output = ctx.kernel.late_output();
+    while !(idle && reply.is_some()) || late_output {
         let ending = idle || failed || reply.is_some();
         let ev = tokio::select! {
             ev = rx.recv() => ev,
+            _ = tokio::time::sleep(LATE_OUTPUT_QUIET), if late_output && idle && reply.is_some() => break,
             _ = out.cancelled.cancelled(), if asked.is_none() => {
                 tracing::info!(context = %ctx.id, "client went away; interrupting the execution");
                 asked = Some(Instant::now());
