@@ -101,6 +101,8 @@ class FakeKube:
         self.rejected: list[str] = []
         self.gc_deleted: list[str] = []  # objects the "garbage collector" removed with their Pod
         self.max_page = 0  # the most items a list page holds (0: what the client asks)
+        # The kubelet runs no image; an image's WORKDIR, where its container starts, is given here.
+        self.image_workdirs: dict[str, str] = {}
         self.snapshots: dict[str, tuple[str, list]] = {}  # continue token -> (version, items left)
         # A watch with bookmarks on that had nothing to send this long gets one (the API server
         # sends them about once a minute); None: never.
@@ -457,7 +459,8 @@ class FakeKube:
             with self.lock:
                 if record["stopped"]:
                     raise RuntimeError("deleted while starting")
-                record["proc"] = subprocess.Popen(argv, env=env, cwd="/", start_new_session=True,
+                cwd = main.get("workingDir") or self.image_workdirs.get(main["image"], "/")
+                record["proc"] = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True,
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL)
             self.update_pod(ns, name, lambda p: p["status"].update(

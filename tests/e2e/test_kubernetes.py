@@ -258,6 +258,22 @@ def test_node_folders_are_mounted_only_from_allowed_ones(work_root, cluster):
         srv.stop()
 
 
+def test_commands_start_in_the_image_s_working_directory(k8s, cluster):
+    """Warren does not read images the cluster pulls: execd, started where the image says, takes
+    that as the sandbox's working directory."""
+    from opensandbox import SandboxSync
+    image = "registry.invalid/workdir-image:1"
+    cluster.image_workdirs[image] = "/tmp"
+    sbx = SandboxSync.create(image, connection_config=k8s.sdk_config(), timeout=timedelta(minutes=10),
+                             ready_timeout=timedelta(seconds=60))
+    W.track_sandbox(sbx.id)
+    try:
+        code, out, _ = W.sh(sbx, "pwd")
+        assert (code, out.strip()) == (0, "/tmp"), out
+    finally:
+        _kill(sbx)
+
+
 def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):
     sbx = _create(k8s)
     try:

@@ -22,9 +22,10 @@ struct Args {
     /// Serve the API on this TCP address. Defaults to 0.0.0.0:44772 when no socket is given either.
     #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
-    /// Working directory for the entrypoint, commands and relative paths.
-    #[arg(long, value_name = "DIR", default_value = "/")]
-    workdir: PathBuf,
+    /// Working directory for the entrypoint, commands and relative paths; default: the one execd
+    /// was started in (a container's, its image's `WORKDIR`), else `/`.
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
     /// Where the code-interpreter SDK's health check connects once a Jupyter kernel can start
     /// (`$JUPYTER_PORT`, else 44771); 0 disables it.
     #[arg(long, value_name = "PORT")]
@@ -98,7 +99,12 @@ where
         sockets: args.sockets,
         listeners,
         listen,
-        workdir: args.workdir,
+        workdir: args.workdir.unwrap_or_else(|| {
+            std::env::current_dir()
+                .ok()
+                .filter(|d| d.is_absolute())
+                .unwrap_or_else(|| PathBuf::from("/"))
+        }),
         entrypoint: args.entrypoint,
         jupyter_port: match args.jupyter_port {
             Some(port) => (port != 0).then_some(port),

@@ -81,7 +81,7 @@ pub struct DockerConfig {
     pub sandbox_host: Option<String>,
     /// The network sandboxes on a remote daemon join; default [`SANDBOX_NETWORK`], made by Warren
     /// internal (no route out) with traffic between containers off. One named here is used as it
-    /// is (the relay joins it).
+    /// is (the relay, in the host's network namespace, reaches its containers).
     pub network: Option<String>,
 }
 
