@@ -242,3 +242,31 @@ def test_a_restarted_server_finds_its_remote_sandboxes(work_root, remote):
             again.close()
     finally:
         srv.stop()
+
+
+def test_a_pruned_network_is_made_again_and_the_relay_follows(rdock, remote):
+    """`docker network prune` once no sandbox uses Warren's network: the next create makes it again,
+    perhaps on another subnet, and the relay, which reaches one subnet only, is made again for it."""
+    _create(rdock).kill()  # the network and the relay exist
+    W.wait_until(lambda: not remote.docker("ps", "-aq", "--filter", "label=io.warren.sandbox").stdout.split(),
+                 30, message="no sandbox left on the remote daemon")
+    old = json.loads(remote.docker("network", "inspect", "warren-sandboxes").stdout)[0]["IPAM"]["Config"][0]["Subnet"]
+    remote.docker("network", "rm", "warren-sandboxes")
+    # the old subnet is taken meanwhile, so the network comes back on another one
+    remote.docker("network", "create", "--subnet", old, "e2e-decoy")
+    try:
+        sbx = _create(rdock)
+        try:
+            code, out, _ = W.sh(sbx, "echo again")
+            assert (code, out.strip()) == (0, "again"), out
+            new = json.loads(remote.docker("network", "inspect", "warren-sandboxes").stdout)[0]["IPAM"]["Config"][0]
+            assert new["Subnet"] != old, new
+            relay = remote.inspect("warren-relay")
+            assert relay["Config"]["Labels"]["io.warren.relay.to"] == new["Subnet"], relay["Config"]["Labels"]
+        finally:
+            sbx.kill()
+            sbx.close()
+    finally:
+        W.wait_until(lambda: not remote.docker("ps", "-aq", "--filter", "label=io.warren.sandbox").stdout.split(),
+                     30, message="no sandbox left on the remote daemon")
+        remote.docker("network", "rm", "e2e-decoy", check=False)

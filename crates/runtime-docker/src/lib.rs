@@ -57,6 +57,8 @@ pub const SANDBOX_NETWORK: &str = "warren-sandboxes";
 const RELAY_CONTAINER: &str = "warren-relay";
 /// Label carrying the execd digest of a relay container.
 pub const LABEL_RELAY: &str = "io.warren.relay";
+/// Label carrying the network (subnet) a relay reaches.
+pub const LABEL_RELAY_TO: &str = "io.warren.relay.to";
 
 #[derive(Debug, Clone)]
 pub struct DockerConfig {
@@ -131,11 +133,10 @@ pub struct DockerRuntime {
     sandbox_ip: Option<std::net::IpAddr>,
     config: DockerConfig,
     owner: String,
-    /// On a remote daemon: the volume holding execd, once uploaded; the sandboxes' network and its
-    /// subnet; whether this server has seen the relay running (it looks again before each create).
+    /// On a remote daemon: the volume holding execd, once uploaded; held while the relay is looked
+    /// at (and made), so that this server makes it once.
     execd_volume: tokio::sync::OnceCell<String>,
-    network: tokio::sync::OnceCell<(String, String)>,
-    relay: tokio::sync::Mutex<bool>,
+    relay: tokio::sync::Mutex<()>,
 }
 
 impl DockerRuntime {
@@ -185,8 +186,7 @@ impl DockerRuntime {
             config,
             owner,
             execd_volume: tokio::sync::OnceCell::new(),
-            network: tokio::sync::OnceCell::new(),
-            relay: tokio::sync::Mutex::new(false),
+            relay: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -502,6 +502,7 @@ impl DockerRuntime {
         }
         let image_config = self.ensure_image(image, auth.as_ref()).await?;
         let run_dir = self.run_dir(&spec.id);
+        let mut subnet = String::new();
         let delivery = if self.local {
             warren_core::mount_socket_dir(&run_dir).map_err(|e| {
                 RuntimeError::backend_with(
@@ -511,9 +512,11 @@ impl DockerRuntime {
             })?;
             Delivery::Local
         } else {
+            let (network, net) = self.sandbox_network().await?;
+            subnet = net;
             Delivery::Remote {
                 volume: self.execd_volume(image).await?,
-                network: self.sandbox_network().await?.0,
+                network,
             }
         };
         let body = self.create_body(spec, image, &image_config, &volumes.mounts, &delivery);
@@ -561,7 +564,7 @@ impl DockerRuntime {
                     .ok_or_else(|| {
                         RuntimeError::backend(format!("the container has no address on {network}"))
                     })?;
-                let relay = self.relay(image).await?;
+                let relay = self.relay(image, &subnet).await?;
                 let execd = RelayedExecd { relay, ip };
                 self.wait_ready(&container, &Probe::Relayed(execd)).await?;
                 Some(execd)
@@ -575,16 +578,21 @@ impl DockerRuntime {
     /// daemon host's network namespace: the host reaches its bridges' containers, which containers
     /// of a network with traffic between them off cannot. One relay per daemon, shared by every
     /// server using it (any build's relay speaks the same).
-    async fn relay(&self, image: &str) -> Result<std::net::SocketAddr, RuntimeError> {
-        let mut seen = self.relay.lock().await;
+    async fn relay(&self, image: &str, subnet: &str) -> Result<std::net::SocketAddr, RuntimeError> {
+        // one server makes it at a time
+        let _one = self.relay.lock().await;
         let addr = self
             .relay_addr()
             .ok_or_else(|| RuntimeError::backend("no address for the Docker host"))?;
-        if !*seen || !self.running(RELAY_CONTAINER).await {
+        // Running, for this network: a network removed and made again (`docker network prune`)
+        // may have another subnet, which the relay would refuse.
+        let current = self.inspect(RELAY_CONTAINER).await.is_ok_and(|i| {
+            i["State"]["Running"] == json!(true) && i["Config"]["Labels"][LABEL_RELAY_TO] == subnet
+        });
+        if !current {
             let digest = self.execd_volume(image).await?;
-            self.ensure_relay(digest.trim_start_matches("warren-execd-"))
+            self.ensure_relay(digest.trim_start_matches("warren-execd-"), subnet)
                 .await?;
-            *seen = true;
         }
         Ok(addr)
     }
@@ -600,11 +608,7 @@ impl DockerRuntime {
             .is_ok_and(|i| i["State"]["Running"] == json!(true))
     }
 
-    async fn ensure_relay(&self, digest: &str) -> Result<(), RuntimeError> {
-        if self.running(RELAY_CONTAINER).await {
-            return Ok(());
-        }
-        let (_, subnet) = self.sandbox_network().await?;
+    async fn ensure_relay(&self, digest: &str, subnet: &str) -> Result<(), RuntimeError> {
         let image = format!("warren-execd:{digest}");
         let path = format!("/images/{}/json", client::encode(&image));
         if let Err(e) = self.client.call::<Value>(Method::GET, &path, None).await {
@@ -621,7 +625,7 @@ impl DockerRuntime {
                 .await
                 .map_err(|e| self.map_err("importing execd's image", e))?;
         }
-        let _ = self.remove(RELAY_CONTAINER).await; // stopped, or of a network gone since
+        let _ = self.remove(RELAY_CONTAINER).await; // stopped, or for a network gone since
         let body = json!({
             "Image": image,
             "Entrypoint": ["/warren-execd", "relay",
@@ -629,7 +633,7 @@ impl DockerRuntime {
                            "--to", subnet, "--port", warren_api::EXECD_PORT.to_string()],
             "Cmd": [],
             "User": "65534:65534",
-            "Labels": {LABEL_RELAY: digest},
+            "Labels": {LABEL_RELAY: digest, LABEL_RELAY_TO: subnet},
             "HostConfig": {
                 "NetworkMode": "host",
                 "RestartPolicy": {"Name": "unless-stopped"},
@@ -741,55 +745,51 @@ impl DockerRuntime {
     }
 
     /// The sandboxes' network and its subnet: `[docker] network`, or Warren's own, internal (no
-    /// route out) with traffic between containers off (made the first time; a racing server that
-    /// made it first is fine).
+    /// route out) with traffic between containers off (made when missing; a racing server that
+    /// made it first is fine). Looked up on every create: one removed meanwhile (`docker network
+    /// prune` once no sandbox used it) is made again.
     async fn sandbox_network(&self) -> Result<(String, String), RuntimeError> {
-        self.network
-            .get_or_try_init(|| async {
-                let name = self
-                    .config
-                    .network
-                    .clone()
-                    .unwrap_or_else(|| SANDBOX_NETWORK.to_string());
-                let path = format!("/networks/{}", client::encode(&name));
-                let info = match self.client.call::<Value>(Method::GET, &path, None).await {
-                    Ok(info) => info,
-                    Err(e) if e.is_not_found() && self.config.network.is_none() => {
-                        let body = json!({
-                            "Name": name,
-                            "Driver": "bridge",
-                            "CheckDuplicate": true,
-                            "Internal": true,
-                            "Options": {"com.docker.network.bridge.enable_icc": "false"},
-                            // shared by every server on the daemon, like execd's volume
-                            "Labels": {"io.warren.network": "sandboxes"},
-                        });
-                        match self
-                            .client
-                            .call::<Value>(Method::POST, "/networks/create", Some(&body))
-                            .await
-                        {
-                            Ok(_) | Err(DockerError::Api { status: 409, .. }) => {}
-                            Err(e) => return Err(self.map_err("creating the sandbox network", e)),
-                        }
-                        self.client
-                            .call::<Value>(Method::GET, &path, None)
-                            .await
-                            .map_err(|e| self.map_err("looking up the sandbox network", e))?
-                    }
-                    Err(e) => return Err(self.map_err(&format!("looking up network {name}"), e)),
-                };
-                let subnet = info["IPAM"]["Config"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .find_map(|c| c["Subnet"].as_str())
-                    .ok_or_else(|| RuntimeError::backend(format!("network {name} has no subnet")))?
-                    .to_string();
-                Ok((name, subnet))
-            })
-            .await
-            .cloned()
+        let name = self
+            .config
+            .network
+            .clone()
+            .unwrap_or_else(|| SANDBOX_NETWORK.to_string());
+        let path = format!("/networks/{}", client::encode(&name));
+        let info = match self.client.call::<Value>(Method::GET, &path, None).await {
+            Ok(info) => info,
+            Err(e) if e.is_not_found() && self.config.network.is_none() => {
+                let body = json!({
+                    "Name": name,
+                    "Driver": "bridge",
+                    "CheckDuplicate": true,
+                    "Internal": true,
+                    "Options": {"com.docker.network.bridge.enable_icc": "false"},
+                    // shared by every server on the daemon, like execd's volume
+                    "Labels": {"io.warren.network": "sandboxes"},
+                });
+                match self
+                    .client
+                    .call::<Value>(Method::POST, "/networks/create", Some(&body))
+                    .await
+                {
+                    Ok(_) | Err(DockerError::Api { status: 409, .. }) => {}
+                    Err(e) => return Err(self.map_err("creating the sandbox network", e)),
+                }
+                self.client
+                    .call::<Value>(Method::GET, &path, None)
+                    .await
+                    .map_err(|e| self.map_err("looking up the sandbox network", e))?
+            }
+            Err(e) => return Err(self.map_err(&format!("looking up network {name}"), e)),
+        };
+        let subnet = info["IPAM"]["Config"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find_map(|c| c["Subnet"].as_str())
+            .ok_or_else(|| RuntimeError::backend(format!("network {name} has no subnet")))?
+            .to_string();
+        Ok((name, subnet))
     }
 
     async fn wait_ready(&self, container: &str, probe: &Probe<'_>) -> Result<(), RuntimeError> {
