@@ -16,7 +16,6 @@ import json
 import secrets
 import socket
 import uuid
-from datetime import timedelta
 
 import httpx
 import pytest
@@ -68,11 +67,7 @@ def _execd_addr(srv, sid) -> tuple[str, int]:
 
 
 def _create(srv, **kw):
-    from opensandbox import SandboxSync
-    sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config(),
-                             timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60), **kw)
-    W.track_sandbox(sbx.id)
-    return sbx
+    return W.sdk_sandbox(srv, srv.sandbox_image("host"), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import hashlib
 import json
 import time
 import uuid
-from datetime import timedelta
 
 import httpx
 import pytest
@@ -63,11 +62,7 @@ def k8s(work_root, cluster):
 
 
 def _create(srv, **kw):
-    from opensandbox import SandboxSync
-    sbx = SandboxSync.create(IMAGE, connection_config=srv.sdk_config(), timeout=timedelta(minutes=10),
-                             ready_timeout=timedelta(seconds=60), **kw)
-    W.track_sandbox(sbx.id)
-    return sbx
+    return W.sdk_sandbox(srv, IMAGE, **kw)
 
 
 def _pod(cluster, sid):
@@ -193,7 +188,6 @@ def test_a_warm_pool_of_pods_serves_creates_without_a_pod_write(k8s, cluster):
     """Warm pools work on Kubernetes as elsewhere: the pool's Pods are made ahead, a create from it
     costs the cluster no write on its path (the refill makes the next Pod afterwards). Claims are
     the server's own: each replica has its pool (see crates/README.md, "Claim contention")."""
-    from opensandbox import SandboxSync
     name = f"k8s-{uuid.uuid4().hex[:8]}"
     template = W.create_body(IMAGE)
     template["env"] = {"E2E_POOL": name}
@@ -206,9 +200,7 @@ def test_a_warm_pool_of_pods_serves_creates_without_a_pod_write(k8s, cluster):
                          message="two warm Pods")
             warm = {p["metadata"]["labels"]["io.warren.sandbox"] for p in cluster.list("pods", NS)}
             posts = cluster.requests.get("POST pods", 0)
-            sbx = SandboxSync.create(IMAGE, connection_config=k8s.sdk_config(), extensions={"poolRef": name},
-                                     timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
-            W.track_sandbox(sbx.id)
+            sbx = _create(k8s, extensions={"poolRef": name})
             try:
                 assert cluster.requests.get("POST pods", 0) - posts <= 1  # at most the refill's
                 assert sbx.id in warm, "the sandbox was not one of the warm Pods"
@@ -261,12 +253,9 @@ def test_node_folders_are_mounted_only_from_allowed_ones(work_root, cluster):
 def test_commands_start_in_the_image_s_working_directory(k8s, cluster):
     """Warren does not read images the cluster pulls: execd, started where the image says, takes
     that as the sandbox's working directory."""
-    from opensandbox import SandboxSync
     image = "registry.invalid/workdir-image:1"
     cluster.image_workdirs[image] = "/tmp"
-    sbx = SandboxSync.create(image, connection_config=k8s.sdk_config(), timeout=timedelta(minutes=10),
-                             ready_timeout=timedelta(seconds=60))
-    W.track_sandbox(sbx.id)
+    sbx = W.sdk_sandbox(k8s, image)
     try:
         code, out, _ = W.sh(sbx, "pwd")
         assert (code, out.strip()) == (0, "/tmp"), out

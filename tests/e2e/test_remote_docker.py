@@ -14,7 +14,6 @@ import json
 import shutil
 import socket
 import uuid
-from datetime import timedelta
 
 import httpx
 import pytest
@@ -58,11 +57,7 @@ def rdock(work_root, remote):
 
 
 def _create(srv, **kw):
-    from opensandbox import SandboxSync
-    sbx = SandboxSync.create(IMAGE, connection_config=srv.sdk_config(), timeout=timedelta(minutes=10),
-                             ready_timeout=timedelta(seconds=60), **kw)
-    W.track_sandbox(sbx.id)
-    return sbx
+    return W.sdk_sandbox(srv, IMAGE, **kw)
 
 
 def _through_relay(relay, target, method, path, token=None, body=""):

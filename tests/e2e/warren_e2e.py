@@ -810,6 +810,17 @@ def json_or_text(resp: httpx.Response) -> Any:
         return resp.text
 
 
+def sdk_sandbox(srv: "WarrenServer", image: str, **kw):
+    """A sandbox made with the official SDK (ten minutes to live, a minute to be ready), tracked for
+    the final leak check."""
+    from datetime import timedelta
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create(image, connection_config=srv.sdk_config(), timeout=timedelta(minutes=10),
+                             ready_timeout=timedelta(seconds=60), **kw)
+    track_sandbox(sbx.id)
+    return sbx
+
+
 def sandbox_record(srv: "WarrenServer", sandbox_id: str) -> dict:
     """The sandbox's record as the server keeps it (the journal's last line for the id wins; a line
     being written is skipped)."""

@@ -286,45 +286,53 @@ impl Client {
         body: Option<&Value>,
         headers: &[(&str, String)],
     ) -> Result<(StatusCode, Body), DockerError> {
-        let path = format!("/{}{path_and_query}", self.version().await?);
-        self.request(method, &path, body.map(Payload::Json), headers)
+        self.send_payload(method, path_and_query, body.map(Payload::Json), headers)
             .await
+    }
+
+    async fn send_payload(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Payload<'_>>,
+        headers: &[(&str, String)],
+    ) -> Result<(StatusCode, Body), DockerError> {
+        let path = format!("/{}{path_and_query}", self.version().await?);
+        self.request(method, &path, body, headers).await
+    }
+
+    /// `call` within [`CALL_TIMEOUT`]; past it the daemon counts as unreachable.
+    async fn in_time<T>(
+        &self,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, DockerError>>,
+    ) -> Result<T, DockerError> {
+        tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| self.unavailable(format!("no answer to {what} within {CALL_TIMEOUT:?}")))?
     }
 
     /// Makes image `repo:tag` of a tar archive of a root file system (`POST /images/create` with
     /// `fromSrc=-`), as `docker import` does.
     pub async fn import_image(&self, repo: &str, tag: &str, tar: Bytes) -> Result<(), DockerError> {
-        let call = async {
-            let url = format!(
-                "/{}/images/create?fromSrc=-&repo={}&tag={}",
-                self.version().await?,
-                encode(repo),
-                encode(tag)
-            );
+        let path = format!(
+            "/images/create?fromSrc=-&repo={}&tag={}",
+            encode(repo),
+            encode(tag)
+        );
+        self.in_time("an image import", async {
             let (status, body) = self
-                .request(Method::POST, &url, Some(Payload::Tar(&tar)), &[])
+                .send_payload(Method::POST, &path, Some(Payload::Tar(&tar)), &[])
                 .await?;
             let bytes = self.read_ok(status, body).await?;
-            // progress lines; an `error` in them is the failure
-            for line in bytes.split(|b| *b == b'\n') {
-                if let Some(e) = serde_json::from_slice::<Value>(line)
-                    .ok()
-                    .and_then(|v| v["error"].as_str().map(str::to_string))
-                {
-                    return Err(DockerError::Protocol(format!(
-                        "importing {repo}:{tag}: {e}"
-                    )));
-                }
+            match progress_error(&bytes) {
+                Some(e) => Err(DockerError::Protocol(format!(
+                    "importing {repo}:{tag}: {e}"
+                ))),
+                None => Ok(()),
             }
-            Ok(())
-        };
-        tokio::time::timeout(CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| {
-                self.unavailable(format!(
-                    "no answer to an image import within {CALL_TIMEOUT:?}"
-                ))
-            })?
+        })
+        .await
     }
 
     /// Unpacks a tar archive at `path` in a container (`PUT /containers/{id}/archive`): the daemon
@@ -335,24 +343,14 @@ impl Client {
         path: &str,
         tar: Bytes,
     ) -> Result<(), DockerError> {
-        let call = async {
-            let url = format!(
-                "/{}/containers/{container}/archive?path={}",
-                self.version().await?,
-                encode(path)
-            );
+        let url = format!("/containers/{container}/archive?path={}", encode(path));
+        self.in_time("an archive upload", async {
             let (status, body) = self
-                .request(Method::PUT, &url, Some(Payload::Tar(&tar)), &[])
+                .send_payload(Method::PUT, &url, Some(Payload::Tar(&tar)), &[])
                 .await?;
-            self.read_ok(status, body).await.map(|_| ())
-        };
-        tokio::time::timeout(CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| {
-                self.unavailable(format!(
-                    "no answer to an archive upload within {CALL_TIMEOUT:?}"
-                ))
-            })?
+            self.read_ok(status, body).await.map(drop)
+        })
+        .await
     }
 
     async fn request(
@@ -404,16 +402,14 @@ impl Client {
         body: Option<&Value>,
         headers: &[(&str, String)],
     ) -> Result<T, DockerError> {
-        let call = async {
+        self.in_time(path, async {
             let (status, body) = self.send(method, path, body, headers).await?;
             let bytes = self.read_ok(status, body).await?;
             let text: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
             serde_json::from_slice(text)
                 .map_err(|e| DockerError::Protocol(format!("unexpected answer to {path}: {e}")))
-        };
-        tokio::time::timeout(CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| self.unavailable(format!("no answer to {path} within {CALL_TIMEOUT:?}")))?
+        })
+        .await
     }
 
     /// A JSON call; `null` for empty bodies (204s).
@@ -453,18 +449,26 @@ impl Client {
             .unwrap_or_default();
         let (status, body) = self.send(Method::POST, &path, None, &headers).await?;
         let bytes = self.read_ok(status, body).await?;
-        for line in bytes.split(|b| *b == b'\n') {
-            if let Ok(v) = serde_json::from_slice::<Value>(line) {
-                if let Some(e) = v["error"].as_str() {
-                    return Err(DockerError::Api {
-                        status: 404,
-                        message: e.to_string(),
-                    });
-                }
-            }
+        match progress_error(&bytes) {
+            Some(message) => Err(DockerError::Api {
+                status: 404,
+                message,
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// The `error` of a progress stream (one JSON object per line, as pulls and imports answer), if
+/// one of its lines has one.
+fn progress_error(bytes: &[u8]) -> Option<String> {
+    bytes.split(|b| *b == b'\n').find_map(|line| {
+        serde_json::from_slice::<Value>(line)
+            .ok()?
+            .get("error")?
+            .as_str()
+            .map(str::to_string)
+    })
 }
 
 fn api_error(status: StatusCode, body: &[u8]) -> DockerError {
@@ -533,6 +537,14 @@ mod tests {
             .with_tls(&TlsFiles::in_dir(Path::new("/nonexistent")))
             .expect_err("no files");
         assert!(why.contains("/nonexistent/ca.pem"), "{why}");
+    }
+
+    #[test]
+    fn progress_errors() {
+        let ok = b"{\"status\":\"Pulling\"}\n{\"status\":\"Done\"}\n";
+        assert_eq!(progress_error(ok), None);
+        let bad = b"{\"status\":\"Pulling\"}\n{\"error\":\"manifest unknown\"}\n";
+        assert_eq!(progress_error(bad).as_deref(), Some("manifest unknown"));
     }
 
     #[test]

@@ -133,9 +133,9 @@ pub struct DockerRuntime {
     sandbox_ip: Option<std::net::IpAddr>,
     config: DockerConfig,
     owner: String,
-    /// On a remote daemon: the volume holding execd, once uploaded; held while the relay is looked
-    /// at (and made), so that this server makes it once.
-    execd_volume: tokio::sync::OnceCell<String>,
+    /// On a remote daemon: execd's short digest, once its volume is uploaded.
+    execd_build: tokio::sync::OnceCell<String>,
+    /// Held while the relay is looked at (and made), so that this server makes it once.
     relay: tokio::sync::Mutex<()>,
 }
 
@@ -185,7 +185,7 @@ impl DockerRuntime {
             sandbox_ip,
             config,
             owner,
-            execd_volume: tokio::sync::OnceCell::new(),
+            execd_build: tokio::sync::OnceCell::new(),
             relay: tokio::sync::Mutex::new(()),
         })
     }
@@ -515,7 +515,7 @@ impl DockerRuntime {
             let (network, net) = self.sandbox_network().await?;
             subnet = net;
             Delivery::Remote {
-                volume: self.execd_volume(image).await?,
+                volume: execd_volume_name(&self.execd_build(image).await?),
                 network,
             }
         };
@@ -590,9 +590,8 @@ impl DockerRuntime {
             i["State"]["Running"] == json!(true) && i["Config"]["Labels"][LABEL_RELAY_TO] == subnet
         });
         if !current {
-            let digest = self.execd_volume(image).await?;
-            self.ensure_relay(digest.trim_start_matches("warren-execd-"), subnet)
-                .await?;
+            let build = self.execd_build(image).await?;
+            self.ensure_relay(&build, subnet).await?;
         }
         Ok(addr)
     }
@@ -666,12 +665,12 @@ impl DockerRuntime {
         Ok(())
     }
 
-    /// The volume holding this execd on the remote daemon, uploaded the first time (per server
-    /// start, and per execd build: the volume is named for the binary's digest). Uploading needs a
-    /// container to write through; one is created from `image` (already on the daemon), never
-    /// started, and removed.
-    async fn execd_volume(&self, image: &str) -> Result<String, RuntimeError> {
-        self.execd_volume
+    /// This execd build's short digest, its volume on the remote daemon uploaded the first time
+    /// (per server start, and per execd build: the volume, [`execd_volume_name`], is named for the
+    /// binary's digest). Uploading needs a container to write through; one is created from `image`
+    /// (already on the daemon), never started, and removed.
+    async fn execd_build(&self, image: &str) -> Result<String, RuntimeError> {
+        self.execd_build
             .get_or_try_init(|| self.upload_execd(image))
             .await
             .cloned()
@@ -683,7 +682,8 @@ impl DockerRuntime {
             .await
             .map_err(|e| RuntimeError::backend_with("reading execd", e))?
             .map_err(|e| RuntimeError::backend(format!("reading execd: {e}")))?;
-        let volume = format!("warren-execd-{}", &digest[..16]);
+        let build = digest[..16].to_string();
+        let volume = execd_volume_name(&build);
         // Shared by every server using this execd build on the daemon: no owner label, so no
         // server's sweep removes it from under another.
         let create = json!({"Name": volume, "Labels": {LABEL_EXECD: digest}});
@@ -741,7 +741,7 @@ impl DockerRuntime {
         }
         .await;
         let _ = self.remove(&helper).await;
-        result.map(|()| volume)
+        result.map(|()| build)
     }
 
     /// The sandboxes' network and its subnet: `[docker] network`, or Warren's own, internal (no
@@ -967,6 +967,11 @@ impl Probe<'_> {
             Self::Relayed(_) => 3,
         }
     }
+}
+
+/// The volume holding execd build `build` (its short digest) on a remote daemon.
+fn execd_volume_name(build: &str) -> String {
+    format!("warren-execd-{build}")
 }
 
 /// execd as two tar archives for a volume: the binary, then a `ready` marker (its digest).
