@@ -11,10 +11,14 @@ here does not provide. To run them against a real cluster, see README ("Kubernet
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import json
+import os
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
@@ -36,15 +40,18 @@ def cluster():
 
 
 def _server(work_root, cluster, **extra) -> W.WarrenServer:
-    srv = W.WarrenServer("kubernetes", work_root, f"k8s-{uuid.uuid4().hex[:6]}")
+    srv = W.WarrenServer("kubernetes", work_root, f"k8s-{uuid.uuid4().hex[:6]}",
+                         api_key=extra.get("api_key"))
     runtime_class = extra.get("runtime_class")
     host_paths = extra.get("host_paths")
+    shared_key = extra.get("shared_key")
     srv.more_config = (
         "[kubernetes]\n"
         f'api_server = "{cluster.url}"\n'
         f'namespace = "{NS}"\n'
-        f'instance = "{srv.name}"\n'
-        'execd_image = "warren:e2e"\n'
+        f'instance = "{extra.get("instance", srv.name)}"\n'
+        + (f'shared_key_file = "{shared_key}"\n' if shared_key else "")
+        + 'execd_image = "warren:e2e"\n'
         + (f'runtime_class = "{runtime_class}"\n' if runtime_class else "")
         + 'node_selector = { "warren.io/sandboxes" = "true" }\n'
         + (f"allowed_host_paths = {json.dumps(host_paths)}\n" if host_paths else "")
@@ -393,3 +400,182 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
     finally:
         cluster.max_page = 0
         srv.stop()
+
+
+# --- Replicas: one service, the records on the Pods ([kubernetes] shared_key_file) ---------------
+
+def _replica(work_root, cluster, service):
+    """A replica of `service` (same instance label, key and API key as its others)."""
+    return _server(work_root, cluster, instance=service["instance"], shared_key=service["key_file"],
+                   api_key=service["api_key"])
+
+
+@pytest.fixture
+def service(work_root):
+    key_file = work_root / f"shared-key-{uuid.uuid4().hex[:6]}"
+    key_file.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    key_file.chmod(0o600)
+    return {"instance": f"svc-{uuid.uuid4().hex[:6]}", "key_file": key_file,
+            "api_key": "wk-" + uuid.uuid4().hex}
+
+
+def _shared_credential(service, sid):
+    """execd's credential for a replicated sandbox: of its secret, derived from the shared key."""
+    key = service["key_file"].read_bytes().strip()
+    secret = hmac.new(key, b"warren-sandbox-secret-v1:" + sid.encode(), hashlib.sha256).hexdigest()
+    return secret, hmac.new(secret.encode(), b"warren-execd-v1", hashlib.sha256).hexdigest()
+
+
+def _get(srv, sid):
+    with srv.client() as c:
+        r = c.get(f"/v1/sandboxes/{sid}")
+    return r.json() if r.status_code == 200 else r.status_code
+
+
+def test_replicas_serve_one_set_of_sandboxes_from_the_records_on_their_pods(work_root, cluster, service):
+    from opensandbox import SandboxSync
+    a = _replica(work_root, cluster, service)
+    b = _replica(work_root, cluster, service)
+    try:
+        before = dict(cluster.requests)
+        sbx = _create(a, metadata={"team": "e2e"})
+        asked = {k: v - before.get(k, 0) for k, v in cluster.requests.items() if v != before.get(k, 0)}
+        # The record goes with the Pod: still one write per create.
+        assert asked.get("POST pods") == 1 and not any(k.startswith("PATCH") for k in asked), asked
+        pod = _pod(cluster, sbx.id)
+        record = json.loads(pod["metadata"]["annotations"]["io.warren.record"])
+        assert record["id"] == sbx.id and record["metadata"] == {"team": "e2e"}, record
+        # No secret is stored: not the sandbox's, not execd's credential, not the key.
+        secret, credential = _shared_credential(service, sbx.id)
+        dumped = json.dumps(pod)
+        assert "token" not in record and secret not in dumped and credential not in dumped
+        assert service["key_file"].read_text().strip() not in dumped
+        assert not (a.data_dir / "state" / "sandboxes.jsonl").exists() or \
+            sbx.id not in (a.data_dir / "state" / "sandboxes.jsonl").read_text()
+        assert httpx.get(f"http://{cluster.pod_ip(NS, pod['metadata']['name'])}:44772/ping",
+                         headers={"X-EXECD-ACCESS-TOKEN": credential}, timeout=10).status_code == 200
+
+        # The other replica knows it, reaches its execd, opens its endpoints.
+        W.wait_until(lambda: isinstance(_get(b, sbx.id), dict), 10, message="replica b to see the sandbox")
+        assert _get(b, sbx.id)["metadata"] == {"team": "e2e"}
+        via_b = SandboxSync.connect(sbx.id, connection_config=b.sdk_config())
+        code, out, _ = W.sh(via_b, "hostname")
+        assert code == 0, out
+        W.files_logs_and_proxy_work(via_b, "replica b", APP_PORT)
+        with a.client() as c:
+            token_a = c.get(f"/v1/sandboxes/{sbx.id}/endpoints/{APP_PORT}").json()
+        with b.client() as c:
+            assert c.get(f"/v1/sandboxes/{sbx.id}/endpoints/{APP_PORT}").json()["headers"] == token_a["headers"]
+            listed = c.get("/v1/sandboxes", params={"metadata": "team=e2e"}).json()["items"]
+        assert [s["id"] for s in listed] == [sbx.id], listed
+
+        # A renew through b is a's too, and a metadata patch through a is b's; each one write.
+        at = (datetime.now(timezone.utc) + timedelta(hours=2)).replace(microsecond=0)
+        before = dict(cluster.requests)
+        with b.client() as c:
+            r = c.post(f"/v1/sandboxes/{sbx.id}/renew-expiration", json={"expiresAt": at.isoformat()})
+            assert r.status_code == 200, r.text
+        assert cluster.requests.get("PATCH pods", 0) - before.get("PATCH pods", 0) == 1
+        W.wait_until(lambda: _get(a, sbx.id)["expiresAt"].startswith(at.strftime("%Y-%m-%dT%H:%M:%S")), 10,
+                     message="replica a to take the renewal")
+        with a.client() as c:
+            r = c.patch(f"/v1/sandboxes/{sbx.id}/metadata", json={"stage": "two"})
+            assert r.status_code == 200, r.text
+        W.wait_until(lambda: _get(b, sbx.id)["metadata"] == {"team": "e2e", "stage": "two"}, 10,
+                     message="replica b to take the metadata")
+
+        # A delete through b: gone from a as well, at once rather than kept as ended.
+        via_b.kill()
+        via_b.close()
+        W.wait_until(lambda: _get(a, sbx.id) == 404, 10, message="replica a to forget the deleted sandbox")
+        assert _pod(cluster, sbx.id) is None
+        with a.client() as c:
+            assert c.get("/v1/sandboxes", params={"metadata": "team=e2e"}).json()["items"] == []
+
+        # Pools are not offered across replicas yet, and say so.
+        with a.client() as c:
+            r = c.post("/v1/pools", json={"name": "p", "template": W.create_body(IMAGE),
+                                          "capacitySpec": {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 2}})
+        W.assert_error_body(r, codes=[501])
+        assert "replicas" in r.json()["message"], r.text
+    finally:
+        # Each replica's stop would delete every sandbox of the service: only the last one does.
+        a.terminate()
+        b.stop()
+    assert cluster.rejected == [], cluster.rejected
+
+
+def test_replicas_expire_end_and_adopt_sandboxes_whoever_made_them(work_root, cluster, service):
+    from opensandbox import SandboxSync
+    a = _replica(work_root, cluster, service)
+    b = _replica(work_root, cluster, service)
+    c_ = None
+    try:
+        def create(srv):
+            with srv.client() as c:
+                r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, timeout=600))
+            assert r.status_code in (200, 202), r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            W.wait_until(lambda: _get(srv, sid)["status"]["state"] == "Running", 60, message="running")
+            W.wait_until(lambda: isinstance(_get(b, sid), dict) and isinstance(_get(a, sid), dict), 10,
+                         message="both replicas to know it")
+            return sid
+
+        def renew(srv, sid, seconds):
+            at = (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
+            with srv.client() as c:
+                r = c.post(f"/v1/sandboxes/{sid}/renew-expiration", json={"expiresAt": at})
+            assert r.status_code == 200, r.text
+
+        short, renewed = create(a), create(a)
+        renew(b, short, 3)       # through b: expires within seconds, whichever replica sees it first
+        renew(a, renewed, 4)     # then renewed through b for longer: a must not expire it
+        renew(b, renewed, 600)
+        W.wait_until(lambda: _pod(cluster, short) is None, 20, message="the expired sandbox's Pod to go")
+        for srv in (a, b):
+            st = W.wait_until(lambda: (g := _get(srv, short)) == 404 or g["status"]["state"] == "Terminated" and g,
+                              10, message="the expiry to show")
+            assert st == 404 or st["status"]["reason"] == "ttl_expiry", st
+        time.sleep(3)
+        assert _get(a, renewed)["status"]["state"] == "Running", _get(a, renewed)
+
+        # A Pod removed behind Warren's back ends on every replica, with the same reason.
+        cluster.remove_pod(NS, f"warren-{renewed}")
+        for srv in (a, b):
+            st = W.wait_until(lambda: (g := _get(srv, renewed)) and g["status"]["state"] == "Terminated" and g,
+                              15, message="the removed Pod's sandbox to end")
+            assert "removed outside Warren" in st["status"].get("message", ""), st
+
+        # A replica that comes later, with an empty data dir, serves what the others made.
+        kept = create(b)
+        b.kill9()
+        c_ = _replica(work_root, cluster, service)
+        via_c = SandboxSync.connect(kept, connection_config=c_.sdk_config())
+        code, out, _ = W.sh(via_c, "echo adopted")
+        assert (code, out.strip()) == (0, "adopted"), out
+        via_c.close()
+        # Another replica's create whose Pod fails: Pending here while it starts, then no record.
+        doomed = str(uuid.uuid4())
+        pod = json.loads(json.dumps(_pod(cluster, kept)))
+        record = json.loads(pod["metadata"]["annotations"]["io.warren.record"])
+        record.update(id=doomed, state="Pending")
+        pod["metadata"] = {"name": f"warren-{doomed}",
+                           "labels": {**pod["metadata"]["labels"], "io.warren.sandbox": doomed},
+                           "annotations": {"io.warren.record": json.dumps(record)}}
+        pod["spec"]["initContainers"][0]["command"] = ["cp", "/nowhere", "/nothing"]
+        pod.pop("status", None)
+        with httpx.Client(base_url=cluster.url) as c:
+            assert c.post(f"/api/v1/namespaces/{NS}/pods", json=pod).status_code == 201
+        W.wait_until(lambda: (_pod(cluster, doomed) or {}).get("status", {}).get("phase") == "Failed", 15,
+                     message="the doomed Pod to fail")
+        W.wait_until(lambda: _get(c_, doomed) == 404, 10, message="the failed create to leave no record")
+        with c_.client() as c:
+            assert doomed not in {s["id"] for s in c.get("/v1/sandboxes").json()["items"]}
+        cluster.remove_pod(NS, f"warren-{doomed}")
+    finally:
+        a.terminate()
+        b.terminate()
+        if c_ is not None:
+            c_.stop()
+    assert cluster.rejected == [], cluster.rejected

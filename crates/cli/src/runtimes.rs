@@ -139,6 +139,18 @@ fn kubernetes(
     };
     warren_runtime_kubernetes::check_label_value("[kubernetes] instance", &instance)
         .map_err(anyhow::Error::msg)?;
+    let shared_key = match &k.shared_key_file {
+        Some(f) => {
+            let bytes = std::fs::read(f)
+                .with_context(|| format!("[kubernetes] shared_key_file {}", f.display()))?;
+            let key = bytes.trim_ascii().to_vec();
+            warren_runtime_kubernetes::check_key(&key).map_err(|e| {
+                anyhow::anyhow!("[kubernetes] shared_key_file {}: {e}", f.display())
+            })?;
+            Some(key)
+        }
+        None => None,
+    };
     let runtime = KubernetesRuntime::new(KubernetesConfig {
         connection,
         namespace: k
@@ -162,6 +174,7 @@ fn kubernetes(
             allowed_host_paths: k.allowed_host_paths.clone(),
         },
         ready_timeout,
+        shared_key,
     })?;
     Ok(Arc::new(runtime))
 }

@@ -10,6 +10,7 @@ pub mod image;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;
+pub mod shared;
 
 pub use quantity::{
     parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, parse_size_bytes, QuantityError,
@@ -36,6 +37,7 @@ pub use runtime::{
     ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage,
     SandboxSpec, VolumeMount, VolumeSource,
 };
+pub use shared::{RecordEvent, SharedPhase, SharedRecords};
 
 /// Inside every sandbox, whatever the runtime: where execd is mounted (read-only) and the folder its
 /// socket appears in (bind-mounted from a per-sandbox host folder the server connects through) on

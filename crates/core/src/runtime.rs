@@ -83,6 +83,9 @@ pub struct SandboxSpec {
     /// Asked for isolated sessions inside (`extensions["bootstrap.execd.isolation"] = "enable"`):
     /// a runtime that can offer them starts what execd needs to make them.
     pub isolation: bool,
+    /// With [`Runtime::shared_records`]: the sandbox's record, which the backend keeps with the
+    /// sandbox from its creation on. `None` otherwise.
+    pub record: Option<serde_json::Value>,
 }
 
 /// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone
@@ -274,6 +277,12 @@ pub trait Runtime: Send + Sync + 'static {
     /// its upper dir holds can be recorded with the sandbox's own ids (snapshots). `None`: the
     /// sandbox's ids are the host's.
     fn id_base(&self, _id: &str) -> Option<u32> {
+        None
+    }
+
+    /// The backend keeps the sandboxes' records, shared by every server that uses it (see
+    /// [`crate::shared`]). `None`: the server's own journal holds them.
+    fn shared_records(&self) -> Option<std::sync::Arc<dyn crate::SharedRecords>> {
         None
     }
 }

@@ -1331,6 +1331,7 @@ mod tests {
             },
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             execd_verifier: String::new(),
+            record: None,
             env: [("A".to_string(), "1".to_string())].into_iter().collect(),
             limits: warren_core::ResourceLimits {
                 cpu_millis: Some(500),

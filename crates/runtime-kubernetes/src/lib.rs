@@ -10,6 +10,7 @@
 
 mod client;
 pub mod pod;
+mod records;
 mod watch;
 
 use std::collections::BTreeMap;
@@ -29,6 +30,8 @@ use warren_core::{
 pub use client::{Client, Connection, KubeError};
 use pod::PodView;
 pub use pod::{PodSettings, LABEL_OWNER, LABEL_SANDBOX};
+pub use records::check_key;
+use records::PodRecords;
 use watch::{PodWatch, Seen};
 
 #[derive(Debug, Clone)]
@@ -37,11 +40,14 @@ pub struct KubernetesConfig {
     pub namespace: String,
     pub pod: PodSettings,
     pub ready_timeout: Duration,
+    /// The key every replica of one service holds (`[kubernetes] shared_key_file`): with it the
+    /// sandboxes' records live on their Pods and the replicas serve them all (see `records`).
+    pub shared_key: Option<Vec<u8>>,
 }
 
 /// What the server persists about a sandbox's Pod.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct PodState {
+pub(crate) struct PodState {
     pod: String,
     uid: String,
     ip: String,
@@ -56,6 +62,8 @@ pub struct KubernetesRuntime {
     pods: Arc<PodWatch>,
     /// The instance's default-deny NetworkPolicy exists (made before the first create).
     policy: OnceCell<()>,
+    /// With a shared key: the records on the Pods.
+    records: Option<Arc<PodRecords>>,
 }
 
 impl KubernetesRuntime {
@@ -70,11 +78,20 @@ impl KubernetesRuntime {
             pods_path(&config.namespace),
             instance_selector(&config.pod.instance),
         );
+        let records = config.shared_key.clone().map(|key| {
+            Arc::new(PodRecords {
+                client: client.clone(),
+                pods: pods.clone(),
+                pods_path: pods_path(&config.namespace),
+                key,
+            })
+        });
         Ok(Self {
             client,
             config,
             pods,
             policy: OnceCell::new(),
+            records,
         })
     }
 
@@ -103,17 +120,7 @@ impl KubernetesRuntime {
     }
 
     fn map_err(&self, what: &str, e: KubeError) -> RuntimeError {
-        match e {
-            KubeError::Unavailable { .. } => RuntimeError::Unavailable(format!("{what}: {e}")),
-            KubeError::Api { status: 404, .. } => RuntimeError::NotFound(format!("{what}: {e}")),
-            KubeError::Api { status: 409, .. } => RuntimeError::Conflict(format!("{what}: {e}")),
-            // The API server refused the object (an invalid field, an admission rule). A 403
-            // (RBAC, a quota) is the deployment's to fix: a server error, in the log.
-            KubeError::Api {
-                status: 400 | 422, ..
-            } => RuntimeError::Invalid(format!("{what}: {e}")),
-            e => RuntimeError::backend(format!("{what}: {e}")),
-        }
+        map_error(what, e)
     }
 
     /// The NetworkPolicy that gives the instance's sandboxes no egress and only execd's port in.
@@ -207,6 +214,21 @@ impl KubernetesRuntime {
     }
 }
 
+/// The runtime's error for a failed API call.
+pub(crate) fn map_error(what: &str, e: KubeError) -> RuntimeError {
+    match e {
+        KubeError::Unavailable { .. } => RuntimeError::Unavailable(format!("{what}: {e}")),
+        KubeError::Api { status: 404, .. } => RuntimeError::NotFound(format!("{what}: {e}")),
+        KubeError::Api { status: 409, .. } => RuntimeError::Conflict(format!("{what}: {e}")),
+        // The API server refused the object (an invalid field, an admission rule). A 403
+        // (RBAC, a quota) is the deployment's to fix: a server error, in the log.
+        KubeError::Api {
+            status: 400 | 422, ..
+        } => RuntimeError::Invalid(format!("{what}: {e}")),
+        e => RuntimeError::backend(format!("{what}: {e}")),
+    }
+}
+
 /// Whether execd accepts a connection at `ip` (its port).
 async fn execd_listens(ip: &str) -> bool {
     let Ok(ip) = ip.parse::<std::net::IpAddr>() else {
@@ -243,7 +265,7 @@ fn instance_selector(instance: &str) -> String {
 }
 
 /// The name of sandbox `id`'s Pod: as recorded, else as Warren names it.
-fn pod_of(id: &str, state: &RuntimeState) -> String {
+pub(crate) fn pod_of(id: &str, state: &RuntimeState) -> String {
     state_of(state)
         .map(|s| s.pod)
         .unwrap_or_else(|| pod::pod_name(id))
@@ -260,6 +282,12 @@ impl Runtime for KubernetesRuntime {
 
     fn image_source(&self) -> ImageSource {
         ImageSource::Engine
+    }
+
+    fn shared_records(&self) -> Option<Arc<dyn warren_core::SharedRecords>> {
+        self.records
+            .clone()
+            .map(|r| r as Arc<dyn warren_core::SharedRecords>)
     }
 
     fn capabilities(&self) -> RuntimeCapabilities {
@@ -384,25 +412,12 @@ impl Runtime for KubernetesRuntime {
                 let seen = rx.borrow_and_update().clone();
                 match seen {
                     Seen::Gone => return vanished("the Pod was deleted"),
-                    Seen::Present(view) if view.deleting => {
-                        return vanished("the Pod is being deleted")
+                    Seen::Present(view) => {
+                        if let Some(exit) = view.exit() {
+                            return exit;
+                        }
                     }
-                    Seen::Present(view) if view.ended() => {
-                        let code = view.exit.as_ref().map(|(c, _)| *c);
-                        return ExitInfo {
-                            code,
-                            signal: None,
-                            vanished: false,
-                            // The Pod's own reason (an eviction) says more than the code.
-                            detail: view.reason.clone().or_else(|| {
-                                view.exit
-                                    .as_ref()
-                                    .map(|(_, why)| why.clone())
-                                    .filter(|w| !w.is_empty())
-                            }),
-                        };
-                    }
-                    _ => {}
+                    Seen::Unknown => {}
                 }
                 if rx.changed().await.is_err() {
                     // Forgotten: its sandbox was deleted.
@@ -466,6 +481,12 @@ impl Runtime for KubernetesRuntime {
     }
 
     async fn sweep_orphans(&self, known: &[String]) {
+        if self.records.is_some() {
+            // The instance's Pods are every replica's: one this server has no record of may be
+            // another's create in flight. Each Pod carries its record; a pull Secret is owned by
+            // its Pod, and the cluster's garbage collector removes it with the Pod.
+            return;
+        }
         // Pull Secrets of sandboxes without a record (a create cut off between its Secret and
         // its Pod, say), then Pods.
         if let Ok(list) = self

@@ -11,12 +11,15 @@
 use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
-use warren_core::{policy, SandboxImage, SandboxSpec, VolumeSource};
+use warren_core::{policy, ExitInfo, SandboxImage, SandboxSpec, VolumeSource};
 
 /// Label carrying the sandbox id.
 pub const LABEL_SANDBOX: &str = "io.warren.sandbox";
 /// Label carrying the Warren instance that owns the Pod.
 pub const LABEL_OWNER: &str = "io.warren.owner";
+/// Annotation carrying the sandbox's record, when the cluster keeps the records (a shared key):
+/// the server's record as JSON, without its secret, which every replica derives.
+pub const ANNOTATION_RECORD: &str = "io.warren.record";
 /// The Pod's container that runs the sandbox.
 pub const SANDBOX_CONTAINER: &str = "sandbox";
 /// Where execd's binary is in the Pod (the init container copies it there).
@@ -221,7 +224,7 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
     if !pull_secrets.is_empty() {
         pod_spec["imagePullSecrets"] = json!(pull_secrets);
     }
-    Ok(json!({
+    let mut pod = json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -233,12 +236,22 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
             },
         },
         "spec": pod_spec,
-    }))
+    });
+    if let Some(record) = &spec.record {
+        pod["metadata"]["annotations"] = json!({ANNOTATION_RECORD: record.to_string()});
+    }
+    Ok(pod)
 }
 
 /// What Warren reads from a Pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodView {
+    /// The sandbox it is (its label).
+    pub sandbox: Option<String>,
+    /// Its record (the annotation, as written), when the cluster keeps the records.
+    pub record: Option<String>,
+    /// It pulls with a Secret of its sandbox's own (`image.auth`).
+    pub pull_secret: bool,
     pub uid: String,
     pub phase: String,
     pub ip: Option<String>,
@@ -273,7 +286,21 @@ impl PodView {
                 Some(m) => format!("{r}: {m}"),
                 None => r.to_string(),
             });
+        let sandbox = pod["metadata"]["labels"][LABEL_SANDBOX]
+            .as_str()
+            .map(str::to_string);
+        let pull_secret = sandbox.as_deref().is_some_and(|id| {
+            let own = pull_secret_name(id);
+            pod["spec"]["imagePullSecrets"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|s| s["name"] == own.as_str()))
+        });
         Self {
+            record: pod["metadata"]["annotations"][ANNOTATION_RECORD]
+                .as_str()
+                .map(str::to_string),
+            sandbox,
+            pull_secret,
             uid: pod["metadata"]["uid"]
                 .as_str()
                 .unwrap_or_default()
@@ -292,6 +319,33 @@ impl PodView {
     /// The Pod will run no more.
     pub fn ended(&self) -> bool {
         matches!(self.phase.as_str(), "Succeeded" | "Failed")
+    }
+
+    /// How the sandbox ended, once its Pod will run no more (ended, or being deleted).
+    pub fn exit(&self) -> Option<ExitInfo> {
+        if self.deleting {
+            return Some(ExitInfo {
+                code: None,
+                signal: None,
+                vanished: true,
+                detail: Some("the Pod is being deleted".into()),
+            });
+        }
+        if !self.ended() {
+            return None;
+        }
+        Some(ExitInfo {
+            code: self.exit.as_ref().map(|(c, _)| *c),
+            signal: None,
+            vanished: false,
+            // The Pod's own reason (an eviction) says more than the code.
+            detail: self.reason.clone().or_else(|| {
+                self.exit
+                    .as_ref()
+                    .map(|(_, why)| why.clone())
+                    .filter(|w| !w.is_empty())
+            }),
+        })
     }
 
     /// Why a Pod that did not come up did not, for the caller.
@@ -328,6 +382,7 @@ mod tests {
             background: Background::default(),
             isolation: false,
             execd_verifier: "ab".repeat(32),
+            record: None,
         }
     }
 

@@ -30,8 +30,14 @@ pub enum Seen {
     Gone,
 }
 
+/// A follower's feed: each Pod's name and view, in the order the watch saw them.
+pub type Follower = tokio::sync::mpsc::UnboundedSender<Option<(String, Seen)>>;
+
 pub struct PodWatch {
     channels: Mutex<HashMap<String, watch::Sender<Seen>>>,
+    /// Those following every Pod (shared records); `None` on a feed marks the first list's end.
+    /// Sent to under the channels' lock, so a feed's order is the watch's.
+    followers: Mutex<Vec<Follower>>,
     /// The first list is in: a Pod not in it is not there.
     synced: watch::Sender<bool>,
 }
@@ -41,6 +47,7 @@ impl PodWatch {
     pub fn start(client: Arc<Client>, path: String, selector: String) -> Arc<Self> {
         let this = Arc::new(Self {
             channels: Mutex::new(HashMap::new()),
+            followers: Mutex::new(Vec::new()),
             synced: watch::Sender::new(false),
         });
         let weak = Arc::downgrade(&this);
@@ -80,20 +87,62 @@ impl PodWatch {
         let _ = rx.wait_for(|s| *s).await;
     }
 
+    /// Every Pod's views from now on: first each Pod known now, then (once the first list is
+    /// in) `None`, then each change.
+    pub fn follow(
+        self: &Arc<Self>,
+    ) -> tokio::sync::mpsc::UnboundedReceiver<Option<(String, Seen)>> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        {
+            let channels = self.channels();
+            for (name, seen) in channels.iter() {
+                let seen = seen.borrow().clone();
+                if matches!(seen, Seen::Present(_)) {
+                    let _ = tx.send(Some((name.clone(), seen)));
+                }
+            }
+            self.followers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(tx.clone());
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.synced().await;
+            // Under the channels' lock: after every view the first list published.
+            let _channels = this.channels();
+            let _ = tx.send(None);
+        });
+        rx
+    }
+
     fn publish(&self, name: &str, seen: Seen) {
         let mut channels = self.channels();
-        match channels.get(name) {
-            Some(tx) => {
-                tx.send_if_modified(|old| {
-                    let changed = *old != seen;
-                    *old = seen.clone();
-                    changed
-                });
-            }
+        let changed = match channels.get(name) {
+            Some(tx) => tx.send_if_modified(|old| {
+                let changed = *old != seen;
+                *old = seen.clone();
+                changed
+            }),
             // Nobody asked about it yet: kept, so that a later subscriber starts from it.
             None => {
-                channels.insert(name.to_string(), watch::Sender::new(seen));
+                if seen != Seen::Gone {
+                    channels.insert(name.to_string(), watch::Sender::new(seen.clone()));
+                }
+                true
             }
+        };
+        if seen == Seen::Gone
+            && channels
+                .get(name)
+                .is_some_and(|tx| tx.receiver_count() == 0)
+        {
+            // Nobody waits on it (another replica's sandbox, say): not kept for ever.
+            channels.remove(name);
+        }
+        if changed {
+            let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
+            followers.retain(|f| f.send(Some((name.to_string(), seen.clone()))).is_ok());
         }
     }
 

@@ -263,9 +263,15 @@ pub struct KubernetesSection {
     /// Where the sandboxes' Pods go; default: Warren's own namespace in a cluster, else `default`.
     pub namespace: Option<String>,
     /// This server's label value on its Pods (`io.warren.owner`); default: the host name (a
-    /// StatefulSet's Pod name). Each server must have its own: it removes the Pods of its
-    /// instance that it has no record of.
+    /// StatefulSet's Pod name). Without `shared_key_file` each server must have its own: it
+    /// removes the Pods of its instance that it has no record of. With it, every replica of one
+    /// service has the same.
     pub instance: Option<String>,
+    /// A file holding a key (32 bytes or more) every replica of one service holds: the sandboxes'
+    /// records then live on their Pods, each sandbox's secret derives from the key, and the
+    /// replicas (same `instance`, same key) serve one set of sandboxes. Unset: each server keeps
+    /// its records in its data dir.
+    pub shared_key_file: Option<PathBuf>,
     /// The image the init container copies execd from (`scripts/build-image` makes it).
     pub execd_image: Option<String>,
     /// Where execd is in that image.

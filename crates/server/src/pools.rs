@@ -234,6 +234,15 @@ impl Pools {
         created_at: DateTime<Utc>,
     ) -> Result<Arc<Pool>, ApiError> {
         validate_spec(&spec)?;
+        if self.inner.sandboxes.shares_records() {
+            // A replica's warm sandboxes would be its own to claim, and left for ever when it
+            // goes; a pool shared by the replicas needs its claims made in the cluster.
+            return Err(ApiError::new(
+                http::StatusCode::NOT_IMPLEMENTED,
+                ErrorCode::ApiNotSupported,
+                "pools are not offered yet when replicas share their sandboxes ([kubernetes] shared_key_file)",
+            ));
+        }
         let mut plan = create_plan(
             spec.template.clone(),
             &self.inner.limits,

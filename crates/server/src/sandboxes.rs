@@ -21,6 +21,8 @@ use crate::execd_conns::{ExecdConns, ExecdEndpoint};
 use crate::network::{needs_link, Network};
 use crate::validate::CreatePlan;
 
+mod shared;
+
 pub const REASON_USER_DELETE: &str = "user_delete";
 pub const REASON_TTL_EXPIRY: &str = "ttl_expiry";
 /// The runtime could not remove the sandbox: a delete (or its record's end) tries again.
@@ -108,6 +110,9 @@ struct Inner {
     data_dir: PathBuf,
     runtime: Arc<dyn Runtime>,
     store: Store,
+    /// The runtime's backend keeps the records, shared with other replicas (see `shared`); the
+    /// journal then holds none.
+    shared: Option<Arc<dyn warren_core::SharedRecords>>,
     images: Arc<ImageStore>,
     entries: RwLock<HashMap<String, Arc<Entry>>>,
     retention: chrono::Duration,
@@ -203,6 +208,7 @@ impl Sandboxes {
             inner: Arc::new(Inner {
                 data_dir: data_dir.to_path_buf(),
                 create_slots,
+                shared: runtime.shared_records(),
                 runtime,
                 store,
                 images,
@@ -335,6 +341,9 @@ impl Sandboxes {
     }
 
     fn persist(&self, record: &SandboxRecord) {
+        if self.inner.shared.is_some() {
+            return;
+        }
         if let Err(e) = self.inner.store.save(record) {
             tracing::error!(sandbox_id = %record.id, error = %e, "persisting sandbox record failed");
         }
@@ -523,7 +532,10 @@ impl Sandboxes {
             reason: None,
             message: None,
             last_transition_at: now,
-            token: crate::tokens::new_secret(),
+            token: match &self.inner.shared {
+                Some(shared) => shared.secret(&id),
+                None => crate::tokens::new_secret(),
+            },
             runtime_state: serde_json::Value::Null,
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
@@ -565,6 +577,11 @@ impl Sandboxes {
             background,
             isolation,
             execd_verifier: crate::tokens::execd_verifier(&record.token),
+            record: self
+                .inner
+                .shared
+                .as_ref()
+                .map(|_| shared::wire_form(&record)),
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {
@@ -592,7 +609,10 @@ impl Sandboxes {
                     r.network_link = link;
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
-                self.watch(&rec);
+                if self.inner.shared.is_none() {
+                    // With shared records, ends come from the records' feed (`shared`).
+                    self.watch(&rec);
+                }
                 if rec.warm_pool.is_some() {
                     // A pool's sandbox waits for a client whose first command should not pay for
                     // the connect. Others open theirs on first use: a parked connection is ~17 KiB
@@ -844,32 +864,7 @@ impl Sandboxes {
             if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
                 return;
             }
-            let (state, message) = match (info.code, info.signal) {
-                _ if info.vanished => (
-                    SandboxState::Terminated,
-                    "the sandbox was removed outside Warren".to_string(),
-                ),
-                (Some(0), _) => (
-                    SandboxState::Terminated,
-                    "the main process exited with code 0".to_string(),
-                ),
-                (Some(c), _) => (
-                    SandboxState::Failed,
-                    format!("the main process exited with code {c}"),
-                ),
-                (None, Some(s)) => (
-                    SandboxState::Failed,
-                    format!("the main process was killed by signal {s}"),
-                ),
-                (None, None) => (
-                    SandboxState::Failed,
-                    "the sandbox's processes ended".to_string(),
-                ),
-            };
-            let message = match &info.detail {
-                Some(detail) => format!("{message} ({detail})"),
-                None => message,
-            };
+            let (state, message) = ended_by_itself(&info);
             tracing::info!(sandbox_id = %id, %message, "sandbox ended by itself");
             if let Err(e) = this.inner.runtime.destroy(&id, &rec.runtime_state).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
@@ -928,13 +923,21 @@ impl Sandboxes {
                 format!("sandbox {id} is already {}", rec.state.as_str()),
             ));
         }
-        self.update(&entry, |r| {
-            r.transition(SandboxState::Stopping, Some(reason), None)
-        });
+        let mut stopping = rec.clone();
+        stopping.transition(SandboxState::Stopping, Some(reason), None);
+        match self.share(&stopping).await {
+            // Gone already (removed by another replica, or behind Warren's back): still removed.
+            Err(e) if e.status != http::StatusCode::NOT_FOUND => return Err(e),
+            _ => {}
+        }
+        self.update(&entry, |r| *r = stopping);
         self.inner.execd_conns.forget(id);
         let result = self.inner.runtime.destroy(id, &rec.runtime_state).await;
         if let Err(RuntimeError::Unavailable(_)) = &result {
             // Nothing was removed: the sandbox stays as it was, and the delete can be retried.
+            if let Err(e) = self.share(&rec).await {
+                tracing::warn!(sandbox_id = %id, error = %e.message, "could not take back the record of a delete that failed");
+            }
             self.update(&entry, |r| {
                 r.state = rec.state;
                 r.reason = rec.reason.clone();
@@ -1187,6 +1190,9 @@ impl Sandboxes {
                 "expiresAt must be in the future",
             ));
         }
+        let mut renewed = rec;
+        renewed.expires_at = Some(expires_at);
+        self.share(&renewed).await?;
         self.update(&entry, |r| r.expires_at = Some(expires_at));
         Ok(expires_at)
     }
@@ -1205,18 +1211,24 @@ impl Sandboxes {
                 format!("sandbox {id} has ended"),
             ));
         }
-        Ok(self.update(&entry, |r| {
-            for (k, v) in patch {
-                match v {
-                    Some(v) => r.metadata.insert(k, v),
-                    None => r.metadata.remove(&k),
-                };
-            }
-        }))
+        let mut patched = lock(&entry.record).clone();
+        for (k, v) in patch {
+            match v {
+                Some(v) => patched.metadata.insert(k, v),
+                None => patched.metadata.remove(&k),
+            };
+        }
+        self.share(&patched).await?;
+        Ok(self.update(&entry, |r| r.metadata = patched.metadata))
     }
 
     /// Loads persisted records after a (re)start and re-attaches to sandboxes that still run.
+    /// With shared records: follows the runtime's records instead, from the ones there now.
     pub async fn recover(&self) -> anyhow::Result<()> {
+        if let Some(shared) = self.inner.shared.clone() {
+            self.follow_shared(shared).await;
+            return Ok(());
+        }
         let (records, errors) = self.inner.store.load_all()?;
         for e in errors {
             tracing::error!(error = %e, "skipping an unreadable sandbox record");
@@ -1400,7 +1412,9 @@ impl Sandboxes {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-        let _ = self.inner.store.remove(id);
+        if self.inner.shared.is_none() {
+            let _ = self.inner.store.remove(id);
+        }
     }
 
     /// Stops every live sandbox (used by `warren run`'s embedded server and tests, not by `serve`, whose
@@ -1412,6 +1426,37 @@ impl Sandboxes {
             }
         }
     }
+}
+
+/// The state and message of a sandbox that ended by itself (or was removed outside Warren).
+fn ended_by_itself(info: &warren_core::ExitInfo) -> (SandboxState, String) {
+    let (state, message) = match (info.code, info.signal) {
+        _ if info.vanished => (
+            SandboxState::Terminated,
+            "the sandbox was removed outside Warren".to_string(),
+        ),
+        (Some(0), _) => (
+            SandboxState::Terminated,
+            "the main process exited with code 0".to_string(),
+        ),
+        (Some(c), _) => (
+            SandboxState::Failed,
+            format!("the main process exited with code {c}"),
+        ),
+        (None, Some(s)) => (
+            SandboxState::Failed,
+            format!("the main process was killed by signal {s}"),
+        ),
+        (None, None) => (
+            SandboxState::Failed,
+            "the sandbox's processes ended".to_string(),
+        ),
+    };
+    let message = match &info.detail {
+        Some(detail) => format!("{message} ({detail})"),
+        None => message,
+    };
+    (state, message)
 }
 
 fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {

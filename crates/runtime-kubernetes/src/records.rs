@@ -1,0 +1,183 @@
+//! The sandboxes' records on their Pods, for replicas that serve one set of sandboxes (`[kubernetes]
+//! shared_key_file`): each Pod carries its sandbox's record in an annotation, written with the Pod
+//! (no extra write per create) and patched when the record changes; every replica follows the
+//! instance's Pods through its one watch, so each learns of the others' sandboxes and changes from
+//! the events it already receives. A sandbox's secret is derived from the replicas' shared key and
+//! its id, so it is stored nowhere, not even in the cluster.
+
+use std::sync::Arc;
+
+use futures::stream::BoxStream;
+use hmac::{Hmac, Mac};
+use serde_json::{json, Value};
+use sha2::Sha256;
+use warren_core::{RecordEvent, RuntimeError, RuntimeState, SharedPhase, SharedRecords};
+
+use crate::client::Client;
+use crate::pod::{PodView, ANNOTATION_RECORD};
+use crate::watch::{PodWatch, Seen};
+use crate::PodState;
+
+pub struct PodRecords {
+    pub(crate) client: Arc<Client>,
+    pub(crate) pods: Arc<PodWatch>,
+    pub(crate) pods_path: String,
+    pub(crate) key: Vec<u8>,
+}
+
+impl PodRecords {
+    fn event(name: &str, seen: Seen) -> Option<RecordEvent> {
+        match seen {
+            Seen::Unknown => None,
+            Seen::Gone => Some(RecordEvent::Gone {
+                id: name.strip_prefix("warren-")?.to_string(),
+            }),
+            Seen::Present(view) => {
+                let id = view.sandbox.clone()?;
+                Some(RecordEvent::Seen {
+                    record: view
+                        .record
+                        .as_deref()
+                        .and_then(|r| serde_json::from_str(r).ok()),
+                    state: serde_json::to_value(PodState {
+                        pod: name.to_string(),
+                        uid: view.uid.clone(),
+                        ip: view.ip.clone().unwrap_or_default(),
+                        pull_secret: view.pull_secret,
+                    })
+                    .unwrap_or_default(),
+                    phase: phase(&view),
+                    id,
+                })
+            }
+        }
+    }
+}
+
+fn phase(view: &PodView) -> SharedPhase {
+    match view.exit() {
+        Some(exit) => SharedPhase::Ended(exit),
+        None if view.phase == "Running" && view.ip.is_some() => SharedPhase::Running,
+        None => SharedPhase::Starting,
+    }
+}
+
+#[async_trait::async_trait]
+impl SharedRecords for PodRecords {
+    fn secret(&self, id: &str) -> String {
+        sandbox_secret(&self.key, id)
+    }
+
+    async fn put(
+        &self,
+        id: &str,
+        state: &RuntimeState,
+        record: &Value,
+    ) -> Result<(), RuntimeError> {
+        let name = crate::pod_of(id, state);
+        let patch = json!({"metadata": {"annotations": {ANNOTATION_RECORD: record.to_string()}}});
+        self.client
+            .merge_patch(&format!("{}/{name}", self.pods_path), &patch)
+            .await
+            .map(|_| ())
+            .map_err(|e| match e.status() {
+                Some(404) => RuntimeError::NotFound(format!("the sandbox's Pod {name} is gone")),
+                _ => crate::map_error("writing the sandbox's record on its Pod", e),
+            })
+    }
+
+    fn follow(&self) -> BoxStream<'static, RecordEvent> {
+        let rx = self.pods.follow();
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            loop {
+                match rx.recv().await? {
+                    None => return Some((RecordEvent::Synced, rx)),
+                    Some((name, seen)) => {
+                        if let Some(event) = Self::event(&name, seen) {
+                            return Some((event, rx));
+                        }
+                    }
+                }
+            }
+        });
+        Box::pin(stream)
+    }
+}
+
+/// Sandbox `id`'s secret under the replicas' shared `key`.
+fn sandbox_secret(key: &[u8], id: &str) -> String {
+    // An HMAC takes a key of any length; `new_from_slice` cannot fail for it.
+    let mut mac = <Hmac<Sha256>>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+    mac.update(b"warren-sandbox-secret-v1:");
+    mac.update(id.as_bytes());
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// Checks a shared key as read from its file: long enough to be a key, not a password.
+pub fn check_key(key: &[u8]) -> Result<(), String> {
+    if key.len() < 32 {
+        return Err(format!(
+            "the shared key is {} bytes; it needs at least 32 (e.g. `head -c 32 /dev/urandom | base64`)",
+            key.len()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_s_view_is_the_sandbox_s_record_and_phase() {
+        let pod = json!({
+            "metadata": {
+                "name": "warren-abc", "uid": "u1",
+                "labels": {crate::pod::LABEL_SANDBOX: "abc"},
+                "annotations": {ANNOTATION_RECORD: "{\"id\":\"abc\",\"state\":\"Pending\"}"},
+            },
+            "spec": {"imagePullSecrets": [{"name": "warren-abc-pull"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.7"},
+        });
+        let event =
+            PodRecords::event("warren-abc", Seen::Present(PodView::of(&pod))).expect("an event");
+        let RecordEvent::Seen {
+            id,
+            record,
+            state,
+            phase,
+        } = event
+        else {
+            panic!("{event:?}")
+        };
+        assert_eq!(id, "abc");
+        assert_eq!(record.expect("a record")["state"], "Pending");
+        assert_eq!(phase, SharedPhase::Running);
+        assert_eq!(state["ip"], "10.0.0.7");
+        assert_eq!(state["pull_secret"], true);
+
+        let mut deleting = pod.clone();
+        deleting["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        let event = PodRecords::event("warren-abc", Seen::Present(PodView::of(&deleting)))
+            .expect("an event");
+        assert!(
+            matches!(event, RecordEvent::Seen { phase: SharedPhase::Ended(ref e), .. } if e.vanished),
+            "{event:?}"
+        );
+        assert_eq!(
+            PodRecords::event("warren-abc", Seen::Gone),
+            Some(RecordEvent::Gone { id: "abc".into() })
+        );
+    }
+
+    #[test]
+    fn secrets_are_per_sandbox_and_per_key() {
+        let (a, b) = ([1; 32], [2; 32]);
+        assert_eq!(sandbox_secret(&a, "x"), sandbox_secret(&a, "x"));
+        assert_ne!(sandbox_secret(&a, "x"), sandbox_secret(&a, "y"));
+        assert_ne!(sandbox_secret(&a, "x"), sandbox_secret(&b, "x"));
+        assert_eq!(sandbox_secret(&a, "x").len(), 64);
+        assert!(check_key(&[0; 31]).is_err() && check_key(&[0; 32]).is_ok());
+    }
+}

@@ -1,0 +1,332 @@
+//! Records shared by replicas: with a runtime whose backend keeps the records
+//! ([`warren_core::SharedRecords`]: the Kubernetes runtime with a shared key), every replica serves
+//! every sandbox. The records live with the sandboxes, not in the journal:
+//!
+//! - A create hands the runtime the record with the sandbox (no write of its own); a renew, a
+//!   metadata patch and a delete write the changed record there *before* this server takes it, so
+//!   a replica asked next sees what this one answered.
+//! - Each sandbox's secret is derived from the key the replicas share, so every replica reaches
+//!   its execd and checks its endpoint tokens, and no secret is stored.
+//! - A follower reads every change in the backend's order (one task, one feed): it adopts other
+//!   replicas' sandboxes, takes their renewals and metadata, and ends sandboxes — whichever replica
+//!   deleted them, or nobody did. It, not a watcher per sandbox, ends them: it has seen a delete's
+//!   record (Stopping, with the delete's reason) before the sandbox's removal, which separate
+//!   watchers could see in either order.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::Value;
+use warren_api::lifecycle::SandboxState;
+use warren_core::{ExitInfo, RecordEvent, SharedPhase, SharedRecords};
+use warren_store::SandboxRecord;
+
+use super::{ended_by_itself, lock, Entry, Sandboxes, REASON_USER_DELETE};
+use crate::error::ApiError;
+
+/// How long a start waits for the backend's first list before it serves without it (the
+/// follower adopts what it lists later).
+const SYNC_WAIT: Duration = Duration::from_secs(30);
+/// How soon a change that found its sandbox in an operation is tried again.
+const RETRY: Duration = Duration::from_millis(50);
+
+/// Record fields that stay with each server: the secret (derived), how its runtime reaches the
+/// sandbox (the backend's to say), and a host network link (no shared backend has one).
+const LOCAL_FIELDS: [&str; 3] = ["token", "runtime_state", "network_link"];
+
+/// The record as the backend keeps it.
+pub(super) fn wire_form(rec: &SandboxRecord) -> Value {
+    let mut v = serde_json::to_value(rec).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        for f in LOCAL_FIELDS {
+            o.remove(f);
+        }
+    }
+    v
+}
+
+/// The record of sandbox `id` from what the backend keeps (`None`: not a record of `id`).
+fn from_wire(
+    shared: &dyn SharedRecords,
+    id: &str,
+    record: &Value,
+    state: &Value,
+) -> Option<SandboxRecord> {
+    let mut v = record.clone();
+    let o = v.as_object_mut()?;
+    o.insert("token".into(), Value::String(shared.secret(id)));
+    o.insert("runtime_state".into(), state.clone());
+    let rec: SandboxRecord = serde_json::from_value(v).ok()?;
+    (rec.id == id).then_some(rec)
+}
+
+impl Sandboxes {
+    /// Whether the records are shared with other replicas.
+    pub fn shares_records(&self) -> bool {
+        self.inner.shared.is_some()
+    }
+
+    /// With shared records: writes `rec` where the other replicas read it. Called before this
+    /// server takes `rec` as the sandbox's record, so a failure changes nothing.
+    pub(super) async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        let Some(shared) = &self.inner.shared else {
+            return Ok(());
+        };
+        shared
+            .put(&rec.id, &rec.runtime_state, &wire_form(rec))
+            .await
+            .map_err(|e| ApiError::from_runtime("writing the sandbox's record", e))
+    }
+
+    /// Starts following the shared records and waits (within [`SYNC_WAIT`]) until those there now
+    /// are this server's too.
+    pub(super) async fn follow_shared(&self, shared: Arc<dyn SharedRecords>) {
+        let (synced, mut first_list) = tokio::sync::watch::channel(false);
+        let this = self.clone();
+        // Run again should it panic: a new feed starts from every record there, which the
+        // follower takes as it takes changes. Detached: it follows for as long as the server runs.
+        let follower = crate::supervise::supervised("shared records", move || {
+            Follower {
+                sandboxes: this.clone(),
+                shared: shared.clone(),
+                last: HashMap::new(),
+                busy: HashMap::new(),
+                synced: synced.clone(),
+            }
+            .run()
+        });
+        drop(follower);
+        if tokio::time::timeout(SYNC_WAIT, first_list.wait_for(|s| *s))
+            .await
+            .is_err()
+        {
+            tracing::warn!("the shared records were not listed in time; serving, and adopting them as they come");
+        }
+    }
+}
+
+struct Follower {
+    sandboxes: Sandboxes,
+    shared: Arc<dyn SharedRecords>,
+    /// Each sandbox's latest record in the backend: what a removal is read against (a delete's
+    /// reason), whatever this server has taken of it yet.
+    last: HashMap<String, Value>,
+    /// Changes whose sandbox was in an operation of this server's (its create, a delete): the
+    /// latest per sandbox, tried again shortly. The operation may have made them moot.
+    busy: HashMap<String, RecordEvent>,
+    synced: tokio::sync::watch::Sender<bool>,
+}
+
+impl Follower {
+    async fn run(mut self) {
+        let mut feed = self.shared.follow();
+        loop {
+            let event = if self.busy.is_empty() {
+                feed.next().await
+            } else {
+                match tokio::time::timeout(RETRY, feed.next()).await {
+                    Ok(event) => event,
+                    Err(_) => {
+                        for (_, event) in std::mem::take(&mut self.busy) {
+                            self.take(event);
+                        }
+                        continue;
+                    }
+                }
+            };
+            let Some(event) = event else { return };
+            match &event {
+                RecordEvent::Synced => {
+                    self.synced.send_replace(true);
+                    continue;
+                }
+                RecordEvent::Seen {
+                    id,
+                    record: Some(r),
+                    ..
+                } => {
+                    self.last.insert(id.clone(), r.clone());
+                }
+                _ => {}
+            }
+            self.take(event);
+        }
+    }
+
+    /// Applies one change, or keeps it for later when its sandbox is in an operation.
+    fn take(&mut self, event: RecordEvent) {
+        let id = match &event {
+            RecordEvent::Seen { id, .. } | RecordEvent::Gone { id } => id.clone(),
+            RecordEvent::Synced => return,
+        };
+        // A change kept for later is outdone by this one: replayed after it, an older view could
+        // bring back a sandbox this one ended.
+        self.busy.remove(&id);
+        let Some(entry) = self.sandboxes.entry(&id) else {
+            if let RecordEvent::Seen {
+                record: Some(record),
+                state,
+                phase,
+                ..
+            } = &event
+            {
+                self.adopt(&id, record, state, phase);
+            }
+            if matches!(event, RecordEvent::Gone { .. }) {
+                self.last.remove(&id);
+            }
+            return;
+        };
+        // An operation of this server's holds the sandbox (its create, a delete, a renew): what
+        // it does comes first, and the change is looked at again after.
+        let Ok(_op) = entry.op.try_lock() else {
+            self.busy.insert(id, event);
+            return;
+        };
+        let last = self
+            .last
+            .get(&id)
+            .and_then(|r| from_wire(&*self.shared, &id, r, &Value::Null));
+        match event {
+            RecordEvent::Seen { state, phase, .. } => {
+                if let Some(theirs) = &last {
+                    self.merge(&entry, theirs);
+                }
+                match phase {
+                    SharedPhase::Running => self.running(&entry, state),
+                    SharedPhase::Ended(exit) => self.ended(&id, &entry, last.as_ref(), &exit),
+                    SharedPhase::Starting => {}
+                }
+            }
+            RecordEvent::Gone { .. } => {
+                let exit = ExitInfo {
+                    code: None,
+                    signal: None,
+                    vanished: true,
+                    detail: None,
+                };
+                self.ended(&id, &entry, last.as_ref(), &exit);
+                self.last.remove(&id);
+            }
+            RecordEvent::Synced => {}
+        }
+    }
+
+    /// Takes on another replica's sandbox (or this server's own, after a restart).
+    fn adopt(&self, id: &str, record: &Value, state: &Value, phase: &SharedPhase) {
+        let Some(mut rec) = from_wire(&*self.shared, id, record, state) else {
+            tracing::warn!(sandbox_id = %id, "a sandbox's shared record is unreadable; not adopted");
+            return;
+        };
+        // Being removed, or ended: nothing to serve. A warm pool's sandbox is its maker's.
+        if rec.state.is_terminal()
+            || rec.state == SandboxState::Stopping
+            || rec.warm_pool.is_some()
+            || matches!(phase, SharedPhase::Ended(_))
+        {
+            return;
+        }
+        let running = *phase == SharedPhase::Running;
+        if running && rec.state != SandboxState::Running {
+            rec.transition(SandboxState::Running, Some("ready"), None);
+        } else if !running {
+            // Another replica's create in flight: Pending here as there.
+            rec.state = SandboxState::Pending;
+        }
+        let entry = Arc::new(Entry::new(&rec, true));
+        self.sandboxes
+            .inner
+            .entries
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.to_string())
+            .or_insert(entry);
+    }
+
+    /// Takes another replica's changes to what a client may change: expiry, metadata, and a
+    /// delete it began.
+    fn merge(&self, entry: &Entry, theirs: &SandboxRecord) {
+        let ours = lock(&entry.record).clone();
+        if ours.state.is_terminal() || ours.state == SandboxState::Stopping {
+            return;
+        }
+        let same = ours.expires_at == theirs.expires_at
+            && ours.metadata == theirs.metadata
+            && ours.extensions == theirs.extensions;
+        let deleting = theirs.state == SandboxState::Stopping;
+        if same && !deleting {
+            return;
+        }
+        self.sandboxes.update(entry, |r| {
+            r.expires_at = theirs.expires_at;
+            r.metadata = theirs.metadata.clone();
+            r.extensions = theirs.extensions.clone();
+            if deleting {
+                r.transition(SandboxState::Stopping, theirs.reason.as_deref(), None);
+            }
+        });
+        if deleting {
+            self.sandboxes.inner.execd_conns.forget(&ours.id);
+        }
+    }
+
+    /// Another replica's create is done.
+    fn running(&self, entry: &Entry, state: Value) {
+        if lock(&entry.record).state == SandboxState::Pending {
+            self.sandboxes.update(entry, |r| {
+                r.runtime_state = state;
+                r.transition(SandboxState::Running, Some("ready"), None);
+            });
+        }
+    }
+
+    /// The sandbox will run no more: removed by a replica's delete (its record says which), or
+    /// ended by itself.
+    fn ended(&self, id: &str, entry: &Entry, last: Option<&SandboxRecord>, exit: &ExitInfo) {
+        let ours = lock(&entry.record).clone();
+        if ours.state.is_terminal() {
+            return;
+        }
+        let sandboxes = &self.sandboxes;
+        sandboxes.inner.execd_conns.forget(id);
+        if ours.state == SandboxState::Pending {
+            // Another replica's create that failed: its caller was told, and no record is left.
+            sandboxes.forget(id);
+            return;
+        }
+        let deleted = last
+            .filter(|r| r.state == SandboxState::Stopping)
+            .and_then(|r| r.reason.clone())
+            .or_else(|| {
+                (ours.state == SandboxState::Stopping)
+                    .then(|| ours.reason.clone())
+                    .flatten()
+            });
+        if let Some(reason) = deleted {
+            sandboxes.update(entry, |r| {
+                r.transition(SandboxState::Terminated, Some(&reason), None)
+            });
+            if reason == REASON_USER_DELETE {
+                sandboxes.forget(id);
+            }
+            return;
+        }
+        let (state, message) = ended_by_itself(exit);
+        tracing::info!(sandbox_id = %id, %message, "sandbox ended by itself");
+        if !exit.vanished {
+            // Its Pod stays until someone removes it: every replica tries, the first one does.
+            let runtime = sandboxes.inner.runtime.clone();
+            let (id, runtime_state) = (id.to_string(), ours.runtime_state.clone());
+            tokio::spawn(async move {
+                if let Err(e) = runtime.destroy(&id, &runtime_state).await {
+                    tracing::warn!(sandbox_id = %id, error = %e, "cleaning up an ended sandbox failed");
+                }
+            });
+        }
+        sandboxes.update(entry, |r| {
+            r.transition(state, Some("process_exited"), Some(message))
+        });
+    }
+}
