@@ -112,8 +112,8 @@ def test_the_manifests_fit_together(mode):
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == sts["metadata"]["namespace"]
     assert "ClusterRole" not in docs and "ClusterRoleBinding" not in docs
     rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert rules == {("", "pods"): {"create", "get", "list", "watch", "delete"},
-                     ("networking.k8s.io", "networkpolicies"): {"create", "get"},
+    assert rules == {("", "pods"): {"create", "get", "list", "watch", "patch", "delete"},
+                     ("networking.k8s.io", "networkpolicies"): {"create", "get", "patch", "delete"},
                      ("", "secrets"): {"create", "list", "patch", "delete"}}, rules
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"]}]

@@ -87,6 +87,8 @@ def test_health_reports_kubernetes_and_what_it_cannot_do(k8s):
     assert info["kind"] == "kubernetes" and info["name"] == "kubernetes/gvisor", info
     caps = info["capabilities"]
     assert caps["execdTransport"] == "tcp" and caps["pause"] is False and caps["snapshots"] is False, caps
+    # No link, but address rules are the cluster's to enforce (a NetworkPolicy per sandbox).
+    assert caps["egressPolicy"] is False and caps["egressAddresses"] is True, caps
     # No node folder is allowed by default.
     assert caps["hostVolumes"] == "none", caps
     with k8s.client() as c:
@@ -268,6 +270,68 @@ def test_commands_start_in_the_image_s_working_directory(k8s, cluster):
         assert (code, out.strip()) == (0, "/tmp"), out
     finally:
         _kill(sbx)
+
+
+def test_a_policy_that_lets_addresses_out_is_a_network_policy_of_the_sandbox_s_own(k8s, cluster):
+    """The fake cluster does not enforce NetworkPolicies (no network plugin): this checks the
+    policy Warren asks for, which the API server's schema accepts, and its life with the sandbox.
+    That the blocks allow exactly what the rules do is checked address by address in the runtime's
+    unit tests (`egress::tests`)."""
+    from opensandbox.models.sandboxes import NetworkPolicy, NetworkRule
+    policy = NetworkPolicy.model_validate({"defaultAction": "deny", "egress": [
+        {"action": "deny", "target": "10.1.2.0/24"},
+        {"action": "allow", "target": "10.1.0.0/16"},
+        {"action": "allow", "target": "192.0.2.7"}]})
+    sbx = _create(k8s, network_policy=policy)
+    try:
+        name = f"warren-{sbx.id}-egress"
+        np = cluster.get("networkpolicies", NS, name)
+        assert np is not None, "no NetworkPolicy for the sandbox"
+        assert np["spec"]["podSelector"]["matchLabels"] == {"io.warren.sandbox": sbx.id, "io.warren.owner": k8s.name}
+        assert np["spec"]["policyTypes"] == ["Egress"]
+        assert np["spec"]["egress"] == [{"to": [
+            {"ipBlock": {"cidr": "10.1.0.0/16", "except": ["10.1.2.0/24"]}},
+            {"ipBlock": {"cidr": "192.0.2.7/32"}}]}], np["spec"]
+        pod = _pod(cluster, sbx.id)
+        assert np["metadata"]["ownerReferences"][0]["uid"] == pod["metadata"]["uid"]
+        assert sbx.get_egress_policy().default_action == "deny"
+
+        # Changed live: the sandbox's own policy follows; one that lets nothing out goes.
+        sbx.patch_egress_rules([NetworkRule(action="allow", target="198.51.100.0/24")])
+        np = cluster.get("networkpolicies", NS, name)
+        assert {"ipBlock": {"cidr": "198.51.100.0/24"}} in np["spec"]["egress"][0]["to"], np["spec"]
+        # A host name needs a proxy beside the sandbox, which this runtime does not have: refused,
+        # and the policy in force is unchanged.
+        with k8s.client() as c:
+            r = c.patch(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=[{"action": "allow", "target": "pypi.org"}])
+        W.assert_error_body(r, codes=[400])
+        assert "pypi.org" in r.json()["message"] and "addresses" in r.json()["message"], r.text
+        assert cluster.get("networkpolicies", NS, name)["spec"] == np["spec"]
+        with k8s.client() as c:
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "deny", "egress": []})
+            assert r.status_code == 200, r.text
+        assert cluster.get("networkpolicies", NS, name) is None
+        with k8s.client() as c:
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "allow", "egress": [
+                {"action": "deny", "target": "169.254.169.254"}]})
+            assert r.status_code == 200, r.text
+        assert cluster.get("networkpolicies", NS, name)["spec"]["egress"] == [{"to": [
+            {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}},
+            {"ipBlock": {"cidr": "::/0"}}]}]
+    finally:
+        sbx.kill()
+        sbx.close()
+    # Owned by the Pod: gone with it.
+    W.wait_until(lambda: cluster.get("networkpolicies", NS, name) is None, 15, message="the policy to go")
+
+    # A create whose policy names a host is refused, with nothing made.
+    pods = len(cluster.list("pods", NS))
+    with k8s.client() as c:
+        r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, networkPolicy={
+            "defaultAction": "deny", "egress": [{"action": "allow", "target": "*.pypi.org"}]}))
+    W.assert_error_body(r, codes=[400])
+    assert len(cluster.list("pods", NS)) == pods
+    assert cluster.rejected == [], cluster.rejected
 
 
 def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):
@@ -579,3 +643,15 @@ def test_replicas_expire_end_and_adopt_sandboxes_whoever_made_them(work_root, cl
         if c_ is not None:
             c_.stop()
     assert cluster.rejected == [], cluster.rejected
+
+
+def test_the_deployment_s_role_grants_every_call_warren_made(cluster):
+    """Last in this module: every kind of request Warren sent the test cluster in the tests above
+    is one deploy/kubernetes/pods/role.yaml allows (the Role is what the runtime calls)."""
+    import yaml
+    role = yaml.safe_load((W.REPO_ROOT / "deploy" / "kubernetes" / "pods" / "role.yaml").read_text())
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    verbs = {"POST": "create", "GET": "get", "LIST": "list", "WATCH": "watch", "PATCH": "patch", "DELETE": "delete"}
+    made = {(key.split()[1], verbs[key.split()[0]]) for key in cluster.requests}
+    assert ("pods", "patch") in made and ("networkpolicies", "delete") in made, made
+    assert made <= granted, f"calls the Role does not grant: {made - granted}"

@@ -262,6 +262,10 @@ pub struct RuntimeCapabilities {
     pub snapshots: bool,
     /// A network link whose egress a policy governs (`networkPolicy`, the credential vault).
     pub egress_policy: bool,
+    /// Without a link: the runtime's backend enforces policies whose rules all name addresses or
+    /// networks (a NetworkPolicy per sandbox on Kubernetes). Rules naming hosts need a link.
+    #[serde(default)]
+    pub egress_addresses: bool,
     /// `ephemeral-storage` bounds a sandbox's root file system writes (the default bound applies).
     pub disk_bound: bool,
     /// Sandbox root is an unprivileged range of host ids of its own.

@@ -49,6 +49,7 @@ pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
     pause: true,
     snapshots: false,
     egress_policy: false,
+    egress_addresses: false,
     disk_bound: false,
     user_namespaces: false,
     isolated_sessions: false,

@@ -3,6 +3,7 @@
 //! through this trait and maps `RuntimeError` kinds, never backend strings, onto API errors.
 
 pub mod beneath;
+pub mod egress;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod fd_limit;
@@ -32,6 +33,7 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
+pub use egress::{AddressPolicy, Net};
 pub use runtime::{
     Background, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
     ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage,

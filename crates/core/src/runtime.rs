@@ -86,6 +86,9 @@ pub struct SandboxSpec {
     /// With [`Runtime::shared_records`]: the sandbox's record, which the backend keeps with the
     /// sandbox from its creation on. `None` otherwise.
     pub record: Option<serde_json::Value>,
+    /// With [`RuntimeCapabilities::egress_addresses`]: what the sandbox may reach, when its policy
+    /// lets anything out (`None`: nothing, the default).
+    pub egress: Option<crate::AddressPolicy>,
 }
 
 /// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone
@@ -278,6 +281,20 @@ pub trait Runtime: Send + Sync + 'static {
     /// sandbox's ids are the host's.
     fn id_base(&self, _id: &str) -> Option<u32> {
         None
+    }
+
+    /// With [`RuntimeCapabilities::egress_addresses`]: makes `policy` what the sandbox may reach
+    /// (`None`: nothing), in force when this returns.
+    async fn set_egress(
+        &self,
+        _id: &str,
+        _state: &RuntimeState,
+        _policy: Option<&crate::AddressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "the {} runtime does not enforce network policies itself",
+            self.name()
+        )))
     }
 
     /// The backend keeps the sandboxes' records, shared by every server that uses it (see

@@ -1084,6 +1084,7 @@ impl Runtime for DockerRuntime {
             // are ours).
             egress_policy: self.config.oci_runtime.as_deref() != Some("runsc")
                 && self.local_daemon(),
+            egress_addresses: false,
             // StorageOpt bounds the root only on some storage drivers.
             disk_bound: false,
             // The daemon's `userns-remap` is its own.
@@ -1332,6 +1333,7 @@ mod tests {
             entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
             execd_verifier: String::new(),
             record: None,
+            egress: None,
             env: [("A".to_string(), "1".to_string())].into_iter().collect(),
             limits: warren_core::ResourceLimits {
                 cpu_millis: Some(500),

@@ -6,9 +6,15 @@
 //!
 //! Sandboxes get no network but execd's port by default: one NetworkPolicy, made once per Warren
 //! instance, denies their Pods all egress and lets in only execd's port (enforced where the cluster's
-//! network plugin enforces NetworkPolicies). Pause and snapshots are not offered on Kubernetes.
+//! network plugin enforces NetworkPolicies). A sandbox whose egress policy lets addresses out gets a
+//! NetworkPolicy of its own besides (`egress`); rules naming hosts need a proxy beside the sandbox,
+//! which is not offered yet. Pause and snapshots are not offered on Kubernetes.
+//!
+//! With a shared key, replicas of one service serve one set of sandboxes, whose records live on
+//! their Pods (`records`).
 
 mod client;
+mod egress;
 pub mod pod;
 mod records;
 mod watch;
@@ -103,6 +109,53 @@ impl KubernetesRuntime {
         format!("{}/{name}", self.pods_path())
     }
 
+    fn network_policies_path(&self) -> String {
+        format!(
+            "/apis/networking.k8s.io/v1/namespaces/{}/networkpolicies",
+            self.config.namespace
+        )
+    }
+
+    /// Makes sandbox `id`'s own NetworkPolicy say `policy` (made, replaced, or removed when it
+    /// lets nothing out).
+    async fn apply_egress(
+        &self,
+        id: &str,
+        pod: &str,
+        uid: &str,
+        policy: Option<&warren_core::AddressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        let path = format!(
+            "{}/{}",
+            self.network_policies_path(),
+            egress::policy_name(id)
+        );
+        let body =
+            policy.and_then(|p| egress::network_policy(id, &self.config.pod.instance, pod, uid, p));
+        let Some(body) = body else {
+            return self
+                .client
+                .delete(&path, 0)
+                .await
+                .map_err(|e| self.map_err("removing the sandbox's NetworkPolicy", e));
+        };
+        match self
+            .client
+            .create(&self.network_policies_path(), &body)
+            .await
+        {
+            Ok(_) => Ok(()),
+            // There already: its spec replaced (a merge patch replaces lists whole).
+            Err(e) if e.status() == Some(409) => self
+                .client
+                .merge_patch(&path, &json!({"spec": body["spec"]}))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.map_err("updating the sandbox's NetworkPolicy", e)),
+            Err(e) => Err(self.map_err("creating the sandbox's NetworkPolicy", e)),
+        }
+    }
+
     fn secrets_path(&self) -> String {
         format!("/api/v1/namespaces/{}/secrets", self.config.namespace)
     }
@@ -141,11 +194,7 @@ impl KubernetesRuntime {
                         "egress": [],
                     },
                 });
-                let path = format!(
-                    "/apis/networking.k8s.io/v1/namespaces/{}/networkpolicies",
-                    self.config.namespace
-                );
-                match self.client.create(&path, &body).await {
+                match self.client.create(&self.network_policies_path(), &body).await {
                     Ok(_) => Ok(()),
                     Err(e) if e.status() == Some(409) => Ok(()),
                     Err(e) => Err(self.map_err("creating the sandboxes' NetworkPolicy", e)),
@@ -284,6 +333,17 @@ impl Runtime for KubernetesRuntime {
         ImageSource::Engine
     }
 
+    async fn set_egress(
+        &self,
+        id: &str,
+        state: &RuntimeState,
+        policy: Option<&warren_core::AddressPolicy>,
+    ) -> Result<(), RuntimeError> {
+        let pod = state_of(state)
+            .ok_or_else(|| RuntimeError::NotFound(format!("sandbox {id} has no Pod on record")))?;
+        self.apply_egress(id, &pod.pod, &pod.uid, policy).await
+    }
+
     fn shared_records(&self) -> Option<Arc<dyn warren_core::SharedRecords>> {
         self.records
             .clone()
@@ -295,9 +355,10 @@ impl Runtime for KubernetesRuntime {
             execd_transport: ExecdTransport::Tcp,
             pause: false,
             snapshots: false,
-            // Sandboxes have none (the instance's NetworkPolicy); policies of their own are not
-            // offered yet.
+            // No link: sandboxes get no egress by default (the instance's NetworkPolicy), and a
+            // sandbox whose policy lets addresses out a NetworkPolicy of its own.
             egress_policy: false,
+            egress_addresses: true,
             // `ephemeral-storage` is passed on as a limit, which the kubelet enforces by eviction.
             disk_bound: false,
             user_namespaces: false,
@@ -350,6 +411,18 @@ impl Runtime for KubernetesRuntime {
             .as_str()
             .unwrap_or_default()
             .to_string();
+        if let Some(policy) = &spec.egress {
+            // Made after the Pod, which owns it: until it exists the Pod reaches nothing, never more
+            // than its policy lets it.
+            if let Err(e) = self.apply_egress(&spec.id, &name, &uid, Some(policy)).await {
+                let _ = self.delete_pod(&name).await;
+                self.pods.forget(&name);
+                if auth.is_some() {
+                    self.delete_pull_secret(&spec.id).await;
+                }
+                return Err(e);
+            }
+        }
         if auth.is_some() {
             let owner = json!({"metadata": {"ownerReferences": [{
                 "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid,

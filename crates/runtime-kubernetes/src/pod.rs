@@ -383,6 +383,7 @@ mod tests {
             isolation: false,
             execd_verifier: "ab".repeat(32),
             record: None,
+            egress: None,
         }
     }
 

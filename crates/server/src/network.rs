@@ -185,6 +185,37 @@ pub fn needs_link(p: &NetworkPolicy) -> bool {
     p.allows_anything()
 }
 
+/// `policy` as a runtime that enforces address rules in its backend takes it, or a 400 naming the
+/// first rule that names a host (those need a link, which `runtime` cannot have).
+pub fn address_policy(
+    policy: &NetworkPolicy,
+    runtime: &str,
+) -> Result<warren_core::AddressPolicy, ApiError> {
+    use warren_egress::policy::{Action, Target};
+    let mut rules = Vec::with_capacity(policy.egress.len());
+    for (i, rule) in policy.egress.iter().enumerate() {
+        match Target::parse(&rule.target) {
+            Ok(Target::Cidr(addr, len)) => {
+                rules.push((rule.action == Action::Allow, warren_core::Net { addr, len }))
+            }
+            _ => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    ErrorCode::ApiNotSupported,
+                    format!(
+                        "networkPolicy rule {i} ({:?}): the {runtime} runtime enforces rules that name addresses or networks (CIDR); rules naming hosts need an egress proxy beside the sandbox, which it does not offer yet",
+                        rule.target
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(warren_core::AddressPolicy {
+        default_allow: policy.default_action == Action::Allow,
+        rules,
+    })
+}
+
 /// The header the reference egress sidecar checks; Warren accepts it (with the sandbox's token) on
 /// the 18080 surface too.
 pub const EGRESS_AUTH_HEADER: &str = "OPENSANDBOX-EGRESS-AUTH";

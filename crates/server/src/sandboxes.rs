@@ -18,7 +18,7 @@ use warren_store::{SandboxRecord, Store};
 
 use crate::error::ApiError;
 use crate::execd_conns::{ExecdConns, ExecdEndpoint};
-use crate::network::{needs_link, Network};
+use crate::network::{address_policy, needs_link, Network};
 use crate::validate::CreatePlan;
 
 mod shared;
@@ -489,8 +489,33 @@ impl Sandboxes {
             .network_policy
             .clone()
             .unwrap_or_else(|| self.inner.network.default_policy());
-        let egress = if needs_link(&policy) {
-            if !self.inner.runtime.capabilities().egress_policy {
+        let caps_now = self.inner.runtime.capabilities();
+        // What the runtime enforces itself when it has no link (a NetworkPolicy).
+        let mut by_address = None;
+        let egress = if needs_link(&policy) && !caps_now.egress_policy && caps_now.egress_addresses
+        {
+            let checked = if plan.credential_proxy {
+                Err(ApiError::new(
+                    http::StatusCode::BAD_REQUEST,
+                    ErrorCode::ApiNotSupported,
+                    format!(
+                        "the credential vault needs a network link, which sandboxes of the {} runtime do not have",
+                        self.inner.runtime.name()
+                    ),
+                ))
+            } else {
+                address_policy(&policy, &self.inner.runtime.name())
+            };
+            match checked {
+                Ok(p) => by_address = Some(p),
+                Err(e) => {
+                    let _ = self.inner.images.release(&id);
+                    return Err(e);
+                }
+            }
+            None
+        } else if needs_link(&policy) {
+            if !caps_now.egress_policy {
                 let _ = self.inner.images.release(&id);
                 return Err(ApiError::new(
                     http::StatusCode::BAD_REQUEST,
@@ -582,6 +607,7 @@ impl Sandboxes {
                 .shared
                 .as_ref()
                 .map(|_| shared::wire_form(&record)),
+            egress: by_address,
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {
@@ -811,6 +837,27 @@ impl Sandboxes {
         }
         let mut policy = self.network_policy(id)?;
         change(&mut policy);
+        let caps = self.inner.runtime.capabilities();
+        if !caps.egress_policy && caps.egress_addresses {
+            // The runtime's backend enforces it; the record follows once it is in force.
+            let by_address = match needs_link(&policy) {
+                true => Some(address_policy(&policy, &self.inner.runtime.name())?),
+                false => None,
+            };
+            self.inner
+                .runtime
+                .set_egress(id, &rec.runtime_state, by_address.as_ref())
+                .await
+                .map_err(|e| ApiError::from_runtime("updating the policy", e))?;
+            let value = serde_json::to_value(&policy).ok();
+            let mut updated = rec.clone();
+            updated.network_policy = value.clone();
+            if let Err(e) = self.share(&updated).await {
+                tracing::warn!(sandbox_id = %id, error = %e.message, "the new policy is in force but its record was not shared");
+            }
+            self.update(&entry, |r| r.network_policy = value);
+            return Ok(policy);
+        }
         let link = match rec.network_link {
             Some(index) => {
                 let eg = self.inner.network.egress().await?;

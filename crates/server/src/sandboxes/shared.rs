@@ -245,8 +245,8 @@ impl Follower {
             .or_insert(entry);
     }
 
-    /// Takes another replica's changes to what a client may change: expiry, metadata, and a
-    /// delete it began.
+    /// Takes another replica's changes to what a client may change: expiry, metadata, the egress
+    /// policy, and a delete it began.
     fn merge(&self, entry: &Entry, theirs: &SandboxRecord) {
         let ours = lock(&entry.record).clone();
         if ours.state.is_terminal() || ours.state == SandboxState::Stopping {
@@ -254,7 +254,8 @@ impl Follower {
         }
         let same = ours.expires_at == theirs.expires_at
             && ours.metadata == theirs.metadata
-            && ours.extensions == theirs.extensions;
+            && ours.extensions == theirs.extensions
+            && ours.network_policy == theirs.network_policy;
         let deleting = theirs.state == SandboxState::Stopping;
         if same && !deleting {
             return;
@@ -263,6 +264,7 @@ impl Follower {
             r.expires_at = theirs.expires_at;
             r.metadata = theirs.metadata.clone();
             r.extensions = theirs.extensions.clone();
+            r.network_policy = theirs.network_policy.clone();
             if deleting {
                 r.transition(SandboxState::Stopping, theirs.reason.as_deref(), None);
             }
