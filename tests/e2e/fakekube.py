@@ -1,7 +1,7 @@
 """A stand-in for a Kubernetes cluster, for the Kubernetes runtime's end-to-end tests: no API server
 can run on this machine, so this is one — the subset Warren uses — with a test kubelet behind it.
 
-API server (HTTP on loopback): Pods and NetworkPolicies in namespaces; create (every object is
+API server (HTTP on loopback): Pods, NetworkPolicies, Secrets and Leases in namespaces; create (every object is
 validated strictly against Kubernetes 1.31's schema first, as admission would, and refused 422 if
 it does not fit), get, list and watch with equality label selectors and resource versions (a watch
 from a version older than the oldest event kept is answered with the 410 `ERROR` event the real
@@ -96,6 +96,7 @@ class FakeKube:
         self.oldest_rv = 0  # watches from before this are told 410
         self.generation = 0  # watches open at a compaction end
         self.holding = False  # new watches wait meanwhile
+        self.delivering = True  # False: open watches send nothing until it is True again
         self.creates: dict[str, int] = {}   # resource -> number of creates (API writes)
         self.writes = 0
         self.rejected: list[str] = []
@@ -210,7 +211,7 @@ class FakeKube:
                 # /api/v1/namespaces/NS/pods[/NAME] or /apis/networking.k8s.io/v1/namespaces/NS/networkpolicies[/NAME]
                 if parts[:2] == ["api", "v1"]:
                     rest = parts[2:]
-                elif parts[:3] == ["apis", "networking.k8s.io", "v1"]:
+                elif parts[:3] in (["apis", "networking.k8s.io", "v1"], ["apis", "coordination.k8s.io", "v1"]):
                     rest = parts[3:]
                 else:
                     return None
@@ -218,7 +219,7 @@ class FakeKube:
                     return None
                 ns, resource = rest[1], rest[2]
                 name = rest[3] if len(rest) > 3 else None
-                if resource not in ("pods", "networkpolicies", "persistentvolumeclaims", "secrets"):
+                if resource not in ("pods", "networkpolicies", "persistentvolumeclaims", "secrets", "leases"):
                     return None
                 return ns, resource, name, q
 
@@ -283,6 +284,9 @@ class FakeKube:
                     else:
                         while time.monotonic() < deadline and not fake.closed and fake.generation == generation:
                             with fake.lock:
+                                if not fake.delivering:
+                                    fake.lock.wait(0.05)
+                                    continue
                                 batch = [e for e in fake.events if e[0] > since and e[2] == resource
                                          and e[3] == ns and _matches(e[4], selector)]
                                 if not batch:

@@ -55,6 +55,8 @@ def _server(work_root, cluster, **extra) -> W.WarrenServer:
         + (f'runtime_class = "{runtime_class}"\n' if runtime_class else "")
         + 'node_selector = { "warren.io/sandboxes" = "true" }\n'
         + (f"allowed_host_paths = {json.dumps(host_paths)}\n" if host_paths else "")
+        + (f"lease_seconds = {extra['lease_seconds']}\n" if "lease_seconds" in extra else "")
+        + extra.get("tail", "")
     )
     srv.check_binary()
     srv.start()
@@ -469,9 +471,9 @@ def test_a_restarted_server_finds_its_pods_and_removes_pods_it_has_no_record_of(
 # --- Replicas: one service, the records on the Pods ([kubernetes] shared_key_file) ---------------
 
 def _replica(work_root, cluster, service):
-    """A replica of `service` (same instance label, key and API key as its others)."""
+    """A replica of `service` (same instance label, key, API key and config as its others)."""
     return _server(work_root, cluster, instance=service["instance"], shared_key=service["key_file"],
-                   api_key=service["api_key"])
+                   api_key=service["api_key"], **service.get("config", {}))
 
 
 @pytest.fixture
@@ -642,6 +644,107 @@ def test_replicas_expire_end_and_adopt_sandboxes_whoever_made_them(work_root, cl
         b.terminate()
         if c_ is not None:
             c_.stop()
+    assert cluster.rejected == [], cluster.rejected
+
+
+POOL_TOML = """
+[[pools]]
+name = "shared"
+template = { image = { uri = "%s" }, entrypoint = ["tail", "-f", "/dev/null"], resourceLimits = { cpu = "1", memory = "1Gi" } }
+capacitySpec = { bufferMin = 2, bufferMax = 2, poolMin = 0, poolMax = 20 }
+maxWaitSeconds = 5
+""" % IMAGE
+
+
+def _warm_pods(cluster, pool="shared"):
+    """The Pods whose record says they are warm sandboxes of `pool`."""
+    out = []
+    for p in cluster.list("pods", NS):
+        raw = (p["metadata"].get("annotations") or {}).get("io.warren.record")
+        if raw and json.loads(raw).get("warm_pool") == pool and not p["metadata"].get("deletionTimestamp"):
+            out.append(p["metadata"]["name"])
+    return sorted(out)
+
+
+def _available(srv, pool="shared"):
+    with srv.client() as c:
+        return c.get(f"/v1/pools/{pool}").json()["status"]["available"]
+
+
+def test_replicas_share_a_pool_one_makes_it_and_no_sandbox_is_claimed_twice(work_root, cluster, service):
+    """A pool from the config, on every replica: the holder of the replicas' Lease makes the warm
+    Pods, every replica claims them, each claim a compare-and-swap on the Pod's resourceVersion."""
+    service["config"] = {"lease_seconds": 2, "tail": POOL_TOML}
+    a = _replica(work_root, cluster, service)
+    # a takes the Lease before b starts: a makes the pool's Pods, until it goes.
+    W.wait_until(lambda: cluster.get("leases", NS, f"warren-{service['instance']}"), 10, message="the Lease")
+    b = _replica(work_root, cluster, service)
+    made = []
+    try:
+        W.wait_until(lambda: len(_warm_pods(cluster)) == 2 and _available(a) == 2 and _available(b) == 2, 30,
+                     message="two warm Pods, known to both replicas")
+        time.sleep(2)
+        assert len(_warm_pods(cluster)) == 2, "more warm Pods than the pool wants: both replicas made them"
+        # Pools come from the config when sandboxes are shared; one replica's API cannot make one.
+        with b.client() as c:
+            r = c.post("/v1/pools", json={"name": "mine", "template": W.create_body(IMAGE),
+                                          "capacitySpec": {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 1}})
+        W.assert_error_body(r, codes=[501])
+
+        # Claims through both replicas at once: each gets a sandbox of its own.
+        def claim(srv):
+            with srv.client() as c:
+                r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, extensions={"poolRef": "shared"}))
+            assert r.status_code in (200, 202), r.text
+            W.track_sandbox(r.json()["id"])
+            return r.json()["id"]
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(4) as ex:
+            made = list(ex.map(claim, [a, b, a, b]))
+        assert len(set(made)) == 4, made
+        for sid in made:
+            record = json.loads(_pod(cluster, sid)["metadata"]["annotations"]["io.warren.record"])
+            assert record.get("pool_ref") == "shared" and "warm_pool" not in record, record
+            for srv in (a, b):
+                W.wait_until(lambda: isinstance(_get(srv, sid), dict), 10, message="both replicas to list it")
+
+        # The compare-and-swap: with the replicas' watches held back, another claims both warm
+        # Pods behind them. Their lists still say warm; their claims must lose, not take them again.
+        W.wait_until(lambda: len(_warm_pods(cluster)) == 2 and _available(b) == 2, 30, message="the pool refilled")
+        warm = _warm_pods(cluster)
+        cluster.delivering = False
+        try:
+            with httpx.Client(base_url=cluster.url) as c:
+                for name in warm:
+                    pod = c.get(f"/api/v1/namespaces/{NS}/pods/{name}").json()
+                    record = json.loads(pod["metadata"]["annotations"]["io.warren.record"])
+                    record.pop("warm_pool")
+                    record.update(pool_ref="shared", metadata={"claimed-by": "elsewhere"})
+                    r = c.patch(f"/api/v1/namespaces/{NS}/pods/{name}",
+                                json={"metadata": {"annotations": {"io.warren.record": json.dumps(record)}}},
+                                headers={"Content-Type": "application/merge-patch+json"})
+                    assert r.status_code == 200, r.text
+            with b.client() as c:
+                r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, extensions={"poolRef": "shared"}))
+            W.assert_error_body(r, codes=[429])
+            for name in warm:
+                record = json.loads(cluster.get("pods", NS, name)["metadata"]["annotations"]["io.warren.record"])
+                assert record["metadata"] == {"claimed-by": "elsewhere"}, f"{name} was claimed twice: {record}"
+        finally:
+            cluster.delivering = True
+        # Told at last, the replicas refill the pool and serve from it again.
+        W.wait_until(lambda: len(_warm_pods(cluster)) == 2, 30, message="the pool refilled after the claims")
+        made.append(claim(b))
+
+        # The maker goes: the other takes the Lease over and makes the pool's Pods from then on.
+        a.kill9()
+        made.append(claim(b))
+        W.wait_until(lambda: len(_warm_pods(cluster)) == 2, 30, message="the pool refilled by the other replica")
+    finally:
+        for srv in (a, b):
+            srv.terminate()
+        for name in warm + _warm_pods(cluster) + [f"warren-{sid}" for sid in made]:
+            cluster.remove_pod(NS, name)
     assert cluster.rejected == [], cluster.rejected
 
 

@@ -175,6 +175,7 @@ fn kubernetes(
         },
         ready_timeout,
         shared_key,
+        lease_duration: std::time::Duration::from_secs(k.lease_seconds.max(1)),
     })?;
     Ok(Arc::new(runtime))
 }

@@ -52,6 +52,21 @@ pub trait SharedRecords: Send + Sync {
         record: &serde_json::Value,
     ) -> Result<(), RuntimeError>;
 
+    /// Replaces sandbox `id`'s record with `record` only if the record there now passes `still`,
+    /// atomically (compare-and-swap): `false` when it does not, as when another server claimed a
+    /// warm sandbox first.
+    async fn put_if(
+        &self,
+        id: &str,
+        state: &RuntimeState,
+        record: &serde_json::Value,
+        still: &(dyn for<'v> Fn(&'v serde_json::Value) -> bool + Sync),
+    ) -> Result<bool, RuntimeError>;
+
+    /// Whether this server is, for now, the one that does the servers' common chores: making the
+    /// pools' warm sandboxes, which every server claims from.
+    fn leads(&self) -> bool;
+
     /// Every sandbox there now, then [`RecordEvent::Synced`], then each change as it happens.
     fn follow(&self) -> BoxStream<'static, RecordEvent>;
 }

@@ -15,6 +15,7 @@
 
 mod client;
 mod egress;
+mod lease;
 pub mod pod;
 mod records;
 mod watch;
@@ -49,6 +50,8 @@ pub struct KubernetesConfig {
     /// The key every replica of one service holds (`[kubernetes] shared_key_file`): with it the
     /// sandboxes' records live on their Pods and the replicas serve them all (see `records`).
     pub shared_key: Option<Vec<u8>>,
+    /// With a shared key: how long the replicas' Lease lasts unrenewed (see `lease`).
+    pub lease_duration: Duration,
 }
 
 /// What the server persists about a sandbox's Pod.
@@ -85,11 +88,25 @@ impl KubernetesRuntime {
             instance_selector(&config.pod.instance),
         );
         let records = config.shared_key.clone().map(|key| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            let identity = format!(
+                "{}-{}",
+                host.trim(),
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            );
+            let lease = lease::Lease::start(
+                client.clone(),
+                &config.namespace,
+                format!("warren-{}", config.pod.instance),
+                identity,
+                config.lease_duration,
+            );
             Arc::new(PodRecords {
                 client: client.clone(),
                 pods: pods.clone(),
                 pods_path: pods_path(&config.namespace),
                 key,
+                lease,
             })
         });
         Ok(Self {

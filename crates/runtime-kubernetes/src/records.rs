@@ -23,7 +23,12 @@ pub struct PodRecords {
     pub(crate) pods: Arc<PodWatch>,
     pub(crate) pods_path: String,
     pub(crate) key: Vec<u8>,
+    pub(crate) lease: Arc<crate::lease::Lease>,
 }
+
+/// How many times a compare-and-swap reads and tries again when the Pod changed in between for
+/// another reason (its status).
+const CAS_TRIES: usize = 5;
 
 impl PodRecords {
     fn event(name: &str, seen: Seen) -> Option<RecordEvent> {
@@ -84,6 +89,48 @@ impl SharedRecords for PodRecords {
                 Some(404) => RuntimeError::NotFound(format!("the sandbox's Pod {name} is gone")),
                 _ => crate::map_error("writing the sandbox's record on its Pod", e),
             })
+    }
+
+    async fn put_if(
+        &self,
+        id: &str,
+        state: &RuntimeState,
+        record: &Value,
+        still: &(dyn for<'v> Fn(&'v Value) -> bool + Sync),
+    ) -> Result<bool, RuntimeError> {
+        let path = format!("{}/{}", self.pods_path, crate::pod_of(id, state));
+        for _ in 0..CAS_TRIES {
+            let pod = match self.client.get(&path).await {
+                Ok(pod) => pod,
+                Err(e) if e.status() == Some(404) => return Ok(false),
+                Err(e) => return Err(crate::map_error("reading the sandbox's Pod", e)),
+            };
+            let current = pod["metadata"]["annotations"][ANNOTATION_RECORD]
+                .as_str()
+                .and_then(|r| serde_json::from_str::<Value>(r).ok());
+            if !current.as_ref().is_some_and(still) {
+                return Ok(false);
+            }
+            // The version read is the precondition: a Pod changed since (another server's claim)
+            // is refused with 409, and read again.
+            let patch = json!({"metadata": {
+                "resourceVersion": pod["metadata"]["resourceVersion"],
+                "annotations": {ANNOTATION_RECORD: record.to_string()},
+            }});
+            match self.client.merge_patch(&path, &patch).await {
+                Ok(_) => return Ok(true),
+                Err(e) if e.status() == Some(409) => continue,
+                Err(e) if e.status() == Some(404) => return Ok(false),
+                Err(e) => return Err(crate::map_error("writing the sandbox's record", e)),
+            }
+        }
+        Err(RuntimeError::Unavailable(format!(
+            "the sandbox's Pod kept changing while its record was written ({CAS_TRIES} tries)"
+        )))
+    }
+
+    fn leads(&self) -> bool {
+        self.lease.held()
     }
 
     fn follow(&self) -> BoxStream<'static, RecordEvent> {

@@ -251,6 +251,10 @@ pub struct DockerSection {
     pub network: Option<String>,
 }
 
+fn default_lease_seconds() -> u64 {
+    15
+}
+
 /// `[kubernetes]`: where the cluster is and what the sandboxes' Pods get.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -272,6 +276,10 @@ pub struct KubernetesSection {
     /// replicas (same `instance`, same key) serve one set of sandboxes. Unset: each server keeps
     /// its records in its data dir.
     pub shared_key_file: Option<PathBuf>,
+    /// With `shared_key_file`: how long the replicas' Lease (which one makes the pools' warm
+    /// sandboxes) lasts unrenewed, in seconds; a replica that dies hands it on after this long.
+    #[serde(default = "default_lease_seconds")]
+    pub lease_seconds: u64,
     /// The image the init container copies execd from (`scripts/build-image` makes it).
     pub execd_image: Option<String>,
     /// Where execd is in that image.

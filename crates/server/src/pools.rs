@@ -234,13 +234,13 @@ impl Pools {
         created_at: DateTime<Utc>,
     ) -> Result<Arc<Pool>, ApiError> {
         validate_spec(&spec)?;
-        if self.inner.sandboxes.shares_records() {
-            // A replica's warm sandboxes would be its own to claim, and left for ever when it
-            // goes; a pool shared by the replicas needs its claims made in the cluster.
+        if self.inner.sandboxes.shares_records() && !from_config {
+            // Every replica has the config's pools; one made through one replica's API would be
+            // that replica's alone.
             return Err(ApiError::new(
                 http::StatusCode::NOT_IMPLEMENTED,
                 ErrorCode::ApiNotSupported,
-                "pools are not offered yet when replicas share their sandboxes ([kubernetes] shared_key_file)",
+                "when replicas share their sandboxes ([kubernetes] shared_key_file), pools come from the config file, which every replica has",
             ));
         }
         let mut plan = create_plan(
@@ -603,7 +603,10 @@ impl Pools {
             let (warm, creating) = self.live_warm_and_creating(&pool);
             let allocated = self.allocated(&pool.spec.name) + pool.claiming.load(Ordering::SeqCst);
             let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
-            if warm + creating < want && creating < REFILL_PARALLEL {
+            // With replicas, one makes the warm sandboxes (they all claim them): N replicas each
+            // filling the pool would make N times what it wants.
+            let makes = sandboxes.leads();
+            if makes && warm + creating < want && creating < REFILL_PARALLEL {
                 if let Some(until) = self.held_until(&pool, warm, want) {
                     // A claim's first command runs now; a waiting create or the hold's end wakes
                     // this up to look again.
@@ -699,8 +702,28 @@ impl Pools {
     /// the pool from making replacements; and how many are being made, counted under the same
     /// lock (a finished create moves from one count to the other under it).
     fn live_warm_and_creating(&self, pool: &Pool) -> (u32, u32) {
+        let sandboxes = &self.inner.sandboxes;
         let mut warm = pool.warm.lock().unwrap_or_else(|e| e.into_inner());
-        warm.retain(|id| self.inner.sandboxes.state(id) == Some(SandboxState::Running));
+        if sandboxes.shares_records() {
+            // The replicas' warm sandboxes are every replica's: the list is what the records say
+            // (those another replica made, less those another claimed).
+            let name = pool.spec.name.as_str();
+            let is_warm = |r: &SandboxRecord| {
+                r.warm_pool.as_deref() == Some(name) && r.state == SandboxState::Running
+            };
+            warm.retain(|id| sandboxes.get(id).is_some_and(|r| is_warm(&r)));
+            let added: Vec<String> = sandboxes
+                .select(|r| is_warm(r) && !warm.contains(&r.id))
+                .into_iter()
+                .map(|r| r.id)
+                .collect();
+            if !added.is_empty() {
+                warm.extend(added);
+                pool.available.notify_waiters();
+            }
+        } else {
+            warm.retain(|id| sandboxes.state(id) == Some(SandboxState::Running));
+        }
         (warm.len() as u32, pool.creating.load(Ordering::SeqCst))
     }
 

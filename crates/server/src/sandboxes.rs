@@ -1134,13 +1134,23 @@ impl Sandboxes {
             return None;
         }
         let now = Utc::now();
+        let mut claimed = rec.clone();
+        claimed.warm_pool = None;
+        claimed.pool_ref = Some(pool.to_owned());
+        claimed.metadata = metadata;
+        claimed.extensions = extensions;
+        claimed.expires_at = timeout_seconds.map(|t| now + chrono::Duration::seconds(t));
+        if !self.claim_shared(&entry, &rec, &claimed).await {
+            // Another replica's now: its record comes through the feed.
+            return None;
+        }
         self.promote(id);
         Some(self.update(&entry, |r| {
             r.warm_pool = None;
-            r.pool_ref = Some(pool.to_owned());
-            r.metadata = metadata;
-            r.extensions = extensions;
-            r.expires_at = timeout_seconds.map(|t| now + chrono::Duration::seconds(t));
+            r.pool_ref = claimed.pool_ref;
+            r.metadata = claimed.metadata;
+            r.extensions = claimed.extensions;
+            r.expires_at = claimed.expires_at;
         }))
     }
 

@@ -68,6 +68,48 @@ impl Sandboxes {
         self.inner.shared.is_some()
     }
 
+    /// Whether this server makes the pools' warm sandboxes: always, unless it shares them with
+    /// other replicas and another one does.
+    pub fn leads(&self) -> bool {
+        self.inner.shared.as_ref().is_none_or(|s| s.leads())
+    }
+
+    /// With shared records: hands warm sandbox `rec` (claimed as `claimed`) over only if no other
+    /// replica claimed it first, by a compare-and-swap on its record. Without: always. A sandbox
+    /// another replica took is no longer warm here from now on (its record follows on the feed),
+    /// so the pool does not offer it again meanwhile.
+    pub(super) async fn claim_shared(
+        &self,
+        entry: &Entry,
+        rec: &SandboxRecord,
+        claimed: &SandboxRecord,
+    ) -> bool {
+        let Some(shared) = &self.inner.shared else {
+            return true;
+        };
+        let pool = rec.warm_pool.clone();
+        let still_warm = move |r: &Value| r["warm_pool"].as_str() == pool.as_deref();
+        match shared
+            .put_if(
+                &rec.id,
+                &rec.runtime_state,
+                &wire_form(claimed),
+                &still_warm,
+            )
+            .await
+        {
+            Ok(true) => true,
+            Ok(false) => {
+                self.update(entry, |r| r.warm_pool = None);
+                false
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %rec.id, error = %e, "claiming a warm sandbox failed; taking another");
+                false
+            }
+        }
+    }
+
     /// With shared records: writes `rec` where the other replicas read it. Called before this
     /// server takes `rec` as the sandbox's record, so a failure changes nothing.
     pub(super) async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
@@ -220,10 +262,9 @@ impl Follower {
             tracing::warn!(sandbox_id = %id, "a sandbox's shared record is unreadable; not adopted");
             return;
         };
-        // Being removed, or ended: nothing to serve. A warm pool's sandbox is its maker's.
+        // Being removed, or ended: nothing to serve.
         if rec.state.is_terminal()
             || rec.state == SandboxState::Stopping
-            || rec.warm_pool.is_some()
             || matches!(phase, SharedPhase::Ended(_))
         {
             return;
@@ -235,6 +276,7 @@ impl Follower {
             // Another replica's create in flight: Pending here as there.
             rec.state = SandboxState::Pending;
         }
+        let warm_and_running = running && rec.warm_pool.is_some();
         let entry = Arc::new(Entry::new(&rec, true));
         self.sandboxes
             .inner
@@ -243,6 +285,10 @@ impl Follower {
             .unwrap_or_else(|p| p.into_inner())
             .entry(id.to_string())
             .or_insert(entry);
+        if warm_and_running {
+            // Another replica's warm sandbox, this one's to claim too.
+            self.sandboxes.inner.pool_sandbox_ended.notify_waiters();
+        }
     }
 
     /// Takes another replica's changes to what a client may change: expiry, metadata, the egress
@@ -255,7 +301,9 @@ impl Follower {
         let same = ours.expires_at == theirs.expires_at
             && ours.metadata == theirs.metadata
             && ours.extensions == theirs.extensions
-            && ours.network_policy == theirs.network_policy;
+            && ours.network_policy == theirs.network_policy
+            && ours.warm_pool == theirs.warm_pool
+            && ours.pool_ref == theirs.pool_ref;
         let deleting = theirs.state == SandboxState::Stopping;
         if same && !deleting {
             return;
@@ -265,6 +313,9 @@ impl Follower {
             r.metadata = theirs.metadata.clone();
             r.extensions = theirs.extensions.clone();
             r.network_policy = theirs.network_policy.clone();
+            // Claimed by another replica: no longer warm here.
+            r.warm_pool = theirs.warm_pool.clone();
+            r.pool_ref = theirs.pool_ref.clone();
             if deleting {
                 r.transition(SandboxState::Stopping, theirs.reason.as_deref(), None);
             }
@@ -272,15 +323,22 @@ impl Follower {
         if deleting {
             self.sandboxes.inner.execd_conns.forget(&ours.id);
         }
+        if ours.warm_pool != theirs.warm_pool {
+            // Claimed by another replica: its pool has one fewer warm.
+            self.sandboxes.inner.pool_sandbox_ended.notify_waiters();
+        }
     }
 
     /// Another replica's create is done.
     fn running(&self, entry: &Entry, state: Value) {
         if lock(&entry.record).state == SandboxState::Pending {
-            self.sandboxes.update(entry, |r| {
+            let rec = self.sandboxes.update(entry, |r| {
                 r.runtime_state = state;
                 r.transition(SandboxState::Running, Some("ready"), None);
             });
+            if rec.warm_pool.is_some() {
+                self.sandboxes.inner.pool_sandbox_ended.notify_waiters();
+            }
         }
     }
 
