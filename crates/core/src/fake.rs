@@ -3,6 +3,9 @@
 //! one (its main process exits), makes one vanish (removed behind Warren's back), makes any step
 //! fail, and reads back what the server asked for. Built with the `fake` feature (and in this crate's
 //! own tests); never part of a server.
+//!
+//! [`FakeRuntime::shared`] keeps the sandboxes' records as a cluster would ([`SharedRecords`]): one
+//! such runtime given to several servers makes them replicas of one service.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
@@ -10,10 +13,14 @@ use std::sync::{Mutex, MutexGuard};
 use futures::channel::oneshot;
 use futures::future::{BoxFuture, FutureExt, Shared};
 
+use futures::channel::mpsc;
+use serde_json::Value;
+
 use crate::runtime::{
     ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities, RuntimeError,
     RuntimeState, SandboxSpec,
 };
+use crate::{RecordEvent, SharedPhase, SharedRecords};
 
 /// A step a test can make fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -60,9 +67,131 @@ pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
 #[derive(Default)]
 pub struct FakeRuntime {
     inner: Mutex<Inner>,
+    records: Option<std::sync::Arc<FakeRecords>>,
+}
+
+/// The records of a shared fake runtime, and those following them.
+#[derive(Default)]
+pub struct FakeRecords {
+    inner: Mutex<RecordsInner>,
+}
+
+#[derive(Default)]
+struct RecordsInner {
+    records: BTreeMap<String, Value>,
+    followers: Vec<mpsc::UnboundedSender<RecordEvent>>,
+    /// Writes of records (puts that changed one), in order.
+    writes: usize,
+}
+
+impl FakeRecords {
+    fn lock(&self) -> MutexGuard<'_, RecordsInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn emit(inner: &mut RecordsInner, event: &RecordEvent) {
+        inner
+            .followers
+            .retain(|f| f.unbounded_send(event.clone()).is_ok());
+    }
+
+    fn seen(id: &str, record: Option<Value>, phase: SharedPhase) -> RecordEvent {
+        RecordEvent::Seen {
+            id: id.to_string(),
+            record,
+            state: serde_json::json!({ "fake": id }),
+            phase,
+        }
+    }
+
+    fn write(
+        &self,
+        inner: &mut RecordsInner,
+        id: &str,
+        record: &Value,
+    ) -> Result<(), RuntimeError> {
+        let Some(slot) = inner.records.get_mut(id) else {
+            return Err(RuntimeError::NotFound(format!("sandbox {id} is gone")));
+        };
+        *slot = record.clone();
+        inner.writes += 1;
+        let event = Self::seen(id, Some(record.clone()), SharedPhase::Running);
+        Self::emit(inner, &event);
+        Ok(())
+    }
+
+    /// Sandbox `id`'s record as kept now.
+    pub fn record(&self, id: &str) -> Option<Value> {
+        self.lock().records.get(id).cloned()
+    }
+
+    /// How many record writes there were (creates carry theirs: not counted).
+    pub fn writes(&self) -> usize {
+        self.lock().writes
+    }
+}
+
+#[async_trait::async_trait]
+impl SharedRecords for FakeRecords {
+    fn secret(&self, id: &str) -> String {
+        format!("fake-secret-{id}")
+    }
+
+    async fn put(
+        &self,
+        id: &str,
+        _state: &RuntimeState,
+        record: &Value,
+    ) -> Result<(), RuntimeError> {
+        self.write(&mut self.lock(), id, record)
+    }
+
+    async fn put_if(
+        &self,
+        id: &str,
+        _state: &RuntimeState,
+        record: &Value,
+        still: &(dyn for<'v> Fn(&'v Value) -> bool + Sync),
+    ) -> Result<bool, RuntimeError> {
+        // Checked and written under one lock: no other write comes between.
+        let mut inner = self.lock();
+        if !inner.records.get(id).is_some_and(still) {
+            return Ok(false);
+        }
+        self.write(&mut inner, id, record).map(|()| true)
+    }
+
+    fn leads(&self) -> bool {
+        true
+    }
+
+    fn follow(&self) -> futures::stream::BoxStream<'static, RecordEvent> {
+        let (tx, rx) = mpsc::unbounded();
+        let mut inner = self.lock();
+        for (id, record) in &inner.records {
+            let _ = tx.unbounded_send(Self::seen(id, Some(record.clone()), SharedPhase::Running));
+        }
+        let _ = tx.unbounded_send(RecordEvent::Synced);
+        inner.followers.push(tx);
+        Box::pin(rx)
+    }
 }
 
 impl FakeRuntime {
+    /// A runtime whose records are kept with its sandboxes and shared by every server it is
+    /// given to.
+    pub fn shared() -> Self {
+        Self {
+            inner: Mutex::default(),
+            records: Some(std::sync::Arc::default()),
+        }
+    }
+
+    /// The shared records, for a [`FakeRuntime::shared`] one.
+    pub fn records(&self) -> Option<&FakeRecords> {
+        self.records.as_deref()
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -108,11 +237,27 @@ impl FakeRuntime {
             },
         );
         self.lock().sandboxes.remove(id);
+        self.tell(id, |_| RecordEvent::Gone { id: id.to_string() });
     }
 
     fn finish(&self, id: &str, info: ExitInfo) {
         if let Some(end) = self.lock().sandboxes.get_mut(id).and_then(|s| s.end.take()) {
-            let _ = end.send(info);
+            let _ = end.send(info.clone());
+        }
+        self.tell(id, |record| {
+            FakeRecords::seen(id, record, SharedPhase::Ended(info))
+        });
+    }
+
+    /// Tells the shared records' followers about sandbox `id` (`event` gets its record).
+    fn tell(&self, id: &str, event: impl FnOnce(Option<Value>) -> RecordEvent) {
+        if let Some(records) = &self.records {
+            let mut inner = records.lock();
+            let event = event(inner.records.get(id).cloned());
+            if let RecordEvent::Gone { .. } = event {
+                inner.records.remove(id);
+            }
+            FakeRecords::emit(&mut inner, &event);
         }
     }
 
@@ -181,6 +326,13 @@ impl Runtime for FakeRuntime {
                 exit: exit.shared(),
             },
         );
+        drop(inner);
+        if let (Some(records), Some(record)) = (&self.records, &spec.record) {
+            let mut inner = records.lock();
+            inner.records.insert(spec.id.clone(), record.clone());
+            let event = FakeRecords::seen(&spec.id, Some(record.clone()), SharedPhase::Running);
+            FakeRecords::emit(&mut inner, &event);
+        }
         Ok(serde_json::json!({ "fake": spec.id }))
     }
 
@@ -226,7 +378,15 @@ impl Runtime for FakeRuntime {
         inner.destroyed.push(id.to_owned());
         // Dropping the sender ends every wait (as killed).
         inner.sandboxes.remove(id);
+        drop(inner);
+        self.tell(id, |_| RecordEvent::Gone { id: id.to_string() });
         Ok(())
+    }
+
+    fn shared_records(&self) -> Option<std::sync::Arc<dyn SharedRecords>> {
+        self.records
+            .clone()
+            .map(|r| r as std::sync::Arc<dyn SharedRecords>)
     }
 
     async fn liveness(&self, id: &str, _state: &RuntimeState) -> Liveness {

@@ -390,3 +390,6 @@ impl Follower {
         });
     }
 }
+
+#[cfg(test)]
+mod tests;
