@@ -31,6 +31,9 @@ use crate::error::ApiError;
 const SYNC_WAIT: Duration = Duration::from_secs(30);
 /// How soon a change that found its sandbox in an operation is tried again.
 const RETRY: Duration = Duration::from_millis(50);
+/// How long another replica's delete may take before this one removes the sandbox itself (the
+/// other may have stopped between marking the record and removing the sandbox).
+const DELETE_GRACE: Duration = Duration::from_secs(30);
 
 /// Record fields that stay with each server: the secret (derived), how its runtime reaches the
 /// sandbox (the backend's to say), and a host network link (no shared backend has one).
@@ -262,11 +265,17 @@ impl Follower {
             tracing::warn!(sandbox_id = %id, "a sandbox's shared record is unreadable; not adopted");
             return;
         };
-        // Being removed, or ended: nothing to serve.
-        if rec.state.is_terminal()
-            || rec.state == SandboxState::Stopping
-            || matches!(phase, SharedPhase::Ended(_))
-        {
+        // Being removed, or ended: nothing to serve, but something to remove should whoever
+        // began it be gone (a replica stopped between marking a delete and making it, a Pod that
+        // failed while no replica ran). Removing twice is harmless.
+        let leftover = match phase {
+            SharedPhase::Ended(exit) => !exit.vanished,
+            _ => rec.state == SandboxState::Stopping,
+        };
+        if leftover {
+            self.remove_in_background(id, state.clone(), Duration::ZERO);
+        }
+        if leftover || rec.state.is_terminal() || matches!(phase, SharedPhase::Ended(_)) {
             return;
         }
         let running = *phase == SharedPhase::Running;
@@ -322,11 +331,33 @@ impl Follower {
         });
         if deleting {
             self.sandboxes.inner.execd_conns.forget(&ours.id);
+            // The replica deleting it removes it within moments; should it stop before, this one
+            // does (the removal then ends it here as there).
+            self.remove_in_background(&ours.id, ours.runtime_state.clone(), DELETE_GRACE);
         }
         if ours.warm_pool != theirs.warm_pool {
             // Claimed by another replica: its pool has one fewer warm.
             self.sandboxes.inner.pool_sandbox_ended.notify_waiters();
         }
+    }
+
+    /// Removes sandbox `id` from the backend after `grace`, unless this server no longer knows it
+    /// as being deleted by then.
+    fn remove_in_background(&self, id: &str, state: Value, grace: Duration) {
+        let sandboxes = self.sandboxes.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let still = grace.is_zero()
+                || sandboxes
+                    .get(&id)
+                    .is_some_and(|r| r.state == SandboxState::Stopping);
+            if still {
+                if let Err(e) = sandboxes.inner.runtime.destroy(&id, &state).await {
+                    tracing::warn!(sandbox_id = %id, error = %e, "removing a sandbox left behind failed");
+                }
+            }
+        });
     }
 
     /// Another replica's create is done.

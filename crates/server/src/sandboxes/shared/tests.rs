@@ -11,6 +11,8 @@ use warren_core::fake::FakeRuntime;
 
 use super::super::tests::{plan, sandboxes};
 use super::super::{Sandboxes, REASON_USER_DELETE};
+use super::{wire_form, DELETE_GRACE};
+use warren_core::SharedRecords;
 
 /// Waits (up to 10 s) until `check` holds.
 async fn until(what: &str, mut check: impl FnMut() -> bool) {
@@ -183,4 +185,56 @@ async fn a_change_kept_for_later_never_brings_back_a_deleted_sandbox() {
     until("b to forget it", || r.b.get(&id).is_none()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(r.b.get(&id).is_none(), "a deleted sandbox came back");
+}
+
+/// What a replica that stopped between marking a delete and making it leaves: the record says
+/// Stopping, the sandbox is still there.
+async fn delete_cut_short(r: &Replicas, id: &str) {
+    let mut rec = r.a.get(id).expect("record");
+    rec.transition(SandboxState::Stopping, Some(REASON_USER_DELETE), None);
+    r.rt.records()
+        .expect("shared")
+        .put(id, &rec.runtime_state, &wire_form(&rec))
+        .await
+        .expect("put");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delete_cut_short_is_finished_by_the_replicas_that_saw_it_begin() {
+    let r = replicas().await;
+    let id = r.a.create(plan()).await.expect("create").id;
+    until("b to adopt it", || r.b.get(&id).is_some()).await;
+    delete_cut_short(&r, &id).await;
+    until("both to see the delete begun", || {
+        [&r.a, &r.b].iter().all(|s| {
+            s.get(&id)
+                .is_some_and(|x| x.state == SandboxState::Stopping)
+        })
+    })
+    .await;
+    assert_eq!(r.rt.live(), vec![id.clone()]);
+    tokio::time::sleep(DELETE_GRACE + Duration::from_secs(1)).await;
+    until("the sandbox removed and forgotten", || {
+        r.rt.live().is_empty() && r.a.get(&id).is_none() && r.b.get(&id).is_none()
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_that_starts_removes_what_a_delete_cut_short_left() {
+    let r = replicas().await;
+    let id = r.a.create(plan()).await.expect("create").id;
+    until("b to adopt it", || r.b.get(&id).is_some()).await;
+    delete_cut_short(&r, &id).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let c = sandboxes(dir.path(), r.rt.clone());
+    c.recover().await.expect("recover c");
+    // At once, not after the others' grace.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(r.rt.live().is_empty(), "still there: {:?}", r.rt.live());
+    assert!(c.get(&id).is_none());
+    until("the others to forget it", || {
+        r.a.get(&id).is_none() && r.b.get(&id).is_none()
+    })
+    .await;
 }
