@@ -1415,8 +1415,12 @@ impl Sandboxes {
             tick.tick().await;
             let now = Utc::now();
             let retention = this.inner.retention;
+            // With replicas, the one that leads expires sandboxes (each expiring them all would
+            // write each delete once per replica); without, this server.
+            let leads = this.leads();
             let expired = |r: &SandboxRecord| {
-                !r.state.is_terminal()
+                leads
+                    && !r.state.is_terminal()
                     && r.state != SandboxState::Stopping
                     && r.state != SandboxState::Pending
                     && r.expires_at.is_some_and(|t| t <= now)
