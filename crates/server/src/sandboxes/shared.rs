@@ -136,7 +136,7 @@ impl Sandboxes {
             Follower {
                 sandboxes: this.clone(),
                 shared: shared.clone(),
-                last: HashMap::new(),
+                deleting: HashMap::new(),
                 busy: HashMap::new(),
                 synced: synced.clone(),
             }
@@ -155,9 +155,10 @@ impl Sandboxes {
 struct Follower {
     sandboxes: Sandboxes,
     shared: Arc<dyn SharedRecords>,
-    /// Each sandbox's latest record in the backend: what a removal is read against (a delete's
-    /// reason), whatever this server has taken of it yet.
-    last: HashMap<String, Value>,
+    /// The sandboxes whose latest record in the backend says a delete began, with its reason:
+    /// what their removal is read against, whatever this server has taken of that record yet.
+    /// (Only those: a copy of every record would cost each replica a kilobyte or more per sandbox.)
+    deleting: HashMap<String, String>,
     /// Changes whose sandbox was in an operation of this server's (its create, a delete): the
     /// latest per sandbox, tried again shortly. The operation may have made them moot.
     busy: HashMap<String, RecordEvent>,
@@ -192,7 +193,12 @@ impl Follower {
                     record: Some(r),
                     ..
                 } => {
-                    self.last.insert(id.clone(), r.clone());
+                    if r["state"] == "Stopping" {
+                        let reason = r["reason"].as_str().unwrap_or(REASON_USER_DELETE);
+                        self.deleting.insert(id.clone(), reason.to_string());
+                    } else {
+                        self.deleting.remove(id);
+                    }
                 }
                 _ => {}
             }
@@ -220,7 +226,7 @@ impl Follower {
                 self.adopt(&id, record, state, phase);
             }
             if matches!(event, RecordEvent::Gone { .. }) {
-                self.last.remove(&id);
+                self.deleting.remove(&id);
             }
             return;
         };
@@ -230,18 +236,24 @@ impl Follower {
             self.busy.insert(id, event);
             return;
         };
-        let last = self
-            .last
-            .get(&id)
-            .and_then(|r| from_wire(&*self.shared, &id, r, &Value::Null));
+        let deleted = self.deleting.get(&id).cloned();
         match event {
-            RecordEvent::Seen { state, phase, .. } => {
-                if let Some(theirs) = &last {
-                    self.merge(&entry, theirs);
+            RecordEvent::Seen {
+                record,
+                state,
+                phase,
+                ..
+            } => {
+                // The latest record there is: a change kept for later was outdone by any newer.
+                if let Some(theirs) = record
+                    .as_ref()
+                    .and_then(|r| from_wire(&*self.shared, &id, r, &Value::Null))
+                {
+                    self.merge(&entry, &theirs);
                 }
                 match phase {
                     SharedPhase::Running => self.running(&entry, state),
-                    SharedPhase::Ended(exit) => self.ended(&id, &entry, last.as_ref(), &exit),
+                    SharedPhase::Ended(exit) => self.ended(&id, &entry, deleted, &exit),
                     SharedPhase::Starting => {}
                 }
             }
@@ -252,8 +264,8 @@ impl Follower {
                     vanished: true,
                     detail: None,
                 };
-                self.ended(&id, &entry, last.as_ref(), &exit);
-                self.last.remove(&id);
+                self.ended(&id, &entry, deleted, &exit);
+                self.deleting.remove(&id);
             }
             RecordEvent::Synced => {}
         }
@@ -373,9 +385,9 @@ impl Follower {
         }
     }
 
-    /// The sandbox will run no more: removed by a replica's delete (its record says which), or
-    /// ended by itself.
-    fn ended(&self, id: &str, entry: &Entry, last: Option<&SandboxRecord>, exit: &ExitInfo) {
+    /// The sandbox will run no more: removed by a replica's delete (`deleted`: the reason its latest
+    /// record gives), or ended by itself.
+    fn ended(&self, id: &str, entry: &Entry, deleted: Option<String>, exit: &ExitInfo) {
         let ours = lock(&entry.record).clone();
         if ours.state.is_terminal() {
             return;
@@ -387,14 +399,11 @@ impl Follower {
             sandboxes.forget(id);
             return;
         }
-        let deleted = last
-            .filter(|r| r.state == SandboxState::Stopping)
-            .and_then(|r| r.reason.clone())
-            .or_else(|| {
-                (ours.state == SandboxState::Stopping)
-                    .then(|| ours.reason.clone())
-                    .flatten()
-            });
+        let deleted = deleted.or_else(|| {
+            (ours.state == SandboxState::Stopping)
+                .then(|| ours.reason.clone())
+                .flatten()
+        });
         if let Some(reason) = deleted {
             sandboxes.update(entry, |r| {
                 r.transition(SandboxState::Terminated, Some(&reason), None)
