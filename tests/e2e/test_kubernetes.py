@@ -679,7 +679,7 @@ def test_replicas_share_a_pool_one_makes_it_and_no_sandbox_is_claimed_twice(work
     # a takes the Lease before b starts: a makes the pool's Pods, until it goes.
     W.wait_until(lambda: cluster.get("leases", NS, f"warren-{service['instance']}"), 10, message="the Lease")
     b = _replica(work_root, cluster, service)
-    made = []
+    made, warm = [], []
     try:
         W.wait_until(lambda: len(_warm_pods(cluster)) == 2 and _available(a) == 2 and _available(b) == 2, 30,
                      message="two warm Pods, known to both replicas")

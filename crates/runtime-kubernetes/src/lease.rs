@@ -2,12 +2,13 @@
 //! `coordination.k8s.io` Lease per service, as Kubernetes' own controllers elect a leader. A
 //! replica takes the Lease when there is none or when its holder stopped renewing it for its
 //! duration, with the Lease's `resourceVersion` as the precondition, so two replicas never both
-//! take it; the holder renews it every third of the duration and stops leading at once when a
-//! renewal fails. A replica that dies leaves it to the others after one duration.
+//! take it; the holder renews it every third of the duration, and leads only until two thirds of
+//! the duration after its last renewal began: a holder whose renewals are late (a stalled
+//! process, a slow API server) stops leading before another may take the Lease, so two replicas
+//! never lead at once. A replica that dies leaves it to the others after one duration.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
@@ -15,7 +16,8 @@ use serde_json::{json, Value};
 use crate::client::{Client, KubeError};
 
 pub struct Lease {
-    held: AtomicBool,
+    /// Until when this replica leads (`None`: it does not).
+    until: Mutex<Option<Instant>>,
 }
 
 impl Lease {
@@ -28,7 +30,7 @@ impl Lease {
         duration: Duration,
     ) -> Arc<Self> {
         let this = Arc::new(Self {
-            held: AtomicBool::new(false),
+            until: Mutex::new(None),
         });
         let weak = Arc::downgrade(&this);
         let path = format!("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases");
@@ -36,6 +38,8 @@ impl Lease {
             let every = (duration / 3).max(Duration::from_millis(200));
             loop {
                 let Some(this) = weak.upgrade() else { return };
+                // Measured from before the request: the Lease's renewTime is no earlier.
+                let began = Instant::now();
                 let held = match try_hold(&client, &path, &name, &identity, duration).await {
                     Ok(held) => held,
                     Err(e) => {
@@ -43,7 +47,10 @@ impl Lease {
                         false
                     }
                 };
-                if this.held.swap(held, Ordering::SeqCst) != held {
+                let was = this.held();
+                *this.until.lock().unwrap_or_else(|p| p.into_inner()) =
+                    held.then(|| began + duration * 2 / 3);
+                if was != held {
                     tracing::info!(lease = %name, %identity, held, "the replicas' Lease changed hands");
                 }
                 drop(this);
@@ -55,7 +62,10 @@ impl Lease {
 
     /// Whether this replica holds the Lease now.
     pub fn held(&self) -> bool {
-        self.held.load(Ordering::SeqCst)
+        self.until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|t| Instant::now() < t)
     }
 }
 

@@ -640,7 +640,12 @@ impl Pools {
                                     me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
                                 return true;
                             }
-                            warm.push_back(rec.id);
+                            // With replicas the list may have it already: the records' feed
+                            // brings this replica's own warm sandboxes too (see
+                            // `live_warm_and_creating`).
+                            if !warm.contains(&rec.id) {
+                                warm.push_back(rec.id);
+                            }
                             drop(warm);
                             p.available.notify_one();
                             p.refill.notify_one();
