@@ -530,14 +530,25 @@ impl Runtime for KubernetesRuntime {
 
     async fn destroy(&self, id: &str, state: &RuntimeState) -> Result<(), RuntimeError> {
         let name = pod_of(id, state);
-        self.delete_pod(&name).await?;
+        // Followed from before the delete, so that the watch keeps its removal for this wait
+        // (a Pod nobody waits on is not kept once gone).
+        let mut rx = self.pods.subscribe(&name);
+        if let Err(e) = self.delete_pod(&name).await {
+            self.pods.forget(&name);
+            return Err(e);
+        }
         if state_of(state).is_some_and(|s| s.pull_secret) {
             self.delete_pull_secret(id).await;
         }
         // Gone from the API server (its containers stopped) before the delete answers, within
         // bounds: a node that went away leaves its Pods to the node controller. The watch says
-        // when; a Pod it never saw (gone before this server started) is looked up.
-        let mut rx = self.pods.subscribe(&name);
+        // when, usually within moments; a Pod it never saw (gone before this server started) is
+        // looked up.
+        let _ = tokio::time::timeout(
+            Duration::from_millis(250),
+            rx.wait_for(|s| matches!(s, Seen::Gone)),
+        )
+        .await;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if matches!(*rx.borrow_and_update(), Seen::Gone) || !self.pod_exists(&name).await {
