@@ -63,8 +63,8 @@ pub trait SharedRecords: Send + Sync {
         still: &(dyn for<'v> Fn(&'v serde_json::Value) -> bool + Sync),
     ) -> Result<bool, RuntimeError>;
 
-    /// Whether this server is, for now, the one that does the servers' common chores: making the
-    /// pools' warm sandboxes, which every server claims from.
+    /// Whether this server is, for now, the one that does the servers' common chores: expiring
+    /// sandboxes, and making the pools' warm sandboxes, which every server claims from.
     fn leads(&self) -> bool;
 
     /// Every sandbox there now, then [`RecordEvent::Synced`], then each change as it happens.

@@ -71,8 +71,8 @@ impl Sandboxes {
         self.inner.shared.is_some()
     }
 
-    /// Whether this server makes the pools' warm sandboxes: always, unless it shares them with
-    /// other replicas and another one does.
+    /// Whether this server does the common chores (expiring sandboxes, making the pools' warm
+    /// sandboxes): always, unless it shares its sandboxes with other replicas and another leads.
     pub fn leads(&self) -> bool {
         self.inner.shared.as_ref().is_none_or(|s| s.leads())
     }
