@@ -1,5 +1,6 @@
-//! Which replica does the common chores (expiring sandboxes, making the pools' warm sandboxes): the
-//! `coordination.k8s.io` Lease per service, as Kubernetes' own controllers elect a leader. A
+//! Which replica does the common chores (expiring sandboxes, making the pools' warm sandboxes):
+//! the holder of one `coordination.k8s.io` Lease per service, as Kubernetes' own controllers elect
+//! a leader. A
 //! replica takes the Lease when there is none or when its holder stopped renewing it for its
 //! duration, with the Lease's `resourceVersion` as the precondition, so two replicas never both
 //! take it; the holder renews it every third of the duration, and leads only until two thirds of
