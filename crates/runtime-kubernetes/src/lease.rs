@@ -1,11 +1,11 @@
-//! Which replica does the common chores (expiring sandboxes, making the pools' warm sandboxes):
-//! the holder of one `coordination.k8s.io` Lease per service, as Kubernetes' own controllers elect
-//! a leader. A replica takes the Lease when there is none or when its holder stopped renewing it
-//! for its duration, with the Lease's `resourceVersion` as the precondition, so two replicas never both
+//! Which replica does the common chores (expiring sandboxes, making the pools' warm sandboxes): the
+//! holder of one `coordination.k8s.io` Lease per service, as Kubernetes' own controllers elect a
+//! leader. A replica takes the Lease when there is none or when its holder stopped renewing it for
+//! its duration, with the Lease's `resourceVersion` as the precondition, so two replicas never both
 //! take it; the holder renews it every third of the duration, and leads only until two thirds of
-//! the duration after its last renewal began: a holder whose renewals are late (a stalled
-//! process, a slow API server) stops leading before another may take the Lease, so two replicas
-//! never lead at once. A replica that dies leaves it to the others after one duration.
+//! the duration after its last renewal began: a holder whose renewals are late (a stalled process,
+//! a slow API server) stops leading before another may take the Lease, so two replicas never lead
+//! at once. A replica that dies leaves it to the others after one duration.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
