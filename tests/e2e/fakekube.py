@@ -10,10 +10,17 @@ server sends), delete (a graceful delete marks the Pod, the kubelet stops it, th
 Kubelet: each created Pod gets a network namespace of its own with an address on a veth link to the
 host (10.249.N.2, the host side 10.249.N.1), where it "runs": the init container is checked to copy
 execd where the sandbox container starts it from, and that container's command runs as a process in
-the Pod's network namespace, with execd's binary from this build in place of the copied one. What a
-container runtime adds (the image's root file system, cgroups, seccomp) is not simulated: commands
-run on this host's file system. The Pod's status follows the process: Running with its IP once
-started, Succeeded or Failed with the exit code when it ends.
+the Pod's network namespace, with execd's binary from this build in place of the copied one. Native
+sidecars (init containers with `restartPolicy: Always`, Warren's egress sidecar) start first, with
+`warren` from this build in place of the image's, and the sandbox container starts once their
+start-up probe (a TCP port) answers. Each container gets the capabilities its `securityContext`
+asks for (a bounding set, with `setpriv`, and no new privileges), so a sandbox's processes lack
+what the Pod spec takes away; `emptyDir` mounts of a sidecar are folders of its Pod's own. What a
+container runtime adds beyond that (the image's root file system, cgroups, seccomp, its own PID
+and mount namespaces) is not simulated: commands run on this host's file system. A Pod's namespace
+routes only to its host end and to the networks a test names (`routes`). The Pod's status follows
+the sandbox's process: Running with its IP once started, Succeeded or Failed with the exit code
+when it ends.
 
 Tests can also act as the cluster would behind Warren's back: delete a Pod, evict it, compact the
 event history.
@@ -36,6 +43,20 @@ from urllib.parse import parse_qs, urlparse
 
 K8S_VERSION = "1.31.0"
 EXECD_IN_POD = "/.warren/bin/warren-execd"
+WARREN_IN_IMAGE = "/usr/local/bin/warren"
+
+
+def _bounding_set(container: dict) -> list[str]:
+    """`setpriv` arguments giving a container the capabilities its securityContext keeps (all but
+    the dropped ones, plus the added; `drop: [ALL]` keeps only the added) and no new privileges."""
+    caps = container.get("securityContext", {}).get("capabilities", {})
+    drop = [c.lower() for c in caps.get("drop", [])]
+    add = [c.lower() for c in caps.get("add", [])]
+    if not drop and not add:
+        return []
+    spec = "-all" if "all" in drop else "+all," + ",".join(f"-{c}" for c in drop)
+    spec += "".join(f",+{c}" for c in add)
+    return ["setpriv", "--no-new-privs", f"--bounding-set={spec}", f"--inh-caps={spec}", "--"]
 
 
 def _now() -> str:
@@ -79,12 +100,17 @@ class _Server(ThreadingHTTPServer):
 
 class FakeKube:
     def __init__(self, execd_path: Path | None, subnet_prefix: str = "10.249",
-                 simulate_ip: str | None = None, validate: bool = True):
+                 simulate_ip: str | None = None, validate: bool = True,
+                 warren_path: Path | None = None, routes: list[str] | None = None):
         """`simulate_ip`: the kubelet runs nothing; every Pod is Running at once at that address
         (for scale simulations, with one listener standing in for every execd). `validate`: check
-        objects against the schema (off to measure Warren rather than the validator)."""
+        objects against the schema (off to measure Warren rather than the validator).
+        `warren_path`: the `warren` binary sidecars run. `routes`: networks (CIDR) every Pod's
+        namespace routes to through its host end (nothing else is routed)."""
         import kubernetes_validate  # noqa: F401 - fail early without it
         self.execd_path = execd_path
+        self.warren_path = warren_path
+        self.routes = list(routes or [])
         self.simulate_ip = simulate_ip
         self.validate = validate
         self.requests: dict[str, int] = {}  # "GET pods", "WATCH pods", "POST pods", …
@@ -426,8 +452,12 @@ class FakeKube:
                 auths.update(json.loads(base64.b64decode(secret["data"][".dockerconfigjson"]))["auths"])
         with self.lock:
             self.pulls.append((spec["containers"][0]["image"], auths))
-        (init,) = spec.get("initContainers", [])
+        init, *sidecars = spec.get("initContainers", [])
         (main,) = spec["containers"]
+        if any(c.get("restartPolicy") != "Always" for c in sidecars):
+            self.update_pod(ns, name, lambda p: p["status"].update(
+                phase="Failed", reason="CreateContainerError", message="only one init container runs to completion here"))
+            return
         mounts = {m["name"]: m["mountPath"] for m in main.get("volumeMounts", [])}
         init_mounts = {m["name"]: m["mountPath"] for m in init.get("volumeMounts", [])}
         # The init container must put execd where the sandbox container starts it from.
@@ -444,7 +474,8 @@ class FakeKube:
         host_if, pod_if = f"wkh{index}x{os.getpid() % 1000}", f"wkp{index}x{os.getpid() % 1000}"
         third = index % 250 + 1
         host_ip, pod_ip = f"{self.subnet_prefix}.{third}.1", f"{self.subnet_prefix}.{third}.2"
-        record = {"netns": netns, "host_if": host_if, "proc": None, "stopped": False}
+        record = {"netns": netns, "host_if": host_if, "proc": None, "stopped": False, "sidecars": [],
+                  "dirs": None}
         with self.lock:
             self.pods[name] = record
         try:
@@ -456,10 +487,23 @@ class FakeKube:
             self._ip("-n", netns, "addr", "add", f"{pod_ip}/24", "dev", pod_if)
             self._ip("-n", netns, "link", "set", pod_if, "up")
             self._ip("-n", netns, "link", "set", "lo", "up")
+            if self.routes:
+                for route in self.routes:
+                    self._ip("-n", netns, "route", "add", route, "via", host_ip)
+                # Anything else is routable (as in a cluster, so a DNS query to resolv.conf's server
+                # is sent, and redirected by an egress sidecar) but goes nowhere: to a veth whose
+                # other end, in the Pod too, has no address and forwards nothing.
+                self._ip("-n", netns, "link", "add", "nowhere", "type", "veth", "peer", "name", "nowhere-end")
+                for dev in ("nowhere", "nowhere-end"):
+                    self._ip("-n", netns, "link", "set", dev, "up")
+                self._ip("-n", netns, "route", "add", "default", "dev", "nowhere")
+            for sidecar in sidecars:
+                self._start_sidecar(record, spec, sidecar, pod_ip)
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
                    "HOSTNAME": spec.get("hostname", name)}
             env.update({e["name"]: e["value"] for e in main.get("env", [])})
-            argv = ["ip", "netns", "exec", netns, str(self.execd_path), *main["command"][1:], *main.get("args", [])]
+            argv = ["ip", "netns", "exec", netns, *_bounding_set(main), str(self.execd_path),
+                    *main["command"][1:], *main.get("args", [])]
             with self.lock:
                 if record["stopped"]:
                     raise RuntimeError("deleted while starting")
@@ -484,14 +528,55 @@ class FakeKube:
                 self.update_pod(ns, name, lambda p: p["status"].update(phase="Failed", reason="KubeletError",
                                                                        message=str(e)))
 
-    def _kill(self, record: dict) -> None:
-        proc = record.get("proc")
-        if proc is not None and proc.poll() is None:
+    def _start_sidecar(self, record: dict, spec: dict, c: dict, pod_ip: str) -> None:
+        """Starts a native sidecar and waits for its start-up probe (a TCP port) to answer, as the
+        kubelet does before it starts the Pod's containers."""
+        import socket
+        import tempfile
+        if c["command"][0] != WARREN_IN_IMAGE or self.warren_path is None:
+            raise RuntimeError(f"sidecar {c['name']}: only {WARREN_IN_IMAGE} runs here")
+        if record["dirs"] is None:
+            record["dirs"] = tempfile.mkdtemp(prefix="wk8s-pod-")
+        empty = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        args = [*c["command"][1:], *c.get("args", [])]
+        for m in c.get("volumeMounts", []):
+            if m["name"] not in empty:
+                raise RuntimeError(f"sidecar {c['name']}: only emptyDir volumes are simulated")
+            folder = os.path.join(record["dirs"], m["name"])
+            os.makedirs(folder, exist_ok=True)
+            args = [a.replace(m["mountPath"], folder) for a in args]
+        argv = ["ip", "netns", "exec", record["netns"], *_bounding_set(c), str(self.warren_path), *args]
+        with self.lock:
+            if record["stopped"]:
+                raise RuntimeError("deleted while starting")
+            proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=open(os.path.join(record["dirs"], f"{c['name']}.log"), "wb"))
+            record["sidecars"].append(proc)
+        port = c["startupProbe"]["tcpSocket"]["port"]
+        deadline = time.time() + c["startupProbe"].get("failureThreshold", 3) * c["startupProbe"].get("periodSeconds", 10)
+        while True:
+            if proc.poll() is not None:
+                log = open(os.path.join(record["dirs"], f"{c['name']}.log")).read()[-2000:]
+                raise RuntimeError(f"sidecar {c['name']} exited with {proc.returncode}: {log}")
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+                socket.create_connection((pod_ip, port), timeout=1).close()
+                return
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError(f"sidecar {c['name']}: start-up probe failed")
+                time.sleep(0.05)
+
+    def _kill(self, record: dict) -> None:
+        import shutil
+        for proc in [record.get("proc"), *record.get("sidecars", [])]:
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        if record.get("dirs"):
+            shutil.rmtree(record["dirs"], ignore_errors=True)
         subprocess.run(["ip", "link", "del", record["host_if"]], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", record["netns"]], capture_output=True, timeout=10)
 

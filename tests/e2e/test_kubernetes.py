@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import subprocess
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -302,8 +303,8 @@ def test_a_policy_that_lets_addresses_out_is_a_network_policy_of_the_sandbox_s_o
         sbx.patch_egress_rules([NetworkRule(action="allow", target="198.51.100.0/24")])
         np = cluster.get("networkpolicies", NS, name)
         assert {"ipBlock": {"cidr": "198.51.100.0/24"}} in np["spec"]["egress"][0]["to"], np["spec"]
-        # A host name needs a proxy beside the sandbox, which this runtime does not have: refused,
-        # and the policy in force is unchanged.
+        # A host name needs the egress sidecar, which this server does not run: refused, and the
+        # policy in force is unchanged.
         with k8s.client() as c:
             r = c.patch(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=[{"action": "allow", "target": "pypi.org"}])
         W.assert_error_body(r, codes=[400])
@@ -334,6 +335,171 @@ def test_a_policy_that_lets_addresses_out_is_a_network_policy_of_the_sandbox_s_o
     W.assert_error_body(r, codes=[400])
     assert len(cluster.list("pods", NS)) == pods
     assert cluster.rejected == [], cluster.rejected
+
+
+@pytest.fixture(scope="module")
+def little_internet():
+    """What sandboxes behind an egress sidecar may reach, or not: `.test` names answered by a DNS
+    server of the test's, and HTTP servers on port 80, all at addresses on this host's loopback
+    device (a Pod's namespace routes to them through its host end; nothing leaves this host)."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from fakenet import dns_answer, free_net
+
+    prefix = free_net("198.18", start=128)
+    zone = {"allowed.test": f"{prefix}.2", "other.test": f"{prefix}.3", "api.wild.test": f"{prefix}.4"}
+    dns_ip = f"{prefix}.53"
+    added: list[str] = []
+    servers: list[ThreadingHTTPServer] = []
+    names: list[str] = []
+
+    class Hello(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f"hello from {self.connection.getsockname()[0]}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stop = threading.Event()
+    try:
+        for a in [*zone.values(), dns_ip]:
+            subprocess.run(["ip", "addr", "add", f"{a}/32", "dev", "lo"], check=True, capture_output=True)
+            added.append(a)
+        for a in zone.values():
+            srv = ThreadingHTTPServer((a, 80), Hello)
+            srv.daemon_threads = True
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            servers.append(srv)
+        dns.bind((dns_ip, 53))
+        dns.settimeout(0.2)
+
+        def serve_dns():
+            while not stop.is_set():
+                try:
+                    q, addr = dns.recvfrom(4096)
+                except OSError:
+                    continue
+                dns.sendto(dns_answer(q, names, zone), addr)
+
+        threading.Thread(target=serve_dns, daemon=True).start()
+        yield SimpleNamespace(prefix=prefix, zone=zone, dns=f"{dns_ip}:53", names=names)
+    finally:
+        stop.set()
+        dns.close()
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+        for a in added:
+            subprocess.run(["ip", "addr", "del", f"{a}/32", "dev", "lo"], capture_output=True)
+
+
+FETCH = """python3 - <<'EOF'
+import urllib.request
+try:
+    print(urllib.request.urlopen('http://{target}/', timeout=5).read().decode().strip())
+except Exception as e:
+    print('FAILED', type(e).__name__, e)
+EOF"""
+
+
+def test_the_egress_sidecar_enforces_rules_naming_hosts_beside_the_sandbox(work_root, little_internet):
+    """With `egress_sidecar`, rules naming hosts work on Kubernetes: Warren's container beside the
+    sandbox holds the policy in the Pod's network namespace and answers its DNS. Here the kubelet
+    runs that container (`warren egress-sidecar` from this build) before the sandbox's, each with
+    the capabilities the Pod spec gives it, so the sandbox's processes try to undo the rules with
+    exactly what a cluster would leave them."""
+    from opensandbox.models.sandboxes import NetworkPolicy, NetworkRule
+    net = little_internet
+    cluster = FakeKube(W.warren_bin().with_name("warren-execd"), subnet_prefix="10.247",
+                       warren_path=W.warren_bin(), routes=[f"{net.prefix}.0/24"])
+    srv = _server(work_root, cluster, tail=f'egress_sidecar = true\negress_dns_upstream = "{net.dns}"\n')
+    sbx = None
+    try:
+        caps = httpx.get(f"{srv.base_url}/health", timeout=10).json()["runtime"]["capabilities"]
+        assert caps["egressAddresses"] is True and caps["egressNames"] is True, caps
+        sbx = _create(srv, network_policy=NetworkPolicy.model_validate(
+            {"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]}))
+        pod = _pod(cluster, sbx.id)
+        sidecar = pod["spec"]["initContainers"][1]
+        assert sidecar["name"] == "warren-egress" and sidecar["restartPolicy"] == "Always", sidecar
+        assert "NET_RAW" not in pod["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]
+        # The cluster lets the Pod out; the sidecar decides where to.
+        np = cluster.get("networkpolicies", NS, f"warren-{sbx.id}-egress")
+        assert {"ipBlock": {"cidr": "0.0.0.0/0"}} in np["spec"]["egress"][0]["to"], np["spec"]
+
+        def fetch(target):
+            code, out, _ = W.sh(sbx, FETCH.format(target=target))
+            return out.strip()
+
+        assert fetch("allowed.test") == f"hello from {net.zone['allowed.test']}"
+        # A name no rule allows gets no answer, and never reaches the upstream; its address is shut.
+        assert fetch("other.test").startswith("FAILED"), fetch("other.test")
+        assert "other.test" not in net.names, net.names
+        assert fetch(net.zone["other.test"]).startswith("FAILED")
+
+        # What the sandbox's processes have cannot undo the rules: no NET_ADMIN to change them, no
+        # NET_RAW to put the sidecar's mark on a socket (or send raw packets).
+        code, out, _ = W.sh(sbx, "nft flush ruleset 2>&1; echo rc=$?")
+        assert "rc=0" not in out, out
+        code, out, _ = W.sh(sbx, """python3 - <<'EOF'
+import socket
+for what, make in [("mark", lambda: socket.socket().setsockopt(socket.SOL_SOCKET, 36, 0x57524e)),
+                   ("raw", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP))]:
+    try:
+        make()
+        print(what, "ALLOWED")
+    except PermissionError:
+        print(what, "refused")
+EOF""")
+        assert out.strip().split("\n") == ["mark refused", "raw refused"], out
+        assert fetch(net.zone["other.test"]).startswith("FAILED")
+        # The control port opens only with execd's credential: not without one, nor with its
+        # verifier (which the sidecar's command line shows), from the Pod or from outside it.
+        ip = cluster.pod_ip(NS, f"warren-{sbx.id}")
+        credential = W.execd_credential(srv, sbx.id)
+        verifier = hashlib.sha256(credential.encode()).hexdigest()
+        wide_open = json.dumps({"defaultAction": "allow", "egress": []})
+        for headers in ({}, {"X-EXECD-ACCESS-TOKEN": verifier}):
+            r = httpx.put(f"http://{ip}:44774/policy", content=wide_open, headers=headers, timeout=10)
+            assert r.status_code == 401, r.text
+        code, out, _ = W.sh(sbx, f"""python3 - <<'EOF'
+import urllib.request
+req = urllib.request.Request('http://127.0.0.1:44774/policy', data=b'{wide_open}', method='PUT',
+                             headers={{'X-EXECD-ACCESS-TOKEN': '{verifier}'}})
+try:
+    urllib.request.urlopen(req, timeout=5)
+    print('OPENED')
+except urllib.error.HTTPError as e:
+    print(e.code)
+EOF""")
+        assert out.strip() == "401", out
+        assert fetch(net.zone["other.test"]).startswith("FAILED")
+
+        # Changed live through the SDK: a wildcard opens its names; a policy that lets nothing out
+        # shuts what was learned before, at once.
+        sbx.patch_egress_rules([NetworkRule(action="allow", target="*.wild.test")])
+        assert fetch("api.wild.test") == f"hello from {net.zone['api.wild.test']}"
+        with srv.client() as c:
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "deny", "egress": []})
+            assert r.status_code == 200, r.text
+        assert cluster.get("networkpolicies", NS, f"warren-{sbx.id}-egress") is None
+        assert fetch(net.zone["allowed.test"]).startswith("FAILED")
+        assert fetch("allowed.test").startswith("FAILED")
+        assert cluster.rejected == [], cluster.rejected
+    finally:
+        if sbx is not None:
+            sbx.kill()
+            sbx.close()
+        srv.stop()
+        cluster.close()
 
 
 def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):

@@ -23,6 +23,9 @@ pub const EXECD_TOKEN_HEADER: &str = "X-EXECD-ACCESS-TOKEN";
 pub const REQUEST_ID_HEADER: &str = "X-Request-ID";
 /// The execd port inside every sandbox.
 pub const EXECD_PORT: u16 = 44772;
+/// The control port of the egress sidecar beside a sandbox (Kubernetes), which checks execd's
+/// credential: `PUT /policy`.
+pub const EGRESS_SIDECAR_PORT: u16 = 44774;
 /// What a connection to execd's relay starts with, before the sandbox's address and a newline
 /// (`warren-execd relay`, for sandboxes on a network with no other way in).
 pub const RELAY_PREAMBLE: &str = "WARREN-RELAY ";

@@ -266,6 +266,10 @@ pub struct RuntimeCapabilities {
     /// networks (a NetworkPolicy per sandbox on Kubernetes). Rules naming hosts need a link.
     #[serde(default)]
     pub egress_addresses: bool,
+    /// With `egress_addresses`: rules naming hosts too, enforced by a proxy beside the sandbox that
+    /// answers its DNS (the egress sidecar on Kubernetes).
+    #[serde(default)]
+    pub egress_names: bool,
     /// `ephemeral-storage` bounds a sandbox's root file system writes (the default bound applies).
     pub disk_bound: bool,
     /// Sandbox root is an unprivileged range of host ids of its own.

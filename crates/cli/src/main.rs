@@ -4,6 +4,7 @@ mod client;
 mod code;
 mod command;
 mod egress;
+mod egress_sidecar;
 mod file;
 mod image;
 mod mcp;
@@ -51,6 +52,9 @@ enum Verb {
     },
     /// Create a sandbox, run one command in it, stream its output, delete it; exits with its code.
     Run(run::RunArgs),
+    /// The egress sidecar beside a sandbox on Kubernetes (started by the Kubernetes runtime).
+    #[command(name = "egress-sidecar", hide = true)]
+    EgressSidecar(egress_sidecar::SidecarArgs),
     /// Run code in a sandbox's code contexts (Jupyter kernels).
     Code {
         #[command(subcommand)]
@@ -218,6 +222,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rt.block_on(serve(cfg))?;
             Ok(ExitCode::SUCCESS)
         }
+        Verb::EgressSidecar(args) => egress_sidecar::run(args),
         Verb::Run(args) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(run::run(args))

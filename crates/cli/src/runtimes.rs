@@ -6,7 +6,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use warren_core::Runtime;
 use warren_runtime_docker::{DockerConfig, DockerRuntime};
-use warren_runtime_kubernetes::{Connection, KubernetesConfig, KubernetesRuntime, PodSettings};
+use warren_runtime_kubernetes::{
+    Connection, EgressSidecar, KubernetesConfig, KubernetesRuntime, PodSettings,
+};
 use warren_runtime_native::{NativeConfig, NativeRuntime};
 use warren_server::config::RuntimeKind;
 use warren_server::ServerConfig;
@@ -151,6 +153,10 @@ fn kubernetes(
         }
         None => None,
     };
+    if let Some(u) = &k.egress_dns_upstream {
+        u.parse::<std::net::SocketAddr>()
+            .map_err(|_| anyhow::anyhow!("[kubernetes] egress_dns_upstream {u:?} is not ip:port"))?;
+    }
     let runtime = KubernetesRuntime::new(KubernetesConfig {
         connection,
         namespace: k
@@ -172,6 +178,13 @@ fn kubernetes(
             tolerations: warren_runtime_kubernetes::tolerations(&k.tolerations),
             image_pull_secrets: k.image_pull_secrets.clone(),
             allowed_host_paths: k.allowed_host_paths.clone(),
+            egress: k.egress_sidecar.then(|| EgressSidecar {
+                command: k
+                    .warren_image_path
+                    .clone()
+                    .unwrap_or_else(|| "/usr/local/bin/warren".into()),
+                dns_upstream: k.egress_dns_upstream.clone(),
+            }),
         },
         ready_timeout,
         shared_key,

@@ -1,6 +1,6 @@
-//! An egress policy whose rules all name addresses or networks: what a runtime that enforces
-//! policies in its backend (a NetworkPolicy per sandbox on Kubernetes) is handed. The server keeps
-//! the full policy (host names too) and gives a runtime this form only when it has no host rule.
+//! What a runtime that enforces egress policies itself is handed: the policy as the protocol writes
+//! it (for an enforcer beside the sandbox that answers its DNS, so rules may name hosts), and its
+//! address-only form when no rule names a host (what a NetworkPolicy per sandbox can say).
 
 use std::net::IpAddr;
 
@@ -66,6 +66,17 @@ impl AddressPolicy {
             .find(|(_, net)| net.contains(ip))
             .map_or(self.default_allow, |(allow, _)| *allow)
     }
+}
+
+/// A sandbox's egress policy, for a runtime with
+/// [`RuntimeCapabilities::egress_addresses`](warren_api::lifecycle::RuntimeCapabilities).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EgressPolicy {
+    /// `{defaultAction, egress: [{action, target}]}` as the protocol writes it, host rules and all:
+    /// what an enforcer beside the sandbox takes (`egress_names`).
+    pub rules: serde_json::Value,
+    /// The same rules when none names a host; `None` when one does.
+    pub addresses: Option<AddressPolicy>,
 }
 
 #[cfg(test)]

@@ -57,6 +57,7 @@ pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
     snapshots: false,
     egress_policy: false,
     egress_addresses: false,
+    egress_names: false,
     disk_bound: false,
     user_namespaces: false,
     isolated_sessions: false,

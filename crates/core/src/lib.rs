@@ -33,7 +33,7 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
-pub use egress::{AddressPolicy, Net};
+pub use egress::{AddressPolicy, EgressPolicy, Net};
 pub use runtime::{
     Background, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
     ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage,

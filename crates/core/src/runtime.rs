@@ -88,7 +88,7 @@ pub struct SandboxSpec {
     pub record: Option<serde_json::Value>,
     /// With [`RuntimeCapabilities::egress_addresses`]: what the sandbox may reach, when its policy
     /// lets anything out (`None`: nothing, the default).
-    pub egress: Option<crate::AddressPolicy>,
+    pub egress: Option<crate::EgressPolicy>,
 }
 
 /// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone
@@ -284,12 +284,14 @@ pub trait Runtime: Send + Sync + 'static {
     }
 
     /// With [`RuntimeCapabilities::egress_addresses`]: makes `policy` what the sandbox may reach
-    /// (`None`: nothing), in force when this returns.
+    /// (`None`: nothing), in force when this returns. `credential` is the sandbox's execd
+    /// credential, which an enforcer beside the sandbox checks as execd does.
     async fn set_egress(
         &self,
         _id: &str,
         _state: &RuntimeState,
-        _policy: Option<&crate::AddressPolicy>,
+        _policy: Option<&crate::EgressPolicy>,
+        _credential: &str,
     ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Unsupported(format!(
             "the {} runtime does not enforce network policies itself",

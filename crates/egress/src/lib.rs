@@ -8,6 +8,7 @@ pub mod manager;
 pub mod mitm;
 pub mod nft;
 pub mod policy;
+pub mod sidecar;
 pub mod vault;
 
 pub use manager::{Egress, EgressConfig, EgressError, Link};

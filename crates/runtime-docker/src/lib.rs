@@ -1085,6 +1085,7 @@ impl Runtime for DockerRuntime {
             egress_policy: self.config.oci_runtime.as_deref() != Some("runsc")
                 && self.local_daemon(),
             egress_addresses: false,
+            egress_names: false,
             // StorageOpt bounds the root only on some storage drivers.
             disk_bound: false,
             // The daemon's `userns-remap` is its own.

@@ -14,6 +14,41 @@ use warren_core::{AddressPolicy, Net};
 
 use crate::pod::{LABEL_OWNER, LABEL_SANDBOX};
 
+/// Puts `rules` (the whole policy, as the protocol writes it) in force in the egress sidecar of the
+/// Pod at `ip`; in force when this returns.
+pub async fn push_to_sidecar(
+    ip: &str,
+    credential: &str,
+    rules: &Value,
+) -> Result<(), warren_core::RuntimeError> {
+    let fail = |e: String| {
+        warren_core::RuntimeError::backend(format!("the sandbox's egress sidecar: {e}"))
+    };
+    let host: std::net::IpAddr = ip.parse().map_err(|_| fail(format!("bad Pod IP {ip:?}")))?;
+    let url = format!(
+        "http://{}/policy",
+        std::net::SocketAddr::new(host, warren_api::EGRESS_SIDECAR_PORT)
+    );
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .map_err(|e| fail(e.to_string()))?;
+    let resp = client
+        .put(&url)
+        .header(warren_api::EXECD_TOKEN_HEADER, credential)
+        .json(rules)
+        .send()
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    if resp.status().is_success() {
+        return Ok(());
+    }
+    let status = resp.status();
+    let body = resp.text().await.unwrap_or_default();
+    Err(fail(format!("{status}: {}", body.chars().take(300).collect::<String>())))
+}
+
 /// The name of sandbox `id`'s own NetworkPolicy.
 pub fn policy_name(id: &str) -> String {
     format!("warren-{id}-egress")

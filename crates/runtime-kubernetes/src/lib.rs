@@ -7,8 +7,10 @@
 //! Sandboxes get no network but execd's port by default: one NetworkPolicy, made once per Warren
 //! instance, denies their Pods all egress and lets in only execd's port (enforced where the cluster's
 //! network plugin enforces NetworkPolicies). A sandbox whose egress policy lets addresses out gets a
-//! NetworkPolicy of its own besides (`egress`); rules naming hosts need a proxy beside the sandbox,
-//! which is not offered yet. Pause and snapshots are not offered on Kubernetes.
+//! NetworkPolicy of its own besides (`egress`). Rules naming hosts need the egress sidecar
+//! (`PodSettings::egress`): then every sandbox Pod has it, it holds the whole policy, and a sandbox
+//! whose policy lets anything out gets a NetworkPolicy letting every address out, the sidecar
+//! deciding which. Pause and snapshots are not offered on Kubernetes.
 //!
 //! With a shared key, replicas of one service serve one set of sandboxes, whose records live on
 //! their Pods (`records`).
@@ -36,7 +38,7 @@ use warren_core::{
 
 pub use client::{Client, Connection, KubeError};
 use pod::PodView;
-pub use pod::{PodSettings, LABEL_OWNER, LABEL_SANDBOX};
+pub use pod::{EgressSidecar, PodSettings, LABEL_OWNER, LABEL_SANDBOX};
 pub use records::check_key;
 use records::PodRecords;
 use watch::{PodWatch, Seen};
@@ -134,21 +136,36 @@ impl KubernetesRuntime {
     }
 
     /// Makes sandbox `id`'s own NetworkPolicy say `policy` (made, replaced, or removed when it
-    /// lets nothing out).
+    /// lets nothing out). With the egress sidecar, a policy that lets anything out lets every
+    /// address out here: the sidecar decides.
     async fn apply_egress(
         &self,
         id: &str,
         pod: &str,
         uid: &str,
-        policy: Option<&warren_core::AddressPolicy>,
+        policy: Option<&warren_core::EgressPolicy>,
     ) -> Result<(), RuntimeError> {
         let path = format!(
             "{}/{}",
             self.network_policies_path(),
             egress::policy_name(id)
         );
-        let body =
-            policy.and_then(|p| egress::network_policy(id, &self.config.pod.instance, pod, uid, p));
+        let open = warren_core::AddressPolicy {
+            default_allow: true,
+            rules: Vec::new(),
+        };
+        let addresses = match (&self.config.pod.egress, policy) {
+            (_, None) => None,
+            (Some(_), Some(_)) => Some(&open),
+            (None, Some(p)) => Some(p.addresses.as_ref().ok_or_else(|| {
+                RuntimeError::Invalid(
+                    "rules naming hosts need the egress sidecar ([kubernetes] egress_sidecar)"
+                        .into(),
+                )
+            })?),
+        };
+        let body = addresses
+            .and_then(|p| egress::network_policy(id, &self.config.pod.instance, pod, uid, p));
         let Some(body) = body else {
             return self
                 .client
@@ -197,6 +214,12 @@ impl KubernetesRuntime {
     async fn ensure_policy(&self) -> Result<(), RuntimeError> {
         self.policy
             .get_or_try_init(|| async {
+                let mut ingress = vec![json!({"protocol": "TCP", "port": warren_api::EXECD_PORT})];
+                if self.config.pod.egress.is_some() {
+                    ingress.push(
+                        json!({"protocol": "TCP", "port": warren_api::EGRESS_SIDECAR_PORT}),
+                    );
+                }
                 let body = json!({
                     "apiVersion": "networking.k8s.io/v1",
                     "kind": "NetworkPolicy",
@@ -207,7 +230,7 @@ impl KubernetesRuntime {
                     "spec": {
                         "podSelector": {"matchLabels": {LABEL_OWNER: self.config.pod.instance}},
                         "policyTypes": ["Ingress", "Egress"],
-                        "ingress": [{"ports": [{"protocol": "TCP", "port": warren_api::EXECD_PORT}]}],
+                        "ingress": [{"ports": ingress}],
                         "egress": [],
                     },
                 });
@@ -354,10 +377,19 @@ impl Runtime for KubernetesRuntime {
         &self,
         id: &str,
         state: &RuntimeState,
-        policy: Option<&warren_core::AddressPolicy>,
+        policy: Option<&warren_core::EgressPolicy>,
+        credential: &str,
     ) -> Result<(), RuntimeError> {
         let pod = state_of(state)
             .ok_or_else(|| RuntimeError::NotFound(format!("sandbox {id} has no Pod on record")))?;
+        if self.config.pod.egress.is_some() {
+            // The sidecar first: a NetworkPolicy that opens (none to some) opens to what it says.
+            let rules = policy.map_or_else(
+                || json!({"defaultAction": "deny", "egress": []}),
+                |p| p.rules.clone(),
+            );
+            egress::push_to_sidecar(&pod.ip, credential, &rules).await?;
+        }
         self.apply_egress(id, &pod.pod, &pod.uid, policy).await
     }
 
@@ -376,6 +408,7 @@ impl Runtime for KubernetesRuntime {
             // sandbox whose policy lets addresses out a NetworkPolicy of its own.
             egress_policy: false,
             egress_addresses: true,
+            egress_names: self.config.pod.egress.is_some(),
             // `ephemeral-storage` is passed on as a limit, which the kubelet enforces by eviction.
             disk_bound: false,
             user_namespaces: false,

@@ -7,6 +7,13 @@
 //! gets the same confinement as a sandbox elsewhere: Docker's capabilities less `MKNOD`, no
 //! privilege escalation, the runtime's default seccomp profile, no service account token, no
 //! service links, cpu and memory bounds as requests and limits.
+//!
+//! With the egress sidecar (`PodSettings::egress`), a second container from Warren's image runs
+//! `warren egress-sidecar` in the Pod's network namespace, before the sandbox's container starts (a
+//! native sidecar: an init container that keeps running, whose start-up probe is its control port,
+//! bound once its rules are in): it alone has `NET_ADMIN`, and the sandbox's container loses
+//! `NET_RAW` too, without which it cannot mark its sockets as the sidecar's (see
+//! `warren_egress::sidecar`).
 
 use std::collections::BTreeMap;
 
@@ -25,6 +32,11 @@ pub const SANDBOX_CONTAINER: &str = "sandbox";
 /// Where execd's binary is in the Pod (the init container copies it there).
 pub const EXECD_DIR: &str = "/.warren/bin";
 const EXECD_VOLUME: &str = "warren-execd";
+/// The egress sidecar's container, and its own volume (the policy in force, which it starts from
+/// again if it restarts; the sandbox's container does not mount it).
+pub const EGRESS_CONTAINER: &str = "warren-egress";
+const EGRESS_VOLUME: &str = "warren-egress";
+const EGRESS_DIR: &str = "/.warren/egress";
 
 /// What a Pod template needs besides the sandbox's own spec.
 #[derive(Debug, Clone)]
@@ -41,6 +53,17 @@ pub struct PodSettings {
     /// Node folders `host` volumes may mount (each whole, as a hostPath; what lies under it through
     /// the kubelet's subPath, which does not follow a symlink out of the folder).
     pub allowed_host_paths: Vec<std::path::PathBuf>,
+    /// The egress sidecar in every sandbox Pod, when on (`[kubernetes] egress_sidecar`).
+    pub egress: Option<EgressSidecar>,
+}
+
+/// How the egress sidecar runs.
+#[derive(Debug, Clone)]
+pub struct EgressSidecar {
+    /// The `warren` binary in `execd_image`.
+    pub command: String,
+    /// Where allowed DNS queries go (`ip:port`); `None`: the Pod's resolv.conf's first server.
+    pub dns_upstream: Option<String>,
 }
 
 pub fn pod_name(id: &str) -> String {
@@ -101,11 +124,73 @@ pub fn pull_secret(
     })
 }
 
+/// The egress sidecar's container: a native sidecar (an init container that keeps running) that
+/// the kubelet starts before the sandbox's container and waits for until its control port answers,
+/// which it binds only once its rules are in force.
+fn egress_sidecar(spec: &SandboxSpec, settings: &PodSettings, sidecar: &EgressSidecar) -> Value {
+    let policy = spec
+        .egress
+        .as_ref()
+        .map_or_else(|| json!({"defaultAction": "deny", "egress": []}), |p| p.rules.clone());
+    let mut command = vec![
+        sidecar.command.clone(),
+        "egress-sidecar".to_string(),
+        "--listen".to_string(),
+        format!("0.0.0.0:{}", warren_api::EGRESS_SIDECAR_PORT),
+        "--access-token-sha256".to_string(),
+        spec.execd_verifier.clone(),
+        "--inbound-port".to_string(),
+        warren_api::EXECD_PORT.to_string(),
+        "--policy".to_string(),
+        policy.to_string(),
+        "--state-file".to_string(),
+        format!("{EGRESS_DIR}/policy.json"),
+    ];
+    if let Some(upstream) = &sidecar.dns_upstream {
+        command.extend(["--dns-upstream".to_string(), upstream.clone()]);
+    }
+    json!({
+        "name": EGRESS_CONTAINER,
+        "image": settings.execd_image,
+        "imagePullPolicy": "IfNotPresent",
+        "restartPolicy": "Always",
+        "command": command,
+        "ports": [{"name": "egress", "containerPort": warren_api::EGRESS_SIDECAR_PORT, "protocol": "TCP"}],
+        "startupProbe": {
+            "tcpSocket": {"port": warren_api::EGRESS_SIDECAR_PORT},
+            "periodSeconds": 1,
+            "failureThreshold": 60,
+        },
+        "volumeMounts": [{"name": EGRESS_VOLUME, "mountPath": EGRESS_DIR}],
+        "securityContext": {
+            "allowPrivilegeEscalation": false,
+            "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "resources": {
+            "limits": {"cpu": "200m", "memory": "64Mi"},
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+        },
+    })
+}
+
 /// The Pod for `spec`; `image` is the reference the cluster pulls.
 pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Result<Value, String> {
+    let mut init = vec![json!({
+        "name": "warren-execd",
+        "image": settings.execd_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["cp", settings.execd_image_path, format!("{EXECD_DIR}/warren-execd")],
+        "volumeMounts": [{"name": EXECD_VOLUME, "mountPath": EXECD_DIR}],
+        "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+        "resources": {"limits": {"cpu": "100m", "memory": "64Mi"}},
+    })];
+    if let Some(sidecar) = &settings.egress {
+        init.push(egress_sidecar(spec, settings, sidecar));
+    }
     let execd = format!("{EXECD_DIR}/warren-execd");
     let mut command = vec![
-        execd.clone(),
+        execd,
         "--listen".to_string(),
         format!("0.0.0.0:{}", warren_api::EXECD_PORT),
         "--access-token-sha256".to_string(),
@@ -130,6 +215,9 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
         limits.insert("ephemeral-storage".into(), json!(b.to_string()));
     }
     let mut volumes = vec![json!({"name": EXECD_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})];
+    if settings.egress.is_some() {
+        volumes.push(json!({"name": EGRESS_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}}));
+    }
     let mut mounts = vec![json!({"name": EXECD_VOLUME, "mountPath": EXECD_DIR, "readOnly": true})];
     for (i, v) in spec.volumes.iter().enumerate() {
         let name = format!("volume-{i}");
@@ -172,6 +260,8 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
     let caps: Vec<&str> = policy::KEPT_CAPABILITIES
         .iter()
         .map(|c| c.trim_start_matches("CAP_"))
+        // With NET_RAW a process may set SO_MARK, and so pass as the egress sidecar.
+        .filter(|c| settings.egress.is_none() || *c != "NET_RAW")
         .collect();
     let mut pod_spec = json!({
         "restartPolicy": "Never",
@@ -180,15 +270,7 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
         "terminationGracePeriodSeconds": 5,
         "hostname": spec.id.chars().take(12).collect::<String>(),
         "volumes": volumes,
-        "initContainers": [{
-            "name": "warren-execd",
-            "image": settings.execd_image,
-            "imagePullPolicy": "IfNotPresent",
-            "command": ["cp", settings.execd_image_path, execd],
-            "volumeMounts": [{"name": EXECD_VOLUME, "mountPath": EXECD_DIR}],
-            "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
-            "resources": {"limits": {"cpu": "100m", "memory": "64Mi"}},
-        }],
+        "initContainers": init,
         "containers": [{
             "name": SANDBOX_CONTAINER,
             "image": image,
@@ -399,6 +481,7 @@ mod tests {
             ],
             image_pull_secrets: vec!["regcred".into()],
             allowed_host_paths: vec!["/srv/shared".into(), "/srv/shared/deep".into()],
+            egress: None,
         }
     }
 
@@ -449,6 +532,59 @@ mod tests {
             ])
         );
         assert_eq!(c["volumeMounts"][0]["readOnly"], true);
+        assert!(added.contains(&json!("NET_RAW")), "no sidecar: Docker's set");
+        assert_eq!(s["initContainers"].as_array().map(Vec::len), Some(1));
+    }
+
+    #[test]
+    fn the_egress_sidecar_starts_first_alone_with_net_admin_and_the_sandbox_loses_net_raw() {
+        let mut set = settings();
+        set.egress = Some(EgressSidecar {
+            command: "/usr/local/bin/warren".into(),
+            dns_upstream: Some("10.96.0.10:53".into()),
+        });
+        let mut sp = spec();
+        let rules = json!({"defaultAction": "deny", "egress": [{"action": "allow", "target": "pypi.org"}]});
+        sp.egress = Some(warren_core::EgressPolicy {
+            rules: rules.clone(),
+            addresses: None,
+        });
+        let pod = manifest(&sp, "python:3.12", &set).expect("pod");
+        let s = &pod["spec"];
+        let sidecar = &s["initContainers"][1];
+        assert_eq!(sidecar["name"], EGRESS_CONTAINER);
+        // A native sidecar, started before the sandbox and waited for.
+        assert_eq!(sidecar["restartPolicy"], "Always");
+        assert_eq!(sidecar["startupProbe"]["tcpSocket"]["port"], 44774);
+        assert_eq!(
+            sidecar["securityContext"]["capabilities"],
+            json!({"drop": ["ALL"], "add": ["NET_ADMIN"]})
+        );
+        let cmd: Vec<&str> = sidecar["command"]
+            .as_array()
+            .expect("command")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(&cmd[..2], ["/usr/local/bin/warren", "egress-sidecar"]);
+        let arg = |flag: &str| cmd[cmd.iter().position(|a| *a == flag).expect(flag) + 1];
+        assert_eq!(arg("--access-token-sha256"), "ab".repeat(32));
+        assert_eq!(arg("--dns-upstream"), "10.96.0.10:53");
+        assert_eq!(
+            serde_json::from_str::<Value>(arg("--policy")).expect("json"),
+            rules
+        );
+        let c = &s["containers"][0];
+        let added = c["securityContext"]["capabilities"]["add"]
+            .as_array()
+            .expect("caps");
+        assert!(!added.contains(&json!("NET_RAW")) && !added.contains(&json!("NET_ADMIN")));
+        // Its state volume is the sidecar's alone.
+        assert!(c["volumeMounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .all(|m| m["name"] != "warren-egress"));
     }
 
     #[test]

@@ -1040,6 +1040,7 @@ impl Runtime for NativeRuntime {
             snapshots: !gvisor,
             egress_policy: !gvisor,
             egress_addresses: false,
+            egress_names: false,
             disk_bound: !gvisor,
             user_namespaces: self.inner.userns.is_some(),
             // The isolation helper is forked by the embedded runtime's PID 1, in the sandbox's

@@ -284,6 +284,16 @@ pub struct KubernetesSection {
     pub execd_image: Option<String>,
     /// Where execd is in that image.
     pub execd_image_path: Option<String>,
+    /// A container beside every sandbox, from `execd_image`, holding its egress policy in the Pod's
+    /// network namespace and answering its DNS: rules naming hosts (`pypi.org`, `*.example.com`)
+    /// work, not only addresses (a NetworkPolicy's reach). Off by default.
+    #[serde(default)]
+    pub egress_sidecar: bool,
+    /// Where the `warren` binary is in `execd_image` (the sidecar runs `warren egress-sidecar`).
+    pub warren_image_path: Option<String>,
+    /// Where the sidecar sends allowed DNS queries (`ip:port`); default: the first `nameserver` of
+    /// the Pod's resolv.conf (the cluster's DNS).
+    pub egress_dns_upstream: Option<String>,
     /// `runtimeClassName` of every sandbox Pod (gVisor, Kata…).
     pub runtime_class: Option<String>,
     #[serde(default)]

@@ -185,34 +185,42 @@ pub fn needs_link(p: &NetworkPolicy) -> bool {
     p.allows_anything()
 }
 
-/// `policy` as a runtime that enforces address rules in its backend takes it, or a 400 naming the
-/// first rule that names a host (those need a link, which `runtime` cannot have).
-pub fn address_policy(
+/// `policy` as a runtime that enforces policies itself takes it (see [`warren_core::EgressPolicy`]),
+/// or a 400 naming the first rule that names a host when the runtime enforces addresses only
+/// (`names`: it has a proxy beside the sandbox that answers its DNS).
+pub fn runtime_policy(
     policy: &NetworkPolicy,
     runtime: &str,
-) -> Result<warren_core::AddressPolicy, ApiError> {
+    names: bool,
+) -> Result<warren_core::EgressPolicy, ApiError> {
     use warren_egress::policy::{Action, Target};
     let mut rules = Vec::with_capacity(policy.egress.len());
+    let mut naming = None;
     for (i, rule) in policy.egress.iter().enumerate() {
         match Target::parse(&rule.target) {
             Ok(Target::Cidr(addr, len)) => {
                 rules.push((rule.action == Action::Allow, warren_core::Net { addr, len }))
             }
             _ => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    ErrorCode::ApiNotSupported,
-                    format!(
-                        "networkPolicy rule {i} ({:?}): the {runtime} runtime enforces rules that name addresses or networks (CIDR); rules naming hosts need an egress proxy beside the sandbox, which it does not offer yet",
-                        rule.target
-                    ),
-                ))
+                naming.get_or_insert((i, rule.target.clone()));
             }
         }
     }
-    Ok(warren_core::AddressPolicy {
-        default_allow: policy.default_action == Action::Allow,
-        rules,
+    if let (Some((i, target)), false) = (&naming, names) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::ApiNotSupported,
+            format!(
+                "networkPolicy rule {i} ({target:?}): the {runtime} runtime enforces rules that name addresses or networks (CIDR) here; rules naming hosts need the egress proxy beside the sandbox (on Kubernetes: [kubernetes] egress_sidecar = true)"
+            ),
+        ));
+    }
+    Ok(warren_core::EgressPolicy {
+        rules: serde_json::to_value(policy).unwrap_or_default(),
+        addresses: naming.is_none().then(|| warren_core::AddressPolicy {
+            default_allow: policy.default_action == Action::Allow,
+            rules,
+        }),
     })
 }
 

@@ -18,7 +18,7 @@ use warren_store::{SandboxRecord, Store};
 
 use crate::error::ApiError;
 use crate::execd_conns::{ExecdConns, ExecdEndpoint};
-use crate::network::{address_policy, needs_link, Network};
+use crate::network::{needs_link, runtime_policy, Network};
 use crate::validate::CreatePlan;
 
 mod shared;
@@ -504,7 +504,7 @@ impl Sandboxes {
                     ),
                 ))
             } else {
-                address_policy(&policy, &self.inner.runtime.name())
+                runtime_policy(&policy, &self.inner.runtime.name(), caps_now.egress_names)
             };
             match checked {
                 Ok(p) => by_address = Some(p),
@@ -841,12 +841,17 @@ impl Sandboxes {
         if !caps.egress_policy && caps.egress_addresses {
             // The runtime's backend enforces it; the record follows once it is in force.
             let by_address = match needs_link(&policy) {
-                true => Some(address_policy(&policy, &self.inner.runtime.name())?),
+                true => Some(runtime_policy(
+                    &policy,
+                    &self.inner.runtime.name(),
+                    caps.egress_names,
+                )?),
                 false => None,
             };
+            let credential = crate::tokens::execd_credential(&rec.token);
             self.inner
                 .runtime
-                .set_egress(id, &rec.runtime_state, by_address.as_ref())
+                .set_egress(id, &rec.runtime_state, by_address.as_ref(), &credential)
                 .await
                 .map_err(|e| ApiError::from_runtime("updating the policy", e))?;
             let value = serde_json::to_value(&policy).ok();
