@@ -9,6 +9,8 @@ manifests are checked, not applied."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -210,6 +212,34 @@ def test_the_image_serves_sandboxes_to_the_official_sdk(warren_container):
     # Deleted inside the container: nothing of it is left there.
     left = _docker("exec", name, "/bin/ls", "/var/lib/warren/sandboxes", check=False).stdout.split()
     assert sbx.id not in left, left
+
+
+def test_the_egress_sidecar_runs_from_the_image_with_net_admin_alone(image):
+    """What the Kubernetes runtime puts beside a sandbox with `egress_sidecar`: `warren
+    egress-sidecar` from this image, with only NET_ADMIN, in a network namespace of its own (here
+    `--network none`), installs its rules with the image's own nft and answers on its control
+    port only once they are in."""
+    name = f"warren-e2e-egress-{uuid.uuid4().hex[:8]}"
+    verifier = hashlib.sha256(b"credential").hexdigest()
+    try:
+        _docker("run", "-d", "--name", name, "--network", "none", "--cap-drop", "ALL", "--cap-add", "NET_ADMIN",
+                "--security-opt", "no-new-privileges", image, "egress-sidecar", "--listen", "127.0.0.1:44774",
+                "--access-token-sha256", verifier, "--inbound-port", "44772",
+                "--policy", json.dumps({"defaultAction": "deny", "egress": [{"action": "allow", "target": "pypi.org"}]}),
+                "--dns-upstream", "127.0.0.1:53")
+
+        def serving():
+            logs = _docker("logs", name, check=False)
+            return "rules in, serving" in logs.stdout + logs.stderr
+        try:
+            W.wait_until(serving, 30, interval=0.2, message="the sidecar to install its rules")
+        except AssertionError:
+            raise AssertionError(_docker("logs", name, check=False).stderr[-3000:])
+        table = _docker("exec", name, "nft", "list", "table", "inet", "warren_egress").stdout
+        assert "udp dport 53 redirect to" in table and "ct direction reply tcp sport { 44772, 44774 }" in table, table
+        assert _docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"
+    finally:
+        _docker("rm", "-f", name, check=False)
 
 
 def test_the_image_runs_unprivileged_with_a_pod_per_sandbox(image, work_root):
