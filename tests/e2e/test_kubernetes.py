@@ -92,6 +92,8 @@ def test_health_reports_kubernetes_and_what_it_cannot_do(k8s):
     assert caps["execdTransport"] == "tcp" and caps["pause"] is False and caps["snapshots"] is False, caps
     # No link, but address rules are the cluster's to enforce (a NetworkPolicy per sandbox).
     assert caps["egressPolicy"] is False and caps["egressAddresses"] is True, caps
+    # Rules naming hosts need the egress sidecar, which this server does not run.
+    assert caps["egressNames"] is False, caps
     # No node folder is allowed by default.
     assert caps["hostVolumes"] == "none", caps
     with k8s.client() as c:
