@@ -33,15 +33,16 @@ NAMESPACED = {"ServiceAccount", "Service", "StatefulSet", "Secret", "Role", "Rol
               "Deployment", "ConfigMap"}
 
 
-def _render(mode: str) -> list[dict]:
+def _render(mode: str, folder: Path | None = None) -> list[dict]:
     """deploy/kubernetes as `kubectl kustomize` renders it, for the fields its kustomization uses
     (resources, namespace, labels without selectors, images); any other field fails the test, so
-    this stays the renderer of exactly what is there."""
-    k = yaml.safe_load((DEPLOY / mode / "kustomization.yaml").read_text())
+    this stays the renderer of exactly what is there. `folder`: a copy of a mode's manifests."""
+    folder = folder or DEPLOY / mode
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
     assert set(k) <= {"apiVersion", "kind", "namespace", "labels", "resources", "images"}, k
     docs = []
     for name in k["resources"]:
-        docs += [d for d in yaml.safe_load_all((DEPLOY / mode / name).read_text()) if d]
+        docs += [d for d in yaml.safe_load_all((folder / name).read_text()) if d]
     for d in docs:
         meta = d.setdefault("metadata", {})
         if d["kind"] in NAMESPACED:
@@ -125,6 +126,30 @@ def test_the_manifests_fit_together(mode):
     assert config["kubernetes"]["execd_image"] == c["image"]
     assert c["args"] == ["serve", "--config", "/etc/warren/warren.toml"]
     assert mount["/etc/warren"] == "config"
+
+
+@pytest.mark.parametrize("sidecar", [False, True], ids=["plain", "egress-sidecar"])
+def test_the_real_cluster_run_applies_the_pods_manifests_in_a_namespace_of_its_own(tmp_path, sidecar):
+    """scripts/test-on-cluster applies deploy/kubernetes/pods with its own namespace, images and
+    config: what it would apply is valid and says so (no cluster is needed to render it)."""
+    import kubernetes_validate
+    out = tmp_path / "manifests"
+    subprocess.run([str(W.REPO_ROOT / "scripts" / "test-on-cluster"), "--render", str(out),
+                    *(["--egress-sidecar"] if sidecar else [])], check=True, capture_output=True, timeout=60)
+    docs = _render("pods", out)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    namespaces = {d["metadata"]["namespace"] for d in docs if d["kind"] in NAMESPACED}
+    (ns,) = namespaces
+    assert ns.startswith("warren-e2e-"), ns
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"warren:{ns.removeprefix('warren-')}", image
+    config = tomllib.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["warren.toml"])
+    assert config["kubernetes"]["execd_image"] == image
+    assert config["kubernetes"].get("egress_sidecar", False) is sidecar
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["metadata"]["namespace"] == ns
 
 
 def _docker(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

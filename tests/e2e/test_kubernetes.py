@@ -7,7 +7,8 @@ a network namespace of its own with its own address. So these tests check what W
 cluster and how it follows what the cluster does — the Pod it makes, execd reached over the Pod
 network with its credential, a Pod deleted or evicted behind Warren's back, a restart that finds its
 Pods again, a watch that lost its history — not a container runtime's isolation, which the kubelet
-here does not provide. To run them against a real cluster, see README ("Kubernetes runtime")."""
+here does not provide. The checks that hold on any cluster are in `cluster_suite`, which runs here
+and, with `scripts/test-on-cluster`, against a real cluster (README, "Kubernetes runtime")."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import pytest
 
+import cluster_suite
 import warren_e2e as W
 from fakekube import FakeKube
 
@@ -502,6 +504,16 @@ EOF""")
             sbx.close()
         srv.stop()
         cluster.close()
+
+
+@pytest.mark.parametrize("check", cluster_suite.CHECKS, ids=lambda c: c.__name__)
+def test_the_real_cluster_suite_passes_on_the_test_cluster(k8s, cluster, check):
+    """`cluster_suite` is what `scripts/test-on-cluster` runs against a real cluster: here it runs
+    against the test cluster, with only what it has there (Warren's API, the cluster's API over
+    HTTP, a namespace, an image)."""
+    check(cluster_suite.Target(base_url=k8s.base_url, api_key=k8s.api_key, kube=cluster.url,
+                               namespace=NS, image=IMAGE))
+    assert cluster.rejected == [], cluster.rejected
 
 
 def test_pause_and_snapshots_are_refused_clearly(k8s, cluster):
