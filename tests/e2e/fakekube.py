@@ -13,7 +13,7 @@ execd where the sandbox container starts it from, and that container's command r
 the Pod's network namespace, with execd's binary from this build in place of the copied one. Native
 sidecars (init containers with `restartPolicy: Always`, Warren's egress sidecar) start first, with
 `warren` from this build in place of the image's, and the sandbox container starts once their
-start-up probe (a TCP port) answers. Each container gets the capabilities its `securityContext`
+start-up probe (a TCP port) answers; a sidecar that ends is started again. Each container gets the capabilities its `securityContext`
 asks for (a bounding set, with `setpriv`, and no new privileges), so a sandbox's processes lack
 what the Pod spec takes away; `emptyDir` mounts of a sidecar are folders of its Pod's own. What a
 container runtime adds beyond that (the image's root file system, cgroups, seccomp, its own PID
@@ -546,25 +546,48 @@ class FakeKube:
             os.makedirs(folder, exist_ok=True)
             args = [a.replace(m["mountPath"], folder) for a in args]
         argv = ["ip", "netns", "exec", record["netns"], *_bounding_set(c), str(self.warren_path), *args]
-        with self.lock:
-            if record["stopped"]:
-                raise RuntimeError("deleted while starting")
-            proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=open(os.path.join(record["dirs"], f"{c['name']}.log"), "wb"))
-            record["sidecars"].append(proc)
+        log = os.path.join(record["dirs"], f"{c['name']}.log")
+
+        def launch() -> subprocess.Popen:
+            with self.lock:
+                if record["stopped"]:
+                    raise RuntimeError("deleted while starting")
+                proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+                record["sidecars"].append(proc)
+                return proc
+
+        proc = launch()
         port = c["startupProbe"]["tcpSocket"]["port"]
         deadline = time.time() + c["startupProbe"].get("failureThreshold", 3) * c["startupProbe"].get("periodSeconds", 10)
         while True:
             if proc.poll() is not None:
-                log = open(os.path.join(record["dirs"], f"{c['name']}.log")).read()[-2000:]
-                raise RuntimeError(f"sidecar {c['name']} exited with {proc.returncode}: {log}")
+                raise RuntimeError(f"sidecar {c['name']} exited with {proc.returncode}: {open(log).read()[-2000:]}")
             try:
                 socket.create_connection((pod_ip, port), timeout=1).close()
-                return
+                break
             except OSError:
                 if time.time() > deadline:
                     raise RuntimeError(f"sidecar {c['name']}: start-up probe failed")
                 time.sleep(0.05)
+
+        def keep_running(proc: subprocess.Popen) -> None:
+            # restartPolicy: Always — the kubelet starts a sidecar that ended again, Pod running.
+            while True:
+                proc.wait()
+                try:
+                    proc = launch()
+                except RuntimeError:
+                    return
+                record["restarts"] = record.get("restarts", 0) + 1
+
+        threading.Thread(target=keep_running, args=(proc,), daemon=True).start()
+
+    def sidecar_pids(self, name: str) -> list[int]:
+        """The Pod's running sidecar processes (their `ip netns exec` wrappers' pids)."""
+        with self.lock:
+            record = self.pods.get(name) or {}
+            return [p.pid for p in record.get("sidecars", []) if p.poll() is None]
 
     def _kill(self, record: dict) -> None:
         import shutil

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -497,6 +498,17 @@ EOF""")
         assert cluster.get("networkpolicies", NS, f"warren-{sbx.id}-egress") is None
         assert fetch(net.zone["allowed.test"]).startswith("FAILED")
         assert fetch("allowed.test").startswith("FAILED")
+
+        # A sidecar that dies is started again by the kubelet, with the policy last put in force,
+        # not the wider one of its command line.
+        (old,) = cluster.sidecar_pids(f"warren-{sbx.id}")
+        os.kill(old, signal.SIGKILL)
+        W.wait_until(lambda: (pids := cluster.sidecar_pids(f"warren-{sbx.id}")) and pids != [old], 15,
+                     message="the sidecar to be started again")
+        W.wait_until(lambda: httpx.put(f"http://{ip}:44774/policy", timeout=2).status_code == 401, 15,
+                     message="the restarted sidecar to listen")
+        assert fetch("allowed.test").startswith("FAILED")
+        assert fetch(net.zone["allowed.test"]).startswith("FAILED")
         assert cluster.rejected == [], cluster.rejected
     finally:
         if sbx is not None:

@@ -199,8 +199,10 @@ impl Sidecar {
             .local_addr()
             .map_err(setup("the DNS filter's port"))?
             .port();
-        let _ = apply(&format!("delete table inet {TABLE}\n"));
-        let mut batch = table(dns_port, &cfg.inbound_ports);
+        // One transaction: a restarted sidecar replaces the rules its predecessor left with no
+        // moment between them (`add` makes the table if there is none, so `delete` cannot fail).
+        let mut batch = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
+        batch.push_str(&table(dns_port, &cfg.inbound_ports));
         batch.push_str(&policy_batch(&cfg.policy));
         apply(&batch).map_err(setup("installing the nftables rules"))?;
         let this = Arc::new(Self {
