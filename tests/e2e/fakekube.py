@@ -572,9 +572,13 @@ class FakeKube:
                 time.sleep(0.05)
 
         def keep_running(proc: subprocess.Popen) -> None:
-            # restartPolicy: Always — the kubelet starts a sidecar that ended again, Pod running.
+            # restartPolicy: Always — the kubelet starts a sidecar that ended again, Pod running
+            # (not while a test holds it down: `kill_sidecar`).
             while True:
                 proc.wait()
+                time.sleep(0.2)  # the kubelet's back-off, shortened
+                while record.get("hold") and not record["stopped"]:
+                    time.sleep(0.05)
                 try:
                     proc = launch()
                 except RuntimeError:
@@ -582,6 +586,21 @@ class FakeKube:
                 record["restarts"] = record.get("restarts", 0) + 1
 
         threading.Thread(target=keep_running, args=(proc,), daemon=True).start()
+
+    def kill_sidecar(self, name: str, restart: bool = True) -> None:
+        """Kills the Pod's running sidecars; with `restart` False they stay down until
+        `release_sidecar` (a kubelet in its back-off)."""
+        with self.lock:
+            record = self.pods[name]
+            record["hold"] = not restart
+            procs = [p for p in record["sidecars"] if p.poll() is None]
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def release_sidecar(self, name: str) -> None:
+        with self.lock:
+            self.pods[name]["hold"] = False
 
     def sidecar_pids(self, name: str) -> list[int]:
         """The Pod's running sidecar processes (their `ip netns exec` wrappers' pids)."""

@@ -492,18 +492,38 @@ EOF""")
         # shuts what was learned before, at once.
         sbx.patch_egress_rules([NetworkRule(action="allow", target="*.wild.test")])
         assert fetch("api.wild.test") == f"hello from {net.zone['api.wild.test']}"
+        policy_none = {"defaultAction": "deny", "egress": []}
         with srv.client() as c:
-            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "deny", "egress": []})
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=policy_none)
             assert r.status_code == 200, r.text
         assert cluster.get("networkpolicies", NS, f"warren-{sbx.id}-egress") is None
         assert fetch(net.zone["allowed.test"]).startswith("FAILED")
         assert fetch("allowed.test").startswith("FAILED")
 
+        # While the sidecar is down, the sandbox may take its port, but nothing it answers there
+        # leaves the Pod (the sidecar's own answers carry its mark): no caller reaches it, and
+        # Warren's next change, which carries the credential, is never sent to it.
+        pod_name = f"warren-{sbx.id}"
+        (old,) = cluster.sidecar_pids(pod_name)
+        cluster.kill_sidecar(pod_name, restart=False)
+        from opensandbox.models.execd import RunCommandOpts
+        squatter = sbx.commands.run(
+            "exec python3 -c \"import http.server as h; h.HTTPServer(('0.0.0.0', 44774), "
+            "h.BaseHTTPRequestHandler).serve_forever()\"", opts=RunCommandOpts(background=True))
+        code, out, _ = W.sh(sbx, "for i in $(seq 50); do python3 -c \"import socket; "
+                                 "socket.create_connection(('127.0.0.1', 44774), 1)\" 2>/dev/null && echo up && break; "
+                                 "sleep 0.1; done")
+        assert out.strip() == "up", out
+        with pytest.raises(httpx.TransportError):
+            httpx.put(f"http://{ip}:44774/policy", content=wide_open, timeout=3)
+        with srv.client() as c:
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=policy_none)
+        W.assert_error_body(r, codes=[500, 502, 503])
+        sbx.commands.interrupt(squatter.id)
         # A sidecar that dies is started again by the kubelet, with the policy last put in force,
         # not the wider one of its command line.
-        (old,) = cluster.sidecar_pids(f"warren-{sbx.id}")
-        os.kill(old, signal.SIGKILL)
-        W.wait_until(lambda: (pids := cluster.sidecar_pids(f"warren-{sbx.id}")) and pids != [old], 15,
+        cluster.release_sidecar(pod_name)
+        W.wait_until(lambda: (pids := cluster.sidecar_pids(pod_name)) and pids != [old], 15,
                      message="the sidecar to be started again")
         W.wait_until(lambda: httpx.put(f"http://{ip}:44774/policy", timeout=2).status_code == 401, 15,
                      message="the restarted sidecar to listen")

@@ -17,7 +17,15 @@
 //!
 //! The control port answers `PUT /policy` (the whole policy, in force when it answers) to callers
 //! that present the sandbox's execd credential, of which the enforcer, like execd, holds only the
-//! SHA-256: the sandbox may read that and still open nothing.
+//! SHA-256: the sandbox may read that and still open nothing. Its listening socket carries the mark
+//! too, so its answers pass as the enforcer's own: were the sandbox to bind that port while the
+//! enforcer is down, nothing it answered would leave the Pod (no credential reaches it). It takes a
+//! few connections at once, each with a bounded header and time.
+//!
+//! What it enforces and where its DNS goes are kept in a file of its own ([`Kept`]), written
+//! before a change is put in force and renamed after: a restarted sidecar (the kubelet restarts it)
+//! resumes the latest policy, never an older, wider one, and never reads the Pod's resolv.conf again
+//! (a file the sandbox may write).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -50,9 +58,50 @@ pub struct SidecarConfig {
     /// added).
     pub inbound_ports: Vec<u16>,
     pub policy: NetworkPolicy,
-    /// Where each policy put in force is kept (a restarted sidecar starts from it).
+    /// Where the policy in force and the upstream are kept (a restarted sidecar starts from it).
     pub state_file: Option<std::path::PathBuf>,
 }
+
+/// What the state file holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Kept {
+    pub policy: NetworkPolicy,
+    pub upstream: SocketAddr,
+}
+
+impl Kept {
+    /// Writes `self` beside `file` (synced); the caller renames it over `file` once in force.
+    fn stage(&self, file: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+        use std::io::Write;
+        let tmp = file.with_extension("tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
+        f.sync_all()?;
+        Ok(tmp)
+    }
+
+    /// Writes `self` as the state file now.
+    pub fn save(&self, file: &std::path::Path) -> std::io::Result<()> {
+        let tmp = self.stage(file)?;
+        std::fs::rename(tmp, file)
+    }
+
+    pub fn load(file: &std::path::Path) -> std::io::Result<Option<Self>> {
+        match std::fs::read(file) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(std::io::Error::other),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Control connections served at once (more wait in the listen queue); each may take this long.
+const CONTROL_CONNECTIONS: usize = 16;
+const CONTROL_CONNECTION_TIME: Duration = Duration::from_secs(30);
+/// Learned addresses kept at most (the set's size too).
+const MAX_LEARNED: usize = 65_536;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SidecarError {
@@ -89,13 +138,14 @@ pub fn resolv_conf_upstream() -> Option<SocketAddr> {
 }
 
 /// A UDP socket whose packets carry [`MARK`] (and so pass the rules).
-fn marked_udp() -> std::io::Result<UdpSocket> {
-    let socket = std::net::UdpSocket::bind(("0.0.0.0", 0))?;
+/// Puts [`MARK`] on a socket: what it sends passes the rules.
+fn mark(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
     let mark = MARK;
-    // SAFETY: setsockopt on a socket we own, with a pointer to a live u32 of the size given.
+    // SAFETY: setsockopt on a socket the caller owns, with a pointer to a live u32 of the size
+    // given.
     let rc = unsafe {
         libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            socket.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_MARK,
             (&mark as *const u32).cast(),
@@ -105,8 +155,33 @@ fn marked_udp() -> std::io::Result<UdpSocket> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    Ok(())
+}
+
+/// A UDP socket of `to`'s family whose packets carry [`MARK`].
+fn marked_udp(to: SocketAddr) -> std::io::Result<UdpSocket> {
+    let any: SocketAddr = if to.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(any)?;
+    mark(&socket)?;
     socket.set_nonblocking(true)?;
     UdpSocket::from_std(socket)
+}
+
+/// The control port's listener, marked: its answers (SYN-ACKs and all) carry the mark.
+fn marked_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    mark(&socket)?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(64)
 }
 
 /// The table, its sets empty but the internal ranges: nothing leaves until a policy is applied.
@@ -123,7 +198,7 @@ fn table(dns_port: u16, inbound: &[u16]) -> String {
         .join(", ");
     format!(
         r#"table inet {TABLE} {{
-  set learned4 {{ type ipv4_addr; flags timeout; }}
+  set learned4 {{ type ipv4_addr; flags timeout; size {MAX_LEARNED}; }}
   set cidr_allow4 {{ type ipv4_addr; flags interval; auto-merge; }}
   set cidr_deny4 {{ type ipv4_addr; flags interval; auto-merge; }}
   set cidr_named4 {{ type ipv4_addr; flags interval; auto-merge; }}
@@ -188,10 +263,14 @@ impl Sidecar {
     /// Installs the rules with `cfg.policy` in force, starts the DNS filter, and binds the control
     /// port last (the Pod's start-up probe: the sandbox's container starts once it answers).
     /// Serves until the process ends.
-    pub async fn run(mut cfg: SidecarConfig) -> Result<(), SidecarError> {
-        if !cfg.inbound_ports.contains(&cfg.listen.port()) {
-            cfg.inbound_ports.push(cfg.listen.port());
-        }
+    pub async fn run(cfg: SidecarConfig) -> Result<(), SidecarError> {
+        // The control port's own answers carry the mark; only execd's leave by the exemption.
+        let inbound: Vec<u16> = cfg
+            .inbound_ports
+            .iter()
+            .copied()
+            .filter(|p| *p != cfg.listen.port())
+            .collect();
         let dns_socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
             .await
             .map_err(setup("binding the DNS filter"))?;
@@ -202,7 +281,7 @@ impl Sidecar {
         // One transaction: a restarted sidecar replaces the rules its predecessor left with no
         // moment between them (`add` makes the table if there is none, so `delete` cannot fail).
         let mut batch = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
-        batch.push_str(&table(dns_port, &cfg.inbound_ports));
+        batch.push_str(&table(dns_port, &inbound));
         batch.push_str(&policy_batch(&cfg.policy));
         apply(&batch).map_err(setup("installing the nftables rules"))?;
         let this = Arc::new(Self {
@@ -215,24 +294,38 @@ impl Sidecar {
             dns_slots: Arc::new(tokio::sync::Semaphore::new(256)),
         });
         tokio::spawn(dns_loop(this.clone(), Arc::new(dns_socket)));
-        let listener = tokio::net::TcpListener::bind(this.cfg.listen)
-            .await
-            .map_err(setup("binding the control port"))?;
+        let listener =
+            marked_listener(this.cfg.listen).map_err(setup("binding the control port"))?;
         tracing::info!(listen = %this.cfg.listen, dns_port, upstream = %this.cfg.upstream, "egress sidecar: rules in, serving");
+        let slots = Arc::new(tokio::sync::Semaphore::new(CONTROL_CONNECTIONS));
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
+            // A slot first: past the limit, connections wait in the listen queue.
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return Ok(());
+            };
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, say: not a reason to spin.
+                    tracing::warn!(error = %e, "egress sidecar: accept");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
             };
             let this = this.clone();
             tokio::spawn(async move {
+                let _slot = slot;
                 let service = hyper::service::service_fn(move |req| {
                     let this = this.clone();
                     async move { Ok::<_, std::convert::Infallible>(this.control(req).await) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await;
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(Duration::from_secs(5))
+                    .max_buf_size(16 * 1024)
+                    .serve_connection(io, service);
+                let _ = tokio::time::timeout(CONTROL_CONNECTION_TIME, conn).await;
             });
         }
     }
@@ -274,7 +367,11 @@ impl Sidecar {
             .get(TOKEN_HEADER)
             .is_some_and(|v| self.accepts(v.as_bytes()));
         if !authorized {
-            return reply(401, "UNAUTHORIZED", format!("missing or wrong {TOKEN_HEADER}"));
+            return reply(
+                401,
+                "UNAUTHORIZED",
+                format!("missing or wrong {TOKEN_HEADER}"),
+            );
         }
         if req.uri().path() != "/policy" || req.method() != hyper::Method::PUT {
             return reply(404, "NOT_FOUND", "only PUT /policy is served here".into());
@@ -303,10 +400,32 @@ impl Sidecar {
     }
 
     /// Makes `policy` the one in force: its rules, and learned addresses it no longer allows gone
-    /// (open connections to them are cut at once: there is no "established" shortcut).
+    /// (open connections to them are cut at once: there is no "established" shortcut). Kept first
+    /// (staged beside the state file, renamed once in force), so what a restart resumes is never
+    /// behind what was in force.
     pub fn set_policy(&self, policy: NetworkPolicy) -> std::io::Result<()> {
         let _changes = self.serialize();
         let mut st = self.lock();
+        let staged = match &self.cfg.state_file {
+            Some(file) => Some((
+                file,
+                Kept {
+                    policy: policy.clone(),
+                    upstream: self.cfg.upstream,
+                }
+                .stage(file)?,
+            )),
+            None => None,
+        };
+        if let Err(e) = apply(&policy_batch(&policy)) {
+            if let Some((_, tmp)) = staged {
+                let _ = std::fs::remove_file(tmp);
+            }
+            return Err(e);
+        }
+        if let Some((file, tmp)) = staged {
+            std::fs::rename(tmp, file)?;
+        }
         let now = Instant::now();
         let dropped: Vec<Ipv4Addr> = st
             .learned
@@ -318,19 +437,10 @@ impl Sidecar {
             })
             .map(|(d, _)| *d)
             .collect();
-        let mut batch = policy_batch(&policy);
-        for d in &dropped {
-            batch.push_str(&format!("delete element inet {TABLE} learned4 {{ {d} }}\n"));
-        }
-        apply(&batch)?;
+        // One by one: an element the kernel already let expire must not stop the others.
         for d in dropped {
+            let _ = apply(&format!("delete element inet {TABLE} learned4 {{ {d} }}\n"));
             st.learned.remove(&d);
-        }
-        if let Some(file) = &self.cfg.state_file {
-            // Written whole and renamed, so a restart reads one policy or the other.
-            let tmp = file.with_extension("tmp");
-            let text = serde_json::to_vec(&policy).map_err(std::io::Error::other)?;
-            std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, file))?;
         }
         st.policy = policy;
         Ok(())
@@ -344,8 +454,7 @@ impl Sidecar {
     /// when the policy no longer allows `name` (it changed while upstream answered).
     fn learn(&self, name: &str, addrs: &[(Ipv4Addr, u32)]) -> bool {
         let _changes = self.serialize();
-        let mut deletes = String::new();
-        let mut adds = String::new();
+        let mut batch = String::new();
         {
             let mut st = self.lock();
             if st.policy.decide_name(name) != Action::Allow {
@@ -354,40 +463,48 @@ impl Sidecar {
             // An internal address opens only for a name a rule names itself (as on a host link).
             let named = st.policy.names_exactly(name);
             let now = Instant::now();
+            st.learned.retain(|_, (_, exp)| *exp > now);
             for (dest, ttl) in addrs.iter().filter(|(d, _)| named || !is_internal(*d)) {
                 // At least a minute: clients cache longer than TTLs say.
                 let ttl = (*ttl).clamp(60, 86_400);
-                if let Some((_, exp)) = st.learned.get(dest) {
-                    if *exp > now + Duration::from_secs(u64::from(ttl / 2)) {
+                match st.learned.get(dest) {
+                    Some((_, exp)) if *exp > now + Duration::from_secs(u64::from(ttl / 2)) => {
+                        continue
+                    }
+                    None if st.learned.len() >= MAX_LEARNED => {
+                        tracing::warn!("egress sidecar: {MAX_LEARNED} addresses learned; no more until some expire");
                         continue;
                     }
-                    if *exp > now {
-                        // `add` would keep the older, shorter timeout.
-                        deletes.push_str(&format!(
-                            "delete element inet {TABLE} learned4 {{ {dest} }}\n"
-                        ));
-                    }
+                    _ => {}
                 }
-                adds.push_str(&format!(
-                    "add element inet {TABLE} learned4 {{ {dest} timeout {ttl}s }}\n"
+                // One transaction per address, whether the kernel still has it or not: made
+                // (`add`, a no-op when there), removed, made again with the new timeout (`add`
+                // alone would keep an older, shorter one). No moment without it.
+                batch.push_str(&format!(
+                    "add element inet {TABLE} learned4 {{ {dest} timeout 1s }}\n\
+                     delete element inet {TABLE} learned4 {{ {dest} }}\n\
+                     add element inet {TABLE} learned4 {{ {dest} timeout {ttl}s }}\n"
                 ));
                 st.learned.insert(
                     *dest,
                     (name.to_string(), now + Duration::from_secs(u64::from(ttl))),
                 );
             }
-            st.learned.retain(|_, (_, exp)| *exp > now);
         }
-        if !deletes.is_empty() {
-            let _ = apply(&deletes);
-        }
-        if adds.is_empty() {
+        if batch.is_empty() {
             return true;
         }
-        match apply(&adds) {
+        match apply(&batch) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "egress sidecar: adding learned addresses");
+                // Memory follows the kernel: what was not added is not learned.
+                let mut st = self.lock();
+                for (dest, _) in addrs {
+                    if st.learned.get(dest).is_some_and(|(n, _)| n == name) {
+                        st.learned.remove(dest);
+                    }
+                }
                 false
             }
         }
@@ -426,7 +543,7 @@ async fn answer(sidecar: &Arc<Sidecar>, query: &[u8]) -> Option<Vec<u8>> {
     if q.qtype == dns::TYPE_AAAA {
         return Some(dns::reply_empty(query, &q, dns::RCODE_NOERROR));
     }
-    let upstream = marked_udp().ok()?;
+    let upstream = marked_udp(sidecar.cfg.upstream).ok()?;
     upstream.connect(sidecar.cfg.upstream).await.ok()?;
     upstream.send(query).await.ok()?;
     let mut buf = vec![0u8; 4096];
@@ -492,23 +609,32 @@ mod tests {
         };
         let batch = policy_batch(&policy);
         for set in ["cidr_allow4", "cidr_deny4", "cidr_named4", "default4"] {
-            assert!(batch.contains(&format!("flush set inet {TABLE} {set}\n")), "{set}");
+            assert!(
+                batch.contains(&format!("flush set inet {TABLE} {set}\n")),
+                "{set}"
+            );
         }
         assert!(batch.contains("cidr_deny4 { 203.0.113.7/32 }"), "{batch}");
         assert!(batch.contains("cidr_allow4 { 203.0.113.0/24 }"), "{batch}");
         assert!(batch.contains("cidr_named4 { 10.1.2.0/24 }"), "{batch}");
-        assert!(!batch.contains("add element inet warren_egress default4"), "{batch}");
-        assert!(!batch.contains("2001:db8"), "IPv6 rules have no set: IPv6 is dropped");
+        assert!(
+            !batch.contains("add element inet warren_egress default4"),
+            "{batch}"
+        );
+        assert!(
+            !batch.contains("2001:db8"),
+            "IPv6 rules have no set: IPv6 is dropped"
+        );
         let open = policy_batch(&NetworkPolicy::allow_all());
         assert!(open.contains("default4 { 0.0.0.0/0 }"), "{open}");
     }
 
     #[test]
     fn the_table_exempts_only_the_mark_the_pod_and_answers_from_warren_s_ports() {
-        let t = table(40000, &[44772, 44774]);
+        let t = table(40000, &[44772]);
         assert!(t.contains("udp dport 53 redirect to :40000"));
         assert!(t.contains(&format!("meta mark {MARK} return")));
-        assert!(t.contains("ct direction reply tcp sport { 44772, 44774 } accept"));
+        assert!(t.contains("ct direction reply tcp sport { 44772 } accept"));
         // The last word is a refusal, and nothing accepts by state alone.
         assert!(t.contains("    reject with icmpx type admin-prohibited\n  }"));
         assert!(!t.contains("ct state established"));

@@ -31,6 +31,7 @@ pub async fn push_to_sidecar(
     );
     let client = reqwest::Client::builder()
         .no_proxy()
+        .connect_timeout(std::time::Duration::from_secs(3))
         .timeout(std::time::Duration::from_secs(10))
         .build()
         .map_err(|e| fail(e.to_string()))?;
@@ -46,7 +47,10 @@ pub async fn push_to_sidecar(
     }
     let status = resp.status();
     let body = resp.text().await.unwrap_or_default();
-    Err(fail(format!("{status}: {}", body.chars().take(300).collect::<String>())))
+    Err(fail(format!(
+        "{status}: {}",
+        body.chars().take(300).collect::<String>()
+    )))
 }
 
 /// The name of sandbox `id`'s own NetworkPolicy.

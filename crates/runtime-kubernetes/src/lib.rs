@@ -216,9 +216,8 @@ impl KubernetesRuntime {
             .get_or_try_init(|| async {
                 let mut ingress = vec![json!({"protocol": "TCP", "port": warren_api::EXECD_PORT})];
                 if self.config.pod.egress.is_some() {
-                    ingress.push(
-                        json!({"protocol": "TCP", "port": warren_api::EGRESS_SIDECAR_PORT}),
-                    );
+                    ingress
+                        .push(json!({"protocol": "TCP", "port": warren_api::EGRESS_SIDECAR_PORT}));
                 }
                 let body = json!({
                     "apiVersion": "networking.k8s.io/v1",
@@ -234,7 +233,11 @@ impl KubernetesRuntime {
                         "egress": [],
                     },
                 });
-                match self.client.create(&self.network_policies_path(), &body).await {
+                match self
+                    .client
+                    .create(&self.network_policies_path(), &body)
+                    .await
+                {
                     Ok(_) => Ok(()),
                     Err(e) if e.status() == Some(409) => Ok(()),
                     Err(e) => Err(self.map_err("creating the sandboxes' NetworkPolicy", e)),
@@ -388,7 +391,19 @@ impl Runtime for KubernetesRuntime {
                 || json!({"defaultAction": "deny", "egress": []}),
                 |p| p.rules.clone(),
             );
-            egress::push_to_sidecar(&pod.ip, credential, &rules).await?;
+            if let Err(e) = egress::push_to_sidecar(&pod.ip, credential, &rules).await {
+                // Fail closed: without the sidecar's word, the sandbox's own NetworkPolicy goes,
+                // and the Pod reaches nothing until a change goes through.
+                let cut = self.apply_egress(id, &pod.pod, &pod.uid, None).await;
+                return Err(RuntimeError::backend(format!(
+                    "{e}; the sandbox's egress is {} until a policy change succeeds",
+                    if cut.is_ok() {
+                        "cut"
+                    } else {
+                        "unchanged (its NetworkPolicy could not be removed)"
+                    }
+                )));
+            }
         }
         self.apply_egress(id, &pod.pod, &pod.uid, policy).await
     }
