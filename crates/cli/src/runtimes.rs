@@ -154,8 +154,9 @@ fn kubernetes(
         None => None,
     };
     if let Some(u) = &k.egress_dns_upstream {
-        u.parse::<std::net::SocketAddr>()
-            .map_err(|_| anyhow::anyhow!("[kubernetes] egress_dns_upstream {u:?} is not ip:port"))?;
+        u.parse::<std::net::SocketAddr>().map_err(|_| {
+            anyhow::anyhow!("[kubernetes] egress_dns_upstream {u:?} is not ip:port")
+        })?;
     }
     let runtime = KubernetesRuntime::new(KubernetesConfig {
         connection,

@@ -128,10 +128,10 @@ pub fn pull_secret(
 /// the kubelet starts before the sandbox's container and waits for until its control port answers,
 /// which it binds only once its rules are in force.
 fn egress_sidecar(spec: &SandboxSpec, settings: &PodSettings, sidecar: &EgressSidecar) -> Value {
-    let policy = spec
-        .egress
-        .as_ref()
-        .map_or_else(|| json!({"defaultAction": "deny", "egress": []}), |p| p.rules.clone());
+    let policy = spec.egress.as_ref().map_or_else(
+        || json!({"defaultAction": "deny", "egress": []}),
+        |p| p.rules.clone(),
+    );
     let mut command = vec![
         sidecar.command.clone(),
         "egress-sidecar".to_string(),
@@ -532,7 +532,10 @@ mod tests {
             ])
         );
         assert_eq!(c["volumeMounts"][0]["readOnly"], true);
-        assert!(added.contains(&json!("NET_RAW")), "no sidecar: Docker's set");
+        assert!(
+            added.contains(&json!("NET_RAW")),
+            "no sidecar: Docker's set"
+        );
         assert_eq!(s["initContainers"].as_array().map(Vec::len), Some(1));
     }
 
@@ -544,7 +547,8 @@ mod tests {
             dns_upstream: Some("10.96.0.10:53".into()),
         });
         let mut sp = spec();
-        let rules = json!({"defaultAction": "deny", "egress": [{"action": "allow", "target": "pypi.org"}]});
+        let rules =
+            json!({"defaultAction": "deny", "egress": [{"action": "allow", "target": "pypi.org"}]});
         sp.egress = Some(warren_core::EgressPolicy {
             rules: rules.clone(),
             addresses: None,
