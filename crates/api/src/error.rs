@@ -25,6 +25,10 @@ impl ErrorBody {
 pub enum ErrorCode {
     MissingApiKey,
     InvalidApiKey,
+    /// The key may not do this (a read-only key's change, a tenant's key on the admin API).
+    Forbidden,
+    /// A tenant's quota (403, or 429 with `Retry-After` for a rate); the message names it.
+    QuotaExceeded,
     InvalidParameter,
     InvalidMetadataLabel,
     InvalidMetadataFormat,
@@ -64,6 +68,8 @@ impl ErrorCode {
         match self {
             Self::MissingApiKey => "MISSING_API_KEY",
             Self::InvalidApiKey => "INVALID_API_KEY",
+            Self::Forbidden => "FORBIDDEN",
+            Self::QuotaExceeded => "QUOTA_EXCEEDED",
             Self::InvalidParameter => "SANDBOX::INVALID_PARAMETER",
             Self::InvalidMetadataLabel => "SANDBOX::INVALID_METADATA_LABEL",
             Self::InvalidMetadataFormat => "INVALID_METADATA_FORMAT",

@@ -5,6 +5,7 @@
 //! Field names are camelCase on the lifecycle API and snake_case on execd, exactly as the official SDKs
 //! expect; see `shared/reference/opensandbox-protocol.md`.
 
+pub mod admin;
 pub mod error;
 pub mod execd;
 pub mod isolated;

@@ -7,6 +7,7 @@ mod egress;
 mod egress_sidecar;
 mod file;
 mod image;
+mod key;
 mod mcp;
 mod output;
 mod run;
@@ -127,6 +128,14 @@ enum Verb {
     },
     /// Print a shell completion script: warren completions bash > /etc/bash_completion.d/warren
     Completions { shell: clap_complete::Shell },
+    /// Tenants' API keys in the data dir: create, ls, revoke, rotate.
+    Key {
+        #[command(subcommand)]
+        command: key::KeyCommand,
+        /// State, images and sandboxes [env: WARREN_DATA_DIR]
+        #[arg(long, global = true)]
+        data_dir: Option<PathBuf>,
+    },
     /// Manage the local image store.
     Image {
         #[command(subcommand)]
@@ -315,13 +324,16 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             clap_complete::generate(shell, &mut Cli::command(), "warren", &mut std::io::stdout());
             Ok(ExitCode::SUCCESS)
         }
-        Verb::Image { command, data_dir } => {
-            let data_dir = data_dir
-                .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
-                .unwrap_or_else(|| config::default_data_dir(&ProcessEnv));
-            image::run(command, &data_dir)
-        }
+        Verb::Key { command, data_dir } => key::run(command, &local_data_dir(data_dir)),
+        Verb::Image { command, data_dir } => image::run(command, &local_data_dir(data_dir)),
     }
+}
+
+/// The data dir a local command works on: `--data-dir`, else `WARREN_DATA_DIR`, else the default.
+fn local_data_dir(given: Option<PathBuf>) -> PathBuf {
+    given
+        .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
+        .unwrap_or_else(|| config::default_data_dir(&ProcessEnv))
 }
 
 async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {

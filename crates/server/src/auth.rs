@@ -1,10 +1,17 @@
-//! API-key authentication for the lifecycle API, and the key's life on disk: with no key configured
-//! the server generates one, stores it 0600 in the data dir and says where.
+//! Authentication for the lifecycle API: who calls (a [`Caller`]: the server's own key, or a
+//! tenant's key from the key store), what its role lets it do, and which tenant's objects it sees.
+//! With no key configured the server generates one, stores it 0600 in the data dir and says where.
+//!
+//! The server's own key (`WARREN_API_KEY`, `api_key`, or the generated one) is the default tenant's
+//! admin key, so a single-key setup works as it always did. An admin sees every tenant's objects,
+//! or one tenant's when it names it (`X-Warren-Tenant`), and then acts for it. Another tenant's
+//! sandbox answers exactly as a missing one does (`guard`), on every route under
+//! `/sandboxes/{id}` and in the endpoint proxy.
 
 use std::path::Path;
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
@@ -12,10 +19,43 @@ use subtle::ConstantTimeEq;
 use warren_api::{ErrorCode, API_KEY_HEADER};
 
 use crate::error::ApiError;
+use crate::keys::{check_tenant, Role, DEFAULT_TENANT};
 use crate::AppState;
 
+/// An admin names the tenant it acts for.
+pub const TENANT_HEADER: &str = "X-Warren-Tenant";
+
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The key's id (`server` for the server's own key).
+    pub key_id: String,
+    pub role: Role,
+    /// The tenant it acts as: whose objects it makes.
+    pub tenant: String,
+    /// An admin acting for no one tenant: it sees every tenant's objects.
+    pub all_tenants: bool,
+}
+
+impl Caller {
+    /// The server's own key, or no key at all (`--insecure-no-auth`).
+    pub fn server() -> Self {
+        Self {
+            key_id: "server".into(),
+            role: Role::Admin,
+            tenant: DEFAULT_TENANT.into(),
+            all_tenants: true,
+        }
+    }
+
+    /// Whether objects of `tenant` are this caller's to see.
+    pub fn sees(&self, tenant: &str) -> bool {
+        self.all_tenants || self.tenant == tenant
+    }
+}
+
 /// Paths that answer without a key: health, the OpenAPI document and its pages, and the sandbox
-/// proxy (which checks its own per-sandbox token).
+/// proxy (which checks its own per-sandbox token, or a key).
 fn is_public(path: &str) -> bool {
     let p = path.strip_prefix("/v1").unwrap_or(path);
     matches!(p, "/health" | "/openapi.json" | "/docs" | "/redoc") || is_proxy_path(p)
@@ -26,28 +66,127 @@ fn is_proxy_path(p: &str) -> bool {
     parts.next() == Some("sandboxes") && parts.next().is_some() && parts.next() == Some("proxy")
 }
 
-pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(key) = app.api_key.as_deref() else {
-        return next.run(req).await;
+/// The sandbox a path under `/sandboxes/{id}` names, if it is one (not the collection).
+fn sandbox_in_path(path: &str) -> Option<&str> {
+    let p = path.strip_prefix("/v1").unwrap_or(path);
+    let rest = p.strip_prefix("/sandboxes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+fn is_admin_path(path: &str) -> bool {
+    let p = path.strip_prefix("/v1").unwrap_or(path);
+    p == "/admin" || p.starts_with("/admin/")
+}
+
+fn forbidden(message: impl Into<String>) -> Response {
+    ApiError::new(StatusCode::FORBIDDEN, ErrorCode::Forbidden, message).into_response()
+}
+
+/// The caller a request's key makes, or why there is none (401, or 403 for a tenant it may not
+/// name). `Ok(None)`: no key was sent.
+pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiError> {
+    let Some(server_key) = app.api_key.as_deref() else {
+        return acting(Caller::server(), req).map(Some);
     };
-    if is_public(req.uri().path()) {
+    let Some(presented) = req.headers().get(API_KEY_HEADER) else {
+        return Ok(None);
+    };
+    let caller = if bool::from(presented.as_bytes().ct_eq(server_key.as_bytes())) {
+        Caller::server()
+    } else if let Some(key) = presented
+        .to_str()
+        .ok()
+        .and_then(|text| app.keys.authenticate(text))
+    {
+        Caller {
+            key_id: key.id,
+            all_tenants: key.role == Role::Admin,
+            role: key.role,
+            tenant: key.tenant,
+        }
+    } else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::InvalidApiKey,
+            "invalid API key",
+        ));
+    };
+    acting(caller, req).map(Some)
+}
+
+/// Applies `X-Warren-Tenant`: an admin acts for the tenant it names; anyone else may name only its own.
+fn acting(mut caller: Caller, req: &Request) -> Result<Caller, ApiError> {
+    let Some(named) = req.headers().get(TENANT_HEADER) else {
+        return Ok(caller);
+    };
+    let named = named.to_str().unwrap_or_default();
+    if let Err(e) = check_tenant(named) {
+        return Err(ApiError::invalid(format!("{TENANT_HEADER}: {e}")));
+    }
+    match caller.role {
+        Role::Admin => {
+            caller.tenant = named.to_string();
+            caller.all_tenants = false;
+            Ok(caller)
+        }
+        _ if named == caller.tenant => Ok(caller),
+        _ => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            format!(
+                "this key belongs to tenant {}; only an admin key acts for another",
+                caller.tenant
+            ),
+        )),
+    }
+}
+
+pub async fn require_api_key(
+    State(app): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let path = req.uri().path().to_string();
+    let caller = match caller_of(&app, &req) {
+        Ok(c) => c,
+        // The proxy has its own tokens: a bad key there is only no key.
+        Err(_) if is_proxy_path(path.strip_prefix("/v1").unwrap_or(&path)) => None,
+        Err(e) => return e.into_response(),
+    };
+    if is_public(&path) {
+        if let Some(c) = caller {
+            req.extensions_mut().insert(c);
+        }
         return next.run(req).await;
     }
-    match req.headers().get(API_KEY_HEADER) {
-        None => ApiError::new(
+    let Some(caller) = caller else {
+        return ApiError::new(
             StatusCode::UNAUTHORIZED,
             ErrorCode::MissingApiKey,
             format!("missing {API_KEY_HEADER} header"),
         )
-        .into_response(),
-        Some(v) if bool::from(v.as_bytes().ct_eq(key.as_bytes())) => next.run(req).await,
-        Some(_) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            ErrorCode::InvalidApiKey,
-            "invalid API key",
-        )
-        .into_response(),
+        .into_response();
+    };
+    if caller.role == Role::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
+        return forbidden("this key is read-only");
     }
+    if is_admin_path(&path) && caller.role != Role::Admin {
+        return forbidden("only an admin key manages keys");
+    }
+    if let Some(id) = sandbox_in_path(&path) {
+        if let Some(resp) = guard(&app, &caller, id) {
+            return resp;
+        }
+    }
+    req.extensions_mut().insert(caller);
+    next.run(req).await
+}
+
+/// Another tenant's sandbox answers as a missing one: the same status, code and message.
+pub fn guard(app: &AppState, caller: &Caller, id: &str) -> Option<Response> {
+    let rec = app.sandboxes.get(id)?;
+    (!caller.sees(&rec.tenant)).then(|| ApiError::not_found(id).into_response())
 }
 
 pub use warren_local::key_file;
@@ -82,6 +221,20 @@ mod tests {
         assert!(!is_public("/v1/sandboxes/abc"));
         assert!(!is_public("/v1/sandboxes"));
         assert!(!is_public("/v1/sandboxes/proxy"));
+    }
+
+    #[test]
+    fn the_sandbox_a_path_names() {
+        assert_eq!(
+            sandbox_in_path("/v1/sandboxes/abc/endpoints/8080"),
+            Some("abc")
+        );
+        assert_eq!(sandbox_in_path("/sandboxes/abc"), Some("abc"));
+        assert_eq!(sandbox_in_path("/v1/sandboxes"), None);
+        assert_eq!(sandbox_in_path("/v1/sandboxes/"), None);
+        assert_eq!(sandbox_in_path("/v1/pools/abc"), None);
+        assert!(is_admin_path("/v1/admin/keys") && is_admin_path("/admin/keys/x"));
+        assert!(!is_admin_path("/v1/administrators"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Warren's lifecycle server: the OpenSandbox `/v1` API (also served unprefixed), API-key auth, the
 //! sandbox registry with durable state and expiry, and the endpoint proxy into sandboxes.
 
+mod admin;
 pub mod auth;
 pub mod config;
 mod diagnostics;
@@ -9,6 +10,7 @@ mod docs;
 pub mod error;
 mod execd_conns;
 mod front;
+pub mod keys;
 pub mod network;
 mod openapi;
 mod pools;
@@ -77,6 +79,8 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     pub storage: Arc<volumes::StoragePolicy>,
     pub api_key: Option<Arc<str>>,
+    /// Tenants' keys (`keys.json` in the data dir), besides the server's own `api_key`.
+    pub keys: Arc<keys::KeyStore>,
     pub sandboxes: Sandboxes,
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
@@ -118,6 +122,9 @@ pub fn router(state: AppState) -> Router {
             get(diagnostics::summary),
         )
         .route("/metrics/events", post(routes::metrics_event))
+        .route("/admin/keys", post(admin::create_key).get(admin::list_keys))
+        .route("/admin/keys/{id}", axum::routing::delete(admin::revoke_key))
+        .route("/admin/keys/{id}/rotate", post(admin::rotate_key))
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/snapshots", get(routes::list_snapshots))
         .route("/pools", post(routes::create_pool).get(routes::list_pools))
@@ -314,6 +321,7 @@ impl Server {
         .context("opening the templates")?;
         let state = AppState {
             storage,
+            keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
             config: Arc::new(config),
             api_key,
             sandboxes,

@@ -20,8 +20,9 @@ use warren_api::lifecycle::{
 };
 use warren_api::ErrorCode;
 use warren_core::Background;
-use warren_store::SandboxRecord;
+use warren_store::{SandboxRecord, DEFAULT_TENANT};
 
+use crate::auth::Caller;
 use crate::config::LimitsSection;
 use crate::error::ApiError;
 use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
@@ -70,6 +71,11 @@ struct Inner {
 
 struct Pool {
     spec: PoolSpec,
+    /// Whose pool it is; only that tenant's creates are served from it.
+    tenant: String,
+    /// Its name in the registry and on its sandboxes' records (`warm_pool`, `pool_ref`): the
+    /// tenant's name for it, qualified unless the tenant is the default one (see [`pool_key`]).
+    key: String,
     /// When the pool was first made (kept across updates and restarts).
     created_at: DateTime<Utc>,
     /// The template as a validated create, marked as this pool's warm sandbox.
@@ -160,9 +166,11 @@ impl Pools {
         let mut started = Vec::new();
         let now = Utc::now();
         for spec in from_config {
-            let pool = self.prepare(spec.clone(), true, now).map_err(|e| {
-                anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
-            })?;
+            let pool = self
+                .prepare(spec.clone(), true, now, DEFAULT_TENANT)
+                .map_err(|e| {
+                    anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
+                })?;
             self.insert(pool.clone()).map_err(|e| {
                 anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
             })?;
@@ -176,9 +184,14 @@ impl Pools {
                 return Err(e).with_context(|| format!("reading {}", self.inner.file.display()))
             }
         };
-        for SavedPool { spec, created_at } in saved {
+        for SavedPool {
+            spec,
+            created_at,
+            tenant,
+        } in saved
+        {
             match self
-                .prepare(spec.clone(), false, created_at.unwrap_or(now))
+                .prepare(spec.clone(), false, created_at.unwrap_or(now), &tenant)
                 .and_then(|p| self.insert(p))
             {
                 Ok(pool) => started.push(pool),
@@ -232,6 +245,7 @@ impl Pools {
         spec: PoolSpec,
         from_config: bool,
         created_at: DateTime<Utc>,
+        tenant: &str,
     ) -> Result<Arc<Pool>, ApiError> {
         validate_spec(&spec)?;
         if self.inner.sandboxes.shares_records() && !from_config {
@@ -255,7 +269,9 @@ impl Pools {
                 "template: pools take an image without auth, and no volumes or snapshotId",
             ));
         }
-        plan.warm_pool = Some(spec.name.clone());
+        let key = pool_key(tenant, &spec.name);
+        plan.warm_pool = Some(key.clone());
+        plan.set_tenant(tenant)?;
         plan.timeout_seconds = None;
         plan.metadata = BTreeMap::new();
         // Of the template's extensions only one shapes the sandbox: isolated sessions.
@@ -263,6 +279,8 @@ impl Pools {
             .retain(|k, _| k == crate::sandboxes::ISOLATION_EXTENSION);
         Ok(Arc::new(Pool {
             spec,
+            tenant: tenant.to_string(),
+            key,
             created_at,
             plan,
             from_config,
@@ -279,18 +297,18 @@ impl Pools {
     /// Registers a prepared pool under its name (409 if the name is taken).
     fn insert(&self, pool: Arc<Pool>) -> Result<Arc<Pool>, ApiError> {
         let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-        if pools.contains_key(&pool.spec.name) {
+        if pools.contains_key(&pool.key) {
             return Err(ApiError::conflict(
                 ErrorCode::InvalidState,
                 format!("pool {} exists", pool.spec.name),
             ));
         }
-        pools.insert(pool.spec.name.clone(), pool.clone());
+        pools.insert(pool.key.clone(), pool.clone());
         Ok(pool)
     }
 
-    pub fn create(&self, spec: PoolSpec) -> Result<WirePool, ApiError> {
-        let pool = self.insert(self.prepare(spec, false, Utc::now())?)?;
+    pub fn create(&self, spec: PoolSpec, tenant: &str) -> Result<WirePool, ApiError> {
+        let pool = self.insert(self.prepare(spec, false, Utc::now(), tenant)?)?;
         self.spawn_refill(pool.clone());
         self.save();
         Ok(self.wire(&pool))
@@ -302,11 +320,17 @@ impl Pools {
     /// checked first (a bad one changes nothing), and the new pool takes the name in the same
     /// step the old one gives it up, so no create meanwhile finds no pool of that name; creates
     /// waiting on the old one move to the new one.
-    pub async fn update(&self, name: &str, update: PoolUpdate) -> Result<WirePool, ApiError> {
+    pub async fn update(
+        &self,
+        tenant: &str,
+        name: &str,
+        update: PoolUpdate,
+    ) -> Result<WirePool, ApiError> {
         if update.name.as_deref().is_some_and(|n| n != name) {
             return Err(ApiError::invalid("the body's name must be the pool's name"));
         }
-        let old = self.pool(name).ok_or_else(|| not_found(name))?;
+        let key = pool_key(tenant, name);
+        let old = self.pool(&key).ok_or_else(|| not_found(name))?;
         let keep_warm = update.template.is_none();
         let spec = PoolSpec {
             name: name.to_owned(),
@@ -314,10 +338,10 @@ impl Pools {
             capacity_spec: update.capacity_spec,
             max_wait_seconds: update.max_wait_seconds.or(old.spec.max_wait_seconds),
         };
-        let new = self.prepare(spec, false, old.created_at)?;
+        let new = self.prepare(spec, false, old.created_at, tenant)?;
         let (old, moved, extra) = {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-            let current = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
+            let current = pools.get(&key).cloned().ok_or_else(|| not_found(name))?;
             if current.from_config {
                 return Err(from_config(name));
             }
@@ -344,7 +368,7 @@ impl Pools {
                     }
                 }
             }
-            pools.insert(name.to_owned(), new.clone());
+            pools.insert(key.clone(), new.clone());
             (old, moved, extra)
         };
         for _ in 0..moved {
@@ -359,14 +383,15 @@ impl Pools {
         Ok(self.wire(&new))
     }
 
-    pub async fn delete(&self, name: &str) -> Result<(), ApiError> {
+    pub async fn delete(&self, tenant: &str, name: &str) -> Result<(), ApiError> {
+        let key = pool_key(tenant, name);
         let pool = {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-            let pool = pools.get(name).cloned().ok_or_else(|| not_found(name))?;
+            let pool = pools.get(&key).cloned().ok_or_else(|| not_found(name))?;
             if pool.from_config {
                 return Err(from_config(name));
             }
-            pools.remove(name);
+            pools.remove(&key);
             pool
         };
         self.save();
@@ -397,18 +422,22 @@ impl Pools {
         let _ = deleting.await;
     }
 
-    pub fn get(&self, name: &str) -> Result<WirePool, ApiError> {
-        let pool = self.pool(name).ok_or_else(|| not_found(name))?;
+    pub fn get(&self, tenant: &str, name: &str) -> Result<WirePool, ApiError> {
+        let pool = self
+            .pool(&pool_key(tenant, name))
+            .ok_or_else(|| not_found(name))?;
         Ok(self.wire(&pool))
     }
 
-    pub fn list(&self) -> Vec<WirePool> {
+    /// The pools of the tenants `caller` sees, by name.
+    pub fn list(&self, caller: &Caller) -> Vec<WirePool> {
         let mut pools: Vec<Arc<Pool>> = self
             .inner
             .pools
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
+            .filter(|p| caller.sees(&p.tenant))
             .cloned()
             .collect();
         pools.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
@@ -420,7 +449,8 @@ impl Pools {
     /// request matches exactly (ignoring metadata, extensions and timeout), else none.
     pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, ApiError> {
         if let Some(name) = plan.extensions.get(POOL_REF) {
-            let pool = self.pool(name).ok_or_else(|| {
+            let key = pool_key(&plan.tenant, name);
+            let pool = self.pool(&key).ok_or_else(|| {
                 ApiError::bad_request(
                     ErrorCode::InvalidParameter,
                     format!("extensions.poolRef: no pool named {name:?}"),
@@ -448,14 +478,18 @@ impl Pools {
                      (its template has no extensions.{ISOLATION_EXTENSION} = enable)"
                 )));
             }
-            return Ok(Some(name.clone()));
+            return Ok(Some(key));
         }
         let pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
-        let mut names: Vec<&String> = pools.keys().collect();
-        names.sort();
-        Ok(names
+        let mut keys: Vec<&String> = pools
+            .iter()
+            .filter(|(_, p)| p.tenant == plan.tenant)
+            .map(|(k, _)| k)
+            .collect();
+        keys.sort();
+        Ok(keys
             .into_iter()
-            .find(|n| same_sandbox(&pools[*n].plan, plan))
+            .find(|k| same_sandbox(&pools[*k].plan, plan))
             .cloned())
     }
 
@@ -507,7 +541,7 @@ impl Pools {
         deadline: tokio::time::Instant,
         wait: Duration,
     ) -> Result<Option<SandboxRecord>, ApiError> {
-        let name = pool.spec.name.as_str();
+        let name = pool.key.as_str();
         let mut waiting = None;
         loop {
             // Registered before looking, so a sandbox added in between is not missed.
@@ -601,7 +635,7 @@ impl Pools {
             ended.as_mut().enable();
             let cap = pool.spec.capacity_spec;
             let (warm, creating) = self.live_warm_and_creating(&pool);
-            let allocated = self.allocated(&pool.spec.name) + pool.claiming.load(Ordering::SeqCst);
+            let allocated = self.allocated(&pool.key) + pool.claiming.load(Ordering::SeqCst);
             let want = cap.buffer_max.min(cap.pool_max.saturating_sub(allocated));
             // With replicas, one makes the warm sandboxes (they all claim them): N replicas each
             // filling the pool would make N times what it wants.
@@ -712,7 +746,7 @@ impl Pools {
         if sandboxes.shares_records() {
             // The replicas' warm sandboxes are every replica's: the list is what the records say
             // (those another replica made, less those another claimed).
-            let name = pool.spec.name.as_str();
+            let name = pool.key.as_str();
             let is_warm = |r: &SandboxRecord| {
                 r.warm_pool.as_deref() == Some(name) && r.state == SandboxState::Running
             };
@@ -734,7 +768,7 @@ impl Pools {
 
     fn wire(&self, pool: &Pool) -> WirePool {
         let (available, creating) = self.live_warm_and_creating(pool);
-        let allocated = self.allocated(&pool.spec.name);
+        let allocated = self.allocated(&pool.key);
         WirePool {
             spec: pool.spec.clone(),
             status: PoolStatus {
@@ -758,9 +792,10 @@ impl Pools {
                 .map(|p| SavedPool {
                     spec: p.spec.clone(),
                     created_at: Some(p.created_at),
+                    tenant: p.tenant.clone(),
                 })
                 .collect();
-            specs.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+            specs.sort_by(|a, b| (&a.tenant, &a.spec.name).cmp(&(&b.tenant, &b.spec.name)));
             specs
         };
         let write = serde_json::to_vec_pretty(&specs)
@@ -779,6 +814,20 @@ struct SavedPool {
     spec: PoolSpec,
     #[serde(default, rename = "createdAt", skip_serializing_if = "Option::is_none")]
     created_at: Option<DateTime<Utc>>,
+    /// Files written before tenants lack it: the default tenant's.
+    #[serde(default = "warren_store::default_tenant")]
+    tenant: String,
+}
+
+/// A pool's key: its name, qualified by its tenant unless that is the default one (whose pools,
+/// and their sandboxes' records, keep the names they had before tenants). Pool names hold no
+/// `/`, so keys of two tenants never meet.
+fn pool_key(tenant: &str, name: &str) -> String {
+    if tenant == DEFAULT_TENANT {
+        name.to_string()
+    } else {
+        format!("{tenant}/{name}")
+    }
 }
 
 /// The pool's revision: a digest of its spec, so it changes exactly when the spec does.

@@ -9,12 +9,13 @@ use axum::extract::{Path, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use subtle::ConstantTimeEq;
 use warren_api::lifecycle::SandboxState;
 use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::execd_conns;
+use crate::keys::Role;
 use crate::AppState;
 
 pub async fn proxy_root(
@@ -33,11 +34,21 @@ pub async fn proxy_path(
     forward(state, id, port, rest, req).await
 }
 
-/// Whether `req` may open `port` of the sandbox whose secret is `secret` (`None`: no such sandbox,
-/// which only the API key may learn). The token is the one for this port alone (see `tokens`); the
-/// reference egress sidecar's header is accepted for the egress surface.
-fn authorized(app: &AppState, secret: Option<&str>, port: u16, req: &Request) -> bool {
+/// How `req` may open `port` of sandbox `rec` (`None`: no such sandbox, which only a key may
+/// learn). The token is the one for this port alone (see `tokens`); the reference egress sidecar's
+/// header is accepted for the egress surface. A key opens only its tenant's sandboxes (an admin's,
+/// any), and a read-only key none: it is no key here.
+enum Opened {
+    ByToken,
+    ByKey,
+    /// A key that does not see this sandbox (or there is none): it answers as a missing one.
+    KeyNotHere,
+    No,
+}
+
+fn opened(rec: Option<&warren_store::SandboxRecord>, port: u16, req: &Request) -> Opened {
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
+    let secret = rec.map(|r| r.token.as_str());
     let token_ok = |presented: Option<&[u8]>| match (secret, presented) {
         (Some(secret), Some(t)) => crate::tokens::opens(secret, port, t),
         // The same work for a sandbox that does not exist, so timing does not tell either.
@@ -47,14 +58,20 @@ fn authorized(app: &AppState, secret: Option<&str>, port: u16, req: &Request) ->
         }
         (_, None) => false,
     };
-    let by_token = token_ok(header(ACCESS_TOKEN_HEADER))
-        || (port == warren_api::EGRESS_PORT
-            && token_ok(header(crate::network::EGRESS_AUTH_HEADER)));
-    let by_key = match app.api_key.as_deref() {
-        Some(k) => header(API_KEY_HEADER).is_some_and(|v| bool::from(v.ct_eq(k.as_bytes()))),
-        None => true,
-    };
-    by_token || by_key
+    if token_ok(header(ACCESS_TOKEN_HEADER))
+        || (port == warren_api::EGRESS_PORT && token_ok(header(crate::network::EGRESS_AUTH_HEADER)))
+    {
+        return Opened::ByToken;
+    }
+    match req
+        .extensions()
+        .get::<Caller>()
+        .filter(|c| c.role != Role::ReadOnly)
+    {
+        Some(c) if rec.is_some_and(|r| c.sees(&r.tenant)) => Opened::ByKey,
+        Some(_) => Opened::KeyNotHere,
+        None => Opened::No,
+    }
 }
 
 async fn forward(
@@ -68,21 +85,26 @@ async fn forward(
         return ApiError::invalid(format!("invalid port {port:?}")).into_response();
     };
     let rec = app.sandboxes.get(&id);
-    // Credentials first: whether a sandbox exists is for those who may open it (or hold the key).
-    if !authorized(&app, rec.as_ref().map(|r| r.token.as_str()), port, &req) {
-        let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
-            && req.headers().get(API_KEY_HEADER).is_none()
-            && req
-                .headers()
-                .get(crate::network::EGRESS_AUTH_HEADER)
-                .is_none();
-        let msg = if missing {
-            format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{{id}}/endpoints/{port}")
-        } else {
-            format!("invalid access token for port {port} of this sandbox (each port has its own: GET /sandboxes/{{id}}/endpoints/{port})")
-        };
-        return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
-            .into_response();
+    // Credentials first: whether a sandbox exists is for those who may open it (or hold a key that
+    // sees it).
+    match opened(rec.as_ref(), port, &req) {
+        Opened::ByToken | Opened::ByKey => {}
+        Opened::KeyNotHere => return ApiError::not_found(&id).into_response(),
+        Opened::No => {
+            let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
+                && req.headers().get(API_KEY_HEADER).is_none()
+                && req
+                    .headers()
+                    .get(crate::network::EGRESS_AUTH_HEADER)
+                    .is_none();
+            let msg = if missing {
+                format!("missing {ACCESS_TOKEN_HEADER}: send the headers returned by GET /sandboxes/{{id}}/endpoints/{port}")
+            } else {
+                format!("invalid access token for port {port} of this sandbox (each port has its own: GET /sandboxes/{{id}}/endpoints/{port})")
+            };
+            return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
+                .into_response();
+        }
     }
     let Some(rec) = rec else {
         return ApiError::not_found(&id).into_response();

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use chrono::{DateTime, SecondsFormat, Utc};
 use warren_api::lifecycle::{
     CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent,
@@ -16,6 +16,7 @@ use warren_api::lifecycle::{
 use warren_api::{ErrorBody, ErrorCode, ACCESS_TOKEN_HEADER};
 use warren_store::SandboxRecord;
 
+use crate::auth::Caller;
 use crate::error::{ApiError, ApiJson};
 use crate::sandboxes::REASON_USER_DELETE;
 use crate::validate::{create_plan, validate_metadata};
@@ -146,17 +147,19 @@ pub async fn health(State(app): State<AppState>) -> Json<Health> {
               (status = 507, description = "the data dir's filesystem is too full", body = ErrorBody)))]
 pub async fn create(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     ApiJson(mut req): ApiJson<CreateSandboxRequest>,
 ) -> Result<Response, ApiError> {
-    app.templates.apply(&mut req)?;
+    app.templates.apply(&mut req, &caller.tenant)?;
     let mut plan = create_plan(
         req,
         &app.config.limits,
         app.config.max_timeout_seconds,
         &app.storage,
     )?;
+    plan.set_tenant(&caller.tenant)?;
     if let Some(snapshot) = &plan.snapshot_id {
-        plan.image = app.snapshots.image_for_restore(snapshot)?;
+        plan.image = app.snapshots.image_for_restore(snapshot, &caller.tenant)?;
     }
     let claimed = match app.pools.route(&plan)? {
         // Waiting for a warm sandbox may be cut off; the hand-over itself is not (see `claim`).
@@ -202,6 +205,7 @@ pub async fn get(
     responses((status = 200, body = ListSandboxesResponse), (status = 400, body = ErrorBody)))]
 pub async fn list(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<ListSandboxesResponse>, ApiError> {
     let mut states = Vec::new();
@@ -230,7 +234,7 @@ pub async fn list(
         .sandboxes
         .all()
         .into_iter()
-        .filter(|r| r.warm_pool.is_none())
+        .filter(|r| r.warm_pool.is_none() && caller.sees(&r.tenant))
         .filter(|r| !by_state || states.contains(&r.state))
         .filter(|r| metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
         .collect();
@@ -517,6 +521,7 @@ pub async fn create_snapshot(
     responses((status = 200, body = warren_api::lifecycle::ListSnapshotsResponse), (status = 400, body = ErrorBody)))]
 pub async fn list_snapshots(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<warren_api::lifecycle::ListSnapshotsResponse>, ApiError> {
     let mut sandbox = None;
@@ -536,6 +541,7 @@ pub async fn list_snapshots(
         .snapshots
         .all()
         .into_iter()
+        .filter(|s| caller.sees(&s.tenant))
         .filter(|s| sandbox.as_ref().is_none_or(|id| &s.sandbox_id == id))
         .filter(|s| name.is_none() || s.name == name)
         .filter(|s| states.is_empty() || states.iter().any(|st| st.eq_ignore_ascii_case(&s.state)))
@@ -551,17 +557,20 @@ pub async fn list_snapshots(
     responses((status = 200, body = warren_api::lifecycle::Snapshot), (status = 404, body = ErrorBody)))]
 pub async fn get_snapshot(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<warren_api::lifecycle::Snapshot>, ApiError> {
-    Ok(Json(app.snapshots.lookup(&id)?.to_wire()))
+    Ok(Json(app.snapshots.lookup_as(&caller, &id)?.to_wire()))
 }
 
 #[utoipa::path(delete, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path)),
     responses((status = 204, description = "deleted"), (status = 404, body = ErrorBody)))]
 pub async fn delete_snapshot(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    app.snapshots.lookup_as(&caller, &id)?;
     let snapshots = app.snapshots.clone();
     to_completion(async move { snapshots.delete(&id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -573,9 +582,10 @@ pub async fn delete_snapshot(
     responses((status = 201, body = warren_api::lifecycle::Pool), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create_pool(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
 ) -> Result<Response, ApiError> {
-    let pool = app.pools.create(spec)?;
+    let pool = app.pools.create(spec, &caller.tenant)?;
     Ok((StatusCode::CREATED, Json(pool)).into_response())
 }
 
@@ -583,9 +593,10 @@ pub async fn create_pool(
     responses((status = 200, body = warren_api::lifecycle::ListPoolsResponse)))]
 pub async fn list_pools(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
 ) -> Json<warren_api::lifecycle::ListPoolsResponse> {
     Json(warren_api::lifecycle::ListPoolsResponse {
-        items: app.pools.list(),
+        items: app.pools.list(&caller),
     })
 }
 
@@ -593,9 +604,10 @@ pub async fn list_pools(
     responses((status = 200, body = warren_api::lifecycle::Pool), (status = 404, body = ErrorBody)))]
 pub async fn get_pool(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
 ) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
-    app.pools.get(&name).map(Json)
+    app.pools.get(&caller.tenant, &name).map(Json)
 }
 
 #[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path)),
@@ -603,11 +615,12 @@ pub async fn get_pool(
     responses((status = 200, body = warren_api::lifecycle::Pool), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn update_pool(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
     ApiJson(update): ApiJson<warren_api::lifecycle::PoolUpdate>,
 ) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
     let pools = app.pools.clone();
-    to_completion(async move { pools.update(&name, update).await })
+    to_completion(async move { pools.update(&caller.tenant, &name, update).await })
         .await
         .map(Json)
 }
@@ -616,10 +629,11 @@ pub async fn update_pool(
     responses((status = 204, description = "deleted, with its warm sandboxes"), (status = 404, body = ErrorBody)))]
 pub async fn delete_pool(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let pools = app.pools.clone();
-    to_completion(async move { pools.delete(&name).await }).await?;
+    to_completion(async move { pools.delete(&caller.tenant, &name).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -629,9 +643,10 @@ pub async fn delete_pool(
     responses((status = 201, description = "Pending: built in the background", body = warren_api::lifecycle::Template), (status = 400, body = ErrorBody)))]
 pub async fn create_template(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     ApiJson(req): ApiJson<warren_api::lifecycle::CreateTemplateRequest>,
 ) -> Result<Response, ApiError> {
-    let template = app.templates.create(req)?;
+    let template = app.templates.create(req, &caller.tenant)?;
     Ok((StatusCode::CREATED, Json(template)).into_response())
 }
 
@@ -640,6 +655,7 @@ pub async fn create_template(
     responses((status = 200, body = warren_api::lifecycle::ListTemplatesResponse), (status = 400, body = ErrorBody)))]
 pub async fn list_templates(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<warren_api::lifecycle::ListTemplatesResponse>, ApiError> {
     let mut metadata = BTreeMap::new();
@@ -651,7 +667,7 @@ pub async fn list_templates(
             _ => {}
         }
     }
-    let all = app.templates.list(&metadata);
+    let all = app.templates.list(&caller, &metadata);
     let (items, pagination) = paging.apply(&all);
     Ok(Json(warren_api::lifecycle::ListTemplatesResponse {
         items: items.to_vec(),
@@ -663,18 +679,20 @@ pub async fn list_templates(
     responses((status = 200, body = warren_api::lifecycle::Template), (status = 404, body = ErrorBody)))]
 pub async fn get_template(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<warren_api::lifecycle::Template>, ApiError> {
-    app.templates.get(&id).map(Json)
+    app.templates.get(&caller, &id).map(Json)
 }
 
 #[utoipa::path(delete, path = "/v1/templates/{id}", tag = "templates", params(("id" = String, Path)),
     responses((status = 204, description = "deleted, with its golden image"), (status = 404, body = ErrorBody)))]
 pub async fn delete_template(
     State(app): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let templates = app.templates.clone();
-    to_completion(async move { templates.delete(&id).await }).await?;
+    to_completion(async move { templates.delete(&caller, &id).await }).await?;
     Ok(StatusCode::NO_CONTENT)
 }

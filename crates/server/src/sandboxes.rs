@@ -565,6 +565,7 @@ impl Sandboxes {
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
             credential_proxy: plan.credential_proxy,
+            tenant: plan.tenant.clone(),
         };
         let entry = Arc::new(Entry::new(&record, false));
         let _op = entry.op.lock().await;
@@ -1667,6 +1668,7 @@ pub(crate) mod tests {
             extensions: BTreeMap::new(),
             network_policy: None,
             credential_proxy: false,
+            tenant: warren_store::default_tenant(),
         }
     }
 

@@ -16,6 +16,7 @@ use warren_api::lifecycle::{Snapshot, SnapshotStatus};
 use warren_api::ErrorCode;
 use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::routes::rfc3339;
 use crate::sandboxes::{snapshot_source_state, Sandboxes};
@@ -37,6 +38,9 @@ pub struct SnapshotRecord {
     pub last_transition_at: DateTime<Utc>,
     /// The store image holding the captured file system.
     pub image: String,
+    /// Whose it is: its sandbox's tenant.
+    #[serde(default = "warren_store::default_tenant")]
+    pub tenant: String,
 }
 
 impl SnapshotRecord {
@@ -169,6 +173,7 @@ impl Snapshots {
             message: None,
             created_at: now,
             last_transition_at: now,
+            tenant: source.tenant.clone(),
         };
         self.put(rec.clone());
         let me = self.clone();
@@ -223,6 +228,13 @@ impl Snapshots {
         self.get(id).ok_or_else(|| not_found(id))
     }
 
+    /// Snapshot `id` if `caller` sees it: another tenant's answers as a missing one.
+    pub fn lookup_as(&self, caller: &Caller, id: &str) -> Result<SnapshotRecord, ApiError> {
+        self.get(id)
+            .filter(|r| caller.sees(&r.tenant))
+            .ok_or_else(|| not_found(id))
+    }
+
     /// Every record, oldest first.
     pub fn all(&self) -> Vec<SnapshotRecord> {
         let mut all: Vec<SnapshotRecord> = self
@@ -237,9 +249,12 @@ impl Snapshots {
         all
     }
 
-    /// The store image a create with `snapshotId` runs; the snapshot must be Ready.
-    pub fn image_for_restore(&self, id: &str) -> Result<String, ApiError> {
-        let rec = self.lookup(id)?;
+    /// The store image a create with `snapshotId` runs; the snapshot must be Ready, and `tenant`'s.
+    pub fn image_for_restore(&self, id: &str, tenant: &str) -> Result<String, ApiError> {
+        let rec = self
+            .get(id)
+            .filter(|r| r.tenant == tenant)
+            .ok_or_else(|| not_found(id))?;
         if rec.state != READY {
             return Err(ApiError::conflict(
                 ErrorCode::SnapshotInvalidState,

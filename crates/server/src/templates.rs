@@ -22,6 +22,7 @@ use warren_api::lifecycle::{
 };
 use warren_api::ErrorCode;
 
+use crate::auth::Caller;
 use crate::config::LimitsSection;
 use crate::error::ApiError;
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
@@ -54,6 +55,9 @@ struct Record {
     snapshot_id: Option<String>,
     created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
+    /// Whose it is (its build sandbox, golden image and the sandboxes made from it are too).
+    #[serde(default = "warren_store::default_tenant")]
+    tenant: String,
 }
 
 impl Record {
@@ -161,7 +165,7 @@ impl Templates {
     }
 
     /// Checks the request, records the template (Pending) and builds it in the background.
-    pub fn create(&self, req: CreateTemplateRequest) -> Result<Template, ApiError> {
+    pub fn create(&self, req: CreateTemplateRequest, tenant: &str) -> Result<Template, ApiError> {
         let probe = validate(&req)?;
         self.inner.sandboxes.check_room("a template")?;
         let now = Utc::now();
@@ -173,6 +177,7 @@ impl Templates {
             snapshot_id: None,
             created_at: now,
             updated_at: now,
+            tenant: tenant.to_string(),
         };
         self.lock().insert(rec.id.clone(), rec.clone());
         self.save();
@@ -190,18 +195,21 @@ impl Templates {
         Ok(rec.to_wire())
     }
 
-    pub fn get(&self, id: &str) -> Result<Template, ApiError> {
+    /// Template `id` if `caller` sees it: another tenant's answers as a missing one.
+    pub fn get(&self, caller: &Caller, id: &str) -> Result<Template, ApiError> {
         self.lock()
             .get(id)
+            .filter(|r| caller.sees(&r.tenant))
             .map(Record::to_wire)
             .ok_or_else(|| not_found(id))
     }
 
-    /// Every template whose metadata holds all of `metadata`, oldest first.
-    pub fn list(&self, metadata: &BTreeMap<String, String>) -> Vec<Template> {
+    /// Every template `caller` sees whose metadata holds all of `metadata`, oldest first.
+    pub fn list(&self, caller: &Caller, metadata: &BTreeMap<String, String>) -> Vec<Template> {
         let mut out: Vec<Record> = self
             .lock()
             .values()
+            .filter(|r| caller.sees(&r.tenant))
             .filter(|r| {
                 let have = r.request.metadata.clone().unwrap_or_default();
                 metadata.iter().all(|(k, v)| have.get(k) == Some(v))
@@ -214,8 +222,14 @@ impl Templates {
 
     /// Removes the template and its golden image. A build in progress ends on its own and throws
     /// away what it made.
-    pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
-        let rec = self.lock().remove(id).ok_or_else(|| not_found(id))?;
+    pub async fn delete(&self, caller: &Caller, id: &str) -> Result<(), ApiError> {
+        let rec = {
+            let mut records = self.lock();
+            if !records.get(id).is_some_and(|r| caller.sees(&r.tenant)) {
+                return Err(not_found(id));
+            }
+            records.remove(id).ok_or_else(|| not_found(id))?
+        };
         self.save();
         if let Some(snapshot) = rec.snapshot_id {
             let _ = self.inner.snapshots.delete(&snapshot).await;
@@ -227,7 +241,7 @@ impl Templates {
     /// template's entrypoint, env and resources. As in the reference, the template fixes the
     /// workload: a request that shapes it too (entrypoint, env, resources, volumes, platform) is
     /// refused; metadata, network policy, extensions and timeout are the request's.
-    pub fn apply(&self, req: &mut CreateSandboxRequest) -> Result<(), ApiError> {
+    pub fn apply(&self, req: &mut CreateSandboxRequest, tenant: &str) -> Result<(), ApiError> {
         let Some(id) = req.template_id.take() else {
             return Ok(());
         };
@@ -249,13 +263,18 @@ impl Templates {
                 "{field} cannot be given with templateId: the template fixes the sandbox's workload"
             )));
         }
-        let rec = self.lock().get(&id).cloned().ok_or_else(|| {
-            ApiError::new(
-                http::StatusCode::NOT_FOUND,
-                ErrorCode::ImageNotFound,
-                format!("template {id} not found"),
-            )
-        })?;
+        let rec = self
+            .lock()
+            .get(&id)
+            .filter(|r| r.tenant == tenant)
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::new(
+                    http::StatusCode::NOT_FOUND,
+                    ErrorCode::ImageNotFound,
+                    format!("template {id} not found"),
+                )
+            })?;
         if rec.phase != SUCCEEDED {
             return Err(ApiError::conflict(
                 ErrorCode::InvalidState,
@@ -327,6 +346,13 @@ impl Templates {
         )
         .map_err(|e| format!("the template's sandbox: {}", e.message))?;
         plan.warm_pool = Some(format!("template:{id}"));
+        let tenant = self
+            .lock()
+            .get(id)
+            .map(|r| r.tenant.clone())
+            .ok_or("the template was deleted")?;
+        plan.set_tenant(&tenant)
+            .map_err(|e| format!("the template's sandbox: {}", e.message))?;
         let rec = self
             .inner
             .sandboxes

@@ -55,6 +55,40 @@ pub struct CreatePlan {
     pub network_policy: Option<warren_egress::NetworkPolicy>,
     /// `credentialProxy.enabled`: HTTPS goes through the credential vault's proxy.
     pub credential_proxy: bool,
+    /// Whose sandbox it is: the caller's tenant (set by the route).
+    pub tenant: String,
+}
+
+impl CreatePlan {
+    /// Makes the sandbox `tenant`'s. Its named volumes are that tenant's: another tenant's
+    /// `claimName` is another volume (qualified `<tenant>.<claim>`; tenant names hold no `.`, so
+    /// two tenants' names never meet, and the default tenant's keep their names). Host folders are
+    /// the server's, not a tenant's: only the default tenant (the server's own key, and admins
+    /// acting for no tenant) mounts them.
+    pub fn set_tenant(&mut self, tenant: &str) -> Result<(), ApiError> {
+        self.tenant = tenant.to_string();
+        if tenant == warren_store::DEFAULT_TENANT {
+            return Ok(());
+        }
+        for v in &mut self.volumes {
+            match &mut v.source {
+                warren_core::VolumeSource::Named { claim, .. } => {
+                    *claim = format!("{tenant}.{claim}");
+                }
+                warren_core::VolumeSource::Host(_) => {
+                    return Err(ApiError::new(
+                        http::StatusCode::FORBIDDEN,
+                        ErrorCode::Forbidden,
+                        format!(
+                            "volume at {}: host folders are the server's; tenant {tenant} mounts only its own named volumes",
+                            v.target
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 pub fn create_plan(
@@ -203,6 +237,7 @@ pub fn create_plan(
         extensions,
         network_policy,
         credential_proxy,
+        tenant: warren_store::default_tenant(),
     })
 }
 

@@ -65,6 +65,16 @@ pub struct SandboxRecord {
     /// The credential vault's proxy is on for this sandbox.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub credential_proxy: bool,
+    /// The tenant whose sandbox it is (records from before tenants: the default one).
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
+}
+
+/// The tenant of objects made before tenants existed, and of the server's own key.
+pub const DEFAULT_TENANT: &str = "default";
+
+pub fn default_tenant() -> String {
+    DEFAULT_TENANT.to_string()
 }
 
 impl SandboxRecord {
@@ -366,6 +376,7 @@ mod tests {
             network_policy: None,
             network_link: None,
             credential_proxy: false,
+            tenant: default_tenant(),
         }
     }
 

@@ -434,6 +434,7 @@ fn help_matches_snapshots() {
         &["code", "run"],
         &["run"],
         &["image"],
+        &["key"],
     ];
     let update = std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some();
     let mut stale = Vec::new();

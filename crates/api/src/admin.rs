@@ -1,0 +1,49 @@
+//! Warren's admin API (`/v1/admin/…`, admin keys only): tenants' keys. Not part of the OpenSandbox
+//! protocol; `warren key` speaks it, and edits the same store offline.
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/admin/keys`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct CreateKeyRequest {
+    pub tenant: String,
+    /// `admin`, `full` or `read-only`.
+    pub role: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A key as listed: never its secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct KeyInfo {
+    pub id: String,
+    pub tenant: String,
+    pub role: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub created_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotated_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<String>,
+}
+
+/// A key just made or rotated: its text, shown this once and kept nowhere.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct IssuedKey {
+    #[serde(flatten)]
+    pub info: KeyInfo,
+    pub key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ListKeysResponse {
+    pub items: Vec<KeyInfo>,
+}

@@ -1,0 +1,78 @@
+//! The admin API: tenants' keys (`/v1/admin/keys`). `auth` lets only admin keys in.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use warren_api::admin::{CreateKeyRequest, IssuedKey, ListKeysResponse};
+use warren_api::ErrorCode;
+
+use crate::error::{ApiError, ApiJson};
+use crate::keys::{KeyError, Role};
+use crate::AppState;
+
+fn from_key_error(e: KeyError) -> ApiError {
+    match e {
+        KeyError::Invalid(m) => ApiError::invalid(m),
+        KeyError::NotFound(id) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::InvalidParameter,
+            format!("no live key {id}"),
+        ),
+        KeyError::Io { .. } => ApiError::internal("the key store", &e),
+    }
+}
+
+/// Runs a store change off the async workers (it locks and writes a file).
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, KeyError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal("the key store", &e))?
+        .map_err(from_key_error)
+}
+
+pub async fn create_key(
+    State(app): State<AppState>,
+    ApiJson(req): ApiJson<CreateKeyRequest>,
+) -> Result<Response, ApiError> {
+    let role = Role::parse(&req.role).map_err(ApiError::invalid)?;
+    let keys = app.keys.clone();
+    let (entry, key) = blocking(move || keys.create(&req.tenant, role, req.name)).await?;
+    tracing::info!(key_id = %entry.id, tenant = %entry.tenant, role = role.as_str(), "key created");
+    let body = IssuedKey {
+        info: entry.to_wire(),
+        key,
+    };
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+pub async fn list_keys(State(app): State<AppState>) -> Json<ListKeysResponse> {
+    Json(ListKeysResponse {
+        items: app.keys.list().iter().map(|k| k.to_wire()).collect(),
+    })
+}
+
+pub async fn revoke_key(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<warren_api::admin::KeyInfo>, ApiError> {
+    let keys = app.keys.clone();
+    let entry = blocking(move || keys.revoke(&id)).await?;
+    tracing::info!(key_id = %entry.id, tenant = %entry.tenant, "key revoked");
+    Ok(Json(entry.to_wire()))
+}
+
+pub async fn rotate_key(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<IssuedKey>, ApiError> {
+    let keys = app.keys.clone();
+    let (entry, key) = blocking(move || keys.rotate(&id)).await?;
+    tracing::info!(key_id = %entry.id, tenant = %entry.tenant, "key rotated");
+    Ok(Json(IssuedKey {
+        info: entry.to_wire(),
+        key,
+    }))
+}

@@ -1,0 +1,407 @@
+//! Tenants' API keys: a store in the data dir (`keys.json`, owner-only), each key kept as the
+//! SHA-256 of its secret, never the secret, with its tenant, role and name. A key reads
+//! `wk_<id>_<secret>`: the id finds its entry, the secret's digest is compared in constant time.
+//! The secret is 32 random bytes, so a plain digest is as good as a slow one: nothing to guess.
+//!
+//! The server and `warren key` (the CLI, on the same data dir) both change the store, each under a
+//! lock file and each writing the whole file anew (renamed over the old one); the server looks at the
+//! file's identity on every request (one `stat`) and reads it again when it changed, so a key
+//! created, revoked or rotated from either side works or stops working at once, without a restart.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+pub use warren_store::DEFAULT_TENANT;
+const STORE_FILE: &str = "keys.json";
+const LOCK_FILE: &str = "keys.lock";
+
+/// What a key may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Every tenant's objects (acting for one with `X-Warren-Tenant`), and the keys themselves.
+    Admin,
+    /// Everything on its own tenant's objects.
+    Full,
+    /// Only reads of its own tenant's objects: no change, no command, no proxied request.
+    ReadOnly,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "admin" => Ok(Self::Admin),
+            "full" => Ok(Self::Full),
+            "read-only" | "readonly" => Ok(Self::ReadOnly),
+            other => Err(format!(
+                "role must be admin, full or read-only, not {other:?}"
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Admin => "admin",
+            Self::Full => "full",
+            Self::ReadOnly => "read-only",
+        }
+    }
+}
+
+/// One key as stored (and as listed: there is no secret in it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyEntry {
+    pub id: String,
+    pub tenant: String,
+    pub role: Role,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub created_at: DateTime<Utc>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotated_at: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// SHA-256 (hex) of the secret.
+    #[serde(rename = "secretSha256")]
+    pub(crate) secret_sha256: String,
+}
+
+impl KeyEntry {
+    pub fn to_wire(&self) -> warren_api::admin::KeyInfo {
+        let time = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        warren_api::admin::KeyInfo {
+            id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            role: self.role.as_str().into(),
+            name: self.name.clone(),
+            created_at: time(&self.created_at),
+            rotated_at: self.rotated_at.as_ref().map(time),
+            revoked_at: self.revoked_at.as_ref().map(time),
+        }
+    }
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StoreFile {
+    keys: Vec<KeyEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("no key {0}")]
+    NotFound(String),
+    #[error("the key store {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Which version of the file the cache holds: a replaced file is a new inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    mtime_ns: i128,
+    len: u64,
+}
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        ino: m.ino(),
+        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        len: m.len(),
+    })
+}
+
+struct Cached {
+    stamp: Option<Stamp>,
+    keys: Vec<KeyEntry>,
+}
+
+pub struct KeyStore {
+    dir: PathBuf,
+    cache: Mutex<Cached>,
+}
+
+/// Tenant names: lower-case letters, digits and `-`, 1 to 63, starting with a letter or digit (they
+/// appear in labels, paths and logs).
+pub fn check_tenant(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "tenant {name:?}: 1 to 63 lower-case letters, digits or '-', not starting with '-'"
+        ))
+    }
+}
+
+fn digest_hex(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// `wk_<id>_<secret>` → (id, secret).
+fn split_key(presented: &str) -> Option<(&str, &str)> {
+    let rest = presented.strip_prefix("wk_")?;
+    let (id, secret) = rest.split_once('_')?;
+    (id.len() == 12 && !secret.is_empty()).then_some((id, secret))
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut b = vec![0u8; bytes];
+    rand::thread_rng().fill_bytes(&mut b);
+    hex::encode(b)
+}
+
+/// Held while the store is read, changed and written (by the server or the CLI).
+struct FileLock {
+    _file: std::fs::File,
+}
+
+impl FileLock {
+    fn take(dir: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::create_dir_all(dir)?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(dir.join(LOCK_FILE))?;
+        // SAFETY: flock on a descriptor we own; released when the file closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { _file: f })
+    }
+}
+
+impl KeyStore {
+    pub fn open(data_dir: &Path) -> Self {
+        Self {
+            dir: data_dir.to_path_buf(),
+            cache: Mutex::new(Cached {
+                stamp: None,
+                keys: Vec::new(),
+            }),
+        }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join(STORE_FILE)
+    }
+
+    fn io(&self, source: std::io::Error) -> KeyError {
+        KeyError::Io {
+            path: self.path(),
+            source,
+        }
+    }
+
+    fn read_file(&self) -> Result<Vec<KeyEntry>, KeyError> {
+        match std::fs::read(self.path()) {
+            Ok(bytes) => serde_json::from_slice::<StoreFile>(&bytes)
+                .map(|f| f.keys)
+                .map_err(|e| self.io(std::io::Error::other(e))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(self.io(e)),
+        }
+    }
+
+    /// The keys as the file holds them now (read again when it changed since last time).
+    fn current(&self) -> MutexGuard<'_, Cached> {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let now = stamp(&self.path());
+        if now != cache.stamp || now.is_none() {
+            match self.read_file() {
+                Ok(keys) => {
+                    cache.keys = keys;
+                    cache.stamp = now;
+                }
+                // A file that cannot be read opens nothing (rather than what it held before).
+                Err(e) => {
+                    tracing::error!(error = %e, "the key store cannot be read: its keys are refused");
+                    cache.keys.clear();
+                    cache.stamp = None;
+                }
+            }
+        }
+        cache
+    }
+
+    /// The live key `presented` is, if it is one.
+    pub fn authenticate(&self, presented: &str) -> Option<KeyEntry> {
+        let (id, secret) = split_key(presented)?;
+        let digest = digest_hex(secret);
+        let cache = self.current();
+        let entry = cache.keys.iter().find(|k| k.id == id)?;
+        let same: bool = entry
+            .secret_sha256
+            .as_bytes()
+            .ct_eq(digest.as_bytes())
+            .into();
+        (same && entry.revoked_at.is_none()).then(|| entry.clone())
+    }
+
+    /// Every key, revoked ones too (none with a secret).
+    pub fn list(&self) -> Vec<KeyEntry> {
+        self.current().keys.clone()
+    }
+
+    /// Reads, changes and writes the store under its lock.
+    fn change<T>(
+        &self,
+        f: impl FnOnce(&mut Vec<KeyEntry>) -> Result<T, KeyError>,
+    ) -> Result<T, KeyError> {
+        let _lock = FileLock::take(&self.dir).map_err(|e| self.io(e))?;
+        let mut keys = self.read_file()?;
+        let out = f(&mut keys)?;
+        let bytes = serde_json::to_vec_pretty(&StoreFile { keys })
+            .map_err(|e| self.io(std::io::Error::other(e)))?;
+        crate::state_file::replace(&self.path(), &bytes).map_err(|e| self.io(e))?;
+        Ok(out)
+    }
+
+    /// A new key; its text is in the answer and nowhere else.
+    pub fn create(
+        &self,
+        tenant: &str,
+        role: Role,
+        name: Option<String>,
+    ) -> Result<(KeyEntry, String), KeyError> {
+        check_tenant(tenant).map_err(KeyError::Invalid)?;
+        if let Some(n) = &name {
+            if n.len() > 128 || n.chars().any(char::is_control) {
+                return Err(KeyError::Invalid(
+                    "a key's name is at most 128 printable characters".into(),
+                ));
+            }
+        }
+        self.change(|keys| {
+            let id = loop {
+                let id = random_hex(6);
+                if !keys.iter().any(|k| k.id == id) {
+                    break id;
+                }
+            };
+            let secret = random_hex(32);
+            let entry = KeyEntry {
+                id: id.clone(),
+                tenant: tenant.to_string(),
+                role,
+                name,
+                created_at: Utc::now(),
+                rotated_at: None,
+                revoked_at: None,
+                secret_sha256: digest_hex(&secret),
+            };
+            keys.push(entry.clone());
+            Ok((entry, format!("wk_{id}_{secret}")))
+        })
+    }
+
+    /// Revokes key `id` (it stays listed, revoked); revoking twice is fine.
+    pub fn revoke(&self, id: &str) -> Result<KeyEntry, KeyError> {
+        self.change(|keys| {
+            let k = keys
+                .iter_mut()
+                .find(|k| k.id == id)
+                .ok_or_else(|| KeyError::NotFound(id.to_string()))?;
+            k.revoked_at.get_or_insert_with(Utc::now);
+            Ok(k.clone())
+        })
+    }
+
+    /// A new secret for key `id` (same id, tenant and role): the old text stops working at once.
+    pub fn rotate(&self, id: &str) -> Result<(KeyEntry, String), KeyError> {
+        self.change(|keys| {
+            let k = keys
+                .iter_mut()
+                .find(|k| k.id == id && k.revoked_at.is_none())
+                .ok_or_else(|| KeyError::NotFound(id.to_string()))?;
+            let secret = random_hex(32);
+            k.secret_sha256 = digest_hex(&secret);
+            k.rotated_at = Some(Utc::now());
+            Ok((k.clone(), format!("wk_{}_{secret}", k.id)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_opens_only_while_live_and_only_with_its_own_secret() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = KeyStore::open(dir.path());
+        let (entry, text) = store
+            .create("acme", Role::Full, Some("ci".into()))
+            .expect("create");
+        assert_eq!(
+            store.authenticate(&text).map(|k| k.tenant),
+            Some("acme".into())
+        );
+        // Not the id alone, nor the digest at rest, nor a near miss.
+        let at_rest = std::fs::read_to_string(dir.path().join(STORE_FILE)).expect("file");
+        let secret = text.rsplit('_').next().expect("secret");
+        assert!(!at_rest.contains(secret), "the secret is never stored");
+        for wrong in [
+            format!("wk_{}_", entry.id),
+            format!("wk_{}_{}", entry.id, entry.secret_sha256),
+            format!("{}x", text),
+            text.replace("wk_", "wk-"),
+        ] {
+            assert!(store.authenticate(&wrong).is_none(), "{wrong}");
+        }
+        // Rotated: the old text stops, the new one works; revoked: nothing does.
+        let (_, new) = store.rotate(&entry.id).expect("rotate");
+        assert!(store.authenticate(&text).is_none());
+        assert!(store.authenticate(&new).is_some());
+        store.revoke(&entry.id).expect("revoke");
+        assert!(store.authenticate(&new).is_none());
+        assert!(
+            store.rotate(&entry.id).is_err(),
+            "a revoked key stays revoked"
+        );
+        assert!(store.list()[0].revoked_at.is_some());
+    }
+
+    #[test]
+    fn a_change_made_by_another_process_is_seen_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = KeyStore::open(dir.path());
+        let cli = KeyStore::open(dir.path());
+        let (entry, text) = cli.create("acme", Role::ReadOnly, None).expect("create");
+        assert!(server.authenticate(&text).is_some());
+        cli.revoke(&entry.id).expect("revoke");
+        assert!(server.authenticate(&text).is_none());
+    }
+
+    #[test]
+    fn tenant_names_are_checked() {
+        for bad in ["", "-a", "A", "a b", "a/b", &"a".repeat(64)] {
+            assert!(check_tenant(bad).is_err(), "{bad:?}");
+        }
+        for good in ["a", "acme-2", "0team"] {
+            assert!(check_tenant(good).is_ok(), "{good:?}");
+        }
+    }
+}

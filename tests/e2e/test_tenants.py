@@ -1,0 +1,239 @@
+"""Tenants on one Warren (issue 32): keys that belong to tenants, made and revoked without a restart
+(the admin API and `warren key`), roles (admin, full, read-only), and a tenant that sees and
+touches only its own sandboxes, pools, snapshots and named volumes — another tenant's answering
+exactly as a missing one — driven through the official SDK with each tenant's key. Tenancy lives
+in the server, not the runtime: one runtime (the embedded one) is enough."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+
+import warren_e2e as W
+
+KEY = "OPEN-SANDBOX-API-KEY"
+
+
+@pytest.fixture(scope="module")
+def srv(work_root):
+    s = W.WarrenServer("embedded", work_root, f"tenants-{uuid.uuid4().hex[:6]}")
+    s.check_binary()
+    s.start()
+    yield s
+    s.stop()
+
+
+def _admin(srv, method, path, **kw) -> httpx.Response:
+    return httpx.request(method, f"{srv.base_url}/v1{path}", headers={KEY: srv.api_key}, timeout=60, **kw)
+
+
+def _as(srv, key, method, path, **kw) -> httpx.Response:
+    headers = {KEY: key, **kw.pop("headers", {})}
+    return httpx.request(method, f"{srv.base_url}/v1{path}", headers=headers, timeout=60, **kw)
+
+
+def _key(srv, tenant, role="full") -> str:
+    r = _admin(srv, "POST", "/admin/keys", json={"tenant": tenant, "role": role, "name": f"e2e-{role}"})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["tenant"] == tenant and body["role"] == role and body["key"].startswith("wk_"), body
+    return body["key"]
+
+
+def _sdk(srv, key):
+    from opensandbox.config import ConnectionConfigSync
+    return ConnectionConfigSync(domain=srv.domain, api_key=key, request_timeout=timedelta(seconds=60))
+
+
+def _create(srv, key, **kw):
+    from opensandbox import SandboxSync
+    sbx = SandboxSync.create("host", connection_config=_sdk(srv, key), timeout=timedelta(minutes=10),
+                             ready_timeout=timedelta(seconds=60), **kw)
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+def _same_as_missing(srv, key, method, path_of, real_id, **kw):
+    """`real_id` (another tenant's) answers exactly as an id that never existed."""
+    missing = "0" * len(real_id)
+    a = _as(srv, key, method, path_of(real_id), **kw)
+    b = _as(srv, key, method, path_of(missing), **kw)
+    assert a.status_code == b.status_code, (path_of(real_id), a.status_code, a.text, b.status_code, b.text)
+    assert a.status_code in (404, 401), (a.status_code, a.text)
+    assert json.loads(a.text.replace(real_id, missing)) == b.json(), (a.text, b.text)
+
+
+def test_each_tenant_sees_and_touches_only_its_own_sandboxes(srv):
+    acme, globex = _key(srv, "acme"), _key(srv, "globex")
+    a, g = _create(srv, acme, metadata={"who": "acme"}), _create(srv, globex, metadata={"who": "globex"})
+    try:
+        # Lists: each its own; the server's own key (the default tenant's admin) all, or one
+        # tenant's when it names it.
+        ids = lambda key, **kw: {s["id"] for s in _as(srv, key, "GET", "/sandboxes", **kw).json()["items"]}  # noqa: E731
+        assert ids(acme) == {a.id} and ids(globex) == {g.id}
+        assert {a.id, g.id} <= ids(srv.api_key)
+        assert ids(srv.api_key, headers={"X-Warren-Tenant": "acme"}) == {a.id}
+        # A tenant's key names only its own tenant.
+        r = _as(srv, acme, "GET", "/sandboxes", headers={"X-Warren-Tenant": "globex"})
+        W.assert_error_body(r, codes=[403])
+
+        # Every route under the other tenant's sandbox answers as for a sandbox that never was.
+        for method, path, kw in [
+            ("GET", lambda i: f"/sandboxes/{i}", {}),
+            ("DELETE", lambda i: f"/sandboxes/{i}", {}),
+            ("GET", lambda i: f"/sandboxes/{i}/endpoints/8080", {}),
+            ("POST", lambda i: f"/sandboxes/{i}/renew-expiration",
+             {"json": {"expiresAt": W.rfc3339(W.utcnow() + timedelta(hours=1))}}),
+            ("PATCH", lambda i: f"/sandboxes/{i}/metadata", {"json": {"who": "acme"}}),
+            ("GET", lambda i: f"/sandboxes/{i}/networkpolicy", {}),
+            ("POST", lambda i: f"/sandboxes/{i}/pause", {}),
+            ("GET", lambda i: f"/sandboxes/{i}/diagnostics/logs", {}),
+            ("POST", lambda i: f"/sandboxes/{i}/snapshots", {}),
+            # The endpoint proxy with a key opens only that key's tenant's sandboxes.
+            ("POST", lambda i: f"/sandboxes/{i}/proxy/44772/command", {"json": {"command": "touch /tmp/pwned"}}),
+            ("GET", lambda i: f"/sandboxes/{i}/proxy/44772/ping", {}),
+        ]:
+            _same_as_missing(srv, acme, method, path, g.id, **kw)
+        # globex's sandbox is untouched, and still its own.
+        code, out, _ = W.sh(g, "test -e /tmp/pwned && echo pwned || echo clean")
+        assert out.strip() == "clean"
+        assert _as(srv, globex, "GET", f"/sandboxes/{g.id}").json()["metadata"] == {"who": "globex"}
+        # Its own key opens its own, through the proxy too.
+        r = _as(srv, acme, "GET", f"/sandboxes/{a.id}/proxy/44772/ping")
+        assert r.status_code == 200, r.text
+    finally:
+        for s in (a, g):
+            s.kill()
+            s.close()
+
+
+def test_a_read_only_key_reads_and_does_nothing_else(srv):
+    full, ro = _key(srv, "initech"), _key(srv, "initech", "read-only")
+    sbx = _create(srv, full)
+    try:
+        assert _as(srv, ro, "GET", f"/sandboxes/{sbx.id}").status_code == 200
+        assert {s["id"] for s in _as(srv, ro, "GET", "/sandboxes").json()["items"]} == {sbx.id}
+        for method, path, kw in [("POST", "/sandboxes", {"json": W.create_body("host")}),
+                                 ("DELETE", f"/sandboxes/{sbx.id}", {}),
+                                 ("POST", "/pools", {"json": {"name": "p"}}),
+                                 ("POST", "/admin/keys", {"json": {"tenant": "initech", "role": "admin"}})]:
+            r = _as(srv, ro, method, path, **kw)
+            W.assert_error_body(r, codes=[403])
+        # Not a command either, through the SDK or the proxy (a read-only key is no key there).
+        r = _as(srv, ro, "POST", f"/sandboxes/{sbx.id}/proxy/44772/command", json={"command": "true"})
+        W.assert_error_body(r, codes=[401])
+        assert _as(srv, ro, "GET", "/admin/keys").status_code == 403
+    finally:
+        sbx.kill()
+        sbx.close()
+
+
+def test_keys_are_revoked_and_rotated_at_once_by_the_api_and_the_cli(srv):
+    key = _key(srv, "umbrella")
+    kid = key.split("_")[1]
+    assert _as(srv, key, "GET", "/sandboxes").status_code == 200
+    # Rotated: the old text stops, the new one works, same tenant.
+    r = _admin(srv, "POST", f"/admin/keys/{kid}/rotate")
+    assert r.status_code == 200, r.text
+    new = r.json()["key"]
+    W.assert_error_body(_as(srv, key, "GET", "/sandboxes"), codes=[401])
+    assert _as(srv, new, "GET", "/sandboxes").status_code == 200
+    # Revoked through the API: refused on the next request, no restart.
+    assert _admin(srv, "DELETE", f"/admin/keys/{kid}").status_code == 200
+    W.assert_error_body(_as(srv, new, "GET", "/sandboxes"), codes=[401])
+    listed = {k["id"]: k for k in _admin(srv, "GET", "/admin/keys").json()["items"]}
+    assert listed[kid]["revokedAt"] and "secretSha256" not in json.dumps(listed)
+
+    # `warren key` on the running server's data dir: made and revoked there, seen at once.
+    cli = lambda *a: subprocess.run([str(srv.bin), "key", *a, "--data-dir", str(srv.data_dir)],  # noqa: E731
+                                    capture_output=True, text=True, timeout=30)
+    made = cli("create", "umbrella", "--role", "full", "-o", "json")
+    assert made.returncode == 0, made.stderr
+    text = json.loads(made.stdout)["key"]
+    assert _as(srv, text, "GET", "/sandboxes").status_code == 200
+    gone = cli("revoke", text.split("_")[1])
+    assert gone.returncode == 0, gone.stderr
+    W.assert_error_body(_as(srv, text, "GET", "/sandboxes"), codes=[401])
+    # Hashed at rest: no key's text is in the data dir's key store or the server's log.
+    stored = (srv.data_dir / "keys.json").read_text()
+    for t in (key, new, text):
+        assert t.split("_")[2] not in stored
+        assert t not in srv.log_path.read_text()
+
+
+def test_pools_snapshots_and_named_volumes_are_the_tenant_s_own(srv):
+    acme, globex = _key(srv, "acme2"), _key(srv, "globex2")
+    pool = {"name": "warm", "template": W.create_body("host"), "capacitySpec": {"bufferMax": 1, "bufferMin": 1, "poolMin": 0, "poolMax": 2}}
+    made = []
+    try:
+        # One pool name, two tenants: two pools; each sees its own.
+        for key in (acme, globex):
+            r = _as(srv, key, "POST", "/pools", json=pool)
+            assert r.status_code == 201, r.text
+        assert [p["name"] for p in _as(srv, acme, "GET", "/pools").json()["items"]] == ["warm"]
+        W.wait_until(lambda: _as(srv, acme, "GET", "/pools/warm").json()["status"]["available"] == 1, 30,
+                     message="acme's pool to be warm")
+        # A create from a pool is served by the caller's own pool, and the sandbox is the caller's.
+        from opensandbox import SandboxSync
+        sbx = SandboxSync.create("host", connection_config=_sdk(srv, acme), extensions={"poolRef": "warm"},
+                                 timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
+        made.append(sbx)
+        assert _as(srv, globex, "GET", f"/sandboxes/{sbx.id}").status_code == 404
+        assert _as(srv, acme, "GET", "/pools/warm").json()["status"]["allocated"] == 1
+        assert _as(srv, globex, "GET", "/pools/warm").json()["status"]["allocated"] == 0
+
+        # Named volumes: one claimName, two tenants, two volumes.
+        vol = [{"name": "d", "pvc": {"claimName": "shared", "createIfNotExists": True}, "mountPath": "/data"}]
+        for key, word in ((acme, "acme"), (globex, "globex")):
+            r = _as(srv, key, "POST", "/sandboxes", json=W.create_body("host", volumes=vol))
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            c = SandboxSync.connect(sid, connection_config=_sdk(srv, key))
+            made.append(c)
+            code, out, _ = W.sh(c, f"cat /data/who 2>/dev/null; echo {word} > /data/who")
+            assert out.strip() == "", f"{word} found another tenant's file: {out!r}"
+
+        # Snapshots: another tenant's is missing, for reading, deleting and restoring.
+        srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+        src = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=_sdk(srv, acme),
+                                 timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
+        made.append(src)
+        r = _as(srv, acme, "POST", f"/sandboxes/{src.id}/snapshots", json={"name": "s"})
+        assert r.status_code == 202, r.text
+        snap = r.json()["id"]
+        def ready():
+            st = _as(srv, acme, "GET", f"/snapshots/{snap}").json()["status"]
+            assert st["state"] != "Failed", st
+            return st["state"] == "Ready"
+        W.wait_until(ready, 60, message="the snapshot")
+        _same_as_missing(srv, globex, "GET", lambda i: f"/snapshots/{i}", snap)
+        _same_as_missing(srv, globex, "DELETE", lambda i: f"/snapshots/{i}", snap)
+        assert _as(srv, globex, "GET", "/snapshots").json()["items"] == []
+        body = W.create_body(W.TEST_IMAGE_NAME)
+        body.pop("image")
+        r = _as(srv, globex, "POST", "/sandboxes", json={**body, "snapshotId": snap})
+        W.assert_error_body(r, codes=[404])
+        assert _as(srv, acme, "GET", f"/snapshots/{snap}").status_code == 200
+        # Another tenant's pool is missing too.
+        r = _as(srv, acme, "POST", "/pools", json={**pool, "name": "only-acme",
+                                                   "capacitySpec": {"bufferMax": 0, "bufferMin": 0, "poolMin": 0, "poolMax": 1}})
+        assert r.status_code == 201, r.text
+        for method in ("GET", "DELETE"):
+            _same_as_missing(srv, globex, method, lambda i: f"/pools/{i}", "only-acme")
+        assert _as(srv, acme, "GET", "/pools/only-acme").status_code == 200
+    finally:
+        for s in made:
+            try:
+                s.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            s.close()
+        for key in (acme, globex):
+            _as(srv, key, "DELETE", "/pools/warm")
+        _as(srv, acme, "DELETE", "/pools/only-acme")
