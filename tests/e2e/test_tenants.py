@@ -22,6 +22,9 @@ KEY = "OPEN-SANDBOX-API-KEY"
 @pytest.fixture(scope="module")
 def srv(work_root):
     s = W.WarrenServer("embedded", work_root, f"tenants-{uuid.uuid4().hex[:6]}")
+    # One tenant with quotas; the others have none (no [quotas.default]).
+    s.more_config = ('[quotas.tenants.capped]\nsandboxes = 2\ncpu = "1"\nmemory = "1Gi"\n'
+                     'creates_per_minute = 3\n')
     s.check_binary()
     s.start()
     yield s
@@ -237,3 +240,57 @@ def test_pools_snapshots_and_named_volumes_are_the_tenant_s_own(srv):
         for key in (acme, globex):
             _as(srv, key, "DELETE", "/pools/warm")
         _as(srv, acme, "DELETE", "/pools/only-acme")
+
+
+def test_a_tenant_s_quotas_refuse_what_passes_them_and_nothing_is_left(srv):
+    capped, free = _key(srv, "capped"), _key(srv, "uncapped")
+    body = lambda cpu: W.create_body("host", resourceLimits={"cpu": cpu, "memory": "256Mi"})  # noqa: E731
+    made = []
+
+    def create(cpu):
+        r = _as(srv, capped, "POST", "/sandboxes", json=body(cpu))
+        if r.status_code == 202:
+            made.append(r.json()["id"])
+            W.track_sandbox(r.json()["id"])
+        return r
+
+    def listed():
+        return {s["id"] for s in _as(srv, capped, "GET", "/sandboxes").json()["items"]}
+
+    try:
+        assert create("400m").status_code == 202 and create("400m").status_code == 202
+        r = create("100m")
+        W.assert_error_body(r, codes=[403])
+        assert r.json()["code"] == "QUOTA_EXCEEDED" and "quota sandboxes" in r.json()["message"], r.text
+        assert listed() == set(made)
+        # What it uses, and may.
+        u = _as(srv, capped, "GET", "/usage").json()
+        assert u["tenant"] == "capped" and u["sandboxes"] == 2 and u["cpuMillis"] == 800, u
+        assert u["quota"] == {"sandboxes": 2, "cpuMillis": 1000, "memoryBytes": 1 << 30, "createsPerMinute": 3}, u
+        # CPU in total: 400m + 700m is over 1.
+        assert _as(srv, capped, "DELETE", f"/sandboxes/{made.pop()}").status_code == 204
+        r = create("700m")
+        W.assert_error_body(r, codes=[403])
+        assert "quota cpu" in r.json()["message"], r.text
+        # A third create this minute passes; a fourth waits, told how long.
+        assert create("600m").status_code == 202
+        for sid in list(made):
+            assert _as(srv, capped, "DELETE", f"/sandboxes/{sid}").status_code == 204
+            made.remove(sid)
+        r = create("100m")
+        W.assert_error_body(r, codes=[429])
+        assert "creates_per_minute" in r.json()["message"], r.text
+        assert 1 <= int(r.headers["Retry-After"]) <= 60, r.headers
+        # The official SDK surfaces it as the rate limit it is.
+        from opensandbox.exceptions.sandbox import SandboxRateLimitException
+        with pytest.raises(SandboxRateLimitException):
+            _create(srv, capped, resource={"cpu": "100m", "memory": "256Mi"})
+        assert listed() == set()
+        # Another tenant is not held by them.
+        other = _as(srv, free, "POST", "/sandboxes", json=body("2"))
+        assert other.status_code == 202, other.text
+        made.append(other.json()["id"])
+        assert _as(srv, free, "GET", "/usage").json()["quota"]["sandboxes"] is None
+    finally:
+        for sid in made:
+            _admin(srv, "DELETE", f"/sandboxes/{sid}")

@@ -1,5 +1,5 @@
-//! Warren's admin API (`/v1/admin/…`, admin keys only): tenants' keys. Not part of the OpenSandbox
-//! protocol; `warren key` speaks it, and edits the same store offline.
+//! Warren's own routes beside the OpenSandbox protocol: the admin API (`/v1/admin/…`, admin keys
+//! only: tenants' keys, which `warren key` also edits offline) and a tenant's usage (`/v1/usage`).
 
 use serde::{Deserialize, Serialize};
 
@@ -46,4 +46,28 @@ pub struct IssuedKey {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListKeysResponse {
     pub items: Vec<KeyInfo>,
+}
+
+/// `GET /v1/usage`: what the caller's tenant uses, and its quotas (`None`: no quota).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    pub tenant: String,
+    /// Sandboxes not yet ended, warm pool ones included.
+    pub sandboxes: u64,
+    pub cpu_millis: u64,
+    pub memory_bytes: u64,
+    pub creates_last_minute: u64,
+    pub quota: QuotaInfo,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaInfo {
+    pub sandboxes: Option<u64>,
+    pub cpu_millis: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub creates_per_minute: Option<u64>,
 }

@@ -1,4 +1,5 @@
-//! The admin API: tenants' keys (`/v1/admin/keys`). `auth` lets only admin keys in.
+//! Warren's own routes: the admin API, tenants' keys (`/v1/admin/keys`; `auth` lets only admin
+//! keys in), and a tenant's usage and quotas (`/v1/usage`).
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -75,4 +76,13 @@ pub async fn rotate_key(
         info: entry.to_wire(),
         key,
     }))
+}
+
+/// The caller's tenant's usage and quotas (an admin acting for no tenant: the default tenant's).
+pub async fn usage(
+    State(app): State<AppState>,
+    axum::Extension(caller): axum::Extension<crate::auth::Caller>,
+) -> Json<warren_api::admin::Usage> {
+    let live = app.sandboxes.live_of(&caller.tenant);
+    Json(app.quotas.usage(&caller.tenant, &live))
 }

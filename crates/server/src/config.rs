@@ -53,6 +53,9 @@ pub struct FileConfig {
     /// `[[pools]]`: warm pools (name, template, capacitySpec, maxWaitSeconds), as `POST /v1/pools`.
     #[serde(default)]
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
+    /// `[quotas]`: tenants' quotas (see `quotas`).
+    #[serde(default)]
+    pub quotas: crate::quotas::QuotaSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -546,6 +549,7 @@ pub struct ServerConfig {
     pub http: HttpSection,
     pub registries: warren_registry::RegistriesConfig,
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
+    pub quotas: crate::quotas::QuotaSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -621,6 +625,7 @@ impl ServerConfig {
         }
         file.limits.defaults().context("[limits]")?;
         file.images.unpack_limits().context("[images]")?;
+        file.quotas.check().context("[quotas]")?;
         if flags.insecure_no_auth && !listen.ip().is_loopback() {
             anyhow::bail!(
                 "--insecure-no-auth is accepted only on a loopback address, not {listen}"
@@ -655,6 +660,7 @@ impl ServerConfig {
             },
             registries: file.registries.clone(),
             pools: file.pools.clone(),
+            quotas: file.quotas.clone(),
             config_file,
         })
     }

@@ -14,6 +14,8 @@ pub struct ApiError {
     pub message: String,
     /// A failure of the server's own (`internal`): the message goes to the log, not the client.
     pub hidden: bool,
+    /// With a 429: how many seconds to wait (`Retry-After`; 1 when not given).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -23,6 +25,7 @@ impl ApiError {
             code: code.as_str().to_string(),
             message: message.into(),
             hidden: false,
+            retry_after: None,
         }
     }
 
@@ -105,7 +108,8 @@ pub fn internal_message(request_id: &str) -> String {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let retry = self.status == StatusCode::TOO_MANY_REQUESTS;
+        let retry = (self.status == StatusCode::TOO_MANY_REQUESTS)
+            .then(|| self.retry_after.unwrap_or(1).max(1));
         let internal = self.hidden;
         let message = if internal {
             // (inside the request's span: the line carries its id)
@@ -126,11 +130,11 @@ impl IntoResponse for ApiError {
         if let Some(marker) = marker {
             resp.extensions_mut().insert(marker);
         }
-        if retry {
-            // A pool refills in well under a second per sandbox.
+        if let Some(seconds) = retry {
+            // By default 1: a pool refills in well under a second per sandbox.
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static("1"),
+                axum::http::HeaderValue::from(seconds),
             );
         }
         resp

@@ -15,6 +15,7 @@ pub mod network;
 mod openapi;
 mod pools;
 mod proxy;
+mod quotas;
 mod routes;
 mod sandbox_files;
 pub mod sandboxes;
@@ -81,6 +82,7 @@ pub struct AppState {
     pub api_key: Option<Arc<str>>,
     /// Tenants' keys (`keys.json` in the data dir), besides the server's own `api_key`.
     pub keys: Arc<keys::KeyStore>,
+    pub quotas: Arc<quotas::Quotas>,
     pub sandboxes: Sandboxes,
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
@@ -122,6 +124,7 @@ pub fn router(state: AppState) -> Router {
             get(diagnostics::summary),
         )
         .route("/metrics/events", post(routes::metrics_event))
+        .route("/usage", get(admin::usage))
         .route("/admin/keys", post(admin::create_key).get(admin::list_keys))
         .route("/admin/keys/{id}", axum::routing::delete(admin::revoke_key))
         .route("/admin/keys/{id}/rotate", post(admin::rotate_key))
@@ -322,6 +325,7 @@ impl Server {
         let state = AppState {
             storage,
             keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
+            quotas: Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?),
             config: Arc::new(config),
             api_key,
             sandboxes,

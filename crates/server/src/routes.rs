@@ -161,14 +161,27 @@ pub async fn create(
     if let Some(snapshot) = &plan.snapshot_id {
         plan.image = app.snapshots.image_for_restore(snapshot, &caller.tenant)?;
     }
-    let claimed = match app.pools.route(&plan)? {
+    let pool = app.pools.route(&plan)?;
+    // Admitted by the tenant's quotas, held until the sandbox's record exists (or the create
+    // failed). A claim makes no new sandbox (the warm one is the tenant's already): only the rate.
+    let live = || app.sandboxes.live_of(&caller.tenant);
+    let mut _admitted =
+        app.quotas
+            .admit(&caller.tenant, &plan.limits, &live(), pool.is_none(), true)?;
+    let claimed = match &pool {
         // Waiting for a warm sandbox may be cut off; the hand-over itself is not (see `claim`).
-        Some(pool) => app.pools.claim(&pool, &plan).await?,
+        Some(pool) => app.pools.claim(pool, &plan).await?,
         None => None,
     };
     let rec = match claimed {
         Some(rec) => rec,
         None => {
+            if pool.is_some() {
+                // The pool went away meanwhile: a sandbox of its own after all.
+                _admitted = app
+                    .quotas
+                    .admit(&caller.tenant, &plan.limits, &live(), true, false)?;
+            }
             let sandboxes = app.sandboxes.clone();
             to_completion(async move { sandboxes.create(plan).await }).await?
         }

@@ -308,6 +308,11 @@ impl Sandboxes {
         records
     }
 
+    /// `tenant`'s sandboxes that have not ended (warm pool ones too): what its quotas count.
+    pub fn live_of(&self, tenant: &str) -> Vec<SandboxRecord> {
+        self.select(|r| r.tenant == tenant && !r.state.is_terminal())
+    }
+
     /// The records `pred` accepts, in no order; only those are copied. Background loops that look
     /// at every sandbox often (expiry, pool refills) use this rather than `all`, whose copy and sort
     /// of every record made each look cost in proportion to the sandboxes alive.

@@ -1,0 +1,384 @@
+//! Tenants' quotas (`[quotas.default]` for every tenant but the default one, `[quotas.tenants.NAME]`
+//! for one): sandboxes not yet ended, their CPU and memory in total, and creates per minute. A
+//! create over one is refused before anything is made: 403 `QUOTA_EXCEEDED` naming the quota (what
+//! waiting alone would not cure), 429 with `Retry-After` for the rate.
+//!
+//! What a tenant uses is read from the sandboxes' records (warm sandboxes of its pools count: they
+//! are its), plus the creates it has in flight, which hold their share from admission until their
+//! record exists (a create is counted twice for that moment: conservatively, so concurrent creates
+//! cannot all slip under a quota).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use serde::Deserialize;
+use warren_api::admin::{QuotaInfo, Usage};
+use warren_api::ErrorCode;
+use warren_core::ResourceLimits;
+use warren_store::{SandboxRecord, DEFAULT_TENANT};
+
+use crate::error::ApiError;
+
+/// One tenant's quotas as written (`cpu` and `memory` as in `resourceLimits`).
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    pub sandboxes: Option<u64>,
+    pub cpu: Option<String>,
+    pub memory: Option<String>,
+    pub creates_per_minute: Option<u64>,
+}
+
+/// `[quotas]`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Every tenant's but the default one's (the server's own key), unless it has its own.
+    #[serde(default)]
+    pub default: QuotaSpec,
+    #[serde(default)]
+    pub tenants: HashMap<String, QuotaSpec>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub sandboxes: Option<u64>,
+    pub cpu_millis: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub creates_per_minute: Option<u64>,
+}
+
+impl QuotaSpec {
+    fn parse(&self, what: &str) -> anyhow::Result<Quota> {
+        use anyhow::Context;
+        Ok(Quota {
+            sandboxes: self.sandboxes,
+            cpu_millis: self
+                .cpu
+                .as_deref()
+                .map(warren_core::quantity::parse_cpu_millis)
+                .transpose()
+                .with_context(|| format!("{what} cpu"))?,
+            memory_bytes: self
+                .memory
+                .as_deref()
+                .map(warren_core::quantity::parse_memory_bytes)
+                .transpose()
+                .with_context(|| format!("{what} memory"))?,
+            creates_per_minute: self.creates_per_minute,
+        })
+    }
+}
+
+impl QuotaSection {
+    pub fn check(&self) -> anyhow::Result<()> {
+        Quotas::new(self).map(|_| ())
+    }
+}
+
+/// What a tenant holds in creates not yet done.
+#[derive(Default)]
+struct InFlight {
+    sandboxes: u64,
+    cpu_millis: u64,
+    memory_bytes: u64,
+}
+
+#[derive(Default)]
+struct TenantState {
+    in_flight: InFlight,
+    /// When its recent creates were admitted (the last minute's).
+    recent: VecDeque<Instant>,
+}
+
+pub struct Quotas {
+    default: Quota,
+    tenants: HashMap<String, Quota>,
+    state: Mutex<HashMap<String, TenantState>>,
+}
+
+const WINDOW: Duration = Duration::from_secs(60);
+
+/// A create's admission: its share stays counted until this is dropped (its record exists by then,
+/// or it failed).
+pub struct Admission<'a> {
+    quotas: &'a Quotas,
+    tenant: String,
+    sandboxes: u64,
+    cpu_millis: u64,
+    memory_bytes: u64,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        let mut state = self.quotas.lock();
+        if let Some(t) = state.get_mut(&self.tenant) {
+            t.in_flight.sandboxes = t.in_flight.sandboxes.saturating_sub(self.sandboxes);
+            t.in_flight.cpu_millis = t.in_flight.cpu_millis.saturating_sub(self.cpu_millis);
+            t.in_flight.memory_bytes = t.in_flight.memory_bytes.saturating_sub(self.memory_bytes);
+        }
+    }
+}
+
+fn over(quota: &str, message: String) -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        ErrorCode::QuotaExceeded,
+        format!("quota {quota}: {message}"),
+    )
+}
+
+impl Quotas {
+    pub fn new(section: &QuotaSection) -> anyhow::Result<Self> {
+        let mut tenants = HashMap::new();
+        for (name, spec) in &section.tenants {
+            crate::keys::check_tenant(name).map_err(anyhow::Error::msg)?;
+            tenants.insert(
+                name.clone(),
+                spec.parse(&format!("[quotas.tenants.{name}]"))?,
+            );
+        }
+        Ok(Self {
+            default: section.default.parse("[quotas.default]")?,
+            tenants,
+            state: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TenantState>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn quota(&self, tenant: &str) -> Quota {
+        match self.tenants.get(tenant) {
+            Some(q) => *q,
+            None if tenant == DEFAULT_TENANT => Quota::default(),
+            None => self.default,
+        }
+    }
+
+    /// Admits a create of `limits` for `tenant`, whose live sandboxes are `live`, or says which
+    /// quota it would pass. `new_sandbox`: it makes one (a claim from a warm pool does not);
+    /// `rated`: it counts against the rate (once per request).
+    pub fn admit(
+        &self,
+        tenant: &str,
+        limits: &ResourceLimits,
+        live: &[SandboxRecord],
+        new_sandbox: bool,
+        rated: bool,
+    ) -> Result<Admission<'_>, ApiError> {
+        let mut quota = self.quota(tenant);
+        if !new_sandbox {
+            (quota.sandboxes, quota.cpu_millis, quota.memory_bytes) = (None, None, None);
+        }
+        if !rated {
+            quota.creates_per_minute = None;
+        }
+        let cpu = if new_sandbox {
+            limits.cpu_millis.unwrap_or(0)
+        } else {
+            0
+        };
+        let mem = if new_sandbox {
+            limits.memory_bytes.unwrap_or(0)
+        } else {
+            0
+        };
+        let mut state = self.lock();
+        let t = state.entry(tenant.to_string()).or_default();
+        let now = Instant::now();
+        while t.recent.front().is_some_and(|at| now - *at >= WINDOW) {
+            t.recent.pop_front();
+        }
+        let used = usage_of(live);
+        if let Some(max) = quota.sandboxes {
+            let have = used.0 + t.in_flight.sandboxes;
+            if have + 1 > max {
+                return Err(over(
+                    "sandboxes",
+                    format!("tenant {tenant} has {have} sandboxes (warm pool ones too) of {max}; delete some first"),
+                ));
+            }
+        }
+        if let Some(max) = quota.cpu_millis {
+            if limits.cpu_millis.is_none() {
+                return Err(over(
+                    "cpu",
+                    format!("tenant {tenant} has a CPU quota: a create must name its cpu"),
+                ));
+            }
+            let have = used.1 + t.in_flight.cpu_millis;
+            if have + cpu > max {
+                return Err(over(
+                    "cpu",
+                    format!("tenant {tenant}'s sandboxes hold {have}m of {max}m CPU; this one asks {cpu}m"),
+                ));
+            }
+        }
+        if let Some(max) = quota.memory_bytes {
+            if limits.memory_bytes.is_none() {
+                return Err(over(
+                    "memory",
+                    format!("tenant {tenant} has a memory quota: a create must name its memory"),
+                ));
+            }
+            let have = used.2 + t.in_flight.memory_bytes;
+            if have + mem > max {
+                return Err(over(
+                    "memory",
+                    format!("tenant {tenant}'s sandboxes hold {have} of {max} bytes of memory; this one asks {mem}"),
+                ));
+            }
+        }
+        if let Some(max) = quota.creates_per_minute {
+            if t.recent.len() as u64 >= max {
+                let wait = t
+                    .recent
+                    .front()
+                    .map_or(WINDOW, |oldest| WINDOW.saturating_sub(now - *oldest));
+                let mut e = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    ErrorCode::QuotaExceeded,
+                    format!("quota creates_per_minute: tenant {tenant} made {max} creates in the last minute"),
+                );
+                e.retry_after = Some(wait.as_secs_f64().ceil() as u64);
+                return Err(e);
+            }
+        }
+        if rated {
+            t.recent.push_back(now);
+        }
+        let counted = u64::from(new_sandbox);
+        t.in_flight.sandboxes += counted;
+        t.in_flight.cpu_millis += cpu;
+        t.in_flight.memory_bytes += mem;
+        Ok(Admission {
+            quotas: self,
+            tenant: tenant.to_string(),
+            sandboxes: counted,
+            cpu_millis: cpu,
+            memory_bytes: mem,
+        })
+    }
+
+    /// What `tenant` uses (its live sandboxes: `live`) and may use.
+    pub fn usage(&self, tenant: &str, live: &[SandboxRecord]) -> Usage {
+        let (sandboxes, cpu, mem) = usage_of(live);
+        let now = Instant::now();
+        let recent = self.lock().get(tenant).map_or(0, |t| {
+            t.recent.iter().filter(|at| now - **at < WINDOW).count()
+        });
+        let q = self.quota(tenant);
+        Usage {
+            tenant: tenant.to_string(),
+            sandboxes,
+            cpu_millis: cpu,
+            memory_bytes: mem,
+            creates_last_minute: recent as u64,
+            quota: QuotaInfo {
+                sandboxes: q.sandboxes,
+                cpu_millis: q.cpu_millis,
+                memory_bytes: q.memory_bytes,
+                creates_per_minute: q.creates_per_minute,
+            },
+        }
+    }
+}
+
+/// (sandboxes, CPU millis, memory bytes) of these records.
+fn usage_of(live: &[SandboxRecord]) -> (u64, u64, u64) {
+    live.iter().fold((0, 0, 0), |(n, c, m), r| {
+        (
+            n + 1,
+            c + r.limits.cpu_millis.unwrap_or(0),
+            m + r.limits.memory_bytes.unwrap_or(0),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(cpu: u64, mem: u64) -> ResourceLimits {
+        ResourceLimits {
+            cpu_millis: Some(cpu),
+            memory_bytes: Some(mem),
+            pids: 64,
+            disk_bytes: None,
+        }
+    }
+
+    fn quotas(toml_text: &str) -> Quotas {
+        Quotas::new(&toml::from_str(toml_text).expect("toml")).expect("quotas")
+    }
+
+    #[test]
+    fn in_flight_creates_hold_their_share_until_done() {
+        let q = quotas("[default]\nsandboxes = 2\ncpu = \"2\"\n");
+        let a = q
+            .admit("acme", &limits(1000, 1), &[], true, true)
+            .expect("first");
+        let _b = q
+            .admit("acme", &limits(1000, 1), &[], true, true)
+            .expect("second");
+        let e = q
+            .admit("acme", &limits(100, 1), &[], true, true)
+            .err()
+            .expect("third refused");
+        assert_eq!(
+            (e.status.as_u16(), e.code.as_str()),
+            (403, "QUOTA_EXCEEDED")
+        );
+        assert!(e.message.contains("quota sandboxes"), "{}", e.message);
+        drop(a);
+        // Done (failed, or its record now counts it, which the caller passes as `live`): its share
+        // is free again.
+        assert!(q.admit("acme", &limits(1000, 1), &[], true, true).is_ok());
+        // Another tenant, and the default tenant (no quota unless its own), are not affected.
+        assert!(q.admit("globex", &limits(1000, 1), &[], true, true).is_ok());
+        for _ in 0..5 {
+            std::mem::forget(
+                q.admit(DEFAULT_TENANT, &limits(9000, 1), &[], true, true)
+                    .expect("default"),
+            );
+        }
+    }
+
+    #[test]
+    fn the_rate_says_when_to_come_back() {
+        let q = quotas("[tenants.acme]\ncreates_per_minute = 2\n");
+        drop(q.admit("acme", &limits(1, 1), &[], true, true));
+        drop(q.admit("acme", &limits(1, 1), &[], true, true));
+        let e = q
+            .admit("acme", &limits(1, 1), &[], true, true)
+            .err()
+            .expect("refused");
+        assert_eq!(e.status.as_u16(), 429);
+        assert!(
+            matches!(e.retry_after, Some(59 | 60)),
+            "{:?}",
+            e.retry_after
+        );
+        assert!(
+            q.admit("globex", &limits(1, 1), &[], true, true).is_ok(),
+            "no default quota set"
+        );
+    }
+
+    #[test]
+    fn a_cpu_quota_needs_creates_to_name_their_cpu() {
+        let q = quotas("[default]\ncpu = \"1\"\nmemory = \"1Gi\"\n");
+        let mut l = limits(500, 1 << 20);
+        l.cpu_millis = None;
+        assert!(q.admit("acme", &l, &[], true, true).is_err());
+        let e = q
+            .admit("acme", &limits(500, 2 << 30), &[], true, true)
+            .err()
+            .expect("memory");
+        assert!(e.message.contains("quota memory"), "{}", e.message);
+    }
+}
