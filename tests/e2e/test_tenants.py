@@ -294,3 +294,37 @@ def test_a_tenant_s_quotas_refuse_what_passes_them_and_nothing_is_left(srv):
     finally:
         for sid in made:
             _admin(srv, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_the_audit_log_keeps_who_did_what_and_no_secret(srv):
+    key = _key(srv, "audited")
+    sbx = _create(srv, key, env={"TOKEN": "s3cr3t-env"}, metadata={"note": "m3ta-value"})
+    W.sh(sbx, "echo c0mmand-text > /dev/null")
+    sbx.kill()
+    sbx.close()
+    bad = httpx.post(f"{srv.base_url}/v1/sandboxes", headers={KEY: "wk_000000000000_nope"},
+                     json=W.create_body("host"), timeout=30)
+    assert bad.status_code == 401
+
+    def audit(*args):
+        out = subprocess.run([str(srv.bin), "audit", "--data-dir", str(srv.data_dir), "-o", "json", *args],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    mine = audit("--tenant", "audited", "--since", "10m")
+    actions = [(e["action"], e["sandbox"], e["status"]) for e in mine]
+    assert ("POST /sandboxes", sbx.id, 202) in actions, actions
+    assert ("DELETE /sandboxes/{id}", sbx.id, 204) in actions, actions
+    # The command went through the endpoint proxy with the sandbox's token: kept, as the tenant's.
+    proxied = [e for e in mine if e["action"] == "proxy 44772"]
+    assert proxied and all(e["keyId"] == "endpoint-token" for e in proxied), mine
+    assert all(e["requestId"] and e["client"].startswith("127.0.0.1:") for e in mine), mine
+    assert {e["sandbox"] for e in audit("--sandbox", sbx.id)} == {sbx.id}
+    # A refused key is kept too, with no tenant.
+    assert any(e["status"] == 401 and e["tenant"] is None and e["action"] == "POST /sandboxes"
+               for e in audit("--since", "10m")), "the refused create is not in the log"
+    # Never a body, a key or a command.
+    text = "".join(p.read_text() for p in (srv.data_dir / "audit").iterdir())
+    for secret in ("s3cr3t-env", "m3ta-value", "c0mmand-text", key, "nope"):
+        assert secret not in text, secret

@@ -1,5 +1,6 @@
 //! The `warren` binary: argument parsing and wiring only; behaviour lives in the library crates.
 
+mod audit;
 mod client;
 mod code;
 mod command;
@@ -128,6 +129,14 @@ enum Verb {
     },
     /// Print a shell completion script: warren completions bash > /etc/bash_completion.d/warren
     Completions { shell: clap_complete::Shell },
+    /// The audit log in the data dir: who changed what, and what the proxy took.
+    Audit {
+        #[command(flatten)]
+        args: audit::AuditArgs,
+        /// State, images and sandboxes [env: WARREN_DATA_DIR]
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
     /// Tenants' API keys in the data dir: create, ls, revoke, rotate.
     Key {
         #[command(subcommand)]
@@ -324,6 +333,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             clap_complete::generate(shell, &mut Cli::command(), "warren", &mut std::io::stdout());
             Ok(ExitCode::SUCCESS)
         }
+        Verb::Audit { args, data_dir } => audit::run(args, &local_data_dir(data_dir)),
         Verb::Key { command, data_dir } => key::run(command, &local_data_dir(data_dir)),
         Verb::Image { command, data_dir } => image::run(command, &local_data_dir(data_dir)),
     }

@@ -155,10 +155,13 @@ pub async fn require_api_key(
         Err(e) => return e.into_response(),
     };
     if is_public(&path) {
-        if let Some(c) = caller {
-            req.extensions_mut().insert(c);
-        }
-        return next.run(req).await;
+        let Some(c) = caller else {
+            return next.run(req).await;
+        };
+        req.extensions_mut().insert(c.clone());
+        let mut resp = next.run(req).await;
+        resp.extensions_mut().insert(c);
+        return resp;
     }
     let Some(caller) = caller else {
         return ApiError::new(
@@ -179,8 +182,11 @@ pub async fn require_api_key(
             return resp;
         }
     }
-    req.extensions_mut().insert(caller);
-    next.run(req).await
+    req.extensions_mut().insert(caller.clone());
+    let mut resp = next.run(req).await;
+    // For the audit log, outside this layer.
+    resp.extensions_mut().insert(caller);
+    resp
 }
 
 /// Another tenant's sandbox answers as a missing one: the same status, code and message.

@@ -56,6 +56,9 @@ pub struct FileConfig {
     /// `[quotas]`: tenants' quotas (see `quotas`).
     #[serde(default)]
     pub quotas: crate::quotas::QuotaSection,
+    /// `[audit]`: the audit log (see `audit`).
+    #[serde(default)]
+    pub audit: crate::audit::AuditSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -550,6 +553,7 @@ pub struct ServerConfig {
     pub registries: warren_registry::RegistriesConfig,
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
     pub quotas: crate::quotas::QuotaSection,
+    pub audit: crate::audit::AuditSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -661,6 +665,7 @@ impl ServerConfig {
             registries: file.registries.clone(),
             pools: file.pools.clone(),
             quotas: file.quotas.clone(),
+            audit: file.audit.clone(),
             config_file,
         })
     }

@@ -47,7 +47,7 @@ pub async fn serve(
             slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
             () = &mut shutdown => break,
         };
-        let (tcp, _peer) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(e) => {
@@ -64,10 +64,12 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY");
         }
-        let service = TowerToHyperService::new(
-            app.clone()
-                .map_request(|req: Request<Incoming>| req.map(axum::body::Body::new)),
-        );
+        let service =
+            TowerToHyperService::new(app.clone().map_request(move |req: Request<Incoming>| {
+                let mut req = req.map(axum::body::Body::new);
+                req.extensions_mut().insert(crate::audit::ClientAddr(peer));
+                req
+            }));
         let mut stop = stop_rx.clone();
         let done = done_rx.clone();
         tokio::spawn(async move {

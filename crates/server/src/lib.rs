@@ -2,6 +2,7 @@
 //! sandbox registry with durable state and expiry, and the endpoint proxy into sandboxes.
 
 mod admin;
+pub mod audit;
 pub mod auth;
 pub mod config;
 mod diagnostics;
@@ -83,6 +84,7 @@ pub struct AppState {
     /// Tenants' keys (`keys.json` in the data dir), besides the server's own `api_key`.
     pub keys: Arc<keys::KeyStore>,
     pub quotas: Arc<quotas::Quotas>,
+    pub audit: Arc<audit::AuditLog>,
     pub sandboxes: Sandboxes,
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
@@ -168,6 +170,10 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_api_key,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            audit::middleware,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
@@ -185,7 +191,7 @@ fn panicked(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
 
 /// Echoes the client's `X-Request-ID` or assigns one, on every response; what the server logs
 /// while answering carries it (a span), and an internal error's answer names it.
-async fn request_id(req: Request, next: Next) -> Response {
+async fn request_id(mut req: Request, next: Next) -> Response {
     use tracing::Instrument;
     let id = req
         .headers()
@@ -197,6 +203,8 @@ async fn request_id(req: Request, next: Next) -> Response {
         });
     let shown = String::from_utf8_lossy(id.as_bytes()).into_owned();
     let span = tracing::error_span!("request", id = %shown);
+    // Inner layers (the audit log) read it from the request.
+    req.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
     let mut resp = next.run(req).instrument(span).await;
     if let Some(error::InternalError(code)) = resp.extensions().get().cloned() {
         let (parts, _) = resp.into_parts();
@@ -326,6 +334,7 @@ impl Server {
             storage,
             keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
             quotas: Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?),
+            audit: Arc::new(audit::AuditLog::new(&config.data_dir, config.audit.clone())),
             config: Arc::new(config),
             api_key,
             sandboxes,

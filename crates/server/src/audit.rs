@@ -1,0 +1,352 @@
+//! The audit log: one JSON line per mutating call of the API and per request the endpoint proxy
+//! takes — when, who (tenant and key id), what (method and route, ids shown as `{id}`; for the
+//! proxy, the port), which sandbox, the status it was answered with, the request id and the
+//! client's address — in `<data_dir>/audit/audit.jsonl`, rotated by size (`audit.jsonl.1` is the
+//! newest older file). Never a body, a header, a query or a key: nothing that could hold a secret.
+//! `warren audit` reads it back with filters.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use axum::extract::{Request, State};
+use axum::http::Method;
+use axum::middleware::Next;
+use axum::response::Response;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::auth::Caller;
+use crate::AppState;
+
+/// `[audit]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditSection {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The file is rotated when it grows past this.
+    #[serde(default = "default_rotate_bytes")]
+    pub rotate_bytes: u64,
+    /// Older files kept (`audit.jsonl.1` … `.N`).
+    #[serde(default = "default_keep")]
+    pub keep_files: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_rotate_bytes() -> u64 {
+    64 << 20
+}
+
+fn default_keep() -> u32 {
+    5
+}
+
+impl Default for AuditSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            rotate_bytes: default_rotate_bytes(),
+            keep_files: default_keep(),
+        }
+    }
+}
+
+/// One line of the log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditEntry {
+    pub time: DateTime<Utc>,
+    /// `None`: the caller had no valid key.
+    pub tenant: Option<String>,
+    pub key_id: Option<String>,
+    /// `POST /sandboxes/{id}/pause`, `proxy 8080`.
+    pub action: String,
+    pub sandbox: Option<String>,
+    pub status: u16,
+    pub request_id: Option<String>,
+    pub client: Option<String>,
+}
+
+/// The peer a request came from (set by the front door).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub SocketAddr);
+
+pub const FILE: &str = "audit.jsonl";
+
+pub fn dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("audit")
+}
+
+struct Open {
+    file: std::fs::File,
+    size: u64,
+}
+
+pub struct AuditLog {
+    dir: PathBuf,
+    cfg: AuditSection,
+    open: Mutex<Option<Open>>,
+}
+
+impl AuditLog {
+    pub fn new(data_dir: &Path, cfg: AuditSection) -> Self {
+        Self {
+            dir: dir(data_dir),
+            cfg,
+            open: Mutex::new(None),
+        }
+    }
+
+    fn path(&self, n: u32) -> PathBuf {
+        match n {
+            0 => self.dir.join(FILE),
+            n => self.dir.join(format!("{FILE}.{n}")),
+        }
+    }
+
+    fn open_file(&self) -> std::io::Result<Open> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(self.path(0))?;
+        let size = file.metadata()?.len();
+        Ok(Open { file, size })
+    }
+
+    /// Appends `entry` (one `write`), rotating first when the file is full. A failure is logged,
+    /// never the caller's: the request has been answered.
+    pub fn record(&self, entry: &AuditEntry) {
+        if !self.cfg.enabled {
+            return;
+        }
+        let Ok(mut line) = serde_json::to_vec(entry) else {
+            return;
+        };
+        line.push(b'\n');
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let result = (|| -> std::io::Result<()> {
+            if open
+                .as_ref()
+                .is_some_and(|o| o.size + line.len() as u64 > self.cfg.rotate_bytes && o.size > 0)
+            {
+                *open = None;
+                for n in (1..self.cfg.keep_files).rev() {
+                    let _ = std::fs::rename(self.path(n), self.path(n + 1));
+                }
+                if self.cfg.keep_files > 0 {
+                    std::fs::rename(self.path(0), self.path(1))?;
+                } else {
+                    std::fs::remove_file(self.path(0))?;
+                }
+            }
+            if open.is_none() {
+                *open = Some(self.open_file()?);
+            }
+            let o = open.as_mut().expect("opened above");
+            o.file.write_all(&line)?;
+            o.size += line.len() as u64;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            *open = None;
+            tracing::error!(error = %e, dir = %self.dir.display(), "writing the audit log");
+        }
+    }
+}
+
+/// Every file of the log, oldest first.
+pub fn files(data_dir: &Path) -> Vec<PathBuf> {
+    let d = dir(data_dir);
+    let mut numbered: Vec<(u32, PathBuf)> = std::fs::read_dir(&d)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n = if name == FILE {
+                0
+            } else {
+                name.strip_prefix(&format!("{FILE}."))?.parse().ok()?
+            };
+            Some((n, e.path()))
+        })
+        .collect();
+    numbered.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+    numbered.into_iter().map(|(_, p)| p).collect()
+}
+
+/// The route a path is, ids shown as `{id}`, and the sandbox it names.
+fn action_of(method: &Method, path: &str) -> (String, Option<String>) {
+    let p = path.strip_prefix("/v1").unwrap_or(path);
+    let parts: Vec<&str> = p.trim_start_matches('/').split('/').collect();
+    match parts.as_slice() {
+        ["sandboxes", id, "proxy", port, ..] => (format!("proxy {port}"), Some((*id).to_string())),
+        ["sandboxes", id, rest @ ..] if !id.is_empty() => {
+            let mut action = format!("{method} /sandboxes/{{id}}");
+            for r in rest {
+                action.push('/');
+                action.push_str(if r.chars().all(|c| c.is_ascii_digit()) {
+                    "{port}"
+                } else {
+                    r
+                });
+            }
+            (action, Some((*id).to_string()))
+        }
+        [coll @ ("snapshots" | "pools" | "templates"), _, rest @ ..] => {
+            let tail: String = rest.iter().map(|r| format!("/{r}")).collect();
+            (format!("{method} /{coll}/{{id}}{tail}"), None)
+        }
+        ["admin", "keys", _, rest @ ..] => {
+            let tail: String = rest.iter().map(|r| format!("/{r}")).collect();
+            (format!("{method} /admin/keys/{{id}}{tail}"), None)
+        }
+        _ => (format!("{method} {p}"), None),
+    }
+}
+
+/// Whether a request is one the log keeps: every change, and every proxied request.
+fn audited(method: &Method, path: &str) -> bool {
+    let p = path.strip_prefix("/v1").unwrap_or(path);
+    let proxied = p.starts_with("/sandboxes/") && p.split('/').nth(3) == Some("proxy");
+    proxied || !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// The middleware, outside `auth` (so refused calls are kept too): the caller is read from the
+/// response, where `auth` leaves it.
+pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    if !audited(req.method(), req.uri().path()) {
+        return next.run(req).await;
+    }
+    let (action, mut sandbox) = action_of(req.method(), req.uri().path());
+    let request_id = req
+        .headers()
+        .get(warren_api::REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let client = req
+        .extensions()
+        .get::<ClientAddr>()
+        .map(|c| c.0.to_string());
+    let resp = next.run(req).await;
+    if sandbox.is_none() && action == "POST /sandboxes" {
+        // A create names its sandbox in the answer's Location.
+        sandbox = resp
+            .headers()
+            .get(axum::http::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|l| l.rsplit('/').next())
+            .map(str::to_string);
+    }
+    let caller = resp.extensions().get::<Caller>();
+    // The proxy opened with an endpoint token (no key): the sandbox's tenant.
+    let by_token = || {
+        let opened = resp.status().as_u16() != 401 && resp.status().as_u16() != 404;
+        sandbox
+            .as_deref()
+            .filter(|_| opened && action.starts_with("proxy "))
+            .and_then(|id| app.sandboxes.get(id))
+            .map(|r| (r.tenant, "endpoint-token".to_string()))
+    };
+    let (tenant, key_id) = match caller {
+        Some(c) => (Some(c.tenant.clone()), Some(c.key_id.clone())),
+        None => by_token().map_or((None, None), |(t, k)| (Some(t), Some(k))),
+    };
+    app.audit.record(&AuditEntry {
+        time: Utc::now(),
+        tenant,
+        key_id,
+        action,
+        sandbox,
+        status: resp.status().as_u16(),
+        request_id,
+        client,
+    });
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_name_routes_not_ids_and_never_a_proxied_path() {
+        let a = |m: Method, p: &str| action_of(&m, p);
+        assert_eq!(
+            a(Method::POST, "/v1/sandboxes/abc/pause"),
+            ("POST /sandboxes/{id}/pause".into(), Some("abc".into()))
+        );
+        assert_eq!(
+            a(Method::GET, "/v1/sandboxes/abc/endpoints/8080").0,
+            "GET /sandboxes/{id}/endpoints/{port}"
+        );
+        assert_eq!(
+            a(Method::POST, "/sandboxes/abc/proxy/8080/secret/path"),
+            ("proxy 8080".into(), Some("abc".into()))
+        );
+        assert_eq!(
+            a(Method::DELETE, "/v1/snapshots/s1").0,
+            "DELETE /snapshots/{id}"
+        );
+        assert_eq!(
+            a(Method::POST, "/v1/admin/keys/k1/rotate").0,
+            "POST /admin/keys/{id}/rotate"
+        );
+        assert!(audited(&Method::GET, "/v1/sandboxes/abc/proxy/8080/x"));
+        assert!(!audited(&Method::GET, "/v1/sandboxes/abc"));
+        assert!(audited(&Method::DELETE, "/v1/sandboxes/abc"));
+    }
+
+    #[test]
+    fn the_log_rotates_by_size_and_keeps_as_many_files_as_asked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = AuditLog::new(
+            dir.path(),
+            AuditSection {
+                enabled: true,
+                rotate_bytes: 400,
+                keep_files: 2,
+            },
+        );
+        let entry = |n: u16| AuditEntry {
+            time: Utc::now(),
+            tenant: Some("acme".into()),
+            key_id: Some("k".into()),
+            action: "POST /sandboxes".into(),
+            sandbox: None,
+            status: n,
+            request_id: None,
+            client: None,
+        };
+        for n in 0..40 {
+            log.record(&entry(n));
+        }
+        let all = files(dir.path());
+        assert_eq!(all.len(), 3, "{all:?}");
+        let mut statuses = Vec::new();
+        for f in &all {
+            assert!(std::fs::metadata(f).expect("stat").len() <= 400);
+            for line in std::fs::read_to_string(f).expect("read").lines() {
+                statuses.push(
+                    serde_json::from_str::<AuditEntry>(line)
+                        .expect("line")
+                        .status,
+                );
+            }
+        }
+        // Oldest first, in order, ending with the last written.
+        assert!(statuses.windows(2).all(|w| w[0] < w[1]), "{statuses:?}");
+        assert_eq!(statuses.last(), Some(&39));
+    }
+}
