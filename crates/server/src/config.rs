@@ -28,6 +28,7 @@ pub struct FileConfig {
     pub public_host: Option<String>,
     /// Upper bound for `timeout` on create, in seconds.
     pub max_sandbox_timeout_seconds: Option<i64>,
+
     /// How long records of sandboxes that ended on their own stay listable, in seconds (a deleted
     /// sandbox is forgotten at once).
     pub terminated_retention_seconds: Option<i64>,
@@ -445,6 +446,14 @@ pub struct LimitsSection {
     /// Creates admitted at once (running or waiting for a create slot); more are 429.
     #[serde(default = "default_max_creates_in_flight")]
     pub max_creates_in_flight: usize,
+    /// Renew on access (`extensions["access.renew.extend.seconds"]`) never keeps a sandbox past
+    /// this long after its creation, in seconds.
+    #[serde(default = "default_renew_on_access_max_lifetime")]
+    pub renew_on_access_max_lifetime_seconds: u64,
+}
+
+fn default_renew_on_access_max_lifetime() -> u64 {
+    86_400
 }
 
 fn default_max_sandboxes() -> usize {
@@ -528,6 +537,7 @@ impl Default for LimitsSection {
             default_ephemeral_storage: None,
             max_sandboxes: default_max_sandboxes(),
             max_creates_in_flight: default_max_creates_in_flight(),
+            renew_on_access_max_lifetime_seconds: default_renew_on_access_max_lifetime(),
         }
     }
 }
@@ -642,6 +652,7 @@ impl ServerConfig {
             insecure_no_auth: flags.insecure_no_auth,
             public_host: file.public_host.clone(),
             max_timeout_seconds: file.max_sandbox_timeout_seconds,
+
             terminated_retention_seconds: file.terminated_retention_seconds.unwrap_or(3600),
             runtime,
             docker: file.docker.clone(),

@@ -126,6 +126,7 @@ async fn forward(
             .into_response()
         }
     }
+    renew_on_access(&app, &rec);
     if port == warren_api::EGRESS_PORT {
         return egress_surface(&app, &id, &rest, req).await;
     }
@@ -270,4 +271,35 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
         )
             .into_response(),
     }
+}
+
+/// OSEP-0009 renew on access: a sandbox created with `extensions["access.renew.extend.seconds"]`
+/// has its expiry pushed to that long from now by each request the proxy takes for it, never past
+/// `[limits] renew_on_access_max_lifetime_seconds` after its creation. Debounced: the expiry is written only
+/// when it would move by more than a tenth of the extension, so a busy endpoint costs a write now
+/// and then, not one per request. In the background: the request does not wait for it.
+fn renew_on_access(app: &AppState, rec: &warren_store::SandboxRecord) {
+    let Some(extend) = rec
+        .extensions
+        .get(crate::validate::RENEW_ON_ACCESS)
+        .and_then(|v| v.parse::<i64>().ok())
+    else {
+        return;
+    };
+    let Some(current) = rec.expires_at else {
+        return;
+    };
+    let lifetime = i64::try_from(app.config.limits.renew_on_access_max_lifetime_seconds)
+        .unwrap_or(i64::MAX / 1_000_000);
+    let cap = rec.created_at + chrono::Duration::seconds(lifetime);
+    let wanted = (chrono::Utc::now() + chrono::Duration::seconds(extend)).min(cap);
+    if wanted <= current + chrono::Duration::seconds(extend / 10) {
+        return;
+    }
+    let (sandboxes, id) = (app.sandboxes.clone(), rec.id.clone());
+    tokio::spawn(async move {
+        if let Err(e) = sandboxes.renew(&id, wanted).await {
+            tracing::debug!(sandbox_id = %id, error = %e.message, "renew on access");
+        }
+    });
 }

@@ -300,8 +300,19 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
             )));
         }
     }
+    if let Some(v) = extensions.get(RENEW_ON_ACCESS) {
+        if !v.parse::<i64>().is_ok_and(|s| (300..=86_400).contains(&s)) {
+            return Err(ApiError::invalid(format!(
+                "extensions.{RENEW_ON_ACCESS}: {v:?} is not a whole number of seconds from 300 to 86400"
+            )));
+        }
+    }
     Ok(())
 }
+
+/// OSEP-0009 renew on access: proxied traffic pushes the sandbox's expiry to this many seconds
+/// from now (see `proxy`).
+pub const RENEW_ON_ACCESS: &str = "access.renew.extend.seconds";
 
 fn unsupported(what: &str) -> ApiError {
     ApiError::bad_request(
