@@ -198,6 +198,45 @@ pub fn build_answer(query: &[u8], q: &Question, addrs: &[IpAddr], ttl: u32) -> V
     out
 }
 
+/// Sends `query` on `upstream` (a socket connected to the resolver, so only it can answer) and
+/// returns the answer to it — same id, same question, nothing else — or SERVFAIL after 5 s.
+pub async fn ask(upstream: &tokio::net::UdpSocket, query: &[u8], q: &Question) -> Vec<u8> {
+    let servfail = || reply_empty(query, q, RCODE_SERVFAIL);
+    if upstream.send(query).await.is_err() {
+        return servfail();
+    }
+    let mut buf = vec![0u8; 4096];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match tokio::time::timeout_at(deadline, upstream.recv(&mut buf)).await {
+            Ok(Ok(n))
+                if n >= 12
+                    && buf[..2] == query[..2]
+                    && parse_query_of_answer(&buf[..n]) == Some((q.name.clone(), q.qtype)) =>
+            {
+                return buf[..n].to_vec()
+            }
+            Ok(Ok(_)) => continue,
+            _ => return servfail(),
+        }
+    }
+}
+
+/// The IPv4 addresses an answer holds, with their TTLs.
+pub fn ipv4_answers(reply: &[u8]) -> Vec<(std::net::Ipv4Addr, u32)> {
+    parse_answers(reply)
+        .map(|(_, answers)| {
+            answers
+                .iter()
+                .filter_map(|a| match a.addr {
+                    Some(IpAddr::V4(v4)) => Some((v4, a.ttl)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

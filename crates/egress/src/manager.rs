@@ -649,43 +649,18 @@ async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<
     if q.qtype == dns::TYPE_AAAA {
         return Some(dns::reply_empty(query, &q, dns::RCODE_NOERROR));
     }
-    // A connected socket: only the upstream can answer it.
     let upstream = UdpSocket::bind(("0.0.0.0", 0)).await.ok()?;
     upstream.connect(egress.cfg.upstream).await.ok()?;
-    upstream.send(query).await.ok()?;
-    let mut buf = vec![0u8; 4096];
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    let reply = loop {
-        match tokio::time::timeout_at(deadline, upstream.recv(&mut buf)).await {
-            // The answer to this query (same id, same question), nothing else.
-            Ok(Ok(n))
-                if n >= 12
-                    && buf[..2] == query[..2]
-                    && dns::parse_query_of_answer(&buf[..n]) == Some((q.name.clone(), q.qtype)) =>
-            {
-                break buf[..n].to_vec()
-            }
-            Ok(Ok(_)) => continue,
-            _ => return Some(dns::reply_empty(query, &q, dns::RCODE_SERVFAIL)),
-        }
-    };
-    if let Some((_, answers)) = dns::parse_answers(&reply) {
-        let addrs: Vec<(Ipv4Addr, u32)> = answers
-            .iter()
-            .filter_map(|a| match a.addr {
-                Some(IpAddr::V4(v4)) => Some((v4, a.ttl)),
-                _ => None,
-            })
-            .collect();
-        if !addrs.is_empty() {
-            let (eg, name) = (egress.clone(), q.name.clone());
-            let learned = tokio::task::spawn_blocking(move || eg.learn(src, &name, &addrs))
-                .await
-                .unwrap_or(false);
-            if !learned {
-                // The policy changed (or the sandbox went) while upstream answered.
-                return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
-            }
+    let reply = dns::ask(&upstream, query, &q).await;
+    let addrs = dns::ipv4_answers(&reply);
+    if !addrs.is_empty() {
+        let (eg, name) = (egress.clone(), q.name.clone());
+        let learned = tokio::task::spawn_blocking(move || eg.learn(src, &name, &addrs))
+            .await
+            .unwrap_or(false);
+        if !learned {
+            // The policy changed (or the sandbox went) while upstream answered.
+            return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
         }
     }
     Some(reply)
