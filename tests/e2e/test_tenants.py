@@ -102,6 +102,13 @@ def test_each_tenant_sees_and_touches_only_its_own_sandboxes(srv):
             ("GET", lambda i: f"/sandboxes/{i}/proxy/44772/ping", {}),
         ]:
             _same_as_missing(srv, acme, method, path, g.id, **kw)
+        # A percent-encoded id names the same sandbox to the route: hidden just the same.
+        encoded = "".join(f"%{ord(c):02X}" for c in g.id)
+        for method, path in [("DELETE", f"/sandboxes/{encoded}"), ("GET", f"/sandboxes/{encoded}/endpoints/44772")]:
+            r = _as(srv, acme, method, path)
+            W.assert_error_body(r, codes=[404])
+        # A read-only key gets no endpoint: its token would open the port.
+        # (see test_a_read_only_key_reads_and_does_nothing_else)
         # globex's sandbox is untouched, and still its own.
         code, out, _ = W.sh(g, "test -e /tmp/pwned && echo pwned || echo clean")
         assert out.strip() == "clean"
@@ -131,6 +138,7 @@ def test_a_read_only_key_reads_and_does_nothing_else(srv):
         r = _as(srv, ro, "POST", f"/sandboxes/{sbx.id}/proxy/44772/command", json={"command": "true"})
         W.assert_error_body(r, codes=[401])
         assert _as(srv, ro, "GET", "/admin/keys").status_code == 403
+        W.assert_error_body(_as(srv, ro, "GET", f"/sandboxes/{sbx.id}/endpoints/44772"), codes=[403])
     finally:
         sbx.kill()
         sbx.close()

@@ -74,6 +74,13 @@ fn sandbox_in_path(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
+fn is_endpoint_path(path: &str) -> bool {
+    let p = path.strip_prefix("/v1").unwrap_or(path);
+    p.strip_prefix("/sandboxes/")
+        .and_then(|rest| rest.split('/').nth(1))
+        == Some("endpoints")
+}
+
 fn is_admin_path(path: &str) -> bool {
     let p = path.strip_prefix("/v1").unwrap_or(path);
     p == "/admin" || p.starts_with("/admin/")
@@ -97,6 +104,9 @@ pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiErr
     } else if let Some(key) = presented
         .to_str()
         .ok()
+        // Replicas sharing their sandboxes would each have a key store of their own (a key
+        // revoked on one still working on the others): there, only the server's key.
+        .filter(|_| !app.sandboxes.shares_records())
         .and_then(|text| app.keys.authenticate(text))
     {
         Caller {
@@ -150,8 +160,8 @@ pub async fn require_api_key(
     let path = req.uri().path().to_string();
     let caller = match caller_of(&app, &req) {
         Ok(c) => c,
-        // The proxy has its own tokens: a bad key there is only no key.
-        Err(_) if is_proxy_path(path.strip_prefix("/v1").unwrap_or(&path)) => None,
+        // Public paths need no key, and the proxy has its own tokens: a bad key there is no key.
+        Err(_) if is_public(&path) => None,
         Err(e) => return e.into_response(),
     };
     if is_public(&path) {
@@ -174,6 +184,11 @@ pub async fn require_api_key(
     if caller.role == Role::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
         return forbidden("this key is read-only");
     }
+    if caller.role == Role::ReadOnly && is_endpoint_path(&path) {
+        // An endpoint carries a token that opens the port: commands on execd's, the policy on
+        // the egress surface's. Not for a key that may only read.
+        return forbidden("a read-only key gets no endpoint (its token opens the port)");
+    }
     if is_admin_path(&path) && caller.role != Role::Admin {
         return forbidden("only an admin key manages keys");
     }
@@ -189,10 +204,17 @@ pub async fn require_api_key(
     resp
 }
 
-/// Another tenant's sandbox answers as a missing one: the same status, code and message.
-pub fn guard(app: &AppState, caller: &Caller, id: &str) -> Option<Response> {
-    let rec = app.sandboxes.get(id)?;
-    (!caller.sees(&rec.tenant)).then(|| ApiError::not_found(id).into_response())
+/// Another tenant's sandbox answers as a missing one, and both answer here, before the route
+/// looks at anything else (a bad port or body would otherwise tell a missing sandbox from a
+/// hidden one). `raw` is the path's segment, percent-decoded as the route's extractor decodes it:
+/// `%36f…` names the sandbox `6f…`.
+pub fn guard(app: &AppState, caller: &Caller, raw: &str) -> Option<Response> {
+    let id = percent_encoding::percent_decode_str(raw).decode_utf8_lossy();
+    let seen = app
+        .sandboxes
+        .get(&id)
+        .is_some_and(|rec| caller.sees(&rec.tenant));
+    (!seen).then(|| ApiError::not_found(&id).into_response())
 }
 
 pub use warren_local::key_file;
@@ -241,6 +263,8 @@ mod tests {
         assert_eq!(sandbox_in_path("/v1/pools/abc"), None);
         assert!(is_admin_path("/v1/admin/keys") && is_admin_path("/admin/keys/x"));
         assert!(!is_admin_path("/v1/administrators"));
+        assert!(is_endpoint_path("/v1/sandboxes/abc/endpoints/8080"));
+        assert!(!is_endpoint_path("/v1/sandboxes/abc"));
     }
 
     #[test]

@@ -287,6 +287,13 @@ impl KeyStore {
         name: Option<String>,
     ) -> Result<(KeyEntry, String), KeyError> {
         check_tenant(tenant).map_err(KeyError::Invalid)?;
+        if tenant == DEFAULT_TENANT && role != Role::Admin {
+            // The default tenant's objects include the server's (host folders, pools and volumes
+            // under their plain names): only admins act as it.
+            return Err(KeyError::Invalid(format!(
+                "tenant {DEFAULT_TENANT} is the server's own: only admin keys belong to it"
+            )));
+        }
         if let Some(n) = &name {
             if n.len() > 128 || n.chars().any(char::is_control) {
                 return Err(KeyError::Invalid(
@@ -389,6 +396,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let server = KeyStore::open(dir.path());
         let cli = KeyStore::open(dir.path());
+        assert!(cli.create(DEFAULT_TENANT, Role::Full, None).is_err());
         let (entry, text) = cli.create("acme", Role::ReadOnly, None).expect("create");
         assert!(server.authenticate(&text).is_some());
         cli.revoke(&entry.id).expect("revoke");

@@ -310,8 +310,10 @@ impl Server {
             &config,
             sandboxes.runtime().capabilities().host_volumes,
         )?);
+        let quotas = Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?);
         let pools = pools::Pools::new(
             sandboxes.clone(),
+            quotas.clone(),
             config.limits.clone(),
             config.max_timeout_seconds,
             storage.clone(),
@@ -333,7 +335,7 @@ impl Server {
         let state = AppState {
             storage,
             keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
-            quotas: Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?),
+            quotas,
             audit: Arc::new(audit::AuditLog::new(&config.data_dir, config.audit.clone())),
             config: Arc::new(config),
             api_key,

@@ -25,6 +25,7 @@ use warren_store::{SandboxRecord, DEFAULT_TENANT};
 use crate::auth::Caller;
 use crate::config::LimitsSection;
 use crate::error::ApiError;
+use crate::quotas::Quotas;
 use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
 use crate::validate::{create_plan, CreatePlan};
@@ -57,6 +58,8 @@ pub struct Pools {
 
 struct Inner {
     sandboxes: Sandboxes,
+    /// Warm sandboxes are their tenant's: a pool makes none past its tenant's quotas.
+    quotas: Arc<Quotas>,
     limits: LimitsSection,
     max_timeout: Option<i64>,
     storage: Arc<StoragePolicy>,
@@ -138,6 +141,7 @@ impl Drop for Waiting<'_> {
 impl Pools {
     pub fn new(
         sandboxes: Sandboxes,
+        quotas: Arc<Quotas>,
         limits: LimitsSection,
         max_timeout: Option<i64>,
         storage: Arc<StoragePolicy>,
@@ -146,6 +150,7 @@ impl Pools {
         Pools {
             inner: Arc::new(Inner {
                 sandboxes,
+                quotas,
                 limits,
                 max_timeout,
                 storage,
@@ -450,7 +455,9 @@ impl Pools {
     pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, ApiError> {
         if let Some(name) = plan.extensions.get(POOL_REF) {
             let key = pool_key(&plan.tenant, name);
-            let pool = self.pool(&key).ok_or_else(|| {
+            // A pool's name holds no `/`: one that does would name another tenant's key.
+            let found = (!name.contains('/')).then(|| self.pool(&key)).flatten();
+            let pool = found.ok_or_else(|| {
                 ApiError::bad_request(
                     ErrorCode::InvalidParameter,
                     format!("extensions.poolRef: no pool named {name:?}"),
@@ -650,10 +657,27 @@ impl Pools {
                     }
                     continue;
                 }
+                let admitted = self.inner.quotas.admit(
+                    &pool.tenant,
+                    &pool.plan.limits,
+                    &sandboxes.live_of(&pool.tenant),
+                    true,
+                    false,
+                );
+                let Ok(admission) = admitted else {
+                    // At its tenant's quota: until a sandbox of the tenant ends (or a second).
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        () = &mut ended => {}
+                        () = pool.refill.notified() => {}
+                    }
+                    continue;
+                };
                 pool.creating.fetch_add(1, Ordering::SeqCst);
                 let me = self.clone();
                 let p = pool.clone();
                 let made = tokio::spawn(async move {
+                    let _admission = admission;
                     let out = me
                         .inner
                         .sandboxes

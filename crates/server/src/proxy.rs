@@ -145,6 +145,7 @@ async fn forward(
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
     parts.headers.remove(API_KEY_HEADER);
+    parts.headers.remove(crate::auth::TENANT_HEADER);
     parts.headers.remove(crate::network::EGRESS_AUTH_HEADER);
     parts
         .headers
@@ -289,8 +290,14 @@ fn renew_on_access(app: &AppState, rec: &warren_store::SandboxRecord) {
     let Some(current) = rec.expires_at else {
         return;
     };
+    // Never longer than a create may ask for either.
     let lifetime = i64::try_from(app.config.limits.renew_on_access_max_lifetime_seconds)
-        .unwrap_or(i64::MAX / 1_000_000);
+        .unwrap_or(i64::MAX / 1_000_000)
+        .min(
+            app.config
+                .max_timeout_seconds
+                .unwrap_or(i64::MAX / 1_000_000),
+        );
     let cap = rec.created_at + chrono::Duration::seconds(lifetime);
     let wanted = (chrono::Utc::now() + chrono::Duration::seconds(extend)).min(cap);
     if wanted <= current + chrono::Duration::seconds(extend / 10) {
@@ -298,7 +305,7 @@ fn renew_on_access(app: &AppState, rec: &warren_store::SandboxRecord) {
     }
     let (sandboxes, id) = (app.sandboxes.clone(), rec.id.clone());
     tokio::spawn(async move {
-        if let Err(e) = sandboxes.renew(&id, wanted).await {
+        if let Err(e) = sandboxes.extend(&id, wanted).await {
             tracing::debug!(sandbox_id = %id, error = %e.message, "renew on access");
         }
     });

@@ -103,15 +103,15 @@ const WINDOW: Duration = Duration::from_secs(60);
 
 /// A create's admission: its share stays counted until this is dropped (its record exists by then,
 /// or it failed).
-pub struct Admission<'a> {
-    quotas: &'a Quotas,
+pub struct Admission {
+    quotas: std::sync::Arc<Quotas>,
     tenant: String,
     sandboxes: u64,
     cpu_millis: u64,
     memory_bytes: u64,
 }
 
-impl Drop for Admission<'_> {
+impl Drop for Admission {
     fn drop(&mut self) {
         let mut state = self.quotas.lock();
         if let Some(t) = state.get_mut(&self.tenant) {
@@ -163,13 +163,13 @@ impl Quotas {
     /// quota it would pass. `new_sandbox`: it makes one (a claim from a warm pool does not);
     /// `rated`: it counts against the rate (once per request).
     pub fn admit(
-        &self,
+        self: &std::sync::Arc<Self>,
         tenant: &str,
         limits: &ResourceLimits,
         live: &[SandboxRecord],
         new_sandbox: bool,
         rated: bool,
-    ) -> Result<Admission<'_>, ApiError> {
+    ) -> Result<Admission, ApiError> {
         let mut quota = self.quota(tenant);
         if !new_sandbox {
             (quota.sandboxes, quota.cpu_millis, quota.memory_bytes) = (None, None, None);
@@ -256,7 +256,7 @@ impl Quotas {
         t.in_flight.cpu_millis += cpu;
         t.in_flight.memory_bytes += mem;
         Ok(Admission {
-            quotas: self,
+            quotas: self.clone(),
             tenant: tenant.to_string(),
             sandboxes: counted,
             cpu_millis: cpu,
@@ -312,8 +312,8 @@ mod tests {
         }
     }
 
-    fn quotas(toml_text: &str) -> Quotas {
-        Quotas::new(&toml::from_str(toml_text).expect("toml")).expect("quotas")
+    fn quotas(toml_text: &str) -> std::sync::Arc<Quotas> {
+        std::sync::Arc::new(Quotas::new(&toml::from_str(toml_text).expect("toml")).expect("quotas"))
     }
 
     #[test]

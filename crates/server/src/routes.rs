@@ -165,7 +165,7 @@ pub async fn create(
     // Admitted by the tenant's quotas, held until the sandbox's record exists (or the create
     // failed). A claim makes no new sandbox (the warm one is the tenant's already): only the rate.
     let live = || app.sandboxes.live_of(&caller.tenant);
-    let mut _admitted =
+    let mut admitted =
         app.quotas
             .admit(&caller.tenant, &plan.limits, &live(), pool.is_none(), true)?;
     let claimed = match &pool {
@@ -178,12 +178,17 @@ pub async fn create(
         None => {
             if pool.is_some() {
                 // The pool went away meanwhile: a sandbox of its own after all.
-                _admitted = app
+                admitted = app
                     .quotas
                     .admit(&caller.tenant, &plan.limits, &live(), true, false)?;
             }
             let sandboxes = app.sandboxes.clone();
-            to_completion(async move { sandboxes.create(plan).await }).await?
+            // The admission goes with the create, which runs on if its client goes away.
+            to_completion(async move {
+                let _admitted = admitted;
+                sandboxes.create(plan).await
+            })
+            .await?
         }
     };
     let mut body = to_wire(&rec);
@@ -659,7 +664,14 @@ pub async fn create_template(
     Extension(caller): Extension<Caller>,
     ApiJson(req): ApiJson<warren_api::lifecycle::CreateTemplateRequest>,
 ) -> Result<Response, ApiError> {
-    let template = app.templates.create(req, &caller.tenant)?;
+    // Its build is a sandbox of the tenant's, admitted as any create.
+    let limits =
+        crate::validate::resource_limits(req.resource_limits.as_ref(), &app.config.limits)?;
+    let live = app.sandboxes.live_of(&caller.tenant);
+    let admission = app
+        .quotas
+        .admit(&caller.tenant, &limits, &live, true, true)?;
+    let template = app.templates.create(req, &caller.tenant, admission)?;
     Ok((StatusCode::CREATED, Json(template)).into_response())
 }
 

@@ -1236,6 +1236,25 @@ impl Sandboxes {
         id: &str,
         expires_at: DateTime<Utc>,
     ) -> Result<DateTime<Utc>, ApiError> {
+        self.renew_to(id, expires_at, false).await
+    }
+
+    /// Renew on access: like [`Sandboxes::renew`], but only ever later (a renew that landed
+    /// meanwhile is not undone).
+    pub async fn extend(
+        &self,
+        id: &str,
+        expires_at: DateTime<Utc>,
+    ) -> Result<DateTime<Utc>, ApiError> {
+        self.renew_to(id, expires_at, true).await
+    }
+
+    async fn renew_to(
+        &self,
+        id: &str,
+        expires_at: DateTime<Utc>,
+        only_later: bool,
+    ) -> Result<DateTime<Utc>, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         self.still_known(id, &entry)?;
@@ -1257,6 +1276,9 @@ impl Sandboxes {
                 ErrorCode::InvalidExpiration,
                 "expiresAt must be in the future",
             ));
+        }
+        if only_later && rec.expires_at >= Some(expires_at) {
+            return Ok(rec.expires_at.unwrap_or(expires_at));
         }
         let mut renewed = rec;
         renewed.expires_at = Some(expires_at);

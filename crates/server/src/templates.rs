@@ -165,7 +165,13 @@ impl Templates {
     }
 
     /// Checks the request, records the template (Pending) and builds it in the background.
-    pub fn create(&self, req: CreateTemplateRequest, tenant: &str) -> Result<Template, ApiError> {
+    /// `admission`: the build sandbox's share of the tenant's quotas, held until the build ends.
+    pub fn create(
+        &self,
+        req: CreateTemplateRequest,
+        tenant: &str,
+        admission: crate::quotas::Admission,
+    ) -> Result<Template, ApiError> {
         let probe = validate(&req)?;
         self.inner.sandboxes.check_room("a template")?;
         let now = Utc::now();
@@ -184,6 +190,7 @@ impl Templates {
         let me = self.clone();
         let id = rec.id.clone();
         tokio::spawn(async move {
+            let _admission = admission;
             // In a task of its own: should the build panic, the template still ends, Failed.
             let builder = me.clone();
             let build_id = id.clone();
