@@ -74,13 +74,7 @@ pub fn run(command: KeyCommand, data_dir: &Path) -> anyhow::Result<ExitCode> {
             let (entry, key) = store
                 .create(&tenant, role, name)
                 .context("creating the key")?;
-            issued(
-                &out,
-                &IssuedKey {
-                    info: entry.to_wire(),
-                    key,
-                },
-            )?;
+            issued(&out, &entry.issued(key))?;
         }
         KeyCommand::Ls { tenant, out } => {
             let keys: Vec<KeyInfo> = store
@@ -117,13 +111,7 @@ pub fn run(command: KeyCommand, data_dir: &Path) -> anyhow::Result<ExitCode> {
             let (entry, key) = store
                 .rotate(&id)
                 .with_context(|| format!("rotating {id}"))?;
-            issued(
-                &out,
-                &IssuedKey {
-                    info: entry.to_wire(),
-                    key,
-                },
-            )?;
+            issued(&out, &entry.issued(key))?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -49,11 +49,7 @@ pub async fn create_key(
     let keys = app.keys.clone();
     let (entry, key) = blocking(move || keys.create(&req.tenant, role, req.name)).await?;
     tracing::info!(key_id = %entry.id, tenant = %entry.tenant, role = role.as_str(), "key created");
-    let body = IssuedKey {
-        info: entry.to_wire(),
-        key,
-    };
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    Ok((StatusCode::CREATED, Json(entry.issued(key))).into_response())
 }
 
 pub async fn list_keys(State(app): State<AppState>) -> Json<ListKeysResponse> {
@@ -79,10 +75,7 @@ pub async fn rotate_key(
     let keys = app.keys.clone();
     let (entry, key) = blocking(move || keys.rotate(&id)).await?;
     tracing::info!(key_id = %entry.id, tenant = %entry.tenant, "key rotated");
-    Ok(Json(IssuedKey {
-        info: entry.to_wire(),
-        key,
-    }))
+    Ok(Json(entry.issued(key)))
 }
 
 /// The caller's tenant's usage and quotas (an admin acting for no tenant: the default tenant's).

@@ -89,6 +89,16 @@ impl KeyEntry {
     }
 }
 
+impl KeyEntry {
+    /// The answer to a create or a rotate: the entry and its text, shown this once.
+    pub fn issued(&self, key: String) -> warren_api::admin::IssuedKey {
+        warren_api::admin::IssuedKey {
+            info: self.to_wire(),
+            key,
+        }
+    }
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct StoreFile {
     keys: Vec<KeyEntry>,
