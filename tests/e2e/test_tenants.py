@@ -7,6 +7,7 @@ in the server, not the runtime: one runtime (the embedded one) is enough."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import uuid
 from datetime import timedelta
@@ -336,3 +337,121 @@ def test_the_audit_log_keeps_who_did_what_and_no_secret(srv):
     text = "".join(p.read_text() for p in (srv.data_dir / "audit").iterdir())
     for secret in ("s3cr3t-env", "m3ta-value", "c0mmand-text", key, "nope"):
         assert secret not in text, secret
+
+
+def test_osb_and_the_mcp_server_see_only_their_key_s_tenant(srv, tmp_path):
+    """The official `osb` CLI (PyPI opensandbox-cli) and MCP server (PyPI opensandbox-mcp), each
+    given one tenant's key as test_official_clients.py gives them the server's (flags): one tenant's
+    sandbox is invisible to the other's clients — listed nowhere, and get, kill, connect, a command
+    or a file read on its id fail exactly as on an id that never was — while each works on its own;
+    a revoked key is refused as an authentication failure."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    bindir = Path(sys.executable).parent
+    hooli, vandelay = _key(srv, "hooli"), _key(srv, "vandelay")
+
+    def osb(key, *args, check=True):
+        home = tmp_path / key.split("_")[1]  # a private HOME per key: osb keeps its config there
+        home.mkdir(exist_ok=True)
+        res = subprocess.run([str(bindir / "osb"), "--domain", srv.domain, "--api-key", key, "--no-color", *args],
+                             capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(home), "NO_COLOR": "1"})
+        if check:
+            assert res.returncode == 0, f"{args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+        return res
+
+    def listed(key):
+        return {s["id"] for s in json.loads(osb(key, "sandbox", "list", "-o", "json").stdout)["items"]}
+
+    sid = json.loads(osb(hooli, "sandbox", "create", "-i", "host", "-t", "10m", "-o", "json").stdout)["id"]
+    W.track_sandbox(sid)
+    missing = str(uuid.uuid4())
+
+    def said(text, real=None):
+        """What a client said, A's id read as the missing one and the request id dropped."""
+        return re.sub(r"request_id=[0-9a-f-]+", "request_id=*", text.replace(real, missing) if real else text)
+
+    mine = None
+    try:
+        # A's key: its own sandbox, run in and listed.
+        out = osb(hooli, "command", "run", sid, "--", "sh", "-c", "echo made-by-hooli > /tmp/who; cat /tmp/who").stdout
+        assert out.strip() == "made-by-hooli", out
+        assert listed(hooli) == {sid}
+
+        # B's key: not listed; get, kill and a command fail as on a missing id, said as not found.
+        assert listed(vandelay) == set()
+        for args in (["sandbox", "get", "{}", "-o", "json"], ["sandbox", "kill", "{}"],
+                     ["command", "run", "{}", "--", "sh", "-c", "echo pwned > /tmp/who"]):
+            theirs = osb(vandelay, *[a.replace("{}", sid) for a in args], check=False)
+            none = osb(vandelay, *[a.replace("{}", missing) for a in args], check=False)
+            assert theirs.returncode == none.returncode == 1, (args, theirs, none)
+            assert f"sandbox {sid} not found | [SANDBOX::NOT_FOUND]" in theirs.stderr, (args, theirs)
+            assert said(theirs.stdout + theirs.stderr, sid) == said(none.stdout + none.stderr), (args, theirs, none)
+
+        # The MCP server over stdio with B's key. rich 13.9.4, which mcp logs a failed tool call
+        # with, loops forever on an exception that is its own cause, and the SDK raises one for
+        # every API error (`raise ExceptionConverter.to_sandbox_exception(e) from e`;
+        # Textualize/rich#3708): the server runs with rich hidden and logs through the stdlib.
+        hidden = tmp_path / "no-rich" / "rich"
+        hidden.mkdir(parents=True)
+        (hidden / "__init__.py").write_text('raise ImportError("hidden by the e2e test")\n')
+        errlog = tmp_path / "mcp.err"
+        params = StdioServerParameters(command=str(bindir / "opensandbox-mcp"), args=[
+            "--transport", "stdio", "--domain", srv.domain, "--api-key", vandelay],
+            env={"PYTHONPATH": str(hidden.parent)})
+
+        async def session():
+            with errlog.open("w") as err:
+                async with stdio_client(params, errlog=err) as (r, w), ClientSession(r, w) as s:
+                    await s.initialize()
+
+                    async def call(tool, **args):
+                        res = await s.call_tool(tool, args, read_timeout_seconds=30)
+                        return res.is_error, res.structured_content or {}, " ".join(c.text for c in res.content)
+
+                    failed, made, text = await call("sandbox_create", image="host", timeout_seconds=600)
+                    assert not failed, text
+                    own = made["sandbox_id"]
+                    W.track_sandbox(own)
+                    failed, ran, text = await call("command_run", sandbox_id=own, command="echo vandelay-runs")
+                    assert not failed and [m["text"] for m in ran["logs"]["stdout"]] == ["vandelay-runs"], text
+                    failed, page, text = await call("sandbox_list")
+                    assert not failed and {i["id"] for i in page["sandbox_infos"]} == {own}, text
+                    for tool, args in [("sandbox_get_info", {}), ("sandbox_connect", {"connect_timeout_seconds": 5}),
+                                       ("command_run", {"command": "echo pwned > /tmp/who", "connect_if_missing": True}),
+                                       ("file_read", {"path": "/tmp/who", "connect_if_missing": True}),
+                                       ("sandbox_kill", {})]:
+                        theirs = await call(tool, sandbox_id=sid, **args)
+                        none = await call(tool, sandbox_id=missing, **args)
+                        assert theirs[0] and none[0], (tool, theirs, none)
+                        assert said(theirs[2], sid) == said(none[2]), (tool, theirs, none)
+                    return own
+
+        mine = asyncio.run(session())
+        # What the server answered the MCP server for A's id: not found, every time.
+        log = errlog.read_text()
+        assert log.count(f"sandbox {sid} not found | [SANDBOX::NOT_FOUND]") >= 5, log[-3000:]
+        assert listed(vandelay) == {mine} and listed(hooli) == {sid}
+
+        # A's sandbox is untouched by all of that.
+        info = json.loads(osb(hooli, "sandbox", "get", sid, "-o", "json").stdout)
+        assert info["status"]["state"] == "Running", info
+        out = osb(hooli, "command", "run", sid, "--", "cat", "/tmp/who").stdout
+        assert out.strip() == "made-by-hooli", out
+
+        # A revoked key: refused, and said to be an authentication failure.
+        gone = _key(srv, "hooli")
+        assert _admin(srv, "DELETE", f"/admin/keys/{gone.split('_')[1]}").status_code == 200
+        for args in (["sandbox", "list"], ["sandbox", "get", sid], ["command", "run", sid, "--", "true"]):
+            res = osb(gone, *args, check=False)
+            assert res.returncode == 1 and "[INVALID_API_KEY] invalid API key" in res.stderr, (args, res)
+            assert "NOT_FOUND" not in res.stderr, (args, res)
+    finally:
+        osb(hooli, "sandbox", "kill", sid, check=False)
+        if mine:
+            osb(vandelay, "sandbox", "kill", mine, check=False)
