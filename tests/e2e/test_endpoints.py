@@ -90,28 +90,32 @@ def test_server_proxy_mode(server, make_sandbox):
 
 
 def test_endpoint_query_parameters_as_the_reference_answers_them(server, make_sandbox, api):
-    """`use_server_proxy` is accepted (every endpoint is the server's proxy); `expires` (a signed
-    route) is checked as the reference checks it and refused as it refuses it on a server without
-    signing keys — never silently ignored, which would hand back a URL that needs headers."""
+    """`use_server_proxy` is accepted (every endpoint is the server's proxy); `expires` is checked
+    as the reference checks it and answered with a signed URL on the path proxy (no `[endpoints]
+    domain` here) that needs no header: the SDK's `get_signed_endpoint` reaches execd with it
+    alone. (Signed URLs in depth, and a browser: test_browser_endpoints.py.)"""
     import time
-    from opensandbox.exceptions import SandboxException
     sbx = make_sandbox("host")
     plain = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080").json()
     proxied = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080", params={"use_server_proxy": "true"})
     assert proxied.status_code == 200 and proxied.json()["endpoint"] == plain["endpoint"]
     later = int(time.time()) + 600
-    for params, what in [({"expires": str(later)}, "not configured"),
-                         ({"expires": "1"}, "greater than current time"),
+    for params, what in [({"expires": "1"}, "greater than current time"),
                          ({"expires": "soon"}, "Unix timestamp"),
                          ({"expires": "-5"}, "Unix timestamp"),
-                         ({"expires": str(later), "use_server_proxy": "true"}, "cannot be combined"),
+                         ({"expires": str(later + 30 * 86400)}, "max_signed_seconds"),
                          ({"use_server_proxy": "maybe"}, "true or false")]:
         r = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080", params=params)
         W.assert_error_body(r, codes=[400], code="SANDBOX::INVALID_PARAMETER")
         assert what in r.json()["message"], (params, r.json())
-    with pytest.raises(SandboxException) as err:
-        sbx.get_signed_endpoint(8080, later)
-    assert "not configured" in str(err.value)
+    signed = sbx.get_signed_endpoint(44772, later)
+    assert not signed.headers, signed.headers
+    assert signed.endpoint.startswith(f"{server.domain}/signed/"), signed.endpoint
+    r = httpx.get(f"http://{signed.endpoint}/ping", timeout=30)
+    assert r.status_code == 200, (r.status_code, r.text)
+    # The same path with one character of the signature changed opens nothing.
+    forged = signed.endpoint[:-1] + ("a" if signed.endpoint[-1] != "a" else "b")
+    W.assert_error_body(httpx.get(f"http://{forged}/ping", timeout=30), codes=[401])
 
 
 def _execd_connections(sandbox_id: str) -> set[str]:

@@ -232,6 +232,9 @@ class WarrenServer:
         # (None: the test process's own).
         self.umask: int | None = None
         self.bin = warren_bin()
+        # "https" for a server with `[tls]`; `ca_file` is then what clients trust.
+        self.scheme = "http"
+        self.ca_file: Path | None = None
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
         REGISTRY.servers.append(self)
@@ -239,7 +242,13 @@ class WarrenServer:
     # -- environment / paths -------------------------------------------------
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> Any:
+        """httpx's `verify` for this server: its CA when it serves HTTPS."""
+        import ssl
+        return ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else True
 
     @property
     def domain(self) -> str:
@@ -394,7 +403,7 @@ class WarrenServer:
                     f"warren serve exited with code {self.proc.returncode} before becoming "
                     f"healthy.\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
             try:
-                r = httpx.get(f"{self.base_url}/health", timeout=2)
+                r = httpx.get(f"{self.base_url}/health", timeout=2, verify=self.verify)
                 if r.status_code == 200 and r.json().get("status") == "healthy":
                     return
                 last = f"{r.status_code} {r.text[:200]}"
@@ -482,7 +491,7 @@ class WarrenServer:
             headers["OPEN-SANDBOX-API-KEY"] = self.api_key
         elif isinstance(api_key, str):
             headers["OPEN-SANDBOX-API-KEY"] = api_key
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, verify=self.verify)
 
     def sdk_config(self, **kw: Any):
         from opensandbox.config import ConnectionConfigSync

@@ -51,6 +51,10 @@ enum Verb {
         /// Serve without an API key (loopback addresses only).
         #[arg(long)]
         insecure_no_auth: bool,
+        /// Serve HTTPS with a development certificate made in the data dir (clients trust its
+        /// tls/ca.pem), as `[tls] self_signed = true`.
+        #[arg(long)]
+        tls_self_signed: bool,
     },
     /// Create a sandbox, run one command in it, stream its output, delete it; exits with its code.
     Run(run::RunArgs),
@@ -228,12 +232,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             data_dir,
             config: config_file,
             insecure_no_auth,
+            tls_self_signed,
         } => {
             let overrides = config::Overrides {
                 listen,
                 data_dir,
                 config: config_file,
                 insecure_no_auth,
+                tls_self_signed,
             };
             let cfg = warren_server::ServerConfig::load(&overrides, &ProcessEnv)?;
             let rt = tokio::runtime::Runtime::new()?;
@@ -349,7 +355,12 @@ fn local_data_dir(given: Option<PathBuf>) -> PathBuf {
 async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
     let server = warren_server::Server::bind(cfg, runtimes::make_runtime).await?;
     eprintln!(
-        "warren: listening on http://{} (runtime {})",
+        "warren: listening on {}://{} (runtime {})",
+        if server.state.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        },
         server.local_addr(),
         server.state.sandboxes.runtime().name()
     );
@@ -357,13 +368,11 @@ async fn serve(cfg: warren_server::ServerConfig) -> anyhow::Result<()> {
         .run(async {
             use tokio::signal::unix::{signal, SignalKind};
             let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-            // The terminal it ran in closed: the same clean stop (its default would be to die on
-            // the spot, leaving the recovery to the next start).
-            let mut hangup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+            // SIGHUP is not a stop: the server reads its certificate and signing keys again
+            // (and so outlives the terminal it was started from, as a daemon does).
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {},
                 _ = term.recv() => {},
-                _ = hangup.recv() => {},
             }
             eprintln!("warren: shutting down; sandboxes keep running and are re-adopted at the next start");
         })

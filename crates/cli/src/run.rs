@@ -84,6 +84,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     data_dir: Some(data_dir.clone()),
                     config: None,
                     insecure_no_auth: false,
+                    tls_self_signed: false,
                 };
                 let mut cfg = warren_server::ServerConfig::load(&overrides, &env)?;
                 cfg.api_key = Some(random_key());

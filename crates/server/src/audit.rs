@@ -223,13 +223,23 @@ fn audited(method: &Method, path: &str) -> bool {
     proxied || !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
 }
 
+/// Set on the answer to a request that host routing or a signed URL took to a sandbox (see
+/// `signed`): its path is the app's, not an API route.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    /// `None` when the request opened nothing (a bad signature names no sandbox worth keeping).
+    pub sandbox: Option<String>,
+    pub port: Option<u16>,
+    /// What opened it: `signed-url`, `endpoint-token`.
+    pub opened_by: &'static str,
+}
+
 /// The middleware, outside `auth` (so refused calls are kept too): the caller is read from the
 /// response, where `auth` leaves it.
 pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    if !audited(req.method(), req.uri().path()) {
-        return next.run(req).await;
-    }
-    let (action, mut sandbox) = action_of(req.method(), req.uri().path());
+    // Host routing is decided inside (`signed::routes`): every request may turn out to be proxied.
+    let api_call = audited(req.method(), req.uri().path());
+    let (mut action, mut sandbox) = action_of(req.method(), req.uri().path());
     let request_id = req
         .headers()
         .get(warren_api::REQUEST_ID_HEADER)
@@ -240,6 +250,19 @@ pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -
         .get::<ClientAddr>()
         .map(|c| c.0.to_string());
     let resp = next.run(req).await;
+    let routed = resp.extensions().get::<Routed>().cloned();
+    if routed.is_none() && !api_call {
+        return resp;
+    }
+    let mut opened_by = "endpoint-token";
+    if let Some(r) = &routed {
+        action = match r.port {
+            Some(port) => format!("proxy {port}"),
+            None => "proxy".to_string(),
+        };
+        sandbox = r.sandbox.clone();
+        opened_by = r.opened_by;
+    }
     if sandbox.is_none() && action == "POST /sandboxes" {
         // A create names its sandbox in the answer's Location.
         sandbox = resp
@@ -250,14 +273,14 @@ pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -
             .map(str::to_string);
     }
     let caller = resp.extensions().get::<Caller>();
-    // The proxy opened with an endpoint token (no key): the sandbox's tenant.
+    // The proxy opened with an endpoint token or a signed URL (no key): the sandbox's tenant.
     let by_token = || {
         let opened = resp.status().as_u16() != 401 && resp.status().as_u16() != 404;
         sandbox
             .as_deref()
-            .filter(|_| opened && action.starts_with("proxy "))
+            .filter(|_| opened && action.starts_with("proxy"))
             .and_then(|id| app.sandboxes.get(id))
-            .map(|r| (r.tenant, "endpoint-token".to_string()))
+            .map(|r| (r.tenant, opened_by.to_string()))
     };
     let (tenant, key_id) = match caller {
         Some(c) => (Some(c.tenant.clone()), Some(c.key_id.clone())),

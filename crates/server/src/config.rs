@@ -60,6 +60,12 @@ pub struct FileConfig {
     /// `[audit]`: the audit log (see `audit`).
     #[serde(default)]
     pub audit: crate::audit::AuditSection,
+    /// `[tls]`: HTTPS for the API and the proxy (see `tls`).
+    #[serde(default)]
+    pub tls: crate::tls::TlsSection,
+    /// `[endpoints]`: signed endpoint URLs and host-based routing (see `signed`).
+    #[serde(default)]
+    pub endpoints: crate::signed::EndpointsSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -73,6 +79,10 @@ pub struct HttpSection {
     /// Connections served at once; more wait in the listen queue until one closes.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Browser origins (`https://app.example.com`, or `*`) allowed to call the API and the
+    /// header-authenticated proxy; none by default.
+    #[serde(default)]
+    pub cors_allowed_origins: Vec<String>,
 }
 
 fn default_header_timeout() -> f64 {
@@ -88,6 +98,7 @@ impl Default for HttpSection {
         Self {
             header_timeout_seconds: default_header_timeout(),
             max_connections: default_max_connections(),
+            cors_allowed_origins: Vec::new(),
         }
     }
 }
@@ -564,6 +575,8 @@ pub struct ServerConfig {
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
     pub quotas: crate::quotas::QuotaSection,
     pub audit: crate::audit::AuditSection,
+    pub tls: crate::tls::TlsSection,
+    pub endpoints: crate::signed::EndpointsSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -574,6 +587,8 @@ pub struct Overrides {
     pub data_dir: Option<PathBuf>,
     pub config: Option<PathBuf>,
     pub insecure_no_auth: bool,
+    /// `--tls-self-signed`: as `[tls] self_signed = true`.
+    pub tls_self_signed: bool,
 }
 
 /// A source of environment variables, so tests pass a map instead of touching the process env.
@@ -677,6 +692,15 @@ impl ServerConfig {
             pools: file.pools.clone(),
             quotas: file.quotas.clone(),
             audit: file.audit.clone(),
+            tls: {
+                let mut tls = file.tls.clone();
+                tls.self_signed |= flags.tls_self_signed;
+                tls
+            },
+            endpoints: {
+                file.endpoints.check().context("[endpoints]")?;
+                file.endpoints.clone()
+            },
             config_file,
         })
     }

@@ -8,6 +8,9 @@
 //! a request head); at most [`Limits::max_connections`] are served at once, the rest wait in the
 //! kernel's listen queue. A request being answered (an event stream, a proxied WebSocket) is never
 //! cut short. On shutdown, connections finish their requests and close, as with `axum::serve`.
+//!
+//! With TLS, the handshake happens in the connection's own task, within the same header timeout:
+//! a client that stalls it holds one slot for that long, as a slow plain request would.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -34,6 +37,7 @@ pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -70,35 +74,17 @@ pub async fn serve(
                 req.extensions_mut().insert(crate::audit::ClientAddr(peer));
                 req
             }));
-        let mut stop = stop_rx.clone();
+        let stop = stop_rx.clone();
         let done = done_rx.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let mut builder = Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_timeout);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                // (WebSockets over HTTP/2)
-                .enable_connect_protocol()
-                .keep_alive_interval(Some(Duration::from_secs(20)))
-                .keep_alive_timeout(limits.header_timeout);
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
-            let mut conn = std::pin::pin!(conn);
-            let mut stopping = false;
-            loop {
-                tokio::select! {
-                    result = conn.as_mut() => {
-                        if let Err(e) = result {
-                            tracing::trace!(error = %e, "connection ended");
-                        }
-                        break;
-                    }
-                    _ = stop.changed(), if !stopping => {
-                        stopping = true;
-                        conn.as_mut().graceful_shutdown();
+            match tls {
+                None => serve_connection(tcp, service, limits, stop).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => serve_connection(tls, service, limits, stop).await,
+                        Ok(Err(e)) => tracing::debug!(error = %e, %peer, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
                 }
             }
@@ -110,4 +96,47 @@ pub async fn serve(
     drop(stop_tx);
     drop(done_rx);
     done_tx.closed().await;
+}
+
+/// Serves HTTP/1.1 or HTTP/2 (with upgrades) on one connection until it ends, closing it
+/// gracefully when `stop` changes.
+async fn serve_connection<I, S>(io: I, service: S, limits: Limits, mut stop: watch::Receiver<()>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = axum::response::Response>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::error::Error + Send + Sync + 'static,
+{
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        // (WebSockets over HTTP/2)
+        .enable_connect_protocol()
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .keep_alive_timeout(limits.header_timeout);
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(e) = result {
+                    tracing::trace!(error = %e, "connection ended");
+                }
+                break;
+            }
+            _ = stop.changed(), if !stopping => {
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }

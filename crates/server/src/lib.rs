@@ -20,12 +20,14 @@ mod quotas;
 mod routes;
 mod sandbox_files;
 pub mod sandboxes;
+mod signed;
 mod snapshots;
 mod state_file;
 #[cfg(test)]
 mod state_machine_tests;
 mod supervise;
 mod templates;
+pub mod tls;
 mod tokens;
 mod validate;
 pub mod volumes;
@@ -89,6 +91,10 @@ pub struct AppState {
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
     pub templates: templates::Templates,
+    /// The keys that sign endpoint URLs (`signed`).
+    pub signing: Arc<signed::SigningKeys>,
+    /// HTTPS, when `[tls]` asks for it.
+    pub tls: Option<Arc<tls::Tls>>,
     pub local_addr: SocketAddr,
 }
 
@@ -170,6 +176,12 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_api_key,
         ))
+        // Preflights carry no key: answered before `auth`, and only for the API and the path proxy.
+        .layer(tower::util::option_layer(cors(&state.config.http)))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            signed::routes,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             audit::middleware,
@@ -177,6 +189,37 @@ pub fn router(state: AppState) -> Router {
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
+}
+
+/// `[http] cors_allowed_origins`: browsers at these origins may call the API and the path proxy
+/// (with a key or an endpoint token in a header: no cookie is ever a credential here).
+fn cors(http: &config::HttpSection) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, CorsLayer};
+    let origins = &http.cors_allowed_origins;
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            origins
+                .iter()
+                .filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok()),
+        )
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods(AllowMethods::mirror_request())
+            .allow_headers(AllowHeaders::mirror_request())
+            .expose_headers([
+                http::HeaderName::from_static("x-request-id"),
+                http::header::RETRY_AFTER,
+                http::header::LOCATION,
+            ])
+            .max_age(std::time::Duration::from_secs(600)),
+    )
 }
 
 /// The answer to a request whose handler panicked (a bug): an internal error naming the request,
@@ -332,7 +375,21 @@ impl Server {
             storage.clone(),
         )
         .context("opening the templates")?;
+        let signing = Arc::new(
+            signed::SigningKeys::open(&config.endpoints, &config.data_dir)
+                .context("[endpoints] signing keys")?,
+        );
+        let tls =
+            tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config)).context("[tls]")?;
+        if tls.is_some() && config.tls.self_signed {
+            eprintln!(
+                "warren: serving HTTPS with a development certificate; clients trust {}",
+                tls::dev_ca_file(&config.data_dir).display()
+            );
+        }
         let state = AppState {
+            signing,
+            tls,
             storage,
             keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
             quotas,
@@ -366,7 +423,10 @@ impl Server {
             header_timeout: std::time::Duration::from_secs_f64(http.header_timeout_seconds),
             max_connections: http.max_connections,
         };
-        front::serve(self.listener, app, limits, shutdown).await;
+        let reloads = tokio::spawn(reload_on_sighup(self.state.clone()));
+        let tls = self.state.tls.as_ref().map(|t| t.acceptor());
+        front::serve(self.listener, app, limits, tls, shutdown).await;
+        reloads.abort();
         self.reaper.abort();
         self.state.sandboxes.network_shutdown();
         // What the runtime keeps for sandboxes not yet asked for (standby setup helpers and their
@@ -374,6 +434,68 @@ impl Server {
         self.state.sandboxes.runtime().shutdown().await;
         Ok(())
     }
+}
+
+/// SIGHUP reads the TLS certificate and the endpoint signing keys again. A file that fails to
+/// read is logged and the one in use stays.
+async fn reload_on_sighup(state: AppState) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "no SIGHUP handler: certificates are read at start only");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        if let Some(tls) = &state.tls {
+            match tls.reload() {
+                Ok(()) => tracing::info!("SIGHUP: reloaded the TLS certificate"),
+                Err(e) => {
+                    tracing::error!(error = %format!("{e:#}"), "SIGHUP: TLS certificate not reloaded; still serving the previous one")
+                }
+            }
+        }
+        match state.signing.reload() {
+            Ok(()) => tracing::info!("SIGHUP: reloaded the endpoint signing keys"),
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "SIGHUP: endpoint signing keys not reloaded; the previous ones stay")
+            }
+        }
+    }
+}
+
+/// The names a development certificate covers: loopback, the listen address, the public host and
+/// the endpoint domain with its wildcard.
+fn tls_names(config: &ServerConfig) -> Vec<String> {
+    let mut names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    if !config.listen.ip().is_unspecified() {
+        names.push(config.listen.ip().to_string());
+    }
+    let host_of = |h: &str| {
+        let h = h.trim_start_matches('[');
+        match h.rsplit_once(':') {
+            Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => {
+                host.trim_end_matches(']').to_string()
+            }
+            _ => h.trim_end_matches(']').to_string(),
+        }
+    };
+    if let Some(p) = &config.public_host {
+        names.push(host_of(p));
+    }
+    if let Some(d) = &config.endpoints.domain {
+        let d = host_of(d);
+        names.push(format!("*.{d}"));
+        names.push(d);
+    }
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
+    names
 }
 
 /// Canonical allowed folders (a missing one is a configuration error, not a silent no-op), and what

@@ -74,12 +74,14 @@ fn opened(rec: Option<&warren_store::SandboxRecord>, port: u16, req: &Request) -
     }
 }
 
-async fn forward(
+/// The path proxy's (and host routing's) entry: `port` of sandbox `id`, opened by the request's
+/// token header or key.
+pub(crate) async fn forward(
     State(app): State<AppState>,
     id: String,
     port: String,
     rest: String,
-    mut req: Request,
+    req: Request,
 ) -> Response {
     let Ok(port) = port.parse::<u16>() else {
         return ApiError::invalid(format!("invalid port {port:?}")).into_response();
@@ -109,6 +111,32 @@ async fn forward(
     let Some(rec) = rec else {
         return ApiError::not_found(&id).into_response();
     };
+    relay_to(&app, rec, port, &rest, req).await
+}
+
+/// Relays `req` to `port` of sandbox `id`, to the path `/{rest}`: the caller has already shown it
+/// may (a signed URL).
+pub(crate) async fn relay(
+    app: &AppState,
+    id: &str,
+    port: u16,
+    rest: &str,
+    req: Request,
+) -> Response {
+    match app.sandboxes.get(id) {
+        Some(rec) => relay_to(app, rec, port, rest, req).await,
+        None => ApiError::not_found(id).into_response(),
+    }
+}
+
+async fn relay_to(
+    app: &AppState,
+    rec: warren_store::SandboxRecord,
+    port: u16,
+    rest: &str,
+    mut req: Request,
+) -> Response {
+    let id = rec.id.clone();
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {
@@ -126,9 +154,9 @@ async fn forward(
             .into_response()
         }
     }
-    renew_on_access(&app, &rec);
+    renew_on_access(app, &rec);
     if port == warren_api::EGRESS_PORT {
-        return egress_surface(&app, &id, &rest, req).await;
+        return egress_surface(app, &id, rest, req).await;
     }
     let query = req
         .uri()

@@ -386,12 +386,12 @@ pub async fn network_policy(
 /// of this sandbox (execd's and the egress surface's ports each have their own).
 ///
 /// `use_server_proxy` changes nothing (every endpoint is the server's proxy already). `expires`
-/// asks for a signed route (a URL that carries its own credential): checked as the reference checks
-/// it, then refused as the reference refuses it without signing keys configured.
+/// asks for a signed URL that carries its own credential and needs no header (see `signed`):
+/// `{host}/signed/{token}`, or `{token}.{domain}` with `[endpoints] domain`.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/endpoints/{port}", tag = "sandboxes",
     params(("id" = String, Path), ("port" = u16, Path),
            ("use_server_proxy" = Option<bool>, Query, description = "accepted; every endpoint goes through the server"),
-           ("expires" = Option<u64>, Query, description = "a signed route's expiry (Unix seconds): not configured on this server (400)")),
+           ("expires" = Option<u64>, Query, description = "a signed URL's expiry (Unix seconds, at most [endpoints] max_signed_seconds away): the answer's endpoint then needs no header")),
     responses((status = 200, body = Endpoint), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn endpoint(
     State(app): State<AppState>,
@@ -404,7 +404,7 @@ pub async fn endpoint(
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
-    check_endpoint_query(query.as_deref().unwrap_or_default())?;
+    let expires = check_endpoint_query(query.as_deref().unwrap_or_default())?;
     let rec = app
         .sandboxes
         .get(&id)
@@ -427,6 +427,14 @@ pub async fn endpoint(
                 .map(str::to_string)
         })
         .unwrap_or_else(|| app.local_addr.to_string());
+    if let Some((expires, now)) = expires {
+        // A signed URL carries its own credential: no header to send (see `signed`).
+        let endpoint = crate::signed::signed_endpoint(&app, &host, &id, port, expires, now)?;
+        return Ok(Json(Endpoint {
+            endpoint,
+            headers: BTreeMap::new(),
+        }));
+    }
     // This port's own token (see `tokens`): it opens this port of this sandbox and nothing else.
     let token = crate::tokens::endpoint_token(&rec.token, port);
     let mut out = BTreeMap::new();
@@ -439,27 +447,27 @@ pub async fn endpoint(
     }
     out.insert(ACCESS_TOKEN_HEADER.to_string(), token);
     Ok(Json(Endpoint {
-        endpoint: format!("{host}/sandboxes/{id}/proxy/{port}"),
+        endpoint: crate::signed::host_endpoint(&app, &id, port)
+            .unwrap_or_else(|| format!("{host}/sandboxes/{id}/proxy/{port}")),
         headers: out,
     }))
 }
 
-/// The endpoint route's query: `use_server_proxy` a boolean; `expires` a future Unix time, not with
-/// the server proxy, and then refused, since this server has no signing keys for signed routes.
-fn check_endpoint_query(query: &str) -> Result<(), ApiError> {
-    let (mut server_proxy, mut expires) = (false, None);
+/// The endpoint route's query: `use_server_proxy` a boolean (every endpoint is the server's
+/// proxy); `expires` a future Unix time, for a signed URL: answered with (expires, now).
+fn check_endpoint_query(query: &str) -> Result<Option<(u64, u64)>, ApiError> {
+    let mut expires = None;
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match k.as_ref() {
-            "use_server_proxy" | "useServerProxy" => {
-                server_proxy = match v.to_ascii_lowercase().as_str() {
-                    "true" | "1" => true,
-                    "false" | "0" => false,
-                    _ => {
-                        return Err(ApiError::invalid(format!(
-                            "use_server_proxy must be true or false, not {v:?}"
-                        )))
-                    }
-                }
+            "use_server_proxy" | "useServerProxy"
+                if !matches!(
+                    v.to_ascii_lowercase().as_str(),
+                    "true" | "1" | "false" | "0"
+                ) =>
+            {
+                return Err(ApiError::invalid(format!(
+                    "use_server_proxy must be true or false, not {v:?}"
+                )));
             }
             "expires" => {
                 expires = Some(v.parse::<u64>().map_err(|_| {
@@ -472,22 +480,15 @@ fn check_endpoint_query(query: &str) -> Result<(), ApiError> {
         }
     }
     let Some(expires) = expires else {
-        return Ok(());
+        return Ok(None);
     };
-    if server_proxy {
-        return Err(ApiError::invalid(
-            "use_server_proxy cannot be combined with expires; signed endpoints require the gateway route",
-        ));
-    }
     let now = Utc::now().timestamp().max(0) as u64;
     if expires <= now {
         return Err(ApiError::invalid(format!(
             "expires ({expires}) must be greater than current time ({now})"
         )));
     }
-    Err(ApiError::invalid(
-        "signed routes (expires) are not configured on this server: reach the endpoint with the headers an endpoint without expires returns",
-    ))
+    Ok(Some((expires, now)))
 }
 
 fn valid_host(h: &str) -> bool {

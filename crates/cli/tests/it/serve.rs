@@ -128,18 +128,32 @@ fn run_streams_output_and_exits_with_the_command_code() {
     assert!(left.is_empty(), "warren run left sandboxes behind");
 }
 
-/// SIGHUP (the terminal `warren serve` ran in closed) is a clean stop like SIGTERM and Ctrl-C, not
-/// a death on the spot.
+/// SIGHUP is a reload (the TLS certificate and the endpoint signing keys), never a stop: the
+/// server answers after it, and SIGTERM then stops it cleanly.
 #[test]
-fn serve_stops_cleanly_on_hangup() {
+fn serve_reloads_on_hangup_and_stops_cleanly_on_term() {
     let mut server = crate::harness::Server::start();
     let pid = i32::try_from(server.child.id()).expect("pid");
+    let log = |server: &crate::harness::Server| {
+        std::fs::read_to_string(server.data().join("../server.log")).unwrap_or_default()
+    };
     // SAFETY: kill(2) of the server this test spawned and has not waited for.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !log(&server).contains("reloaded the endpoint signing keys") {
+        assert!(std::time::Instant::now() < deadline, "{}", log(&server));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        crate::harness::http_status(&format!("{}/health", server.base())).expect("health"),
+        200
+    );
+    assert!(server.child.try_wait().expect("try_wait").is_none());
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
     let status = server.child.wait().expect("wait");
-    let log = std::fs::read_to_string(server.data().join("../server.log")).unwrap_or_default();
-    assert!(status.success(), "{status}: {log}");
-    assert!(log.contains("shutting down"), "{log}");
+    assert!(status.success(), "{status}: {}", log(&server));
+    assert!(log(&server).contains("shutting down"), "{}", log(&server));
 }
 
 /// Ctrl-C while `warren run` streams: the command is interrupted, the sandbox deleted with nothing
