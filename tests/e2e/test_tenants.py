@@ -25,7 +25,9 @@ def srv(work_root):
     s = W.WarrenServer("embedded", work_root, f"tenants-{uuid.uuid4().hex[:6]}")
     # One tenant with quotas; the others have none (no [quotas.default]).
     s.more_config = ('[quotas.tenants.capped]\nsandboxes = 2\ncpu = "1"\nmemory = "1Gi"\n'
-                     'creates_per_minute = 3\n')
+                     'creates_per_minute = 3\n'
+                     '[quotas.tenants.snapcap]\nsnapshot_storage = "3Mi"\n'
+                     '[quotas.tenants.nosnap]\nsnapshot_storage = "0"\n')
     s.check_binary()
     s.start()
     yield s
@@ -275,7 +277,8 @@ def test_a_tenant_s_quotas_refuse_what_passes_them_and_nothing_is_left(srv):
         # What it uses, and may.
         u = _as(srv, capped, "GET", "/usage").json()
         assert u["tenant"] == "capped" and u["sandboxes"] == 2 and u["cpuMillis"] == 800, u
-        assert u["quota"] == {"sandboxes": 2, "cpuMillis": 1000, "memoryBytes": 1 << 30, "createsPerMinute": 3}, u
+        assert u["quota"] == {"sandboxes": 2, "cpuMillis": 1000, "memoryBytes": 1 << 30, "createsPerMinute": 3,
+                              "snapshotBytes": None}, u
         # CPU in total: 400m + 700m is over 1.
         assert _as(srv, capped, "DELETE", f"/sandboxes/{made.pop()}").status_code == 204
         r = create("700m")
@@ -303,6 +306,70 @@ def test_a_tenant_s_quotas_refuse_what_passes_them_and_nothing_is_left(srv):
     finally:
         for sid in made:
             _admin(srv, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_snapshot_storage_is_a_tenant_s_quota_and_usage_shows_it(srv):
+    """A tenant's snapshots may take so much of the image store: a capture that would pass it ends
+    Failed (`quota_exceeded`) with its layer removed; with the quota reached (here: none at all),
+    a snapshot is refused at once with 403 naming the quota. `GET /v1/usage` and `warren usage`
+    report the bytes."""
+    from opensandbox import SandboxSync
+    key, none = _key(srv, "snapcap"), _key(srv, "nosnap")
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    made = []
+    try:
+        for k in (key, none):
+            made.append(SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=_sdk(srv, k),
+                                           timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60)))
+            W.track_sandbox(made[-1].id)
+        src, other = made
+        # 2 MiB that do not compress away.
+        code, _, err = W.sh(src, "head -c 2097152 /dev/urandom > /tmp/blob && sync")
+        assert code == 0, err
+
+        def snapshot(k, sid):
+            r = _as(srv, k, "POST", f"/sandboxes/{sid}/snapshots", json={})
+            assert r.status_code == 202, r.text
+            snap = r.json()["id"]
+            return W.wait_until(lambda: (st := _as(srv, k, "GET", f"/snapshots/{snap}").json()["status"])["state"]
+                                in ("Ready", "Failed") and (snap, st), 60, message="the capture to end")
+
+        first, st = snapshot(key, src.id)
+        assert st["state"] == "Ready", st
+        usage = _as(srv, key, "GET", "/usage").json()
+        assert usage["quota"]["snapshotBytes"] == 3 << 20, usage
+        assert 2 << 20 <= usage["snapshotBytes"] < 3 << 20, usage
+        # The same 2 MiB again would pass 3 MiB: Failed, and nothing of it is kept.
+        second, st = snapshot(key, src.id)
+        assert st["state"] == "Failed" and st["reason"] == "quota_exceeded", st
+        assert st["message"].startswith("quota snapshot_storage:"), st
+        assert _as(srv, key, "GET", "/usage").json()["snapshotBytes"] == usage["snapshotBytes"]
+        images = subprocess.run([str(srv.bin), "image", "ls", "--data-dir", str(srv.data_dir), "-o", "json"],
+                                capture_output=True, text=True, timeout=30)
+        assert images.returncode == 0, images.stderr
+        assert second not in images.stdout and first in images.stdout, images.stdout
+        # A quota of 0: refused before any capture, 403 naming it.
+        r = _as(srv, none, "POST", f"/sandboxes/{other.id}/snapshots", json={})
+        body = W.assert_error_body(r, codes=[403], code="QUOTA_EXCEEDED")
+        assert "snapshot_storage" in body["message"], body
+        assert [s["id"] for s in _as(srv, none, "GET", "/snapshots").json()["items"]] == []
+        # Deleting the first frees its share; `warren usage` says so too.
+        assert _as(srv, key, "DELETE", f"/snapshots/{first}").status_code == 204
+        out = subprocess.run([str(srv.bin), "usage", "--domain", srv.domain, "--api-key", key, "-o", "json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        shown = json.loads(out.stdout)
+        assert shown["tenant"] == "snapcap" and shown["snapshotBytes"] == 0, shown
+        table = subprocess.run([str(srv.bin), "usage", "--domain", srv.domain, "--api-key", srv.api_key,
+                                "--tenant", "snapcap"], capture_output=True, text=True, timeout=30)
+        assert table.returncode == 0 and "snapshot storage" in table.stdout and "3.0 MiB" in table.stdout, table
+    finally:
+        for s in made:
+            try:
+                s.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            s.close()
 
 
 def test_the_audit_log_keeps_who_did_what_and_no_secret(srv):

@@ -3,6 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// An admin key names the tenant it acts for.
+pub const TENANT_HEADER: &str = "X-Warren-Tenant";
+
 /// `POST /v1/admin/keys`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -59,6 +62,9 @@ pub struct Usage {
     pub cpu_millis: u64,
     pub memory_bytes: u64,
     pub creates_last_minute: u64,
+    /// What its snapshots take in the image store (the layers they add).
+    #[serde(default)]
+    pub snapshot_bytes: u64,
     pub quota: QuotaInfo,
 }
 
@@ -70,4 +76,6 @@ pub struct QuotaInfo {
     pub cpu_millis: Option<u64>,
     pub memory_bytes: Option<u64>,
     pub creates_per_minute: Option<u64>,
+    #[serde(default)]
+    pub snapshot_bytes: Option<u64>,
 }

@@ -16,6 +16,7 @@ mod runtimes;
 mod sandbox;
 mod settings;
 mod shell;
+mod usage;
 mod vault;
 
 use std::path::PathBuf;
@@ -111,6 +112,16 @@ enum Verb {
     Egress {
         #[command(subcommand)]
         command: egress::EgressCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// What the key's tenant uses and may use: sandboxes, CPU, memory, creates, snapshot storage.
+    Usage {
+        /// Another tenant's (admin keys only)
+        #[arg(long)]
+        tenant: Option<String>,
         #[command(flatten)]
         server: client::ServerArgs,
         #[command(flatten)]
@@ -298,6 +309,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let (_, client, format) = remote(&server, &out)?;
             tokio::runtime::Runtime::new()?.block_on(egress::run(command, &client, format))
+        }
+        Verb::Usage {
+            tenant,
+            server,
+            out,
+        } => {
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(usage::run(tenant.as_deref(), &client, format))
         }
         Verb::CredentialVault {
             command,

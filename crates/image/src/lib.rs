@@ -497,13 +497,14 @@ impl ImageStore {
     /// (a frozen sandbox). `base`'s layers must be in the store (the sandbox's lease keeps them).
     /// `id_base`: the sandbox ran in a user namespace whose id 0 is that host id; the layer records
     /// its files with the sandbox's own ids, so any sandbox made from it sees them the same.
+    /// Answers the image and the bytes of its new top layer (what it adds to the store).
     pub fn commit_snapshot(
         &self,
         name: &str,
         base: &ResolvedImage,
         upper: &Path,
         id_base: Option<u32>,
-    ) -> Result<ImageRecord, ImageError> {
+    ) -> Result<(ImageRecord, u64), ImageError> {
         let ResolvedImage::Layers {
             layers: base_layers,
             config,
@@ -543,9 +544,12 @@ impl ImageStore {
             "sha256:{}",
             hex::encode(Sha256::digest(doc.to_string().as_bytes()))
         );
+        let adds = top.size;
         layers.push(top);
-        self.commit(&name, id, config.clone(), None, &layers)?
-            .ok_or_else(|| ImageError::source(upper, "base layers vanished during the snapshot"))
+        let image = self
+            .commit(&name, id, config.clone(), None, &layers)?
+            .ok_or_else(|| ImageError::source(upper, "base layers vanished during the snapshot"))?;
+        Ok((image, adds))
     }
 
     /// Removes every named image no sandbox holds a lease on (snapshots excepted),

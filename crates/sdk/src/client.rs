@@ -145,6 +145,16 @@ impl Client {
         Ok(())
     }
 
+    /// What the key's tenant uses and may use (`GET /v1/usage`); an admin key names another
+    /// tenant with `tenant`.
+    pub async fn usage(&self, tenant: Option<&str>) -> Result<warren_api::admin::Usage> {
+        let (mut r, url) = self.request(reqwest::Method::GET, "/usage");
+        if let Some(t) = tenant {
+            r = r.header(warren_api::admin::TENANT_HEADER, t);
+        }
+        json(send(r, &url).await?).await
+    }
+
     /// Creates a sandbox and connects to it. Warren answers only once execd inside is ready, so
     /// commands can run at once.
     pub async fn create(&self, req: &CreateSandboxRequest) -> Result<Sandbox> {

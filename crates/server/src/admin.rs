@@ -84,5 +84,6 @@ pub async fn usage(
     axum::Extension(caller): axum::Extension<crate::auth::Caller>,
 ) -> Json<warren_api::admin::Usage> {
     let live = app.sandboxes.live_of(&caller.tenant);
-    Json(app.quotas.usage(&caller.tenant, &live))
+    let snapshot_bytes = app.snapshots.bytes_of(&caller.tenant, None);
+    Json(app.quotas.usage(&caller.tenant, &live, snapshot_bytes))
 }

@@ -91,6 +91,34 @@ pub struct AuditLog {
     dir: PathBuf,
     cfg: AuditSection,
     open: Mutex<Option<Open>>,
+    anonymous: Mutex<Anonymous>,
+}
+
+/// Lines for callers with no valid key are bounded: anyone can send requests, and the log must not
+/// fill the disk (or push the keyed lines out through rotation) for them. Past the bound they are
+/// counted, and the count is written with the next one that is kept.
+const ANONYMOUS_PER_SECOND: u32 = 50;
+
+#[derive(Default)]
+struct Anonymous {
+    second: i64,
+    written: u32,
+    dropped: u64,
+}
+
+/// Longest a field the client chose (a request id, a path's part) is kept.
+const MAX_FIELD: usize = 200;
+
+fn capped(mut s: String) -> String {
+    if s.len() > MAX_FIELD {
+        let mut end = MAX_FIELD;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
 }
 
 impl AuditLog {
@@ -99,6 +127,7 @@ impl AuditLog {
             dir: dir(data_dir),
             cfg,
             open: Mutex::new(None),
+            anonymous: Mutex::new(Anonymous::default()),
         }
     }
 
@@ -130,9 +159,46 @@ impl AuditLog {
         if !self.cfg.enabled {
             return;
         }
-        let Ok(mut line) = serde_json::to_vec(entry) else {
+        let mut entry = AuditEntry {
+            action: capped(entry.action.clone()),
+            sandbox: entry.sandbox.clone().map(capped),
+            request_id: entry.request_id.clone().map(capped),
+            ..entry.clone()
+        };
+        let mut line = Vec::new();
+        if entry.tenant.is_none() {
+            let mut a = self.anonymous.lock().unwrap_or_else(|e| e.into_inner());
+            let second = entry.time.timestamp();
+            if a.second != second {
+                (a.second, a.written) = (second, 0);
+            }
+            if a.written >= ANONYMOUS_PER_SECOND {
+                a.dropped += 1;
+                return;
+            }
+            a.written += 1;
+            if a.dropped > 0 {
+                let note = AuditEntry {
+                    action: format!("(not recorded: {} requests with no valid key)", a.dropped),
+                    sandbox: None,
+                    status: 0,
+                    request_id: None,
+                    client: None,
+                    ..entry.clone()
+                };
+                a.dropped = 0;
+                let Ok(mut text) = serde_json::to_vec(&note) else {
+                    return;
+                };
+                text.push(b'\n');
+                line = text;
+            }
+        }
+        entry.client = entry.client.take().map(capped);
+        let Ok(text) = serde_json::to_vec(&entry) else {
             return;
         };
+        line.extend_from_slice(&text);
         line.push(b'\n');
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let result = (|| -> std::io::Result<()> {
@@ -371,5 +437,50 @@ mod tests {
         // Oldest first, in order, ending with the last written.
         assert!(statuses.windows(2).all(|w| w[0] < w[1]), "{statuses:?}");
         assert_eq!(statuses.last(), Some(&39));
+    }
+
+    #[test]
+    fn callers_with_no_key_cannot_flood_the_log_and_long_fields_are_cut() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = AuditLog::new(dir.path(), AuditSection::default());
+        let at = |second: i64| chrono::DateTime::from_timestamp(second, 0).expect("time");
+        let anonymous = |second: i64| AuditEntry {
+            time: at(second),
+            tenant: None,
+            key_id: None,
+            action: format!("POST /{}", "x".repeat(10_000)),
+            sandbox: None,
+            status: 401,
+            request_id: Some("r".repeat(10_000)),
+            client: None,
+        };
+        for _ in 0..1_000 {
+            log.record(&anonymous(100));
+        }
+        // A keyed caller's lines are never dropped.
+        let keyed = AuditEntry {
+            tenant: Some("acme".into()),
+            ..anonymous(100)
+        };
+        for _ in 0..100 {
+            log.record(&keyed);
+        }
+        log.record(&anonymous(101));
+        let lines: Vec<AuditEntry> = std::fs::read_to_string(dir.path().join("audit").join(FILE))
+            .expect("read")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("line"))
+            .collect();
+        let kept = |t: Option<&str>| lines.iter().filter(|e| e.tenant.as_deref() == t).count();
+        assert_eq!(kept(Some("acme")), 100);
+        // 50 in the first second, then the count of the rest, then the next second's.
+        assert_eq!(kept(None), ANONYMOUS_PER_SECOND as usize + 2);
+        assert!(lines
+            .iter()
+            .any(|e| e.action == "(not recorded: 950 requests with no valid key)"));
+        assert!(lines.iter().all(|e| e.action.len() <= MAX_FIELD + 3
+            && e.request_id
+                .as_ref()
+                .is_none_or(|r| r.len() <= MAX_FIELD + 3)));
     }
 }

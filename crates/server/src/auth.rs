@@ -22,8 +22,7 @@ use crate::error::ApiError;
 use crate::keys::{check_tenant, Role, DEFAULT_TENANT};
 use crate::AppState;
 
-/// An admin names the tenant it acts for.
-pub const TENANT_HEADER: &str = "X-Warren-Tenant";
+pub use warren_api::admin::TENANT_HEADER;
 
 /// Who is calling.
 #[derive(Debug, Clone, PartialEq, Eq)]

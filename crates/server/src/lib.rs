@@ -346,14 +346,15 @@ impl Server {
             },
         );
         sandboxes.recover().await.context("recovering sandboxes")?;
-        let snapshots = snapshots::Snapshots::open(&config.data_dir, sandboxes.clone())
-            .context("opening the snapshot records")?;
+        let quotas = Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?);
+        let snapshots =
+            snapshots::Snapshots::open(&config.data_dir, sandboxes.clone(), quotas.clone())
+                .context("opening the snapshot records")?;
         let reaper = sandboxes.spawn_reaper();
         let storage = Arc::new(storage_policy(
             &config,
             sandboxes.runtime().capabilities().host_volumes,
         )?);
-        let quotas = Arc::new(quotas::Quotas::new(&config.quotas).context("[quotas]")?);
         let pools = pools::Pools::new(
             sandboxes.clone(),
             quotas.clone(),

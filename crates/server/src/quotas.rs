@@ -1,6 +1,6 @@
 //! Tenants' quotas (`[quotas.default]` for every tenant but the default one, `[quotas.tenants.NAME]`
-//! for one): sandboxes not yet ended, their CPU and memory in total, and creates per minute. A
-//! create over one is refused before anything is made: 403 `QUOTA_EXCEEDED` naming the quota (what
+//! for one): sandboxes not yet ended, their CPU and memory in total, creates per minute, and the
+//! storage its snapshots take. A create over one is refused before anything is made: 403 `QUOTA_EXCEEDED` naming the quota (what
 //! waiting alone would not cure), 429 with `Retry-After` for the rate.
 //!
 //! What a tenant uses is read from the sandboxes' records (warm sandboxes of its pools count: they
@@ -29,6 +29,9 @@ pub struct QuotaSpec {
     pub cpu: Option<String>,
     pub memory: Option<String>,
     pub creates_per_minute: Option<u64>,
+    /// What its snapshots may take in the image store, in all (as `memory` is written: `50Gi`):
+    /// the layers they add to their sandboxes' images.
+    pub snapshot_storage: Option<String>,
 }
 
 /// `[quotas]`.
@@ -48,6 +51,7 @@ pub struct Quota {
     pub cpu_millis: Option<u64>,
     pub memory_bytes: Option<u64>,
     pub creates_per_minute: Option<u64>,
+    pub snapshot_bytes: Option<u64>,
 }
 
 impl QuotaSpec {
@@ -68,6 +72,16 @@ impl QuotaSpec {
                 .transpose()
                 .with_context(|| format!("{what} memory"))?,
             creates_per_minute: self.creates_per_minute,
+            // "0": no snapshots at all.
+            snapshot_bytes: self
+                .snapshot_storage
+                .as_deref()
+                .map(|v| match v.trim() {
+                    "0" => Ok(0),
+                    v => warren_core::quantity::parse_size_bytes("snapshot_storage", v),
+                })
+                .transpose()
+                .with_context(|| format!("{what} snapshot_storage"))?,
         })
     }
 }
@@ -264,8 +278,32 @@ impl Quotas {
         })
     }
 
-    /// What `tenant` uses (its live sandboxes: `live`) and may use.
-    pub fn usage(&self, tenant: &str, live: &[SandboxRecord]) -> Usage {
+    /// Whether `tenant`, whose snapshots take `used` bytes, may have one more of `adds` bytes
+    /// (`None`: before its capture, when only a quota already reached refuses it).
+    pub fn admit_snapshot(
+        &self,
+        tenant: &str,
+        used: u64,
+        adds: Option<u64>,
+    ) -> Result<(), ApiError> {
+        let Some(max) = self.quota(tenant).snapshot_bytes else {
+            return Ok(());
+        };
+        match adds {
+            None if used >= max => Err(over(
+                "snapshot_storage",
+                format!("tenant {tenant}'s snapshots take {used} of {max} bytes; delete some first"),
+            )),
+            Some(adds) if used + adds > max => Err(over(
+                "snapshot_storage",
+                format!("tenant {tenant}'s snapshots take {used} of {max} bytes; this one would add {adds}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// What `tenant` uses (its live sandboxes: `live`; its snapshots: `snapshot_bytes`) and may use.
+    pub fn usage(&self, tenant: &str, live: &[SandboxRecord], snapshot_bytes: u64) -> Usage {
         let (sandboxes, cpu, mem) = usage_of(live);
         let now = Instant::now();
         let recent = self.lock().get(tenant).map_or(0, |t| {
@@ -278,11 +316,13 @@ impl Quotas {
             cpu_millis: cpu,
             memory_bytes: mem,
             creates_last_minute: recent as u64,
+            snapshot_bytes,
             quota: QuotaInfo {
                 sandboxes: q.sandboxes,
                 cpu_millis: q.cpu_millis,
                 memory_bytes: q.memory_bytes,
                 creates_per_minute: q.creates_per_minute,
+                snapshot_bytes: q.snapshot_bytes,
             },
         }
     }
@@ -346,6 +386,28 @@ mod tests {
                     .expect("default"),
             );
         }
+    }
+
+    #[test]
+    fn snapshot_storage_refuses_before_a_capture_when_full_and_after_it_when_it_would_overflow() {
+        let q = quotas("[default]\nsnapshot_storage = \"10Ki\"\n");
+        let limit = 10 << 10;
+        assert!(q.admit_snapshot("acme", limit - 1, None).is_ok());
+        let e = q.admit_snapshot("acme", limit, None).expect_err("full");
+        assert_eq!(e.status, StatusCode::FORBIDDEN);
+        assert!(
+            e.message.starts_with("quota snapshot_storage:"),
+            "{}",
+            e.message
+        );
+        assert!(q.admit_snapshot("acme", limit - 10, Some(10)).is_ok());
+        assert!(q.admit_snapshot("acme", limit - 10, Some(11)).is_err());
+        // The default tenant has no quota unless it is given one.
+        assert!(q.admit_snapshot(DEFAULT_TENANT, u64::MAX, Some(1)).is_ok());
+        assert!(Quotas::new(
+            &toml::from_str("[default]\nsnapshot_storage = \"lots\"\n").expect("toml")
+        )
+        .is_err());
     }
 
     #[test]

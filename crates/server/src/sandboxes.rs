@@ -1168,11 +1168,9 @@ impl Sandboxes {
     /// Captures the file system of sandbox `id` as the store image `image_name`: its image's
     /// layers plus its writable layer. A running sandbox is frozen for the copy (its processes stop
     /// for that long and continue after, memory intact), a paused one stays paused.
-    pub async fn capture(
-        &self,
-        id: &str,
-        image_name: &str,
-    ) -> Result<warren_image::ImageRecord, ApiError> {
+    /// Captures sandbox `id`'s files as image `image_name`; answers the bytes it adds to the store
+    /// (its own layer's; the ones below are its sandbox's image's).
+    pub async fn capture(&self, id: &str, image_name: &str) -> Result<u64, ApiError> {
         let entry = self.live_entry(id)?;
         let _op = entry.op.lock().await;
         self.still_known(id, &entry)?;
@@ -1229,6 +1227,7 @@ impl Sandboxes {
                 ),
                 e => ApiError::internal("capturing the file system", &e),
             })
+            .map(|(_, adds)| adds)
     }
 
     pub async fn renew(

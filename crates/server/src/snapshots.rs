@@ -41,6 +41,9 @@ pub struct SnapshotRecord {
     /// Whose it is: its sandbox's tenant.
     #[serde(default = "warren_store::default_tenant")]
     pub tenant: String,
+    /// What it adds to the image store (the layer its capture made), once Ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
 }
 
 impl SnapshotRecord {
@@ -70,12 +73,17 @@ struct Inner {
     records: RwLock<HashMap<String, SnapshotRecord>>,
     images: Arc<ImageStore>,
     sandboxes: Sandboxes,
+    quotas: Arc<crate::quotas::Quotas>,
 }
 
 impl Snapshots {
     /// Loads the records under `<data_dir>/snapshots`; captures a previous run left half done are
     /// marked Failed and their partial images removed.
-    pub fn open(data_dir: &Path, sandboxes: Sandboxes) -> anyhow::Result<Self> {
+    pub fn open(
+        data_dir: &Path,
+        sandboxes: Sandboxes,
+        quotas: Arc<crate::quotas::Quotas>,
+    ) -> anyhow::Result<Self> {
         use anyhow::Context;
         let dir = data_dir.join("snapshots");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -108,6 +116,7 @@ impl Snapshots {
                 records: RwLock::new(records),
                 images: sandboxes.images().clone(),
                 sandboxes,
+                quotas,
             }),
         };
         for rec in interrupted {
@@ -161,6 +170,13 @@ impl Snapshots {
         self.inner.sandboxes.check_snapshots()?;
         // The capture copies the sandbox's writable layer into the image store.
         self.inner.sandboxes.check_room("a snapshot")?;
+        // Its size is known only once it is taken (checked again then): here, a quota already
+        // reached refuses it.
+        self.inner.quotas.admit_snapshot(
+            &source.tenant,
+            self.bytes_of(&source.tenant, None),
+            None,
+        )?;
         let id = uuid::Uuid::new_v4().to_string();
         let now = Utc::now();
         let rec = SnapshotRecord {
@@ -174,6 +190,7 @@ impl Snapshots {
             created_at: now,
             last_transition_at: now,
             tenant: source.tenant.clone(),
+            size_bytes: None,
         };
         self.put(rec.clone());
         let me = self.clone();
@@ -191,7 +208,10 @@ impl Snapshots {
             let mut done = capture.clone();
             done.last_transition_at = Utc::now();
             match outcome {
-                Ok(_) => done.state = READY.into(),
+                Ok(adds) => {
+                    done.state = READY.into();
+                    done.size_bytes = Some(adds);
+                }
                 Err(e) => {
                     done.state = FAILED.into();
                     done.reason = Some("capture_failed".into());
@@ -203,10 +223,11 @@ impl Snapshots {
                     });
                 }
             }
-            // Deleted while it was being taken: drop what the capture made. Checked and written
-            // under the lock `delete` removes the record with, so the record cannot come back
-            // after a delete, and exactly one of the two removes the image.
-            if !me.put_if_present(&done) {
+            // Deleted while it was being taken, or past the tenant's storage quota: drop what the
+            // capture made. Checked and written under the lock `delete` removes the record with,
+            // so the record cannot come back after a delete, exactly one of the two removes the
+            // image, and two captures ending at once cannot both slip under the quota.
+            if !me.finish(&mut done) {
                 let images = me.inner.images.clone();
                 let image = done.image.clone();
                 let _ = tokio::task::spawn_blocking(move || images.remove(&image)).await;
@@ -297,19 +318,42 @@ impl Snapshots {
         Ok(())
     }
 
-    /// Writes `rec` if its record still exists (it was not deleted meanwhile); false if not.
-    fn put_if_present(&self, rec: &SnapshotRecord) -> bool {
+    /// Writes the end of a capture if its record still exists (it was not deleted meanwhile): Ready
+    /// only within the tenant's snapshot storage quota, else Failed. False when the image it made
+    /// must go.
+    fn finish(&self, done: &mut SnapshotRecord) -> bool {
         let mut records = self
             .inner
             .records
             .write()
             .unwrap_or_else(|p| p.into_inner());
-        if !records.contains_key(&rec.id) {
+        if !records.contains_key(&done.id) {
             return false;
         }
-        self.persist(rec);
-        records.insert(rec.id.clone(), rec.clone());
-        true
+        let mut keep = true;
+        if let Some(adds) = done.size_bytes.filter(|_| done.state == READY) {
+            let used = bytes_in(records.values(), &done.tenant, Some(&done.id));
+            if let Err(e) = self
+                .inner
+                .quotas
+                .admit_snapshot(&done.tenant, used, Some(adds))
+            {
+                done.state = FAILED.into();
+                done.reason = Some("quota_exceeded".into());
+                done.message = Some(e.message);
+                done.size_bytes = None;
+                keep = false;
+            }
+        }
+        self.persist(done);
+        records.insert(done.id.clone(), done.clone());
+        keep
+    }
+
+    /// What `tenant`'s Ready snapshots take in the image store (but `except`'s).
+    pub fn bytes_of(&self, tenant: &str, except: Option<&str>) -> u64 {
+        let records = self.inner.records.read().unwrap_or_else(|p| p.into_inner());
+        bytes_in(records.values(), tenant, except)
     }
 
     fn put(&self, rec: SnapshotRecord) {
@@ -334,6 +378,17 @@ impl Snapshots {
     fn path(&self, id: &str) -> PathBuf {
         self.inner.dir.join(format!("{id}.json"))
     }
+}
+
+fn bytes_in<'a>(
+    records: impl Iterator<Item = &'a SnapshotRecord>,
+    tenant: &str,
+    except: Option<&str>,
+) -> u64 {
+    records
+        .filter(|r| r.tenant == tenant && r.state == READY && Some(r.id.as_str()) != except)
+        .filter_map(|r| r.size_bytes)
+        .sum()
 }
 
 fn not_found(id: &str) -> ApiError {
