@@ -355,6 +355,9 @@ def test_snapshot_storage_is_a_tenant_s_quota_and_usage_shows_it(srv):
         assert [s["id"] for s in _as(srv, none, "GET", "/snapshots").json()["items"]] == []
         # Deleting the first frees its share; `warren usage` says so too.
         assert _as(srv, key, "DELETE", f"/snapshots/{first}").status_code == 204
+        audited = [json.loads(x) for x in (srv.data_dir / "audit" / "audit.jsonl").read_text().splitlines()]
+        assert any(e["action"] == "DELETE /snapshots/{id}" and e.get("object") == first and e["tenant"] == "snapcap"
+                   for e in audited), audited[-3:]
         out = subprocess.run([str(srv.bin), "usage", "--domain", srv.domain, "--api-key", key, "-o", "json"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr

@@ -75,7 +75,7 @@ pub fn run(args: AuditArgs, data_dir: &Path) -> anyhow::Result<ExitCode> {
     }
     output::emit(args.out.output.unwrap_or_default(), &entries, |entries| {
         let mut t = output::Table::new(&[
-            "TIME", "TENANT", "KEY", "ACTION", "SANDBOX", "STATUS", "CLIENT",
+            "TIME", "TENANT", "KEY", "ACTION", "SANDBOX", "OBJECT", "STATUS", "CLIENT",
         ]);
         for e in entries {
             t.row(vec![
@@ -84,6 +84,7 @@ pub fn run(args: AuditArgs, data_dir: &Path) -> anyhow::Result<ExitCode> {
                 or_dash(e.key_id.as_deref()),
                 e.action.clone(),
                 or_dash(e.sandbox.as_deref()),
+                or_dash(e.object.as_deref()),
                 e.status.to_string(),
                 or_dash(e.client.as_deref()),
             ]);

@@ -67,6 +67,9 @@ pub struct AuditEntry {
     /// `POST /sandboxes/{id}/pause`, `proxy 8080`.
     pub action: String,
     pub sandbox: Option<String>,
+    /// The pool, snapshot, template or key the route names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<String>,
     pub status: u16,
     pub request_id: Option<String>,
     pub client: Option<String>,
@@ -162,6 +165,7 @@ impl AuditLog {
         let mut entry = AuditEntry {
             action: capped(entry.action.clone()),
             sandbox: entry.sandbox.clone().map(capped),
+            object: entry.object.clone().map(capped),
             request_id: entry.request_id.clone().map(capped),
             ..entry.clone()
         };
@@ -181,6 +185,7 @@ impl AuditLog {
                 let note = AuditEntry {
                     action: format!("(not recorded: {} requests with no valid key)", a.dropped),
                     sandbox: None,
+                    object: None,
                     status: 0,
                     request_id: None,
                     client: None,
@@ -252,12 +257,14 @@ pub fn files(data_dir: &Path) -> Vec<PathBuf> {
     numbered.into_iter().map(|(_, p)| p).collect()
 }
 
-/// The route a path is, ids shown as `{id}`, and the sandbox it names.
-fn action_of(method: &Method, path: &str) -> (String, Option<String>) {
+/// The route a path is, ids shown as `{id}`, the sandbox it names, and the other object it names.
+fn action_of(method: &Method, path: &str) -> (String, Option<String>, Option<String>) {
     let p = path.strip_prefix("/v1").unwrap_or(path);
     let parts: Vec<&str> = p.trim_start_matches('/').split('/').collect();
     match parts.as_slice() {
-        ["sandboxes", id, "proxy", port, ..] => (format!("proxy {port}"), Some((*id).to_string())),
+        ["sandboxes", id, "proxy", port, ..] => {
+            (format!("proxy {port}"), Some((*id).to_string()), None)
+        }
         ["sandboxes", id, rest @ ..] if !id.is_empty() => {
             let mut action = format!("{method} /sandboxes/{{id}}");
             for r in rest {
@@ -268,17 +275,25 @@ fn action_of(method: &Method, path: &str) -> (String, Option<String>) {
                     r
                 });
             }
-            (action, Some((*id).to_string()))
+            (action, Some((*id).to_string()), None)
         }
-        [coll @ ("snapshots" | "pools" | "templates"), _, rest @ ..] => {
+        [coll @ ("snapshots" | "pools" | "templates"), id, rest @ ..] => {
             let tail: String = rest.iter().map(|r| format!("/{r}")).collect();
-            (format!("{method} /{coll}/{{id}}{tail}"), None)
+            (
+                format!("{method} /{coll}/{{id}}{tail}"),
+                None,
+                Some((*id).to_string()),
+            )
         }
-        ["admin", "keys", _, rest @ ..] => {
+        ["admin", "keys", id, rest @ ..] => {
             let tail: String = rest.iter().map(|r| format!("/{r}")).collect();
-            (format!("{method} /admin/keys/{{id}}{tail}"), None)
+            (
+                format!("{method} /admin/keys/{{id}}{tail}"),
+                None,
+                Some((*id).to_string()),
+            )
         }
-        _ => (format!("{method} {p}"), None),
+        _ => (format!("{method} {p}"), None, None),
     }
 }
 
@@ -305,7 +320,7 @@ pub struct Routed {
 pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -> Response {
     // Host routing is decided inside (`signed::routes`): every request may turn out to be proxied.
     let api_call = audited(req.method(), req.uri().path());
-    let (mut action, mut sandbox) = action_of(req.method(), req.uri().path());
+    let (mut action, mut sandbox, object) = action_of(req.method(), req.uri().path());
     let request_id = req
         .headers()
         .get(warren_api::REQUEST_ID_HEADER)
@@ -358,6 +373,7 @@ pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -
         key_id,
         action,
         sandbox,
+        object,
         status: resp.status().as_u16(),
         request_id,
         client,
@@ -374,7 +390,11 @@ mod tests {
         let a = |m: Method, p: &str| action_of(&m, p);
         assert_eq!(
             a(Method::POST, "/v1/sandboxes/abc/pause"),
-            ("POST /sandboxes/{id}/pause".into(), Some("abc".into()))
+            (
+                "POST /sandboxes/{id}/pause".into(),
+                Some("abc".into()),
+                None
+            )
         );
         assert_eq!(
             a(Method::GET, "/v1/sandboxes/abc/endpoints/8080").0,
@@ -382,15 +402,19 @@ mod tests {
         );
         assert_eq!(
             a(Method::POST, "/sandboxes/abc/proxy/8080/secret/path"),
-            ("proxy 8080".into(), Some("abc".into()))
+            ("proxy 8080".into(), Some("abc".into()), None)
         );
         assert_eq!(
-            a(Method::DELETE, "/v1/snapshots/s1").0,
-            "DELETE /snapshots/{id}"
+            a(Method::DELETE, "/v1/snapshots/s1"),
+            ("DELETE /snapshots/{id}".into(), None, Some("s1".into()))
         );
         assert_eq!(
-            a(Method::POST, "/v1/admin/keys/k1/rotate").0,
-            "POST /admin/keys/{id}/rotate"
+            a(Method::POST, "/v1/admin/keys/k1/rotate"),
+            (
+                "POST /admin/keys/{id}/rotate".into(),
+                None,
+                Some("k1".into())
+            )
         );
         assert!(audited(&Method::GET, "/v1/sandboxes/abc/proxy/8080/x"));
         assert!(!audited(&Method::GET, "/v1/sandboxes/abc"));
@@ -414,6 +438,7 @@ mod tests {
             key_id: Some("k".into()),
             action: "POST /sandboxes".into(),
             sandbox: None,
+            object: None,
             status: n,
             request_id: None,
             client: None,
@@ -450,6 +475,7 @@ mod tests {
             key_id: None,
             action: format!("POST /{}", "x".repeat(10_000)),
             sandbox: None,
+            object: None,
             status: 401,
             request_id: Some("r".repeat(10_000)),
             client: None,
