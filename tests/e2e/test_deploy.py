@@ -117,7 +117,7 @@ def test_the_manifests_fit_together(mode):
     rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert rules == {("", "pods"): {"create", "get", "list", "watch", "patch", "delete"},
                      ("networking.k8s.io", "networkpolicies"): {"create", "get", "patch", "delete"},
-                     ("", "secrets"): {"create", "list", "patch", "delete"},
+                     ("", "secrets"): {"create", "get", "list", "patch", "delete"},
                      ("coordination.k8s.io", "leases"): {"create", "get", "patch"}}, rules
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"]}]

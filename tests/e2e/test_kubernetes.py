@@ -783,6 +783,60 @@ def test_replicas_serve_one_set_of_sandboxes_from_the_records_on_their_pods(work
     assert cluster.rejected == [], cluster.rejected
 
 
+def test_replicas_share_their_tenants_keys_and_a_revocation_reaches_every_one(work_root, cluster, service):
+    """The key store of replicas is one Secret of the instance (compare-and-swap writes, read by
+    every replica each second): a key made through one replica works on the others, its tenant's
+    sandboxes are its own on all of them, and a key revoked through one stops on all."""
+    a = _replica(work_root, cluster, service)
+    b = _replica(work_root, cluster, service)
+    sid = None
+    try:
+        def admin(srv, method, path, **kw):
+            with srv.client() as c:
+                return c.request(method, f"/v1{path}", **kw)
+
+        def as_key(srv, key, method, path, **kw):
+            with srv.client(api_key=key) as c:
+                return c.request(method, f"/v1{path}", **kw)
+
+        r = admin(a, "POST", "/admin/keys", json={"tenant": "acme", "role": "full"})
+        assert r.status_code == 201, r.text
+        acme, acme_id = r.json()["key"], r.json()["id"]
+        r = admin(b, "POST", "/admin/keys", json={"tenant": "globex", "role": "full"})
+        assert r.status_code == 201, r.text
+        globex = r.json()["key"]
+        # Both keys are in the instance's Secret, as digests: never a key's text.
+        secret = cluster.get("secrets", NS, f"warren-{service['instance']}-keys")
+        stored = base64.b64decode(secret["data"]["document"]).decode()
+        assert acme_id in stored and acme.rsplit("_", 1)[1] not in stored and globex.rsplit("_", 1)[1] not in stored
+        # Made on a, works on b (and the other way round) within a second or so.
+        for srv, key in ((b, acme), (a, globex)):
+            W.wait_until(lambda: as_key(srv, key, "GET", "/sandboxes").status_code == 200, 10,
+                         message="the key to reach the other replica")
+        # A sandbox of acme's, made through b: acme's on a too, missing for globex on either.
+        r = as_key(b, acme, "POST", "/sandboxes", json=W.create_body(IMAGE))
+        assert r.status_code == 202, r.text
+        sid = r.json()["id"]
+        W.track_sandbox(sid)
+        W.wait_until(lambda: as_key(a, acme, "GET", f"/sandboxes/{sid}").status_code == 200, 10,
+                     message="replica a to see acme's sandbox")
+        for srv in (a, b):
+            W.assert_error_body(as_key(srv, globex, "GET", f"/sandboxes/{sid}"), codes=[404])
+            assert [x["id"] for x in as_key(srv, acme, "GET", "/sandboxes").json()["items"]] == [sid]
+        # Revoked through b: refused on a too.
+        assert admin(b, "DELETE", f"/admin/keys/{acme_id}").status_code in (200, 204)
+        W.wait_until(lambda: as_key(a, acme, "GET", "/sandboxes").status_code == 401, 10,
+                     message="the revocation to reach replica a")
+        assert as_key(b, acme, "GET", "/sandboxes").status_code == 401
+        assert as_key(a, globex, "GET", "/sandboxes").status_code == 200
+    finally:
+        if sid:
+            admin(a, "DELETE", f"/sandboxes/{sid}")
+        a.terminate()
+        b.stop()
+    assert cluster.rejected == [], cluster.rejected
+
+
 def test_replicas_expire_end_and_adopt_sandboxes_whoever_made_them(work_root, cluster, service):
     from opensandbox import SandboxSync
     a = _replica(work_root, cluster, service)

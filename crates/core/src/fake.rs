@@ -83,6 +83,8 @@ struct RecordsInner {
     followers: Vec<mpsc::UnboundedSender<RecordEvent>>,
     /// Writes of records (puts that changed one), in order.
     writes: usize,
+    /// Shared documents: (version, bytes).
+    documents: BTreeMap<String, (u64, Vec<u8>)>,
 }
 
 impl FakeRecords {
@@ -175,6 +177,32 @@ impl SharedRecords for FakeRecords {
         let _ = tx.unbounded_send(RecordEvent::Synced);
         inner.followers.push(tx);
         Box::pin(rx)
+    }
+
+    async fn read_document(&self, name: &str) -> Result<Option<(String, Vec<u8>)>, RuntimeError> {
+        Ok(self
+            .lock()
+            .documents
+            .get(name)
+            .map(|(v, b)| (v.to_string(), b.clone())))
+    }
+
+    async fn write_document(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        bytes: &[u8],
+    ) -> Result<bool, RuntimeError> {
+        let mut inner = self.lock();
+        let now = inner.documents.get(name).map(|(v, _)| v.to_string());
+        if now.as_deref() != version {
+            return Ok(false);
+        }
+        let next = now.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) + 1;
+        inner
+            .documents
+            .insert(name.to_string(), (next, bytes.to_vec()));
+        Ok(true)
     }
 }
 

@@ -69,4 +69,15 @@ pub trait SharedRecords: Send + Sync {
 
     /// Every sandbox there now, then [`RecordEvent::Synced`], then each change as it happens.
     fn follow(&self) -> BoxStream<'static, RecordEvent>;
+    /// A small document every server shares (the tenants' key store): its version and bytes,
+    /// `None` while there is none.
+    async fn read_document(&self, name: &str) -> Result<Option<(String, Vec<u8>)>, RuntimeError>;
+    /// Writes document `name` if it is still at `version` (`None`: if there is none yet),
+    /// atomically: `false` when another server changed it first.
+    async fn write_document(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        bytes: &[u8],
+    ) -> Result<bool, RuntimeError>;
 }

@@ -109,6 +109,8 @@ impl KubernetesRuntime {
                 pods_path: pods_path(&config.namespace),
                 key,
                 lease,
+                secrets_path: format!("/api/v1/namespaces/{}/secrets", config.namespace),
+                instance: config.pod.instance.clone(),
             })
         });
         Ok(Self {

@@ -24,6 +24,10 @@ pub struct PodRecords {
     pub(crate) pods_path: String,
     pub(crate) key: Vec<u8>,
     pub(crate) lease: Arc<crate::lease::Lease>,
+    /// `/api/v1/namespaces/{ns}/secrets`: shared documents are Secrets there.
+    pub(crate) secrets_path: String,
+    /// The instance's name: documents are `warren-{instance}-{name}`.
+    pub(crate) instance: String,
 }
 
 /// How many times a compare-and-swap reads and tries again when the Pod changed in between for
@@ -148,6 +152,76 @@ impl SharedRecords for PodRecords {
             }
         });
         Box::pin(stream)
+    }
+
+    async fn read_document(&self, name: &str) -> Result<Option<(String, Vec<u8>)>, RuntimeError> {
+        use base64::Engine;
+        let secret = match self.client.get(&self.document_path(name)).await {
+            Ok(s) => s,
+            Err(e) if e.status() == Some(404) => return Ok(None),
+            Err(e) => return Err(crate::map_error("reading a shared document", e)),
+        };
+        let version = secret["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let bytes = match secret["data"][DOCUMENT_KEY].as_str() {
+            Some(b64) => base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| RuntimeError::backend(format!("shared document {name}: {e}")))?,
+            None => Vec::new(),
+        };
+        Ok(Some((version, bytes)))
+    }
+
+    async fn write_document(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        bytes: &[u8],
+    ) -> Result<bool, RuntimeError> {
+        use base64::Engine;
+        let data = json!({ DOCUMENT_KEY: base64::engine::general_purpose::STANDARD.encode(bytes) });
+        let written = match version {
+            None => {
+                let secret = json!({
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "type": "Opaque",
+                    "metadata": {
+                        "name": self.document_name(name),
+                        "labels": { "app.kubernetes.io/managed-by": "warren" },
+                    },
+                    "data": data,
+                });
+                self.client.create(&self.secrets_path, &secret).await
+            }
+            // The version in the patch is a precondition: 409 when the Secret moved on.
+            Some(v) => {
+                let patch = json!({ "metadata": { "resourceVersion": v }, "data": data });
+                self.client
+                    .merge_patch(&self.document_path(name), &patch)
+                    .await
+            }
+        };
+        match written {
+            Ok(_) => Ok(true),
+            Err(e) if e.status() == Some(409) => Ok(false),
+            Err(e) => Err(crate::map_error("writing a shared document", e)),
+        }
+    }
+}
+
+/// The key of a document's bytes in its Secret.
+const DOCUMENT_KEY: &str = "document";
+
+impl PodRecords {
+    fn document_name(&self, name: &str) -> String {
+        format!("warren-{}-{name}", self.instance)
+    }
+
+    fn document_path(&self, name: &str) -> String {
+        format!("{}/{}", self.secrets_path, self.document_name(name))
     }
 }
 

@@ -38,13 +38,6 @@ pub async fn create_key(
     State(app): State<AppState>,
     ApiJson(req): ApiJson<CreateKeyRequest>,
 ) -> Result<Response, ApiError> {
-    if app.sandboxes.shares_records() {
-        return Err(ApiError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            ErrorCode::ApiNotSupported,
-            "replicas sharing their sandboxes ([kubernetes] shared_key_file) take only the server's key: a key store per replica would let a key revoked on one work on the others",
-        ));
-    }
     let role = Role::parse(&req.role).map_err(ApiError::invalid)?;
     let keys = app.keys.clone();
     let (entry, key) = blocking(move || keys.create(&req.tenant, role, req.name)).await?;

@@ -103,9 +103,6 @@ pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiErr
     } else if let Some(key) = presented
         .to_str()
         .ok()
-        // Replicas sharing their sandboxes would each have a key store of their own (a key
-        // revoked on one still working on the others): there, only the server's key.
-        .filter(|_| !app.sandboxes.shares_records())
         .and_then(|text| app.keys.authenticate(text))
     {
         Caller {

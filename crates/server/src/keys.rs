@@ -7,10 +7,17 @@
 //! lock file and each writing the whole file anew (renamed over the old one); the server looks at the
 //! file's identity on every request (one `stat`) and reads it again when it changed, so a key
 //! created, revoked or rotated from either side works or stops working at once, without a restart.
+//!
+//! Replicas that share their sandboxes (`[kubernetes] shared_key_file`) share their key store too:
+//! it is a document the runtime's backend keeps (a Secret), changed by compare-and-swap through
+//! the admin API, and read again by every replica each [`SHARED_REFRESH`]; a key revoked on one
+//! replica stops on all within that. A replica that cannot read it for [`SHARED_STALE`] refuses
+//! every key of it (the server's own still works) rather than keep honouring revoked ones.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use rand::RngCore;
@@ -143,7 +150,22 @@ struct Cached {
 pub struct KeyStore {
     dir: PathBuf,
     cache: Mutex<Cached>,
+    /// Replicas: the store is the backend's shared document, not the file.
+    shared: Option<Shared>,
 }
+
+struct Shared {
+    records: Arc<dyn warren_core::SharedRecords>,
+    /// When the document was last read (or written).
+    read_at: Mutex<Option<Instant>>,
+}
+
+/// The shared document's name.
+const DOCUMENT: &str = "keys";
+/// How often replicas read the shared store again.
+pub const SHARED_REFRESH: Duration = Duration::from_secs(1);
+/// How long a replica that cannot read the shared store keeps its keys.
+pub const SHARED_STALE: Duration = Duration::from_secs(30);
 
 /// Tenant names: lower-case letters, digits and `-`, 1 to 63, starting with a letter or digit (they
 /// appear in labels, paths and logs).
@@ -211,7 +233,38 @@ impl KeyStore {
                 stamp: None,
                 keys: Vec::new(),
             }),
+            shared: None,
         }
+    }
+
+    /// The store replicas share through `records` (see the module documentation); call
+    /// [`KeyStore::refresh`] every [`SHARED_REFRESH`].
+    pub fn shared(data_dir: &Path, records: Arc<dyn warren_core::SharedRecords>) -> Self {
+        Self {
+            shared: Some(Shared {
+                records,
+                read_at: Mutex::new(None),
+            }),
+            ..Self::open(data_dir)
+        }
+    }
+
+    /// Replicas: reads the shared store again. A failure keeps the keys read last, until they are
+    /// [`SHARED_STALE`].
+    pub async fn refresh(&self) -> Result<(), KeyError> {
+        let Some(shared) = &self.shared else {
+            return Ok(());
+        };
+        let doc = shared
+            .records
+            .read_document(DOCUMENT)
+            .await
+            .map_err(|e| self.io(std::io::Error::other(e.to_string())))?;
+        let keys =
+            parse_document(doc.as_ref().map(|(_, b)| b.as_slice())).map_err(|e| self.io(e))?;
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).keys = keys;
+        *shared.read_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        Ok(())
     }
 
     fn path(&self) -> PathBuf {
@@ -238,6 +291,14 @@ impl KeyStore {
     /// The keys as the file holds them now (read again when it changed since last time).
     fn current(&self) -> MutexGuard<'_, Cached> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(shared) = &self.shared {
+            let read_at = *shared.read_at.lock().unwrap_or_else(|e| e.into_inner());
+            if read_at.is_none_or(|t| t.elapsed() > SHARED_STALE) && !cache.keys.is_empty() {
+                tracing::error!("the shared key store has not been read for {SHARED_STALE:?}: its keys are refused until it is");
+                cache.keys.clear();
+            }
+            return cache;
+        }
         let now = stamp(&self.path());
         if now != cache.stamp || now.is_none() {
             match self.read_file() {
@@ -275,11 +336,15 @@ impl KeyStore {
         self.current().keys.clone()
     }
 
-    /// Reads, changes and writes the store under its lock.
+    /// Reads, changes and writes the store under its lock (replicas: by compare-and-swap, from a
+    /// blocking task: it waits for the backend).
     fn change<T>(
         &self,
-        f: impl FnOnce(&mut Vec<KeyEntry>) -> Result<T, KeyError>,
+        mut f: impl FnMut(&mut Vec<KeyEntry>) -> Result<T, KeyError>,
     ) -> Result<T, KeyError> {
+        if let Some(shared) = &self.shared {
+            return self.change_shared(shared, &mut f);
+        }
         let _lock = FileLock::take(&self.dir).map_err(|e| self.io(e))?;
         let mut keys = self.read_file()?;
         let out = f(&mut keys)?;
@@ -287,6 +352,38 @@ impl KeyStore {
             .map_err(|e| self.io(std::io::Error::other(e)))?;
         crate::state_file::replace(&self.path(), &bytes).map_err(|e| self.io(e))?;
         Ok(out)
+    }
+
+    fn change_shared<T>(
+        &self,
+        shared: &Shared,
+        f: &mut dyn FnMut(&mut Vec<KeyEntry>) -> Result<T, KeyError>,
+    ) -> Result<T, KeyError> {
+        let backend = |e: warren_core::RuntimeError| self.io(std::io::Error::other(e.to_string()));
+        let runtime = tokio::runtime::Handle::current();
+        for _ in 0..10 {
+            let doc = runtime
+                .block_on(shared.records.read_document(DOCUMENT))
+                .map_err(backend)?;
+            let mut keys =
+                parse_document(doc.as_ref().map(|(_, b)| b.as_slice())).map_err(|e| self.io(e))?;
+            let out = f(&mut keys)?;
+            let bytes = serde_json::to_vec(&StoreFile { keys: keys.clone() })
+                .map_err(|e| self.io(std::io::Error::other(e)))?;
+            let version = doc.as_ref().map(|(v, _)| v.as_str());
+            if runtime
+                .block_on(shared.records.write_document(DOCUMENT, version, &bytes))
+                .map_err(backend)?
+            {
+                self.cache.lock().unwrap_or_else(|e| e.into_inner()).keys = keys;
+                *shared.read_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                return Ok(out);
+            }
+            // Another replica changed the store in between: read it again and redo the change.
+        }
+        Err(self.io(std::io::Error::other(
+            "the shared key store kept changing under this change; try again",
+        )))
     }
 
     /// A new key; its text is in the answer and nowhere else.
@@ -323,7 +420,7 @@ impl KeyStore {
                 id: id.clone(),
                 tenant: tenant.to_string(),
                 role,
-                name,
+                name: name.clone(),
                 created_at: Utc::now(),
                 rotated_at: None,
                 revoked_at: None,
@@ -358,6 +455,16 @@ impl KeyStore {
             k.rotated_at = Some(Utc::now());
             Ok((k.clone(), format!("wk_{}_{secret}", k.id)))
         })
+    }
+}
+
+/// The keys a shared document holds (none when there is no document yet).
+fn parse_document(bytes: Option<&[u8]>) -> std::io::Result<Vec<KeyEntry>> {
+    match bytes {
+        None => Ok(Vec::new()),
+        Some(b) => serde_json::from_slice::<StoreFile>(b)
+            .map(|f| f.keys)
+            .map_err(std::io::Error::other),
     }
 }
 
@@ -411,6 +518,71 @@ mod tests {
         assert!(server.authenticate(&text).is_some());
         cli.revoke(&entry.id).expect("revoke");
         assert!(server.authenticate(&text).is_none());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_share_one_store_and_a_revocation_reaches_every_one() {
+        let records: Arc<dyn warren_core::SharedRecords> =
+            Arc::new(warren_core::fake::FakeRecords::default());
+        let (da, db) = (
+            tempfile::tempdir().expect("a"),
+            tempfile::tempdir().expect("b"),
+        );
+        let a = Arc::new(KeyStore::shared(da.path(), records.clone()));
+        let b = Arc::new(KeyStore::shared(db.path(), records.clone()));
+        let on = |store: &Arc<KeyStore>| store.clone();
+        // Made on replica a: works on a at once, and on b once it reads the store again.
+        let sa = on(&a);
+        let (entry, text) =
+            tokio::task::spawn_blocking(move || sa.create("acme", Role::Full, None))
+                .await
+                .expect("join")
+                .expect("create");
+        assert!(a.authenticate(&text).is_some());
+        assert!(
+            b.authenticate(&text).is_none(),
+            "b has not read the store yet"
+        );
+        b.refresh().await.expect("refresh");
+        assert!(b.authenticate(&text).is_some());
+        // Revoked on b: refused on a after its next read.
+        let (sb, id) = (on(&b), entry.id.clone());
+        tokio::task::spawn_blocking(move || sb.revoke(&id))
+            .await
+            .expect("join")
+            .expect("revoke");
+        a.refresh().await.expect("refresh");
+        assert!(a.authenticate(&text).is_none());
+        // Changes made at once on both replicas both land (compare-and-swap, then again).
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let s = if i % 2 == 0 { on(&a) } else { on(&b) };
+                tokio::task::spawn_blocking(move || s.create(&format!("t{i}"), Role::Full, None))
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("join").expect("create");
+        }
+        a.refresh().await.expect("refresh");
+        assert_eq!(a.list().len(), 9);
+        // Nothing went to the data dirs' files: the store is the shared one.
+        assert!(!da.path().join(STORE_FILE).exists() && !db.path().join(STORE_FILE).exists());
+        // A replica that has not read the store for too long refuses its keys.
+        let (_, fresh) = tokio::task::spawn_blocking({
+            let s = on(&a);
+            move || s.create("late", Role::Full, None)
+        })
+        .await
+        .expect("join")
+        .expect("create");
+        assert!(a.authenticate(&fresh).is_some());
+        if let Some(shared) = &a.shared {
+            *shared.read_at.lock().expect("lock") =
+                Instant::now().checked_sub(SHARED_STALE + Duration::from_secs(1));
+        }
+        assert!(a.authenticate(&fresh).is_none());
+        a.refresh().await.expect("refresh");
+        assert!(a.authenticate(&fresh).is_some());
     }
 
     #[test]

@@ -392,7 +392,11 @@ impl Server {
             signing,
             tls,
             storage,
-            keys: Arc::new(keys::KeyStore::open(&config.data_dir)),
+            // Replicas sharing their sandboxes share their keys too (see `keys`).
+            keys: Arc::new(match sandboxes.runtime().shared_records() {
+                Some(records) => keys::KeyStore::shared(&config.data_dir, records),
+                None => keys::KeyStore::open(&config.data_dir),
+            }),
             quotas,
             audit: Arc::new(audit::AuditLog::new(&config.data_dir, config.audit.clone())),
             config: Arc::new(config),
@@ -425,9 +429,11 @@ impl Server {
             max_connections: http.max_connections,
         };
         let reloads = tokio::spawn(reload_on_sighup(self.state.clone()));
+        let key_refresh = tokio::spawn(refresh_shared_keys(self.state.keys.clone()));
         let tls = self.state.tls.as_ref().map(|t| t.acceptor());
         front::serve(self.listener, app, limits, tls, shutdown).await;
         reloads.abort();
+        key_refresh.abort();
         self.reaper.abort();
         self.state.sandboxes.network_shutdown();
         // What the runtime keeps for sandboxes not yet asked for (standby setup helpers and their
@@ -463,6 +469,27 @@ async fn reload_on_sighup(state: AppState) {
                 tracing::error!(error = %format!("{e:#}"), "SIGHUP: endpoint signing keys not reloaded; the previous ones stay")
             }
         }
+    }
+}
+
+/// Replicas: reads the shared key store again every [`keys::SHARED_REFRESH`] (nothing to do for
+/// a store in the data dir, which is read when it changes).
+async fn refresh_shared_keys(keys: Arc<keys::KeyStore>) {
+    let mut failing = false;
+    loop {
+        match keys.refresh().await {
+            Ok(()) if failing => {
+                tracing::info!("the shared key store is readable again");
+                failing = false;
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                tracing::warn!(error = %e, "reading the shared key store");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(keys::SHARED_REFRESH).await;
     }
 }
 
