@@ -74,6 +74,12 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             with open("/tmp/reports", "a") as f:
                 f.write(r + "\n")
             answer(writer, "200 OK", b"ok", "text/plain")
+        elif path.endswith("/setcookie"):
+            body = b"cookies set"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                         b"Set-Cookie: wide=1; Domain=localhost; Path=/\r\nSet-Cookie: narrow=2; Path=/\r\n"
+                         b"Service-Worker-Allowed: /\r\n"
+                         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         elif path == "/app.js":
             answer(writer, "200 OK", b"window.fromAbsolute = 'yes';", "text/javascript")
         elif path in ("/", "/index.html") or path.endswith("/"):

@@ -95,7 +95,26 @@ def test_a_signed_url_opens_its_port_with_no_header_and_nothing_else(srv, app):
         for r in (_via_host(srv, f"{forged}.localhost:{srv.port}", "/"),
                   httpx.get(f"{srv.base_url}/signed/{forged}/", timeout=30)):
             W.assert_error_body(r, codes=[401])
-    # Names deeper than one label under the domain are nobody's (never the API).
+    # On its own host an app's cookies stay on that host (no Domain: other sandboxes under the
+    # domain are other tenants'); on Warren's own host (the path) the app is confined to an opaque
+    # origin: no cookie, no service worker, a sandboxing CSP.
+    r = _via_host(srv, endpoint, "/setcookie")
+    assert sorted(r.headers.get_list("set-cookie")) == ["narrow=2; Path=/", "wide=1; Path=/"], r.headers
+    r = httpx.get(f"{srv.base_url}/signed/{token}/setcookie", timeout=30)
+    assert r.status_code == 200 and "set-cookie" not in r.headers and "service-worker-allowed" not in r.headers
+    csp = r.headers["content-security-policy"]
+    assert csp.startswith("sandbox ") and "allow-same-origin" not in csp, csp
+    r = httpx.get(f"{srv.base_url}/signed/{token}/sw.js", headers={"Service-Worker": "script"}, timeout=30)
+    W.assert_error_body(r, codes=[403])
+    # Signed URLs open application ports only: never execd's or the egress surface's.
+    for port in (44772, 18080):
+        r = srv.client().get(f"/v1/sandboxes/{app.id}/endpoints/{port}",
+                             params={"expires": str(int(time.time()) + 60)})
+        assert "application ports only" in W.assert_error_body(r, codes=[400])["message"]
+    # Names deeper than one label under the domain are nobody's (never the API); a fully
+    # qualified name (a trailing dot) is the same name.
+    assert _via_host(srv, endpoint.replace(f".localhost:{srv.port}", f".localhost.:{srv.port}"),
+                     "/app.js").status_code == 200
     W.assert_error_body(_via_host(srv, f"x.{endpoint}", "/health"), codes=[401])
     # The API is still the API on its own host, and on the bare domain.
     assert _via_host(srv, f"localhost:{srv.port}", "/health").json()["status"] == "healthy"

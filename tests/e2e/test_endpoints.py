@@ -108,14 +108,19 @@ def test_endpoint_query_parameters_as_the_reference_answers_them(server, make_sa
         r = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8080", params=params)
         W.assert_error_body(r, codes=[400], code="SANDBOX::INVALID_PARAMETER")
         assert what in r.json()["message"], (params, r.json())
-    signed = sbx.get_signed_endpoint(44772, later)
+    # Signed URLs open application ports, not execd's: its token header stays the way in.
+    r = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/44772", params={"expires": str(later)})
+    assert "application ports only" in W.assert_error_body(r, codes=[400])["message"]
+    sbx.commands.run("python3 -m http.server 8080 --bind 127.0.0.1 --directory /tmp",
+                     opts=RunCommandOpts(background=True))
+    signed = sbx.get_signed_endpoint(8080, later)
     assert not signed.headers, signed.headers
     assert signed.endpoint.startswith(f"{server.domain}/signed/"), signed.endpoint
-    r = httpx.get(f"http://{signed.endpoint}/ping", timeout=30)
-    assert r.status_code == 200, (r.status_code, r.text)
+    r = W.wait_until(lambda: (x := httpx.get(f"http://{signed.endpoint}/", timeout=30)).status_code == 200 and x,
+                     20, interval=0.2, message="the app through its signed URL")
     # The same path with one character of the signature changed opens nothing.
     forged = signed.endpoint[:-1] + ("a" if signed.endpoint[-1] != "a" else "b")
-    W.assert_error_body(httpx.get(f"http://{forged}/ping", timeout=30), codes=[401])
+    W.assert_error_body(httpx.get(f"http://{forged}/", timeout=30), codes=[401])
 
 
 def _execd_connections(sandbox_id: str) -> set[str]:

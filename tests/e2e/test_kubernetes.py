@@ -829,6 +829,17 @@ def test_replicas_share_their_tenants_keys_and_a_revocation_reaches_every_one(wo
                      message="the revocation to reach replica a")
         assert as_key(b, acme, "GET", "/sandboxes").status_code == 401
         assert as_key(a, globex, "GET", "/sandboxes").status_code == 200
+        # `warren key` would edit a file a replica does not read: it refuses, and says where.
+        out = subprocess.run([str(a.bin), "key", "ls", "--data-dir", str(a.data_dir)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and "admin API" in out.stderr, out
+        # A URL one replica signed opens on the other (the signing key derives from the shared one).
+        with a.client() as c:
+            r = c.get(f"/v1/sandboxes/{sid}/endpoints/{APP_PORT}", params={"expires": str(int(time.time()) + 60)})
+        assert r.status_code == 200, r.text
+        token = r.json()["endpoint"].split("/signed/", 1)[1]
+        r = httpx.get(f"{b.base_url}/signed/{token}/", timeout=30)
+        assert r.status_code not in (401, 404), (r.status_code, r.text)
     finally:
         if sid:
             admin(a, "DELETE", f"/sandboxes/{sid}")

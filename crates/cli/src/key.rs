@@ -62,6 +62,12 @@ fn issued(out: &OutputArgs, key: &IssuedKey) -> anyhow::Result<()> {
 }
 
 pub fn run(command: KeyCommand, data_dir: &Path) -> anyhow::Result<ExitCode> {
+    if warren_server::keys::is_shared(data_dir) {
+        anyhow::bail!(
+            "the server on {} is a replica: its keys are the replicas' shared store, not this data dir's; use the admin API (/v1/admin/keys)",
+            data_dir.display()
+        );
+    }
     let store = KeyStore::open(data_dir);
     match command {
         KeyCommand::Create {

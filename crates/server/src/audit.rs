@@ -320,7 +320,7 @@ pub struct Routed {
 pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -> Response {
     // Host routing is decided inside (`signed::routes`): every request may turn out to be proxied.
     let api_call = audited(req.method(), req.uri().path());
-    let (mut action, mut sandbox, object) = action_of(req.method(), req.uri().path());
+    let (mut action, mut sandbox, mut object) = action_of(req.method(), req.uri().path());
     let request_id = req
         .headers()
         .get(warren_api::REQUEST_ID_HEADER)
@@ -342,6 +342,8 @@ pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -
             None => "proxy".to_string(),
         };
         sandbox = r.sandbox.clone();
+        // The path was the app's: it names nothing of Warren's.
+        object = None;
         opened_by = r.opened_by;
     }
     if sandbox.is_none() && action == "POST /sandboxes" {
@@ -356,7 +358,12 @@ pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -
     let caller = resp.extensions().get::<Caller>();
     // The proxy opened with an endpoint token or a signed URL (no key): the sandbox's tenant.
     let by_token = || {
-        let opened = resp.status().as_u16() != 401 && resp.status().as_u16() != 404;
+        // Only a request that opened the port is the sandbox's tenant's: one refused, or cut
+        // short before its credential was looked at, is nobody's (and bounded as such).
+        let opened = resp
+            .extensions()
+            .get::<crate::proxy::PortOpened>()
+            .is_some();
         sandbox
             .as_deref()
             .filter(|_| opened && action.starts_with("proxy"))

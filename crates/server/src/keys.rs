@@ -28,6 +28,14 @@ use subtle::ConstantTimeEq;
 pub use warren_store::DEFAULT_TENANT;
 const STORE_FILE: &str = "keys.json";
 const LOCK_FILE: &str = "keys.lock";
+/// Left in the data dir of a replica, whose keys are the shared store's: `warren key` refuses to
+/// edit a file the server does not read.
+const SHARED_MARK: &str = "keys.shared";
+
+/// Whether the server on `data_dir` keeps its keys in a store shared by replicas.
+pub fn is_shared(data_dir: &Path) -> bool {
+    data_dir.join(SHARED_MARK).exists()
+}
 
 /// What a key may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,7 +166,12 @@ struct Shared {
     records: Arc<dyn warren_core::SharedRecords>,
     /// When the document was last read (or written).
     read_at: Mutex<Option<Instant>>,
+    /// Counts this replica's own writes: a read that began before one is older than the cache.
+    writes: std::sync::atomic::AtomicU64,
 }
+
+/// How long one call to the backend may take in a change.
+const SHARED_CALL: Duration = Duration::from_secs(10);
 
 /// The shared document's name.
 const DOCUMENT: &str = "keys";
@@ -240,10 +253,21 @@ impl KeyStore {
     /// The store replicas share through `records` (see the module documentation); call
     /// [`KeyStore::refresh`] every [`SHARED_REFRESH`].
     pub fn shared(data_dir: &Path, records: Arc<dyn warren_core::SharedRecords>) -> Self {
+        let mark = "this server's tenants' keys are the replicas' shared store (a Secret): manage them with the admin API\n";
+        if let Err(e) = std::fs::write(data_dir.join(SHARED_MARK), mark) {
+            tracing::warn!(error = %e, "marking the data dir's key store as unused");
+        }
+        if data_dir.join(STORE_FILE).exists() {
+            tracing::warn!(
+                "{} is not read: replicas share their keys (the admin API manages them)",
+                data_dir.join(STORE_FILE).display()
+            );
+        }
         Self {
             shared: Some(Shared {
                 records,
                 read_at: Mutex::new(None),
+                writes: std::sync::atomic::AtomicU64::new(0),
             }),
             ..Self::open(data_dir)
         }
@@ -360,10 +384,19 @@ impl KeyStore {
         f: &mut dyn FnMut(&mut Vec<KeyEntry>) -> Result<T, KeyError>,
     ) -> Result<T, KeyError> {
         let backend = |e: warren_core::RuntimeError| self.io(std::io::Error::other(e.to_string()));
+        let late = || {
+            self.io(std::io::Error::other(
+                "the shared key store did not answer in time",
+            ))
+        };
         let runtime = tokio::runtime::Handle::current();
         for _ in 0..10 {
             let doc = runtime
-                .block_on(shared.records.read_document(DOCUMENT))
+                .block_on(tokio::time::timeout(
+                    SHARED_CALL,
+                    shared.records.read_document(DOCUMENT),
+                ))
+                .map_err(|_| late())?
                 .map_err(backend)?;
             let mut keys =
                 parse_document(doc.as_ref().map(|(_, b)| b.as_slice())).map_err(|e| self.io(e))?;
@@ -372,10 +405,18 @@ impl KeyStore {
                 .map_err(|e| self.io(std::io::Error::other(e)))?;
             let version = doc.as_ref().map(|(v, _)| v.as_str());
             if runtime
-                .block_on(shared.records.write_document(DOCUMENT, version, &bytes))
+                .block_on(tokio::time::timeout(
+                    SHARED_CALL,
+                    shared.records.write_document(DOCUMENT, version, &bytes),
+                ))
+                .map_err(|_| late())?
                 .map_err(backend)?
             {
-                self.cache.lock().unwrap_or_else(|e| e.into_inner()).keys = keys;
+                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                shared
+                    .writes
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                cache.keys = keys;
                 *shared.read_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
                 return Ok(out);
             }

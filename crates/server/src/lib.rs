@@ -377,8 +377,15 @@ impl Server {
         )
         .context("opening the templates")?;
         let signing = Arc::new(
-            signed::SigningKeys::open(&config.endpoints, &config.data_dir)
-                .context("[endpoints] signing keys")?,
+            signed::SigningKeys::open(
+                &config.endpoints,
+                &config.data_dir,
+                sandboxes
+                    .shares_records()
+                    .then_some(config.kubernetes.shared_key_file.as_deref())
+                    .flatten(),
+            )
+            .context("[endpoints] signing keys")?,
         );
         let tls =
             tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config)).context("[tls]")?;

@@ -129,7 +129,24 @@ pub(crate) async fn relay(
     }
 }
 
+/// Set on the answer to a request that showed it may open the port (the audit log's test for
+/// attributing it to the sandbox's tenant: a refused or malformed one is nobody's).
+#[derive(Debug, Clone, Copy)]
+pub struct PortOpened;
+
 async fn relay_to(
+    app: &AppState,
+    rec: warren_store::SandboxRecord,
+    port: u16,
+    rest: &str,
+    req: Request,
+) -> Response {
+    let mut resp = relay_opened(app, rec, port, rest, req).await;
+    resp.extensions_mut().insert(PortOpened);
+    resp
+}
+
+async fn relay_opened(
     app: &AppState,
     rec: warren_store::SandboxRecord,
     port: u16,

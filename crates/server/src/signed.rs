@@ -52,12 +52,13 @@ pub struct EndpointsSection {
     pub max_signed_seconds: u64,
     /// The signing keys, one per line: the first signs, every one verifies (so a new key can be
     /// put first and the old one dropped later). Default: `<data dir>/endpoint-signing-keys`,
-    /// made with one random key when missing.
+    /// made with one random key when missing; on replicas (`[kubernetes] shared_key_file`), one
+    /// derived from the key they share.
     pub signing_keys_file: Option<PathBuf>,
 }
 
 fn default_max_signed_seconds() -> u64 {
-    7 * 86_400
+    86_400
 }
 
 impl Default for EndpointsSection {
@@ -119,8 +120,16 @@ fn host_part(h: &str) -> &str {
 
 /// The signing keys, read at start and on SIGHUP.
 pub struct SigningKeys {
-    file: PathBuf,
+    source: KeySource,
     keys: RwLock<Vec<Vec<u8>>>,
+}
+
+enum KeySource {
+    /// `signing_keys_file`, or the data dir's.
+    File(PathBuf),
+    /// Replicas without a file of their own: derived from the key they all hold
+    /// (`[kubernetes] shared_key_file`), so that a URL one signed opens on every one.
+    Derived(PathBuf),
 }
 
 const KEY_FILE: &str = "endpoint-signing-keys";
@@ -128,25 +137,34 @@ const KEY_FILE: &str = "endpoint-signing-keys";
 const SIGNATURE_BYTES: usize = 10;
 
 impl SigningKeys {
-    pub fn open(section: &EndpointsSection, data_dir: &Path) -> anyhow::Result<Self> {
-        let file = section
-            .signing_keys_file
-            .clone()
-            .unwrap_or_else(|| data_dir.join(KEY_FILE));
-        if section.signing_keys_file.is_none() && !file.exists() {
-            let key = crate::tokens::new_secret();
-            write_new_private(&file, &format!("{key}\n"))?;
-        }
-        let keys = read_keys(&file)?;
+    /// `replicas_key`: the file of the key replicas share, if this server is one.
+    pub fn open(
+        section: &EndpointsSection,
+        data_dir: &Path,
+        replicas_key: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        let source = match (&section.signing_keys_file, replicas_key) {
+            (Some(f), _) => KeySource::File(f.clone()),
+            (None, Some(shared)) => KeySource::Derived(shared.to_path_buf()),
+            (None, None) => {
+                let file = data_dir.join(KEY_FILE);
+                if !file.exists() {
+                    let key = crate::tokens::new_secret();
+                    write_new_private(&file, &format!("{key}\n"))?;
+                }
+                KeySource::File(file)
+            }
+        };
+        let keys = source.read()?;
         Ok(Self {
-            file,
+            source,
             keys: RwLock::new(keys),
         })
     }
 
     /// Reads the file again; on an error the keys in use stay.
     pub fn reload(&self) -> anyhow::Result<()> {
-        let keys = read_keys(&self.file)?;
+        let keys = self.source.read()?;
         *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys;
         Ok(())
     }
@@ -205,6 +223,21 @@ fn signature(key: &[u8], compact_id: &str, port: u16, exp: &str) -> String {
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
     mac.update(format!("warren-endpoint-url-v1\n{compact_id}\n{port}\n{exp}\n").as_bytes());
     base32(&mac.finalize().into_bytes()[..SIGNATURE_BYTES])
+}
+
+impl KeySource {
+    fn read(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        match self {
+            KeySource::File(f) => read_keys(f),
+            KeySource::Derived(f) => {
+                let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+                let mut mac = <Hmac<Sha256>>::new_from_slice(bytes.trim_ascii())
+                    .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+                mac.update(b"warren-endpoint-signing-v1");
+                Ok(vec![hex::encode(mac.finalize().into_bytes()).into_bytes()])
+            }
+        }
+    }
 }
 
 fn read_keys(file: &Path) -> anyhow::Result<Vec<Vec<u8>>> {
@@ -314,6 +347,13 @@ pub fn signed_endpoint(
     expires: u64,
     now: u64,
 ) -> Result<String, ApiError> {
+    if port == warren_api::EXECD_PORT || port == warren_api::EGRESS_PORT {
+        // A URL anyone may hold for hours must not run commands or change the egress policy;
+        // these ports keep their token header, which the SDK sends.
+        return Err(ApiError::invalid(format!(
+            "port {port} is Warren's own (execd, egress): signed URLs open application ports only"
+        )));
+    }
     let max = app.config.endpoints.max_signed_seconds;
     if expires - now > max {
         return Err(ApiError::invalid(format!(
@@ -341,8 +381,13 @@ pub fn host_endpoint(app: &AppState, id: &str, port: u16) -> Option<String> {
 
 /// What a request's host or path routes to, when it is not the API.
 enum Route {
-    /// A signed route token, and the rest of the path (from its `/`).
-    Signed { token: String, rest: String },
+    /// A signed route token, the rest of the path (from its `/`), and whether it came on
+    /// Warren's own host (`/signed/{token}/…`) rather than as a host of its own.
+    Signed {
+        token: String,
+        rest: String,
+        on_path: bool,
+    },
     /// `{port}-{id}.{domain}`: opened as the path proxy is.
     Host { id: String, port: String },
 }
@@ -355,7 +400,8 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
             .get(http::header::HOST)
             .and_then(|h| h.to_str().ok())
             .or_else(|| req.uri().host())
-            .map(|h| host_part(h).to_ascii_lowercase());
+            // A fully qualified name (`….example.com.`) is the same name.
+            .map(|h| host_part(h).trim_end_matches('.').to_ascii_lowercase());
         if let Some(label) = host
             .as_deref()
             .and_then(|h| h.strip_suffix(domain.as_str()))
@@ -366,6 +412,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
                 return Some(Route::Signed {
                     token: String::new(),
                     rest: String::new(),
+                    on_path: false,
                 });
             }
             return Some(match label.split_once('-') {
@@ -378,6 +425,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
                 _ => Route::Signed {
                     token: label.to_string(),
                     rest: path.trim_start_matches('/').to_string(),
+                    on_path: false,
                 },
             });
         }
@@ -388,6 +436,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
     Some(Route::Signed {
         token: token.to_string(),
         rest: rest.to_string(),
+        on_path: true,
     })
 }
 
@@ -403,22 +452,40 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
                 port: port.parse().ok(),
                 opened_by: "endpoint-token",
             };
-            (
-                crate::proxy::forward(State(app), id, port, rest, req).await,
-                routed,
-            )
+            let mut resp = crate::proxy::forward(State(app), id, port, rest, req).await;
+            host_only_cookies(&mut resp);
+            (resp, routed)
         }
-        Some(Route::Signed { token, rest }) => {
+        Some(Route::Signed {
+            token,
+            rest,
+            on_path,
+        }) => {
             let now = chrono::Utc::now().timestamp().max(0) as u64;
             match app.signing.verify(&token, now) {
-                Ok((id, port)) => (
-                    crate::proxy::relay(&app, &id, port, &rest, req).await,
-                    Routed {
-                        sandbox: Some(id),
+                Ok((id, port)) => {
+                    let routed = Routed {
+                        sandbox: Some(id.clone()),
                         port: Some(port),
                         opened_by: "signed-url",
-                    },
-                ),
+                    };
+                    if on_path && req.headers().contains_key("service-worker") {
+                        let e = ApiError::new(
+                            StatusCode::FORBIDDEN,
+                            ErrorCode::InvalidAccessToken,
+                            "an app on a signed path cannot register a service worker (it would be Warren's origin's): use host routing ([endpoints] domain)",
+                        );
+                        (e.into_response(), routed)
+                    } else {
+                        let mut resp = crate::proxy::relay(&app, &id, port, &rest, req).await;
+                        if on_path {
+                            confine_to_opaque_origin(&mut resp);
+                        } else {
+                            host_only_cookies(&mut resp);
+                        }
+                        (resp, routed)
+                    }
+                }
                 Err(why) => (
                     ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, why)
                         .into_response(),
@@ -435,6 +502,49 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
     resp
 }
 
+/// A page on a signed path is served from Warren's own origin, which it must not act as: it
+/// runs in an opaque origin of its own (`Content-Security-Policy: sandbox` without
+/// `allow-same-origin`), so it reads no cookie or storage of Warren's origin, registers no service
+/// worker, and its requests are cross-origin; it sets no cookie there either (another tenant's
+/// signed path would be sent it). Scripts, forms, WebSockets and relative links still work.
+fn confine_to_opaque_origin(resp: &mut Response) {
+    let h = resp.headers_mut();
+    h.remove(http::header::SET_COOKIE);
+    h.remove("service-worker-allowed");
+    h.append(
+        http::header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(
+            "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
+        ),
+    );
+}
+
+/// On a sandbox's own host, an app's cookies stay on that host: a `Domain` attribute would send
+/// them to every other sandbox (another tenant's) under the endpoint domain.
+fn host_only_cookies(resp: &mut Response) {
+    let cookies: Vec<http::HeaderValue> = match resp.headers_mut().entry(http::header::SET_COOKIE) {
+        http::header::Entry::Occupied(e) => e.remove_entry_mult().1.collect(),
+        http::header::Entry::Vacant(_) => return,
+    };
+    for c in cookies {
+        let Ok(text) = c.to_str() else {
+            continue;
+        };
+        let kept: Vec<&str> = text
+            .split(';')
+            .filter(|part| {
+                !part
+                    .trim_start()
+                    .get(..6)
+                    .is_some_and(|p| p.eq_ignore_ascii_case("domain"))
+            })
+            .collect();
+        if let Ok(v) = http::HeaderValue::from_str(&kept.join(";")) {
+            resp.headers_mut().append(http::header::SET_COOKIE, v);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,7 +557,7 @@ mod tests {
             signing_keys_file: Some(file),
             ..EndpointsSection::default()
         };
-        let keys = SigningKeys::open(&section, dir.path()).expect("open");
+        let keys = SigningKeys::open(&section, dir.path(), None).expect("open");
         (dir, keys)
     }
 
@@ -520,20 +630,72 @@ mod tests {
     fn a_missing_default_key_file_is_made_private_and_kept() {
         let dir = tempfile::tempdir().expect("tempdir");
         let section = EndpointsSection::default();
-        let a = SigningKeys::open(&section, dir.path()).expect("open");
+        let a = SigningKeys::open(&section, dir.path(), None).expect("open");
         let file = dir.path().join(KEY_FILE);
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&file).expect("file").permissions(),
         );
         assert_eq!(mode & 0o777, 0o600);
-        let b = SigningKeys::open(&section, dir.path()).expect("again");
+        let b = SigningKeys::open(&section, dir.path(), None).expect("again");
         assert_eq!(a.token(ID, 1, 5), b.token(ID, 1, 5));
         // A named file that is missing is an error, never a fresh key.
         let named = EndpointsSection {
             signing_keys_file: Some(dir.path().join("nope")),
             ..EndpointsSection::default()
         };
-        assert!(SigningKeys::open(&named, dir.path()).is_err());
+        assert!(SigningKeys::open(&named, dir.path(), None).is_err());
+        // Replicas without a file: every one derives the same key from the key they share.
+        let shared = dir.path().join("shared");
+        std::fs::write(
+            &shared,
+            "c2hhcmVkLWtleS0wMTIzNDU2Nzg5YWJjZGVmMDEyMzQ1Njc4OQ==\n",
+        )
+        .expect("write");
+        let (r1, r2) = (
+            tempfile::tempdir().expect("r1"),
+            tempfile::tempdir().expect("r2"),
+        );
+        let one = SigningKeys::open(&section, r1.path(), Some(&shared)).expect("one");
+        let two = SigningKeys::open(&section, r2.path(), Some(&shared)).expect("two");
+        let token = one.token(ID, 8080, 1_900_000_000).expect("token");
+        assert!(two.verify(&token, 0).is_ok());
+        assert!(a.verify(&token, 0).is_err());
+        assert!(!r1.path().join(KEY_FILE).exists());
+    }
+
+    #[test]
+    fn an_app_s_cookies_stay_on_its_host_and_a_signed_path_keeps_none() {
+        let mut resp = Response::new(axum::body::Body::empty());
+        for c in [
+            "a=1; Domain=.example.com; Path=/",
+            "b=2;domain=example.com",
+            "c=3; Path=/; HttpOnly",
+        ] {
+            resp.headers_mut()
+                .append(http::header::SET_COOKIE, http::HeaderValue::from_static(c));
+        }
+        host_only_cookies(&mut resp);
+        let kept: Vec<_> = resp
+            .headers()
+            .get_all(http::header::SET_COOKIE)
+            .iter()
+            .map(|v| v.to_str().expect("text").to_string())
+            .collect();
+        assert_eq!(kept, ["a=1; Path=/", "b=2", "c=3; Path=/; HttpOnly"]);
+        resp.headers_mut().insert(
+            "service-worker-allowed",
+            http::HeaderValue::from_static("/"),
+        );
+        confine_to_opaque_origin(&mut resp);
+        assert!(resp.headers().get(http::header::SET_COOKIE).is_none());
+        assert!(resp.headers().get("service-worker-allowed").is_none());
+        let csp = resp.headers()[http::header::CONTENT_SECURITY_POLICY]
+            .to_str()
+            .expect("text");
+        assert!(
+            csp.starts_with("sandbox ") && !csp.contains("allow-same-origin"),
+            "{csp}"
+        );
     }
 
     #[test]

@@ -171,7 +171,8 @@ impl Snapshots {
         // The capture copies the sandbox's writable layer into the image store.
         self.inner.sandboxes.check_room("a snapshot")?;
         // Its size is known only once it is taken (checked again then): here, a quota already
-        // reached refuses it.
+        // reached refuses it; and under a quota one capture at a time is taken (`begin`), so that
+        // several at once cannot each fill the disk before the quota is looked at.
         self.inner.quotas.admit_snapshot(
             &source.tenant,
             self.bytes_of(&source.tenant, None),
@@ -192,7 +193,21 @@ impl Snapshots {
             tenant: source.tenant.clone(),
             size_bytes: None,
         };
-        self.put(rec.clone());
+        let one_at_a_time = self
+            .inner
+            .quotas
+            .quota(&source.tenant)
+            .snapshot_bytes
+            .is_some();
+        if !self.begin(&rec, one_at_a_time) {
+            let mut e = ApiError::new(
+                http::StatusCode::TOO_MANY_REQUESTS,
+                ErrorCode::QuotaExceeded,
+                format!("quota snapshot_storage: tenant {} has a snapshot being taken; under a storage quota one is taken at a time", source.tenant),
+            );
+            e.retry_after = Some(2);
+            return Err(e);
+        }
         let me = self.clone();
         let capture = rec.clone();
         tokio::spawn(async move {
@@ -350,19 +365,30 @@ impl Snapshots {
         keep
     }
 
+    /// Records a capture that starts; with `one_at_a_time`, only if its tenant has none in
+    /// progress (checked and written under one lock).
+    fn begin(&self, rec: &SnapshotRecord, one_at_a_time: bool) -> bool {
+        let mut records = self
+            .inner
+            .records
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if one_at_a_time
+            && records
+                .values()
+                .any(|r| r.tenant == rec.tenant && r.state == CREATING)
+        {
+            return false;
+        }
+        self.persist(rec);
+        records.insert(rec.id.clone(), rec.clone());
+        true
+    }
+
     /// What `tenant`'s Ready snapshots take in the image store (but `except`'s).
     pub fn bytes_of(&self, tenant: &str, except: Option<&str>) -> u64 {
         let records = self.inner.records.read().unwrap_or_else(|p| p.into_inner());
         bytes_in(records.values(), tenant, except)
-    }
-
-    fn put(&self, rec: SnapshotRecord) {
-        self.persist(&rec);
-        self.inner
-            .records
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(rec.id.clone(), rec);
     }
 
     fn persist(&self, rec: &SnapshotRecord) {

@@ -191,6 +191,9 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("writing {}", path.display()))?;
+    // `mode` applies to a file it creates; one already there (looser) is narrowed too.
+    f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .with_context(|| format!("narrowing {}", path.display()))?;
     f.write_all(text.as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }
