@@ -153,3 +153,14 @@ def test_a_development_certificate_on_request(work_root):
         assert s.ca_file.read_bytes() == ca
     finally:
         s.stop()
+
+
+def test_a_certificate_that_does_not_load_stops_the_start_with_a_clear_error(work_root, certs):
+    s = W.WarrenServer("embedded", work_root, f"badtls-{uuid.uuid4().hex[:6]}")
+    # A key that is not the certificate's.
+    s.more_config = f'[tls]\ncert_file = "{certs["first"][0]}"\nkey_file = "{certs["second"][1]}"\n'
+    s.check_binary()
+    with pytest.raises(AssertionError, match="exited with code"):
+        s.start()
+    log = s.log_tail(20)
+    assert "[tls]" in log and "is not" in log and "key" in log, log

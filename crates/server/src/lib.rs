@@ -311,6 +311,15 @@ impl Server {
         if api_key.is_none() && !config.listen.ip().is_loopback() {
             anyhow::bail!("refusing to listen on {} without an API key", config.listen);
         }
+        // Before anything starts: a certificate that does not load costs nothing to undo.
+        let tls =
+            tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config)).context("[tls]")?;
+        if tls.is_some() && config.tls.self_signed {
+            eprintln!(
+                "warren: serving HTTPS with a development certificate; clients trust {}",
+                tls::dev_ca_file(&config.data_dir).display()
+            );
+        }
         // Bound before anything that starts processes or makes cgroups (the runtime's standby
         // helpers, recovered sandboxes' watchers): a port already in use then costs nothing to undo.
         // Connections wait in the backlog until `run` serves them.
@@ -387,14 +396,6 @@ impl Server {
             )
             .context("[endpoints] signing keys")?,
         );
-        let tls =
-            tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config)).context("[tls]")?;
-        if tls.is_some() && config.tls.self_signed {
-            eprintln!(
-                "warren: serving HTTPS with a development certificate; clients trust {}",
-                tls::dev_ca_file(&config.data_dir).display()
-            );
-        }
         let state = AppState {
             signing,
             tls,
