@@ -64,6 +64,15 @@ def _create(srv, key, **kw):
     return sbx
 
 
+def _kill_all(sandboxes) -> None:
+    for s in sandboxes:
+        try:
+            s.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        s.close()
+
+
 def _same_as_missing(srv, key, method, path_of, real_id, **kw):
     """`real_id` (another tenant's) answers exactly as an id that never existed."""
     missing = "0" * len(real_id)
@@ -242,12 +251,7 @@ def test_pools_snapshots_and_named_volumes_are_the_tenant_s_own(srv):
             _same_as_missing(srv, globex, method, lambda i: f"/pools/{i}", "only-acme")
         assert _as(srv, acme, "GET", "/pools/only-acme").status_code == 200
     finally:
-        for s in made:
-            try:
-                s.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            s.close()
+        _kill_all(made)
         for key in (acme, globex):
             _as(srv, key, "DELETE", "/pools/warm")
         _as(srv, acme, "DELETE", "/pools/only-acme")
@@ -367,12 +371,7 @@ def test_snapshot_storage_is_a_tenant_s_quota_and_usage_shows_it(srv):
                                 "--tenant", "snapcap"], capture_output=True, text=True, timeout=30)
         assert table.returncode == 0 and "snapshot storage" in table.stdout and "3.0 MiB" in table.stdout, table
     finally:
-        for s in made:
-            try:
-                s.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            s.close()
+        _kill_all(made)
 
 
 def test_the_audit_log_keeps_who_did_what_and_no_secret(srv):
