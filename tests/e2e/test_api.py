@@ -209,6 +209,10 @@ def test_operations_on_deleted_sandbox(api, raw_sandbox):
     for method, path, body in calls:
         r = api.request(method, path, json=body)
         W.assert_error_body(r, codes=[404, 409, 410])
+        if body is not None:
+            # Refused with its body unread: the connection is not for reuse (the client's next
+            # request on it would be lost when the server closes it).
+            assert r.headers.get("connection") == "close", (path, r.headers)
     r = api.get(f"/v1/sandboxes/{sid}")
     W.assert_error_body(r, codes=[404])
 

@@ -188,7 +188,28 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
         .layer(axum::middleware::from_fn(request_id))
+        .layer(axum::middleware::from_fn(close_after_refused_body))
         .with_state(state)
+}
+
+/// A request refused before its body was read (a 404 for a sandbox the caller does not see, a
+/// 401) leaves that body unread on the connection, and hyper then closes it after the answer: a
+/// client that sent its next request on it meanwhile ("Server disconnected without sending a
+/// response") loses that one. `Connection: close` on such an answer tells the client not to
+/// reuse the connection. HTTP/1 only (HTTP/2 has no such header, and streams end on their own).
+async fn close_after_refused_body(req: Request, next: Next) -> Response {
+    let has_body = req.version() < http::Version::HTTP_2
+        && (req.headers().contains_key(http::header::TRANSFER_ENCODING)
+            || req
+                .headers()
+                .get(http::header::CONTENT_LENGTH)
+                .is_some_and(|v| v.as_bytes() != b"0"));
+    let mut resp = next.run(req).await;
+    if has_body && (resp.status().is_client_error() || resp.status().is_server_error()) {
+        resp.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 /// `[http] cors_allowed_origins`: browsers at these origins may call the API and the path proxy
