@@ -304,7 +304,8 @@ fn base36(mut n: u64) -> String {
     String::from_utf8(out).unwrap_or_default()
 }
 
-/// Lower-case base 36, as `base36` writes it (no sign, no leading zero, at most 13 digits).
+/// Lower-case base 36, as `base36` writes it (no sign, no leading zero), at most 12 digits (past
+/// any expiry a URL may have).
 fn from_base36(s: &str) -> Option<u64> {
     if s.is_empty() || s.len() > 12 || (s.len() > 1 && s.starts_with('0')) {
         return None;
