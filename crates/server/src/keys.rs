@@ -279,6 +279,17 @@ impl KeyStore {
         let Some(shared) = &self.shared else {
             return Ok(());
         };
+        let writes = shared.writes.load(std::sync::atomic::Ordering::SeqCst);
+        let (_, keys) = self.read_shared(shared).await?;
+        self.take_read(shared, writes, keys);
+        Ok(())
+    }
+
+    /// The shared store as it is now: its version and its keys.
+    async fn read_shared(
+        &self,
+        shared: &Shared,
+    ) -> Result<(Option<String>, Vec<KeyEntry>), KeyError> {
         let doc = shared
             .records
             .read_document(DOCUMENT)
@@ -286,9 +297,20 @@ impl KeyStore {
             .map_err(|e| self.io(std::io::Error::other(e.to_string())))?;
         let keys =
             parse_document(doc.as_ref().map(|(_, b)| b.as_slice())).map_err(|e| self.io(e))?;
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).keys = keys;
+        Ok((doc.map(|(v, _)| v), keys))
+    }
+
+    /// Caches `keys`, read when this replica had made `writes_before` writes, unless it wrote
+    /// since: then the read is older than the cache (a revocation, say) and must not undo it; the
+    /// next refresh reads after the write.
+    fn take_read(&self, shared: &Shared, writes_before: u64, keys: Vec<KeyEntry>) -> bool {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.writes.load(std::sync::atomic::Ordering::SeqCst) != writes_before {
+            return false;
+        }
+        cache.keys = keys;
         *shared.read_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-        Ok(())
+        true
     }
 
     fn path(&self) -> PathBuf {
@@ -391,23 +413,18 @@ impl KeyStore {
         };
         let runtime = tokio::runtime::Handle::current();
         for _ in 0..10 {
-            let doc = runtime
-                .block_on(tokio::time::timeout(
-                    SHARED_CALL,
-                    shared.records.read_document(DOCUMENT),
-                ))
-                .map_err(|_| late())?
-                .map_err(backend)?;
-            let mut keys =
-                parse_document(doc.as_ref().map(|(_, b)| b.as_slice())).map_err(|e| self.io(e))?;
+            let (version, mut keys) = runtime
+                .block_on(tokio::time::timeout(SHARED_CALL, self.read_shared(shared)))
+                .map_err(|_| late())??;
             let out = f(&mut keys)?;
             let bytes = serde_json::to_vec(&StoreFile { keys: keys.clone() })
                 .map_err(|e| self.io(std::io::Error::other(e)))?;
-            let version = doc.as_ref().map(|(v, _)| v.as_str());
             if runtime
                 .block_on(tokio::time::timeout(
                     SHARED_CALL,
-                    shared.records.write_document(DOCUMENT, version, &bytes),
+                    shared
+                        .records
+                        .write_document(DOCUMENT, version.as_deref(), &bytes),
                 ))
                 .map_err(|_| late())?
                 .map_err(backend)?
@@ -624,6 +641,17 @@ mod tests {
         assert!(a.authenticate(&fresh).is_none());
         a.refresh().await.expect("refresh");
         assert!(a.authenticate(&fresh).is_some());
+        // A read that began before this replica's own write (a revocation) does not undo it.
+        let shared = a.shared.as_ref().expect("shared");
+        let writes = shared.writes.load(std::sync::atomic::Ordering::SeqCst);
+        let (_, before) = a.read_shared(shared).await.expect("read");
+        let (s, id) = (on(&a), a.authenticate(&fresh).expect("live").id);
+        tokio::task::spawn_blocking(move || s.revoke(&id))
+            .await
+            .expect("join")
+            .expect("revoke");
+        assert!(!a.take_read(shared, writes, before));
+        assert!(a.authenticate(&fresh).is_none());
     }
 
     #[test]
