@@ -300,3 +300,135 @@ def test_the_socket_folder_is_no_host_storage(server, raw_sandbox, api, test_ima
         assert not (run_dir / "fill").exists()
     # execd's socket is still there to be reached
     assert "alive" in run("rm -f /.warren/run/fill; echo alive")
+
+
+# What sandbox code reads of every process it can list: the links and files of /proc/<pid>/ that
+# lead to the host when the process holds anything of it.
+_PROC_PROBE = r"""
+import json, os, sys
+skip = {os.getpid(), os.getppid(), 1}
+out = {}
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or int(pid) in skip:
+        continue
+    p = f'/proc/{pid}'
+    try:
+        entry = {'comm': open(f'{p}/comm').read().strip()}
+    except OSError:
+        continue
+    for link in ('exe', 'cwd', 'root'):
+        try:
+            entry[link] = os.readlink(f'{p}/{link}')
+        except OSError as e:
+            entry[link] = f'ERR {e.errno}'
+    for f in ('environ', 'maps'):
+        try:
+            entry[f] = len(open(f'{p}/{f}', 'rb').read())
+        except OSError as e:
+            entry[f] = f'ERR {e.errno}'
+    # (host root's ids, without user namespaces, may list a non-dumpable process's fd numbers;
+    # what each leads to is the question)
+    try:
+        links = [os.readlink(f'{p}/fd/{n}') for n in os.listdir(f'{p}/fd')]
+        entry['fd_links'] = links
+    except OSError as e:
+        entry['fd_links'] = f'ERR {e.errno}'
+    try:
+        with open(f'{p}/exe', 'rb') as f:
+            entry['exe_bytes'] = len(f.read(4))
+    except OSError as e:
+        entry['exe_bytes'] = f'ERR {e.errno}'
+    try:
+        os.chmod(f'{p}/exe', 0o4755)
+        entry['chmod'] = 'OK'
+    except OSError as e:
+        entry['chmod'] = f'ERR {e.errno}'
+    out[pid] = entry
+print(json.dumps(out))
+"""
+
+
+def _listing(sbx) -> dict:
+    from opensandbox.models.filesystem import WriteEntry
+    sbx.files.write_files([WriteEntry(path="/tmp/proc-probe.py", data=_PROC_PROBE, mode=644)])
+    code, out, err = sh(sbx, "python3 /tmp/proc-probe.py")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _workers_reveal_nothing(server, api, sbx_id: str, sdk_sbx, paths: list[str]) -> None:
+    """Keeps a files worker alive per path in `paths` (slow downloads of a large file, as another
+    identity) and checks, as sandbox root, that nothing of the host shows through theirs."""
+    objects = _host_objects(server, sbx_id)
+    before = {k: _fingerprint(p) for k, p in objects.items()}
+    idle = _listing(sdk_sbx)
+    with httpx.Client(base_url=api.base_url, headers=api.headers, timeout=60) as c:
+        streams = [c.stream("GET", p) for p in paths]
+        held, readers = [], []
+        try:
+            for s in streams:
+                r = s.__enter__()
+                held.append(s)
+                assert r.status_code == 200, r.read()[:300]
+                # The worker is serving; the reader is kept (a dropped one closes the response).
+                readers.append(r.iter_raw(1024))
+                next(readers[-1])
+            during = _listing(sdk_sbx)
+        finally:
+            for s in held:
+                s.__exit__(None, None, None)
+    # (the probe's own shell may differ between the two listings)
+    workers = {pid: e for pid, e in during.items()
+               if pid not in idle and e["comm"] not in ("sh", "bash", "dash", "python3")}
+    assert len(workers) >= len(paths), f"no worker showed up: {during}"
+    for pid, e in workers.items():
+        for what in ("exe", "cwd", "root", "environ", "maps", "fd_links", "exe_bytes", "chmod"):
+            assert str(e[what]).startswith("ERR"), f"worker {pid} {e['comm']}: /proc/{pid}/{what} = {e[what]}"
+    assert {k: _fingerprint(p) for k, p in objects.items()} == before, "a host object changed"
+
+
+def _big_file(sbx, path: str) -> None:
+    # sparse: more than every buffer between the worker and the client holds, on no disk
+    code, _, err = sh(sbx, f"truncate -s 4G {path} && chmod 644 {path}")
+    assert code == 0, err
+
+
+def test_files_workers_hold_nothing_of_the_host(server, api, make_sandbox, test_image):
+    """Issue 42, item 1: a files worker (`files_with_identity`), kept alive by a slow download,
+    shows sandbox root nothing through /proc/<worker>/ — not the binary it runs (the host's
+    `warren` when it was exec'd from /proc/self/exe), its environment, descriptors, maps, cwd or
+    root — and cannot be made to change the binary's mode."""
+    sbx = make_sandbox(test_image)
+    _big_file(sbx, "/tmp/big")
+    base = f"/sandboxes/{sbx.id}/proxy/{EXECD}/v1/filesystem"
+    _workers_reveal_nothing(server, api, sbx.id, sbx, [
+        f"{base}/0/0/files/download?path=/tmp/big",
+        f"{base}/41001/41000/files/download?path=/tmp/big",
+    ])
+
+
+def test_files_workers_hold_nothing_of_the_host_without_user_namespaces(server, work_root, test_image):
+    """The same where sandbox root is host root's ids (`user_namespaces = false`): there the old
+    worker's /proc/<pid>/exe let sandbox root chmod the running host binary."""
+    if server.runtime != "embedded":
+        pytest.skip("the embedded runtime runs execd from the host's binary; elsewhere execd is a "
+                    "read-only bind (checked with user namespaces by the test above)")
+    import uuid
+    srv = W.WarrenServer(server.runtime, work_root, f"nouserns-{uuid.uuid4().hex[:6]}")
+    srv.runtime_config = "user_namespaces = false\n"
+    srv.start()
+    try:
+        srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+        from opensandbox import SandboxSync
+        sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
+        W.track_sandbox(sbx.id)
+        _big_file(sbx, "/tmp/big")
+        base = f"/sandboxes/{sbx.id}/proxy/{EXECD}/v1/filesystem"
+        with srv.client() as api:
+            _workers_reveal_nothing(srv, api, sbx.id, sbx, [
+                f"{base}/0/0/files/download?path=/tmp/big",
+                f"{base}/41001/41000/files/download?path=/tmp/big",
+            ])
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()

@@ -210,13 +210,6 @@ fn main() -> ExitCode {
         Some(warren_runtime_native::zygote::ZYGOTE_SUBCOMMAND) => {
             warren_runtime_native::zygote::main()
         }
-        // A sandbox's execd runs in this binary under the embedded runtime: its filesystem
-        // workers (files as another identity) start from it too.
-        Some(warren_execd::identity::WORKER_ARG) => {
-            let args: Vec<std::ffi::OsString> = std::env::args_os().skip(2).collect();
-            let code = warren_execd::identity::worker(&args);
-            return ExitCode::from(u8::try_from(code).unwrap_or(1));
-        }
         _ => {}
     }
     let filter = ProcessEnv

@@ -58,12 +58,6 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
-    if args
-        .get(1)
-        .is_some_and(|a| a == crate::identity::WORKER_ARG)
-    {
-        return crate::identity::worker(&args[2..]);
-    }
     if args.get(1).is_some_and(|a| a == crate::relay::RELAY_ARG) {
         return crate::relay::run(&args[2..]);
     }
@@ -156,6 +150,14 @@ pub fn serve(config: Config) -> i32 {
     // One thread: execd mostly waits on pipes and sockets, and every sandbox starts one. Worker
     // threads would cost each sandbox their creation, and each request hand-offs between them.
     // Blocking file work still runs on tokio's blocking pool.
+    // Forked while this process has one thread: the runtime below may start more.
+    let forker = match crate::forker::Forker::start() {
+        Ok(f) => Some(f),
+        Err(e) => {
+            eprintln!("warren-execd: no files workers' forker: {e}");
+            None
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -166,7 +168,7 @@ pub fn serve(config: Config) -> i32 {
             return 1;
         }
     };
-    let code = match runtime.block_on(daemon::run(config)) {
+    let code = match runtime.block_on(daemon::run(config, forker)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("warren-execd: {e:#}");

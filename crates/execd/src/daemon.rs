@@ -143,7 +143,11 @@ fn serve_tcp(
 }
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
-pub async fn run(mut config: Config) -> anyhow::Result<i32> {
+/// `forker` makes the files workers (see `forker`), forked before the runtime started.
+pub async fn run(
+    mut config: Config,
+    forker: Option<crate::forker::Forker>,
+) -> anyhow::Result<i32> {
     crate::oom::remember();
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
@@ -167,6 +171,7 @@ pub async fn run(mut config: Config) -> anyhow::Result<i32> {
     };
     let mut state = AppState::new(reaper.clone(), config.workdir.clone());
     state.isolation = crate::isolation::Isolation::new(config.isolation_helper.take());
+    state.forker = forker;
     let state = Arc::new(state);
     crate::isolation::Isolation::start_collector(&state);
     let app = match config.access.take() {

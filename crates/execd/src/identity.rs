@@ -2,14 +2,15 @@
 //! SDKs' `files_with_identity`) do what the plain routes do, as that user and group — the kernel
 //! checks every permission, and what they create is theirs.
 //!
-//! As in the reference, each request is served by a worker process of its own: execd starts its
-//! binary again with `--filesystem-worker UID GID`, which drops to that identity (no supplementary
-//! groups; the kernel clears the capabilities when a root process takes a uid other than 0 — uid 0
-//! stays root, as on the plain routes) before it reads anything, and hands it the request over a
-//! socket pair. At most [`MAX_WORKERS`] run at once; more requests get 429.
-//! Nothing of execd's own identity is shared with the worker but the binary, so a path the user
-//! may not reach stays unreachable however the request is shaped; bodies stream both ways, so
-//! uploads and downloads of any size work as on the plain routes.
+//! As in the reference, each request is served by a worker process of its own, which drops to
+//! that identity (no supplementary groups; the kernel clears the capabilities when a root process
+//! takes a uid other than 0 — uid 0 stays root, as on the plain routes) before it reads anything,
+//! and is handed the request over a socket pair. Workers are forked, never exec'd: from execd's
+//! forker (see `forker`), or in an isolated session from the isolation helper's runner, so no
+//! worker runs a host file or can be inspected by the sandbox. At most [`MAX_WORKERS`] run at
+//! once; more requests get 429. Nothing of execd's own identity is shared with the worker, so a
+//! path the user may not reach stays unreachable however the request is shaped; bodies stream
+//! both ways, so uploads and downloads of any size work as on the plain routes.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -23,8 +24,6 @@ use hyper_util::rt::TokioIo;
 use crate::error::{code, ApiError};
 use crate::AppState;
 
-/// The first argument that makes the binary a worker.
-pub const WORKER_ARG: &str = "--filesystem-worker";
 /// The highest id the protocol takes (the SDKs check the same bound).
 const MAX_ID: u64 = 4_294_967_294;
 /// What a worker that cannot take the identity answers.
@@ -70,32 +69,25 @@ async fn forward_inner(
             "only /files and /directories routes take an identity",
         ));
     }
+    let forker = app.forker.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            "this execd has no files workers' forker",
+        )
+    })?;
     let permit = worker_permit(app)?;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| ApiError::runtime(format!("a socket for the worker: {e}")))?;
-    let mut cmd = std::process::Command::new(OWN_BINARY);
-    cmd.arg(WORKER_ARG)
-        .arg(uid.to_string())
-        .arg(gid.to_string())
-        .arg(&app.workdir)
-        .stdin(std::process::Stdio::from(OwnedFd::from(theirs)))
-        .stdout(std::process::Stdio::null());
-    let spawned = app
-        .reaper
-        .spawn(&mut cmd)
-        .map_err(|e| ApiError::runtime(format!("starting the filesystem worker: {e}")))?;
-    drop(cmd); // our copy of the worker's end: the worker alone holds it now
+    forker
+        .spawn(uid, gid, app.workdir.clone(), OwnedFd::from(theirs))
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, UNAVAILABLE, e.to_string()))?;
     let path_and_query = match req.uri().query() {
         Some(q) => format!("/{raw_rest}?{q}"),
         None => format!("/{raw_rest}"),
     };
-    relay(ours, req, path_and_query, async move {
-        // The worker exits once its connection closes; its status is the reaper's to collect.
-        let _ = spawned.exit.await;
-        drop(spawned.child);
-        drop(permit);
-    })
-    .await
+    // The worker exits once its connection closes (the kernel reaps it: see `forker`).
+    relay(ours, req, path_and_query, async move { drop(permit) }).await
 }
 
 /// One worker per request in flight, up to [`MAX_WORKERS`]: each is a process. More get 429.
@@ -153,42 +145,28 @@ fn raw_rest(path: &str) -> Option<&str> {
     Some(rest)
 }
 
-/// This process's own binary, whatever its path in the sandbox's view (`/proc/self/exe` reaches it
-/// even where no path does): `warren-execd`, or under the embedded runtime, which runs execd in
-/// the sandbox's first process without exec'ing it, the `warren` binary — both start a worker on
-/// [`WORKER_ARG`].
-pub(crate) const OWN_BINARY: &str = "/proc/self/exe";
-
-/// The worker's whole life (`warren-execd --filesystem-worker UID GID WORKDIR`, its stdin the
-/// socket): take the identity, then serve one connection of file requests. Returns the exit code.
-/// Binaries that run execd in-process dispatch [`WORKER_ARG`] here first thing.
-/// Must run in the only thread of its process (setgroups and setres[ug]id below are per thread).
-pub fn worker(args: &[std::ffi::OsString]) -> i32 {
-    let [uid, gid, workdir] = args else {
-        eprintln!("warren-execd {WORKER_ARG}: UID GID WORKDIR");
-        return 2;
-    };
-    let id = |v: &std::ffi::OsString| v.to_str().and_then(|v| v.parse::<u32>().ok());
-    let (Some(uid), Some(gid)) = (id(uid), id(gid)) else {
-        eprintln!("warren-execd {WORKER_ARG}: bad uid or gid");
-        return 2;
-    };
+/// A worker's whole life, in a process forked for it (see `forker`; the isolation helper's runner
+/// calls it too): become `uid:gid`, then serve one connection of file requests on `conn`, relative
+/// paths under `workdir`. Returns the exit code. Must run in the only thread of its process
+/// (setgroups and setres[ug]id below are per thread).
+pub fn serve_worker(conn: OwnedFd, uid: u32, gid: u32, workdir: std::path::PathBuf) -> i32 {
+    // Not dumpable before it reads anything; again after the identity changes, which resets the
+    // flag to the system's `suid_dumpable` (never "user" for a changed identity, but say so).
+    set_not_dumpable();
     let became = become_identity(uid, gid);
+    set_not_dumpable();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("warren-execd {WORKER_ARG}: {e}");
+            eprintln!("warren-execd files worker: {e}");
             return 1;
         }
     };
-    let workdir = std::path::PathBuf::from(workdir);
     runtime.block_on(async move {
-        // SAFETY: fd 0 is the socket execd handed over; nothing else in this process owns it.
-        let std_stream =
-            unsafe { <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(0) };
+        let std_stream = std::os::unix::net::UnixStream::from(conn);
         if std_stream.set_nonblocking(true).is_err() {
             return 1;
         }
@@ -214,6 +192,14 @@ pub fn worker(args: &[std::ffi::OsString]) -> i32 {
             .await;
         0
     })
+}
+
+fn set_not_dumpable() {
+    // SAFETY: prctl(2) with integer and string arguments.
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+        libc::prctl(libc::PR_SET_NAME, c"files-worker".as_ptr(), 0, 0, 0);
+    }
 }
 
 /// Drops to `uid:gid` with no supplementary groups. Raw syscalls: they act on this thread alone,

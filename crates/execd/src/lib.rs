@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod download;
 pub mod error;
 pub mod files;
+pub mod forker;
 pub mod identity;
 pub mod ids;
 pub mod interpreter;
@@ -57,6 +58,8 @@ pub struct AppState {
     pub filesystem_workers: Arc<tokio::sync::Semaphore>,
     /// Isolated sessions (`/v1/isolated/…`).
     pub isolation: isolation::Isolation,
+    /// Where files workers come from (see `forker`); `None` in a worker itself.
+    pub forker: Option<forker::Forker>,
 }
 
 impl AppState {
@@ -72,6 +75,7 @@ impl AppState {
             spare: Default::default(),
             filesystem_workers: Arc::new(tokio::sync::Semaphore::new(identity::MAX_WORKERS)),
             isolation: Default::default(),
+            forker: None,
         }
     }
 

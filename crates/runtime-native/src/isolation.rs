@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::mount::{mount, MsFlags};
@@ -141,10 +141,23 @@ impl Helper {
                     cwd,
                     uid,
                     gid,
-                } => match self.exec(session, &argv, &env, &cwd, uid, gid, fds) {
+                } => match self.exec(session, Program::Exec { argv, env }, &cwd, (uid, gid), fds) {
                     Ok(()) => Reply::Done,
                     Err(error) => Reply::Failed { error },
                 },
+                Request::FilesWorker {
+                    session,
+                    uid,
+                    gid,
+                    workdir,
+                } => {
+                    let program = Program::FilesWorker { uid, gid, workdir };
+                    // The worker takes its identity itself, with root's rights.
+                    match self.exec(session, program, "/", (0, 0), fds) {
+                        Ok(()) => Reply::Done,
+                        Err(error) => Reply::Failed { error },
+                    }
+                }
                 Request::Destroy { session } => {
                     if let Some(s) = self.sessions.remove(&session) {
                         let _ = nix::sys::signal::kill(s.keeper, nix::sys::signal::SIGKILL);
@@ -242,15 +255,12 @@ impl Helper {
         Ok(id)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn exec(
         &mut self,
         session: u64,
-        argv: &[String],
-        env: &[String],
+        program: Program,
         cwd: &str,
-        uid: u32,
-        gid: u32,
+        (uid, gid): (u32, u32),
         fds: Vec<OwnedFd>,
     ) -> Result<(), String> {
         let s = self
@@ -266,10 +276,20 @@ impl Helper {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|_| "an argument or variable holds a NUL byte".to_string())
         };
-        let (argv, env) = (cstrings(argv)?, cstrings(env)?);
-        if argv.is_empty() {
-            return Err("nothing to run".into());
-        }
+        let what = match program {
+            Program::Exec { argv, env } => {
+                let (argv, env) = (cstrings(&argv)?, cstrings(&env)?);
+                if argv.is_empty() {
+                    return Err("nothing to run".into());
+                }
+                What::Exec { argv, env }
+            }
+            Program::FilesWorker { uid, gid, workdir } => What::FilesWorker {
+                uid,
+                gid,
+                workdir: workdir.into(),
+            },
+        };
         let cwd = CString::new(cwd).map_err(|_| "cwd holds a NUL byte".to_string())?;
         // SAFETY: the helper is single-threaded.
         match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -277,8 +297,7 @@ impl Helper {
             ForkResult::Child => {
                 let code = run_in_session(
                     s,
-                    &argv,
-                    &env,
+                    what,
                     &cwd,
                     (uid, gid),
                     [stdin, stdout, stderr],
@@ -575,8 +594,7 @@ fn session_init(
 #[allow(clippy::too_many_arguments)]
 fn run_in_session(
     s: &Session,
-    argv: &[CString],
-    env: &[CString],
+    what: What,
     cwd: &CString,
     (uid, gid): (u32, u32),
     stdio: [OwnedFd; 3],
@@ -623,8 +641,7 @@ fn run_in_session(
             drop((unshared_r, mapped_w));
             let why = match own_user_namespace(unshared_w, mapped_r) {
                 Ok(()) => exec_child(
-                    argv,
-                    env,
+                    what,
                     cwd,
                     (uid, gid),
                     stdio,
@@ -706,8 +723,7 @@ fn map_identity(child: Pid) -> Result<(), String> {
 /// In the session: stdio, a session of its own, the sandbox's privilege boundary, the identity,
 /// then the program. Returns only why it could not start.
 fn exec_child(
-    argv: &[CString],
-    env: &[CString],
+    what: What,
     cwd: &CString,
     (uid, gid): (u32, u32),
     stdio: [OwnedFd; 3],
@@ -746,8 +762,35 @@ fn exec_child(
             return format!("taking {uid}:{gid}: {}", std::io::Error::last_os_error());
         }
     }
-    match nix::unistd::execve(&argv[0], argv, env) {
-        Err(e) => format!("{}: {e}", argv[0].to_string_lossy()),
-        Ok(never) => match never {},
+    match what {
+        What::Exec { argv, env } => match nix::unistd::execve(&argv[0], &argv, &env) {
+            Err(e) => format!("{}: {e}", argv[0].to_string_lossy()),
+            Ok(never) => match never {},
+        },
+        What::FilesWorker { uid, gid, workdir } => {
+            // In this process, never an exec of the binary: that is the host's `warren`, which
+            // the session's code could then reach through the worker's /proc/<pid>/exe.
+            // SAFETY: fd 0 is the worker's connection (stdin, dup'ed above); nothing else owns it.
+            let conn = unsafe { OwnedFd::from_raw_fd(0) };
+            let code = warren_execd::identity::serve_worker(conn, uid, gid, workdir);
+            // SAFETY: _exit in a forked child, skipping the helper's atexit handlers.
+            unsafe { libc::_exit(code) }
+        }
     }
+}
+
+/// What a session process is asked to be, as the helper received it.
+enum Program {
+    Exec { argv: Vec<String>, env: Vec<String> },
+    FilesWorker { uid: u32, gid: u32, workdir: String },
+}
+
+/// A [`Program`] ready to run in the forked child.
+enum What {
+    Exec { argv: Vec<CString>, env: Vec<CString> },
+    FilesWorker {
+        uid: u32,
+        gid: u32,
+        workdir: std::path::PathBuf,
+    },
 }

@@ -224,7 +224,13 @@ impl NativeRuntime {
                 ))
             }
             Some((first, count)) => {
-                let slots = userns::Slots::new(first, count).map_err(RuntimeError::backend)?;
+                let slots = userns::Slots::new(
+                    first,
+                    count,
+                    Path::new(userns::HOST_CLAIMS),
+                    &config.data_dir.display().to_string(),
+                )
+                .map_err(RuntimeError::backend)?;
                 adopt_ranges(&slots, &config.data_dir.join("sandboxes"));
                 Some(slots)
             }

@@ -8,6 +8,15 @@
 //! host id, and a host file owned by an id outside the range (the `host` image's binds) is owned by
 //! nobody inside: root there has no override on it.
 //!
+//! Ranges are unique on the host, not only within one server: every server on a host (a second
+//! instance, a test suite's, a blue/green successor on another data dir) claims each range it
+//! hands out in a host-wide folder ([`HOST_CLAIMS`]), a file per range that it holds `flock`ed
+//! while the range's sandbox lives and that names the sandbox. A server that stops leaves its
+//! sandboxes running and so their claims written but unlocked; another server takes such a range
+//! only once no process on the host runs in it (their `/proc/<pid>/uid_map`). Without this, two
+//! servers gave live sandboxes the same 65,536 ids, and every kernel check that compares ids saw
+//! one user.
+//!
 //! The namespaces themselves are made by a short-lived child: it unshares a user namespace and
 //! waits; its parent writes the mapping and keeps a descriptor of the namespace, which outlives the
 //! child. The server keeps one per slot, made on the slot's first use: it idmaps the layers of the
@@ -45,17 +54,25 @@ impl IdRange {
     }
 }
 
+/// The host-wide folder of range claims (see the module's documentation). Under /run: a reboot
+/// ends every sandbox, and so every claim.
+pub const HOST_CLAIMS: &str = "/run/warren/id-ranges";
+
 /// The slots one server hands out: `count` ranges from `first` on.
 pub struct Slots {
     first: u32,
     count: u32,
+    /// Where ranges are claimed host-wide (see [`HOST_CLAIMS`]).
+    claims: PathBuf,
+    /// Who claims: this server's data dir, written into each claim beside the sandbox's id.
+    owner: String,
     inner: Mutex<SlotsInner>,
 }
 
 #[derive(Default)]
 struct SlotsInner {
-    /// slot → sandbox
-    used: BTreeMap<u32, String>,
+    /// slot → sandbox, and the claim file held locked while it lives
+    used: BTreeMap<u32, (String, File)>,
     /// The server's namespace per slot, made on first use and kept: slots are reused.
     namespaces: HashMap<u32, Arc<OwnedFd>>,
     /// Idmapped copies of layer folders per slot, kept too: dropping a detached mount costs the
@@ -68,8 +85,10 @@ struct SlotsInner {
 const LAYER_COPIES: usize = 1024;
 
 impl Slots {
-    /// `count` slots from host id `first`; the last id must stay below 2³² − 1 (`(uid_t) -1`).
-    pub fn new(first: u32, count: u32) -> Result<Self, String> {
+    /// `count` slots from host id `first`; the last id must stay below 2³² − 1 (`(uid_t) -1`),
+    /// and `first` a multiple of [`SIZE`], so that every server on the host names a range by
+    /// the same claim file. Claimed in `claims` ([`HOST_CLAIMS`] but in tests) as `owner`.
+    pub fn new(first: u32, count: u32, claims: &Path, owner: &str) -> Result<Self, String> {
         let end = u64::from(first) + u64::from(count) * u64::from(SIZE);
         if count == 0 || end > u64::from(u32::MAX) {
             return Err(format!(
@@ -77,9 +96,23 @@ impl Slots {
                 u32::MAX
             ));
         }
+        if first % SIZE != 0 {
+            return Err(format!(
+                "user namespaces: the first id ({first}) must be a multiple of {SIZE}, so that \
+                 servers on one host share ranges out without overlaps"
+            ));
+        }
+        std::fs::create_dir_all(claims)
+            .and_then(|()| {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(claims, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(|e| format!("the host-wide id range claims in {}: {e}", claims.display()))?;
         Ok(Self {
             first,
             count,
+            claims: claims.to_owned(),
+            owner: owner.replace(char::is_control, "?"),
             inner: Mutex::new(SlotsInner::default()),
         })
     }
@@ -99,36 +132,88 @@ impl Slots {
         (off % SIZE == 0 && off / SIZE < self.count).then_some(off / SIZE)
     }
 
-    /// A free range for sandbox `id` (its own again if it has one).
+    /// A free range for sandbox `id` (its own again if it has one): free here, and claimed by no
+    /// other server on the host.
     pub fn take(&self, id: &str) -> Option<IdRange> {
         let mut inner = self.lock();
-        if let Some((slot, _)) = inner.used.iter().find(|(_, owner)| *owner == id) {
+        if let Some((slot, _)) = inner.used.iter().find(|(_, (owner, _))| owner == id) {
             return Some(self.range(*slot));
         }
-        let slot = (0..self.count).find(|s| !inner.used.contains_key(s))?;
-        inner.used.insert(slot, id.to_owned());
-        Some(self.range(slot))
+        for slot in 0..self.count {
+            if inner.used.contains_key(&slot) {
+                continue;
+            }
+            if let Some(claim) = self.claim(self.range(slot), id, false) {
+                inner.used.insert(slot, (id.to_owned(), claim));
+                return Some(self.range(slot));
+            }
+        }
+        None
     }
 
     /// Records that sandbox `id` holds `range` (a sandbox found running after a restart). False
-    /// when another sandbox holds it or it is none of ours.
+    /// when another sandbox holds it, another server on the host does, or it is none of ours.
     pub fn adopt(&self, id: &str, range: IdRange) -> bool {
         let Some(slot) = self.slot_of(range) else {
             return false;
         };
         let mut inner = self.lock();
         match inner.used.get(&slot) {
-            Some(owner) => owner == id,
-            None => {
-                inner.used.insert(slot, id.to_owned());
-                true
-            }
+            Some((owner, _)) => owner == id,
+            None => match self.claim(range, id, true) {
+                Some(claim) => {
+                    inner.used.insert(slot, (id.to_owned(), claim));
+                    true
+                }
+                None => false,
+            },
         }
     }
 
-    /// Sandbox `id` is gone: its range is free again.
+    /// Sandbox `id` is gone: its range is free again, here and on the host.
     pub fn release(&self, id: &str) {
-        self.lock().used.retain(|_, owner| owner != id);
+        self.lock().used.retain(|_, (owner, claim)| {
+            if owner != id {
+                return true;
+            }
+            // Emptied before the lock goes with the file: no one need look for its processes.
+            let _ = claim.set_len(0);
+            false
+        });
+    }
+
+    /// Claims `range` host-wide for sandbox `id`: its claim file, locked, naming it. `None` when
+    /// another server holds the lock, or (unless `adopting` a sandbox of our own data dir) a
+    /// claim left by a server that stopped still has processes on the host.
+    fn claim(&self, range: IdRange, id: &str, adopting: bool) -> Option<File> {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.claims.join(range.base.to_string());
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "id range claim"))
+            .ok()?;
+        // SAFETY: flock(2) on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return None; // another server's live sandbox
+        }
+        let mut before = String::new();
+        let _ = file.read_to_string(&mut before);
+        let ours = format!("{} {id}\n", self.owner);
+        if !before.is_empty() && !(adopting && before == ours) && range_has_processes(range) {
+            tracing::info!(base = range.base, claim = %before.trim(), "id range skipped: a stopped server's sandbox still runs in it");
+            return None;
+        }
+        file.set_len(0).ok()?;
+        file.rewind().ok()?;
+        file.write_all(ours.as_bytes()).ok()?;
+        Some(file)
     }
 
     /// The server's namespace for `range` (made once per slot).
@@ -142,6 +227,33 @@ impl Slots {
         let ns = Arc::new(make(range)?);
         Ok(self.lock().namespaces.entry(slot).or_insert(ns).clone())
     }
+}
+
+/// Whether any process on the host runs with ids of `range` mapped (`/proc/<pid>/uid_map`): a
+/// sandbox of a server that has stopped. Read only for a claim such a server left.
+fn range_has_processes(range: IdRange) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return true; // cannot tell: the range stays out of use
+    };
+    let (lo, hi) = (u64::from(range.base), u64::from(range.base) + u64::from(SIZE));
+    procs.flatten().any(|entry| {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        let Ok(map) = std::fs::read_to_string(entry.path().join("uid_map")) else {
+            return false;
+        };
+        map.lines().any(|line| {
+            let f: Vec<u64> = line
+                .split_whitespace()
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            // (the host's own namespace maps every id to itself: not a sandbox)
+            matches!(f[..], [_, outside, count]
+                if count < u64::from(u32::MAX) && outside < hi && lo < outside + count)
+        })
+    })
 }
 
 /// What the server hands a sandbox in a range: the range's namespace (PID 1 joins it; volumes are
@@ -299,10 +411,16 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
+
+    fn slots(dir: &Path, owner: &str, count: u32) -> Slots {
+        Slots::new(1 << 31, count, dir, owner).expect("fits")
+    }
 
     #[test]
     fn slots_are_never_shared_and_come_back() {
-        let s = Slots::new(1 << 31, 3).expect("fits");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = slots(dir.path(), "/data", 3);
         let a = s.take("a").expect("a");
         let b = s.take("b").expect("b");
         assert_ne!(a, b);
@@ -316,14 +434,90 @@ mod tests {
         s.release("a");
         assert_eq!(s.take("d"), Some(a));
         assert!(!s.adopt("e", IdRange { base: 12 }), "not one of ours");
+        let d = dir.path();
         assert!(
-            Slots::new(u32::MAX - SIZE + 1, 1).is_err(),
+            Slots::new(u32::MAX - SIZE + 1, 1, d, "x").is_err(),
             "(uid_t) -1 would be in it"
         );
         assert!(
-            Slots::new(1 << 31, 32_767).is_ok(),
+            Slots::new((1 << 31) + 1, 1, d, "x").is_err(),
+            "a first id off the ranges' grid would overlap other servers' ranges"
+        );
+        assert!(
+            Slots::new(1 << 31, 32_767, d, "x").is_ok(),
             "the default: all that fit above 2^31"
         );
+    }
+
+    #[test]
+    fn two_servers_on_one_host_never_hand_out_one_range() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let one = slots(dir.path(), "/data/one", 4);
+        let two = slots(dir.path(), "/data/two", 4);
+        let a = one.take("a").expect("a");
+        let b = two.take("b").expect("b");
+        assert_ne!(a, b, "the second server skips the range the first holds");
+        assert!(!two.adopt("x", a), "nor adopts it");
+        let claim = std::fs::read_to_string(dir.path().join(a.base.to_string())).expect("claim");
+        assert_eq!(claim, "/data/one a\n", "the claim names its server and sandbox");
+        one.release("a");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(a.base.to_string())).expect("claim"),
+            "",
+            "a released claim is empty"
+        );
+        assert_eq!(two.take("c"), Some(a), "released: free for every server");
+    }
+
+    #[test]
+    fn a_stopped_servers_claim_holds_while_its_sandbox_runs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A live process in a range, as a sandbox a stopped server left running.
+        let range = IdRange { base: 1 << 31 };
+        let ns = make(range).expect("a user namespace");
+        let (ready_r, ready_w) = pipe().expect("pipe");
+        // SAFETY: the child only joins the namespace, says so and sleeps; it is killed below.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let code = if join(&ns).is_ok() {
+                // SAFETY: write(2) of one byte from a live buffer.
+                unsafe { libc::write(ready_w.as_raw_fd(), b"j".as_ptr().cast(), 1) };
+                0
+            } else {
+                1
+            };
+            // SAFETY: pause(2); _exit in a forked child.
+            unsafe {
+                if code == 0 {
+                    libc::pause();
+                }
+                libc::_exit(code)
+            }
+        }
+        drop(ready_w);
+        let mut byte = [0u8; 1];
+        let joined = File::from(ready_r).read(&mut byte).unwrap_or(0) == 1;
+        let stopped = slots(dir.path(), "/data/old", 2);
+        assert_eq!(stopped.take("old"), Some(range));
+        drop(stopped); // the server stops; its sandbox (the child) runs on
+        let next = slots(dir.path(), "/data/new", 2);
+        let got = next.take("new");
+        let readopted = slots(dir.path(), "/data/old", 2);
+        // SAFETY: kill(2) and waitpid(2) on our own child.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        assert!(joined, "the child joined the range's namespace");
+        assert_ne!(got, Some(range), "a range with live processes is not handed out again");
+        drop(next);
+        assert!(
+            readopted.adopt("old", range),
+            "its own server, restarted, adopts it"
+        );
+        drop(readopted);
+        let after = slots(dir.path(), "/data/new", 2);
+        assert_eq!(after.take("new"), Some(range), "with its processes gone, it is free");
     }
 
     #[test]

@@ -56,6 +56,15 @@ pub enum Request {
         uid: u32,
         gid: u32,
     },
+    /// Start a files worker (see `crate::identity`) in session `session`, serving as `uid:gid`
+    /// with relative paths under `workdir`: a fork of the helper that joins the session, never
+    /// an exec. Descriptors as for `Exec`, the worker's connection as its stdin.
+    FilesWorker {
+        session: u64,
+        uid: u32,
+        gid: u32,
+        workdir: String,
+    },
     /// End session `session` and everything in it.
     Destroy { session: u64 },
 }

@@ -90,10 +90,8 @@ impl Helper {
         env: Vec<String>,
         cwd: String,
         (uid, gid): (u32, u32),
-        [stdin, stdout, stderr]: [OwnedFd; 3],
+        stdio: [OwnedFd; 3],
     ) -> Result<Started, String> {
-        let (status_r, status_w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
         let request = Request::Exec {
             session,
             argv,
@@ -102,6 +100,37 @@ impl Helper {
             uid,
             gid,
         };
+        self.start(request, stdio).await
+    }
+
+    /// Starts a files worker in `session` serving `conn` as `uid:gid`; waits until it runs.
+    pub async fn files_worker(
+        self: &Arc<Self>,
+        session: u64,
+        (uid, gid): (u32, u32),
+        workdir: String,
+        conn: OwnedFd,
+    ) -> Result<Started, String> {
+        let out = null().map_err(|e| e.to_string())?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let request = Request::FilesWorker {
+            session,
+            uid,
+            gid,
+            workdir,
+        };
+        self.start(request, [conn, out, err]).await
+    }
+
+    /// Sends `request` (an `Exec` or a `FilesWorker`) with stdio and a status pipe; reads the
+    /// status until the process runs, then in the background until it ends.
+    async fn start(
+        self: &Arc<Self>,
+        request: Request,
+        [stdin, stdout, stderr]: [OwnedFd; 3],
+    ) -> Result<Started, String> {
+        let (status_r, status_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
         match self
             .call(request, vec![stdin, stdout, stderr, status_w])
             .await?

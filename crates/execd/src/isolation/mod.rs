@@ -431,27 +431,14 @@ async fn files_inner(app: &Arc<AppState>, id: &str, req: Request) -> ApiResult<R
     let permit = crate::identity::worker_permit(app)?;
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| ApiError::runtime(format!("a socket for the worker: {e}")))?;
-    let theirs = OwnedFd::from(theirs);
-    let out = helper::null().map_err(|e| ApiError::runtime(e.to_string()))?;
-    let err = out
-        .try_clone()
-        .map_err(|e| ApiError::runtime(e.to_string()))?;
     let o = &session.options;
+    // The worker takes the session's identity itself (it needs root's rights to).
     let started = helper
-        .exec(
+        .files_worker(
             session.helper_id,
-            vec![
-                crate::identity::OWN_BINARY.into(),
-                crate::identity::WORKER_ARG.into(),
-                o.uid.to_string(),
-                o.gid.to_string(),
-                o.workdir().to_string(),
-            ],
-            session.env.clone(),
+            (o.uid, o.gid),
             o.workdir().to_string(),
-            // The worker takes the session's identity itself (it needs root's rights to).
-            (0, 0),
-            [theirs, out, err],
+            OwnedFd::from(theirs),
         )
         .await
         .map_err(|e| ApiError::runtime(format!("starting the files worker: {e}")))?;
