@@ -425,3 +425,125 @@ def test_pools_keep_the_extension_apart(server, api):
     finally:
         for name in (plain, isolated):
             api.delete(f"/v1/pools/{name}")
+
+
+def _iso_sandbox(server):
+    from opensandbox import SandboxSync
+    from datetime import timedelta
+    sbx = SandboxSync.create(server.sandbox_image("host"), connection_config=server.sdk_config(),
+                             timeout=timedelta(minutes=5), extensions=ISOLATION,
+                             entrypoint=["sleep", "infinity"])
+    W.track_sandbox(sbx.id)
+    return sbx
+
+
+def test_the_helper_is_beyond_the_sandboxs_reach(server):
+    """Issue 42, item 4: sandbox root used to see its isolation helper (a process of its own user)
+    and could stop or kill it, which hung every session. The helper now lives in the host's PID
+    namespace: the sandbox cannot name it; killing every process the sandbox can see ends its
+    sessions with an error, never a hang, and new sessions are made as before."""
+    if server.runtime != "embedded":
+        pytest.skip("isolated sessions are offered by the embedded runtime")
+    from opensandbox.models.isolated import IsolatedRunOpts
+    sbx = _iso_sandbox(server)
+    try:
+        session = sbx.isolation.session(_req(workspace="/workspace"))
+        s = session.__enter__()
+        assert _text(s.run("echo before")) == "before"
+        _, comms = _sh(sbx, "cat /proc/[0-9]*/comm")
+        assert "warren-isolate" not in comms.split(), comms
+        # Stop, then kill, everything the sandbox's root may signal but PID 1, itself and the
+        # entrypoint (whose end is the sandbox's).
+        every = ("for p in /proc/[0-9]*; do n=${p#/proc/}; [ $n = 1 ] || [ $n = $$ ] && continue; "
+                 "[ \"$(cat $p/comm 2>/dev/null)\" = sleep ] && continue; kill -%s $n 2>/dev/null; done")
+        _sh(sbx, f"{every % 'STOP'}; sleep 0.2; {every % 'KILL'}; echo done")
+        t0 = time.monotonic()
+        try:
+            ex = s.run("echo after", opts=IsolatedRunOpts(timeout_seconds=5))
+            assert ex.error is not None, "a session whose processes were killed still ran"
+        except AssertionError:
+            raise
+        except Exception:  # noqa: BLE001 - the SDK raises for a session that has gone
+            pass
+        assert time.monotonic() - t0 < 30, "the session hung"
+        with sbx.isolation.session(_req(workspace="/workspace")) as fresh:
+            assert _text(fresh.run("echo alive")) == "alive"
+        try:
+            session.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - it is gone already
+            pass
+    finally:
+        sbx.kill()
+
+
+def test_here_documents_run_in_sessions(iso):
+    """Issue 42, item 4: a run whose code holds a here-document (quoted or not, unterminated,
+    larger than a pipe, with envs) finishes, and the shell takes the next run."""
+    from opensandbox.models.isolated import IsolatedRunOpts
+    big = "a" * 200_000
+    cases = [
+        ("cat <<EOF\nhello $PLAIN_VAR\nEOF", "hello plain"),
+        ("cat <<'EOF'\nit's $PLAIN_VAR\nEOF\n", "it's $PLAIN_VAR"),
+        ("cat <<-EOF\n\tindented\n\tEOF", "indented"),
+        (f"wc -c <<'EOF'\n{big}\nEOF", str(len(big) + 1)),
+        ("python3 - <<'PY'\nprint(6 * 7)\nPY", "42"),
+        ("read line; echo \"[$line]\"", "[]"),
+    ]
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        for code, want in cases:
+            for opts in (IsolatedRunOpts(timeout_seconds=20), IsolatedRunOpts(timeout_seconds=20, envs={"X": "1"})):
+                ex = s.run(code, opts=opts)
+                assert ex.error is None and _text(ex).splitlines()[-1] == want, (code[:40], ex.logs, ex.error)
+        assert _text(s.run("echo next")) == "next"
+    sid = iso.commands.create_session()
+    try:
+        for code, want in cases:
+            ex = iso.commands.run_in_session(sid, code)
+            assert _text(ex).splitlines()[-1] == want, (code[:40], ex.logs, ex.error)
+    finally:
+        iso.commands.delete_session(sid)
+
+
+def test_session_files_workers_hold_nothing_of_the_host(iso, server):
+    """Issue 42, item 1: a session's files worker (forked by the helper's runner, not an exec of
+    the host's binary), kept alive by a slow download, shows neither the sandbox's root nor the
+    session's code anything through /proc/<worker>/."""
+    from opensandbox.models.filesystem import WriteEntry
+    probe = (
+        "import os, json\n"
+        "out = {}\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if not pid.isdigit(): continue\n"
+        "    try: comm = open(f'/proc/{pid}/comm').read().strip()\n"
+        "    except OSError: continue\n"
+        "    if comm != 'files-worker': continue\n"
+        "    e = {}\n"
+        "    for what in ('exe', 'cwd', 'root'):\n"
+        "        try: e[what] = os.readlink(f'/proc/{pid}/{what}')\n"
+        "        except OSError as x: e[what] = f'ERR {x.errno}'\n"
+        "    for what in ('environ', 'maps'):\n"
+        "        try: e[what] = len(open(f'/proc/{pid}/{what}', 'rb').read())\n"
+        "        except OSError as x: e[what] = f'ERR {x.errno}'\n"
+        "    try: e['fd_links'] = [os.readlink(f'/proc/{pid}/fd/{n}') for n in os.listdir(f'/proc/{pid}/fd')]\n"
+        "    except OSError as x: e['fd_links'] = f'ERR {x.errno}'\n"
+        "    out[pid] = e\n"
+        "print(json.dumps(out))\n"
+    )
+    import json
+    iso.files.write_files([WriteEntry(path="/workspace/worker-probe.py", data=probe, mode=644)])
+    with iso.isolation.session(_req(workspace="/workspace")) as s:
+        s.run("truncate -s 4G /workspace/big")
+        url = (f"/sandboxes/{iso.id}/proxy/44772/v1/isolated/session/{s.session_id}"
+               f"/files/download?path=/workspace/big")
+        with server.client() as api, httpx.Client(base_url=api.base_url, headers=api.headers, timeout=60) as c:
+            with c.stream("GET", url) as r:
+                assert r.status_code == 200, r.read()[:300]
+                reader = r.iter_raw(1024)
+                next(reader)
+                seen_by_sandbox = json.loads(_sh(iso, "python3 /workspace/worker-probe.py")[1])
+                seen_by_session = json.loads(_text(s.run("python3 /workspace/worker-probe.py")))
+        assert seen_by_sandbox, "the worker did not show up"
+        for who, seen in (("sandbox", seen_by_sandbox), ("session", seen_by_session)):
+            for pid, e in seen.items():
+                for what, v in e.items():
+                    assert str(v).startswith("ERR"), f"{who}: /proc/{pid}/{what} = {v}"

@@ -175,3 +175,40 @@ def test_a_snapshot_records_the_sandboxs_own_ids(userns_server):
         assert layers and all(os.stat(p).st_uid == 7 for p in layers), [(p, os.stat(p).st_uid) for p in layers]
     finally:
         src.kill()
+
+
+def test_servers_on_one_host_never_share_a_range(userns_server, work_root):
+    """Issue 42, item 3: ranges are unique on the host, across servers. Two servers with live
+    sandboxes hand out different ranges; a server that stops leaves its sandboxes running, and a
+    server started on another data dir meanwhile (a blue/green successor) skips their ranges too.
+    Each server used to start at 2^31 with its slots in memory: the first sandbox of each got the
+    same 65,536 ids."""
+    other = W.WarrenServer(userns_server.runtime, work_root, f"userns-b-{uuid.uuid4().hex[:6]}")
+    other.runtime_config = "user_namespaces = true\n"
+    other.start()
+    third = None
+    try:
+        other.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+        mine = [make(userns_server) for _ in range(2)]
+        theirs = [make(other) for _ in range(2)]
+        ranges = [range_of(s) for s in mine + theirs]
+        assert len(set(ranges)) == 4, f"a range was handed out twice: {ranges}"
+        # The second server stops; its sandboxes run on (as they do across a restart).
+        other.terminate()
+        for base, s in zip(ranges[2:], theirs):
+            owner, sandbox = Path(f"/run/warren/id-ranges/{base}").read_text().rsplit(" ", 1)
+            assert (Path(owner).resolve(), sandbox) == (other.data_dir.resolve(), f"{s.id}\n")
+        third = W.WarrenServer(userns_server.runtime, work_root, f"userns-c-{uuid.uuid4().hex[:6]}")
+        third.runtime_config = "user_namespaces = true\n"
+        third.start()
+        third.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+        newcomer = [make(third) for _ in range(3)]
+        got = [range_of(s) for s in newcomer]
+        assert not set(got) & set(ranges), f"a live sandbox's range was handed out again: {got} vs {ranges}"
+    finally:
+        if third is not None:
+            third.stop()
+        if not other.alive():
+            other.start()
+        other.stop()
+

@@ -144,10 +144,7 @@ fn serve_tcp(
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
 /// `forker` makes the files workers (see `forker`), forked before the runtime started.
-pub async fn run(
-    mut config: Config,
-    forker: Option<crate::forker::Forker>,
-) -> anyhow::Result<i32> {
+pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> anyhow::Result<i32> {
     crate::oom::remember();
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");

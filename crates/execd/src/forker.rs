@@ -95,14 +95,10 @@ impl Forker {
         conn: OwnedFd,
     ) -> Result<(), SpawnError> {
         let job = Job { uid, gid, workdir };
-        channel::send(&self.sock, &job, &[conn.as_raw_fd()]).map_err(|e| {
-            match e.raw_os_error() {
-                Some(libc::EPIPE) | Some(libc::ECONNRESET) | Some(libc::ENOTCONN) => {
-                    SpawnError::Gone
-                }
-                Some(libc::EAGAIN) => SpawnError::Busy,
-                _ => SpawnError::Other(e),
-            }
+        channel::send(&self.sock, &job, &[conn.as_raw_fd()]).map_err(|e| match e.raw_os_error() {
+            Some(libc::EPIPE) | Some(libc::ECONNRESET) | Some(libc::ENOTCONN) => SpawnError::Gone,
+            Some(libc::EAGAIN) => SpawnError::Busy,
+            _ => SpawnError::Other(e),
         })
     }
 }

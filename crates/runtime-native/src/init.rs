@@ -130,6 +130,11 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
         ),
         (None, None) => None,
     };
+    // The host's /proc, kept: once PID 1 has pivoted into the sandbox's root, this process's root
+    // is that root too (it shares the mount namespace), and /proc there is the sandbox's.
+    let host_proc: OwnedFd = fs::File::open("/proc")
+        .map_err(|e| format!("/proc: {e}"))?
+        .into();
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS
@@ -139,6 +144,15 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
             | CloneFlags::CLONE_NEWCGROUP,
     )
     .map_err(|e| format!("unshare: {e}"))?;
+    // Sessions: made by a helper this process forks once PID 1 has set the sandbox up (see
+    // `isolation::start`); PID 1 gets execd's end of the helper's socket now.
+    let mut isolation = match (&userns, spec.isolation) {
+        (Some(_), true) => Some(crate::isolation::Prepared::new(&host_proc)?),
+        _ => None,
+    };
+    let isolation_end = isolation
+        .as_mut()
+        .and_then(crate::isolation::Prepared::take_execd_end);
 
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
@@ -148,6 +162,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
         ForkResult::Child => {
             drop(read_end);
+            drop((isolation, host_proc));
             let mut errors = fs::File::from(write_end);
             match prepare_execd(
                 &spec,
@@ -156,6 +171,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
                 premade_root.as_ref(),
                 listener,
                 userns,
+                isolation_end,
             ) {
                 Ok(config) => {
                     // Set up: EOF on the error pipe tells the helper so (as a successful execve
@@ -178,17 +194,40 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
             drop(write_end);
             drop(listener);
             drop(premade_root);
-            drop(userns);
+            drop(isolation_end);
             let mut msg = String::new();
             let _ = fs::File::from(read_end).read_to_string(&mut msg);
-            if msg.is_empty() {
-                Ok((child.as_raw(), execd_port))
-            } else {
+            if !msg.is_empty() {
                 let _ = waitpid(child, None).map(|s| matches!(s, WaitStatus::Exited(..)));
-                Err(msg)
+                return Err(msg);
             }
+            if let (Some(prepared), Some(ns)) = (isolation, &userns) {
+                start_isolation_helper(prepared, ns, &host_proc, child)?;
+            }
+            Ok((child.as_raw(), execd_port))
         }
     }
+}
+
+/// Forks the isolation helper into the host's PID namespace, whose children go into the
+/// sandbox's (see `isolation::start`). A helper that cannot start fails the create: the sandbox
+/// was asked with sessions.
+fn start_isolation_helper(
+    prepared: crate::isolation::Prepared,
+    userns: &OwnedFd,
+    host_proc: &OwnedFd,
+    pid1: nix::unistd::Pid,
+) -> Result<(), String> {
+    let path = std::ffi::CString::new(format!("{pid1}/ns/pid")).map_err(|e| e.to_string())?;
+    let sandbox_pid_ns = crate::isolation::open_at(host_proc, &path)?;
+    // Our own children went into the sandbox's PID namespace since the unshare; the helper's
+    // place is ours.
+    let own_pid_ns = crate::isolation::open_at(host_proc, c"self/ns/pid")?;
+    nix::sched::setns(&own_pid_ns, CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("setns back to our PID namespace: {e}"))?;
+    crate::isolation::start(prepared, userns, &sandbox_pid_ns)
+        .map(drop)
+        .map_err(|e| format!("starting the isolation helper: {e}"))
 }
 
 /// In the sandbox's PID 1: everything up to running execd — namespaces' contents, root file
@@ -200,6 +239,7 @@ fn prepare_execd(
     premade_root: Option<&OwnedFd>,
     listener: Listener,
     userns: Option<OwnedFd>,
+    isolation_helper: Option<OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
     // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
@@ -291,17 +331,11 @@ fn prepare_execd(
     let keep: Vec<i32> = [ready_fd, error_pipe, listener_fd]
         .into_iter()
         .chain(warren_execd::oom::descriptor())
+        .chain(isolation_helper.as_ref().map(|fd| fd.as_raw_fd()))
         .collect();
     security::close_descriptors_except(&keep)
         .map_err(|e| format!("closing inherited descriptors: {e}"))?;
     security::present_as(&argv).map_err(|e| warren_core::error_chain(&e))?;
-    // Forked here: in the sandbox's user namespace (never with the host's rights: no helper
-    // without one), before the privilege boundary below.
-    let isolation_helper = if spec.isolation && in_userns {
-        Some(crate::isolation::start(&keep)?)
-    } else {
-        None
-    };
     if in_userns {
         // Without `no_new_privs` a filter needs CAP_SYS_ADMIN (in the namespace) to be
         // installed: before the capabilities go.

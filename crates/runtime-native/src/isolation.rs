@@ -34,33 +34,115 @@ use crate::security;
 /// How many sessions one sandbox holds at once (execd answers 429 past its own, lower, bound).
 const MAX_SESSIONS: usize = 64;
 
-/// Forks the helper (from the sandbox's PID 1, single-threaded, in the sandbox's user namespace,
-/// before its privilege boundary) and returns execd's end of the pair. `close`: descriptors the
-/// helper must not keep (execd's listener, the reply pipes).
-pub(crate) fn start(close: &[RawFd]) -> Result<OwnedFd, String> {
-    let (execd_end, helper_end) = channel::pair().map_err(|e| format!("socket pair: {e}"))?;
-    // Compiled before the fork, so a failure is reported where it can be.
-    let helper_filter =
-        security::isolation_helper_filter().map_err(|e| warren_core::error_chain(&e))?;
-    let session_filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
-    // SAFETY: the caller is single-threaded (the sandbox's PID 1 before execd starts).
+/// What the setup helper readies for an isolation helper before it forks the sandbox's PID 1:
+/// the socket pair (execd's end goes to PID 1), the filters, compiled while errors can still be
+/// reported, and the sandbox's mount namespace.
+pub(crate) struct Prepared {
+    execd_end: Option<OwnedFd>,
+    helper_end: OwnedFd,
+    helper_filter: crate::seccomp::Program,
+    session_filter: crate::seccomp::Program,
+    mount_ns: OwnedFd,
+}
+
+impl Prepared {
+    /// In the setup helper, after it unshared the sandbox's namespaces; `host_proc` is the
+    /// host's /proc, opened before.
+    pub(crate) fn new(host_proc: &OwnedFd) -> Result<Self, String> {
+        let (execd_end, helper_end) = channel::pair().map_err(|e| format!("socket pair: {e}"))?;
+        Ok(Self {
+            execd_end: Some(execd_end),
+            helper_end,
+            helper_filter: security::isolation_helper_filter()
+                .map_err(|e| warren_core::error_chain(&e))?,
+            session_filter: security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?,
+            mount_ns: open_at(host_proc, c"self/ns/mnt")?,
+        })
+    }
+
+    /// execd's end of the pair, for the sandbox's PID 1.
+    pub(crate) fn take_execd_end(&mut self) -> Option<OwnedFd> {
+        self.execd_end.take()
+    }
+}
+
+/// `openat(dir, path)`, read-only, close-on-exec.
+pub(crate) fn open_at(dir: &OwnedFd, path: &std::ffi::CStr) -> Result<OwnedFd, String> {
+    // SAFETY: openat(2) under a descriptor we own, with a NUL-terminated path.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            path.as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "opening /proc/{}: {}",
+            path.to_string_lossy(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a fresh descriptor, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Forks the helper from the setup helper, once the sandbox's PID 1 has set the sandbox up, and
+/// returns its pid (as the host numbers it). The helper lives in the host's PID namespace, where
+/// the sandbox's code cannot name it, so cannot signal it: a helper forked from PID 1, as this one
+/// once was, was a process of the sandbox's own user, and its code could stop or kill it and hang
+/// every session. What it starts goes into the sandbox's PID namespace (`sandbox_pid_ns`), as
+/// before. It joins the sandbox's mount namespace (its root and working folder become the
+/// sandbox's root) and, last, its user namespace, with the capabilities of the sandbox's root
+/// there and never the host's. It holds nothing but its socket, and the sandbox's /dev/null as
+/// stdio.
+pub(crate) fn start(
+    prepared: Prepared,
+    userns: &OwnedFd,
+    sandbox_pid_ns: &OwnedFd,
+) -> Result<i32, String> {
+    let Prepared {
+        execd_end,
+        helper_end,
+        helper_filter,
+        session_filter,
+        mount_ns,
+    } = prepared;
+    drop(execd_end);
+    // SAFETY: the caller is single-threaded (the setup helper).
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
-        ForkResult::Parent { .. } => Ok(execd_end),
+        ForkResult::Parent { child } => Ok(child.as_raw()),
         ForkResult::Child => {
-            drop(execd_end);
-            for fd in close {
-                // SAFETY: closing descriptors this new process inherited and will not use.
-                unsafe { libc::close(*fd) };
-            }
-            // SAFETY: prctl(2) with integer and string arguments.
+            // SAFETY: prctl(2) with integer and string arguments. Not dumpable from the start: it
+            // runs the host's binary, and its memory is the setup helper's.
             unsafe {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
                 libc::prctl(libc::PR_SET_NAME, c"warren-isolate".as_ptr(), 0, 0, 0);
             }
-            if let Err(e) = security::install_seccomp(&helper_filter) {
-                eprintln!("warren isolation helper: {}", warren_core::error_chain(&e));
-                // SAFETY: _exit in a forked child.
+            let fail = |what: &str, e: &dyn std::fmt::Display| -> ! {
+                let _ = (what, e);
+                // SAFETY: _exit in a forked child (nothing to report to: execd learns of it when
+                // its socket closes, and the setup helper sees the exit).
                 unsafe { libc::_exit(1) }
+            };
+            if let Err(e) = setns(mount_ns.as_fd(), CloneFlags::CLONE_NEWNS) {
+                fail("joining the sandbox's mounts", &e);
+            }
+            if let Err(e) = setns(sandbox_pid_ns.as_fd(), CloneFlags::CLONE_NEWPID) {
+                fail("joining the sandbox's processes", &e);
+            }
+            stdio_to_null();
+            if security::close_descriptors_except(&[helper_end.as_raw_fd(), userns.as_raw_fd()])
+                .is_err()
+            {
+                fail("closing descriptors", &"");
+            }
+            // (the namespace's descriptor stays; what the helper starts closes it with the rest)
+            if let Err(e) = crate::userns::join(userns) {
+                fail("joining the user namespace", &e);
+            }
+            if let Err(e) = security::install_seccomp(&helper_filter) {
+                fail("seccomp", &warren_core::error_chain(&e));
             }
             let mut helper = Helper {
                 sock: helper_end,
@@ -71,6 +153,27 @@ pub(crate) fn start(close: &[RawFd]) -> Result<OwnedFd, String> {
             helper.serve();
             // SAFETY: _exit in a forked child, skipping the parent's atexit handlers.
             unsafe { libc::_exit(0) }
+        }
+    }
+}
+
+/// stdin, stdout and stderr on the sandbox's /dev/null (or closed without one): the setup
+/// helper's are the server's reply pipe and the sandbox's log on the host.
+fn stdio_to_null() {
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null");
+    for fd in 0..3 {
+        match &null {
+            // SAFETY: dup2 of a descriptor we own onto a standard one.
+            Ok(n) => unsafe {
+                libc::dup2(n.as_raw_fd(), fd);
+            },
+            // SAFETY: closing a standard descriptor nothing here uses.
+            Err(_) => unsafe {
+                libc::close(fd);
+            },
         }
     }
 }
@@ -213,8 +316,9 @@ impl Helper {
         drop(ns_theirs);
         // The keeper writes `init <pid>` (the session's PID 1, as we number it) and that process
         // `ready` once all is made, or either an error; EOF without both means it died.
-        let mut report = String::new();
-        let _ = std::fs::File::from(report_r).read_to_string(&mut report);
+        // Bounded: the keeper is a process of the sandbox's PID namespace, which the sandbox's
+        // code may stop; the helper answers execd one request at a time and must not hang on it.
+        let report = read_to_end_within(report_r, REPORT_WITHIN_MS);
         let fail = |why: String| {
             let _ = nix::sys::signal::kill(keeper, nix::sys::signal::SIGKILL);
             let _ = waitpid(keeper, None);
@@ -311,6 +415,38 @@ impl Helper {
     }
 }
 
+/// How long the keeper gets to make a session and report.
+const REPORT_WITHIN_MS: i32 = 10_000;
+
+/// What `pipe` carries until its writers close it, or until `within_ms` have passed.
+fn read_to_end_within(pipe: OwnedFd, within_ms: i32) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(within_ms as u64);
+    let mut file = std::fs::File::from(pipe);
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut poll = libc::pollfd {
+            fd: file.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one pollfd we own.
+        let ready = unsafe { libc::poll(&mut poll, 1, left.as_millis() as i32) };
+        if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if ready <= 0 {
+            break;
+        }
+        match file.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// One line on a pipe another process writes lines on too: in a single write, so the lines do
 /// not interleave (pipe writes up to PIPE_BUF are atomic).
 fn say(pipe: &mut std::fs::File, line: &str) {
@@ -334,6 +470,8 @@ fn keep_session(
     ns_sock: OwnedFd,
     filter: &crate::seccomp::Program,
 ) -> ! {
+    // SAFETY: prctl(2) with a string argument: named for what it is in the sandbox's `ps`.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"session-keeper".as_ptr(), 0, 0, 0) };
     // Nothing of the helper's stays open here (execd's socket, other sessions' namespaces, which
     // would live on as long as this session does).
     let _ = security::close_descriptors_except(&[report.as_raw_fd(), ns_sock.as_raw_fd()]);
@@ -602,8 +740,11 @@ fn run_in_session(
     filter: &crate::seccomp::Program,
 ) -> i32 {
     let mut status = std::fs::File::from(status);
-    // SAFETY: prctl(2) with integer arguments.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    // SAFETY: prctl(2) with integer and string arguments.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        libc::prctl(libc::PR_SET_NAME, c"session-runner".as_ptr(), 0, 0, 0);
+    }
     let joined = s
         .namespaces
         .iter()
@@ -639,15 +780,9 @@ fn run_in_session(
         }
         Ok(ForkResult::Child) => {
             drop((unshared_r, mapped_w));
-            let why = match own_user_namespace(unshared_w, mapped_r) {
-                Ok(()) => exec_child(
-                    what,
-                    cwd,
-                    (uid, gid),
-                    stdio,
-                    status.as_raw_fd(),
-                    filter,
-                ),
+            let status_fd = status.as_raw_fd();
+            let why = match own_user_namespace(stdio, status_fd, unshared_w, mapped_r, filter) {
+                Ok(()) => exec_child(what, cwd, (uid, gid), status_fd),
                 Err(why) => why,
             };
             say(&mut status, &format!("error {why}"));
@@ -663,7 +798,10 @@ fn run_in_session(
                 .is_ok();
             if unshared {
                 if let Err(why) = map_identity(child) {
+                    // (someone else wrote its maps first, say): it must not wait on, dumpable
                     say(&mut status, &format!("error {why}"));
+                    let _ = nix::sys::signal::kill(child, nix::sys::signal::SIGKILL);
+                    drop(mapped_w);
                 } else {
                     let _ = std::fs::File::from(mapped_w).write_all(b"m");
                 }
@@ -686,21 +824,53 @@ fn run_in_session(
     }
 }
 
-/// In the child: a user namespace of its own, mapped by the runner (see `run_in_session`).
-fn own_user_namespace(unshared: OwnedFd, mapped: OwnedFd) -> Result<(), String> {
+/// In the child: its stdio, then a user namespace of its own, mapped by the runner (see
+/// `run_in_session`), under the sandbox's privilege boundary. The runner may write the maps only
+/// while the child is dumpable, and a dumpable process is open to the sandbox's root (it owns the
+/// new namespace): so before that, the child holds nothing but its session's stdio and pipes, and
+/// is under the sandbox's seccomp filter and capability set, never the helper's wider ones; and
+/// it waits for its maps a bounded time.
+fn own_user_namespace(
+    stdio: [OwnedFd; 3],
+    status_fd: RawFd,
+    unshared: OwnedFd,
+    mapped: OwnedFd,
+    filter: &crate::seccomp::Program,
+) -> Result<(), String> {
+    for (target, fd) in stdio.iter().enumerate() {
+        nix::unistd::dup2(fd.as_raw_fd(), target as RawFd).map_err(|e| format!("dup2: {e}"))?;
+    }
+    drop(stdio);
+    let _ =
+        security::close_descriptors_except(&[status_fd, unshared.as_raw_fd(), mapped.as_raw_fd()]);
+    unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| format!("a user namespace: {e}"))?;
+    // Without `no_new_privs`, a filter needs CAP_SYS_ADMIN (in the namespace): before the drop.
+    security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
+    security::restrict_privileges(false).map_err(|e| warren_core::error_chain(&e))?;
     // Dumpable, so the runner (same owner) may write its id maps; the exec that follows sets
-    // this as it sets it for any program.
+    // this as it sets it for any program, and a files worker clears it first thing.
     // SAFETY: prctl(2) with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
-    unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| format!("a user namespace: {e}"))?;
     std::fs::File::from(unshared)
         .write_all(b"u")
         .map_err(|e| format!("runner: {e}"))?;
+    let mut poll = libc::pollfd {
+        fd: mapped.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one pollfd we own.
+    if unsafe { libc::poll(&mut poll, 1, MAP_WAIT_MS) } <= 0 {
+        return Err("the runner did not map the user namespace in time".into());
+    }
     let mut byte = [0u8; 1];
     std::fs::File::from(mapped)
         .read_exact(&mut byte)
         .map_err(|_| "the runner could not map the user namespace".to_string())
 }
+
+/// How long a session process waits for its id maps.
+const MAP_WAIT_MS: i32 = 5000;
 
 /// Maps `child`'s new user namespace onto the ids of ours, one to one.
 fn map_identity(child: Pid) -> Result<(), String> {
@@ -720,24 +890,10 @@ fn map_identity(child: Pid) -> Result<(), String> {
     Ok(())
 }
 
-/// In the session: stdio, a session of its own, the sandbox's privilege boundary, the identity,
-/// then the program. Returns only why it could not start.
-fn exec_child(
-    what: What,
-    cwd: &CString,
-    (uid, gid): (u32, u32),
-    stdio: [OwnedFd; 3],
-    status_fd: RawFd,
-    filter: &crate::seccomp::Program,
-) -> String {
-    for (target, fd) in stdio.iter().enumerate() {
-        if let Err(e) = nix::unistd::dup2(fd.as_raw_fd(), target as RawFd) {
-            return format!("dup2: {e}");
-        }
-    }
-    drop(stdio);
-    // The status pipe is close-on-exec; everything else above stderr goes.
-    let _ = security::close_descriptors_except(&[status_fd]);
+/// In the session, under the sandbox's privilege boundary (see `own_user_namespace`): a session
+/// of its own, the identity, then the program. Returns only why it could not start.
+fn exec_child(what: What, cwd: &CString, (uid, gid): (u32, u32), status_fd: RawFd) -> String {
+    // The status pipe is close-on-exec: the runner reports how the program ends.
     // SAFETY: fcntl(2) on our own descriptor.
     unsafe { libc::fcntl(status_fd, libc::F_SETFD, libc::FD_CLOEXEC) };
     let _ = nix::unistd::setsid();
@@ -747,12 +903,6 @@ fn exec_child(
     }
     // SAFETY: prctl(2) with integer arguments: the runner's death signal is not for the program.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0) };
-    if let Err(e) = security::install_seccomp(filter) {
-        return warren_core::error_chain(&e);
-    }
-    if let Err(e) = security::restrict_privileges(false) {
-        return warren_core::error_chain(&e);
-    }
     // SAFETY: plain syscalls on this single thread's credentials.
     unsafe {
         if libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) != 0
@@ -787,7 +937,10 @@ enum Program {
 
 /// A [`Program`] ready to run in the forked child.
 enum What {
-    Exec { argv: Vec<CString>, env: Vec<CString> },
+    Exec {
+        argv: Vec<CString>,
+        env: Vec<CString>,
+    },
     FilesWorker {
         uid: u32,
         gid: u32,

@@ -61,6 +61,53 @@ pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME, JOINED_LINE};
 /// The hidden subcommand of the `warren` binary that runs `init::main`.
 pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
 
+/// The files and folders under `top` (at most [`PRIVATE_DEPTH`] deep, [`PRIVATE_MAX`] entries
+/// looked at) that the host's other users may not read, except those under `known` folders:
+/// secrets of the host's own services (a cluster's admin config, a Docker daemon's key, a
+/// database's access rules, Wi-Fi and VPN keys). The `host` image hides them all, whatever their
+/// names: without a user namespace (gVisor, `user_namespaces = false`) sandbox root reads any
+/// file of the host's root, and a list of names can never be complete. Symlinks are left alone:
+/// they resolve inside the sandbox's view.
+fn private_host_files(top: &Path, known: &[&str]) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut files, mut dirs) = (Vec::new(), Vec::new());
+    let mut seen = 0usize;
+    let mut stack = vec![(top.to_path_buf(), 0usize)];
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            seen += 1;
+            if seen > PRIVATE_MAX {
+                return (files, dirs);
+            }
+            let path = entry.path();
+            if known.iter().any(|k| path.starts_with(k)) {
+                continue;
+            }
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
+            let mode = meta.permissions().mode();
+            if meta.is_dir() {
+                if mode & 0o005 != 0o005 {
+                    dirs.push(path);
+                } else if depth + 1 < PRIVATE_DEPTH {
+                    stack.push((path, depth + 1));
+                }
+            } else if meta.is_file() && mode & 0o004 == 0 {
+                files.push(path);
+            }
+        }
+    }
+    (files, dirs)
+}
+
+/// How deep, and how many entries, `private_host_files` looks.
+const PRIVATE_DEPTH: usize = 6;
+const PRIVATE_MAX: usize = 50_000;
+
 /// Host folders the built-in `host` image exposes read-only (when present and not symlinks).
 const HOST_BINDS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"];
 /// Secrets under exposed folders, hidden behind `/dev/null` or an empty read-only tmpfs.
@@ -153,6 +200,11 @@ struct Inner {
     config: NativeConfig,
     layout: cgroup::Layout,
     skeleton: PathBuf,
+    /// What the `host` image hides besides [`HOST_MASKED_FILES`] and [`HOST_MASKED_DIRS`]: the
+    /// files and folders of the host's /etc that its other users may not read (see
+    /// `private_host_files`), found when the runtime starts.
+    private_files: Vec<PathBuf>,
+    private_dirs: Vec<PathBuf>,
     /// The lowest layer of every sandbox's root (see `InitSpec::base_layer`).
     base_layer: PathBuf,
     /// Where the embedded runtime mounts every sandbox's root: one empty host folder serves them all,
@@ -235,6 +287,12 @@ impl NativeRuntime {
                 Some(slots)
             }
         };
+        let known: Vec<&str> = HOST_MASKED_FILES
+            .iter()
+            .chain(HOST_MASKED_DIRS.iter())
+            .copied()
+            .collect();
+        let (private_files, private_dirs) = private_host_files(Path::new("/etc"), &known);
         let skeleton = build_host_skeleton(&config.data_dir.join("host-skeleton"))
             .map_err(|e| RuntimeError::backend_with("building the host image skeleton", e))?;
         // Named anew whenever its content changes: running sandboxes keep the one they were made with.
@@ -269,6 +327,8 @@ impl NativeRuntime {
                 config,
                 layout,
                 skeleton,
+                private_files,
+                private_dirs,
                 base_layer,
                 mount_point,
                 oci,
@@ -338,8 +398,10 @@ impl NativeRuntime {
                 let mut masked_dirs: Vec<PathBuf> =
                     HOST_MASKED_DIRS.iter().map(PathBuf::from).collect();
                 masked_dirs.push(config.data_dir.clone());
+                masked_dirs.extend(self.inner.private_dirs.iter().cloned());
                 let mut masked_files: Vec<PathBuf> =
                     HOST_MASKED_FILES.iter().map(PathBuf::from).collect();
+                masked_files.extend(self.inner.private_files.iter().cloned());
                 masked_files.extend(config.extra_masked_files.iter().cloned());
                 let root = RootSource::Host {
                     skeleton: self.inner.skeleton.clone(),
@@ -473,6 +535,12 @@ impl NativeRuntime {
         }
         .join("upper");
         let range = self.take_range(&spec.id, dir, &upper)?;
+        if spec.isolation && self.inner.oci.is_none() {
+            // Its isolation helper lives outside the sandbox's PID namespace, so PID 1's end does
+            // not end it: the teardown looks for it (see `teardown`).
+            fs::write(dir.join(ISOLATION_FILE), "")
+                .map_err(|e| RuntimeError::backend_with("marking the sandbox's sessions", e))?;
+        }
         let log_path = dir.join(folders::LOG_NAME);
         let log = fs::OpenOptions::new()
             .append(true)
@@ -929,6 +997,11 @@ impl NativeRuntime {
             (Some(pid), None) => wait_gone(pid, Duration::from_secs(5)),
             (None, _) => {}
         }
+        if self.sandbox_dir(id).join(ISOLATION_FILE).exists() {
+            // The isolation helper, in the host's PID namespace and reparented to the server: it
+            // leaves once execd's end of its socket closes, and is reaped (or killed) here.
+            self.reap_strays(id, Duration::from_secs(2));
+        }
         let cgroup_left = match cg.remove(Duration::from_secs(3)) {
             Ok(()) => false,
             Err(e) => {
@@ -1294,6 +1367,8 @@ fn premade_root(spec: &InitSpec, idmapped: Option<&userns::Idmapped>) -> Option<
 
 /// The file in a sandbox's folder that holds the first host id of its range.
 const USERNS_FILE: &str = "userns";
+/// In a sandbox's folder: it has an isolation helper (see `isolation`).
+const ISOLATION_FILE: &str = "isolation";
 
 /// The ranges of sandboxes an earlier server left running (read from their folders), so no new
 /// sandbox gets one of them.
@@ -1585,6 +1660,41 @@ fn log_tail(path: &Path) -> String {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    #[test]
+    fn the_host_image_hides_what_other_users_may_not_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let top = dir.path();
+        let mode = |p: &Path, m: u32| fs::set_permissions(p, fs::Permissions::from_mode(m));
+        for (name, m) in [
+            ("public.conf", 0o644),
+            ("admin.conf", 0o600),
+            ("known", 0o600),
+        ] {
+            fs::write(top.join(name), "x").expect("write");
+            mode(&top.join(name), m).expect("chmod");
+        }
+        fs::create_dir_all(top.join("svc/keys")).expect("mkdir");
+        fs::write(top.join("svc/keys/k"), "x").expect("write");
+        mode(&top.join("svc/keys"), 0o700).expect("chmod");
+        fs::create_dir_all(top.join("deep/a/b")).expect("mkdir");
+        fs::write(top.join("deep/a/b/token"), "x").expect("write");
+        mode(&top.join("deep/a/b/token"), 0o640).expect("chmod");
+        std::os::unix::fs::symlink("admin.conf", top.join("link")).expect("symlink");
+        let known = top.join("known");
+        let (mut files, dirs) = private_host_files(top, &[known.to_str().expect("utf-8")]);
+        files.sort();
+        assert_eq!(
+            files,
+            vec![top.join("admin.conf"), top.join("deep/a/b/token")]
+        );
+        assert_eq!(
+            dirs,
+            vec![top.join("svc/keys")],
+            "a private folder, not what it holds"
+        );
+    }
 
     fn pipe() -> (fs::File, fs::File) {
         let (r, w) = std::io::pipe().expect("pipe");

@@ -235,7 +235,10 @@ fn range_has_processes(range: IdRange) -> bool {
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return true; // cannot tell: the range stays out of use
     };
-    let (lo, hi) = (u64::from(range.base), u64::from(range.base) + u64::from(SIZE));
+    let (lo, hi) = (
+        u64::from(range.base),
+        u64::from(range.base) + u64::from(SIZE),
+    );
     procs.flatten().any(|entry| {
         let name = entry.file_name();
         if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
@@ -459,7 +462,10 @@ mod tests {
         assert_ne!(a, b, "the second server skips the range the first holds");
         assert!(!two.adopt("x", a), "nor adopts it");
         let claim = std::fs::read_to_string(dir.path().join(a.base.to_string())).expect("claim");
-        assert_eq!(claim, "/data/one a\n", "the claim names its server and sandbox");
+        assert_eq!(
+            claim, "/data/one a\n",
+            "the claim names its server and sandbox"
+        );
         one.release("a");
         assert_eq!(
             std::fs::read_to_string(dir.path().join(a.base.to_string())).expect("claim"),
@@ -509,7 +515,11 @@ mod tests {
             libc::waitpid(child, std::ptr::null_mut(), 0);
         }
         assert!(joined, "the child joined the range's namespace");
-        assert_ne!(got, Some(range), "a range with live processes is not handed out again");
+        assert_ne!(
+            got,
+            Some(range),
+            "a range with live processes is not handed out again"
+        );
         drop(next);
         assert!(
             readopted.adopt("old", range),
@@ -517,7 +527,11 @@ mod tests {
         );
         drop(readopted);
         let after = slots(dir.path(), "/data/new", 2);
-        assert_eq!(after.take("new"), Some(range), "with its processes gone, it is free");
+        assert_eq!(
+            after.take("new"),
+            Some(range),
+            "with its processes gone, it is free"
+        );
     }
 
     #[test]

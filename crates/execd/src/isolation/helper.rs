@@ -8,6 +8,9 @@ use tokio::io::AsyncBufReadExt;
 
 use super::channel::{self, Mount, Reply, Request};
 
+/// How long a process started in a session gets to report its pid.
+const START_WITHIN: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// The helper's socket. Requests are serialised: the helper answers them in order.
 pub struct Helper {
     sock: Mutex<OwnedFd>,
@@ -145,19 +148,26 @@ impl Helper {
         let (tx, rx) = tokio::sync::watch::channel(None);
         let mut pid = None;
         let mut error = None;
-        // Until the pid: an error the child wrote first is why it did not start.
-        while pid.is_none() {
-            match lines.next_line().await {
-                Ok(Some(line)) => {
-                    if let Some(p) = line.strip_prefix("pid ") {
-                        pid = p.trim().parse::<i32>().ok();
-                    } else if let Some(e) = line.strip_prefix("error ") {
-                        // The runner may still say pid; the start failed all the same.
-                        error = Some(e.to_string());
+        // Until the pid: an error the child wrote first is why it did not start. Bounded: the
+        // runner is a process of the sandbox, which its code may stop.
+        let started = tokio::time::timeout(START_WITHIN, async {
+            while pid.is_none() {
+                match lines.next_line().await {
+                    Ok(Some(line)) => {
+                        if let Some(p) = line.strip_prefix("pid ") {
+                            pid = p.trim().parse::<i32>().ok();
+                        } else if let Some(e) = line.strip_prefix("error ") {
+                            // The runner may still say pid; the start failed all the same.
+                            error = Some(e.to_string());
+                        }
                     }
+                    _ => break,
                 }
-                _ => break,
             }
+        })
+        .await;
+        if started.is_err() {
+            return Err("the process did not start in time (its runner was stopped?)".into());
         }
         let (Some(pid), None) = (pid, &error) else {
             return Err(error.unwrap_or_else(|| "the process did not start".into()));
