@@ -23,13 +23,16 @@ KEY = "OPEN-SANDBOX-API-KEY"
 @pytest.fixture(scope="module")
 def srv(work_root):
     s = W.WarrenServer("embedded", work_root, f"tenants-{uuid.uuid4().hex[:6]}")
-    # One tenant with quotas; the others have none (no [quotas.default]).
+    # One tenant with quotas; the others have none (no [quotas.default]). Host routing on
+    # `*.localhost:PORT`, reached by sending the Host header to loopback (as test_browser_endpoints).
+    port = W.free_port()
     s.more_config = ('[quotas.tenants.capped]\nsandboxes = 2\ncpu = "1"\nmemory = "1Gi"\n'
                      'creates_per_minute = 3\n'
                      '[quotas.tenants.snapcap]\nsnapshot_storage = "3Mi"\n'
-                     '[quotas.tenants.nosnap]\nsnapshot_storage = "0"\n')
+                     '[quotas.tenants.nosnap]\nsnapshot_storage = "0"\n'
+                     f'[endpoints]\ndomain = "localhost:{port}"\n')
     s.check_binary()
-    s.start()
+    s.start(port=port)
     yield s
     s.stop()
 
@@ -524,3 +527,224 @@ def test_osb_and_the_mcp_server_see_only_their_key_s_tenant(srv, tmp_path):
         osb(hooli, "sandbox", "kill", sid, check=False)
         if mine:
             osb(vandelay, "sandbox", "kill", mine, check=False)
+
+
+def _answers_alike(a: httpx.Response, b: httpx.Response, real: str, missing: str) -> dict:
+    """Two refusals that must be one answer: same status, and the same body once `real` (another
+    tenant's name) is read as `missing` (a name that never was)."""
+    assert a.status_code == b.status_code, (a.status_code, a.text, b.status_code, b.text)
+    assert a.status_code >= 400, (a.status_code, a.text)
+    body = W.assert_error_body(a)
+    assert json.loads(a.text.replace(real, missing)) == b.json(), (a.text, b.text)
+    return body
+
+
+def _image_id(srv, name: str) -> str:
+    out = subprocess.run([str(srv.bin), "image", "ls", "--data-dir", str(srv.data_dir), "-o", "json"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(out.stdout)
+    items = listed["items"] if isinstance(listed, dict) else listed
+    ids = [i["id"] for i in items if i["name"] == name]
+    assert ids, (name, out.stdout)
+    return ids[0]
+
+
+def test_another_tenant_s_snapshot_is_missing_however_it_is_named(srv):
+    """Issue 42 item 2: every reference to a stored object goes through one tenant-aware resolver.
+    Tenant B names tenant A's snapshot as an image (every spelling that reaches its image), as
+    `snapshotId`, through A's template (`templateId`), through a pool (`poolRef`, or a pool or a
+    template of its own made from that image): each answers exactly as a name that never was, and
+    B is left with no sandbox, pool or template. A's own spellings restore it."""
+    from opensandbox import SandboxSync
+    acme, globex = _key(srv, "snapowner"), _key(srv, "snapthief")
+    srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    made, templates = [], []
+    try:
+        src = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=_sdk(srv, acme),
+                                 timeout=timedelta(minutes=10), ready_timeout=timedelta(seconds=60))
+        made.append(src)
+        W.track_sandbox(src.id)
+        code, _, err = W.sh(src, "echo acme-secret > /root/secret && sync")
+        assert code == 0, err
+        r = _as(srv, acme, "POST", f"/sandboxes/{src.id}/snapshots", json={"name": "golden"})
+        assert r.status_code == 202, r.text
+        snap = r.json()["id"]
+        W.wait_until(lambda: _as(srv, acme, "GET", f"/snapshots/{snap}").json()["status"]["state"] == "Ready",
+                     60, message="the snapshot")
+        missing = str(uuid.uuid4())
+        before = {s["id"] for s in _admin(srv, "GET", "/sandboxes").json()["items"]}
+
+        def nothing_left():
+            assert _as(srv, globex, "GET", "/sandboxes").json()["items"] == []
+            assert {s["id"] for s in _admin(srv, "GET", "/sandboxes").json()["items"]} == before
+            assert _as(srv, globex, "GET", "/pools").json()["items"] == []
+            assert _as(srv, globex, "GET", "/templates").json()["items"] == []
+
+        def create(key, **fields):
+            return _as(srv, key, "POST", "/sandboxes", json={**W.create_body(W.TEST_IMAGE_NAME), **fields})
+
+        spellings = [
+            lambda i: f"warren-snapshot/{i}",
+            lambda i: f"warren-snapshot/{i}:latest",
+            lambda i: f"  warren-snapshot/{i}\t",
+            lambda i: f"WARREN-SNAPSHOT/{i}",
+            lambda i: f"Warren-Snapshot/{i}:LATEST",
+            lambda i: f"docker.io/warren-snapshot/{i}",
+            lambda i: f"index.docker.io/warren-snapshot/{i}:latest",
+            lambda i: f"registry-1.docker.io/warren-snapshot/{i}",
+            lambda i: f"docker.io/library/warren-snapshot/{i}",
+            lambda i: f"warren-snapshot://{i}",
+            # Names nothing there whoever asks: the same 400 for both.
+            lambda i: f"warren-snapshot/{i}:v2",
+            lambda i: f"warren-snapshot/{i}@sha256:{'a' * 64}",
+        ]
+        for spell in spellings:
+            theirs = create(globex, image={"uri": spell(snap)})
+            none = create(globex, image={"uri": spell(missing)})
+            body = _answers_alike(theirs, none, snap, missing)
+            assert theirs.status_code in (400, 404) and "acme-secret" not in theirs.text, (spell(snap), body)
+            if theirs.status_code == 404:
+                assert body["code"] == "SNAPSHOT::NOT_FOUND", body
+        # By the store's id of the snapshot's image: as an id that is not there, for anyone.
+        image_id = _image_id(srv, f"warren-snapshot/{snap}:latest")
+        other_id = "sha256:" + "0" * 64
+        _answers_alike(create(globex, image={"uri": image_id}), create(globex, image={"uri": other_id}),
+                       image_id, other_id)
+        W.assert_error_body(create(acme, image={"uri": image_id}), codes=[404])
+        # snapshotId.
+        body = W.create_body(W.TEST_IMAGE_NAME)
+        body.pop("image")
+        _answers_alike(_as(srv, globex, "POST", "/sandboxes", json={**body, "snapshotId": snap}),
+                       _as(srv, globex, "POST", "/sandboxes", json={**body, "snapshotId": missing}), snap, missing)
+        nothing_left()
+
+        # A pool or a template of B's own, made from A's snapshot: refused as from a missing one.
+        pool = {"name": "stolen", "template": W.create_body(f"warren-snapshot/{snap}"),
+                "capacitySpec": {"bufferMax": 1, "bufferMin": 1, "poolMin": 0, "poolMax": 1}}
+        pool_missing = {**pool, "template": W.create_body(f"warren-snapshot/{missing}")}
+        _answers_alike(_as(srv, globex, "POST", "/pools", json=pool),
+                       _as(srv, globex, "POST", "/pools", json=pool_missing), snap, missing)
+        tpl = {"image": f"warren-snapshot://{snap}", "publish": "s3://bucket/x", "readiness": {"warmupSeconds": 0}}
+        _answers_alike(_as(srv, globex, "POST", "/templates", json=tpl),
+                       _as(srv, globex, "POST", "/templates", json={**tpl, "image": f"warren-snapshot://{missing}"}),
+                       snap, missing)
+        nothing_left()
+
+        # A's pool, by poolRef, and A's template, by templateId: missing to B.
+        r = _as(srv, acme, "POST", "/pools", json={**pool, "name": "acme-pool",
+                                                   "capacitySpec": {"bufferMax": 0, "bufferMin": 0, "poolMin": 0, "poolMax": 1}})
+        assert r.status_code == 201, r.text
+        _answers_alike(create(globex, extensions={"poolRef": "acme-pool"}),
+                       create(globex, extensions={"poolRef": "nopool-xyz"}), "acme-pool", "nopool-xyz")
+        # (A's own creates below would match its pool, which makes no sandbox: it goes now.)
+        assert _as(srv, acme, "DELETE", "/pools/acme-pool").status_code == 204
+        r = _as(srv, acme, "POST", "/templates", json={**tpl, "image": W.TEST_IMAGE_NAME})
+        assert r.status_code == 201, r.text
+        tid = r.json()["templateId"]
+        templates.append(tid)
+        no_tid = "tpl_" + str(uuid.uuid4())
+        _answers_alike(_as(srv, globex, "POST", "/sandboxes", json={"templateId": tid, "timeout": 600}),
+                       _as(srv, globex, "POST", "/sandboxes", json={"templateId": no_tid, "timeout": 600}), tid, no_tid)
+        nothing_left()
+
+        # A's own spellings restore its snapshot (the manifestRef form too).
+        for uri in (f"docker.io/warren-snapshot/{snap}:latest", f"warren-snapshot://{snap}"):
+            r = create(acme, image={"uri": uri})
+            assert r.status_code == 202, r.text
+            W.track_sandbox(r.json()["id"])
+            c = SandboxSync.connect(r.json()["id"], connection_config=_sdk(srv, acme))
+            made.append(c)
+            code, out, _ = W.sh(c, "cat /root/secret")
+            assert out.strip() == "acme-secret", out
+    finally:
+        _kill_all(made)
+        for tid in templates:
+            _as(srv, acme, "DELETE", f"/templates/{tid}")
+        _as(srv, acme, "DELETE", "/pools/acme-pool")
+        _as(srv, globex, "DELETE", "/pools/stolen")
+
+
+def test_a_default_tenant_claim_never_names_a_tenant_s_volume(srv):
+    """Issue 42 item 4: a tenant's named volume `data` is kept as `<tenant>.data`, so the default
+    tenant's claim names hold no dot (refused with 400, nothing made); a tenant's own dotted claim
+    is still its own."""
+    from opensandbox import SandboxSync
+    tenant = _key(srv, "volowner")
+    made = []
+    try:
+        vol = lambda claim: [{"name": "d", "pvc": {"claimName": claim, "createIfNotExists": True},  # noqa: E731
+                              "mountPath": "/data"}]
+        r = _as(srv, tenant, "POST", "/sandboxes", json=W.create_body("host", volumes=vol("data")))
+        assert r.status_code == 202, r.text
+        W.track_sandbox(r.json()["id"])
+        c = SandboxSync.connect(r.json()["id"], connection_config=_sdk(srv, tenant))
+        made.append(c)
+        code, _, err = W.sh(c, "echo volowner-data > /data/who")
+        assert code == 0, err
+        before = {s["id"] for s in _admin(srv, "GET", "/sandboxes").json()["items"]}
+        # The server's own key (the default tenant) naming it, and naming one that never was.
+        theirs = _admin(srv, "POST", "/sandboxes", json=W.create_body("host", volumes=vol("volowner.data")))
+        none = _admin(srv, "POST", "/sandboxes", json=W.create_body("host", volumes=vol("nobody.data")))
+        body = _answers_alike(theirs, none, "volowner.data", "nobody.data")
+        assert theirs.status_code == 400 and "claimName" in body["message"], body
+        assert {s["id"] for s in _admin(srv, "GET", "/sandboxes").json()["items"]} == before
+        assert not (srv.data_dir / "volumes" / "nobody.data").exists()
+        # A tenant's dotted claim is its own volume, not another's.
+        r = _as(srv, tenant, "POST", "/sandboxes", json=W.create_body("host", volumes=vol("x.y")))
+        assert r.status_code == 202, r.text
+        W.track_sandbox(r.json()["id"])
+        c = SandboxSync.connect(r.json()["id"], connection_config=_sdk(srv, tenant))
+        made.append(c)
+        code, out, _ = W.sh(c, "ls -A /data")
+        assert code == 0 and out.strip() == "", out
+    finally:
+        _kill_all(made)
+
+
+def test_host_routing_takes_the_sandbox_tenant_s_key_and_never_passes_it_on(srv):
+    """Issue 42 item 4: `{port}-{id}.{domain}` opens a port with the sandbox tenant's key (or an
+    admin's), as the path proxy does; another tenant's key answers as for a missing sandbox; the key
+    never reaches the app."""
+    from opensandbox.models.execd import RunCommandOpts
+    owner, other = _key(srv, "hostowner"), _key(srv, "hostother")
+    ro = _key(srv, "hostowner", "read-only")
+    port = 8766
+    sbx = _create(srv, owner)
+    try:
+        # An app that answers with the headers it was sent.
+        app = ("import http.server, json, sys\n"
+               "class H(http.server.BaseHTTPRequestHandler):\n"
+               "    def do_GET(self):\n"
+               "        b = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()\n"
+               "        self.send_response(200); self.send_header('Content-Length', str(len(b)))\n"
+               "        self.end_headers(); self.wfile.write(b)\n"
+               "    def log_message(self, *a): pass\n"
+               f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+        sbx.files.write_file("/tmp/echo_app.py", app)
+        sbx.commands.run("python3 /tmp/echo_app.py", opts=RunCommandOpts(background=True))
+        host = f"{port}-{sbx.id}.localhost:{srv.port}"
+
+        def via_host(h, **headers):
+            return httpx.get(f"http://127.0.0.1:{srv.port}/echo", headers={"Host": h, **headers}, timeout=30)
+
+        W.wait_until(lambda: via_host(host, **{KEY: owner}).status_code == 200, 20, interval=0.2,
+                     message="the app to answer through host routing")
+        for key in (owner, srv.api_key):
+            r = via_host(host, **{KEY: key, "X-Warren-Tenant": "hostowner"})
+            assert r.status_code == 200, r.text
+            seen = r.json()
+            assert KEY.lower() not in seen and "x-warren-tenant" not in seen, seen
+            assert key not in r.text
+        # No key, a bad key, or a read-only one: as with no credential.
+        for headers in ({}, {KEY: "wk_000000000000_nope"}, {KEY: ro}):
+            W.assert_error_body(via_host(host, **headers), codes=[401])
+        # Another tenant's key: exactly as a sandbox that never was.
+        missing = str(uuid.uuid4())
+        theirs = via_host(host, **{KEY: other})
+        none = via_host(f"{port}-{missing}.localhost:{srv.port}", **{KEY: other})
+        _answers_alike(theirs, none, sbx.id, missing)
+        assert theirs.status_code == 404, theirs.text
+    finally:
+        sbx.kill()
+        sbx.close()

@@ -58,6 +58,11 @@ pub use unpack::{UnpackLimits, MAX_DEPTH};
 /// `prune` leaves them alone.
 pub const SNAPSHOT_REPOSITORY: &str = "warren-snapshot/";
 
+/// Whether [`ImageStore::resolve`] takes `name` as an image id (`sha256:<64 hex>`), not a name.
+pub fn is_image_id(name: &str) -> bool {
+    hex_digest(name).is_some()
+}
+
 /// What a sandbox's runtime takes from an image: the types live in `warren-core` (the runtime
 /// boundary), the store that makes them here.
 pub use warren_core::image::{ImageConfig, ResolvedImage};
@@ -303,6 +308,20 @@ impl ImageStore {
         };
         empty_trash(trash);
         Ok(())
+    }
+
+    /// The names that point at image `id` (`sha256:<hex>`), by name. [`ImageStore::resolve`]
+    /// takes an id as well as a name, so whoever decides what a caller may run by name must also
+    /// know which names an id stands for (a snapshot's image is reachable by its id too).
+    pub fn names_of(&self, id: &str) -> Result<Vec<String>, ImageError> {
+        let _lock = self.lock(false)?;
+        Ok(self
+            .read_names()?
+            .names
+            .into_iter()
+            .filter(|(_, image)| image == id)
+            .map(|(name, _)| name)
+            .collect())
     }
 
     /// Resolves a name (or an image id `sha256:<hex>`) to its layers and config.

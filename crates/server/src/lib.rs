@@ -25,6 +25,7 @@ mod snapshots;
 mod state_file;
 #[cfg(test)]
 mod state_machine_tests;
+mod stored;
 mod supervise;
 mod templates;
 pub mod tls;
@@ -91,6 +92,8 @@ pub struct AppState {
     pub snapshots: snapshots::Snapshots,
     pub pools: pools::Pools,
     pub templates: templates::Templates,
+    /// What every create's references to stored objects go through (`stored`).
+    pub stored: stored::Stored,
     /// The keys that sign endpoint URLs (`signed`).
     pub signing: Arc<signed::SigningKeys>,
     /// HTTPS, when `[tls]` asks for it.
@@ -385,8 +388,10 @@ impl Server {
             &config,
             sandboxes.runtime().capabilities().host_volumes,
         )?);
+        let stored = stored::Stored::new(snapshots.clone(), sandboxes.images().clone());
         let pools = pools::Pools::new(
             sandboxes.clone(),
+            stored.clone(),
             quotas.clone(),
             config.limits.clone(),
             config.max_timeout_seconds,
@@ -401,6 +406,7 @@ impl Server {
             &config.data_dir,
             sandboxes.clone(),
             snapshots.clone(),
+            stored.clone(),
             config.limits.clone(),
             config.max_timeout_seconds,
             storage.clone(),
@@ -434,6 +440,7 @@ impl Server {
             snapshots,
             pools,
             templates,
+            stored,
             local_addr,
         };
         Ok(Self {

@@ -28,6 +28,7 @@ use crate::error::ApiError;
 use crate::quotas::Quotas;
 use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
+use crate::stored::{pool_key, Stored};
 use crate::validate::{create_plan, CreatePlan};
 use crate::volumes::StoragePolicy;
 
@@ -58,6 +59,8 @@ pub struct Pools {
 
 struct Inner {
     sandboxes: Sandboxes,
+    /// A template's image is resolved for the pool's tenant as any create's is.
+    stored: Stored,
     /// Warm sandboxes are their tenant's: a pool makes none past its tenant's quotas.
     quotas: Arc<Quotas>,
     limits: LimitsSection,
@@ -141,6 +144,7 @@ impl Drop for Waiting<'_> {
 impl Pools {
     pub fn new(
         sandboxes: Sandboxes,
+        stored: Stored,
         quotas: Arc<Quotas>,
         limits: LimitsSection,
         max_timeout: Option<i64>,
@@ -150,6 +154,7 @@ impl Pools {
         Pools {
             inner: Arc::new(Inner {
                 sandboxes,
+                stored,
                 quotas,
                 limits,
                 max_timeout,
@@ -277,6 +282,9 @@ impl Pools {
         let key = pool_key(tenant, &spec.name);
         plan.warm_pool = Some(key.clone());
         plan.set_tenant(tenant)?;
+        // Its sandboxes are its tenant's: an image naming another tenant's snapshot is refused
+        // here, as a create's is (a pool saved with a snapshot since deleted does not start).
+        self.inner.stored.resolve(&mut plan)?;
         plan.timeout_seconds = None;
         plan.metadata = BTreeMap::new();
         // Of the template's extensions only one shapes the sandbox: isolated sessions.
@@ -841,17 +849,6 @@ struct SavedPool {
     /// Files written before tenants lack it: the default tenant's.
     #[serde(default = "warren_store::default_tenant")]
     tenant: String,
-}
-
-/// A pool's key: its name, qualified by its tenant unless that is the default one (whose pools,
-/// and their sandboxes' records, keep the names they had before tenants). Pool names hold no
-/// `/`, so keys of two tenants never meet.
-fn pool_key(tenant: &str, name: &str) -> String {
-    if tenant == DEFAULT_TENANT {
-        name.to_string()
-    } else {
-        format!("{tenant}/{name}")
-    }
 }
 
 /// The pool's revision: a digest of its spec, so it changes exactly when the spec does.

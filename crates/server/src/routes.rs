@@ -158,9 +158,8 @@ pub async fn create(
         &app.storage,
     )?;
     plan.set_tenant(&caller.tenant)?;
-    if let Some(snapshot) = &plan.snapshot_id {
-        plan.image = app.snapshots.image_for_restore(snapshot, &caller.tenant)?;
-    }
+    // Before a pool is looked for: a pool's template is resolved the same way, so the two compare.
+    app.stored.resolve(&mut plan)?;
     let pool = app.pools.route(&plan)?;
     // Admitted by the tenant's quotas, held until the sandbox's record exists (or the create
     // failed). A claim makes no new sandbox (the warm one is the tenant's already): only the rate.

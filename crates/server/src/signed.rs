@@ -453,8 +453,22 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
                 port: port.parse().ok(),
                 opened_by: "endpoint-token",
             };
+            // Opened as the path proxy is: the port's token, or a key of the sandbox's tenant (an
+            // admin's), another tenant's key answering as for a missing sandbox. This runs outside
+            // `auth`, so the key is read here; a bad one is no key, as on the path proxy. The
+            // proxy strips the key (and the tenant header) before anything reaches the app, and
+            // no browser sends the header by itself, so the app's host never learns a key.
+            let caller = crate::auth::caller_of(&app, &req).ok().flatten();
+            let mut req = req;
+            if let Some(c) = &caller {
+                req.extensions_mut().insert(c.clone());
+            }
             let mut resp = crate::proxy::forward(State(app), id, port, rest, req).await;
             host_only_cookies(&mut resp);
+            if let Some(c) = caller {
+                // For the audit log: the key that asked, as `auth` leaves it for the path proxy.
+                resp.extensions_mut().insert(c);
+            }
             (resp, routed)
         }
         Some(Route::Signed {

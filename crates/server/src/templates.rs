@@ -27,6 +27,7 @@ use crate::config::LimitsSection;
 use crate::error::ApiError;
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
 use crate::snapshots::{self, Snapshots};
+use crate::stored::Stored;
 use crate::volumes::StoragePolicy;
 
 pub const PENDING: &str = "Pending";
@@ -100,6 +101,8 @@ struct Inner {
     saving: Mutex<()>,
     sandboxes: Sandboxes,
     snapshots: Snapshots,
+    /// A build's image is resolved for the template's tenant as any create's is.
+    stored: Stored,
     /// What a build's sandbox is checked and completed with, as any create is.
     limits: LimitsSection,
     max_timeout: Option<i64>,
@@ -112,6 +115,7 @@ impl Templates {
         data_dir: &std::path::Path,
         sandboxes: Sandboxes,
         snapshots: Snapshots,
+        stored: Stored,
         limits: LimitsSection,
         max_timeout: Option<i64>,
         storage: Arc<StoragePolicy>,
@@ -151,6 +155,7 @@ impl Templates {
                 saving: Mutex::new(()),
                 sandboxes,
                 snapshots,
+                stored,
                 limits,
                 max_timeout,
                 storage,
@@ -173,6 +178,9 @@ impl Templates {
         admission: crate::quotas::Admission,
     ) -> Result<Template, ApiError> {
         let probe = validate(&req)?;
+        // Refused now, not when the build fails: an image naming another tenant's snapshot
+        // answers as a missing one (and the build resolves it again, for the snapshot may go).
+        self.inner.stored.image(&req.image, tenant)?;
         self.inner.sandboxes.check_room("a template")?;
         let now = Utc::now();
         let rec = Record {
@@ -359,6 +367,7 @@ impl Templates {
             .map(|r| r.tenant.clone())
             .ok_or("the template was deleted")?;
         plan.set_tenant(&tenant)
+            .and_then(|()| self.inner.stored.resolve(&mut plan))
             .map_err(|e| format!("the template's sandbox: {}", e.message))?;
         let rec = self
             .inner

@@ -61,20 +61,18 @@ pub struct CreatePlan {
 
 impl CreatePlan {
     /// Makes the sandbox `tenant`'s. Its named volumes are that tenant's: another tenant's
-    /// `claimName` is another volume (qualified `<tenant>.<claim>`; tenant names hold no `.`, so
-    /// two tenants' names never meet, and the default tenant's keep their names). Host folders are
-    /// the server's, not a tenant's: only the default tenant (the server's own key, and admins
-    /// acting for no tenant) mounts them.
+    /// `claimName` is another volume (named by `stored::volume_name`, so that no name of one
+    /// tenant is ever another's). Host folders are the server's, not a tenant's: only the default
+    /// tenant (the server's own key, and admins acting for no tenant) mounts them. What the plan
+    /// names of stored images is resolved for the tenant afterwards (`stored::Stored::resolve`).
     pub fn set_tenant(&mut self, tenant: &str) -> Result<(), ApiError> {
         self.tenant = tenant.to_string();
-        if tenant == warren_store::DEFAULT_TENANT {
-            return Ok(());
-        }
         for v in &mut self.volumes {
             match &mut v.source {
                 warren_core::VolumeSource::Named { claim, .. } => {
-                    *claim = format!("{tenant}.{claim}");
+                    *claim = crate::stored::volume_name(tenant, claim)?;
                 }
+                warren_core::VolumeSource::Host(_) if tenant == warren_store::DEFAULT_TENANT => {}
                 warren_core::VolumeSource::Host(_) => {
                     return Err(ApiError::new(
                         http::StatusCode::FORBIDDEN,
