@@ -1,6 +1,7 @@
 """The Docker runtime (issue 4), beyond the shared suite: how the containers are set up, a container
-removed behind Warren's back, leftovers of a crash removed at start, and a Docker daemon that stops
-and comes back (503s meanwhile, running sandboxes keep working). Runs for the docker runtimes only."""
+removed behind Warren's back, leftovers of a crash removed at start, a Docker daemon that stops
+and comes back (503s meanwhile, running sandboxes keep working), and volumes staged so that the
+daemon never resolves a path a sandbox can change. Runs for the docker runtimes only."""
 
 from __future__ import annotations
 
@@ -125,6 +126,123 @@ def test_daemon_stopped_gives_503_and_recovers(server, make_sandbox, api):
     assert api.delete(f"/v1/sandboxes/{sbx.id}").status_code == 204
     time.sleep(0.2)
     assert inspect(sbx.id) is None
+
+
+# --- volumes are staged: the daemon never gets a path a sandbox can change ----------------------------
+
+def _staged(server, sandbox_id: str) -> list[str]:
+    """Mount points of the sandbox's staged volumes in this mount namespace (the daemon's)."""
+    prefix = f"{server.data_dir}/binds/{sandbox_id}/"
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith(prefix)]
+
+
+def _bind_source(sandbox_id: str, target: str) -> str:
+    c = inspect(sandbox_id)
+    assert c is not None
+    return next(m["Source"] for m in c["Mounts"] if m["Destination"] == target)
+
+
+def _docker_sees(image: str, source: str) -> str:
+    """What a container started now with `source` bound sees there: the daemon resolves the
+    path again, following links, as it did when the sandbox started."""
+    r = subprocess.run(["docker", "run", "--rm", "--network", "none",
+                        "--mount", f"type=bind,source={source},target=/x,readonly",
+                        "--entrypoint", "/bin/sh", image, "-c", "cat /x/* 2>&1; true"],
+                       capture_output=True, text=True, timeout=60)
+    return r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind", ["pvc", "host"])
+def test_a_volume_swapped_for_a_link_after_the_check_is_not_what_docker_mounts(
+        server, api, make_sandbox, tmp_path, kind):
+    """The attack: sandbox A has a volume mounted writable; sandbox B mounts a folder of it (a
+    `subPath`). Warren checks the folder, then the daemon resolves the path it was given when B
+    starts: A swapping the folder for a link to a host folder in between handed B that host folder
+    (`/`, read-write, as root). Made deterministic: A swaps the folder right after B's create, and
+    a container started then with B's bind source shows what B's start would have resolved — the
+    folder Warren opened (its marker), never the host folder. A link there from the start is
+    refused, and deleting B leaves no staged mount or folder."""
+    if kind == "host":
+        root = server.host_volumes / f"swap-{uuid.uuid4().hex[:8]}"
+        root.mkdir(parents=True)
+        whole = {"name": "v", "host": {"path": str(root)}, "mountPath": "/v"}
+        part = lambda sub: {"name": "v", "host": {"path": str(root)}, "subPath": sub, "mountPath": "/data"}  # noqa: E731
+    else:
+        claim = f"e2e-swap-{uuid.uuid4().hex[:8]}"
+        whole = {"name": "v", "pvc": {"claimName": claim}, "mountPath": "/v"}
+        part = lambda sub: {"name": "v", "pvc": {"claimName": claim}, "subPath": sub, "mountPath": "/data"}  # noqa: E731
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "secret.txt").write_text("host secret\n")
+    image = server.sandbox_image("host")
+    try:
+        from opensandbox.models.sandboxes import PVC, Host, Volume
+        vol = (Volume(name="v", host=Host(path=str(root)), mount_path="/v") if kind == "host"
+               else Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/v"))
+        a = make_sandbox("host", volumes=[vol])
+        code, out, err = sh(a, f"mkdir /v/sub && echo opened > /v/sub/marker && ln -s {decoy} /v/link && echo ok")
+        assert code == 0, (out, err)
+
+        # A link from the start: refused, nothing made, nothing staged.
+        binds = server.data_dir / "binds"
+        listed = lambda: ({i["id"] for i in api.get("/v1/sandboxes").json()["items"]},  # noqa: E731
+                          {p.name for p in binds.iterdir()} if binds.exists() else set())
+        before = listed()
+        assert (a.id in before[1]) == (kind == "host"), "a host volume is staged too"
+        r = api.post("/v1/sandboxes", json=W.create_body(image, volumes=[part("link")]))
+        W.assert_error_body(r, codes=[400, 403])
+        assert listed() == before
+
+        r = api.post("/v1/sandboxes", json=W.create_body(image, volumes=[part("sub")]))
+        assert r.status_code == 202, r.text
+        b = r.json()["id"]
+        W.track_sandbox(b)
+        source = _bind_source(b, "/data")
+        assert source.startswith(f"{server.data_dir}/binds/{b}/"), source
+        assert _staged(server, b) == [source]
+        st = os.stat(server.data_dir / "binds" / b)
+        assert st.st_uid == 0 and st.st_mode & 0o077 == 0, "only root enters the staging folders"
+
+        # A swaps the folder for the link, right after Warren's check.
+        code, out, err = sh(a, "mv /v/sub /v/sub.real && mv /v/link /v/sub && echo swapped")
+        assert code == 0, (out, err)
+        seen = _docker_sees(image, source)
+        assert "opened" in seen and "host secret" not in seen, seen
+        # ... and B has the folder Warren opened
+        body = api.post(f"/sandboxes/{b}/proxy/44772/command",
+                        json={"command": "cat /data/*"}, timeout=30).text
+        assert "opened" in body and "host secret" not in body, body[:500]
+
+        assert api.delete(f"/v1/sandboxes/{b}").status_code == 204
+        W.wait_until(lambda: inspect(b) is None, 20, message="the container to go")
+        assert _staged(server, b) == [], "a staged mount is left"
+        assert not (server.data_dir / "binds" / b).exists(), "a staging folder is left"
+        assert sorted(p.name for p in decoy.iterdir()) == ["secret.txt"]
+        a.kill()
+        W.wait_until(lambda: inspect(a.id) is None, 20, message="the container to go")
+        assert _staged(server, a.id) == [] and not (binds / a.id).exists()
+    finally:
+        if kind == "pvc":
+            subprocess.run(["docker", "volume", "rm", "-f", claim], capture_output=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_staged_volumes_of_sandboxes_gone_are_removed_at_start(fresh_server):
+    """A crash leaves staged mounts of sandboxes the next start has no record of: it removes them."""
+    srv = fresh_server
+    leftover = srv.data_dir / "binds" / "crashed-sandbox" / "0"
+    leftover.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "e2e-staged", str(leftover)], check=True)
+    try:
+        srv.stop()
+        srv.start()
+        W.wait_until(lambda: not leftover.parent.exists(), 20, message="the leftover to be removed")
+        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        assert str(leftover) not in mounts
+    finally:
+        subprocess.run(["umount", "-l", str(leftover)], capture_output=True)
 
 
 # --- pulls from a registry with image.auth ------------------------------------------------------------

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from opensandbox.exceptions import SandboxException
@@ -24,6 +25,15 @@ def remove_named_volume(server, claim: str) -> None:
         subprocess.run(["docker", "volume", "rm", "-f", claim], capture_output=True)
     else:
         shutil.rmtree(server.data_dir / "volumes" / claim, ignore_errors=True)
+
+
+def named_volume_dir(server, claim: str) -> Path:
+    """Where the named volume's files are on this host."""
+    if server.is_docker:
+        out = subprocess.run(["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", claim],
+                             capture_output=True, text=True, check=True).stdout
+        return Path(out.strip())
+    return server.data_dir / "volumes" / claim
 
 
 def named_volume_exists(server, claim: str) -> bool:
@@ -214,16 +224,14 @@ def test_a_folder_swapped_for_a_link_during_create_is_never_mounted(server, api,
     over and over. Whatever the moment, a create that mounts that folder (as a volume's `subPath`, and
     as the way to another volume's mount point) either fails or gets the real folder — never the host
     folder, and nothing is made there. (The native runtime mounts volumes from handles, with runc
-    and runsc too: inside the root before the runtime starts.)"""
-    if server.is_docker:
-        pytest.skip("Docker takes volume sources as paths (checked when the sandbox is created, not "
-                    "raced here)")
+    and runsc too: inside the root before the runtime starts; the Docker runtime stages what it
+    opened in a folder of its own and gives the daemon that.)"""
     if server.gvisor:
         pytest.skip("under gVisor a command reading a volume that another sandbox renames in a tight "
                     "loop stalls (whether the volume is mounted by path or from a handle)")
     decoy = _decoy(tmp_path)
     racer = make_sandbox("host", volumes=[Volume(name="v", pvc=PVC(claim_name=claim), mount_path="/v")])
-    racer_dir = server.data_dir / "volumes" / claim
+    racer_dir = named_volume_dir(server, claim)
     racer.commands.run(f"python3 -c \"{_RACER}\" {decoy}", opts=RunCommandOpts(background=True))
     for _ in range(100):
         if (racer_dir / "racing").exists():
@@ -261,9 +269,8 @@ def test_a_folder_swapped_for_a_link_during_create_is_never_mounted(server, api,
 
 def test_read_only_reaches_mounts_below_the_volume(server, make_sandbox, host_dir):
     """A read-only host folder with a separate filesystem mounted below it (as /usr/local often is
-    below /usr): the mount below is read-only inside the sandbox too."""
-    if server.is_docker:
-        pytest.skip("Docker 20.10's read-only binds are read-only at the top only (recursive from Engine 25)")
+    below /usr): the mount below is read-only inside the sandbox too. (Docker 20.10's read-only binds
+    are read-only at the top only, but the Docker runtime stages the folder read-only all through.)"""
     below = host_dir / "sub"
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "e2e-below", str(below)], check=True)
     try:

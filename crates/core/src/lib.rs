@@ -8,6 +8,7 @@ pub mod egress;
 pub mod fake;
 pub mod fd_limit;
 pub mod image;
+pub mod mount_api;
 pub mod policy;
 pub mod quantity;
 pub mod runtime;

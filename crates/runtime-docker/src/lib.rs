@@ -25,6 +25,7 @@
 //! `live-restore` on, and their execd stays reachable (the socket does not go through the daemon).
 
 mod client;
+mod staging;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -137,6 +138,8 @@ pub struct DockerRuntime {
     execd_build: tokio::sync::OnceCell<String>,
     /// Held while the relay is looked at (and made), so that this server makes it once.
     relay: tokio::sync::Mutex<()>,
+    /// Where volumes are staged for a daemon on this host (see [`staging`]).
+    staging: staging::Staging,
 }
 
 impl DockerRuntime {
@@ -183,10 +186,11 @@ impl DockerRuntime {
             client: std::sync::Arc::new(Client::new(endpoint)),
             local,
             sandbox_ip,
-            config,
             owner,
             execd_build: tokio::sync::OnceCell::new(),
             relay: tokio::sync::Mutex::new(()),
+            staging: staging::Staging::new(&config.data_dir),
+            config,
         })
     }
 
@@ -354,95 +358,125 @@ impl DockerRuntime {
         })
     }
 
-    /// Docker mounts for the sandbox's volumes; named volumes are Docker named volumes (created here,
-    /// labelled as Warren's, when missing and allowed). On error, volumes created so far are removed.
-    async fn volume_mounts(&self, volumes: &[VolumeMount]) -> Result<Mounts, RuntimeError> {
+    /// Docker mounts for sandbox `id`'s volumes; named volumes are Docker named volumes (created
+    /// here, labelled as Warren's, when missing and allowed). On error, volumes created so far are
+    /// removed (the caller removes what was staged).
+    async fn volume_mounts(
+        &self,
+        id: &str,
+        volumes: &[VolumeMount],
+    ) -> Result<Mounts, RuntimeError> {
         let mut out = Mounts::default();
-        for v in volumes {
-            let mount = match &v.source {
-                VolumeSource::Host(_) if !self.local => {
+        for (n, v) in volumes.iter().enumerate() {
+            match self.volume_mount(id, n, v, &mut out).await {
+                Ok(mount) => out.mounts.push(mount),
+                Err(e) => {
                     self.remove_volumes(&out.created).await;
-                    return Err(RuntimeError::Unsupported(
-                        "host volumes need a Docker daemon on this host; this one is reached over TCP \
-                         (use a named volume)"
-                            .into(),
-                    ));
+                    return Err(e);
                 }
-                VolumeSource::Host(path) => bind_mount(path, &v.target, v.read_only),
-                VolumeSource::Named {
-                    claim,
-                    sub_path,
-                    create_if_missing,
-                    delete_on_termination,
-                } => {
-                    let info = match self.volume(claim).await {
-                        Ok(Some(info)) => info,
-                        Ok(None) if !create_if_missing => {
-                            self.remove_volumes(&out.created).await;
-                            return Err(RuntimeError::Invalid(format!(
-                                "volume {claim:?} does not exist (createIfNotExists is false)"
-                            )));
-                        }
-                        Ok(None) => {
-                            let body = json!({"Name": claim, "Labels": {LABEL_OWNER: self.owner}});
-                            match self
-                                .client
-                                .call::<Value>(Method::POST, "/volumes/create", Some(&body))
-                                .await
-                            {
-                                Ok(info) => {
-                                    out.created.push(claim.clone());
-                                    if *delete_on_termination {
-                                        out.delete_on_exit.push(claim.clone());
-                                    }
-                                    info
-                                }
-                                Err(e) => {
-                                    self.remove_volumes(&out.created).await;
-                                    return Err(
-                                        self.map_err(&format!("creating volume {claim}"), e)
-                                    );
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            self.remove_volumes(&out.created).await;
-                            return Err(e);
-                        }
-                    };
-                    match sub_path {
-                        None => json!({"Type": "volume", "Source": claim, "Target": v.target,
-                                       "ReadOnly": v.read_only}),
-                        // Docker 20.10 has no volume subpaths: bind the folder inside the volume's
-                        // mount point (local driver, daemon on this host), creating it like k8s does
-                        // — inside the volume only: its contents are sandboxes', and a link there
-                        // must not make the server create, or Docker mount, a host folder.
-                        Some(sub) => {
-                            let base = info["Mountpoint"].as_str().unwrap_or_default();
-                            let dir = Path::new(base).join(sub);
-                            let opened = if base.is_empty() {
-                                Err(std::io::Error::other("not a local volume"))
-                            } else {
-                                warren_core::beneath::open_beneath(
-                                    Path::new(base),
-                                    Path::new(sub),
-                                    true,
-                                )
-                            };
-                            if let Err(e) = opened {
-                                self.remove_volumes(&out.created).await;
-                                return Err(RuntimeError::Invalid(format!(
-                                    "volume {claim:?}: subPath {sub:?} (it needs a local volume on this host): {e}"
-                                )));
-                            }
-                            bind_mount(&dir, &v.target, v.read_only)
-                        }
-                    }
-                }
-            };
-            out.mounts.push(mount);
+            }
         }
         Ok(out)
+    }
+
+    /// The Docker mount of sandbox `id`'s `n`th volume `v`; a named volume created for it is
+    /// recorded in `out`.
+    async fn volume_mount(
+        &self,
+        id: &str,
+        n: usize,
+        v: &VolumeMount,
+        out: &mut Mounts,
+    ) -> Result<Value, RuntimeError> {
+        let invalid = |e: std::io::Error, what: String| match e.kind() {
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::NotFound => {
+                RuntimeError::Invalid(format!("{what}: {e}"))
+            }
+            _ => RuntimeError::backend_with(what, e),
+        };
+        let (claim, sub_path, create_if_missing, delete_on_termination) = match &v.source {
+            VolumeSource::Host(_) if !self.local => {
+                return Err(RuntimeError::Unsupported(
+                    "host volumes need a Docker daemon on this host; this one is reached over TCP \
+                     (use a named volume)"
+                        .into(),
+                ));
+            }
+            // Canonical when the server checked it: from `/`, with no link on the way, it is
+            // still what was checked (see `warren_core::beneath`); a sandbox with a folder above
+            // it mounted may change that at any time, so the daemon gets it staged.
+            VolumeSource::Host(path) => {
+                let what = format!("volume at {}", v.target);
+                let rel = path.strip_prefix("/").unwrap_or(path);
+                let opened = warren_core::beneath::open_beneath(Path::new("/"), rel, false)
+                    .map_err(|e| invalid(e, what.clone()))?;
+                let staged = self
+                    .staging
+                    .stage(id, n, &opened, v.read_only)
+                    .map_err(|e| RuntimeError::backend_with(format!("staging the {what}"), e))?;
+                return Ok(bind_mount(&staged, &v.target, v.read_only));
+            }
+            VolumeSource::Named {
+                claim,
+                sub_path,
+                create_if_missing,
+                delete_on_termination,
+            } => (claim, sub_path, *create_if_missing, *delete_on_termination),
+        };
+        let info = match self.volume(claim).await? {
+            Some(info) => info,
+            None if !create_if_missing => {
+                return Err(RuntimeError::Invalid(format!(
+                    "volume {claim:?} does not exist (createIfNotExists is false)"
+                )));
+            }
+            None => {
+                let body = json!({"Name": claim, "Labels": {LABEL_OWNER: self.owner}});
+                let info = self
+                    .client
+                    .call::<Value>(Method::POST, "/volumes/create", Some(&body))
+                    .await
+                    .map_err(|e| self.map_err(&format!("creating volume {claim}"), e))?;
+                out.created.push(claim.clone());
+                if delete_on_termination {
+                    out.delete_on_exit.push(claim.clone());
+                }
+                info
+            }
+        };
+        let Some(sub) = sub_path else {
+            return Ok(
+                json!({"Type": "volume", "Source": claim, "Target": v.target,
+                             "ReadOnly": v.read_only}),
+            );
+        };
+        // Docker 20.10 has no volume subpaths: bind the folder inside the volume's mount point
+        // (local driver, daemon on this host), creating it like k8s does — inside the volume only:
+        // its contents are sandboxes', and a link there must not make the server create, or
+        // Docker mount, a host folder. The daemon is given the folder staged, never its path in
+        // the volume, which a sandbox using the volume may swap for a link after this check.
+        let base = info["Mountpoint"].as_str().unwrap_or_default();
+        let what =
+            format!("volume {claim:?}: subPath {sub:?} (it needs a local volume on this host)");
+        let opened = if base.is_empty() {
+            Err(std::io::Error::other("not a local volume"))
+        } else {
+            warren_core::beneath::open_beneath(Path::new(base), Path::new(sub), true)
+        }
+        .map_err(|e| RuntimeError::Invalid(format!("{what}: {e}")))?;
+        if !self.local {
+            // Unchanged for a daemon elsewhere: its volumes are not this host's to stage.
+            return Ok(bind_mount(
+                &Path::new(base).join(sub),
+                &v.target,
+                v.read_only,
+            ));
+        }
+        let staged = self
+            .staging
+            .stage(id, n, &opened, v.read_only)
+            .map_err(|e| RuntimeError::backend_with(format!("staging volume {claim:?}"), e))?;
+        Ok(bind_mount(&staged, &v.target, v.read_only))
     }
 
     /// `Some(inspect)` when the named volume exists.
@@ -1109,7 +1143,13 @@ impl Runtime for DockerRuntime {
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
         let name = Self::container_name(&spec.id);
-        let volumes = self.volume_mounts(&spec.volumes).await?;
+        let volumes = match self.volume_mounts(&spec.id, &spec.volumes).await {
+            Ok(v) => v,
+            Err(e) => {
+                self.staging.remove(&spec.id);
+                return Err(e);
+            }
+        };
         match self.try_create(spec, &name, &volumes).await {
             Ok((container, execd)) => serde_json::to_value(DockerState {
                 pid: self.init_pid(&container).await,
@@ -1123,6 +1163,7 @@ impl Runtime for DockerRuntime {
                 // create made go.
                 let _ = self.remove(&name).await;
                 self.remove_dir(&spec.id);
+                self.staging.remove(&spec.id);
                 self.remove_volumes(&volumes.created).await;
                 Err(e)
             }
@@ -1240,6 +1281,8 @@ impl Runtime for DockerRuntime {
             .unwrap_or_else(|| Self::container_name(id));
         self.remove(&c).await?;
         self.remove_dir(id);
+        // after the container: its mounts were copies of these
+        self.staging.remove(id);
         if let Some(st) = st {
             self.remove_volumes(&st.delete_volumes).await;
         }
@@ -1267,6 +1310,8 @@ impl Runtime for DockerRuntime {
     }
 
     async fn sweep_orphans(&self, known: &[String]) {
+        // Needs no daemon: the staged volumes are mounts on this host.
+        self.staging.sweep(known);
         let filters = json!({"label": [format!("{LABEL_OWNER}={}", self.owner)]}).to_string();
         let path = format!(
             "/containers/json?all=true&filters={}",

@@ -262,25 +262,21 @@ pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path, userns: Option<&OwnedF
 /// What `mount(2)` reads of its options: one page, the last byte of it a NUL.
 const MOUNT_OPTIONS_MAX: usize = 4095;
 
-/// Linux's descriptor-based mount calls (5.2 on; `mount_setattr` 5.12 on), which libc does not wrap.
+/// Linux's descriptor-based mount calls (5.2 on; `mount_setattr` 5.12 on), which libc does not wrap:
+/// the attribute and bind calls are `warren_core::mount_api` (the Docker runtime stages volumes with
+/// them too), here with nix's errors; making filesystems is the native runtime's alone.
 pub(crate) mod mount_api {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-    pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    const MOUNT_ATTR_NOSUID: u64 = 0x2;
-    const MOUNT_ATTR_NODEV: u64 = 0x4;
-    const MOUNT_ATTR_NOEXEC: u64 = 0x8;
-    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
-    const OPEN_TREE_CLONE: libc::c_uint = 1;
-    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+    pub use warren_core::mount_api::MOUNT_ATTR_RDONLY;
+    use warren_core::mount_api::{
+        MountAttr, MOUNT_ATTR_IDMAP, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID,
+        MOVE_MOUNT_F_EMPTY_PATH, OPEN_TREE_CLONE,
+    };
 
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
+    /// The errno of a core mount call's error.
+    fn errno(e: std::io::Error) -> nix::errno::Errno {
+        nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
     }
 
     /// The `MOUNT_ATTR_*` bits for a bind that is read-only or not, with `extra`'s nosuid, nodev
@@ -314,12 +310,10 @@ pub(crate) mod mount_api {
         recursive: bool,
     ) -> nix::Result<()> {
         let attr = MountAttr {
-            attr_set: 0,
             attr_clr: attrs,
-            propagation: 0,
-            userns_fd: 0,
+            ..MountAttr::default()
         };
-        setattr(dfd, path, &attr, recursive)
+        warren_core::mount_api::setattr(dfd, path, &attr, recursive).map_err(errno)
     }
 
     /// A new tmpfs, attached nowhere (its descriptor names its root).
@@ -338,90 +332,28 @@ pub(crate) mod mount_api {
 
     /// Sets `attrs` on the mount at `dfd`/`path` and every mount below it.
     pub fn set_recursive(dfd: libc::c_int, path: &std::ffi::CStr, attrs: u64) -> nix::Result<()> {
-        set_attrs(dfd, path, attrs, None)
-    }
-
-    /// [`set_recursive`], idmapping the mounts through `userns` too where one is given (the mount
-    /// must be a detached copy, not yet idmapped).
-    fn set_attrs(
-        dfd: libc::c_int,
-        path: &std::ffi::CStr,
-        attrs: u64,
-        userns: Option<&OwnedFd>,
-    ) -> nix::Result<()> {
         let attr = MountAttr {
-            attr_set: attrs | userns.map_or(0, |_| MOUNT_ATTR_IDMAP),
-            attr_clr: 0,
-            propagation: 0,
-            userns_fd: userns.map_or(0, |ns| ns.as_raw_fd() as u64),
+            attr_set: attrs,
+            ..MountAttr::default()
         };
-        setattr(dfd, path, &attr, true)
-    }
-
-    /// mount_setattr(2) of `attr` on the mount at `dfd`/`path` (`dfd` itself when `path` is
-    /// empty), and with `recursive` every mount below it.
-    fn setattr(
-        dfd: libc::c_int,
-        path: &std::ffi::CStr,
-        attr: &MountAttr,
-        recursive: bool,
-    ) -> nix::Result<()> {
-        let flags = if recursive { libc::AT_RECURSIVE } else { 0 }
-            | if path.is_empty() {
-                libc::AT_EMPTY_PATH
-            } else {
-                0
-            };
-        // SAFETY: mount_setattr(2) with a valid descriptor, a NUL-terminated path and a struct of
-        // the size passed.
-        check(unsafe {
-            libc::syscall(
-                libc::SYS_mount_setattr,
-                dfd,
-                path.as_ptr(),
-                flags as libc::c_uint,
-                attr as *const MountAttr,
-                std::mem::size_of::<MountAttr>(),
-            )
-        })
-        .map(drop)
+        warren_core::mount_api::setattr(dfd, path, &attr, true).map_err(errno)
     }
 
     /// Binds what `source` names (with the mounts below it) onto what `target` names, with `attrs`
-    /// on every mount of the copy: a detached copy is made, set up, then attached in one step.
+    /// on every mount of the copy, idmapped through `userns` where one is given: a detached copy is
+    /// made, set up, then attached in one step.
     pub fn bind_handle(
         source: &OwnedFd,
         target: &OwnedFd,
         attrs: u64,
         userns: Option<&OwnedFd>,
     ) -> nix::Result<()> {
-        // SAFETY: open_tree(2) on a descriptor we own, with an empty path; the result is owned here.
-        let tree = check(unsafe {
-            libc::syscall(
-                libc::SYS_open_tree,
-                source.as_raw_fd(),
-                c"".as_ptr(),
-                OPEN_TREE_CLONE
-                    | libc::O_CLOEXEC as libc::c_uint
-                    | libc::AT_EMPTY_PATH as libc::c_uint
-                    | libc::AT_RECURSIVE as libc::c_uint,
-            )
-        })?;
-        // SAFETY: a fresh descriptor, owned by nobody else.
-        let tree = unsafe { OwnedFd::from_raw_fd(tree as libc::c_int) };
-        set_attrs(tree.as_raw_fd(), c"", attrs, userns)?;
-        // SAFETY: move_mount(2) between two descriptors we own, with empty paths.
-        check(unsafe {
-            libc::syscall(
-                libc::SYS_move_mount,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                target.as_raw_fd(),
-                c"".as_ptr(),
-                MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-            )
-        })
-        .map(drop)
+        let attr = MountAttr {
+            attr_set: attrs | userns.map_or(0, |_| MOUNT_ATTR_IDMAP),
+            userns_fd: userns.map_or(0, |ns| ns.as_raw_fd() as u64),
+            ..MountAttr::default()
+        };
+        warren_core::mount_api::bind_handle(source, target, &attr).map_err(errno)
     }
 
     const FSOPEN_CLOEXEC: libc::c_uint = 1;
@@ -648,7 +580,7 @@ pub(crate) mod mount_api {
             propagation: 0,
             userns_fd: userns.as_raw_fd() as u64,
         };
-        setattr(tree.as_raw_fd(), c"", &attr, false)?;
+        warren_core::mount_api::setattr(tree.as_raw_fd(), c"", &attr, false).map_err(errno)?;
         Ok(tree)
     }
 
