@@ -414,10 +414,30 @@ def test_files_workers_hold_nothing_of_the_host_without_user_namespaces(server, 
         pytest.skip("the embedded runtime runs execd from the host's binary; elsewhere execd is a "
                     "read-only bind (checked with user namespaces by the test above)")
     import uuid
+    from opensandbox import SandboxSync
     srv = W.WarrenServer(server.runtime, work_root, f"nouserns-{uuid.uuid4().hex[:6]}")
     srv.runtime_config = "user_namespaces = false\n"
-    srv.start()
+    # A secret of a host service in /etc that no list names (a cluster's admin config, say),
+    # readable by host root only: the `host` image hides it even from sandbox root with host
+    # root's ids (issue 42, second review).
+    secret_dir = Path(f"/etc/warren-e2e-{uuid.uuid4().hex[:6]}")
+    secret_dir.mkdir(mode=0o755)
+    (secret_dir / "admin.conf").write_text("token: hunter2\n")
+    os.chmod(secret_dir / "admin.conf", 0o600)
+    (secret_dir / "public.conf").write_text("public\n")
+    os.chmod(secret_dir / "public.conf", 0o644)
     try:
+        srv.start()
+    except BaseException:
+        import shutil
+        shutil.rmtree(secret_dir)
+        raise
+    try:
+        host_sbx = SandboxSync.create(srv.sandbox_image("host"), connection_config=srv.sdk_config())
+        W.track_sandbox(host_sbx.id)
+        code, out, err = sh(host_sbx, f"cat {secret_dir}/public.conf; cat {secret_dir}/admin.conf; true")
+        assert "public" in out and "hunter2" not in out, (out, err)
+        host_sbx.kill()
         srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
         from opensandbox import SandboxSync
         sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
@@ -430,5 +450,7 @@ def test_files_workers_hold_nothing_of_the_host_without_user_namespaces(server, 
                 f"{base}/41001/41000/files/download?path=/tmp/big",
             ])
     finally:
+        import shutil
+        shutil.rmtree(secret_dir, ignore_errors=True)
         srv.delete_all_sandboxes()
         srv.stop()
