@@ -381,8 +381,18 @@ def _workers_reveal_nothing(server, api, sbx_id: str, sdk_sbx, paths: list[str])
     workers = {pid: e for pid, e in during.items()
                if pid not in idle and e["comm"] not in ("sh", "bash", "dash", "python3")}
     assert len(workers) >= len(paths), f"no worker showed up: {during}"
+    # (gVisor's Sentry is the sandbox's kernel: the worker's environment and maps it shows are the
+    # sandbox's own — the sandbox's variables, execd's in-sandbox file — not the host's)
+    checked = ("exe", "cwd", "root", "exe_bytes", "chmod") + (
+        () if server.gvisor else ("environ", "maps", "fd_links"))
     for pid, e in workers.items():
-        for what in ("exe", "cwd", "root", "environ", "maps", "fd_links", "exe_bytes", "chmod"):
+        if server.gvisor and not str(e["fd_links"]).startswith("ERR"):
+            # what its descriptors lead to must be the sandbox's own
+            foreign = [l for l in e["fd_links"]
+                       if l not in ("/dev/null", "/tmp/big")
+                       and not l.startswith(("socket:", "anon_inode:", "pipe:"))]
+            assert not foreign, f"worker {pid}: descriptors on {foreign}"
+        for what in checked:
             assert str(e[what]).startswith("ERR"), f"worker {pid} {e['comm']}: /proc/{pid}/{what} = {e[what]}"
     assert {k: _fingerprint(p) for k, p in objects.items()} == before, "a host object changed"
 
