@@ -9,10 +9,12 @@ session's files — and check the reference's observable behaviour (events, exit
 runs, validation). Only the embedded runtime with user namespaces offers sessions; elsewhere
 capabilities say why (test_official_clients checks that answer)."""
 
+import os
 import time
 import uuid
 
 import httpx
+from pathlib import Path
 import pytest
 
 import warren_e2e as W
@@ -547,3 +549,55 @@ def test_session_files_workers_hold_nothing_of_the_host(iso, server):
             for pid, e in seen.items():
                 for what, v in e.items():
                     assert str(v).startswith("ERR"), f"{who}: /proc/{pid}/{what} = {v}"
+
+
+def _host_descriptors_of(sandbox_id: str) -> dict[int, tuple[str, list[str]]]:
+    """From the host: every process in the sandbox's cgroup, its name and where each of its
+    descriptors leads, as host root reads them."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cgroup") as f:
+                if f"/{sandbox_id}" not in f.read():
+                    continue
+            fds = os.listdir(f"/proc/{entry}/fd")
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+            out[int(entry)] = (comm, [os.readlink(f"/proc/{entry}/fd/{n}") for n in fds])
+        except OSError:
+            continue  # ended meanwhile
+    return out
+
+
+def test_no_process_of_the_sandbox_holds_a_host_descriptor(server, work_root):
+    """Issue 42, item 1 and the second review: execd, its forker and workers, the isolation
+    helper, a session's keeper, init, runner and shell, a background run — none holds a
+    descriptor of a host file (the sandbox's log on the host, the data dir, Warren's binary):
+    read from the host, while all of them are alive."""
+    if server.runtime != "embedded":
+        pytest.skip("isolated sessions are offered by the embedded runtime")
+    sbx = _iso_sandbox(server)
+    try:
+        with sbx.isolation.session(_req(workspace="/workspace")) as s:
+            s.run("truncate -s 1G /workspace/big")
+            s.run_background("sleep 30")
+            url = (f"/sandboxes/{sbx.id}/proxy/44772/v1/isolated/session/{s.session_id}"
+                   f"/files/download?path=/workspace/big")
+            with server.client() as api, httpx.Client(base_url=api.base_url, headers=api.headers, timeout=60) as c:
+                with c.stream("GET", url) as r:
+                    assert r.status_code == 200
+                    reader = r.iter_raw(1024)
+                    next(reader)
+                    seen = _host_descriptors_of(sbx.id)
+        comms = {pid: comm for pid, (comm, _) in seen.items()}
+        assert {"warren-execd", "execd-forker", "warren-isolate", "session-keeper", "session-init",
+                "files-worker"} <= set(comms.values()), comms
+        host_paths = [str(server.data_dir.resolve()), str(Path(work_root).resolve()), str(server.bin.resolve())]
+        for pid, (_, links) in seen.items():
+            for link in links:
+                assert not any(link.startswith(h) for h in host_paths), \
+                    f"{comms.get(pid)} ({pid}) holds {link}"
+    finally:
+        sbx.kill()
