@@ -40,7 +40,11 @@ pub fn main() -> ! {
 /// The helper's work, in a fresh exec or in a child the zygote forked (see `zygote`). Never returns.
 pub(crate) fn helper(join: Vec<String>) -> ! {
     let reply = match run(join) {
-        Ok((pid, execd_port)) => InitReply::Started { pid, execd_port },
+        Ok((pid, execd_port, isolation_helper)) => InitReply::Started {
+            pid,
+            execd_port,
+            isolation_helper,
+        },
         Err(error) => InitReply::Failed { error },
     };
     let mut out = std::io::stdout().lock();
@@ -55,7 +59,7 @@ pub(crate) fn helper(join: Vec<String>) -> ! {
     })
 }
 
-fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
+fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
     // A standby helper joins its cgroup before it has a sandbox: the migration is the slow part of
     // setup on cgroup v1, and this way it is off the create path. (A helper the zygote created
     // inside its cgroup, on v2, has nothing to join.)
@@ -201,10 +205,13 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>), String> {
                 let _ = waitpid(child, None).map(|s| matches!(s, WaitStatus::Exited(..)));
                 return Err(msg);
             }
-            if let (Some(prepared), Some(ns)) = (isolation, &userns) {
-                start_isolation_helper(prepared, ns, &host_proc, child)?;
-            }
-            Ok((child.as_raw(), execd_port))
+            let helper = match (isolation, &userns) {
+                (Some(prepared), Some(ns)) => {
+                    Some(start_isolation_helper(prepared, ns, &host_proc, child)?)
+                }
+                _ => None,
+            };
+            Ok((child.as_raw(), execd_port, helper))
         }
     }
 }
@@ -217,7 +224,7 @@ fn start_isolation_helper(
     userns: &OwnedFd,
     host_proc: &OwnedFd,
     pid1: nix::unistd::Pid,
-) -> Result<(), String> {
+) -> Result<i32, String> {
     let path = std::ffi::CString::new(format!("{pid1}/ns/pid")).map_err(|e| e.to_string())?;
     let sandbox_pid_ns = crate::isolation::open_at(host_proc, &path)?;
     // Our own children went into the sandbox's PID namespace since the unshare; the helper's
@@ -226,7 +233,6 @@ fn start_isolation_helper(
     nix::sched::setns(&own_pid_ns, CloneFlags::CLONE_NEWPID)
         .map_err(|e| format!("setns back to our PID namespace: {e}"))?;
     crate::isolation::start(prepared, userns, &sandbox_pid_ns)
-        .map(drop)
         .map_err(|e| format!("starting the isolation helper: {e}"))
 }
 

@@ -151,6 +151,7 @@ pub(crate) fn start(
                 next: 1,
             };
             helper.serve();
+            helper.shut_down();
             // SAFETY: _exit in a forked child, skipping the parent's atexit handlers.
             unsafe { libc::_exit(0) }
         }
@@ -271,6 +272,26 @@ impl Helper {
             };
             if channel::send(&self.sock, &reply, &[]).is_err() {
                 return;
+            }
+        }
+    }
+
+    /// execd has gone (the sandbox is ending): ends every session and reaps every process this
+    /// helper started before it leaves. Were they left, they would be reparented to the server
+    /// (the subreaper above this helper) and, in the sandbox's PID namespace, hold up its PID 1's
+    /// exit until something reaped them. Bounded: the sandbox's end kills them all anyway.
+    fn shut_down(&mut self) {
+        for s in self.sessions.values() {
+            let _ = nix::sys::signal::kill(s.keeper, nix::sys::signal::SIGKILL);
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => return,
+                Ok(_) => {}
             }
         }
     }

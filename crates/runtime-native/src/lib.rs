@@ -58,6 +58,12 @@ use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
 pub use cgroup::{Cgroup, CgroupError, CpuShare, Layout as CgroupLayout};
 pub use spec::{InitReply, InitSpec, RootSource, EXECD_SOCKET_NAME, JOINED_LINE};
 
+/// A process's start time (clock ticks since boot), a zombie's too.
+fn start_time_even_exited(pid: i32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    warren_core::stat_field(&warren_core::stat_fields(&stat)?, 22)
+}
+
 /// The hidden subcommand of the `warren` binary that runs `init::main`.
 pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
 
@@ -535,12 +541,6 @@ impl NativeRuntime {
         }
         .join("upper");
         let range = self.take_range(&spec.id, dir, &upper)?;
-        if spec.isolation && self.inner.oci.is_none() {
-            // Its isolation helper lives outside the sandbox's PID namespace, so PID 1's end does
-            // not end it: the teardown looks for it (see `teardown`).
-            fs::write(dir.join(ISOLATION_FILE), "")
-                .map_err(|e| RuntimeError::backend_with("marking the sandbox's sessions", e))?;
-        }
         let log_path = dir.join(folders::LOG_NAME);
         let log = fs::OpenOptions::new()
             .append(true)
@@ -549,7 +549,7 @@ impl NativeRuntime {
         let started = Instant::now();
         // One budget for the whole start: the setup helper's answer, then execd listening.
         let deadline = started + self.inner.config.ready_timeout;
-        let (pid, ready, execd_port) = match &self.inner.oci {
+        let (pid, ready, execd_port, helper) = match &self.inner.oci {
             None => self.start_embedded(spec, log, &log_path, &volumes.mounts, deadline, range)?,
             Some(oci) => {
                 // The OCI runtime creates the cgroup itself at the same path ours would have.
@@ -573,10 +573,17 @@ impl NativeRuntime {
                         e,
                     )
                 })?;
-                (pid, None, None)
+                (pid, None, None, None)
             }
         };
         *pid_out = Some(pid);
+        if let Some(helper) = helper {
+            // Read by the teardown: the helper, in the host's PID namespace, is the server's to
+            // reap (its setup helper exited), and this pid names it only with this start time.
+            let start = process_start_time(helper).unwrap_or_default();
+            fs::write(dir.join(ISOLATION_FILE), format!("{helper} {start}"))
+                .map_err(|e| RuntimeError::backend_with("recording the isolation helper", e))?;
+        }
         priority::Lowered::follow(&mut lowered, &spec.background);
         let start_time = process_start_time(pid).ok_or_else(|| {
             RuntimeError::StartFailed(format!(
@@ -591,6 +598,14 @@ impl NativeRuntime {
             None => ExecdAddress::Unix(dir.join("run").join(EXECD_SOCKET_NAME)),
         };
         self.wait_ready(pid, ready, deadline, &address, &log_path)?;
+        if Instant::now() > deadline {
+            // Ready, but late: an answer already waiting when the server, descheduled, came to
+            // read it passed every check above. The setting bounds the whole start.
+            return Err(RuntimeError::StartFailed(format!(
+                "the sandbox started after the start timeout ({} s, [runtime] start_timeout_seconds)",
+                self.inner.config.ready_timeout.as_secs_f64()
+            )));
+        }
         tracing::debug!(sandbox_id = %spec.id, spawn_us = spawned.as_micros() as u64, ready_us = started.elapsed().as_micros() as u64, "sandbox started");
         serde_json::to_value(NativeState {
             pid,
@@ -610,7 +625,7 @@ impl NativeRuntime {
         volumes: &[spec::HostMount],
         deadline: Instant,
         range: Option<userns::IdRange>,
-    ) -> Result<(i32, Option<fs::File>, Option<u16>), RuntimeError> {
+    ) -> Result<(i32, Option<fs::File>, Option<u16>, Option<i32>), RuntimeError> {
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();
@@ -675,18 +690,68 @@ impl NativeRuntime {
         })?;
         match reply {
             // execd holds the pipe's last writer until it listens (see `init`).
-            InitReply::Started { pid, execd_port } => {
+            InitReply::Started {
+                pid,
+                execd_port,
+                isolation_helper,
+            } => {
                 if self.inner.config.execd_tcp && execd_port.is_none() {
                     return Err(RuntimeError::backend(
                         "the setup helper reported no TCP port for execd",
                     ));
                 }
-                Ok((pid, out, execd_port))
+                Ok((pid, out, execd_port, isolation_helper))
             }
             InitReply::Failed { error } => Err(RuntimeError::backend(format!(
                 "sandbox setup failed: {error}"
             ))),
         }
+    }
+
+    /// Ends and reaps sandbox `id`'s isolation helper, if it has one (see `isolation::start`). It
+    /// lives in the host's PID namespace, so PID 1's end does not end it; it leaves by itself once
+    /// execd's end of its socket has closed and it has reaped what it started, and its setup
+    /// helper has exited, so it is the server's (the subreaper's) child to reap. Killed if it has
+    /// not left within a few seconds. The pid is trusted only with the start time it was
+    /// recorded with.
+    fn end_isolation_helper(&self, id: &str) {
+        let Ok(record) = fs::read_to_string(self.sandbox_dir(id).join(ISOLATION_FILE)) else {
+            return;
+        };
+        let mut words = record.split_whitespace().map(|w| w.parse::<u64>().ok());
+        let (Some(Some(pid)), Some(Some(start))) = (words.next(), words.next()) else {
+            return;
+        };
+        let pid = pid as i32;
+        if pid <= 1 {
+            return;
+        }
+        // The pidfd first: the helper may have left already, and a zombie child of ours keeps its
+        // pid (and start time) until we reap it.
+        let Some(fd) = pidfd_open(pid) else {
+            return;
+        };
+        if start_time_even_exited(pid) != Some(start) {
+            return;
+        }
+        if !pidfd_exited(&fd, 3000) {
+            tracing::warn!(
+                sandbox_id = id,
+                "the isolation helper did not leave; killed"
+            );
+            // SAFETY: pidfd_send_signal(2) on a pidfd we own: it names exactly that process.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    fd.as_raw_fd(),
+                    libc::SIGKILL,
+                    0,
+                    0,
+                )
+            };
+            pidfd_exited(&fd, 2000);
+        }
+        let _ = reap_pidfd_with(&fd, libc::WEXITED | libc::WNOHANG);
     }
 
     /// Kills and reaps the server's children that sit in sandbox `id`'s cgroup. A setup helper killed
@@ -997,11 +1062,7 @@ impl NativeRuntime {
             (Some(pid), None) => wait_gone(pid, Duration::from_secs(5)),
             (None, _) => {}
         }
-        if self.sandbox_dir(id).join(ISOLATION_FILE).exists() {
-            // The isolation helper, in the host's PID namespace and reparented to the server: it
-            // leaves once execd's end of its socket closes, and is reaped (or killed) here.
-            self.reap_strays(id, Duration::from_secs(2));
-        }
+        self.end_isolation_helper(id);
         let cgroup_left = match cg.remove(Duration::from_secs(3)) {
             Ok(()) => false,
             Err(e) => {

@@ -129,6 +129,10 @@ pub enum InitReply {
         /// The loopback port execd listens on, when it listens on TCP.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         execd_port: Option<u16>,
+        /// The isolation helper, as the host numbers it (see `isolation::start`): the server's
+        /// to reap once the sandbox has ended.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        isolation_helper: Option<i32>,
     },
     Failed {
         error: String,
