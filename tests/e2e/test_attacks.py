@@ -404,7 +404,7 @@ def _big_file(sbx, path: str) -> None:
 
 
 def test_files_workers_hold_nothing_of_the_host(server, api, make_sandbox, test_image):
-    """Issue 42, item 1: a files worker (`files_with_identity`), kept alive by a slow download,
+    """A files worker (`files_with_identity`), kept alive by a slow download,
     shows sandbox root nothing through /proc/<worker>/ — not the binary it runs (the host's
     `warren` when it was exec'd from /proc/self/exe), its environment, descriptors, maps, cwd or
     root — and cannot be made to change the binary's mode."""
@@ -429,7 +429,7 @@ def test_files_workers_hold_nothing_of_the_host_without_user_namespaces(server, 
     srv.runtime_config = "user_namespaces = false\n"
     # A secret of a host service in /etc that no list names (a cluster's admin config, say),
     # readable by host root only: the `host` image hides it even from sandbox root with host
-    # root's ids (issue 42, second review).
+    # root's ids.
     secret_dir = Path(f"/etc/warren-e2e-{uuid.uuid4().hex[:6]}")
     secret_dir.mkdir(mode=0o755)
     (secret_dir / "admin.conf").write_text("token: hunter2\n")

@@ -440,7 +440,7 @@ def _iso_sandbox(server):
 
 
 def test_the_helper_is_beyond_the_sandboxs_reach(server):
-    """Issue 42, item 4: sandbox root used to see its isolation helper (a process of its own user)
+    """Sandbox root used to see its isolation helper (a process of its own user)
     and could stop or kill it, which hung every session. The helper now lives in the host's PID
     namespace: the sandbox cannot name it; killing every process the sandbox can see ends its
     sessions with an error, never a hang, and new sessions are made as before."""
@@ -479,7 +479,7 @@ def test_the_helper_is_beyond_the_sandboxs_reach(server):
 
 
 def test_here_documents_run_in_sessions(iso):
-    """Issue 42, item 4: a run whose code holds a here-document (quoted or not, unterminated,
+    """A run whose code holds a here-document (quoted or not, unterminated,
     larger than a pipe, with envs) finishes, and the shell takes the next run."""
     from opensandbox.models.isolated import IsolatedRunOpts
     big = "a" * 200_000
@@ -507,7 +507,7 @@ def test_here_documents_run_in_sessions(iso):
 
 
 def test_session_files_workers_hold_nothing_of_the_host(iso, server):
-    """Issue 42, item 1: a session's files worker (forked by the helper's runner, not an exec of
+    """A session's files worker (forked by the helper's runner, not an exec of
     the host's binary), kept alive by a slow download, shows neither the sandbox's root nor the
     session's code anything through /proc/<worker>/."""
     from opensandbox.models.filesystem import WriteEntry
@@ -572,7 +572,7 @@ def _host_descriptors_of(sandbox_id: str) -> dict[int, tuple[str, list[str]]]:
 
 
 def test_no_process_of_the_sandbox_holds_a_host_descriptor(server, work_root):
-    """Issue 42, item 1 and the second review: execd, its forker and workers, the isolation
+    """Execd, its forker and workers, the isolation
     helper, a session's keeper, init, runner and shell, a background run — none holds a
     descriptor of a host file (the sandbox's log on the host, the data dir, Warren's binary):
     read from the host, while all of them are alive."""

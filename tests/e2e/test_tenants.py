@@ -551,7 +551,7 @@ def _image_id(srv, name: str) -> str:
 
 
 def test_another_tenant_s_snapshot_is_missing_however_it_is_named(srv):
-    """Issue 42 item 2: every reference to a stored object goes through one tenant-aware resolver.
+    """Every reference to a stored object goes through one tenant-aware resolver.
     Tenant B names tenant A's snapshot as an image (every spelling that reaches its image), as
     `snapshotId`, through A's template (`templateId`), through a pool (`poolRef`, or a pool or a
     template of its own made from that image): each answers exactly as a name that never was, and
@@ -666,7 +666,7 @@ def test_another_tenant_s_snapshot_is_missing_however_it_is_named(srv):
 
 
 def test_a_default_tenant_claim_never_names_a_tenant_s_volume(srv):
-    """Issue 42 item 4: a tenant's named volume `data` is kept as `<tenant>.data`, so the default
+    """A tenant's named volume `data` is kept as `<tenant>.data`, so the default
     tenant's claim names hold no dot (refused with 400, nothing made); a tenant's own dotted claim
     is still its own."""
     from opensandbox import SandboxSync
@@ -703,7 +703,7 @@ def test_a_default_tenant_claim_never_names_a_tenant_s_volume(srv):
 
 
 def test_host_routing_takes_the_sandbox_tenant_s_key_and_never_passes_it_on(srv):
-    """Issue 42 item 4: `{port}-{id}.{domain}` opens a port with the sandbox tenant's key (or an
+    """`{port}-{id}.{domain}` opens a port with the sandbox tenant's key (or an
     admin's), as the path proxy does; another tenant's key answers as for a missing sandbox; the key
     never reaches the app."""
     from opensandbox.models.execd import RunCommandOpts

@@ -178,7 +178,7 @@ def test_a_snapshot_records_the_sandboxs_own_ids(userns_server):
 
 
 def test_servers_on_one_host_never_share_a_range(userns_server, work_root):
-    """Issue 42, item 3: ranges are unique on the host, across servers. Two servers with live
+    """Ranges are unique on the host, across servers. Two servers with live
     sandboxes hand out different ranges; a server that stops leaves its sandboxes running, and a
     server started on another data dir meanwhile (a blue/green successor) skips their ranges too.
     Each server used to start at 2^31 with its slots in memory: the first sandbox of each got the

@@ -4,7 +4,7 @@
 //!
 //! Why one place: each reference used to be checked where it was read, and one was not. A create
 //! with `image.uri = "warren-snapshot/<another tenant's snapshot id>"` ran that snapshot, though
-//! `snapshotId` and `GET /snapshots/{id}` checked the tenant (issue 42). Every plan — a create's, a
+//! `snapshotId` and `GET /snapshots/{id}` checked the tenant. Every plan — a create's, a
 //! pool's template, a template's build — now goes through [`Stored::resolve`] once it is its
 //! tenant's ([`crate::validate::CreatePlan::set_tenant`], which names volumes here too), so a new
 //! way in cannot skip the check. Another tenant's object answers exactly as a missing one: every
@@ -129,7 +129,7 @@ fn strip_prefix_ignore_case<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
 /// The runtime's name for `tenant`'s named volume `claim`: `<tenant>.<claim>`, the default
 /// tenant's under its plain claim (volumes made before tenants keep their names). Tenant names
 /// hold no `.`; a default-tenant claim may hold none either, or the default tenant's `alpha.data`
-/// would be tenant alpha's `data` (issue 42). A tenant's own claims may: `alpha.x.y` is
+/// would be tenant alpha's `data`. A tenant's own claims may: `alpha.x.y` is
 /// still only alpha's.
 pub fn volume_name(tenant: &str, claim: &str) -> Result<String, ApiError> {
     if tenant != DEFAULT_TENANT {
