@@ -124,27 +124,112 @@ def test_root_only_host_files_stay_unreadable_in_the_host_image(userns_server):
         canary.unlink()
 
 
-def test_volumes_show_their_owners_on_disk(userns_server):
-    """Volumes (host folders and named volumes) are idmapped: inside, a file has the owner it has on
-    disk, and what the sandbox's root writes there is owned by root on disk — a volume is storage the
-    caller chose to share with the sandbox, and stays usable by the host's own programs."""
-    from opensandbox.models.sandboxes import PVC, Host, Volume
+VOLUME_BASE = 0x7FFF0000
+
+
+def test_a_users_folder_is_root_owned_inside_and_nothing_lands_as_a_host_account(userns_server):
+    """A host folder owned by uid 1000 (a person's): inside, its root is 1000's files' owner and
+    what it makes there is 1000's on the host. Every other id of the sandbox is the volume range's on
+    disk, never a host account: a setuid or setgid file it makes there (the way to root, or to group
+    `shadow`, for any host user who runs it) belongs to an id no host user has. Files of other host
+    users are nobody's inside, and root there has no override on them. (Volumes were idmapped through
+    the sandbox's own namespace: its root wrote host uid 0, setuid-root programs included.)"""
+    from opensandbox.models.sandboxes import Host, Volume
     host_dir = userns_server.host_volumes / uuid.uuid4().hex[:8]
     host_dir.mkdir(parents=True)
-    (host_dir / "from-host").write_text("hi")
-    os.chown(host_dir / "from-host", 1000, 1000)
-    claim = f"ns-{uuid.uuid4().hex[:6]}"
-    sbx = make(userns_server, volumes=[
-        Volume(name="h", host=Host(path=str(host_dir)), mount_path="/mnt/h"),
-        Volume(name="n", pvc=PVC(claim_name=claim, delete_on_sandbox_termination=True), mount_path="/mnt/n")])
+    os.chown(host_dir, 1000, 1000)
+    for name, owner in (("from-user", 1000), ("from-other", 1001), ("from-root", 0)):
+        (host_dir / name).write_text("hi\n")
+        os.chmod(host_dir / name, 0o644)
+        os.chown(host_dir / name, owner, owner)
+    sbx = make(userns_server, volumes=[Volume(name="h", host=Host(path=str(host_dir)), mount_path="/mnt/h")])
     try:
-        code, out, err = W.sh(sbx, "stat -c %u /mnt/h /mnt/h/from-host && echo x > /mnt/h/made && "
-                                   "echo y > /mnt/n/made && stat -c %u /mnt/n/made")
-        assert code == 0, err
-        assert out.split() == ["0", "1000", "0"], out
-        assert os.stat(host_dir / "made").st_uid == 0
+        code, out, err = W.sh(sbx, "cd /mnt/h && stat -c %u:%g . from-user from-other from-root && "
+                                   "echo x > made && echo more >> from-user && cat from-other from-root && "
+                                   "cp /usr/bin/id suid && chmod 4755 suid && "
+                                   "cp /usr/bin/id sgid && chown 7:42 sgid && chmod 6755 sgid && "
+                                   "chown 0:0 made && echo ok")
+        assert code == 0, (out, err)
+        assert out.split()[:4] == ["0:0", "0:0", "65534:65534", "65534:65534"], out
+        for name in ("from-other", "from-root"):
+            code, _, err = W.sh(sbx, f"echo no >> /mnt/h/{name}")
+            assert code != 0, f"root wrote {name}, a file of another host user"
+            assert (host_dir / name).read_text() == "hi\n"
+        assert W.sh(sbx, "touch /mnt/h/by-1001 && chown 1001:1001 /mnt/h/by-1001")[0] == 0
+        made, suid, sgid = (os.stat(host_dir / n) for n in ("made", "suid", "sgid"))
+        assert (made.st_uid, made.st_gid) == (1000, 1000), "root's files are the folder owner's"
+        assert (host_dir / "from-user").read_text() == "hi\nmore\n"
+        # setuid to the folder's owner, as its owner could make; no other host account
+        assert suid.st_mode & 0o4000 and (suid.st_uid, suid.st_gid) == (1000, 1000)
+        assert sgid.st_mode & 0o6000 == 0o6000
+        assert (sgid.st_uid, sgid.st_gid) == (VOLUME_BASE + 7, VOLUME_BASE + 42), (sgid.st_uid, sgid.st_gid)
+        assert os.stat(host_dir / "by-1001").st_uid == VOLUME_BASE + 1001, "not host uid 1001's"
+        made_inside = {p.name: (os.stat(p).st_uid, os.stat(p).st_gid) for p in host_dir.iterdir()
+                       if not p.name.startswith("from-")}
+        volumes = range(VOLUME_BASE, VOLUME_BASE + SIZE)
+        assert all(i == 1000 or i in volumes for ids in made_inside.values() for i in ids), made_inside
     finally:
         sbx.kill()
+
+
+def test_a_root_owned_folder_never_gets_host_roots_files(userns_server):
+    """A host folder of host root's: the sandbox's root is the volume range's root there. Host
+    root's files are nobody's inside and, like every file of an id the mount does not map, not
+    writable at all (a 1777 folder included): the sandbox only reads. A folder in it given to the
+    volume range's root is the sandbox's, and a setuid file made there, even chowned to 0 inside,
+    belongs to no host account."""
+    from opensandbox.models.sandboxes import Host, Volume
+    host_dir = userns_server.host_volumes / uuid.uuid4().hex[:8]
+    (host_dir / "open").mkdir(parents=True)
+    os.chmod(host_dir / "open", 0o1777)
+    (host_dir / "given").mkdir()
+    os.chown(host_dir / "given", VOLUME_BASE, VOLUME_BASE)
+    (host_dir / "readme").write_text("from the host\n")
+    sbx = make(userns_server, volumes=[Volume(name="h", host=Host(path=str(host_dir)), mount_path="/mnt/h")])
+    try:
+        code, out, err = W.sh(sbx, "stat -c %u /mnt/h /mnt/h/given && cat /mnt/h/readme")
+        assert code == 0 and out.split() == ["65534", "0", "from", "the", "host"], (out, err)
+        for path in ("/mnt/h/top", "/mnt/h/open/f", "/mnt/h/readme"):
+            assert W.sh(sbx, f"echo x >> {path}")[0] != 0, f"wrote {path}, which is host root's"
+        code, out, err = W.sh(sbx, "cp /usr/bin/id /mnt/h/given/suid && chown 0:0 /mnt/h/given/suid && "
+                                   "chmod 4755 /mnt/h/given/suid && echo ok")
+        assert code == 0, (out, err)
+        st = os.stat(host_dir / "given" / "suid")
+        assert st.st_mode & 0o4000 and (st.st_uid, st.st_gid) == (VOLUME_BASE, VOLUME_BASE), (st.st_uid, st.st_gid)
+        assert sorted(p.name for p in host_dir.rglob("*")) == ["given", "open", "readme", "suid"]
+        assert (host_dir / "readme").read_text() == "from the host\n"
+    finally:
+        sbx.kill()
+
+
+def test_a_named_volume_is_one_owner_for_every_sandbox(userns_server):
+    """A named volume keeps its files under the volume range, whatever the range of the sandbox that
+    wrote them: a later sandbox, in another range, sees them as its own root's and writes them, and
+    nothing there is a host account's. A `subPath` Warren makes belongs to the volume's root."""
+    from opensandbox.models.sandboxes import PVC, Volume
+    claim = f"ns-{uuid.uuid4().hex[:6]}"
+    vols = [Volume(name="n", pvc=PVC(claim_name=claim), mount_path="/mnt/n"),
+            Volume(name="s", pvc=PVC(claim_name=claim), mount_path="/mnt/s", sub_path="made/by/warren")]
+    a = make(userns_server, volumes=vols)
+    try:
+        code, out, err = W.sh(a, "echo a > /mnt/n/f && chown 5:5 /mnt/n/f && "
+                                 "echo s > /mnt/s/g && stat -c %u /mnt/n /mnt/s /mnt/s/g")
+        assert code == 0 and out.split() == ["0", "0", "0"], (out, err)
+        b = make(userns_server, volumes=vols)
+        try:
+            assert range_of(a) != range_of(b)
+            code, out, err = W.sh(b, "stat -c %u:%g /mnt/n/f && echo b >> /mnt/s/g && cat /mnt/s/g")
+            assert code == 0 and out.split() == ["5:5", "s", "b"], (out, err)
+        finally:
+            b.kill()
+        folder = userns_server.data_dir / "volumes" / claim
+        owners = {str(p.relative_to(folder)): os.stat(p).st_uid for p in [folder, *folder.rglob("*")]}
+        assert owners["f"] == VOLUME_BASE + 5 and owners["made/by/warren/g"] == VOLUME_BASE, owners
+        assert all(VOLUME_BASE <= u < VOLUME_BASE + SIZE for u in owners.values()), owners
+    finally:
+        a.kill()
+        import shutil
+        shutil.rmtree(userns_server.data_dir / "volumes" / claim, ignore_errors=True)
 
 
 def test_a_snapshot_records_the_sandboxs_own_ids(userns_server):

@@ -72,7 +72,9 @@ fn opened(fd: OwnedFd, path: &Path) -> io::Result<Opened> {
 
 /// Opens `root/rel` without following a symbolic link in `rel` (`root` itself is trusted and opened
 /// as usual). With `create`, missing folders on the way — the last component included — are made
-/// (mode 0755), as Kubernetes does for a `subPath`. `rel` must be relative and free of `..`.
+/// (mode 0755), as Kubernetes does for a `subPath`, each owned as the folder it is made in (a
+/// volume's folders belong to the ids its sandboxes see as root, not to the host root that makes
+/// them). `rel` must be relative and free of `..`.
 pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened> {
     let start = File::open(root)?;
     let mut cur: OwnedFd = start.into();
@@ -103,6 +105,10 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
                             format!("creating {}: {err}", walked.display()),
                         ));
                     }
+                } else {
+                    take_parents_owner(&cur, &cname).map_err(|e| {
+                        io::Error::new(e.kind(), format!("owning {}: {e}", walked.display()))
+                    })?;
                 }
                 step(&cur, &cname, libc::O_DIRECTORY)
             }
@@ -116,6 +122,32 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
         })?;
     }
     opened(cur, &walked)
+}
+
+/// Gives `name`, just made in `parent`, `parent`'s owner and group (without following a link, which
+/// a sandbox sharing the folder could have put there meanwhile). Nothing is changed where the
+/// owners agree already (a folder of the caller's own).
+fn take_parents_owner(parent: &OwnedFd, name: &CString) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let st = File::from(parent.try_clone()?).metadata()?;
+    let made = File::from(step(parent, name, libc::O_DIRECTORY)?).metadata()?;
+    if (made.uid(), made.gid()) == (st.uid(), st.gid()) {
+        return Ok(());
+    }
+    // SAFETY: fchownat(2) on a descriptor we own and a NUL-terminated name.
+    if unsafe {
+        libc::fchownat(
+            parent.as_raw_fd(),
+            name.as_ptr(),
+            st.uid(),
+            st.gid(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Opens the file `root/rel`, creating it empty (mode 0644) and the folders on the way when missing,
@@ -160,6 +192,25 @@ pub fn make_file_beneath(root: &Path, rel: &Path) -> io::Result<Opened> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn made_folders_belong_to_the_folder_they_are_made_in() {
+        // SAFETY: geteuid(2) cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: giving a folder another owner needs root");
+            return;
+        }
+        use std::os::unix::fs::MetadataExt;
+        let base = tempfile::tempdir().expect("tempdir");
+        let vol = base.path().join("vol");
+        std::fs::create_dir(&vol).expect("mkdir");
+        std::os::unix::fs::chown(&vol, Some(4242), Some(4343)).expect("chown");
+        open_beneath(&vol, Path::new("a/b"), true).expect("made");
+        for dir in [vol.join("a"), vol.join("a/b")] {
+            let m = std::fs::metadata(&dir).expect("stat");
+            assert_eq!((m.uid(), m.gid()), (4242, 4343), "{}", dir.display());
+        }
+    }
 
     #[test]
     fn links_on_the_way_or_at_the_end_are_refused_and_nothing_is_made_through_them() {

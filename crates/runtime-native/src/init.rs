@@ -134,6 +134,12 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
         ),
         (None, None) => None,
     };
+    // Each volume's idmapping: made here, while this process's pids are the host /proc's.
+    let volume_ns = match spec.userns {
+        Some(range) => crate::userns::volume_namespaces(range, &spec.volumes)
+            .map_err(|e| format!("idmapping the volumes: {e}"))?,
+        None => Vec::new(),
+    };
     // The host's /proc, kept: once PID 1 has pivoted into the sandbox's root, this process's root
     // is that root too (it shares the mount namespace), and /proc there is the sandbox's.
     let host_proc: OwnedFd = fs::File::open("/proc")
@@ -175,6 +181,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
                 premade_root.as_ref(),
                 listener,
                 userns,
+                &volume_ns,
                 isolation_end,
             ) {
                 Ok(config) => {
@@ -245,6 +252,7 @@ fn prepare_execd(
     premade_root: Option<&OwnedFd>,
     listener: Listener,
     userns: Option<OwnedFd>,
+    volume_ns: &[OwnedFd],
     isolation_helper: Option<OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
     // A session of its own, as container runtimes give a container's init: without it the sandbox
@@ -266,7 +274,8 @@ fn prepare_execd(
             fs::write(file, value).map_err(|e| format!("{file}: {e}"))?;
         }
     }
-    rootfs::build(spec, premade_root, userns.as_ref()).map_err(|e| warren_core::error_chain(&e))?;
+    rootfs::build(spec, premade_root, userns.as_ref(), volume_ns)
+        .map_err(|e| warren_core::error_chain(&e))?;
     std::env::set_current_dir(&spec.workdir)
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;

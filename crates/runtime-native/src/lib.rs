@@ -327,7 +327,10 @@ impl NativeRuntime {
                     layout.clone(),
                     config.cgroup_parent.clone(),
                 ),
-                volumes: volumes::Volumes::new(&config.data_dir),
+                volumes: volumes::Volumes::new(
+                    &config.data_dir,
+                    userns.as_ref().map(|_| userns::VOLUME_BASE),
+                ),
                 folders,
                 userns,
                 config,

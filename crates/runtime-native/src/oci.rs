@@ -335,10 +335,14 @@ impl OciRuntime {
 /// runtime's recursive bind of the root takes them along; teardown's lazy unmount of the root takes
 /// them away.
 ///
-/// With a user namespace the layers are the idmapped copies and volumes are idmapped too (as on the
-/// embedded runtime); the root's folder admits the range's group.
+/// With a user namespace the layers are the idmapped copies and volumes are idmapped as on the
+/// embedded runtime (`userns::volume_map`); the root's folder admits the range's group.
 fn mount_rootfs(spec: &InitSpec, idmapped: Option<&Idmapped>) -> Result<(), OciError> {
     let root = &spec.rootfs_dir;
+    let volume_ns = match spec.userns {
+        Some(range) => userns::volume_namespaces(range, &spec.volumes).map_err(OciError::Bundle)?,
+        None => Vec::new(),
+    };
     make_root_folder(root, spec.userns).map_err(OciError::Bundle)?;
     let lowers = match idmapped {
         Some(m) => m.layer_paths(),
@@ -346,7 +350,7 @@ fn mount_rootfs(spec: &InitSpec, idmapped: Option<&Idmapped>) -> Result<(), OciE
     };
     crate::rootfs::mount_overlay(spec, root, &lowers)
         .map_err(|e| OciError::Mount(root.clone(), e))?;
-    let inside = crate::rootfs::mount_volumes(spec, root, idmapped.map(|m| &*m.ns))
+    let inside = crate::rootfs::mount_volumes(spec, root, &volume_ns)
         .map_err(OciError::Volumes)
         .and_then(|()| bind_execd(spec).map_err(OciError::Execd));
     if inside.is_err() {

@@ -180,8 +180,14 @@ pub(crate) fn fd_path(fd: impl std::os::fd::AsFd) -> PathBuf {
 ///
 /// With user namespaces (`userns`, the namespace PID 1 joins last) the layers are idmapped through
 /// it, the sandbox's own mounts (`/dev`, its pty group) and the folders made here belong to its
-/// range, and volumes show their files with the owners they have on disk.
-pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>, userns: Option<&OwnedFd>) -> Result<()> {
+/// range, and each volume is idmapped through its namespace in `volume_ns`
+/// (`userns::volume_namespaces`).
+pub fn build(
+    spec: &InitSpec,
+    premade: Option<&OwnedFd>,
+    userns: Option<&OwnedFd>,
+    volume_ns: &[OwnedFd],
+) -> Result<()> {
     // Nothing we mount may propagate back to the host.
     mnt(
         None,
@@ -211,7 +217,7 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>, userns: Option<&OwnedFd
         }
     }
     // after /tmp exists with its own mode: a volume under it must not create it 0755
-    mount_volumes(spec, root, userns)?;
+    mount_volumes(spec, root, volume_ns)?;
     pivot(root)
 }
 
@@ -219,8 +225,19 @@ pub fn build(spec: &InitSpec, premade: Option<&OwnedFd>, userns: Option<&OwnedFd
 /// handle to handle: a volume's contents are sandboxes' (a link or a folder swapped for one while
 /// this runs must not aim the mount at, or make a mount point in, a host folder), and so may be the
 /// folders on the way to a mount point (a volume nested in another, or links in the image).
-pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path, userns: Option<&OwnedFd>) -> Result<()> {
-    for v in &spec.volumes {
+///
+/// `namespaces`: for a sandbox in a user namespace, each volume's idmapping, in order (see
+/// `userns::volume_map`); empty otherwise.
+pub(crate) fn mount_volumes(spec: &InitSpec, root: &Path, namespaces: &[OwnedFd]) -> Result<()> {
+    if spec.userns.is_some() && namespaces.len() != spec.volumes.len() {
+        // Never a volume mounted as it is on disk in a sandbox whose ids are not the host's.
+        return Err(RootfsError::Io {
+            path: root.to_path_buf(),
+            source: io::Error::other("a volume's idmapping is missing"),
+        });
+    }
+    for (i, v) in spec.volumes.iter().enumerate() {
+        let userns = namespaces.get(i);
         let source = v.open_source().map_err(io_at(&v.source))?;
         let rel = Path::new(v.target.trim_start_matches('/'));
         let target = if rel.as_os_str().is_empty() {

@@ -6,7 +6,8 @@
 //! a file owned by root on disk is owned by root inside, while what the sandbox writes lands in its
 //! upper dir owned by its range — a setuid-root file it makes is a setuid file of an unprivileged
 //! host id, and a host file owned by an id outside the range (the `host` image's binds) is owned by
-//! nobody inside: root there has no override on it.
+//! nobody inside: root there has no override on it. Volumes are idmapped onto a range of their own
+//! ([`VOLUME_BASE`], [`volume_map`]), never onto host accounts.
 //!
 //! Ranges are unique on the host, not only within one server: every server on a host (a second
 //! instance, a test suite's, a blue/green successor on another data dir) claims each range it
@@ -54,6 +55,41 @@ impl IdRange {
     }
 }
 
+/// The host ids volumes keep their files under: a range of [`SIZE`] below the first default slot,
+/// no host user's and no sandbox's. A sandbox's id `k` is id `VOLUME_BASE + k` on a volume's disk,
+/// whatever its own range, so every sandbox sharing a volume sees one owner for each file, and a
+/// file the sandbox makes there — setuid or setgid included — belongs to an id no host account has
+/// (see [`volume_map`]).
+pub const VOLUME_BASE: u32 = 0x7FFF_0000;
+
+/// The idmapping of a volume whose folder belongs to `owner` on disk, for a sandbox in `range`:
+/// one `uid_map` (or, given the folder's group, `gid_map`) text.
+///
+/// Never host root, nor any id a host account may have: mapping the sandbox's ids onto the same ids
+/// on disk would let its root make setuid-root programs in a host folder, and any of its ids make
+/// files setgid to a host group (`shadow`, say) — programs every host user could then run. So the
+/// sandbox's ids are [`VOLUME_BASE`]`..` on disk, except its root, which is the folder's owner when
+/// that is neither root nor a volume id: whoever shares a folder owned by uid 1000 gets the files
+/// the sandbox's root makes as uid 1000's, and that root may change their files (it could not make
+/// a setuid program uid 1000 could not make). A folder of host root's is the volume range's (root
+/// there is `VOLUME_BASE`). Files of any id the map leaves out (host root's, other users') are
+/// nobody's inside and not writable at all: the kernel refuses writes to a file whose owner an
+/// idmapped mount does not map.
+pub fn volume_map(range: IdRange, owner: u32) -> String {
+    let volumes = VOLUME_BASE..VOLUME_BASE + SIZE;
+    if owner == 0 || volumes.contains(&owner) {
+        format!("{VOLUME_BASE} {} {SIZE}", range.base)
+    } else {
+        format!(
+            "{owner} {} 1\n{} {} {}",
+            range.base,
+            VOLUME_BASE + 1,
+            range.base + 1,
+            SIZE - 1
+        )
+    }
+}
+
 /// The host-wide folder of range claims (see the module's documentation). Under /run: a reboot
 /// ends every sandbox, and so every claim.
 pub const HOST_CLAIMS: &str = "/run/warren/id-ranges";
@@ -94,6 +130,14 @@ impl Slots {
             return Err(format!(
                 "user namespaces: {count} ranges of {SIZE} ids from {first} do not fit below {}",
                 u32::MAX
+            ));
+        }
+        let volumes = u64::from(VOLUME_BASE)..u64::from(VOLUME_BASE) + u64::from(SIZE);
+        if u64::from(first) < volumes.end && volumes.start < end {
+            return Err(format!(
+                "user namespaces: {count} ranges of {SIZE} ids from {first} cover the ids volumes \
+                 keep their files under ({VOLUME_BASE} ..= {})",
+                volumes.end - 1
             ));
         }
         if first % SIZE != 0 {
@@ -259,8 +303,9 @@ fn range_has_processes(range: IdRange) -> bool {
     })
 }
 
-/// What the server hands a sandbox in a range: the range's namespace (PID 1 joins it; volumes are
-/// idmapped through it) and idmapped copies of the root's layers, in `layers`' order.
+/// What the server hands a sandbox in a range: the range's namespace (PID 1 joins it) and idmapped
+/// copies of the root's layers, in `layers`' order. (Volumes have maps of their own:
+/// [`volume_namespaces`].)
 pub struct Idmapped {
     pub ns: Arc<OwnedFd>,
     pub layers: Vec<Arc<OwnedFd>>,
@@ -329,6 +374,11 @@ fn same_folder(copy: &OwnedFd, path: &Path) -> bool {
 /// of the child that made it, which has exited). Sound in a multi-threaded process: the child makes
 /// only async-signal-safe calls before it exits.
 pub fn make(range: IdRange) -> io::Result<OwnedFd> {
+    make_mapped(&range.map_line(), &range.map_line())
+}
+
+/// A new user namespace with `uid_map` and `gid_map` (the texts the kernel takes), as [`make`].
+pub fn make_mapped(uid_map: &str, gid_map: &str) -> io::Result<OwnedFd> {
     // One at a time in this process: a child forked by one call inherits the pipes of another
     // call in flight, and two such children each held the end the other waited to see closed —
     // neither ever exited, and both calls (and the creates behind them) hung.
@@ -369,8 +419,8 @@ pub fn make(range: IdRange) -> io::Result<OwnedFd> {
                 "unshare(CLONE_NEWUSER) failed in the namespace's child (user namespaces off?)",
             ));
         }
-        std::fs::write(format!("/proc/{pid}/uid_map"), range.map_line())?;
-        std::fs::write(format!("/proc/{pid}/gid_map"), range.map_line())?;
+        std::fs::write(format!("/proc/{pid}/uid_map"), uid_map)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), gid_map)?;
         let f = File::open(format!("/proc/{pid}/ns/user"))?;
         Ok(OwnedFd::from(f))
     })();
@@ -379,6 +429,24 @@ pub fn make(range: IdRange) -> io::Result<OwnedFd> {
     // SAFETY: waiting for the child we forked.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     made
+}
+
+/// The namespaces a sandbox in `range` mounts `volumes` through, one each, in order: each
+/// volume's [`volume_map`], from the owner and group its folder has now. (Opened again to mount: a
+/// sandbox sharing the folder can change its owner meanwhile only to ids its own map gives, the
+/// folder's owner or the volume range's, so no map this makes reaches any other host id.)
+pub fn volume_namespaces(
+    range: IdRange,
+    volumes: &[crate::spec::HostMount],
+) -> io::Result<Vec<OwnedFd>> {
+    volumes
+        .iter()
+        .map(|v| {
+            let source = v.open_source()?;
+            let st = nix::sys::stat::fstat(source.fd.as_raw_fd()).map_err(io::Error::from)?;
+            make_mapped(&volume_map(range, st.st_uid), &volume_map(range, st.st_gid))
+        })
+        .collect()
 }
 
 /// Moves the calling single-threaded process into user namespace `ns` as its root (ids 0, no
@@ -551,6 +619,87 @@ mod tests {
         for t in threads {
             t.join().expect("thread").expect("namespace");
         }
+    }
+
+    /// (disk id, sandbox id) pairs of a `volume_map` text for `range`.
+    fn volume_pairs(range: IdRange, owner: u32) -> Vec<(u64, u64)> {
+        volume_map(range, owner)
+            .lines()
+            .flat_map(|line| {
+                let f: Vec<u64> = line.split(' ').map(|v| v.parse().unwrap()).collect();
+                let base = u64::from(range.base);
+                (0..f[2]).map(move |i| (f[0] + i, f[1] + i - base))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn volumes_never_give_a_sandbox_a_host_account() {
+        let range = IdRange { base: 1 << 31 };
+        for owner in [
+            0,
+            1,
+            1000,
+            65_534,
+            65_535,
+            65_536,
+            VOLUME_BASE,
+            VOLUME_BASE + 7,
+            1 << 31,
+            u32::MAX - 1,
+        ] {
+            let pairs = volume_pairs(range, owner);
+            // every id of the sandbox, each once, and no disk id twice
+            let mut inside: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+            inside.sort_unstable();
+            assert_eq!(
+                inside,
+                (0..u64::from(SIZE)).collect::<Vec<_>>(),
+                "owner {owner}"
+            );
+            let mut disk: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+            disk.sort_unstable();
+            disk.dedup();
+            assert_eq!(disk.len(), SIZE as usize, "owner {owner}");
+            let volumes = u64::from(VOLUME_BASE)..u64::from(VOLUME_BASE + SIZE);
+            for (on_disk, id) in &pairs {
+                if *id == 0 && owner != 0 && !volumes.contains(&u64::from(owner)) {
+                    assert_eq!(
+                        *on_disk,
+                        u64::from(owner),
+                        "the folder's owner is root inside"
+                    );
+                } else {
+                    assert!(
+                        volumes.contains(on_disk),
+                        "owner {owner}: id {id} is {on_disk} on disk"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            volume_map(range, 0),
+            format!("{VOLUME_BASE} {} {SIZE}", 1u32 << 31)
+        );
+        assert_eq!(
+            volume_map(range, 1000),
+            format!(
+                "1000 {} 1\n{} {} {}",
+                1u32 << 31,
+                VOLUME_BASE + 1,
+                (1u32 << 31) + 1,
+                SIZE - 1
+            )
+        );
+    }
+
+    #[test]
+    fn slots_stay_clear_of_the_volumes_ids() {
+        let d = tempfile::tempdir().expect("tempdir");
+        assert!(Slots::new(VOLUME_BASE, 1, d.path(), "x").is_err());
+        assert!(Slots::new(VOLUME_BASE - 4 * SIZE, 5, d.path(), "x").is_err());
+        assert!(Slots::new(VOLUME_BASE - 4 * SIZE, 4, d.path(), "x").is_ok());
+        assert!(Slots::new(VOLUME_BASE + SIZE, 4, d.path(), "x").is_ok());
     }
 
     #[test]

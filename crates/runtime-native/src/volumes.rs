@@ -13,6 +13,10 @@ use crate::spec::HostMount;
 
 pub struct Volumes {
     root: PathBuf,
+    /// Who a new volume's folder belongs to: with user namespaces, the volume range's root
+    /// (`userns::VOLUME_BASE`), so that each sandbox's root owns it through its idmapping; else
+    /// host root, which is then the sandbox's root too.
+    owner: Option<u32>,
 }
 
 /// What resolving a sandbox's volumes produced.
@@ -25,9 +29,10 @@ pub struct Resolved {
 }
 
 impl Volumes {
-    pub fn new(data_dir: &Path) -> Self {
+    pub fn new(data_dir: &Path, owner: Option<u32>) -> Self {
         Self {
             root: data_dir.join("volumes"),
+            owner,
         }
     }
 
@@ -66,9 +71,17 @@ impl Volumes {
                                     "volume {claim:?} does not exist (createIfNotExists is false)"
                                 )));
                             }
-                            fs::create_dir_all(&dir).map_err(|e| {
-                                RuntimeError::backend_with(format!("creating volume {claim}"), e)
-                            })?;
+                            fs::create_dir_all(&dir)
+                                .and_then(|()| match self.owner {
+                                    Some(id) => std::os::unix::fs::chown(&dir, Some(id), Some(id)),
+                                    None => Ok(()),
+                                })
+                                .map_err(|e| {
+                                    RuntimeError::backend_with(
+                                        format!("creating volume {claim}"),
+                                        e,
+                                    )
+                                })?;
                             out.created.push(claim.clone());
                             if *delete_on_termination {
                                 out.delete_on_exit.push(claim.clone());
@@ -176,7 +189,7 @@ mod tests {
     #[test]
     fn lifecycle_of_named_volumes() {
         let t = tempfile::tempdir().expect("tmp");
-        let v = Volumes::new(t.path());
+        let v = Volumes::new(t.path(), None);
         let a = [named("shared", true, true)];
         let r = v.resolve("sb1", &a).expect("create");
         assert_eq!(r.delete_on_exit, ["shared"]);
@@ -200,7 +213,7 @@ mod tests {
     #[test]
     fn missing_volume_without_create_is_refused_and_nothing_stays() {
         let t = tempfile::tempdir().expect("tmp");
-        let v = Volumes::new(t.path());
+        let v = Volumes::new(t.path(), None);
         let vols = [named("made", true, false), named("absent", false, false)];
         let e = v.resolve("sb", &vols).err().expect("refused");
         assert!(matches!(e, RuntimeError::Invalid(_)), "{e}");
