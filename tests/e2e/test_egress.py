@@ -64,6 +64,24 @@ def create(srv, policy):
     return sbx
 
 
+def create_raw(srv, policy):
+    """A sandbox made with `policy` exactly as written: the 1.1.1 client's model drops fields it
+    does not know (`ports`) before sending."""
+    from opensandbox import SandboxSync
+    with srv.client() as c:
+        r = c.post("/v1/sandboxes", json=W.create_body(srv.sandbox_image("host"), networkPolicy=policy))
+        assert r.status_code == 202, r.text
+        sid = r.json()["id"]
+        W.track_sandbox(sid)
+
+        def running():
+            st = c.get(f"/v1/sandboxes/{sid}").json()["status"]["state"]
+            assert st not in ("Failed", "Terminated"), st
+            return st == "Running"
+        W.wait_until(running, 60, interval=0.05, message="the sandbox to run")
+    return SandboxSync.connect(sid, connection_config=srv.sdk_config())
+
+
 FETCH = ("python3 -c \"import sys,urllib.request; "
          "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().strip())\" ")
 # FETCH trusting only the fake network's CA (written to /tmp/fake-ca.pem in the sandbox first)
@@ -278,6 +296,130 @@ def test_policy_api_and_live_changes(net_server, fakenet):
             assert r.status_code == 200 and r.json()["mode"] == "allow_all"
         code, out, err = W.sh(sbx, FETCH + f"http://{fakenet['allowed']}/")
         assert code == 0, err
+    finally:
+        sbx.kill()
+
+
+def test_port_scoped_rules_open_and_shut_only_their_ports(net_server, fakenet):
+    """`ports` (the newest client's NetworkRule) limits a rule to TCP destination ports: an allowed
+    port answers and another port of the same address does not; a port-scoped deny shuts only its
+    ports; a rule of ports alone covers every destination on them (never an internal one) and a
+    deny of it beats a name's allow. Read back exactly; merged on (target, set of ports); refused,
+    never widened, when Warren cannot take it. The fake internet listens on 80 and 443 of each
+    address, so a refusal is the firewall's."""
+    _native_net(net_server)
+    other, allowed, internal = fakenet["other"], fakenet["allowed"], fakenet["internal"]["10"]
+    scoped = {"defaultAction": "deny", "egress": [{"action": "allow", "target": other, "ports": [443]}]}
+    sbx = create_raw(net_server, scoped)
+    reach = lambda addr, port: W.sh(sbx, CONNECT + f"{addr} {port}")[0] == 0  # noqa: E731
+    path = f"/v1/sandboxes/{sbx.id}/networkpolicy"
+
+    def put(policy):
+        with net_server.client() as c:
+            r = c.put(path, json=policy)
+            assert r.status_code == 200, r.text
+
+    def rules():
+        with net_server.client() as c:
+            return c.get(path).json()["policy"]["egress"]
+
+    try:
+        assert reach(other, 443)
+        assert not reach(other, 80), "a port-scoped allow opened another port of its address"
+        assert not reach(allowed, 443)
+        assert rules() == scoped["egress"], "read back exactly"
+
+        put({"defaultAction": "allow", "egress": [{"action": "deny", "target": other, "ports": [80]}]})
+        assert not reach(other, 80), "the deny's port"
+        assert reach(other, 443) and reach(allowed, 80), "a port-scoped deny blocked more than its port"
+
+        put({"defaultAction": "deny", "egress": [{"action": "allow", "ports": [80]}]})
+        assert reach(other, 80) and reach(allowed, 80)
+        assert not reach(other, 443)
+        assert not reach(internal, 80), "ports alone opened an internal network"
+        assert rules() == [{"action": "allow", "ports": [80]}]
+
+        put({"defaultAction": "deny", "egress": [{"action": "deny", "ports": [443]},
+                                                 {"action": "allow", "target": "allowed.test"},
+                                                 {"action": "allow", "target": f"{other}/32"}]})
+        assert W.sh(sbx, FETCH + "http://allowed.test/")[0] == 0
+        assert reach(other, 80)
+        assert not reach(other, 443), "a port-scoped deny must beat a CIDR allow"
+        assert not W.sh(sbx, RESOLVE + "allowed.test")[0] and not reach(allowed, 443), \
+            "a port-scoped deny must beat a name's allow"
+
+        # PATCH merges on (target, set of ports): the same set in another order is the same rule
+        # (the first incoming wins), another set coexists; DELETE "" removes the rules of ports alone.
+        put(scoped)
+        with net_server.client() as c:
+            r = c.patch(path, json=[{"action": "deny", "target": other, "ports": [443]},
+                                    {"action": "allow", "target": other, "ports": [80, 22]},
+                                    {"action": "allow", "target": other, "ports": [22, 80]},
+                                    {"action": "deny", "ports": [22]}])
+            assert r.status_code == 200, r.text
+        assert rules() == [{"action": "deny", "target": other, "ports": [443]},
+                           {"action": "allow", "target": other, "ports": [80, 22]},
+                           {"action": "deny", "ports": [22]}], rules()
+        assert reach(other, 80) and not reach(other, 443)
+        with net_server.client() as c:
+            r = c.request("DELETE", path, json=[""])
+            assert r.status_code in (200, 204), r.text
+        assert rules() == [{"action": "deny", "target": other, "ports": [443]},
+                           {"action": "allow", "target": other, "ports": [80, 22]}]
+
+        # The sandbox's own egress surface (port 18080) takes the same rules.
+        with net_server.client() as c:
+            ep = c.get(f"/v1/sandboxes/{sbx.id}/endpoints/18080").json()
+        r = httpx.patch(f"http://{ep['endpoint']}/policy", headers=ep["headers"],
+                        json=[{"action": "allow", "target": other, "ports": [443]}])
+        assert r.status_code == 200, r.text
+        assert {"action": "allow", "target": other, "ports": [443]} in rules()
+        assert reach(other, 443)
+
+        # Never widened: what Warren cannot take is a 400 that changes nothing.
+        before = rules()
+        bad_rules = [
+            {"action": "allow", "target": "allowed.test", "ports": [443]},
+            {"action": "allow", "target": "*.wild.test", "ports": [443]},
+            {"action": "allow", "target": other, "ports": []},
+            {"action": "allow", "target": other, "ports": [0]},
+            {"action": "allow", "target": other, "ports": [70000]},
+            {"action": "allow", "target": other, "ports": [443, 443]},
+            {"action": "allow", "target": other, "protocol": "udp"},
+            {"action": "allow"},
+        ]
+        with net_server.client() as c:
+            for bad in bad_rules:
+                W.assert_error_body(c.patch(path, json=[bad]), codes=[400])
+                W.assert_error_body(c.put(path, json={"defaultAction": "deny", "egress": [bad]}), codes=[400])
+                body = W.create_body(net_server.sandbox_image("host"),
+                                     networkPolicy={"defaultAction": "deny", "egress": [bad]})
+                W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[400])
+            r = httpx.patch(f"http://{ep['endpoint']}/policy", headers=ep["headers"], json=[bad_rules[0]])
+            assert r.status_code == 400, r.text
+        assert rules() == before
+        assert not reach(other, 443 + 1) and reach(other, 443)
+    finally:
+        sbx.kill()
+
+
+def test_port_scoped_rules_hold_through_the_vault_proxy(net_server, fakenet):
+    """A sandbox with the credential proxy has its port 80 and 443 connections handed to the proxy,
+    which never meet the firewall's forward chain: the proxy judges ports as the firewall does."""
+    sbx = _vault_sandbox(net_server)
+    other = fakenet["other"]
+    try:
+        with net_server.client() as c:
+            r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json={"defaultAction": "deny", "egress": [
+                {"action": "allow", "target": other, "ports": [443]}]})
+            assert r.status_code == 200, r.text
+        unverified = ("python3 -c \"import ssl,sys,urllib.request; c=ssl._create_unverified_context(); "
+                      "print(urllib.request.urlopen(sys.argv[1], context=c, timeout=5).read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, unverified + f"https://{other}/v1/by-port")
+        assert code == 0 and other in out, (out, err)
+        code, out, err = W.sh(sbx, FETCH + f"http://{other}/v1/by-port")
+        assert code != 0, f"port 80 was reached through the proxy: {out}"
+        assert "/v1/by-port" in fakenet["request_log"].read_text()
     finally:
         sbx.kill()
 

@@ -338,6 +338,12 @@ def test_a_policy_that_lets_addresses_out_is_a_network_policy_of_the_sandbox_s_o
         r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, networkPolicy={
             "defaultAction": "deny", "egress": [{"action": "allow", "target": "*.pypi.org"}]}))
     W.assert_error_body(r, codes=[400])
+    # So is one limited to ports: a NetworkPolicy here would open every port of the address.
+    with k8s.client() as c:
+        r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, networkPolicy={
+            "defaultAction": "deny", "egress": [{"action": "allow", "target": "203.0.113.7", "ports": [443]}]}))
+    W.assert_error_body(r, codes=[400])
+    assert "ports" in r.json()["message"], r.json()
     assert len(cluster.list("pods", NS)) == pods
     assert cluster.rejected == [], cluster.rejected
 
@@ -492,6 +498,15 @@ EOF""")
         # shuts what was learned before, at once.
         sbx.patch_egress_rules([NetworkRule(action="allow", target="*.wild.test")])
         assert fetch("api.wild.test") == f"hello from {net.zone['api.wild.test']}"
+        # Rules limited to TCP ports hold beside the sandbox too: an address opened on port 80
+        # alone answers there; a port-scoped deny beats the wildcard's allow on its port.
+        with srv.client() as c:
+            r = c.patch(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=[
+                {"action": "allow", "target": net.zone["other.test"], "ports": [80]},
+                {"action": "deny", "target": net.zone["api.wild.test"], "ports": [80]}])
+            assert r.status_code == 200, r.text
+        assert fetch(net.zone["other.test"]) == f"hello from {net.zone['other.test']}"
+        assert fetch("api.wild.test").startswith("FAILED")
         policy_none = {"defaultAction": "deny", "egress": []}
         with srv.client() as c:
             r = c.put(f"/v1/sandboxes/{sbx.id}/networkpolicy", json=policy_none)

@@ -3,7 +3,7 @@
 //! firewall's sets in step with each sandbox's policy.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -304,14 +304,8 @@ impl Egress {
         if net.policy.default_action == Action::Allow {
             self.fw.open(b, net.addr, add);
         }
-        for (ip, len, action) in net.policy.cidr_rules() {
-            if let IpAddr::V4(v4) = ip {
-                let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-                let base = Ipv4Addr::from(u32::from(v4) & mask);
-                self.fw
-                    .cidr(b, net.addr, base, len, action == Action::Allow, add);
-            }
-        }
+        self.fw
+            .address_rules(b, net.addr, &net.policy.address_elements(), add);
     }
 
     /// Removes a sandbox's link, its set elements and its address.
@@ -507,12 +501,14 @@ impl Egress {
         Ok(f(&mut net.vault)?)
     }
 
-    /// May `src` open a connection to `dst` (for connections the firewall handed to a proxy, which
-    /// therefore never meet the forward chain)? The same answer the firewall would give: never the
-    /// host or another sandbox of this server; a CIDR deny wins; then learned addresses (internal
-    /// ones only ever learned for names a rule names), allowed CIDRs inside an internal range;
-    /// nothing else internal; then other allowed CIDRs and an allow default.
-    fn allows(&self, net: &SandboxNet, dst: Ipv4Addr) -> bool {
+    /// May `src` open a TCP connection to `to` (for connections the firewall handed to a proxy,
+    /// which therefore never meet the forward chain)? The same answer the firewall would give:
+    /// never the host or another sandbox of this server; a CIDR or port-scoped deny wins; then
+    /// learned addresses (internal ones only ever learned for names a rule names), allowed CIDRs
+    /// (on every port, or on `to`'s) inside an internal range; nothing else internal; then other
+    /// allowed CIDRs and port-scoped allows, and an allow default.
+    fn allows(&self, net: &SandboxNet, to: SocketAddrV4) -> bool {
+        let dst = *to.ip();
         let (base, len) = self.cfg.subnet;
         if dst.is_loopback()
             || dst.is_unspecified()
@@ -523,12 +519,19 @@ impl Egress {
             return false;
         }
         // (does the rule name an internal range, its action)
+        let port_hits = net
+            .policy
+            .port_rules()
+            .into_iter()
+            .filter(|r| r.covers(SocketAddr::V4(to)))
+            .map(|r| (names_internal(r.net, r.len), r.action));
         let hits: Vec<(bool, Action)> = net
             .policy
             .cidr_rules()
             .into_iter()
             .filter(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
             .map(|(n, l, a)| (names_internal(n, l), a))
+            .chain(port_hits)
             .collect();
         if hits.iter().any(|(_, a)| *a == Action::Deny) {
             return false;
@@ -549,7 +552,8 @@ impl Egress {
     /// Whether an allowed answer to `src` for `name` held `dst`, and `src` may still reach it under
     /// the policy as it is now (a rule removed since the answer no longer vouches for the name; an
     /// internal address only for a name a rule names itself, as when it was learned).
-    pub(crate) fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
+    pub(crate) fn answered(&self, src: Ipv4Addr, to: SocketAddrV4, name: &str) -> bool {
+        let dst = *to.ip();
         let st = self.lock();
         let Some(net) = st.by_addr.get(&src).and_then(|id| st.by_id.get(id)) else {
             return false;
@@ -561,12 +565,16 @@ impl Egress {
             .is_some_and(|exp| *exp > now)
             && net.policy.decide_name(name) == Action::Allow
             && (!is_internal(dst) || net.policy.names_exactly(name))
-            && self.allows(net, dst)
+            && self.allows(net, to)
     }
 
     /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
     /// request, so revocations reach kept connections).
-    pub(crate) fn vault_for(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
+    pub(crate) fn vault_for(
+        &self,
+        src: Ipv4Addr,
+        dst: SocketAddrV4,
+    ) -> Option<crate::vault::Vault> {
         let st = self.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
         if !self.allows(net, dst) {
@@ -670,15 +678,15 @@ async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<
 struct Lookup(std::sync::Weak<Egress>);
 
 impl crate::mitm::Lookup for Lookup {
-    fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::vault::Vault> {
+    fn vault(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::vault::Vault> {
         self.0.upgrade()?.vault_for(src, dst)
     }
 
-    fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool {
+    fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool {
         self.0.upgrade().is_some_and(|e| e.answered(src, dst, name))
     }
 
-    fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<crate::mitm::Decision> {
+    fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::mitm::Decision> {
         let egress = self.0.upgrade()?;
         let st = egress.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;

@@ -105,13 +105,14 @@ pub struct Decision {
     pub ca: Option<Arc<SandboxCa>>,
 }
 
-/// Asked per connection: may `src` reach `dst` at all, and with which vault; and per request, the
-/// vault as it is now (`None` once `dst` is no longer allowed).
+/// Asked per connection: may `src` reach `dst` (address and TCP port) at all, and with which
+/// vault; and per request, the vault as it is now (`None` once `dst` is no longer allowed).
 pub trait Lookup: Send + Sync + 'static {
-    fn decide(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Decision>;
-    fn vault(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Option<Vault>;
-    /// Whether an allowed DNS answer to `src` for `name` held `dst` (and `src` may reach it).
-    fn answered(&self, src: Ipv4Addr, dst: Ipv4Addr, name: &str) -> bool;
+    fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<Decision>;
+    fn vault(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<Vault>;
+    /// Whether an allowed DNS answer to `src` for `name` held `dst`'s address (and `src` may reach
+    /// `dst`).
+    fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool;
 }
 
 /// How long a sandbox may take to send its ClientHello, and the proxy to reach a server.
@@ -274,7 +275,7 @@ impl Mitm {
         };
         let decision = self
             .lookup
-            .decide(*src.ip(), *dst.ip())
+            .decide(*src.ip(), dst)
             .ok_or_else(|| format!("{} may not reach {dst}", src.ip()))?;
         // A TLS record header, or the start of a plain HTTP request line.
         let mut hello = vec![0u8; 5];
@@ -365,7 +366,7 @@ async fn intercept(
         let (upstream, tls_cfg, host) = (upstream.clone(), tls_cfg.clone(), host.clone());
         // The vault as it is now: a revoked credential or a narrowed policy applies to kept
         // connections from their next request.
-        let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
+        let vault = lookup.vault(src, dst).map(Arc::new);
         forward(req, vault, upstream, Target::Tls(tls_cfg, host), dst)
     });
     hyper::server::conn::http1::Builder::new()
@@ -389,14 +390,14 @@ async fn serve_plain(
     ));
     let sent_secret = Arc::new(AtomicBool::new(false));
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let vault = lookup.vault(src, *dst.ip()).map(Arc::new);
+        let vault = lookup.vault(src, dst).map(Arc::new);
         // (one future type for both outcomes: `forward` answers a refusal itself)
         let target = match plain_host(&req) {
             Err(why) => Target::Refused(why),
             Ok(host) => Target::Plain {
                 proven: host
                     .as_deref()
-                    .is_some_and(|h| lookup.answered(src, *dst.ip(), h)),
+                    .is_some_and(|h| lookup.answered(src, dst, h)),
                 host: host.unwrap_or_default(),
                 sent_secret: sent_secret.clone(),
             },

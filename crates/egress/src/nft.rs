@@ -10,15 +10,17 @@
 //! unreachable; IPv6 is dropped (sandbox links carry IPv4 only, and the DNS filter answers AAAA
 //! queries with no records). Everything else is checked packet by packet — no "established"
 //! shortcut for outgoing packets, so removing an address cuts the open connections to it at once:
-//! explicit CIDR denies, then addresses learned from allowed DNS answers (with the answer's TTL;
-//! internal ones only for names a rule names exactly), allowed CIDRs that lie inside an internal
-//! range, then the internal ranges themselves (private, CGNAT, link-local, loopback, multicast,
-//! reserved: `policy::INTERNAL_V4`) are refused, and only then come other allowed CIDRs and
-//! sandboxes whose default is allow. So an allow reaches the internet, never the host's networks,
-//! unless a rule names the range or the name.
+//! explicit CIDR denies and port-scoped denies (a deny always wins), then addresses learned from
+//! allowed DNS answers (with the answer's TTL; internal ones only for names a rule names exactly),
+//! allowed CIDRs (on every port, or on their TCP ports) that lie inside an internal range, then the
+//! internal ranges themselves (private, CGNAT, link-local, loopback, multicast, reserved:
+//! `policy::INTERNAL_V4`) are refused, and only then come other allowed CIDRs, port-scoped allows
+//! (a rule of ports alone is `0.0.0.0/0` on those ports) and sandboxes whose default is allow. So
+//! an allow reaches the internet, never the host's networks, unless a rule names the range or the
+//! name.
 
 use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
 #[derive(Debug, Clone)]
@@ -84,6 +86,9 @@ impl Firewall {
   set cidr_allow4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set cidr_deny4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
   set cidr_named4 {{ type ipv4_addr . ipv4_addr; flags interval; }}
+  set port_deny4 {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}
+  set port_named4 {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}
+  set port_allow4 {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}
   set internal4 {{ type ipv4_addr; flags interval; elements = {{ {internal} }} }}
   set vault4 {{ type ipv4_addr; }}
   chain antispoof {{
@@ -111,10 +116,13 @@ impl Firewall {
     iifname "{p}*" meta nfproto ipv6 drop
     iifname "{p}*" udp dport 53 drop
     iifname "{p}*" ip saddr . ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
+    iifname "{p}*" ip saddr . ip daddr . tcp dport @port_deny4 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @learned4 accept
     iifname "{p}*" ip saddr . ip daddr @cidr_named4 accept
+    iifname "{p}*" ip saddr . ip daddr . tcp dport @port_named4 accept
     iifname "{p}*" ip daddr @internal4 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @cidr_allow4 accept
+    iifname "{p}*" ip saddr . ip daddr . tcp dport @port_allow4 accept
     iifname "{p}*" ip saddr @open4 accept
     iifname "{p}*" reject with icmpx type admin-prohibited
   }}
@@ -209,24 +217,37 @@ impl Firewall {
         }
     }
 
-    pub fn cidr(
+    /// Adds (or removes) the elements of `sandbox`'s address rules.
+    pub fn address_rules(
         &self,
         b: &mut Batch,
         sandbox: Ipv4Addr,
-        net: Ipv4Addr,
-        len: u8,
-        allow: bool,
+        e: &crate::policy::AddressElements,
         add: bool,
     ) {
-        let set = match (allow, crate::policy::names_internal(IpAddr::V4(net), len)) {
-            (false, _) => "cidr_deny4",
-            (true, true) => "cidr_named4",
-            (true, false) => "cidr_allow4",
-        };
         let verb = if add { "add" } else { "delete" };
-        b.line(format!(
-            "{verb} element inet {} {set} {{ {sandbox} . {net}/{len} }}",
-            self.table
-        ));
+        let t = &self.table;
+        for (set, nets) in [
+            ("cidr_deny4", &e.cidr_deny),
+            ("cidr_named4", &e.cidr_named),
+            ("cidr_allow4", &e.cidr_allow),
+        ] {
+            for (net, len) in nets {
+                b.line(format!(
+                    "{verb} element inet {t} {set} {{ {sandbox} . {net}/{len} }}"
+                ));
+            }
+        }
+        for (set, nets) in [
+            ("port_deny4", &e.port_deny),
+            ("port_named4", &e.port_named),
+            ("port_allow4", &e.port_allow),
+        ] {
+            for (net, len, port) in nets {
+                b.line(format!(
+                    "{verb} element inet {t} {set} {{ {sandbox} . {net}/{len} . {port} }}"
+                ));
+            }
+        }
     }
 }

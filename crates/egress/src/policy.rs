@@ -1,6 +1,10 @@
-//! Network policies as the protocol writes them (`{defaultAction, egress: [{action, target}]}`) and
-//! the decisions they make: for a DNS name (exact names, then `*.wildcard` suffixes, longest first)
-//! and for an address (CIDR rules, most specific first).
+//! Network policies as the protocol writes them (`{defaultAction, egress: [{action, target?,
+//! ports?}]}`) and the decisions they make: for a DNS name (exact names, then `*.wildcard`
+//! suffixes, longest first) and for an address (CIDR rules, and rules scoped to TCP ports: an
+//! address or network with `ports`, or `ports` alone for every destination).
+//!
+//! Every field of a rule is enforced or the rule is refused: a rule read with a field dropped is
+//! wider than what was asked (a port-scoped allow opening every port of its address).
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -13,11 +17,110 @@ pub enum Action {
     Deny,
 }
 
-/// One rule as it travels on the wire.
+/// One rule as it travels on the wire. `target` is empty for a rule of `ports` alone (the reference
+/// sidecar writes such a rule back with `"target": ""`; the clients send none).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetworkRule {
     pub action: Action,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub target: String,
+    /// TCP destination ports the rule is limited to (1–65535, at most [`MAX_PORTS`], none twice);
+    /// only with an address or network target, or none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<u16>>,
+}
+
+/// The most ports one rule may list (as the clients check).
+pub const MAX_PORTS: usize = 256;
+
+impl NetworkRule {
+    pub fn new(action: Action, target: impl Into<String>) -> Self {
+        Self {
+            action,
+            target: target.into(),
+            ports: None,
+        }
+    }
+
+    /// The rule limited to TCP `ports`.
+    pub fn with_ports(mut self, ports: Vec<u16>) -> Self {
+        self.ports = Some(ports);
+        self
+    }
+
+    /// The network a port-scoped rule covers: its target's, or every IPv4 address for a rule of
+    /// ports alone. `None` for a rule without ports (see [`NetworkPolicy::cidr_rules`]).
+    fn port_network(&self) -> Option<(IpAddr, u8)> {
+        self.ports.as_ref()?;
+        if self.target.is_empty() {
+            return Some((IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+        }
+        match Target::parse(&self.target) {
+            Ok(Target::Cidr(ip, len)) => Some((ip, len)),
+            _ => None,
+        }
+    }
+
+    /// What `PATCH` merges on: the target as written, any case or trailing dot, and the set of
+    /// ports (different sets for one target are different rules).
+    fn key(&self) -> (String, Option<std::collections::BTreeSet<u16>>) {
+        (
+            normal_target(&self.target),
+            self.ports.as_ref().map(|p| p.iter().copied().collect()),
+        )
+    }
+
+    /// Checks the rule as read from the wire and trims its target.
+    fn checked(mut self) -> Result<Self, String> {
+        self.target = self.target.trim().to_string();
+        if let Some(ports) = &self.ports {
+            if ports.is_empty() || ports.len() > MAX_PORTS {
+                return Err(format!("ports must list 1 to {MAX_PORTS} TCP ports"));
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for p in ports {
+                if *p == 0 {
+                    return Err("port 0 is out of range 1-65535".into());
+                }
+                if !seen.insert(*p) {
+                    return Err(format!("port {p} is listed twice"));
+                }
+            }
+        }
+        if self.target.is_empty() {
+            return match self.ports {
+                Some(_) => Ok(self),
+                None => Err("a rule needs a target, ports, or both".into()),
+            };
+        }
+        let target = Target::parse(&self.target)?;
+        if self.ports.is_some() && !matches!(target, Target::Cidr(..)) {
+            return Err(format!(
+                "ports are not supported for domain targets ({:?}): name an IP address or CIDR, \
+                 or leave the target out to cover every destination",
+                self.target
+            ));
+        }
+        Ok(self)
+    }
+}
+
+/// A port-scoped rule as enforcers take it: the network (every address for a rule of ports alone),
+/// the TCP ports, and the action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRule {
+    pub net: IpAddr,
+    pub len: u8,
+    pub ports: Vec<u16>,
+    pub action: Action,
+}
+
+impl PortRule {
+    /// Whether the rule covers TCP connections to `dst`.
+    pub fn covers(&self, dst: std::net::SocketAddr) -> bool {
+        in_cidr(dst.ip(), self.net, self.len) && self.ports.contains(&dst.port())
+    }
 }
 
 /// `networkPolicy`. An omitted `defaultAction` means deny (as the reference does); `{}` means
@@ -140,27 +243,33 @@ impl NetworkPolicy {
 
     /// `PATCH /policy`: incoming rules win over existing ones for the same target; the first rule
     /// for a target in the incoming list wins; the default action is kept.
+    /// Rules merge on (target, set of ports): the same target with other ports is another rule.
     pub fn merge(&mut self, incoming: Vec<NetworkRule>) {
         let mut merged: Vec<NetworkRule> = Vec::new();
         for r in incoming.into_iter().chain(self.egress.drain(..)) {
-            if !merged.iter().any(|m| same_target(&m.target, &r.target)) {
+            if !merged.iter().any(|m| m.key() == r.key()) {
                 merged.push(r);
             }
         }
         self.egress = merged;
     }
 
-    /// `DELETE /policy`: removes the rules for these targets (absent ones are fine).
+    /// `DELETE /policy`: removes the rules for these targets, whatever their ports (absent ones are
+    /// fine); `""` removes the rules of ports alone.
     pub fn remove(&mut self, targets: &[String]) {
-        self.egress
-            .retain(|r| !targets.iter().any(|t| same_target(t, &r.target)));
+        self.egress.retain(|r| {
+            !targets
+                .iter()
+                .any(|t| normal_target(t) == normal_target(&r.target))
+        });
     }
 
     /// What a DNS lookup of `name` gets.
     pub fn decide_name(&self, name: &str) -> Action {
         let name = name.trim_end_matches('.').to_ascii_lowercase();
         let mut best: Option<(usize, Action)> = None;
-        for r in &self.egress {
+        // (a rule with ports names an address, never a host)
+        for r in self.egress.iter().filter(|r| r.ports.is_none()) {
             match Target::parse(&r.target) {
                 Ok(Target::Name(n)) if n == name => return r.action,
                 Ok(Target::Wildcard(suffix))
@@ -184,15 +293,18 @@ impl NetworkPolicy {
         // The first rule for a name decides it, as in `decide_name`.
         self.egress
             .iter()
+            .filter(|r| r.ports.is_none())
             .find(|r| matches!(Target::parse(&r.target), Ok(Target::Name(n)) if n == name))
             .is_some_and(|r| r.action == Action::Allow)
     }
 
-    /// The CIDR rules, most specific first: what an address not learned from DNS gets.
+    /// The CIDR rules without ports, most specific first: what an address not learned from DNS
+    /// gets, on every port and protocol.
     pub fn cidr_rules(&self) -> Vec<(IpAddr, u8, Action)> {
         let mut v: Vec<(IpAddr, u8, Action)> = self
             .egress
             .iter()
+            .filter(|r| r.ports.is_none())
             .filter_map(|r| match Target::parse(&r.target) {
                 Ok(Target::Cidr(ip, len)) => Some((ip, len, r.action)),
                 _ => None,
@@ -200,6 +312,59 @@ impl NetworkPolicy {
             .collect();
         v.sort_by_key(|r| std::cmp::Reverse(r.1));
         v
+    }
+
+    /// The rules limited to TCP ports, in order. An enforcer applies every deny among them (and
+    /// among [`cidr_rules`](Self::cidr_rules)) before any allow: a deny always wins.
+    pub fn port_rules(&self) -> Vec<PortRule> {
+        self.egress
+            .iter()
+            .filter_map(|r| {
+                let (net, len) = r.port_network()?;
+                Some(PortRule {
+                    net,
+                    len,
+                    ports: r.ports.clone()?,
+                    action: r.action,
+                })
+            })
+            .collect()
+    }
+
+    /// The IPv4 elements of the firewall sets that enforce this policy's address rules, without
+    /// overlaps: nftables refuses an interval that overlaps one already in its set (and deleting
+    /// one that is not there exactly removes one that overlaps it), so a network inside another
+    /// of the same set, for the same port, is left out — the wider one covers it.
+    pub fn address_elements(&self) -> AddressElements {
+        let mut e = AddressElements::default();
+        for (ip, len, action) in self.cidr_rules() {
+            let IpAddr::V4(v4) = ip else { continue };
+            let set = match (action, names_internal(ip, len)) {
+                (Action::Deny, _) => &mut e.cidr_deny,
+                (Action::Allow, true) => &mut e.cidr_named,
+                (Action::Allow, false) => &mut e.cidr_allow,
+            };
+            set.push((network_of(v4, len), len));
+        }
+        for rule in self.port_rules() {
+            let IpAddr::V4(v4) = rule.net else { continue };
+            let set = match (rule.action, names_internal(rule.net, rule.len)) {
+                (Action::Deny, _) => &mut e.port_deny,
+                (Action::Allow, true) => &mut e.port_named,
+                (Action::Allow, false) => &mut e.port_allow,
+            };
+            for port in rule.ports {
+                set.push((network_of(v4, rule.len), rule.len, port));
+            }
+        }
+        for set in [&mut e.cidr_deny, &mut e.cidr_named, &mut e.cidr_allow] {
+            let all = set.drain(..).map(|(n, l)| (n, l, 0)).collect();
+            *set = widest(all).into_iter().map(|(n, l, _)| (n, l)).collect();
+        }
+        for set in [&mut e.port_deny, &mut e.port_named, &mut e.port_allow] {
+            *set = widest(std::mem::take(set));
+        }
+        e
     }
 
     /// True when anything at all may be reached (a sandbox that can reach nothing needs no link).
@@ -218,16 +383,50 @@ impl NetworkPolicy {
     }
 }
 
-fn same_target(a: &str, b: &str) -> bool {
-    a.trim()
-        .trim_end_matches('.')
-        .eq_ignore_ascii_case(b.trim().trim_end_matches('.'))
+/// The elements of the sets an enforcer holds for one policy (see
+/// [`NetworkPolicy::address_elements`]): networks as (base, prefix length), and for port-scoped
+/// rules one element per TCP port. `named` sets hold allows for networks inside an internal range,
+/// checked before internal ranges are refused; `deny` sets are checked before any allow.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct AddressElements {
+    pub cidr_deny: Vec<(Ipv4Addr, u8)>,
+    pub cidr_named: Vec<(Ipv4Addr, u8)>,
+    pub cidr_allow: Vec<(Ipv4Addr, u8)>,
+    pub port_deny: Vec<(Ipv4Addr, u8, u16)>,
+    pub port_named: Vec<(Ipv4Addr, u8, u16)>,
+    pub port_allow: Vec<(Ipv4Addr, u8, u16)>,
+}
+
+fn network_of(ip: Ipv4Addr, len: u8) -> Ipv4Addr {
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    Ipv4Addr::from(u32::from(ip) & mask)
+}
+
+/// `items` (network, prefix length, port) without those whose network lies inside another's for
+/// the same port, and without repeats, widest first.
+fn widest(mut items: Vec<(Ipv4Addr, u8, u16)>) -> Vec<(Ipv4Addr, u8, u16)> {
+    // widest first, so each item needs checking only against those already kept
+    items.sort_by_key(|(net, len, port)| (*len, *net, *port));
+    let mut kept: Vec<(Ipv4Addr, u8, u16)> = Vec::new();
+    for (net, len, port) in items {
+        let inside = kept.iter().any(|(k_net, k_len, k_port)| {
+            *k_port == port && *k_len <= len && in_cidr(IpAddr::V4(net), IpAddr::V4(*k_net), *k_len)
+        });
+        if !inside {
+            kept.push((net, len, port));
+        }
+    }
+    kept
+}
+
+fn normal_target(t: &str) -> String {
+    t.trim().trim_end_matches('.').to_ascii_lowercase()
 }
 
 pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, PolicyError> {
     let arr = v.as_array().ok_or(PolicyError::BadRule {
         index: 0,
-        message: "egress must be a list of {action, target}".into(),
+        message: "egress must be a list of {action, target, ports}".into(),
     })?;
     arr.iter()
         .enumerate()
@@ -236,12 +435,11 @@ pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, PolicyErro
                 serde_json::from_value(r.clone()).map_err(|e| PolicyError::BadRule {
                     index,
                     message: format!(
-                        "{e} (expected {{\"action\": \"allow\"|\"deny\", \"target\": …}})"
+                        "{e} (expected {{\"action\": \"allow\"|\"deny\", \"target\"?: …, \"ports\"?: [TCP ports]}})"
                     ),
                 })?;
-            Target::parse(&rule.target)
-                .map_err(|message| PolicyError::BadRule { index, message })?;
-            Ok(rule)
+            rule.checked()
+                .map_err(|message| PolicyError::BadRule { index, message })
         })
         .collect()
 }
@@ -444,18 +642,9 @@ mod tests {
         let mut p = policy(json!({"defaultAction": "deny", "egress": [
             {"action": "allow", "target": "a.com"}, {"action": "allow", "target": "b.com"}]}));
         p.merge(vec![
-            NetworkRule {
-                action: Action::Deny,
-                target: "a.com".into(),
-            },
-            NetworkRule {
-                action: Action::Allow,
-                target: "a.com".into(),
-            },
-            NetworkRule {
-                action: Action::Allow,
-                target: "c.com".into(),
-            },
+            NetworkRule::new(Action::Deny, "a.com"),
+            NetworkRule::new(Action::Allow, "a.com"),
+            NetworkRule::new(Action::Allow, "c.com"),
         ]);
         assert_eq!(
             p.decide_name("a.com"),
@@ -467,5 +656,178 @@ mod tests {
         p.remove(&["A.com".into(), "zzz.com".into()]);
         assert_eq!(p.decide_name("a.com"), Action::Deny, "back to the default");
         assert_eq!(p.egress.len(), 2);
+    }
+
+    fn rules_err(v: serde_json::Value) -> String {
+        NetworkPolicy::from_json(&json!({"egress": v}))
+            .expect_err("refused")
+            .to_string()
+    }
+
+    #[test]
+    fn port_scoped_rules_are_read_whole_or_refused() {
+        let p = policy(json!({"defaultAction": "deny", "egress": [
+            {"action": "allow", "target": " 10.0.0.5 ", "ports": [443, 8443]},
+            {"action": "deny", "ports": [25]},
+            {"action": "deny", "target": "", "ports": [23]},
+            {"action": "allow", "target": "10.0.0.0/8"},
+        ]}));
+        assert_eq!(p.egress[0].target, "10.0.0.5", "trimmed");
+        assert_eq!(
+            serde_json::to_value(&p).expect("json")["egress"],
+            json!([
+                {"action": "allow", "target": "10.0.0.5", "ports": [443, 8443]},
+                {"action": "deny", "ports": [25]},
+                {"action": "deny", "ports": [23]},
+                {"action": "allow", "target": "10.0.0.0/8"},
+            ]),
+            "read back as sent"
+        );
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        assert_eq!(
+            p.port_rules(),
+            vec![
+                PortRule {
+                    net: ip("10.0.0.5"),
+                    len: 32,
+                    ports: vec![443, 8443],
+                    action: Action::Allow
+                },
+                PortRule {
+                    net: ip("0.0.0.0"),
+                    len: 0,
+                    ports: vec![25],
+                    action: Action::Deny
+                },
+                PortRule {
+                    net: ip("0.0.0.0"),
+                    len: 0,
+                    ports: vec![23],
+                    action: Action::Deny
+                },
+            ]
+        );
+        assert_eq!(
+            p.cidr_rules(),
+            vec![(ip("10.0.0.0"), 8, Action::Allow)],
+            "a port-scoped rule is never an address rule for every port"
+        );
+        assert!(p.port_rules()[0].covers("10.0.0.5:443".parse().expect("addr")));
+        assert!(!p.port_rules()[0].covers("10.0.0.5:80".parse().expect("addr")));
+        assert!(!p.port_rules()[0].covers("10.0.0.6:443".parse().expect("addr")));
+        assert!(p.port_rules()[1].covers("8.8.8.8:25".parse().expect("addr")));
+
+        for (bad, why) in [
+            (
+                json!([{"action": "allow", "target": "example.com", "ports": [443]}]),
+                "domain",
+            ),
+            (
+                json!([{"action": "allow", "target": "*.example.com", "ports": [443]}]),
+                "domain",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": []}]),
+                "1 to 256",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": [0]}]),
+                "port 0",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": [65536]}]),
+                "65536",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": [443, 443]}]),
+                "twice",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": (1..=257).collect::<Vec<u32>>()}]),
+                "1 to 256",
+            ),
+            (json!([{"action": "allow"}]), "target, ports"),
+            (
+                json!([{"action": "allow", "target": "  "}]),
+                "target, ports",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "protocol": "udp"}]),
+                "unknown field",
+            ),
+            (
+                json!([{"action": "allow", "target": "10.0.0.5", "ports": ["443"]}]),
+                "ports",
+            ),
+        ] {
+            let err = rules_err(bad.clone());
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn port_scoped_rules_merge_on_target_and_port_set() {
+        let mut p = policy(json!({"defaultAction": "deny", "egress": [
+            {"action": "allow", "target": "10.0.0.5", "ports": [443]},
+            {"action": "allow", "target": "10.0.0.5"},
+            {"action": "deny", "ports": [25]},
+        ]}));
+        p.merge(vec![
+            NetworkRule::new(Action::Deny, "10.0.0.5").with_ports(vec![443]),
+            NetworkRule::new(Action::Allow, "10.0.0.5").with_ports(vec![80, 443]),
+            NetworkRule::new(Action::Allow, "10.0.0.5").with_ports(vec![443, 80]),
+        ]);
+        let got: Vec<(Action, &str, Option<Vec<u16>>)> = p
+            .egress
+            .iter()
+            .map(|r| (r.action, r.target.as_str(), r.ports.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (Action::Deny, "10.0.0.5", Some(vec![443])),
+                (Action::Allow, "10.0.0.5", Some(vec![80, 443])),
+                (Action::Allow, "10.0.0.5", None),
+                (Action::Deny, "", Some(vec![25])),
+            ],
+            "the same set of ports is one rule, the first incoming wins; other sets coexist"
+        );
+        p.remove(&["".into()]);
+        assert!(
+            p.egress.iter().all(|r| !r.target.is_empty()),
+            "\"\" removes the rules of ports alone"
+        );
+        p.remove(&["10.0.0.5".into()]);
+        assert!(p.egress.is_empty(), "a target goes with every port set");
+    }
+
+    #[test]
+    fn firewall_elements_never_overlap_within_a_set() {
+        let p = policy(json!({"defaultAction": "deny", "egress": [
+            {"action": "allow", "target": "10.0.0.5"},
+            {"action": "allow", "target": "10.0.0.0/8"},
+            {"action": "allow", "target": "10.1.2.3/8"},
+            {"action": "deny", "target": "8.8.8.8"},
+            {"action": "allow", "target": "10.0.0.5", "ports": [443, 80]},
+            {"action": "allow", "target": "10.0.0.0/24", "ports": [443]},
+            {"action": "allow", "target": "1.2.3.4", "ports": [443]},
+            {"action": "allow", "ports": [443]},
+            {"action": "deny", "ports": [25]},
+            {"action": "deny", "target": "9.9.9.9", "ports": [25, 26]},
+        ]}));
+        let v4 = |s: &str| s.parse::<Ipv4Addr>().expect("ip");
+        let e = p.address_elements();
+        assert_eq!(e.cidr_named, vec![(v4("10.0.0.0"), 8)]);
+        assert_eq!(e.cidr_deny, vec![(v4("8.8.8.8"), 32)]);
+        assert!(e.cidr_allow.is_empty());
+        assert_eq!(
+            e.port_named,
+            vec![(v4("10.0.0.0"), 24, 443), (v4("10.0.0.5"), 32, 80)]
+        );
+        assert_eq!(e.port_allow, vec![(v4("0.0.0.0"), 0, 443)]);
+        assert_eq!(
+            e.port_deny,
+            vec![(v4("0.0.0.0"), 0, 25), (v4("9.9.9.9"), 32, 26)]
+        );
     }
 }

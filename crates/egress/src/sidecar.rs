@@ -36,7 +36,7 @@ use tokio::net::UdpSocket;
 
 use crate::dns;
 use crate::nft::apply;
-use crate::policy::{is_internal, names_internal, Action, NetworkPolicy, INTERNAL_V4};
+use crate::policy::{is_internal, Action, NetworkPolicy, INTERNAL_V4};
 
 /// The table the enforcer owns in the Pod's namespace.
 pub const TABLE: &str = "warren_egress";
@@ -202,6 +202,9 @@ fn table(dns_port: u16, inbound: &[u16]) -> String {
   set cidr_allow4 {{ type ipv4_addr; flags interval; auto-merge; }}
   set cidr_deny4 {{ type ipv4_addr; flags interval; auto-merge; }}
   set cidr_named4 {{ type ipv4_addr; flags interval; auto-merge; }}
+  set port_deny4 {{ type ipv4_addr . inet_service; flags interval; }}
+  set port_named4 {{ type ipv4_addr . inet_service; flags interval; }}
+  set port_allow4 {{ type ipv4_addr . inet_service; flags interval; }}
   set default4 {{ type ipv4_addr; flags interval; }}
   set internal4 {{ type ipv4_addr; flags interval; elements = {{ {internal} }} }}
   chain dns {{
@@ -217,10 +220,13 @@ fn table(dns_port: u16, inbound: &[u16]) -> String {
     meta nfproto ipv6 drop
     udp dport 53 drop
     ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
+    ip daddr . tcp dport @port_deny4 reject with icmpx type admin-prohibited
     ip daddr @learned4 accept
     ip daddr @cidr_named4 accept
+    ip daddr . tcp dport @port_named4 accept
     ip daddr @internal4 reject with icmpx type admin-prohibited
     ip daddr @cidr_allow4 accept
+    ip daddr . tcp dport @port_allow4 accept
     ip daddr @default4 accept
     reject with icmpx type admin-prohibited
   }}
@@ -231,25 +237,28 @@ fn table(dns_port: u16, inbound: &[u16]) -> String {
 
 /// The batch that makes `policy`'s address rules and default what the sets hold (atomically).
 fn policy_batch(policy: &NetworkPolicy) -> String {
+    let e = policy.address_elements();
+    let cidrs = |v: &[(Ipv4Addr, u8)]| v.iter().map(|(n, l)| format!("{n}/{l}")).collect();
+    let ports =
+        |v: &[(Ipv4Addr, u8, u16)]| v.iter().map(|(n, l, p)| format!("{n}/{l} . {p}")).collect();
+    let default: Vec<String> = if policy.default_action == Action::Allow {
+        vec!["0.0.0.0/0".into()]
+    } else {
+        Vec::new()
+    };
+    let sets: [(&str, Vec<String>); 7] = [
+        ("cidr_allow4", cidrs(&e.cidr_allow)),
+        ("cidr_deny4", cidrs(&e.cidr_deny)),
+        ("cidr_named4", cidrs(&e.cidr_named)),
+        ("port_deny4", ports(&e.port_deny)),
+        ("port_named4", ports(&e.port_named)),
+        ("port_allow4", ports(&e.port_allow)),
+        ("default4", default),
+    ];
     let mut out = String::new();
-    let mut sets: HashMap<&str, Vec<String>> = HashMap::new();
-    for (ip, len, action) in policy.cidr_rules() {
-        let IpAddr::V4(v4) = ip else { continue };
-        let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-        let base = Ipv4Addr::from(u32::from(v4) & mask);
-        let set = match (action, names_internal(ip, len)) {
-            (Action::Deny, _) => "cidr_deny4",
-            (Action::Allow, true) => "cidr_named4",
-            (Action::Allow, false) => "cidr_allow4",
-        };
-        sets.entry(set).or_default().push(format!("{base}/{len}"));
-    }
-    if policy.default_action == Action::Allow {
-        sets.insert("default4", vec!["0.0.0.0/0".into()]);
-    }
-    for set in ["cidr_allow4", "cidr_deny4", "cidr_named4", "default4"] {
+    for (set, elements) in sets {
         out.push_str(&format!("flush set inet {TABLE} {set}\n"));
-        if let Some(elements) = sets.get(set) {
+        if !elements.is_empty() {
             out.push_str(&format!(
                 "add element inet {TABLE} {set} {{ {} }}\n",
                 elements.join(", ")
@@ -565,10 +574,7 @@ mod tests {
     use crate::policy::NetworkRule;
 
     fn rule(action: Action, target: &str) -> NetworkRule {
-        NetworkRule {
-            action,
-            target: target.into(),
-        }
+        NetworkRule::new(action, target)
     }
 
     #[test]
@@ -581,10 +587,20 @@ mod tests {
                 rule(Action::Allow, "203.0.113.0/24"),
                 rule(Action::Allow, "10.1.2.0/24"),
                 rule(Action::Allow, "2001:db8::/32"),
+                rule(Action::Allow, "198.51.100.9").with_ports(vec![443, 8443]),
+                rule(Action::Deny, "").with_ports(vec![25]),
             ],
         };
         let batch = policy_batch(&policy);
-        for set in ["cidr_allow4", "cidr_deny4", "cidr_named4", "default4"] {
+        for set in [
+            "cidr_allow4",
+            "cidr_deny4",
+            "cidr_named4",
+            "port_deny4",
+            "port_named4",
+            "port_allow4",
+            "default4",
+        ] {
             assert!(
                 batch.contains(&format!("flush set inet {TABLE} {set}\n")),
                 "{set}"
@@ -593,6 +609,15 @@ mod tests {
         assert!(batch.contains("cidr_deny4 { 203.0.113.7/32 }"), "{batch}");
         assert!(batch.contains("cidr_allow4 { 203.0.113.0/24 }"), "{batch}");
         assert!(batch.contains("cidr_named4 { 10.1.2.0/24 }"), "{batch}");
+        assert!(
+            batch.contains("port_allow4 { 198.51.100.9/32 . 443, 198.51.100.9/32 . 8443 }"),
+            "{batch}"
+        );
+        assert!(batch.contains("port_deny4 { 0.0.0.0/0 . 25 }"), "{batch}");
+        assert!(
+            !batch.contains("cidr_allow4 { 198.51.100.9"),
+            "a port-scoped allow opens only its ports: {batch}"
+        );
         assert!(
             !batch.contains("add element inet warren_egress default4"),
             "{batch}"

@@ -195,26 +195,32 @@ pub fn runtime_policy(
 ) -> Result<warren_core::EgressPolicy, ApiError> {
     use warren_egress::policy::{Action, Target};
     let mut rules = Vec::with_capacity(policy.egress.len());
-    let mut naming = None;
+    // (index, what the address-only enforcer cannot take)
+    let mut beyond = None;
     for (i, rule) in policy.egress.iter().enumerate() {
-        match Target::parse(&rule.target) {
-            Ok(Target::Cidr(addr, len)) => {
+        match (Target::parse(&rule.target), &rule.ports) {
+            (Ok(Target::Cidr(addr, len)), None) => {
                 rules.push((rule.action == Action::Allow, warren_core::Net { addr, len }))
             }
+            // Never an address rule for every port: that would widen it.
+            (_, Some(ports)) => {
+                beyond.get_or_insert((i, format!("limited to TCP ports {ports:?}")));
+            }
             _ => {
-                naming.get_or_insert((i, rule.target.clone()));
+                beyond.get_or_insert((i, format!("naming the host {:?}", rule.target)));
             }
         }
     }
-    if let (Some((i, target)), false) = (&naming, names) {
+    if let (Some((i, what)), false) = (&beyond, names) {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             ErrorCode::ApiNotSupported,
             format!(
-                "networkPolicy rule {i} ({target:?}): the {runtime} runtime enforces rules that name addresses or networks (CIDR) here; rules naming hosts need the egress proxy beside the sandbox (on Kubernetes: [kubernetes] egress_sidecar = true)"
+                "networkPolicy rule {i} ({what}): the {runtime} runtime enforces rules that name addresses or networks (CIDR), on every port, here; rules naming hosts or limited to ports need the egress proxy beside the sandbox (on Kubernetes: [kubernetes] egress_sidecar = true)"
             ),
         ));
     }
+    let naming = beyond;
     Ok(warren_core::EgressPolicy {
         rules: serde_json::to_value(policy).unwrap_or_default(),
         addresses: naming.is_none().then(|| warren_core::AddressPolicy {
