@@ -12,7 +12,8 @@ use crate::output::{emit, Format, Table};
 pub enum EgressCommand {
     /// Show a sandbox's policy.
     Get { id: String },
-    /// Add or replace rules: --rule allow=pypi.org --rule deny=*.example.com (repeatable).
+    /// Add or replace rules: --rule allow=pypi.org --rule deny=*.example.com --rule
+    /// allow=10.0.0.5@443,8443 (an address on TCP ports) --rule deny=@25 (a port, everywhere).
     Patch {
         id: String,
         #[arg(long = "rule", required = true)]
@@ -39,26 +40,53 @@ fn parse_rules(rules: &[String]) -> anyhow::Result<Vec<NetworkRule>> {
     rules
         .iter()
         .map(|r| {
-            let (action, target) = r
-                .split_once('=')
-                .with_context(|| format!("--rule {r:?} is not ACTION=TARGET (allow=pypi.org)"))?;
-            match action {
-                "allow" => Ok(NetworkRule::allow(target)),
-                "deny" => Ok(NetworkRule::deny(target)),
+            let (action, rest) = r.split_once('=').with_context(|| {
+                format!("--rule {r:?} is not ACTION=TARGET[@PORT,…] (allow=pypi.org, allow=10.0.0.5@443, deny=@25)")
+            })?;
+            let (target, ports) = match rest.split_once('@') {
+                None => (rest, None),
+                Some((target, ports)) => (
+                    target,
+                    Some(
+                        ports
+                            .split(',')
+                            .map(|p| p.trim().parse::<u16>())
+                            .collect::<Result<Vec<u16>, _>>()
+                            .with_context(|| format!("--rule {r:?}: ports are TCP port numbers"))?,
+                    ),
+                ),
+            };
+            let rule = match action {
+                "allow" => NetworkRule::allow(target),
+                "deny" => NetworkRule::deny(target),
                 _ => anyhow::bail!("--rule {r:?}: the action is allow or deny"),
-            }
+            };
+            Ok(match ports {
+                Some(ports) => rule.on_ports(ports),
+                None => rule,
+            })
         })
         .collect()
 }
 
 fn table(s: &PolicyStatus) -> Table {
-    let mut t = Table::new(&["ACTION", "TARGET"]);
+    let mut t = Table::new(&["ACTION", "TARGET", "PORTS"]);
     for r in &s.policy.egress {
-        t.row(vec![r.action.clone(), r.target.clone()]);
+        let target = if r.target.is_empty() {
+            "(every destination)".to_string()
+        } else {
+            r.target.clone()
+        };
+        let ports = r.ports.as_ref().map_or_else(
+            || "all".to_string(),
+            |p| p.iter().map(u16::to_string).collect::<Vec<_>>().join(","),
+        );
+        t.row(vec![r.action.clone(), target, ports]);
     }
     t.row(vec![
         s.policy.default_action.clone(),
         "(everything else)".to_string(),
+        "all".to_string(),
     ]);
     t
 }

@@ -7,12 +7,17 @@ use crate::client::{json, send};
 use crate::error::Result;
 use crate::sandbox::Sandbox;
 
-/// One rule: `target` is a name (`pypi.org`), a wildcard (`*.github.com`), an address or a CIDR.
+/// One rule: `target` is a name (`pypi.org`), a wildcard (`*.github.com`), an address or a CIDR;
+/// `ports` limits an address or CIDR rule to those TCP ports, and a rule of ports alone (an empty
+/// target) covers every destination on them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkRule {
     /// `allow` or `deny`.
     pub action: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub target: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<u16>>,
 }
 
 impl NetworkRule {
@@ -20,6 +25,7 @@ impl NetworkRule {
         Self {
             action: "allow".into(),
             target: target.into(),
+            ports: None,
         }
     }
 
@@ -27,7 +33,14 @@ impl NetworkRule {
         Self {
             action: "deny".into(),
             target: target.into(),
+            ports: None,
         }
+    }
+
+    /// The rule limited to TCP `ports` (`NetworkRule::allow("10.0.0.5").on_ports([443])`).
+    pub fn on_ports(mut self, ports: impl IntoIterator<Item = u16>) -> Self {
+        self.ports = Some(ports.into_iter().collect());
+        self
     }
 }
 

@@ -601,6 +601,18 @@ async fn egress_policy_calls() {
     );
     let st = sb.delete_egress_rules(&["pypi.org"]).await.expect("delete");
     assert_eq!(st.policy.egress, vec![NetworkRule::deny("10.0.0.0/8")]);
+    // Rules limited to ports, with and without a target, read back as written.
+    let scoped = [
+        NetworkRule::allow("203.0.113.7").on_ports([443, 8443]),
+        NetworkRule::deny("").on_ports([25]),
+    ];
+    let st = sb.patch_egress_rules(&scoped).await.expect("patch ports");
+    assert_eq!(st.policy.egress[..2], scoped);
+    let err = sb
+        .patch_egress_rules(&[NetworkRule::allow("pypi.org").on_ports([443])])
+        .await
+        .expect_err("a name with ports");
+    assert_eq!(err.status(), Some(400), "{err}");
     let err = sb
         .patch_egress_rules(&[NetworkRule::allow("not a name")])
         .await
