@@ -332,6 +332,17 @@ def test_port_scoped_rules_open_and_shut_only_their_ports(net_server, fakenet):
         put({"defaultAction": "allow", "egress": [{"action": "deny", "target": other, "ports": [80]}]})
         assert not reach(other, 80), "the deny's port"
         assert reach(other, 443) and reach(allowed, 80), "a port-scoped deny blocked more than its port"
+        # A deny covers its ports on every transport (QUIC is UDP 443): a datagram to the denied
+        # port meets the firewall's refusal; one to another port reaches the host, which answers
+        # that nothing listens there.
+        udp = ("python3 -c \"import socket,sys; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+               "s.settimeout(3); s.connect((sys.argv[1], int(sys.argv[2])))\n"
+               "try:\n s.send(b'x'); s.recv(10); print('answer')\n"
+               "except OSError as e: print(type(e).__name__, e.errno)\" ")
+        denied = W.sh(sbx, udp + f"{other} 80")[1].strip()
+        open_port = W.sh(sbx, udp + f"{other} 81")[1].strip()
+        assert open_port == "ConnectionRefusedError 111", open_port
+        assert denied != open_port and "111" not in denied, f"UDP to a denied port got through: {denied}"
 
         put({"defaultAction": "deny", "egress": [{"action": "allow", "ports": [80]}]})
         assert reach(other, 80) and reach(allowed, 80)

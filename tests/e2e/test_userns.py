@@ -128,46 +128,51 @@ VOLUME_BASE = 0x7FFF0000
 
 
 def test_a_users_folder_is_root_owned_inside_and_nothing_lands_as_a_host_account(userns_server):
-    """A host folder owned by uid 1000 (a person's): inside, its root is 1000's files' owner and
-    what it makes there is 1000's on the host. Every other id of the sandbox is the volume range's on
-    disk, never a host account: a setuid or setgid file it makes there (the way to root, or to group
-    `shadow`, for any host user who runs it) belongs to an id no host user has. Files of other host
-    users are nobody's inside, and root there has no override on them. (Volumes were idmapped through
-    the sandbox's own namespace: its root wrote host uid 0, setuid-root programs included.)"""
+    """A host folder owned by a host account, with that account's own group (a person's): inside,
+    its root is that account and its group, and what it makes there is theirs on the host. Every
+    other id of the sandbox is the volume range's on disk, never a host account or group: a setuid
+    or setgid file it makes there (the way to root, or to group `shadow` or `docker`, for any host
+    user who runs it) belongs to an id no host account has. Files of other host users, and a folder
+    whose group is another host group, are nobody's inside and not writable. (Volumes were idmapped
+    through the sandbox's own namespace: its root wrote host uid 0, setuid-root programs included;
+    and a folder's group, whatever it was, became the sandbox's root group.)"""
     from opensandbox.models.sandboxes import Host, Volume
+    uid, gid = W.host_account()
     host_dir = userns_server.host_volumes / uuid.uuid4().hex[:8]
     host_dir.mkdir(parents=True)
-    os.chown(host_dir, 1000, 1000)
-    for name, owner in (("from-user", 1000), ("from-other", 1001), ("from-root", 0)):
+    (host_dir / "shared").mkdir()
+    os.chmod(host_dir / "shared", 0o777)
+    os.chown(host_dir, uid, gid)
+    os.chown(host_dir / "shared", uid, 4343)  # the owner's, but in another group
+    for name, owner in (("from-user", (uid, gid)), ("from-other", (4242, 4242)), ("from-root", (0, 0))):
         (host_dir / name).write_text("hi\n")
-        os.chmod(host_dir / name, 0o644)
-        os.chown(host_dir / name, owner, owner)
+        os.chmod(host_dir / name, 0o666)
+        os.chown(host_dir / name, *owner)
     sbx = make(userns_server, volumes=[Volume(name="h", host=Host(path=str(host_dir)), mount_path="/mnt/h")])
     try:
-        code, out, err = W.sh(sbx, "cd /mnt/h && stat -c %u:%g . from-user from-other from-root && "
+        code, out, err = W.sh(sbx, "cd /mnt/h && stat -c %u:%g . from-user from-other from-root shared && "
                                    "echo x > made && echo more >> from-user && cat from-other from-root && "
                                    "cp /usr/bin/id suid && chmod 4755 suid && "
                                    "cp /usr/bin/id sgid && chown 7:42 sgid && chmod 6755 sgid && "
-                                   "chown 0:0 made && echo ok")
+                                   "chown 0:0 made && touch by-1001 && chown 1001:1001 by-1001 && echo ok")
         assert code == 0, (out, err)
-        assert out.split()[:4] == ["0:0", "0:0", "65534:65534", "65534:65534"], out
-        for name in ("from-other", "from-root"):
-            code, _, err = W.sh(sbx, f"echo no >> /mnt/h/{name}")
-            assert code != 0, f"root wrote {name}, a file of another host user"
-            assert (host_dir / name).read_text() == "hi\n"
-        assert W.sh(sbx, "touch /mnt/h/by-1001 && chown 1001:1001 /mnt/h/by-1001")[0] == 0
-        made, suid, sgid = (os.stat(host_dir / n) for n in ("made", "suid", "sgid"))
-        assert (made.st_uid, made.st_gid) == (1000, 1000), "root's files are the folder owner's"
+        assert out.split()[:5] == ["0:0", "0:0", "65534:65534", "65534:65534", "0:65534"], out
+        for path in ("from-other", "from-root", "shared/f"):
+            code, _, err = W.sh(sbx, f"echo no >> /mnt/h/{path}")
+            assert code != 0, f"root wrote {path}, which another host user or group has"
+        assert not (host_dir / "shared" / "f").exists()
+        assert (host_dir / "from-other").read_text() == (host_dir / "from-root").read_text() == "hi\n"
+        ids = lambda n: (os.stat(host_dir / n).st_uid, os.stat(host_dir / n).st_gid)  # noqa: E731
+        assert ids("made") == (uid, gid), "root's files are the folder owner's"
         assert (host_dir / "from-user").read_text() == "hi\nmore\n"
-        # setuid to the folder's owner, as its owner could make; no other host account
-        assert suid.st_mode & 0o4000 and (suid.st_uid, suid.st_gid) == (1000, 1000)
-        assert sgid.st_mode & 0o6000 == 0o6000
-        assert (sgid.st_uid, sgid.st_gid) == (VOLUME_BASE + 7, VOLUME_BASE + 42), (sgid.st_uid, sgid.st_gid)
-        assert os.stat(host_dir / "by-1001").st_uid == VOLUME_BASE + 1001, "not host uid 1001's"
-        made_inside = {p.name: (os.stat(p).st_uid, os.stat(p).st_gid) for p in host_dir.iterdir()
-                       if not p.name.startswith("from-")}
+        # setuid to the folder's owner, as its owner could make; no other host account or group
+        assert os.stat(host_dir / "suid").st_mode & 0o4000 and ids("suid") == (uid, gid)
+        assert os.stat(host_dir / "sgid").st_mode & 0o6000 == 0o6000
+        assert ids("sgid") == (VOLUME_BASE + 7, VOLUME_BASE + 42), ids("sgid")
+        assert ids("by-1001") == (VOLUME_BASE + 1001, VOLUME_BASE + 1001), "not host uid 1001's"
         volumes = range(VOLUME_BASE, VOLUME_BASE + SIZE)
-        assert all(i == 1000 or i in volumes for ids in made_inside.values() for i in ids), made_inside
+        made = {n: ids(n) for n in ("made", "suid", "sgid", "by-1001")}
+        assert all(i in (uid, gid) or i in volumes for pair in made.values() for i in pair), made
     finally:
         sbx.kill()
 

@@ -45,14 +45,16 @@ def named_volume_exists(server, claim: str) -> bool:
 
 @pytest.fixture
 def host_dir(server):
-    """A person's folder (uid 1000's): with user namespaces the sandbox's root is its owner there
-    (a folder of host root's is not the sandbox's to write; see test_userns.py)."""
+    """A person's folder (a host account's, with its own group): with user namespaces the sandbox's
+    root is its owner there (a folder of host root's is not the sandbox's to write; see
+    test_userns.py)."""
     d = server.host_volumes / uuid.uuid4().hex[:8]
     (d / "sub").mkdir(parents=True)
     (d / "hello.txt").write_text("from the host\n")
     (d / "sub" / "inner.txt").write_text("inner\n")
+    uid, gid = W.host_account()
     for p in (d, d / "sub", d / "hello.txt", d / "sub" / "inner.txt"):
-        os.chown(p, 1000, 1000)
+        os.chown(p, uid, gid)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

@@ -56,6 +56,16 @@ def oci_runtimes() -> list[str]:
     return runtimes or ["embedded"]
 
 
+def host_account() -> tuple[int, int]:
+    """A host account other than root, with its primary group (neither 0 nor nogroup): whose folder
+    a test shares with a sandbox as a person would share theirs."""
+    import pwd
+    for p in sorted(pwd.getpwall(), key=lambda p: (p.pw_uid < 1000, p.pw_uid)):
+        if 0 < p.pw_uid < 65534 and p.pw_gid not in (0, 65534):
+            return p.pw_uid, p.pw_gid
+    raise AssertionError("no host account other than root in /etc/passwd")
+
+
 def test_rootfs() -> Path:
     return Path(os.environ.get("WARREN_TEST_ROOTFS", "/var/cache/warren/test-rootfs"))
 

@@ -60,6 +60,14 @@ pub enum ErrorCode {
     LimitReached,
     /// A diagnostics scope this server does not have (400).
     DiagnosticsScopeUnsupported,
+    /// The sandbox has no credential vault, or it holds no such credential or binding (404).
+    VaultNotFound,
+    /// A create over an existing credential vault (409).
+    VaultExists,
+    /// `expectedRevision` is not the vault's revision (412).
+    VaultRevisionMismatch,
+    /// The sandbox's credential proxy is not running (412).
+    VaultNotEnabled,
     Unknown,
 }
 
@@ -98,6 +106,10 @@ impl ErrorCode {
             Self::SandboxStartFailed => "SANDBOX::START_FAILED",
             Self::LimitReached => "SANDBOX::LIMIT_REACHED",
             Self::DiagnosticsScopeUnsupported => "DIAGNOSTICS_SCOPE_UNSUPPORTED",
+            Self::VaultNotFound => "CREDENTIAL_VAULT::NOT_FOUND",
+            Self::VaultExists => "CREDENTIAL_VAULT::ALREADY_EXISTS",
+            Self::VaultRevisionMismatch => "CREDENTIAL_VAULT::REVISION_MISMATCH",
+            Self::VaultNotEnabled => "CREDENTIAL_VAULT::NOT_ENABLED",
             Self::Unknown => "GENERAL::UNKNOWN_ERROR",
         }
     }

@@ -36,5 +36,9 @@ pub const RELAY_PORT: u16 = 44773;
 pub const EXECD_IN_SANDBOX: &str = "/.warren/execd";
 /// The egress policy surface port.
 pub const EGRESS_PORT: u16 = 18080;
+
+/// The gateway's marker on a 503 that was never forwarded (the sandbox is parked): the 1.1.2
+/// clients replay any request, POSTs included, on it. Warren strips it from every answer it relays.
+pub const WAKE_HEADER: &str = "opensandbox-wake";
 /// The Jupyter port the code-interpreter SDK health-checks.
 pub const JUPYTER_PORT: u16 = 44771;

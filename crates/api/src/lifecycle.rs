@@ -495,6 +495,20 @@ pub struct DiagnosticContent {
     pub warnings: Vec<String>,
 }
 
+/// `GET /sandboxes/{id}/diagnostics/context`: where the sandbox runs, for a support ticket or a
+/// log search. Identifier values are strings and name nothing secret.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DiagnosticContext {
+    pub sandbox_id: String,
+    /// The runtime's kind: `native`, `docker` or `kubernetes`.
+    pub backend_type: String,
+    pub backend_identifiers: std::collections::BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<SandboxState>,
+}
+
 /// `POST /templates` body (the reference's fsb template: a golden image built from an OCI image).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

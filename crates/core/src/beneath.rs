@@ -125,23 +125,25 @@ pub fn open_beneath(root: &Path, rel: &Path, create: bool) -> io::Result<Opened>
 }
 
 /// Gives `name`, just made in `parent`, `parent`'s owner and group (without following a link, which
-/// a sandbox sharing the folder could have put there meanwhile). Nothing is changed where the
+/// a sandbox sharing the folder could have put there meanwhile, and on the handle that was checked). Nothing is changed where the
 /// owners agree already (a folder of the caller's own).
 fn take_parents_owner(parent: &OwnedFd, name: &CString) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let st = File::from(parent.try_clone()?).metadata()?;
-    let made = File::from(step(parent, name, libc::O_DIRECTORY)?).metadata()?;
-    if (made.uid(), made.gid()) == (st.uid(), st.gid()) {
+    // The folder is opened once, and what was checked is what is changed: a name can be swapped.
+    let made = step(parent, name, libc::O_DIRECTORY)?;
+    let made_st = File::from(made.try_clone()?).metadata()?;
+    if (made_st.uid(), made_st.gid()) == (st.uid(), st.gid()) {
         return Ok(());
     }
-    // SAFETY: fchownat(2) on a descriptor we own and a NUL-terminated name.
+    // SAFETY: fchownat(2) with AT_EMPTY_PATH on a descriptor we own: the folder it names.
     if unsafe {
         libc::fchownat(
-            parent.as_raw_fd(),
-            name.as_ptr(),
+            made.as_raw_fd(),
+            c"".as_ptr(),
             st.uid(),
             st.gid(),
-            libc::AT_SYMLINK_NOFOLLOW,
+            libc::AT_EMPTY_PATH,
         )
     } != 0
     {

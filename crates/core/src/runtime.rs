@@ -253,6 +253,12 @@ pub trait Runtime: Send + Sync + 'static {
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
 
+    /// The names the backend knows sandbox `id` by (a container, a Pod and its namespace), for
+    /// `diagnostics/context`: nothing secret, nothing of the host's layout.
+    fn backend_identifiers(&self, _id: &str) -> std::collections::BTreeMap<String, String> {
+        std::collections::BTreeMap::new()
+    }
+
     /// What this runtime can do (`/health` reports it; the server checks it instead of the
     /// runtime's name). `egress_policy`: sandboxes can be given a network link (see
     /// [`Runtime::network_pid`]). `disk_bound`: root file system writes are bounded by

@@ -486,6 +486,11 @@ impl Egress {
         Ok(pem)
     }
 
+    /// Whether the sandbox's credential proxy is on.
+    pub fn has_credential_proxy(&self, id: &str) -> bool {
+        self.lock().by_id.get(id).is_some_and(|n| n.ca.is_some())
+    }
+
     /// Runs `f` on a sandbox's vault slot (the credential proxy must be on).
     pub fn with_vault<T>(
         &self,

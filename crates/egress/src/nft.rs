@@ -10,7 +10,8 @@
 //! unreachable; IPv6 is dropped (sandbox links carry IPv4 only, and the DNS filter answers AAAA
 //! queries with no records). Everything else is checked packet by packet — no "established"
 //! shortcut for outgoing packets, so removing an address cuts the open connections to it at once:
-//! explicit CIDR denies and port-scoped denies (a deny always wins), then addresses learned from
+//! explicit CIDR denies and port-scoped denies (a deny always wins; a port-scoped one covers its
+//! ports on every transport, UDP — QUIC — included, though allows open TCP only), then addresses learned from
 //! allowed DNS answers (with the answer's TTL; internal ones only for names a rule names exactly),
 //! allowed CIDRs (on every port, or on their TCP ports) that lie inside an internal range, then the
 //! internal ranges themselves (private, CGNAT, link-local, loopback, multicast, reserved:
@@ -116,7 +117,7 @@ impl Firewall {
     iifname "{p}*" meta nfproto ipv6 drop
     iifname "{p}*" udp dport 53 drop
     iifname "{p}*" ip saddr . ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
-    iifname "{p}*" ip saddr . ip daddr . tcp dport @port_deny4 reject with icmpx type admin-prohibited
+    iifname "{p}*" meta l4proto {{ tcp, udp, sctp, udplite }} ip saddr . ip daddr . th dport @port_deny4 reject with icmpx type admin-prohibited
     iifname "{p}*" ip saddr . ip daddr @learned4 accept
     iifname "{p}*" ip saddr . ip daddr @cidr_named4 accept
     iifname "{p}*" ip saddr . ip daddr . tcp dport @port_named4 accept

@@ -19,8 +19,12 @@ pub enum Action {
 
 /// One rule as it travels on the wire. `target` is empty for a rule of `ports` alone (the reference
 /// sidecar writes such a rule back with `"target": ""`; the clients send none).
+///
+/// Every read of a rule checks it (`try_from`), stored records and a sidecar's state file as much
+/// as a request: a rule that cannot hold as written is an error, never a rule that quietly does
+/// less or more.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "WireRule")]
 pub struct NetworkRule {
     pub action: Action,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -29,6 +33,30 @@ pub struct NetworkRule {
     /// only with an address or network target, or none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ports: Option<Vec<u16>>,
+}
+
+/// A rule as read, before [`NetworkRule::checked`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireRule {
+    action: Action,
+    #[serde(default)]
+    target: String,
+    #[serde(default)]
+    ports: Option<Vec<u16>>,
+}
+
+impl TryFrom<WireRule> for NetworkRule {
+    type Error = String;
+
+    fn try_from(w: WireRule) -> Result<Self, String> {
+        NetworkRule {
+            action: w.action,
+            target: w.target,
+            ports: w.ports,
+        }
+        .checked()
+    }
 }
 
 /// The most ports one rule may list (as the clients check).
@@ -431,15 +459,14 @@ pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, PolicyErro
     arr.iter()
         .enumerate()
         .map(|(index, r)| {
-            let rule: NetworkRule =
+            let rule: WireRule =
                 serde_json::from_value(r.clone()).map_err(|e| PolicyError::BadRule {
                     index,
                     message: format!(
                         "{e} (expected {{\"action\": \"allow\"|\"deny\", \"target\"?: …, \"ports\"?: [TCP ports]}})"
                     ),
                 })?;
-            rule.checked()
-                .map_err(|message| PolicyError::BadRule { index, message })
+            NetworkRule::try_from(rule).map_err(|message| PolicyError::BadRule { index, message })
         })
         .collect()
 }
@@ -763,6 +790,17 @@ mod tests {
             let err = rules_err(bad.clone());
             assert!(err.contains(why), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_stored_rule_is_checked_as_a_request_is() {
+        let bad = json!({"defaultAction": "deny", "egress": [
+            {"action": "deny", "target": "example.com", "ports": [443]}]});
+        assert!(serde_json::from_value::<NetworkPolicy>(bad).is_err());
+        let good = json!({"defaultAction": "deny", "egress": [
+            {"action": "deny", "target": " 10.0.0.5 ", "ports": [443]}]});
+        let p: NetworkPolicy = serde_json::from_value(good).expect("a good rule");
+        assert_eq!(p.egress[0].target, "10.0.0.5");
     }
 
     #[test]

@@ -220,7 +220,7 @@ fn table(dns_port: u16, inbound: &[u16]) -> String {
     meta nfproto ipv6 drop
     udp dport 53 drop
     ip daddr @cidr_deny4 reject with icmpx type admin-prohibited
-    ip daddr . tcp dport @port_deny4 reject with icmpx type admin-prohibited
+    meta l4proto {{ tcp, udp, sctp, udplite }} ip daddr . th dport @port_deny4 reject with icmpx type admin-prohibited
     ip daddr @learned4 accept
     ip daddr @cidr_named4 accept
     ip daddr . tcp dport @port_named4 accept

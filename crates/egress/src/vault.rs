@@ -17,6 +17,11 @@ pub enum VaultError {
     Conflict { current: u64, expected: u64 },
     #[error("{0} not found")]
     NotFound(String),
+    /// A create-only call (the lifecycle API's `POST`) over a vault that exists.
+    #[error(
+        "the sandbox has a credential vault already: change it with PATCH, or DELETE it first"
+    )]
+    Exists,
 }
 
 /// A secret. Its value is never printed, serialized or logged.

@@ -1099,6 +1099,10 @@ impl Runtime for DockerRuntime {
         }
     }
 
+    fn backend_identifiers(&self, id: &str) -> std::collections::BTreeMap<String, String> {
+        [("container".to_string(), Self::container_name(id))].into()
+    }
+
     fn image_source(&self) -> ImageSource {
         ImageSource::Engine
     }

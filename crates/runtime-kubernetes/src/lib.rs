@@ -374,6 +374,14 @@ impl Runtime for KubernetesRuntime {
         }
     }
 
+    fn backend_identifiers(&self, id: &str) -> std::collections::BTreeMap<String, String> {
+        [
+            ("namespace".to_string(), self.config.namespace.clone()),
+            ("pod".to_string(), pod::pod_name(id)),
+        ]
+        .into()
+    }
+
     fn image_source(&self) -> ImageSource {
         ImageSource::Engine
     }

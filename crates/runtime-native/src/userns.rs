@@ -63,13 +63,14 @@ impl IdRange {
 pub const VOLUME_BASE: u32 = 0x7FFF_0000;
 
 /// The idmapping of a volume whose folder belongs to `owner` on disk, for a sandbox in `range`:
-/// one `uid_map` (or, given the folder's group, `gid_map`) text.
+/// one `uid_map` (or, given [`volume_group`], `gid_map`) text.
 ///
 /// Never host root, nor any id a host account may have: mapping the sandbox's ids onto the same ids
 /// on disk would let its root make setuid-root programs in a host folder, and any of its ids make
 /// files setgid to a host group (`shadow`, say) — programs every host user could then run. So the
 /// sandbox's ids are [`VOLUME_BASE`]`..` on disk, except its root, which is the folder's owner when
-/// that is neither root nor a volume id: whoever shares a folder owned by uid 1000 gets the files
+/// that is neither root nor a volume id (any host account, service accounts included: the caller
+/// chose to share that account's folder): whoever shares a folder owned by uid 1000 gets the files
 /// the sandbox's root makes as uid 1000's, and that root may change their files (it could not make
 /// a setuid program uid 1000 could not make). A folder of host root's is the volume range's (root
 /// there is `VOLUME_BASE`). Files of any id the map leaves out (host root's, other users') are
@@ -432,7 +433,8 @@ pub fn make_mapped(uid_map: &str, gid_map: &str) -> io::Result<OwnedFd> {
 }
 
 /// The namespaces a sandbox in `range` mounts `volumes` through, one each, in order: each
-/// volume's [`volume_map`], from the owner and group its folder has now. (Opened again to mount: a
+/// volume's [`volume_map`], from the owner its folder has now, for uids, and for gids from
+/// [`volume_group`]. (Opened again to mount: a
 /// sandbox sharing the folder can change its owner meanwhile only to ids its own map gives, the
 /// folder's owner or the volume range's, so no map this makes reaches any other host id.)
 pub fn volume_namespaces(
@@ -444,9 +446,44 @@ pub fn volume_namespaces(
         .map(|v| {
             let source = v.open_source()?;
             let st = nix::sys::stat::fstat(source.fd.as_raw_fd()).map_err(io::Error::from)?;
-            make_mapped(&volume_map(range, st.st_uid), &volume_map(range, st.st_gid))
+            make_mapped(
+                &volume_map(range, st.st_uid),
+                &volume_map(range, volume_group(st.st_uid, st.st_gid, PASSWD)),
+            )
         })
         .collect()
+}
+
+/// The host's accounts, read for their primary groups.
+const PASSWD: &str = "/etc/passwd";
+
+/// The group a volume's gid map gives the sandbox's root: the folder's group `gid` when it is the
+/// primary group of the folder's owner `uid` (as `passwd` says) and that owner is the sandbox's
+/// root there, else none (0: every gid is the volume range's).
+///
+/// A group is shared by design: a setgid program of `docker`, `staff` or `shadow` that a sandbox
+/// made would give every host user who runs it what that group's members have. The owner's own
+/// primary group gives no more than the owner's uid already does. The kernel refuses writes to
+/// a file whose uid or gid an idmapped mount leaves unmapped, so a folder whose group is another
+/// is read-only to the sandbox.
+fn volume_group(uid: u32, gid: u32, passwd: &str) -> u32 {
+    let owner_maps = uid != 0 && !(VOLUME_BASE..VOLUME_BASE + SIZE).contains(&uid);
+    if !owner_maps || gid == 0 {
+        return 0;
+    }
+    let primary = std::fs::read_to_string(passwd).ok().and_then(|text| {
+        text.lines().find_map(|line| {
+            let f: Vec<&str> = line.split(':').collect();
+            (f.len() >= 4 && f[2].parse() == Ok(uid))
+                .then(|| f[3].parse::<u32>().ok())
+                .flatten()
+        })
+    });
+    if primary == Some(gid) {
+        gid
+    } else {
+        0
+    }
 }
 
 /// Moves the calling single-threaded process into user namespace `ns` as its root (ids 0, no
@@ -691,6 +728,39 @@ mod tests {
                 SIZE - 1
             )
         );
+    }
+
+    #[test]
+    fn a_volume_maps_only_its_owners_own_group() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let passwd = d.path().join("passwd");
+        std::fs::write(
+            &passwd,
+            "root:x:0:0::/root:/bin/sh\nalice:x:1000:1000::/home/alice:/bin/sh\n\
+             bob:x:1001:50::/home/bob:/bin/sh\nop:x:1002:0::/:/bin/sh\n",
+        )
+        .expect("passwd");
+        let p = passwd.to_str().expect("utf-8");
+        assert_eq!(volume_group(1000, 1000, p), 1000, "alice's own group");
+        assert_eq!(
+            volume_group(1000, 999, p),
+            0,
+            "another group of the host's (docker, say)"
+        );
+        assert_eq!(
+            volume_group(1001, 50, p),
+            50,
+            "bob's primary group, whatever its number"
+        );
+        assert_eq!(volume_group(1002, 0, p), 0, "never gid 0");
+        assert_eq!(volume_group(0, 0, p), 0);
+        assert_eq!(
+            volume_group(4242, 4242, p),
+            0,
+            "an owner passwd does not know"
+        );
+        assert_eq!(volume_group(VOLUME_BASE, VOLUME_BASE, p), 0);
+        assert_eq!(volume_group(1000, 1000, "/nonexistent"), 0);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use warren_api::lifecycle::{DiagnosticContent, SandboxState};
+use warren_api::lifecycle::{DiagnosticContent, DiagnosticContext, SandboxState};
 use warren_api::{ErrorBody, ErrorCode};
 
 use crate::error::ApiError;
@@ -124,6 +124,27 @@ pub async fn summary(
          {line}\nEVENTS\n{line}\n{}\n{line}\nLOGS (last {tail} lines)\n{line}\n{logs}",
         events_text(&events, limit)
     )))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/diagnostics/context", tag = "diagnostics",
+    params(("id" = String, Path)),
+    responses((status = 200, body = DiagnosticContext), (status = 404, body = ErrorBody)))]
+/// Where the sandbox runs: the runtime's kind, and the names its backend knows it by (the 1.1.2
+/// clients' `get_diagnostic_context`). Nothing secret, nothing of the host's layout.
+pub async fn context(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<DiagnosticContext>, ApiError> {
+    let rec = visible(&app, &id)?;
+    let runtime = app.sandboxes.runtime();
+    let mut identifiers = runtime.backend_identifiers(&id);
+    identifiers.insert("runtime".into(), runtime.name());
+    Ok(Json(DiagnosticContext {
+        sandbox_id: rec.id,
+        backend_type: app.config.runtime.kind.as_str().into(),
+        backend_identifiers: identifiers,
+        state: Some(rec.state),
+    }))
 }
 
 /// Non-fatal facts about what the text holds.

@@ -134,6 +134,25 @@ pub fn router(state: AppState) -> Router {
             "/sandboxes/{id}/diagnostics/summary",
             get(diagnostics::summary),
         )
+        .route(
+            "/sandboxes/{id}/diagnostics/context",
+            get(diagnostics::context),
+        )
+        .route(
+            "/sandboxes/{id}/credential-vault",
+            get(routes::credential_vault)
+                .post(routes::credential_vault)
+                .patch(routes::credential_vault)
+                .delete(routes::credential_vault),
+        )
+        .route(
+            "/sandboxes/{id}/credential-vault/{kind}",
+            get(routes::credential_vault),
+        )
+        .route(
+            "/sandboxes/{id}/credential-vault/{kind}/{name}",
+            get(routes::credential_vault),
+        )
         .route("/metrics/events", post(routes::metrics_event))
         .route("/usage", get(admin::usage))
         .route("/admin/keys", post(admin::create_key).get(admin::list_keys))

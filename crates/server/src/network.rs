@@ -329,21 +329,46 @@ pub async fn install_ca(
         .map_err(|e| format!("execd's environment file: {e}"))
 }
 
-/// The credential vault API of the 18080 surface: `/credential-vault` (POST creates, GET, PATCH,
-/// DELETE) and `/credential-vault/credentials[/{name}]`, `/credential-vault/bindings[/{name}]`.
-/// Answers only sanitized state.
+/// Which API a vault call came through: the two agree on what the vault holds and differ in codes,
+/// as the protocol's two specs do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VaultSurface {
+    /// Port 18080, the reference sidecar's API: `POST` replaces a vault, a stale revision is 409,
+    /// a sandbox without the credential proxy is 412, errors are plain text.
+    Sidecar,
+    /// `/sandboxes/{id}/credential-vault` on the lifecycle API: `POST` only creates (409 over an
+    /// existing vault), a stale revision is 412, reading a sandbox without a vault shows an empty
+    /// one, and the first create starts the credential proxy (see
+    /// `Sandboxes::enable_credential_proxy`).
+    Lifecycle,
+}
+
+/// The credential vault API: `/credential-vault` (POST creates, GET, PATCH, DELETE) and
+/// `/credential-vault/credentials[/{name}]`, `/credential-vault/bindings[/{name}]`, on either
+/// [`VaultSurface`]. Answers only sanitized state.
 pub async fn vault_call(
     network: &Network,
     id: &str,
     method: &http::Method,
     sub: &str,
     body: &[u8],
+    surface: VaultSurface,
 ) -> Result<(StatusCode, Option<serde_json::Value>), (StatusCode, String)> {
     use warren_egress::vault::{Vault, VaultError};
-    let egress = network.started().ok_or((
-        StatusCode::PRECONDITION_FAILED,
-        "the credential proxy is not running for this sandbox".to_string(),
-    ))?;
+    let lifecycle = surface == VaultSurface::Lifecycle;
+    let Some(egress) = network.started() else {
+        return match (lifecycle, method.clone(), sub.trim_matches('/')) {
+            // Nothing was ever put in a vault on this server: reads show an empty one.
+            (true, http::Method::GET, "") => {
+                Ok((StatusCode::OK, Some(Vault::default().state_json())))
+            }
+            (true, http::Method::DELETE, "") => Ok((StatusCode::NO_CONTENT, None)),
+            _ => Err((
+                StatusCode::PRECONDITION_FAILED,
+                "the credential proxy is not running for this sandbox".to_string(),
+            )),
+        };
+    };
     let json = || -> Result<serde_json::Value, (StatusCode, String)> {
         body_json(body).map_err(|e| (StatusCode::BAD_REQUEST, e.message))
     };
@@ -353,9 +378,28 @@ pub async fn vault_call(
             let v = Vault::create(&json()?);
             egress.with_vault(id, move |slot| {
                 let v = v?;
+                if lifecycle && slot.is_some() {
+                    return Err(VaultError::Exists);
+                }
                 let state = v.state_json();
                 *slot = Some(v);
                 Ok((StatusCode::CREATED, Some(state)))
+            })
+        }
+        (http::Method::GET, []) if lifecycle && !egress.has_credential_proxy(id) => {
+            return Ok((StatusCode::OK, Some(Vault::default().state_json())))
+        }
+        (http::Method::DELETE, []) if lifecycle && !egress.has_credential_proxy(id) => {
+            return Ok((StatusCode::NO_CONTENT, None))
+        }
+        (http::Method::PATCH, []) if lifecycle => {
+            let b = json()?;
+            egress.with_vault(id, move |slot| match slot {
+                Some(v) => {
+                    v.patch(&b)?;
+                    Ok((StatusCode::OK, Some(v.state_json())))
+                }
+                None => Err(VaultError::NotFound("credential vault".into())),
             })
         }
         (http::Method::GET, []) => egress.with_vault(id, |slot| {
@@ -412,6 +456,12 @@ pub async fn vault_call(
         }
     };
     result.map_err(|e| match e {
+        warren_egress::EgressError::Vault(VaultError::Exists) => {
+            (StatusCode::CONFLICT, e.to_string())
+        }
+        warren_egress::EgressError::Vault(VaultError::Conflict { .. }) if lifecycle => {
+            (StatusCode::PRECONDITION_FAILED, e.to_string())
+        }
         warren_egress::EgressError::Vault(VaultError::Conflict { .. }) => {
             (StatusCode::CONFLICT, e.to_string())
         }

@@ -281,7 +281,10 @@ async fn relay_opened(
             });
         }
     }
-    let (parts, body) = resp.into_parts();
+    let (mut parts, body) = resp.into_parts();
+    // Only Warren says a sandbox is parked: the newest clients replay a request (a POST too) on
+    // this header, so one a sandbox's process sent would make them resend what it already took.
+    parts.headers.remove(warren_api::WAKE_HEADER);
     Response::from_parts(parts, Body::new(body))
 }
 
@@ -297,8 +300,16 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
     let path = rest.trim_end_matches('/');
     if path == "credential-vault" || path.starts_with("credential-vault/") {
         let sub = path.trim_start_matches("credential-vault");
-        return match crate::network::vault_call(app.sandboxes.network(), id, &method, sub, &body)
-            .await
+        let surface = crate::network::VaultSurface::Sidecar;
+        return match crate::network::vault_call(
+            app.sandboxes.network(),
+            id,
+            &method,
+            sub,
+            &body,
+            surface,
+        )
+        .await
         {
             Ok((status, Some(v))) => (status, axum::Json(v)).into_response(),
             Ok((status, None)) => status.into_response(),

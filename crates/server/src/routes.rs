@@ -381,6 +381,62 @@ pub async fn network_policy(
     ))
 }
 
+/// `POST|GET|PATCH|DELETE /sandboxes/{id}/credential-vault` and `GET …/credentials[/{name}]`,
+/// `…/bindings[/{name}]`: the sandbox's credential vault on the lifecycle API (the calls of the
+/// 18080 surface with the lifecycle spec's codes: `network::VaultSurface::Lifecycle`). A create on
+/// a sandbox without the credential proxy (one made from a template) starts the proxy first.
+pub async fn credential_vault(
+    State(app): State<AppState>,
+    Path(params): Path<Vec<(String, String)>>,
+    method: http::Method,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    use crate::network::{vault_call, VaultSurface};
+    let mut id = String::new();
+    let mut sub = String::new();
+    for (key, value) in params {
+        match key.as_str() {
+            "id" => id = value,
+            "kind" => sub = format!("/{value}"),
+            "name" => sub = format!("{sub}/{value}"),
+            _ => {}
+        }
+    }
+    if method == http::Method::POST && sub.is_empty() {
+        // A body that would be refused must not leave a proxy started behind it.
+        let parsed = serde_json::from_slice::<serde_json::Value>(&body)
+            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
+        warren_egress::vault::Vault::create(&parsed)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let sandboxes = app.sandboxes.clone();
+        let id = id.clone();
+        to_completion(async move { sandboxes.enable_credential_proxy(&id).await }).await?;
+    }
+    let sandboxes = app.sandboxes.clone();
+    let answer = to_completion(async move {
+        let network = sandboxes.network();
+        Ok(vault_call(network, &id, &method, &sub, &body, VaultSurface::Lifecycle).await)
+    })
+    .await?;
+    match answer {
+        Ok((status, Some(v))) => Ok((status, Json(v)).into_response()),
+        Ok((status, None)) => Ok(status.into_response()),
+        Err((status, message)) => {
+            let code = match status {
+                StatusCode::BAD_REQUEST => ErrorCode::InvalidParameter,
+                StatusCode::NOT_FOUND => ErrorCode::VaultNotFound,
+                StatusCode::CONFLICT => ErrorCode::VaultExists,
+                StatusCode::PRECONDITION_FAILED if message.contains("revision") => {
+                    ErrorCode::VaultRevisionMismatch
+                }
+                StatusCode::PRECONDITION_FAILED => ErrorCode::VaultNotEnabled,
+                _ => ErrorCode::Unknown,
+            };
+            Err(ApiError::new(status, code, message))
+        }
+    }
+}
+
 /// Every port is reached through Warren's own listener; the token in `headers` opens only this port
 /// of this sandbox (execd's and the egress surface's ports each have their own).
 ///

@@ -819,10 +819,52 @@ impl Sandboxes {
     /// The sandbox's egress policy.
     pub fn network_policy(&self, id: &str) -> Result<warren_egress::NetworkPolicy, ApiError> {
         let rec = self.get(id).ok_or_else(|| ApiError::not_found(id))?;
-        Ok(rec
-            .network_policy
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_else(|| self.inner.network.default_policy()))
+        Ok(match rec.network_policy {
+            None => self.inner.network.default_policy(),
+            // A record this server cannot read (a field of a newer version's, say) fails closed:
+            // the default may be allow-all.
+            Some(v) => serde_json::from_value(v).unwrap_or_else(|e| {
+                tracing::warn!(sandbox_id = %id, error = %e, "unreadable stored network policy; treating it as deny-all");
+                warren_egress::NetworkPolicy::deny_all()
+            }),
+        })
+    }
+
+    /// Turns the credential proxy on for a running sandbox that was made without it (a sandbox
+    /// from a template, whose first vault create asks for it): the proxy's CA goes into its trust
+    /// and the record keeps the choice, so a restarted server starts the proxy again. Needs the
+    /// sandbox's network link: a vault for a sandbox that reaches nothing would inject nowhere.
+    pub async fn enable_credential_proxy(&self, id: &str) -> Result<(), ApiError> {
+        let entry = self.live_entry(id)?;
+        let _op = entry.op.lock().await;
+        self.still_known(id, &entry)?;
+        let rec = lock(&entry.record).clone();
+        if rec.credential_proxy {
+            return Ok(());
+        }
+        if rec.state != SandboxState::Running {
+            return Err(ApiError::conflict(
+                ErrorCode::SandboxNotRunning,
+                format!("sandbox {id} is {}", rec.state.as_str()),
+            ));
+        }
+        if rec.network_link.is_none() {
+            return Err(ApiError::conflict(
+                ErrorCode::InvalidState,
+                format!(
+                    "sandbox {id} reaches no network, so a credential vault would inject nowhere: give it a networkPolicy that lets it reach something first (PUT /sandboxes/{id}/networkpolicy)"
+                ),
+            ));
+        }
+        let eg = self.inner.network.egress().await?;
+        self.start_credential_proxy(&eg, id).await?;
+        let mut updated = rec;
+        updated.credential_proxy = true;
+        if let Err(e) = self.share(&updated).await {
+            tracing::warn!(sandbox_id = %id, error = %e.message, "the credential proxy is on but its record was not shared");
+        }
+        self.update(&entry, |r| r.credential_proxy = true);
+        Ok(())
     }
 
     /// Changes a running sandbox's egress policy; in force when this returns.

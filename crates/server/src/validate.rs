@@ -127,9 +127,7 @@ pub fn create_plan(
             "secureAccess (endpoints are always token-protected on Warren)",
         ));
     }
-    if req.lifecycle.is_some() {
-        return Err(unsupported("lifecycle hooks"));
-    }
+    let renewal = lifecycle(req.lifecycle.as_ref())?;
     if let Some(p) = &req.platform {
         if p.os != "linux" || !(p.arch == "amd64" || p.arch == "x86_64") {
             return Err(ApiError::invalid(format!(
@@ -219,8 +217,22 @@ pub fn create_plan(
         ));
     }
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
-    let extensions = req.extensions.unwrap_or_default();
+    let mut extensions = req.extensions.unwrap_or_default();
     check_extensions(&extensions)?;
+    if let Some(seconds) = renewal {
+        // The structured successor of the extension: one setting, stored as the extension that
+        // renew on access reads (see `proxy`).
+        match extensions.get(RENEW_ON_ACCESS) {
+            Some(v) if v.parse::<i64>() != Ok(seconds) => {
+                return Err(ApiError::invalid(format!(
+                    "lifecycle.renewalPolicy.extendSeconds ({seconds}) and extensions.{RENEW_ON_ACCESS} ({v:?}) disagree: give one, or the same value"
+                )))
+            }
+            _ => {
+                extensions.insert(RENEW_ON_ACCESS.to_string(), seconds.to_string());
+            }
+        }
+    }
     Ok(CreatePlan {
         image: uri,
         snapshot_id,
@@ -306,6 +318,54 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
         }
     }
     Ok(())
+}
+
+/// Reads `lifecycle`: the renew-on-access window of `renewalPolicy` (OSEP-0009), if given. A field
+/// Warren does not serve is refused by name, never ignored: a caller who asked for a hook or an
+/// idle policy must not get a sandbox that quietly runs without it.
+fn lifecycle(v: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
+    let obj = match v {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Object(o)) => o,
+        Some(_) => return Err(ApiError::invalid("lifecycle must be a JSON object")),
+    };
+    let mut renewal = None;
+    for (key, value) in obj {
+        match key.as_str() {
+            "renewalPolicy" => renewal = renewal_policy(value)?,
+            "idlePolicy" | "preStart" | "periodic" if value.is_null() => {}
+            "idlePolicy" | "preStart" | "periodic" => {
+                return Err(unsupported(&format!("lifecycle.{key}")))
+            }
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "lifecycle.{other:?} is not a lifecycle field (known: renewalPolicy, idlePolicy, preStart, periodic)"
+                )))
+            }
+        }
+    }
+    Ok(renewal)
+}
+
+fn renewal_policy(v: &serde_json::Value) -> Result<Option<i64>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "lifecycle.renewalPolicy must be {\"extendSeconds\": a whole number of seconds from 300 to 86400}",
+        )
+    };
+    let obj = match v {
+        serde_json::Value::Null => return Ok(None),
+        serde_json::Value::Object(o) => o,
+        _ => return Err(bad()),
+    };
+    if obj.keys().any(|k| k != "extendSeconds") {
+        return Err(bad());
+    }
+    obj.get("extendSeconds")
+        .and_then(serde_json::Value::as_i64)
+        .filter(|s| (300..=86_400).contains(s))
+        .map(Some)
+        .ok_or_else(bad)
 }
 
 /// OSEP-0009 renew on access: proxied traffic pushes the sandbox's expiry to this many seconds
@@ -425,6 +485,71 @@ mod tests {
             ),
             ..Default::default()
         }
+    }
+
+    fn plan_with(lifecycle: serde_json::Value, ext: Option<&str>) -> Result<CreatePlan, ApiError> {
+        let mut r = req();
+        r.lifecycle = Some(lifecycle);
+        r.extensions = ext.map(|v| [(RENEW_ON_ACCESS.to_string(), v.to_string())].into());
+        create_plan(
+            r,
+            &LimitsSection::default(),
+            None,
+            &StoragePolicy::default(),
+        )
+    }
+
+    #[test]
+    fn a_renewal_policy_is_renew_on_access_and_other_lifecycle_fields_are_refused_by_name() {
+        use serde_json::json;
+        let plan = plan_with(json!({"renewalPolicy": {"extendSeconds": 600}}), None).expect("plan");
+        assert_eq!(plan.extensions[RENEW_ON_ACCESS], "600");
+        let plan = plan_with(
+            json!({"renewalPolicy": {"extendSeconds": 600}}),
+            Some("600"),
+        );
+        assert!(plan.is_ok(), "the same value twice");
+        let e = plan_with(
+            json!({"renewalPolicy": {"extendSeconds": 600}}),
+            Some("900"),
+        )
+        .err()
+        .expect("disagree");
+        assert!(e.message.contains("disagree"), "{}", e.message);
+        for bad in [
+            json!({"renewalPolicy": {"extendSeconds": 299}}),
+            json!({"renewalPolicy": {"extendSeconds": 86_401}}),
+            json!({"renewalPolicy": {"extendSeconds": "600"}}),
+            json!({"renewalPolicy": {"extendSeconds": 600, "jitter": 1}}),
+            json!({"renewalPolicy": {}}),
+            json!({"renewal": {}}),
+            json!([]),
+        ] {
+            let e = plan_with(bad.clone(), None).err().expect("refused");
+            assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad}");
+        }
+        for (field, value) in [
+            (
+                "idlePolicy",
+                json!({"idleTimeoutSeconds": 60, "onIdle": "pause"}),
+            ),
+            ("preStart", json!({"command": ["true"]})),
+            (
+                "periodic",
+                json!([{"name": "a", "schedule": "* * * * *", "command": ["true"]}]),
+            ),
+        ] {
+            let e = plan_with(json!({ field: value }), None)
+                .err()
+                .expect("refused");
+            assert!(
+                e.message.contains(&format!("lifecycle.{field}")),
+                "{}",
+                e.message
+            );
+        }
+        assert!(plan_with(json!({}), None).is_ok());
+        assert!(plan_with(json!({"idlePolicy": null}), None).is_ok());
     }
 
     #[test]
