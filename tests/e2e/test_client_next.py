@@ -1,0 +1,203 @@
+"""The newest official Python client, `opensandbox==1.1.2.dev20261020` (a pre-release, in a venv of its
+own: scripts/install-deps), against Warren: port-scoped egress rules, the credential vault on the
+lifecycle API (the path its template sandboxes take), `get_diagnostic_context`, and the structured
+`lifecycle` fields. The suite's own process runs the published 1.1.1 client, so each test here runs
+a script with the other venv's python and checks what it prints.
+
+What it checks does not depend on the runtime (the server's routes and policy code): it runs on the
+embedded runtime only; port enforcement itself is tested on every runtime in test_egress.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import warren_e2e as W
+
+NEXT_PYTHON = Path(os.environ.get("WARREN_NEXT_VENV", W.REPO_ROOT / ".ci" / "cache" / "venv-next")) / "bin" / "python"
+
+PRELUDE = """
+import json, os, sys
+from datetime import timedelta
+from opensandbox import SandboxSync
+from opensandbox.config import ConnectionConfigSync
+from opensandbox.exceptions import SandboxException
+config = ConnectionConfigSync(domain=os.environ["WARREN_DOMAIN"], api_key=os.environ["WARREN_API_KEY"],
+                              request_timeout=timedelta(seconds=120))
+out = {}
+def done():
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def next_server(server):
+    if server.runtime != "embedded":
+        pytest.skip("the newest client's calls: the server's routes, the same on every runtime")
+    if not NEXT_PYTHON.exists():
+        pytest.fail(f"the 1.1.2 client's venv is missing ({NEXT_PYTHON}): run scripts/install-deps")
+    version = subprocess.run([NEXT_PYTHON, "-c", "import importlib.metadata as m; print(m.version('opensandbox'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == "1.1.2.dev20261020", version
+    return server
+
+
+def run_next(srv, script: str) -> dict:
+    """Runs `script` (after PRELUDE) with the 1.1.2 client; returns what it put in `out`."""
+    env = dict(os.environ, WARREN_DOMAIN=srv.domain, WARREN_API_KEY=srv.api_key)
+    r = subprocess.run([NEXT_PYTHON, "-c", PRELUDE + textwrap.dedent(script) + "\ndone()\n"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    for sid in result.get("sandboxes", []):
+        W.track_sandbox(sid)
+    return result
+
+
+def test_port_scoped_rules_through_the_newest_client(next_server):
+    """The client's own models send `ports` and a target-less rule; Warren keeps both exactly, merges
+    on (target, ports), and refuses a domain with ports (the client refuses it first)."""
+    out = run_next(next_server, """
+        from opensandbox.models.sandboxes import NetworkPolicy, NetworkRule
+        sbx = SandboxSync.create("host", connection_config=config,
+            network_policy=NetworkPolicy(default_action="deny", egress=[
+                NetworkRule(action="allow", target="203.0.113.7", ports=[443, 8443]),
+                NetworkRule(action="deny", ports=[25])]))
+        out["sandboxes"] = [sbx.id]
+        try:
+            p = sbx.get_egress_policy()
+            out["created"] = [[r.action, r.target, r.ports] for r in p.egress]
+            sbx.patch_egress_rules([NetworkRule(action="deny", target="203.0.113.7", ports=[8443, 443]),
+                                    NetworkRule(action="allow", target="203.0.113.7", ports=[80])])
+            p = sbx.get_egress_policy()
+            out["patched"] = [[r.action, r.target, r.ports] for r in p.egress]
+            sbx.delete_egress_rules([""])
+            out["deleted"] = [[r.action, r.target, r.ports] for r in sbx.get_egress_policy().egress]
+            try:
+                NetworkRule(action="allow", target="pypi.org", ports=[443])
+                out["client_refused"] = False
+            except Exception:
+                out["client_refused"] = True
+        finally:
+            sbx.kill()
+    """)
+    assert out["created"] == [["allow", "203.0.113.7", [443, 8443]], ["deny", None, [25]]], out
+    assert out["patched"] == [["deny", "203.0.113.7", [8443, 443]], ["allow", "203.0.113.7", [80]],
+                              ["deny", None, [25]]], out
+    assert out["deleted"] == [["deny", "203.0.113.7", [8443, 443]], ["allow", "203.0.113.7", [80]]], out
+    assert out["client_refused"] is True
+
+
+def test_the_vault_on_the_lifecycle_api_through_the_newest_client(next_server):
+    """The client's lifecycle vault adapter (what `create_from_template` sandboxes use) against
+    `/sandboxes/{id}/credential-vault`: the first create starts the credential proxy of a sandbox
+    made without it (its CA enters the sandbox's trust), a second create is 409, a stale revision
+    412, reads show names and revisions only, and delete keeps the network policy. A sandbox that
+    reaches no network gets a 409 that says so, and nothing is started."""
+    secret = "sk-next-" + os.urandom(8).hex()
+    out = run_next(next_server, f"""
+        from opensandbox.models.sandboxes import (NetworkPolicy, NetworkRule, Credential, CredentialBinding,
+            CredentialMatch, CredentialAuth, InlineCredentialSource)
+        from opensandbox.sync.adapters.factory import AdapterFactorySync
+        factory = AdapterFactorySync(config)
+        sbx = SandboxSync.create("host", connection_config=config,
+            network_policy=NetworkPolicy(default_action="deny", egress=[NetworkRule(action="allow", target="203.0.113.7")]))
+        bare = SandboxSync.create("host", connection_config=config)
+        out["sandboxes"] = [sbx.id, bare.id]
+        def status(call):
+            try:
+                call()
+                return 0
+            except SandboxException as e:
+                return getattr(e, "status_code", None) or str(e)
+        try:
+            vault = factory.create_network_policy_service(sbx.id)
+            out["before"] = vault.get().revision
+            creds = [Credential(name="api", source=InlineCredentialSource(value="{secret}"))]
+            binds = [CredentialBinding(name="b", match=CredentialMatch(hosts=["api.example.test"]),
+                                       auth=CredentialAuth(type="bearer", credential="api"))]
+            state = vault.create(credentials=creds, bindings=binds)
+            out["created"] = [state.revision, [c.name for c in state.credentials], [b.name for b in state.bindings]]
+            out["again"] = status(lambda: vault.create(credentials=creds, bindings=binds))
+            out["stale"] = status(lambda: vault.patch(expected_revision=99, credentials={{"delete": ["api"]}}))
+            out["listed"] = [c.name for c in vault.list_credentials()] + [b.name for b in vault.list_bindings()]
+            out["one"] = vault.get_credential("api").name
+            out["missing"] = status(lambda: vault.get_credential("nope"))
+            state = vault.patch(expected_revision=state.revision, credentials={{"replace": [
+                {{"name": "api", "source": {{"type": "inline", "value": "{secret}-2"}}}}]}})
+            out["patched"] = state.revision
+            out["dump"] = json.dumps(vault.get().model_dump(mode="json"))
+            ex = sbx.commands.run("cat /opt/opensandbox/ca-bundle.crt | grep -c 'BEGIN CERTIFICATE'")
+            out["ca_certs"] = "".join(m.text for m in ex.logs.stdout).strip()
+            vault.delete()
+            out["after_delete"] = vault.get().revision
+            out["policy_kept"] = [r.target for r in sbx.get_egress_policy().egress]
+            bare_vault = factory.create_network_policy_service(bare.id)
+            out["bare"] = status(lambda: bare_vault.create(credentials=creds, bindings=binds))
+            out["bare_get"] = bare_vault.get().revision
+        finally:
+            sbx.kill()
+            bare.kill()
+    """)
+    assert out["before"] == 0, out
+    assert out["created"] == [1, ["api"], ["b"]], out
+    assert out["again"] == 409 and out["stale"] == 412 and out["missing"] == 404, out
+    assert out["listed"] == ["api", "b"] and out["one"] == "api", out
+    assert out["patched"] == 2, out
+    assert secret not in out["dump"], "a secret in a read"
+    assert int(out["ca_certs"]) >= 1, "the credential proxy's CA is in the sandbox's trust"
+    assert out["after_delete"] == 0 and out["policy_kept"] == ["203.0.113.7"], out
+    assert out["bare"] == 409 and out["bare_get"] == 0, out
+    assert secret not in next_server.log_path.read_text(), "a secret reached the server's log"
+
+
+def test_diagnostic_context_and_lifecycle_fields_through_the_newest_client(next_server, api):
+    """`get_diagnostic_context` answers the client's model; `lifecycle.renewalPolicy` is renew on
+    access (kept as the extension it succeeds, a disagreeing pair refused); an idle policy and
+    hooks, which Warren does not serve yet, are refused by name, with nothing created."""
+    before = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+    out = run_next(next_server, """
+        from opensandbox.models.sandboxes import SandboxLifecycle, RenewalPolicy, IdlePolicy, LifecycleHook
+        sbx = SandboxSync.create("host", connection_config=config,
+                                 lifecycle=SandboxLifecycle(renewal_policy=RenewalPolicy(extend_seconds=900)))
+        out["sandboxes"] = [sbx.id]
+        try:
+            import httpx
+            rec = httpx.get(f"http://{os.environ['WARREN_DOMAIN']}/v1/sandboxes/{sbx.id}",
+                            headers={"OPEN-SANDBOX-API-KEY": os.environ["WARREN_API_KEY"]}).json()
+            out["extensions"] = rec.get("extensions")
+            ctx = sbx.get_diagnostic_context()
+            out["ctx"] = [ctx.sandbox_id == sbx.id, ctx.backend_type, dict(ctx.backend_identifiers), str(ctx.state)]
+        finally:
+            sbx.kill()
+        refused = {}
+        for name, lc, ext in [
+                ("idle", SandboxLifecycle(idle_policy=IdlePolicy(idle_timeout_seconds=60, on_idle="pause")), {}),
+                ("hook", SandboxLifecycle(pre_start=LifecycleHook(command=["true"])), {}),
+                ("disagree", SandboxLifecycle(renewal_policy=RenewalPolicy(extend_seconds=900)),
+                 {"access.renew.extend.seconds": "600"})]:
+            try:
+                s = SandboxSync.create("host", connection_config=config, lifecycle=lc, extensions=ext)
+                out["sandboxes"].append(s.id)
+                s.kill()
+                refused[name] = "created"
+            except SandboxException as e:
+                refused[name] = str(e)
+        out["refused"] = refused
+    """)
+    same_id, backend, identifiers, state = out["ctx"]
+    assert same_id and backend == "native" and identifiers == {"runtime": "native/embedded"}, out["ctx"]
+    assert "Running" in state or "running" in state.lower(), state
+    assert (out["extensions"] or {}).get("access.renew.extend.seconds") == "900", out["extensions"]
+    refused = out["refused"]
+    assert "lifecycle.idlePolicy" in refused["idle"], refused
+    assert "lifecycle.preStart" in refused["hook"], refused
+    assert "disagree" in refused["disagree"], refused
+    after = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+    assert after <= before, f"a refused create left {after - before}"
