@@ -201,3 +201,38 @@ def test_diagnostic_context_and_lifecycle_fields_through_the_newest_client(next_
     assert "disagree" in refused["disagree"], refused
     after = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
     assert after <= before, f"a refused create left {after - before}"
+
+
+def test_a_sandbox_cannot_make_the_newest_client_replay_its_requests(next_server, api):
+    """The 1.1.2 clients resend a request, POSTs included, when an answer is a 503 carrying
+    `OpenSandbox-Wake: expired` (the gateway's "parked, never forwarded"). A sandbox's own server
+    answering that through the endpoint proxy would have them resend what it already took: Warren
+    drops the header from every answer it relays."""
+    import httpx
+    from opensandbox import SandboxSync
+    from opensandbox.models.execd import RunCommandOpts
+    sbx = SandboxSync.create("host", connection_config=next_server.sdk_config())
+    W.track_sandbox(sbx.id)
+    server = ("import http.server as h\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_POST(self):\n"
+              "        self.send_response(503); self.send_header('OpenSandbox-Wake', 'expired')\n"
+              "        self.send_header('Retry-After', '1'); self.send_header('Content-Length', '0'); self.end_headers()\n"
+              "    do_GET = do_POST\n"
+              "h.HTTPServer(('127.0.0.1', 8089), H).serve_forever()\n")
+    try:
+        sbx.files.write_file("/tmp/wake.py", server)
+        sbx.commands.run("python3 /tmp/wake.py", opts=RunCommandOpts(background=True))
+        ep = api.get(f"/v1/sandboxes/{sbx.id}/endpoints/8089").json()
+
+        def answered():
+            try:
+                return httpx.post(f"http://{ep['endpoint']}/job", headers=ep["headers"], timeout=5).status_code == 503
+            except httpx.HTTPError:
+                return False
+        W.wait_until(answered, 30, interval=0.1, message="the sandbox's server")
+        r = httpx.post(f"http://{ep['endpoint']}/job", headers=ep["headers"], timeout=5)
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", r.headers
+        assert "opensandbox-wake" not in {k.lower() for k in r.headers}, r.headers
+    finally:
+        sbx.kill()
