@@ -200,6 +200,13 @@ def test_expiry_via_renew(server, api, raw_sandbox):
 
     st = W.wait_until(terminated, 12, interval=0.2, message="ttl expiry")
     assert st.get("reason") == "ttl_expiry", st
+    # Ended on its own and still listed: a delete takes it out of the list (204, as the reference
+    # answers; it answered 404 "is already Terminated"), and it is gone for good.
+    r = api.delete(f"/v1/sandboxes/{sid}")
+    assert r.status_code == 204, r.text
+    assert api.get(f"/v1/sandboxes/{sid}").status_code == 404
+    assert sid not in {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+    W.assert_error_body(api.delete(f"/v1/sandboxes/{sid}"), codes=[404])
 
 
 def test_pause_resume(server, make_sandbox):

@@ -1016,6 +1016,15 @@ impl Sandboxes {
         self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         // A sandbox whose delete failed still holds what the runtime made: a delete tries again.
+        if rec.state.is_terminal()
+            && rec.reason.as_deref() != Some(REASON_DELETE_FAILED)
+            && reason == REASON_USER_DELETE
+        {
+            // Ended on its own and still listed: what it held went when it ended; a user's delete
+            // takes its record out of the list too (204, as the reference answers).
+            self.forget(id);
+            return Ok(());
+        }
         if rec.state.is_terminal() && rec.reason.as_deref() != Some(REASON_DELETE_FAILED) {
             return Err(ApiError::new(
                 http::StatusCode::NOT_FOUND,
