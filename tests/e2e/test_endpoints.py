@@ -118,6 +118,13 @@ def test_endpoint_query_parameters_as_the_reference_answers_them(server, make_sa
     assert signed.endpoint.startswith(f"{server.domain}/signed/"), signed.endpoint
     r = W.wait_until(lambda: (x := httpx.get(f"http://{signed.endpoint}/", timeout=30)).status_code == 200 and x,
                      20, interval=0.2, message="the app through its signed URL")
+    # As handed out, without a slash after the token: sent on to the app's root with one, so a
+    # page's relative links resolve beside it, not beside the token (where they got 401).
+    bare = httpx.get(f"http://{signed.endpoint}?x=1", timeout=30)
+    assert bare.status_code == 308, bare.status_code
+    assert bare.headers["location"] == f"/{signed.endpoint.split('/', 1)[1]}/?x=1", bare.headers
+    followed = httpx.get(f"http://{signed.endpoint}", timeout=30, follow_redirects=True)
+    assert followed.status_code == 200 and followed.text == r.text
     # The same path with one character of the signature changed opens nothing.
     forged = signed.endpoint[:-1] + ("a" if signed.endpoint[-1] != "a" else "b")
     W.assert_error_body(httpx.get(f"http://{forged}/", timeout=30), codes=[401])

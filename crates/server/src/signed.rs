@@ -388,6 +388,8 @@ enum Route {
         token: String,
         rest: String,
         on_path: bool,
+        /// `/signed/{token}` with nothing after the token, not even `/`.
+        bare: bool,
     },
     /// `{port}-{id}.{domain}`: opened as the path proxy is.
     Host { id: String, port: String },
@@ -414,6 +416,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
                     token: String::new(),
                     rest: String::new(),
                     on_path: false,
+                    bare: false,
                 });
             }
             return Some(match label.split_once('-') {
@@ -427,6 +430,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
                     token: label.to_string(),
                     rest: path.trim_start_matches('/').to_string(),
                     on_path: false,
+                    bare: false,
                 },
             });
         }
@@ -438,6 +442,7 @@ fn route_of(app: &AppState, req: &Request) -> Option<Route> {
         token: token.to_string(),
         rest: rest.to_string(),
         on_path: true,
+        bare: !tail.contains('/'),
     })
 }
 
@@ -475,6 +480,7 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
             token,
             rest,
             on_path,
+            bare,
         }) => {
             let now = chrono::Utc::now().timestamp().max(0) as u64;
             match app.signing.verify(&token, now) {
@@ -484,7 +490,22 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
                         port: Some(port),
                         opened_by: "signed-url",
                     };
-                    if on_path && req.headers().contains_key("service-worker") {
+                    if bare {
+                        // The URL as handed out names the app's root without its slash: a page
+                        // there resolves `app.js` to `/signed/app.js`, beside the token. Sent to
+                        // the same URL with the slash (308 keeps the method and body), its
+                        // relative links load as they would at the app's `/`.
+                        let location = match req.uri().query() {
+                            Some(q) => format!("{}/?{q}", req.uri().path()),
+                            None => format!("{}/", req.uri().path()),
+                        };
+                        let resp = (
+                            StatusCode::PERMANENT_REDIRECT,
+                            [(http::header::LOCATION, location)],
+                        )
+                            .into_response();
+                        (resp, routed)
+                    } else if on_path && req.headers().contains_key("service-worker") {
                         let e = ApiError::new(
                             StatusCode::FORBIDDEN,
                             ErrorCode::InvalidAccessToken,
