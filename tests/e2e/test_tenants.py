@@ -402,6 +402,19 @@ def test_the_audit_log_keeps_who_did_what_and_no_secret(srv):
     assert proxied and all(e["keyId"] == "endpoint-token" for e in proxied), mine
     assert all(e["requestId"] and e["client"].startswith("127.0.0.1:") for e in mine), mine
     assert {e["sandbox"] for e in audit("--sandbox", sbx.id)} == {sbx.id}
+    # A valid key's refused call is that key's: another tenant's sandbox (404) and a write with a
+    # read-only key (403) are audited with the key's tenant, not as anonymous.
+    other = _key(srv, "audited-other")
+    reader = _key(srv, "audited", "read-only")
+    r = httpx.delete(f"{srv.base_url}/v1/sandboxes/{sbx.id}", headers={KEY: other}, timeout=30)
+    assert r.status_code == 404, r.text
+    r = httpx.post(f"{srv.base_url}/v1/sandboxes", headers={KEY: reader}, json=W.create_body("host"), timeout=30)
+    assert r.status_code == 403, r.text
+    recent = audit("--since", "10m")
+    assert any(e["status"] == 404 and e["tenant"] == "audited-other" and e["keyId"] and e["sandbox"] == sbx.id
+               for e in recent), [e for e in recent if e["status"] == 404]
+    assert any(e["status"] == 403 and e["tenant"] == "audited" and e["action"] == "POST /sandboxes"
+               for e in recent), [e for e in recent if e["status"] == 403]
     # A refused key is kept too, with no tenant.
     assert any(e["status"] == 401 and e["tenant"] is None and e["action"] == "POST /sandboxes"
                for e in audit("--since", "10m")), "the refused create is not in the log"

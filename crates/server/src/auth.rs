@@ -177,20 +177,28 @@ pub async fn require_api_key(
         )
         .into_response();
     };
+    // A refusal of a valid key is that key's: the audit line names its tenant and key, and the
+    // call counts against that tenant, not against the anonymous callers.
+    let refused = |mut resp: Response| {
+        resp.extensions_mut().insert(caller.clone());
+        resp
+    };
     if caller.role == Role::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
-        return forbidden("this key is read-only");
+        return refused(forbidden("this key is read-only"));
     }
     if caller.role == Role::ReadOnly && is_endpoint_path(&path) {
         // An endpoint carries a token that opens the port: commands on execd's, the policy on
         // the egress surface's. Not for a key that may only read.
-        return forbidden("a read-only key gets no endpoint (its token opens the port)");
+        return refused(forbidden(
+            "a read-only key gets no endpoint (its token opens the port)",
+        ));
     }
     if is_admin_path(&path) && caller.role != Role::Admin {
-        return forbidden("only an admin key manages keys");
+        return refused(forbidden("only an admin key manages keys"));
     }
     if let Some(id) = sandbox_in_path(&path) {
         if let Some(resp) = guard(&app, &caller, id) {
-            return resp;
+            return refused(resp);
         }
     }
     req.extensions_mut().insert(caller.clone());
