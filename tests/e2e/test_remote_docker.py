@@ -202,7 +202,7 @@ def test_host_volumes_and_network_policies_are_refused_and_nothing_is_left(rdock
     with rdock.client() as c:
         r = c.post("/v1/sandboxes", json=W.create_body(IMAGE, networkPolicy=policy))
     W.assert_error_body(r, codes=[400])
-    assert "cannot enforce network policies" in r.json()["message"], r.text
+    assert "cannot enforce network policies on sandboxes on a remote Docker daemon" in r.json()["message"], r.text
     assert set(remote.containers()) == before
 
 

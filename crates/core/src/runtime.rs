@@ -253,6 +253,12 @@ pub trait Runtime: Send + Sync + 'static {
     /// After a server restart: is this sandbox still there?
     async fn liveness(&self, id: &str, state: &RuntimeState) -> Liveness;
 
+    /// Whose sandboxes these are, for a refusal that names why (`sandboxes of the docker/runsc
+    /// runtime`, `sandboxes on a remote Docker daemon`).
+    fn sandboxes_described(&self) -> String {
+        format!("sandboxes of the {} runtime", self.name())
+    }
+
     /// The names the backend knows sandbox `id` by (a container, a Pod and its namespace), for
     /// `diagnostics/context`: nothing secret, nothing of the host's layout.
     fn backend_identifiers(&self, _id: &str) -> std::collections::BTreeMap<String, String> {

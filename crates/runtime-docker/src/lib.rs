@@ -1103,6 +1103,16 @@ impl Runtime for DockerRuntime {
         [("container".to_string(), Self::container_name(id))].into()
     }
 
+    fn sandboxes_described(&self) -> String {
+        if self.local {
+            format!("sandboxes of the {} runtime", self.name())
+        } else {
+            // Its containers' network namespaces are on another host, out of this host's firewall.
+            "sandboxes on a remote Docker daemon (their network lives on its host, out of Warren's reach)"
+                .into()
+        }
+    }
+
     fn image_source(&self) -> ImageSource {
         ImageSource::Engine
     }

@@ -526,8 +526,8 @@ impl Sandboxes {
                     http::StatusCode::BAD_REQUEST,
                     ErrorCode::ApiNotSupported,
                     format!(
-                        "networkPolicy: Warren cannot enforce network policies on sandboxes of the {} runtime (the native runtime, embedded or runc, can)",
-                        self.inner.runtime.name()
+                        "networkPolicy: Warren cannot enforce network policies on {} (the native runtime, embedded or runc, and Docker on this host can)",
+                        self.inner.runtime.sandboxes_described()
                     ),
                 ));
             }
@@ -927,8 +927,8 @@ impl Sandboxes {
                         http::StatusCode::BAD_REQUEST,
                         ErrorCode::ApiNotSupported,
                         format!(
-                            "Warren cannot enforce network policies on sandboxes of the {} runtime",
-                            self.inner.runtime.name()
+                            "Warren cannot enforce network policies on {}",
+                            self.inner.runtime.sandboxes_described()
                         ),
                     ));
                 }
