@@ -236,3 +236,26 @@ def test_a_sandbox_cannot_make_the_newest_client_replay_its_requests(next_server
         assert "opensandbox-wake" not in {k.lower() for k in r.headers}, r.headers
     finally:
         sbx.kill()
+
+
+def test_set_env_values_read_back_whole(next_server):
+    """The 1.1.2 client's `commands.set_env` appends `KEY='value'` (or the double-quoted form for a
+    value holding a `'`) to the env file: a value of several lines, quotes, tabs and `$` reads back
+    whole in the next command (the file was read a line at a time)."""
+    out = run_next(next_server, r"""
+        sbx = SandboxSync.create("host", connection_config=config)
+        out["sandboxes"] = [sbx.id]
+        values = {"PLAIN": "one", "LINES": "first\nsecond\n  third", "QUOTED": "it's \"x\"\t$HOME\nnext"}
+        try:
+            for k, v in values.items():
+                sbx.commands.set_env(k, v)
+            got = {}
+            for k in values:
+                ex = sbx.commands.run(f"python3 -c 'import os,json; print(json.dumps(os.environ.get(\"{k}\")))'")
+                got[k] = json.loads("".join(m.text for m in ex.logs.stdout))
+            out["same"] = got == values
+            out["got"] = got
+        finally:
+            sbx.kill()
+    """)
+    assert out["same"], out["got"]

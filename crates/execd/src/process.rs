@@ -52,29 +52,76 @@ pub fn shell() -> &'static str {
     }
 }
 
-/// Parses `KEY=VALUE` lines; blank lines, `#` comments and an optional `export ` prefix are tolerated,
-/// and one level of matching quotes around the value is removed.
+/// Parses an env file as the clients write it (`set_env` appends `KEY='value'`, or `KEY="value"` when
+/// the value holds a `'`): blank lines, `#` comments and an optional `export ` prefix are tolerated;
+/// a single-quoted value is taken as it is, newlines included, up to its closing quote; a
+/// double-quoted one may span lines too, with `\\`, `\"`, `\n`, `\r`, `\t` and `\$` escapes;
+/// an unquoted one is the rest of its line, trimmed. (It was read a line at a time: a multi-line
+/// value came back as its first line.)
 pub fn parse_env_file(text: &str) -> Vec<(String, String)> {
-    text.lines()
-        .filter_map(|line| {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                return None;
-            }
-            let line = line.strip_prefix("export ").unwrap_or(line);
-            let (key, value) = line.split_once('=')?;
-            let key = key.trim();
-            if key.is_empty() {
-                return None;
-            }
-            let value = value.trim();
-            let value = ['"', '\'']
-                .iter()
-                .find_map(|q| value.strip_prefix(*q).and_then(|v| v.strip_suffix(*q)))
-                .unwrap_or(value);
-            Some((key.to_string(), value.to_string()))
-        })
-        .collect()
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let trimmed = rest.trim_start();
+        if trimmed.is_empty() {
+            break;
+        }
+        let line_end = trimmed.find('\n').unwrap_or(trimmed.len());
+        if trimmed.starts_with('#') {
+            rest = &trimmed[line_end..];
+            continue;
+        }
+        let entry = trimmed.strip_prefix("export ").unwrap_or(trimmed);
+        let Some(eq) = entry[..entry.find('\n').unwrap_or(entry.len())].find('=') else {
+            rest = &trimmed[line_end..];
+            continue;
+        };
+        let key = entry[..eq].trim();
+        let after = &entry[eq + 1..];
+        let value_text = after.trim_start_matches([' ', '\t']);
+        let (value, consumed) = match value_text.chars().next() {
+            Some('\'') => match value_text[1..].find('\'') {
+                Some(close) => (value_text[1..1 + close].to_string(), 1 + close + 1),
+                None => unquoted(value_text),
+            },
+            Some('"') => double_quoted(value_text).unwrap_or_else(|| unquoted(value_text)),
+            _ => unquoted(value_text),
+        };
+        let offset = value_text.as_ptr() as usize - rest.as_ptr() as usize + consumed;
+        rest = &rest[offset..];
+        // Whatever follows a closing quote on its line (a comment) is not the next entry.
+        rest = &rest[rest.find('\n').unwrap_or(rest.len())..];
+        if !key.is_empty() && !key.contains(char::is_whitespace) {
+            out.push((key.to_string(), value));
+        }
+    }
+    out
+}
+
+/// An unquoted value: the rest of its line, trimmed; and how much of `text` that took.
+fn unquoted(text: &str) -> (String, usize) {
+    let end = text.find('\n').unwrap_or(text.len());
+    (text[..end].trim().to_string(), end)
+}
+
+/// A double-quoted value from its opening quote: its text with escapes applied, and how much of
+/// `text` it took; `None` when it is never closed.
+fn double_quoted(text: &str) -> Option<(String, usize)> {
+    let mut value = String::new();
+    let mut chars = text.char_indices().skip(1);
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' => return Some((value, i + 1)),
+            '\\' => match chars.next()?.1 {
+                'n' => value.push('\n'),
+                'r' => value.push('\r'),
+                't' => value.push('\t'),
+                other => value.push(other),
+            },
+            other => value.push(other),
+        }
+    }
+    None
 }
 
 /// The environment of a new command: execd's, then the env file (re-read every time: the SDK's
@@ -398,6 +445,26 @@ mod tests {
                 ("C".into(), "q".into()),
                 ("D".into(), "x=y".into()),
             ]
+        );
+    }
+
+    #[test]
+    fn multi_line_values_read_back_whole() {
+        // What the clients' `set_env` appends for "two\nlines" and for "it's\n\"x\"\t$HOME".
+        let text = "A='two\nlines'\nB=\"it's\\n\\\"x\\\"\\t$HOME\"\nC='last'  # note\nD= spaced \n";
+        assert_eq!(
+            parse_env_file(text),
+            vec![
+                ("A".into(), "two\nlines".into()),
+                ("B".into(), "it's\n\"x\"\t$HOME".into()),
+                ("C".into(), "last".into()),
+                ("D".into(), "spaced".into()),
+            ]
+        );
+        // An unclosed quote is the rest of its line, and what follows is read on.
+        assert_eq!(
+            parse_env_file("E='open\nF=1\n"),
+            vec![("E".into(), "'open".into()), ("F".into(), "1".into())]
         );
     }
 
