@@ -147,7 +147,8 @@ pub async fn download(
     resp.map_err(|e| ApiError::runtime(format!("building response: {e}")))
 }
 
-/// Lines `first..first+limit` (1-based), streamed as they are read.
+/// Lines `first..first+limit` (1-based), streamed as they are read, joined with `\n` and without a
+/// terminator after the last (each line's own `\n` or `\r\n` removed), as the reference answers.
 fn lines(file: tokio::fs::File, first: u64, limit: Option<u64>) -> Response {
     struct St {
         reader: BufReader<tokio::fs::File>,
@@ -175,6 +176,15 @@ fn lines(file: tokio::fs::File, first: u64, limit: Option<u64>) -> Response {
                         continue;
                     }
                     st.remaining = st.remaining.map(|r| r - 1);
+                    if line.last() == Some(&b'\n') {
+                        line.pop();
+                        if line.last() == Some(&b'\r') {
+                            line.pop();
+                        }
+                    }
+                    if st.line_no > st.first {
+                        line.insert(0, b'\n');
+                    }
                     return Some((Ok::<_, std::io::Error>(line), st));
                 }
                 Err(e) => return Some((Err(e), st)),
