@@ -133,6 +133,26 @@ def test_a_create_without_a_disk_bound_gets_the_default_one(server, test_image, 
     assert 9 << 30 < size <= 10 << 30, f"the root's file system is {size} bytes"
 
 
+_TRAPS = ("import signal, time\n"
+          "def note(n, f): open('/tmp/signals', 'a').write(signal.Signals(n).name + '\\n')\n"
+          "for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH): signal.signal(s, note)\n"
+          "open('/tmp/trapped', 'w').close()\n"
+          "while True: time.sleep(1)\n")
+
+
+def test_pid_1_is_execd_and_passes_signals_to_the_entrypoint(make_sandbox):
+    """As the reference's init: PID 1 is named `execd`, and HUP, USR1, USR2 and WINCH sent to it
+    reach the entrypoint (a reload signal to a container goes to PID 1). On every runtime: what PID
+    1 is differs between them."""
+    sbx = make_sandbox("host", entrypoint=["python3", "-c", _TRAPS])
+    W.wait_until(lambda: sh(sbx, "test -e /tmp/trapped")[0] == 0, 30, interval=0.1, message="the traps")
+    code, out, err = sh(sbx, "cat /proc/1/comm; for s in HUP USR1 USR2 WINCH; do kill -$s 1; sleep 0.2; done")
+    assert code == 0 and out.strip() == "execd", (out, err)
+    W.wait_until(lambda: sh(sbx, "cat /tmp/signals")[1].split() == ["SIGHUP", "SIGUSR1", "SIGUSR2", "SIGWINCH"],
+                 10, interval=0.1, message="the signals to reach the entrypoint")
+    assert sh(sbx, "echo alive")[1].strip() == "alive", "execd outlived the signals it passed on"
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

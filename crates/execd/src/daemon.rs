@@ -144,7 +144,32 @@ fn serve_tcp(
 
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
 /// `forker` makes the files workers (see `forker`), forked before the runtime started.
+/// Signals an init passes on to the entrypoint as they come, as the reference's execd does: a
+/// reload (`HUP`), an application's own (`USR1`, `USR2`), and a terminal resize (`WINCH`).
+const FORWARDED: [(SignalKind, Signal); 4] = [
+    (SignalKind::hangup(), Signal::SIGHUP),
+    (SignalKind::user_defined1(), Signal::SIGUSR1),
+    (SignalKind::user_defined2(), Signal::SIGUSR2),
+    (SignalKind::window_change(), Signal::SIGWINCH),
+];
+
+fn forward_signals(pid: i32) -> anyhow::Result<()> {
+    for (kind, sig) in FORWARDED {
+        let mut stream = signal(kind).with_context(|| format!("installing the {sig} handler"))?;
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                // (gone already: its exit ends execd's wait)
+                let _ = kill(Pid::from_raw(pid), sig);
+            }
+        });
+    }
+    Ok(())
+}
+
 pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> anyhow::Result<i32> {
+    // `ps` in the sandbox names PID 1 as the reference's does, whatever the binary is called.
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"execd".as_ptr(), 0, 0, 0) };
     crate::oom::remember();
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
@@ -259,6 +284,9 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
     // kernel does not shield PID 1).
     let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    if let Some(pid) = entry_pid {
+        forward_signals(pid)?;
+    }
     // Listening: whoever waits on the other end of the ready pipe may connect now.
     drop(config.ready_fd);
     // What execd says from here on is the sandbox's business, kept with the entrypoint's output.

@@ -439,7 +439,7 @@ pub fn close_descriptors_except(keep: &[RawFd]) -> std::io::Result<()> {
 }
 
 /// How the sandbox's PID 1 shows itself once it runs execd in the setup helper's forked process:
-/// named `warren-execd`, with execd's command line (as much as fits) in /proc/1/cmdline instead of
+/// named `execd` (as the reference's PID 1 is), with execd's command line (as much as fits) in /proc/1/cmdline instead of
 /// the zygote's, and not dumpable — the sandbox's processes, without `CAP_SYS_PTRACE`, can then
 /// neither read its memory or environment nor follow /proc/1/exe, which names the host's `warren`
 /// binary.
@@ -449,7 +449,7 @@ pub fn present_as(argv: &[String]) -> Result<(), SecurityError> {
         return Err(SecurityError::Prctl(std::io::Error::last_os_error()));
     }
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
-    unsafe { libc::prctl(libc::PR_SET_NAME, c"warren-execd".as_ptr(), 0, 0, 0) };
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"execd".as_ptr(), 0, 0, 0) };
     rewrite_command_line(argv);
     Ok(())
 }
