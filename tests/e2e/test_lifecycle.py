@@ -153,6 +153,81 @@ def test_pid_1_is_execd_and_passes_signals_to_the_entrypoint(make_sandbox):
     assert sh(sbx, "echo alive")[1].strip() == "alive", "execd outlived the signals it passed on"
 
 
+def _hooked(api, server, lifecycle):
+    r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"), lifecycle=lifecycle))
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+    W.track_sandbox(sid)
+
+    def settled():
+        st = api.get(f"/v1/sandboxes/{sid}").json()["status"]
+        return st if st["state"] in ("Running", "Failed", "Terminated") else None
+    return sid, W.wait_until(settled, 60, interval=0.1, message="the sandbox to settle")
+
+
+def test_lifecycle_hooks_run_before_running_and_on_their_schedule(server, api):
+    """`lifecycle.preStart` runs before the sandbox is Running (what it leaves is there for the
+    first command), as the argument list it is (no shell); `lifecycle.periodic` runs on its
+    schedule while the sandbox runs, never past its timeout, and the runs show in
+    `diagnostics/logs?scope=lifecycle`. The hooks' runner is the server and execd, the same on every
+    runtime: tested on the embedded one."""
+    if server.runtime != "embedded":
+        pytest.skip("hooks run through execd, the same on every runtime")
+    sid, st = _hooked(api, server, {
+        "preStart": {"command": ["sh", "-c", "echo prepared > /tmp/pre; echo pre-output $0", "x y"]},
+        "periodic": [{"name": "tick", "schedule": "@every 1s", "command": ["sh", "-c", "echo . >> /tmp/ticks"]},
+                     {"name": "slow", "schedule": "@every 1s", "timeoutSeconds": 1,
+                      "command": ["sh", "-c", "echo started >> /tmp/slow; sleep 30; echo never >> /tmp/slow"]}]})
+    try:
+        assert st["state"] == "Running", st
+        from opensandbox import SandboxSync
+        sbx = SandboxSync.connect(sid, connection_config=server.sdk_config())
+        assert sh(sbx, "cat /tmp/pre")[1] == "prepared\n", "the preStart hook ran before Running"
+        W.wait_until(lambda: int(sh(sbx, "wc -l < /tmp/ticks")[1].strip() or 0) >= 3, 15, interval=0.2,
+                     message="three periodic runs")
+        time.sleep(2.5)
+        slow = sh(sbx, "cat /tmp/slow")[1]
+        assert "never" not in slow and slow.count("started") >= 1, slow
+        # killed at its timeout, one run at a time: at most one `sleep 30` of it, never an old one
+        ages = [int(l.split()[0]) for l in sh(sbx, "ps -eo etimes,args")[1].splitlines()
+                if l.strip().endswith("sleep 30")]
+        assert len(ages) <= 1 and all(a <= 2 for a in ages), ages
+        r = api.get(f"/v1/sandboxes/{sid}/diagnostics/logs", params={"scope": "lifecycle"})
+        assert r.status_code == 200, r.text
+        text = r.json()["content"]
+        assert "preStart ran" in text and "exit code 0" in text and "pre-output x y" in text, text
+        assert "periodic tick ran" in text and "periodic slow ran" in text, text
+        assert "timed out" in text, text
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_failing_pre_start_ends_the_sandbox_failed_and_says_why(server, api):
+    """A preStart that exits non-zero, or outlasts its timeout, ends the sandbox Failed before it
+    was ever Running: its status says the hook's exit code and the end of its output, its diagnostics
+    keep the run, and nothing of it runs on. Bad hooks are 400s that make nothing."""
+    if server.runtime != "embedded":
+        pytest.skip("hooks run through execd, the same on every runtime")
+    sid, st = _hooked(api, server, {"preStart": {"command": ["sh", "-c", "echo missing-config >&2; exit 7"]}})
+    assert st["state"] == "Failed" and st["reason"] == "prestart_hook_failed", st
+    assert "exit code 7" in st["message"] and "missing-config" in st["message"], st
+    text = api.get(f"/v1/sandboxes/{sid}/diagnostics/logs", params={"scope": "lifecycle"}).json()["content"]
+    assert "exit code 7" in text, text
+    W.assert_error_body(api.post(f"/v1/sandboxes/{sid}/proxy/44772/command", json={"command": "true"}),
+                        codes=[409])
+    sid, st = _hooked(api, server, {"preStart": {"command": ["sleep", "30"], "timeoutSeconds": 1}})
+    assert st["state"] == "Failed" and "timed out" in st["message"], st
+    before = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+    for bad in ({"preStart": {"command": []}}, {"preStart": {"command": ["true"], "timeoutSeconds": 0}},
+                {"periodic": [{"name": "x", "schedule": "every minute", "command": ["true"]}]},
+                {"periodic": [{"name": "x", "schedule": "@every 1s", "command": ["true"], "timeoutSeconds": 301}]},
+                {"preStart": {"command": ["true"], "shell": "bash"}}):
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"), lifecycle=bad))
+        W.assert_error_body(r, codes=[400])
+    after = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 1000}).json()["items"]}
+    assert after == before
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

@@ -3,7 +3,7 @@
 //!
 //! With `scope`, `logs` and `events` answer the protocol's JSON descriptor with the text inline:
 //! logs (`container`) are what the sandbox's entrypoint and execd printed, from the bounded ring
-//! execd keeps in the sandbox (1 MiB); events (`runtime`) are the sandbox's state changes this
+//! execd keeps in the sandbox (1 MiB), and (`lifecycle`) the last runs of its lifecycle hooks; events (`runtime`) are the sandbox's state changes this
 //! server has seen (the newest 200, in memory). `all` is both. Without `scope` the deprecated
 //! plain-text forms answer, as the reference keeps them for older clients: `logs?tail=`,
 //! `events?limit=`, `inspect`, `summary`.
@@ -21,7 +21,7 @@ use crate::routes::rfc3339;
 use crate::sandboxes::Events;
 use crate::AppState;
 
-const LOG_SCOPES: &[&str] = &["container", "all"];
+const LOG_SCOPES: &[&str] = &["container", "lifecycle", "all"];
 const EVENT_SCOPES: &[&str] = &["runtime", "all"];
 
 #[derive(Debug, Deserialize)]
@@ -61,8 +61,19 @@ pub async fn logs(
         return Ok(deprecated(last_lines(&text, tail)));
     };
     check_scope("logs", &scope, LOG_SCOPES)?;
+    if scope == "lifecycle" {
+        // The runs of the sandbox's lifecycle hooks (preStart, periodic), newest last.
+        visible(&app, &id)?;
+        let text = app.sandboxes.hook_runs(&id);
+        return Ok(Json(content(&id, "logs", &scope, text, Note::default())).into_response());
+    }
     let (mut text, mut note) = output(&app, &id).await?;
     if scope == "all" {
+        let runs = app.sandboxes.hook_runs(&id);
+        if !runs.is_empty() {
+            text.push_str("\n--- lifecycle hooks ---\n");
+            text.push_str(&runs);
+        }
         let events = events_of(&app, &id)?;
         text.push_str("\n--- lifecycle events ---\n");
         text.push_str(&events_text(&events, usize::MAX));
@@ -340,7 +351,11 @@ mod tests {
     fn unknown_scopes_are_named_with_the_supported_ones() {
         let err = check_scope("logs", "kernel", LOG_SCOPES).expect_err("unknown");
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
-        assert!(err.message.contains("container, all"), "{}", err.message);
+        assert!(
+            err.message.contains("container, lifecycle, all"),
+            "{}",
+            err.message
+        );
         assert!(check_scope("events", "runtime", EVENT_SCOPES).is_ok());
     }
 }

@@ -11,6 +11,7 @@ mod docs;
 pub mod error;
 mod execd_conns;
 mod front;
+mod hooks;
 pub mod keys;
 pub mod network;
 mod openapi;

@@ -461,6 +461,15 @@ impl Pools {
     /// asks for something the pool's sandboxes are not), else the first whose template the
     /// request matches exactly (ignoring metadata, extensions and timeout), else none.
     pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, ApiError> {
+        if !plan.hooks.is_empty() {
+            // A warm sandbox is Running already: its preStart would come too late.
+            if plan.extensions.contains_key(POOL_REF) {
+                return Err(ApiError::invalid(
+                    "a create from a pool takes no lifecycle hooks (preStart, periodic)",
+                ));
+            }
+            return Ok(None);
+        }
         if let Some(name) = plan.extensions.get(POOL_REF) {
             let key = pool_key(&plan.tenant, name);
             // A pool's name holds no `/`: one that does would name another tenant's key.

@@ -175,3 +175,103 @@ pub async fn run(endpoint: &ExecdEndpoint, command: &str) -> Result<i32, Error> 
     }
     Err("the command's stream ended without its exit code".into())
 }
+
+/// How a command run by [`run_argv`] ended, and the end of what it printed.
+pub struct Ran {
+    /// `None`: it ended without an exit code (killed at its timeout, a signal).
+    pub exit_code: Option<i32>,
+    pub error: Option<String>,
+    /// stdout and stderr as they came, the last 64 KiB of them.
+    pub output: String,
+}
+
+/// Runs the argument list `argv` in the sandbox, as it is (no shell), for at most `timeout` (execd
+/// kills its process group then), reading its output as it comes and keeping the end of it.
+pub async fn run_argv(
+    endpoint: &ExecdEndpoint,
+    argv: &[String],
+    timeout: std::time::Duration,
+) -> Result<Ran, Error> {
+    const KEPT: usize = 64 * 1024;
+    let body = serde_json::json!({"argv": argv, "timeout": timeout.as_millis() as u64}).to_string();
+    let req = http::Request::post("/command")
+        .header(http::header::HOST, "localhost")
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))?;
+    let resp = send(endpoint, req).await?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        let text = http_body_util::Limited::new(resp.into_body(), 64 * 1024)
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        return Err(format!("execd answered HTTP {status}: {}", text.trim()).into());
+    }
+    let mut body = resp.into_body();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut ran = Ran {
+        exit_code: None,
+        error: None,
+        output: String::new(),
+    };
+    let mut ended = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        pending.extend_from_slice(&data);
+        while let Some(i) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=i).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim().trim_start_matches("data:").trim();
+            let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            match ev["type"].as_str() {
+                Some("stdout") | Some("stderr") => {
+                    if let Some(t) = ev["text"].as_str() {
+                        ran.output.push_str(t);
+                        if !t.ends_with('\n') {
+                            ran.output.push('\n');
+                        }
+                        if ran.output.len() > 2 * KEPT {
+                            let mut cut = ran.output.len() - KEPT;
+                            while !ran.output.is_char_boundary(cut) {
+                                cut += 1;
+                            }
+                            ran.output.drain(..cut);
+                        }
+                    }
+                }
+                Some("execution_complete") => {
+                    ran.exit_code = Some(0);
+                    ended = true;
+                }
+                Some("error") => {
+                    let value = ev["error"]["evalue"].as_str().unwrap_or_default();
+                    match value.parse::<i32>() {
+                        Ok(c) if c >= 0 => ran.exit_code = Some(c),
+                        _ => {
+                            let why: Vec<&str> = ev["error"]["traceback"]
+                                .as_array()
+                                .map(|t| t.iter().filter_map(|l| l.as_str()).collect())
+                                .unwrap_or_default();
+                            ran.error = Some(if why.is_empty() {
+                                format!("ended without an exit code ({value})")
+                            } else {
+                                why.join("; ")
+                            });
+                        }
+                    }
+                    ended = true;
+                }
+                _ => {}
+            }
+        }
+    }
+    if !ended {
+        return Err("the command's stream ended without its exit code".into());
+    }
+    Ok(ran)
+}

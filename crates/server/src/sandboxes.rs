@@ -23,6 +23,8 @@ use crate::validate::CreatePlan;
 
 mod shared;
 
+/// The reason of a sandbox whose `preStart` hook failed.
+pub const REASON_PRE_START_FAILED: &str = "prestart_hook_failed";
 pub const REASON_USER_DELETE: &str = "user_delete";
 pub const REASON_TTL_EXPIRY: &str = "ttl_expiry";
 /// The runtime could not remove the sandbox: a delete (or its record's end) tries again.
@@ -122,6 +124,8 @@ struct Inner {
     /// Pulls images a create names but the store lacks; `None` when pulls are off.
     puller: Option<warren_registry::Puller>,
     pool_sandbox_ended: tokio::sync::Notify,
+    /// The last runs of sandboxes' lifecycle hooks (diagnostics).
+    hook_runs: crate::hooks::Runs,
     /// Keep-alive connections to each live sandbox's execd, for the endpoint proxy.
     execd_conns: Arc<ExecdConns>,
     /// Set in every sandbox's environment unless its create sets the variable itself (the
@@ -214,6 +218,7 @@ impl Sandboxes {
                 images,
                 puller,
                 pool_sandbox_ended: tokio::sync::Notify::new(),
+                hook_runs: Default::default(),
                 execd_conns: Arc::default(),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
@@ -543,6 +548,7 @@ impl Sandboxes {
         };
         let isolation = isolation_requested(&plan.extensions);
         let now = Utc::now();
+        let hooks = plan.hooks.clone();
         let record = SandboxRecord {
             id: id.clone(),
             image: plan.image.clone(),
@@ -570,6 +576,9 @@ impl Sandboxes {
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
             credential_proxy: plan.credential_proxy,
+            lifecycle_hooks: (!hooks.is_empty())
+                .then(|| serde_json::to_value(&hooks).ok())
+                .flatten(),
             tenant: plan.tenant.clone(),
         };
         let entry = Arc::new(Entry::new(&record, false));
@@ -636,11 +645,19 @@ impl Sandboxes {
         };
         match created {
             Ok((state, link)) => {
-                let rec = self.update(&entry, |r| {
+                let made = self.update(&entry, |r| {
                     r.runtime_state = state;
                     r.network_link = link;
+                });
+                if let Some(pre_start) = &hooks.pre_start {
+                    if let Some(failed) = self.pre_start(&entry, &made, pre_start).await {
+                        return Ok(failed);
+                    }
+                }
+                let rec = self.update(&entry, |r| {
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
+                self.arm_periodic(&id, &hooks.periodic);
                 if self.inner.shared.is_none() {
                     // With shared records, ends come from the records' feed (`shared`).
                     self.watch(&rec);
@@ -668,6 +685,83 @@ impl Sandboxes {
                 Err(e)
             }
         }
+    }
+
+    /// Runs a new sandbox's `preStart` hook before it is reported Running. `None` when it
+    /// succeeded; else the sandbox, ended Failed with the hook's exit code and the end of its output
+    /// (what the runtime made of it released, as for a sandbox whose processes ended).
+    async fn pre_start(
+        &self,
+        entry: &Arc<Entry>,
+        rec: &SandboxRecord,
+        hook: &crate::hooks::Hook,
+    ) -> Option<SandboxRecord> {
+        let run = crate::hooks::run(&self.endpoint_of(rec), "preStart", hook).await;
+        let (ok, summary) = (run.succeeded(), run.summary());
+        self.inner.hook_runs.record(&rec.id, run);
+        if ok {
+            return None;
+        }
+        tracing::info!(sandbox_id = %rec.id, hook = %summary, "the preStart hook failed");
+        self.inner.execd_conns.forget(&rec.id);
+        if let Err(e) = self
+            .inner
+            .runtime
+            .destroy(&rec.id, &rec.runtime_state)
+            .await
+        {
+            tracing::warn!(sandbox_id = %rec.id, error = %e, "removing a sandbox whose preStart hook failed");
+        }
+        self.unlink(&rec.id).await;
+        let _ = self.inner.images.release(&rec.id);
+        Some(self.update(entry, |r| {
+            r.transition(
+                SandboxState::Failed,
+                Some(REASON_PRE_START_FAILED),
+                Some(format!("the preStart hook failed: {summary}")),
+            )
+        }))
+    }
+
+    /// Runs `periodic` hooks of sandbox `id` on their schedules while it lives: each in a task of
+    /// its own, one run at a time (a run that outlasts its interval delays the next), skipped while
+    /// the sandbox is not Running, and ended once the sandbox is.
+    fn arm_periodic(&self, id: &str, periodic: &[crate::hooks::Periodic]) {
+        for p in periodic.iter().cloned() {
+            let this = self.clone();
+            let id = id.to_string();
+            tokio::spawn(async move {
+                let Ok(schedule) = crate::hooks::Schedule::parse(&p.schedule) else {
+                    return; // checked at create: a record from elsewhere
+                };
+                let label = format!("periodic {}", p.name);
+                let mut after = Utc::now();
+                loop {
+                    let Some(next) = schedule.next_after(after) else {
+                        return;
+                    };
+                    let wait = (next - Utc::now()).to_std().unwrap_or_default();
+                    tokio::time::sleep(wait).await;
+                    let Some(rec) = this.get(&id) else {
+                        return;
+                    };
+                    if rec.state.is_terminal() {
+                        return;
+                    }
+                    if rec.state == SandboxState::Running {
+                        let run = crate::hooks::run(&this.endpoint_of(&rec), &label, &p.hook).await;
+                        this.inner.hook_runs.record(&id, run);
+                    }
+                    // Missed times (a long run, a pause) are skipped, not run in a burst.
+                    after = next.max(Utc::now());
+                }
+            });
+        }
+    }
+
+    /// The last runs of a sandbox's lifecycle hooks, one line each.
+    pub fn hook_runs(&self, id: &str) -> String {
+        self.inner.hook_runs.text(id)
     }
 
     /// The runtime's part of a create: the sandbox made, then its network link (and credential
@@ -1471,6 +1565,13 @@ impl Sandboxes {
                     }
                 }
                 self.watch(&rec);
+                if let Some(hooks) = rec
+                    .lifecycle_hooks
+                    .as_ref()
+                    .and_then(|v| serde_json::from_value::<crate::hooks::Hooks>(v.clone()).ok())
+                {
+                    self.arm_periodic(&rec.id, &hooks.periodic);
+                }
             }
         }
         let known: Vec<String> = self
@@ -1551,6 +1652,7 @@ impl Sandboxes {
 
     /// Drops an ended sandbox's record: list and get no longer know it.
     fn forget(&self, id: &str) {
+        self.inner.hook_runs.forget(id);
         self.inner
             .entries
             .write()
@@ -1745,6 +1847,7 @@ pub(crate) mod tests {
             extensions: BTreeMap::new(),
             network_policy: None,
             credential_proxy: false,
+            hooks: Default::default(),
             tenant: warren_store::default_tenant(),
         }
     }

@@ -55,6 +55,8 @@ pub struct CreatePlan {
     pub network_policy: Option<warren_egress::NetworkPolicy>,
     /// `credentialProxy.enabled`: HTTPS goes through the credential vault's proxy.
     pub credential_proxy: bool,
+    /// `lifecycle.preStart` and `lifecycle.periodic` (see `hooks`).
+    pub hooks: crate::hooks::Hooks,
     /// Whose sandbox it is: the caller's tenant (set by the route).
     pub tenant: String,
 }
@@ -127,7 +129,7 @@ pub fn create_plan(
             "secureAccess (endpoints are always token-protected on Warren)",
         ));
     }
-    let renewal = lifecycle(req.lifecycle.as_ref())?;
+    let (renewal, hooks) = lifecycle(req.lifecycle.as_ref())?;
     if let Some(p) = &req.platform {
         if p.os != "linux" || !(p.arch == "amd64" || p.arch == "x86_64") {
             return Err(ApiError::invalid(format!(
@@ -247,6 +249,7 @@ pub fn create_plan(
         extensions,
         network_policy,
         credential_proxy,
+        hooks,
         tenant: warren_store::default_tenant(),
     })
 }
@@ -320,12 +323,15 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
     Ok(())
 }
 
-/// Reads `lifecycle`: the renew-on-access window of `renewalPolicy` (OSEP-0009), if given. A field
-/// Warren does not serve is refused by name, never ignored: a caller who asked for a hook or an
-/// idle policy must not get a sandbox that quietly runs without it.
-fn lifecycle(v: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
+/// Reads `lifecycle`: the renew-on-access window of `renewalPolicy` (OSEP-0009), if given, and
+/// the hooks (`preStart`, `periodic`). A field Warren does not serve is refused by name, never
+/// ignored: a caller who asked for an idle policy must not get a sandbox that quietly runs
+/// without it.
+fn lifecycle(
+    v: Option<&serde_json::Value>,
+) -> Result<(Option<i64>, crate::hooks::Hooks), ApiError> {
     let obj = match v {
-        None | Some(serde_json::Value::Null) => return Ok(None),
+        None | Some(serde_json::Value::Null) => return Ok((None, Default::default())),
         Some(serde_json::Value::Object(o)) => o,
         Some(_) => return Err(ApiError::invalid("lifecycle must be a JSON object")),
     };
@@ -333,10 +339,9 @@ fn lifecycle(v: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
     for (key, value) in obj {
         match key.as_str() {
             "renewalPolicy" => renewal = renewal_policy(value)?,
-            "idlePolicy" | "preStart" | "periodic" if value.is_null() => {}
-            "idlePolicy" | "preStart" | "periodic" => {
-                return Err(unsupported(&format!("lifecycle.{key}")))
-            }
+            "preStart" | "periodic" => {}
+            "idlePolicy" if value.is_null() => {}
+            "idlePolicy" => return Err(unsupported(&format!("lifecycle.{key}"))),
             other => {
                 return Err(ApiError::invalid(format!(
                     "lifecycle.{other:?} is not a lifecycle field (known: renewalPolicy, idlePolicy, preStart, periodic)"
@@ -344,7 +349,8 @@ fn lifecycle(v: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
             }
         }
     }
-    Ok(renewal)
+    let hooks = crate::hooks::parse(obj.get("preStart"), obj.get("periodic"))?;
+    Ok((renewal, hooks))
 }
 
 fn renewal_policy(v: &serde_json::Value) -> Result<Option<i64>, ApiError> {
@@ -500,7 +506,7 @@ mod tests {
     }
 
     #[test]
-    fn a_renewal_policy_is_renew_on_access_and_other_lifecycle_fields_are_refused_by_name() {
+    fn lifecycle_fields_are_served_or_refused_by_name() {
         use serde_json::json;
         let plan = plan_with(json!({"renewalPolicy": {"extendSeconds": 600}}), None).expect("plan");
         assert_eq!(plan.extensions[RENEW_ON_ACCESS], "600");
@@ -528,26 +534,28 @@ mod tests {
             let e = plan_with(bad.clone(), None).err().expect("refused");
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad}");
         }
-        for (field, value) in [
-            (
-                "idlePolicy",
-                json!({"idleTimeoutSeconds": 60, "onIdle": "pause"}),
-            ),
-            ("preStart", json!({"command": ["true"]})),
-            (
-                "periodic",
-                json!([{"name": "a", "schedule": "* * * * *", "command": ["true"]}]),
-            ),
-        ] {
-            let e = plan_with(json!({ field: value }), None)
-                .err()
-                .expect("refused");
-            assert!(
-                e.message.contains(&format!("lifecycle.{field}")),
-                "{}",
-                e.message
-            );
-        }
+        let e = plan_with(
+            json!({"idlePolicy": {"idleTimeoutSeconds": 60, "onIdle": "pause"}}),
+            None,
+        )
+        .err()
+        .expect("refused");
+        assert!(e.message.contains("lifecycle.idlePolicy"), "{}", e.message);
+        let plan = plan_with(
+            json!({"preStart": {"command": ["true"]},
+                   "periodic": [{"name": "a", "schedule": "* * * * *", "command": ["true"]}]}),
+            None,
+        )
+        .expect("hooks");
+        assert!(plan.hooks.pre_start.is_some() && plan.hooks.periodic.len() == 1);
+        let e = plan_with(json!({"preStart": {"command": []}}), None)
+            .err()
+            .expect("refused");
+        assert!(
+            e.message.contains("lifecycle.preStart.command"),
+            "{}",
+            e.message
+        );
         assert!(plan_with(json!({}), None).is_ok());
         assert!(plan_with(json!({"idlePolicy": null}), None).is_ok());
     }

@@ -65,6 +65,10 @@ pub struct SandboxRecord {
     /// The credential vault's proxy is on for this sandbox.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub credential_proxy: bool,
+    /// Its lifecycle hooks (`preStart`, `periodic`) as the server keeps them: the periodic ones
+    /// are armed again after a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle_hooks: Option<serde_json::Value>,
     /// The tenant whose sandbox it is (records from before tenants: the default one).
     #[serde(default = "default_tenant")]
     pub tenant: String,
@@ -376,6 +380,7 @@ mod tests {
             network_policy: None,
             network_link: None,
             credential_proxy: false,
+            lifecycle_hooks: None,
             tenant: default_tenant(),
         }
     }
