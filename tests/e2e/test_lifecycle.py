@@ -228,6 +228,78 @@ def test_a_failing_pre_start_ends_the_sandbox_failed_and_says_why(server, api):
     assert after == before
 
 
+_PROBE_APP = ("import http.server as h\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        b = b'{\"active\": true}'\n"
+              "        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers()\n"
+              "        self.wfile.write(b)\n"
+              "    def log_message(self, *a): pass\n"
+              "h.HTTPServer(('127.0.0.1', 8099), H).serve_forever()\n")
+
+
+def test_an_idle_policy_pauses_idle_sandboxes_and_wakes_them_on_access(server, api):
+    """`lifecycle.idlePolicy`: with nothing under way for `idleTimeoutSeconds` a sandbox is paused;
+    one whose activity probe says it is busy, or that streams a long command, is not; a request
+    to a paused one wakes it and is answered as if it had never slept; without `wakeOnAccess` the
+    answer is 503 with the gateway's marker (`OpenSandbox-Wake: expired`, `Retry-After`) and
+    nothing is relayed. Pause and resume are the runtime's; what decides them is the server's:
+    tested on the embedded runtime."""
+    if server.runtime != "embedded":
+        pytest.skip("the idle policy's decisions are the server's, the same on every runtime that pauses")
+    import httpx
+    from opensandbox import SandboxSync
+    timeout = {"idleTimeoutSeconds": 30, "onIdle": "pause"}
+    plain, _ = _hooked(api, server, {"idlePolicy": timeout})
+    probed, _ = _hooked(api, server, {"idlePolicy": {**timeout, "activeProbe": {"port": 8099, "path": "/busy"}}})
+    streaming, _ = _hooked(api, server, {"idlePolicy": timeout})
+    no_wake, _ = _hooked(api, server, {"idlePolicy": {"wakeOnAccess": False}})
+    try:
+        probe_sbx = SandboxSync.connect(probed, connection_config=server.sdk_config())
+        probe_sbx.files.write_file("/tmp/probe.py", _PROBE_APP)
+        from opensandbox.models.execd import RunCommandOpts
+        probe_sbx.commands.run("python3 /tmp/probe.py", opts=RunCommandOpts(background=True))
+        ep = api.get(f"/v1/sandboxes/{streaming}/endpoints/44772").json()
+        done = {}
+
+        def stream():
+            with httpx.Client(timeout=120) as c:
+                r = c.post(f"http://{ep['endpoint']}/command", headers=ep["headers"],
+                           json={"command": "sleep 40; echo slept"})
+                done["text"] = r.text
+        t = threading.Thread(target=stream)
+        t.start()
+        state = lambda sid: api.get(f"/v1/sandboxes/{sid}").json()["status"]  # noqa: E731
+        W.wait_until(lambda: state(plain)["state"] == "Paused", 45, interval=0.5, message="the idle pause")
+        assert state(plain)["reason"] == "idle_timeout", state(plain)
+        assert state(probed)["state"] == "Running", "the probe said it was busy"
+        assert state(streaming)["state"] == "Running", "a command under way is activity"
+        # A request to the paused one wakes it: answered as if it had never slept.
+        t0 = time.monotonic()
+        sbx = SandboxSync.connect(plain, connection_config=server.sdk_config())
+        code, out, err = sh(sbx, "echo awake")
+        woke = time.monotonic() - t0
+        assert code == 0 and out.strip() == "awake", (out, err)
+        assert state(plain)["state"] == "Running" and state(plain)["reason"] == "wake_on_access", state(plain)
+        print(f"wake on access: {woke * 1000:.0f} ms from paused to a connect and a command's end")
+        t.join(60)
+        assert "slept" in done.get("text", ""), done
+        # Without wakeOnAccess: the marker, and the request never reaches the sandbox.
+        assert api.post(f"/v1/sandboxes/{no_wake}/pause").status_code in (200, 202, 204)
+        ep = api.get(f"/v1/sandboxes/{no_wake}/endpoints/44772").json()
+        r = httpx.post(f"http://{ep['endpoint']}/command", headers=ep["headers"],
+                       json={"command": "touch /tmp/reached"}, timeout=30)
+        assert r.status_code == 503 and r.headers.get("opensandbox-wake") == "expired", (r.status_code, r.headers)
+        assert r.headers.get("retry-after") == "1" and r.json()["code"], r.text
+        assert state(no_wake)["state"] == "Paused"
+        assert api.post(f"/v1/sandboxes/{no_wake}/resume").status_code in (200, 202, 204)
+        nw = SandboxSync.connect(no_wake, connection_config=server.sdk_config())
+        assert sh(nw, "test -e /tmp/reached || echo never")[1].strip() == "never"
+    finally:
+        for sid in (plain, probed, streaming, no_wake):
+            api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_no_timeout_means_no_expiry(make_sandbox):
     sbx = make_sandbox("host", timeout=None)
     assert sbx.get_info().expires_at is None

@@ -48,18 +48,20 @@ pub struct Periodic {
     pub hook: Hook,
 }
 
-/// A sandbox's hooks, as kept in its record.
+/// A sandbox's hooks, and its idle policy (`crate::idle`), as kept in its record.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hooks {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pre_start: Option<Hook>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub periodic: Vec<Periodic>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<crate::idle::IdlePolicy>,
 }
 
 impl Hooks {
     pub fn is_empty(&self) -> bool {
-        self.pre_start.is_none() && self.periodic.is_empty()
+        self.pre_start.is_none() && self.periodic.is_empty() && self.idle.is_none()
     }
 }
 

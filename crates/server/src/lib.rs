@@ -12,6 +12,7 @@ pub mod error;
 mod execd_conns;
 mod front;
 mod hooks;
+mod idle;
 pub mod keys;
 pub mod network;
 mod openapi;

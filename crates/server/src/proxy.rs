@@ -154,6 +154,23 @@ async fn relay_opened(
     mut req: Request,
 ) -> Response {
     let id = rec.id.clone();
+    let mut rec = rec;
+    if matches!(
+        rec.state,
+        SandboxState::Paused | SandboxState::Pausing | SandboxState::Resuming
+    ) {
+        if let Some(policy) = crate::sandboxes::Sandboxes::idle_policy(&rec) {
+            // Parked by its idle policy (or by hand): woken for this request, which is held
+            // meanwhile, or answered with the gateway's marker so that the clients replay it.
+            if !policy.wake_on_access || !app.sandboxes.wake(&rec).await {
+                return parked(&id, policy.wake_on_access);
+            }
+            match app.sandboxes.get(&id) {
+                Some(now) => rec = now,
+                None => return ApiError::not_found(&id).into_response(),
+            }
+        }
+    }
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {
@@ -172,6 +189,8 @@ async fn relay_opened(
         }
     }
     renew_on_access(app, &rec);
+    // Activity, for idle policies: from now until the answer has been sent whole.
+    let busy = app.sandboxes.busy(&id);
     if port == warren_api::EGRESS_PORT {
         return egress_surface(app, &id, rest, req).await;
     }
@@ -267,7 +286,10 @@ async fn relay_opened(
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let upstream_upgrade = hyper::upgrade::on(&mut resp);
         if let Some(client_upgrade) = client_upgrade {
+            // An upgraded connection (a terminal, a websocket) is activity while it is open.
+            let busy = app.sandboxes.busy(&id);
             tokio::spawn(async move {
+                let _busy = busy;
                 match (client_upgrade.await, upstream_upgrade.await) {
                     (Ok(client), Ok(upstream)) => {
                         let mut client = TokioIo::new(client);
@@ -285,7 +307,36 @@ async fn relay_opened(
     // Only Warren says a sandbox is parked: the newest clients replay a request (a POST too) on
     // this header, so one a sandbox's process sent would make them resend what it already took.
     parts.headers.remove(warren_api::WAKE_HEADER);
+    let body = crate::idle::BusyBody {
+        inner: Body::new(body),
+        busy,
+    };
     Response::from_parts(parts, Body::new(body))
+}
+
+/// The answer for a request to a sandbox its idle policy parked that was not woken in time (or
+/// is not woken on access): 503 with the gateway's marker, never relayed, so clients replay it.
+fn parked(id: &str, wakes: bool) -> Response {
+    let message = if wakes {
+        format!(
+            "sandbox {id} is waking from an idle pause and did not resume within {} s; retry",
+            crate::idle::WAKE_WAIT.as_secs()
+        )
+    } else {
+        format!(
+            "sandbox {id} is paused (its idle policy does not wake it on access); resume it first"
+        )
+    };
+    let mut resp = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::SandboxNotRunning,
+        message,
+    )
+    .into_response();
+    let h = resp.headers_mut();
+    h.insert(warren_api::WAKE_HEADER, HeaderValue::from_static("expired"));
+    h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    resp
 }
 
 /// Port 18080 is the egress surface, served by Warren itself (nothing listens in the sandbox):

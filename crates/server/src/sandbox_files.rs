@@ -142,6 +142,22 @@ pub async fn port_open(endpoint: &ExecdEndpoint, port: u16) -> Result<bool, Erro
     }
 }
 
+/// `GET path` on execd (a `/proxy/{port}/…` path reaches a port inside the sandbox): the status
+/// and up to 64 KiB of the answer. Bounded in time by the caller.
+pub async fn get(endpoint: &ExecdEndpoint, path: &str) -> Result<(u16, Vec<u8>), Error> {
+    let req = http::Request::get(path)
+        .header(http::header::HOST, "localhost")
+        .body(Body::empty())?;
+    let resp = send(endpoint, req).await?;
+    let status = resp.status().as_u16();
+    let body = http_body_util::Limited::new(resp.into_body(), 64 * 1024)
+        .collect()
+        .await?
+        .to_bytes()
+        .to_vec();
+    Ok((status, body))
+}
+
 /// Runs `command` in the sandbox (`sh -c`, as execd runs commands) and returns its exit code.
 pub async fn run(endpoint: &ExecdEndpoint, command: &str) -> Result<i32, Error> {
     let body = serde_json::json!({"command": command}).to_string();

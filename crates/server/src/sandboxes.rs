@@ -126,6 +126,10 @@ struct Inner {
     pool_sandbox_ended: tokio::sync::Notify,
     /// The last runs of sandboxes' lifecycle hooks (diagnostics).
     hook_runs: crate::hooks::Runs,
+    /// What is under way for each sandbox (`idle`).
+    activity: Arc<crate::idle::Activity>,
+    /// When this server started: a sandbox it has seen no activity of is idle from then.
+    started: std::time::Instant,
     /// Keep-alive connections to each live sandbox's execd, for the endpoint proxy.
     execd_conns: Arc<ExecdConns>,
     /// Set in every sandbox's environment unless its create sets the variable itself (the
@@ -219,6 +223,8 @@ impl Sandboxes {
                 puller,
                 pool_sandbox_ended: tokio::sync::Notify::new(),
                 hook_runs: Default::default(),
+                activity: Default::default(),
+                started: std::time::Instant::now(),
                 execd_conns: Arc::default(),
                 entries: RwLock::new(HashMap::new()),
                 retention: chrono::Duration::seconds(retention_seconds),
@@ -466,6 +472,16 @@ impl Sandboxes {
         background: Background,
     ) -> Result<SandboxRecord, ApiError> {
         self.check_room("a sandbox")?;
+        if plan.hooks.idle.is_some() && !self.inner.runtime.capabilities().pause {
+            return Err(ApiError::new(
+                http::StatusCode::BAD_REQUEST,
+                ErrorCode::ApiNotSupported,
+                format!(
+                    "lifecycle.idlePolicy pauses and wakes sandboxes, which {} cannot do",
+                    self.inner.runtime.sandboxes_described()
+                ),
+            ));
+        }
         let caps = self.inner.caps;
         let in_flight = self
             .inner
@@ -657,6 +673,8 @@ impl Sandboxes {
                 let rec = self.update(&entry, |r| {
                     r.transition(SandboxState::Running, Some("ready"), None);
                 });
+                // Idle from now, not from the server's start.
+                self.inner.activity.touch(&id);
                 self.arm_periodic(&id, &hooks.periodic);
                 if self.inner.shared.is_none() {
                     // With shared records, ends come from the records' feed (`shared`).
@@ -756,6 +774,107 @@ impl Sandboxes {
                     after = next.max(Utc::now());
                 }
             });
+        }
+    }
+
+    /// The idle policy of sandbox `rec`, if it has one.
+    pub fn idle_policy(rec: &SandboxRecord) -> Option<crate::idle::IdlePolicy> {
+        rec.lifecycle_hooks
+            .as_ref()
+            .and_then(|v| serde_json::from_value::<crate::hooks::Hooks>(v.clone()).ok())
+            .and_then(|h| h.idle)
+    }
+
+    /// Something starts for sandbox `id` (a relayed request): it is not idle until the guard goes.
+    pub fn busy(&self, id: &str) -> crate::idle::Busy {
+        self.inner.activity.begin(id)
+    }
+
+    /// A request for paused sandbox `rec`, whose idle policy wakes it on access: resumes it (or
+    /// waits for a resume under way) for at most `idle::WAKE_WAIT`. True once it is Running.
+    pub async fn wake(&self, rec: &SandboxRecord) -> bool {
+        let id = rec.id.clone();
+        let this = self.clone();
+        let woken = tokio::time::timeout(crate::idle::WAKE_WAIT, async move {
+            loop {
+                match this.get(&id).map(|r| r.state) {
+                    Some(SandboxState::Running) => return true,
+                    Some(SandboxState::Paused) => {
+                        this.inner.activity.touch(&id);
+                        if let Err(e) = this.freeze_for(&id, false, "wake_on_access").await {
+                            tracing::debug!(sandbox_id = %id, error = %e.message, "wake on access");
+                        }
+                    }
+                    // Pausing or resuming: its operation holds the lock; look again shortly.
+                    Some(SandboxState::Pausing) | Some(SandboxState::Resuming) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    _ => return false,
+                }
+            }
+        });
+        // The resume runs on if the wait gives up (its client is answered 503 and retries).
+        match tokio::spawn(woken).await {
+            Ok(Ok(running)) => running,
+            _ => false,
+        }
+    }
+
+    /// Background loop: pauses Running sandboxes whose idle policy's timeout has passed with
+    /// nothing under way (after asking their activity probe, if they have one).
+    async fn idle_loop(self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let running =
+                self.select(|r| r.state == SandboxState::Running && r.lifecycle_hooks.is_some());
+            for rec in running {
+                let Some(policy) = Self::idle_policy(&rec) else {
+                    continue;
+                };
+                let Some(timeout) = policy.idle_timeout_seconds else {
+                    continue;
+                };
+                let Some(idle) = self.inner.activity.idle_for(&rec.id, self.inner.started) else {
+                    continue;
+                };
+                if idle < Duration::from_secs(timeout) {
+                    continue;
+                }
+                if let Some(probe) = &policy.probe {
+                    if self.probe_active(&rec, probe).await {
+                        self.inner.activity.touch(&rec.id);
+                        continue;
+                    }
+                }
+                let this = self.clone();
+                tokio::spawn(async move {
+                    match this.freeze_for(&rec.id, true, "idle_timeout").await {
+                        Ok(()) => {
+                            tracing::info!(sandbox_id = %rec.id, idle_s = idle.as_secs(), "paused for idleness")
+                        }
+                        Err(e) => {
+                            tracing::debug!(sandbox_id = %rec.id, error = %e.message, "idle pause skipped")
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Asks the sandbox's activity probe whether it is busy.
+    async fn probe_active(&self, rec: &SandboxRecord, probe: &crate::idle::Probe) -> bool {
+        let endpoint = self.endpoint_of(rec);
+        let path = format!("/proxy/{}{}", probe.port, probe.path);
+        match tokio::time::timeout(
+            Duration::from_secs(probe.timeout_seconds),
+            crate::sandbox_files::get(&endpoint, &path),
+        )
+        .await
+        {
+            Ok(Ok((status, body))) => crate::idle::probe_says_active(status, &body),
+            _ => false,
         }
     }
 
@@ -1184,22 +1303,22 @@ impl Sandboxes {
     }
 
     pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
-        self.freeze(id, true).await
+        self.freeze_for(id, true, "user_pause").await
     }
 
     pub async fn resume(&self, id: &str) -> Result<(), ApiError> {
-        self.freeze(id, false).await
+        self.freeze_for(id, false, "user_resume").await
     }
 
-    /// Pause (`true`) or resume: Running → Pausing → Paused, or Paused → Resuming → Running; on a
-    /// runtime error the sandbox stays where it was.
-    async fn freeze(&self, id: &str, pause: bool) -> Result<(), ApiError> {
-        let (from, via, to, reason, code, context) = if pause {
+    /// Pause (`true`) or resume, for `reason` (a user's call, an idle timeout, a wake on access):
+    /// Running → Pausing → Paused, or Paused → Resuming → Running; on a runtime error the sandbox
+    /// stays where it was.
+    async fn freeze_for(&self, id: &str, pause: bool, reason: &str) -> Result<(), ApiError> {
+        let (from, via, to, code, context) = if pause {
             (
                 SandboxState::Running,
                 SandboxState::Pausing,
                 SandboxState::Paused,
-                "user_pause",
                 ErrorCode::SandboxNotRunning,
                 "pausing the sandbox",
             )
@@ -1208,7 +1327,6 @@ impl Sandboxes {
                 SandboxState::Paused,
                 SandboxState::Resuming,
                 SandboxState::Running,
-                "user_resume",
                 ErrorCode::SandboxNotPaused,
                 "resuming the sandbox",
             )
@@ -1235,6 +1353,10 @@ impl Sandboxes {
         };
         match result {
             Ok(()) => {
+                if !pause {
+                    // A resumed sandbox is idle from its resume.
+                    self.inner.activity.touch(id);
+                }
                 self.update(&entry, |r| r.transition(to, Some(reason), None));
                 Ok(())
             }
@@ -1587,6 +1709,11 @@ impl Sandboxes {
     /// Background loop: expires sandboxes on time and forgets ended ones after the retention period.
     /// Run again should it panic (see `supervise`).
     pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+        let idle = self.clone();
+        // (detached: it runs as long as the reaper does, the server's life)
+        drop(crate::supervise::supervised("idle", move || {
+            idle.clone().idle_loop()
+        }));
         let reaper = self.clone();
         crate::supervise::supervised("reaper", move || reaper.clone().reap())
     }
@@ -1653,6 +1780,7 @@ impl Sandboxes {
     /// Drops an ended sandbox's record: list and get no longer know it.
     fn forget(&self, id: &str) {
         self.inner.hook_runs.forget(id);
+        self.inner.activity.forget(id);
         self.inner
             .entries
             .write()

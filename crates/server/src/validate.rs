@@ -324,9 +324,8 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
 }
 
 /// Reads `lifecycle`: the renew-on-access window of `renewalPolicy` (OSEP-0009), if given, and
-/// the hooks (`preStart`, `periodic`). A field Warren does not serve is refused by name, never
-/// ignored: a caller who asked for an idle policy must not get a sandbox that quietly runs
-/// without it.
+/// the hooks (`preStart`, `periodic`) and the idle policy. A field Warren does not know is
+/// refused by name, never ignored.
 fn lifecycle(
     v: Option<&serde_json::Value>,
 ) -> Result<(Option<i64>, crate::hooks::Hooks), ApiError> {
@@ -339,9 +338,7 @@ fn lifecycle(
     for (key, value) in obj {
         match key.as_str() {
             "renewalPolicy" => renewal = renewal_policy(value)?,
-            "preStart" | "periodic" => {}
-            "idlePolicy" if value.is_null() => {}
-            "idlePolicy" => return Err(unsupported(&format!("lifecycle.{key}"))),
+            "preStart" | "periodic" | "idlePolicy" => {}
             other => {
                 return Err(ApiError::invalid(format!(
                     "lifecycle.{other:?} is not a lifecycle field (known: renewalPolicy, idlePolicy, preStart, periodic)"
@@ -349,7 +346,10 @@ fn lifecycle(
             }
         }
     }
-    let hooks = crate::hooks::parse(obj.get("preStart"), obj.get("periodic"))?;
+    let mut hooks = crate::hooks::parse(obj.get("preStart"), obj.get("periodic"))?;
+    if let Some(v) = obj.get("idlePolicy") {
+        hooks.idle = crate::idle::parse(v)?;
+    }
     Ok((renewal, hooks))
 }
 
@@ -534,13 +534,23 @@ mod tests {
             let e = plan_with(bad.clone(), None).err().expect("refused");
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad}");
         }
-        let e = plan_with(
+        let plan = plan_with(
             json!({"idlePolicy": {"idleTimeoutSeconds": 60, "onIdle": "pause"}}),
             None,
         )
-        .err()
-        .expect("refused");
-        assert!(e.message.contains("lifecycle.idlePolicy"), "{}", e.message);
+        .expect("idle");
+        assert_eq!(
+            plan.hooks.idle.expect("idle").idle_timeout_seconds,
+            Some(60)
+        );
+        let e = plan_with(json!({"idlePolicy": {"idleTimeoutSeconds": 60}}), None)
+            .err()
+            .expect("refused");
+        assert!(
+            e.message.contains("lifecycle.idlePolicy.onIdle"),
+            "{}",
+            e.message
+        );
         let plan = plan_with(
             json!({"preStart": {"command": ["true"]},
                    "periodic": [{"name": "a", "schedule": "* * * * *", "command": ["true"]}]}),
