@@ -13,7 +13,9 @@ Rows:
     Python and from the compiled warren-load client;
   * fork: N sandboxes from one snapshot (--fork, 10 in flight), total wall time and per-create p50;
   * idle sandboxes: memory per idle sandbox (MemTotal − MemAvailable before/after, server RSS), and
-    --idle of them held at once (all running `tail -f /dev/null`, each answering a command).
+    --idle of them held at once (all running `tail -f /dev/null`, each answering a command);
+  * wake on access (`lifecycle.idlePolicy`): a command's first output from a running sandbox, from a
+    paused one after an explicit resume, and from a paused one that the request itself wakes.
 The reference OpenSandbox server on Docker cannot be run here (its images come from registries this
 machine does not reach); its published figures are quoted in bench/README.md instead.
 Usage: bench/scale.py [--pool 25] [--sustain 60] [--fork 50] [--idle 500] [--image host|test] [--json OUT]
@@ -79,6 +81,49 @@ async def cycle(client, base, h, create_body) -> float:
             raise RuntimeError(f"delete: {d.status_code} {d.text[:200]}")
 
 
+async def wake_rows(client: httpx.AsyncClient, base: str, h: dict, image: str, n: int) -> dict:
+    """One sandbox with a wake-only idle policy: `n` times each, a command's first output while it
+    runs; paused, then resumed by the API, then the command (both timed together); paused, then the
+    command alone, which wakes it."""
+    r = await client.post(f"{base}/v1/sandboxes", headers=h,
+                          json=body(image, lifecycle={"idlePolicy": {"wakeOnAccess": True}}))
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+
+    async def command() -> float:
+        t0 = time.perf_counter()
+        await first_output(client, base, h, sid)
+        return time.perf_counter() - t0
+
+    async def pause() -> None:
+        r = await client.post(f"{base}/v1/sandboxes/{sid}/pause", headers=h)
+        assert r.status_code in (200, 202, 204), r.text
+        while (await client.get(f"{base}/v1/sandboxes/{sid}", headers=h)).json()["status"]["state"] != "Paused":
+            await asyncio.sleep(0.01)
+
+    async def resumed() -> float:
+        await pause()
+        t0 = time.perf_counter()
+        r = await client.post(f"{base}/v1/sandboxes/{sid}/resume", headers=h)
+        assert r.status_code in (200, 202, 204), r.text
+        await first_output(client, base, h, sid)
+        return time.perf_counter() - t0
+
+    async def woken() -> float:
+        await pause()
+        return await command()
+
+    try:
+        await command()
+        return {
+            "command, running c=1": await measure(command, n, 1),
+            "resume + command, paused c=1": await measure(resumed, n, 1),
+            "wake on access (command alone), paused c=1": await measure(woken, n, 1),
+        }
+    finally:
+        await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pool", type=int, default=25)
@@ -88,7 +133,8 @@ async def main() -> None:
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--image", default="host")
     ap.add_argument("--warren", default=str(REPO / "target/x86_64-unknown-linux-gnu/release/warren"))
-    ap.add_argument("--only", choices=["idle"], help="run only the idle sandboxes' row")
+    ap.add_argument("--only", choices=["idle", "wake"], help="run only the idle sandboxes' or the wake rows")
+    ap.add_argument("--wake", type=int, default=50, help="pause/wake rounds of the wake rows")
     ap.add_argument("--no-disk", action="store_true",
                     help="sandboxes without a disk of their own ([limits] default_ephemeral_storage = \"none\")")
     ap.add_argument("--json")
@@ -110,7 +156,10 @@ async def main() -> None:
     try:
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             plain = body(image)
-            if args.only != "idle":
+            if args.only == "wake":
+                results["fork+exec c=1 (sh -c, no sandbox)"] = await measure(fork_once, args.wake, 1)
+                results.update(await wake_rows(client, base, h, image, args.wake))
+            if args.only is None:
                 # The floor, in the same run: this machine's speed at starting a process moves every row
                 # (it has differed by 2x from one day to the next), so read the rows against it.
                 results["fork+exec c=1 (sh -c, no sandbox)"] = await measure(fork_once, args.n, 1)
@@ -231,42 +280,43 @@ async def main() -> None:
                     await client.delete(f"{base}/v1/sandboxes/{src}", headers=h)
                     await client.delete(f"{base}/v1/snapshots/{snap['id']}", headers=h)
 
-            # --- idle sandboxes ---
-            print(f"{args.idle} idle sandboxes …", flush=True)
-            await asyncio.sleep(2)
-            mem0, rss0 = mem_used_kib(), server.rss_kib()
-            ids: list[str] = []
-            sem = asyncio.Semaphore(10)
+            if args.only != "wake":
+                # --- idle sandboxes ---
+                print(f"{args.idle} idle sandboxes …", flush=True)
+                await asyncio.sleep(2)
+                mem0, rss0 = mem_used_kib(), server.rss_kib()
+                ids: list[str] = []
+                sem = asyncio.Semaphore(10)
 
-            async def make():
-                async with sem:
-                    r = await client.post(f"{base}/v1/sandboxes", headers=h, json=plain)
-                    if r.status_code == 202:
-                        ids.append(r.json()["id"])
-            t0 = time.perf_counter()
-            await asyncio.gather(*(make() for _ in range(args.idle)))
-            made_s = time.perf_counter() - t0
-            await asyncio.sleep(3)
-            mem1, rss1 = mem_used_kib(), server.rss_kib()
-            alive = 0
-            for sid in ids[:: max(1, len(ids) // 50)]:
-                try:
-                    await first_output(client, base, h, sid)
-                    alive += 1
-                except Exception:  # noqa: BLE001 - counted
-                    pass
-            notes["idle"] = {"requested": args.idle, "created": len(ids), "create_seconds": made_s,
-                             "sampled_answering": alive, "sampled": len(ids[:: max(1, len(ids) // 50)]),
-                             "mem_per_sandbox_kib": (mem1 - mem0) / max(1, len(ids)),
-                             "server_rss_per_sandbox_kib": (rss1 - rss0) / max(1, len(ids))}
-            dsem = asyncio.Semaphore(20)
+                async def make():
+                    async with sem:
+                        r = await client.post(f"{base}/v1/sandboxes", headers=h, json=plain)
+                        if r.status_code == 202:
+                            ids.append(r.json()["id"])
+                t0 = time.perf_counter()
+                await asyncio.gather(*(make() for _ in range(args.idle)))
+                made_s = time.perf_counter() - t0
+                await asyncio.sleep(3)
+                mem1, rss1 = mem_used_kib(), server.rss_kib()
+                alive = 0
+                for sid in ids[:: max(1, len(ids) // 50)]:
+                    try:
+                        await first_output(client, base, h, sid)
+                        alive += 1
+                    except Exception:  # noqa: BLE001 - counted
+                        pass
+                notes["idle"] = {"requested": args.idle, "created": len(ids), "create_seconds": made_s,
+                                 "sampled_answering": alive, "sampled": len(ids[:: max(1, len(ids) // 50)]),
+                                 "mem_per_sandbox_kib": (mem1 - mem0) / max(1, len(ids)),
+                                 "server_rss_per_sandbox_kib": (rss1 - rss0) / max(1, len(ids))}
+                dsem = asyncio.Semaphore(20)
 
-            async def drop(sid):
-                async with dsem:
-                    d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
-                    if d.status_code != 204:
-                        notes.setdefault("delete_errors", []).append(f"{d.status_code} {d.text[:200]}")
-            await asyncio.gather(*(drop(s) for s in ids))
+                async def drop(sid):
+                    async with dsem:
+                        d = await client.delete(f"{base}/v1/sandboxes/{sid}", headers=h)
+                        if d.status_code != 204:
+                            notes.setdefault("delete_errors", []).append(f"{d.status_code} {d.text[:200]}")
+                await asyncio.gather(*(drop(s) for s in ids))
         # Everything made was deleted, warm sandboxes (unlisted) included: the server keeps none.
         left = sorted(p.name for p in (server.dir / "data" / "sandboxes").iterdir())
         notes["sandboxes_left_behind"] = left

@@ -55,6 +55,14 @@ class H(http.server.BaseHTTPRequestHandler):
         body = f"hello from {local} auth={auth}\n".encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
+    def do_POST(self):
+        local = self.connection.getsockname()[0]
+        body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+        with open(sys.argv[3], "a") as log:
+            log.write(f"{local} POST {self.path} x-key={self.headers.get('X-Key')} body={body.decode(errors='replace')}\n")
+        out = f"posted to {local}\n".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(out))); self.end_headers()
+        self.wfile.write(out)
     def log_message(self, *a): pass
 class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True

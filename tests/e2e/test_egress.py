@@ -565,6 +565,42 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
     assert SECRET not in server_log, "a secret reached the server's log"
 
 
+def test_credential_vault_passthrough_and_substitutions(net_server, fakenet):
+    """`passthrough` auth adds no header; its `substitutions` replace a placeholder the sandbox
+    writes, on the wire only, in a header, the path, the query (percent-encoded there) and the
+    body (its length set anew). The sandbox sees only the placeholder; the secret never reaches the
+    sandbox or the server's log, and an echo of it comes back redacted."""
+    sbx = _vault_sandbox(net_server)
+    secret = "sub-" + secrets.token_hex(6) + "/&x"
+    try:
+        sbx.credential_vault.create(
+            credentials=[Credential(name="key", source=InlineCredentialSource(value=secret))],
+            bindings=[{"name": "sub", "match": {"hosts": ["allowed.test"], "paths": ["/v1/*"], "methods": ["GET", "POST"]},
+                       "auth": {"type": "passthrough", "substitutions": [
+                           {"credential": "key", "placeholder": "__KEY__", "in": ["header", "path", "query", "body"]}]}}])
+        post = ("python3 -c \"import json,urllib.request; r=urllib.request.Request("
+                "'https://allowed.test/v1/__KEY__/x?k=__KEY__', data=json.dumps({'token': '__KEY__'}).encode(), "
+                "headers={'X-Key': 'k=__KEY__', 'Content-Type': 'application/json'}); "
+                "print(urllib.request.urlopen(r, timeout=5).read().decode().strip())\"")
+        code, out, err = W.sh(sbx, post)
+        assert code == 0 and "posted to" in out, (out, err)
+        import urllib.parse
+        enc = urllib.parse.quote(secret, safe="")
+        line = [l for l in fakenet["request_log"].read_text().splitlines() if " POST " in l][-1]
+        assert f"/v1/{enc}/x?k={enc}" in line, line
+        assert f"x-key=k={secret}" in line, line
+        assert f'body={{"token": "{secret}"}}' in line, line
+        # No Authorization of the vault's: passthrough.
+        code, out, err = W.sh(sbx, FETCH + "https://allowed.test/v1/plain")
+        assert code == 0 and "auth=None" in out, (out, err)
+        # The placeholder is all the sandbox ever had.
+        code, out, _ = W.sh(sbx, f"grep -rl '{secret}' /etc /opt /tmp /root /proc/[0-9]*/environ 2>/dev/null | head")
+        assert out.strip() == "", out
+    finally:
+        sbx.kill()
+    assert secret not in net_server.log_path.read_text(), "a secret reached the server's log"
+
+
 def test_credential_vault_injects_over_plain_http(net_server, fakenet):
     """A binding with `schemes: ["http"]` (port 80 by default) injects into plain HTTP too, as the
     reference's does; the upstream sees the header, the sandbox an echo of it redacted. Plain HTTP

@@ -444,11 +444,15 @@ fn plain_host<B>(req: &hyper::Request<B>) -> Result<Option<String>, &'static str
 
 /// A 400 answered by the proxy itself.
 fn refusal(why: &'static str) -> hyper::Response<ResponseBody> {
+    refused(hyper::StatusCode::BAD_REQUEST, why.to_string())
+}
+
+fn refused(status: hyper::StatusCode, why: String) -> hyper::Response<ResponseBody> {
     let frame: Result<Frame<Bytes>, BoxError> =
         Ok(Frame::data(Bytes::from(format!("warren egress: {why}\n"))));
     let body = futures::stream::iter([frame]).boxed();
     let mut resp = hyper::Response::new(StreamBody::new(body));
-    *resp.status_mut() = hyper::StatusCode::BAD_REQUEST;
+    *resp.status_mut() = status;
     resp
 }
 
@@ -527,6 +531,118 @@ fn boxed(e: impl std::error::Error + Send + Sync + 'static) -> BoxError {
     Box::new(e)
 }
 
+/// The largest body the vault rewrites for a substitution: a larger one is refused (413), never
+/// sent on with the placeholder in place of what the binding promised.
+const SUBSTITUTED_BODY_MAX: usize = 1 << 20;
+
+/// Replaces `placeholder` by `secret` in the request's headers (but `Host`) and in its path or
+/// query, as `places` says; in the path and the query the secret goes percent-encoded, so that a
+/// `/`, `&` or `=` in it cannot change the request's shape.
+fn substitute_head(
+    headers: &mut hyper::HeaderMap,
+    path: &mut String,
+    placeholder: &str,
+    secret: &str,
+    places: &[crate::vault::Place],
+) -> Result<(), BoxError> {
+    use crate::vault::Place;
+    if places.contains(&Place::Header) {
+        let names: Vec<hyper::header::HeaderName> = headers
+            .iter()
+            .filter(|(n, v)| {
+                *n != hyper::header::HOST
+                    && v.as_bytes()
+                        .windows(placeholder.len())
+                        .any(|w| w == placeholder.as_bytes())
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let values: Vec<String> = headers
+                .get_all(&name)
+                .iter()
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).replace(placeholder, secret))
+                .collect();
+            headers.remove(&name);
+            for v in values {
+                headers.append(name.clone(), hyper::header::HeaderValue::from_str(&v)?);
+            }
+        }
+    }
+    // RFC 3986's unreserved characters stay as they are; everything else is encoded.
+    const ENCODED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    let encoded = percent_encoding::utf8_percent_encode(secret, ENCODED).to_string();
+    let (p, q) = match path.split_once('?') {
+        Some((p, q)) => (p.to_string(), Some(q.to_string())),
+        None => (path.clone(), None),
+    };
+    let p = if places.contains(&Place::Path) {
+        p.replace(placeholder, &encoded)
+    } else {
+        p
+    };
+    let q = match q {
+        Some(q) if places.contains(&Place::Query) => Some(q.replace(placeholder, &encoded)),
+        other => other,
+    };
+    *path = match q {
+        Some(q) => format!("{p}?{q}"),
+        None => p,
+    };
+    Ok(())
+}
+
+/// The request body with `placeholder` replaced by `secret`, read whole (up to
+/// [`SUBSTITUTED_BODY_MAX`]) and sent with its new length; `Err` says why it cannot be.
+async fn substitute_body(
+    headers: &mut hyper::HeaderMap,
+    body: http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>,
+    placeholder: &str,
+    secret: &str,
+) -> Result<http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>, String> {
+    if headers
+        .get(hyper::header::CONTENT_ENCODING)
+        .is_some_and(|e| e.as_bytes() != b"identity")
+    {
+        return Err("the credential vault cannot substitute into a compressed request body".into());
+    }
+    let bytes = http_body_util::Limited::new(body, SUBSTITUTED_BODY_MAX)
+        .collect()
+        .await
+        .map_err(|_| {
+            format!(
+                "a request body the credential vault substitutes into is at most {} bytes",
+                SUBSTITUTED_BODY_MAX
+            )
+        })?
+        .to_bytes();
+    let replaced = replace_bytes(&bytes, placeholder.as_bytes(), secret.as_bytes());
+    headers.remove(hyper::header::TRANSFER_ENCODING);
+    headers.insert(hyper::header::CONTENT_LENGTH, replaced.len().into());
+    Ok(http_body_util::Full::new(bytes::Bytes::from(replaced))
+        .map_err(|never| match never {})
+        .boxed())
+}
+
+fn replace_bytes(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(haystack.len());
+    let mut i = 0;
+    while i < haystack.len() {
+        if haystack[i..].starts_with(from) {
+            out.extend_from_slice(to);
+            i += from.len();
+        } else {
+            out.push(haystack[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
 async fn forward(
     req: hyper::Request<Incoming>,
     vault: Option<Arc<Vault>>,
@@ -540,7 +656,7 @@ async fn forward(
         )));
     };
     let (mut parts, body) = req.into_parts();
-    let path = parts
+    let mut path = parts
         .uri
         .path_and_query()
         .map(|p| p.as_str().to_string())
@@ -587,12 +703,22 @@ async fn forward(
         parts.headers.remove(hyper::header::RANGE);
         parts.headers.remove(hyper::header::IF_RANGE);
     }
-    if let Some(headers) = injections {
-        for (k, v) in headers {
+    let mut body = body.boxed();
+    if let Some(injection) = injections {
+        for (k, v) in injection.headers {
             let name = hyper::header::HeaderName::from_bytes(k.as_bytes())?;
             parts
                 .headers
                 .insert(name, hyper::header::HeaderValue::from_str(&v)?);
+        }
+        for (placeholder, secret, places) in &injection.substitutions {
+            substitute_head(&mut parts.headers, &mut path, placeholder, secret, places)?;
+            if places.contains(&crate::vault::Place::Body) {
+                body = match substitute_body(&mut parts.headers, body, placeholder, secret).await {
+                    Ok(b) => b,
+                    Err(why) => return Ok(refused(hyper::StatusCode::PAYLOAD_TOO_LARGE, why)),
+                };
+            }
         }
         if let Target::Plain { sent_secret, .. } = &target {
             sent_secret.store(true, Ordering::Relaxed);
@@ -610,7 +736,7 @@ async fn forward(
         parts.headers.remove(hyper::header::ACCEPT_ENCODING);
     }
     parts.uri = path.parse().map_err(boxed)?;
-    let req = hyper::Request::from_parts(parts, body.boxed());
+    let req = hyper::Request::from_parts(parts, body);
     let mut guard = upstream.lock().await;
     if guard.as_ref().is_none_or(|s| s.is_closed()) {
         let tcp = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(dst))

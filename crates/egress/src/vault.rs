@@ -89,6 +89,36 @@ pub enum Auth {
     CustomHeaders {
         headers: Vec<HeaderRef>,
     },
+    /// No header of the vault's: the request goes as written, but for its `substitutions`.
+    Passthrough {},
+}
+
+/// Where a substitution's placeholder is replaced by its credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Place {
+    Body,
+    Header,
+    Path,
+    Query,
+}
+
+/// A placeholder the sandbox writes in a request, replaced on the wire by a credential.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Substitution {
+    pub credential: String,
+    pub placeholder: String,
+    #[serde(rename = "in")]
+    pub places: Vec<Place>,
+}
+
+/// What the proxy does to a request one binding takes: headers to set, and placeholders to replace
+/// (each with its secret and where).
+#[derive(Debug, Default)]
+pub struct Injection {
+    pub headers: Vec<(String, String)>,
+    pub substitutions: Vec<(String, String, Vec<Place>)>,
 }
 
 impl Auth {
@@ -102,6 +132,7 @@ impl Auth {
             Self::CustomHeaders { headers } => {
                 headers.iter().map(|h| h.credential.as_str()).collect()
             }
+            Self::Passthrough {} => Vec::new(),
         }
     }
 
@@ -112,6 +143,7 @@ impl Auth {
             Self::ApiKey { name, .. } => serde_json::json!({"type": "apiKey", "name": name}),
             Self::CustomHeaders { headers } => serde_json::json!({"type": "customHeaders",
                 "headers": headers.iter().map(|h| serde_json::json!({"name": h.name})).collect::<Vec<_>>()}),
+            Self::Passthrough {} => serde_json::json!({"type": "passthrough"}),
         }
     }
 }
@@ -120,6 +152,7 @@ impl Auth {
 struct Binding {
     matcher: Match,
     auth: Auth,
+    substitutions: Vec<Substitution>,
     revision: u64,
 }
 
@@ -155,7 +188,7 @@ fn parse_credential(v: &Value) -> Result<(String, Secret), VaultError> {
     Ok((name.to_string(), Secret(value.to_string())))
 }
 
-fn parse_binding(v: &Value) -> Result<(String, Match, Auth), VaultError> {
+fn parse_binding(v: &Value) -> Result<(String, Match, Auth, Vec<Substitution>), VaultError> {
     let name = v["name"]
         .as_str()
         .filter(|n| !n.trim().is_empty())
@@ -182,7 +215,25 @@ fn parse_binding(v: &Value) -> Result<(String, Match, Auth), VaultError> {
     }
     let auth: Auth = serde_json::from_value(v["auth"].clone())
         .map_err(|e| invalid(format!("binding {name}: auth: {e}")))?;
-    Ok((name.to_string(), matcher, auth))
+    let substitutions: Vec<Substitution> = match &v["auth"]["substitutions"] {
+        Value::Null => Vec::new(),
+        list => serde_json::from_value(list.clone())
+            .map_err(|e| invalid(format!("binding {name}: auth.substitutions: {e}")))?,
+    };
+    for sub in &substitutions {
+        // Short placeholders would be found in ordinary text and replaced there too.
+        if sub.placeholder.len() < 4 || sub.placeholder.len() > 256 {
+            return Err(invalid(format!(
+                "binding {name}: a substitution's placeholder is 4 to 256 characters"
+            )));
+        }
+        if sub.places.is_empty() {
+            return Err(invalid(format!(
+                "binding {name}: a substitution needs `in` (body, header, path, query)"
+            )));
+        }
+    }
+    Ok((name.to_string(), matcher, auth, substitutions))
 }
 
 fn host_matches(pattern: &str, host: &str) -> bool {
@@ -226,12 +277,13 @@ impl Vault {
                 .insert(name, Credential { value, revision: 1 });
         }
         for b in body["bindings"].as_array().into_iter().flatten() {
-            let (name, matcher, auth) = parse_binding(b)?;
+            let (name, matcher, auth, substitutions) = parse_binding(b)?;
             v.bindings.insert(
                 name,
                 Binding {
                     matcher,
                     auth,
+                    substitutions,
                     revision: 1,
                 },
             );
@@ -242,7 +294,8 @@ impl Vault {
 
     fn check_references(&self) -> Result<(), VaultError> {
         for (name, b) in &self.bindings {
-            for c in b.auth.credentials() {
+            let substituted = b.substitutions.iter().map(|s| s.credential.as_str());
+            for c in b.auth.credentials().into_iter().chain(substituted) {
                 if !self.credentials.contains_key(c) {
                     return Err(invalid(format!(
                         "binding {name} names credential {c:?}, which the vault does not have"
@@ -298,7 +351,7 @@ impl Vault {
         let b = &body["bindings"];
         for (op, replace) in [("add", false), ("replace", true)] {
             for item in b[op].as_array().into_iter().flatten() {
-                let (name, matcher, auth) = parse_binding(item)?;
+                let (name, matcher, auth, substitutions) = parse_binding(item)?;
                 if next.bindings.contains_key(&name) != replace {
                     return Err(invalid(format!(
                         "bindings.{op}: {name} {}",
@@ -314,6 +367,7 @@ impl Vault {
                     Binding {
                         matcher,
                         auth,
+                        substitutions,
                         revision: rev,
                     },
                 );
@@ -384,7 +438,8 @@ impl Vault {
         })
     }
 
-    /// The headers to set on a request, when exactly one binding matches it.
+    /// What to do to a request, when exactly one binding matches it: its auth's headers, and its
+    /// substitutions' placeholders with their secrets.
     pub fn injections(
         &self,
         scheme: &str,
@@ -392,7 +447,7 @@ impl Vault {
         port: u16,
         method: &str,
         path: &str,
-    ) -> Option<Vec<(String, String)>> {
+    ) -> Option<Injection> {
         let mut matching = self.bindings.values().filter(|b| {
             let m = &b.matcher;
             m.schemes.iter().any(|s| s == scheme)
@@ -406,7 +461,18 @@ impl Vault {
             return None;
         }
         let secret = |name: &str| self.credentials.get(name).map(|c| c.value.0.clone());
-        Some(match &b.auth {
+        let substitutions = b
+            .substitutions
+            .iter()
+            .map(|s| {
+                Some((
+                    s.placeholder.clone(),
+                    secret(&s.credential)?,
+                    s.places.clone(),
+                ))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let headers = match &b.auth {
             Auth::Bearer { credential } => vec![(
                 "authorization".into(),
                 format!("Bearer {}", secret(credential)?),
@@ -423,6 +489,11 @@ impl Vault {
                 .iter()
                 .map(|h| Some((h.name.clone(), secret(&h.credential)?)))
                 .collect::<Option<Vec<_>>>()?,
+            Auth::Passthrough {} => Vec::new(),
+        };
+        Some(Injection {
+            headers,
+            substitutions,
         })
     }
 
@@ -529,7 +600,8 @@ mod tests {
     fn exactly_one_binding_injects() {
         let v = vault();
         assert_eq!(
-            v.injections("https", "api.github.test", 443, "POST", "/repos"),
+            v.injections("https", "api.github.test", 443, "POST", "/repos")
+                .map(|i| i.headers),
             Some(vec![(
                 "authorization".into(),
                 "Bearer ghp_SECRET123".into()
@@ -539,7 +611,7 @@ mod tests {
             .injections("https", "a.wild.test", 443, "GET", "/v1/x?y=1")
             .expect("basic");
         assert_eq!(
-            basic[0].1,
+            basic.headers[0].1,
             format!(
                 "Basic {}",
                 base64::engine::general_purpose::STANDARD.encode("bob:hunter22")
@@ -630,10 +702,52 @@ mod tests {
         assert_eq!(v.state_json()["revision"], 2);
         assert_eq!(
             v.injections("https", "api.github.test", 443, "GET", "/")
-                .expect("inj")[0]
+                .expect("inj")
+                .headers[0]
                 .1,
             "Bearer new-token-9"
         );
+    }
+
+    #[test]
+    fn passthrough_and_substitutions() {
+        let v = Vault::create(&json!({
+            "credentials": [{"name": "key", "source": {"type": "inline", "value": "s3cret/&x"}}],
+            "bindings": [{"name": "p", "match": {"hosts": ["api.test"]},
+                          "auth": {"type": "passthrough", "substitutions": [
+                              {"credential": "key", "placeholder": "__KEY__", "in": ["header", "query", "body"]}]}}]
+        }))
+        .expect("vault");
+        let inj = v
+            .injections("https", "api.test", 443, "POST", "/v1")
+            .expect("taken");
+        assert!(inj.headers.is_empty(), "passthrough adds no header");
+        assert_eq!(
+            inj.substitutions,
+            vec![(
+                "__KEY__".into(),
+                "s3cret/&x".into(),
+                vec![Place::Header, Place::Query, Place::Body]
+            )]
+        );
+        assert_eq!(
+            v.bindings_json()["bindings"][0]["auth"]["type"],
+            "passthrough"
+        );
+        for bad in [
+            json!({"credential": "key", "placeholder": "k", "in": ["body"]}),
+            json!({"credential": "key", "placeholder": "__KEY__", "in": []}),
+            json!({"credential": "key", "placeholder": "__KEY__", "in": ["cookie"]}),
+            json!({"credential": "nope", "placeholder": "__KEY__", "in": ["body"]}),
+            json!({"credential": "key", "placeholder": "__KEY__", "in": ["body"], "encode": true}),
+        ] {
+            let body = json!({
+                "credentials": [{"name": "key", "source": {"value": "v"}}],
+                "bindings": [{"name": "p", "match": {"hosts": ["api.test"]},
+                              "auth": {"type": "bearer", "credential": "key", "substitutions": [bad.clone()]}}]
+            });
+            assert!(Vault::create(&body).is_err(), "{bad}");
+        }
     }
 
     #[test]
