@@ -592,7 +592,7 @@ def test_no_process_of_the_sandbox_holds_a_host_descriptor(server, work_root):
                     next(reader)
                     seen = _host_descriptors_of(sbx.id)
         comms = {pid: comm for pid, (comm, _) in seen.items()}
-        assert {"warren-execd", "execd-forker", "warren-isolate", "session-keeper", "session-init",
+        assert {"execd", "execd-forker", "warren-isolate", "session-keeper", "session-init",
                 "files-worker"} <= set(comms.values()), comms
         host_paths = [str(server.data_dir.resolve()), str(Path(work_root).resolve()), str(server.bin.resolve())]
         for pid, (_, links) in seen.items():

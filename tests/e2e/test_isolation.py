@@ -349,7 +349,8 @@ def test_sandbox_init_holds_no_server_secret(server, make_sandbox, any_image):
 def test_sandbox_init_is_opaque_to_the_sandbox(server, make_sandbox, any_image):
     """On the embedded runtime PID 1 runs execd inside the forked setup process, whose /proc/1/exe
     is the host's `warren` binary: it is undumpable, so root in the sandbox (no CAP_SYS_PTRACE) can
-    neither follow that link nor read PID 1's memory or environment; `ps` shows it as warren-execd."""
+    neither follow that link nor read PID 1's memory or environment; `ps` shows it as `execd` (as the
+    reference's PID 1), with the command line `warren-execd`."""
     server.native_only("on Docker the engine starts the container's first process")
     if server.runtime != "embedded":
         pytest.skip("an OCI runtime execs the execd binary as PID 1")
@@ -361,7 +362,7 @@ def test_sandbox_init_is_opaque_to_the_sandbox(server, make_sandbox, any_image):
                            "echo probe=$E2E_MEMORY_PROBE")
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[0] == "warren-execd", out
+    assert lines[0] == "execd", out
     assert lines[1].startswith("warren-execd"), out
     assert not [l for l in lines if l.endswith("-readable")], out
     # commands still get the sandbox's environment (set in PID 1 before execd started)
