@@ -12,8 +12,10 @@ use crate::output::{emit, Format, Table};
 pub enum EgressCommand {
     /// Show a sandbox's policy.
     Get { id: String },
-    /// Add or replace rules: --rule allow=pypi.org --rule deny=*.example.com --rule
-    /// allow=10.0.0.5@443,8443 (an address on TCP ports) --rule deny=@25 (a port, everywhere).
+    /// Add or replace rules: --rule allow=pypi.org --rule deny=*.example.com (repeatable)
+    ///
+    /// A rule limited to TCP ports names them after `@`: --rule allow=10.0.0.5@443,8443 (an
+    /// address on those ports), --rule deny=@25 (a port, to every destination).
     Patch {
         id: String,
         #[arg(long = "rule", required = true)]
