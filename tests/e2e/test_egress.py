@@ -601,6 +601,33 @@ def test_credential_vault_passthrough_and_substitutions(net_server, fakenet):
     assert secret not in net_server.log_path.read_text(), "a secret reached the server's log"
 
 
+def test_plain_http_vault_proves_a_host_the_sandbox_never_asked_for(net_server, fakenet):
+    """The reference's own vault test reaches the bound host with `curl --resolve host:80:IP`: the
+    sandbox asks no DNS question. Warren then asks its own resolver: the credential goes when the
+    address the sandbox dialled is among the name's, and the policy allows the name. A request
+    naming the bound host at another address (fronting) gets 421 with a `{code, message}` that says
+    why, never the credential, never a connection closed with no answer."""
+    sbx = _vault_sandbox(net_server)
+    try:
+        sbx.credential_vault.create(
+            credentials=[Credential(name="api", source=InlineCredentialSource(value=SECRET + "-resolve"))],
+            bindings=[CredentialBinding(name="plain", match=CredentialMatch(hosts=["allowed.test"], schemes=["http"]),
+                                        auth=CredentialAuth(type="bearer", credential="api"))])
+        direct = ("python3 -c \"import http.client,sys; c=http.client.HTTPConnection(sys.argv[1], 80, timeout=10); "
+                  "c.request('GET', sys.argv[2], headers={'Host': 'allowed.test'}); r=c.getresponse(); "
+                  "print(r.status, r.read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, direct + f"{fakenet['allowed']} /v1/resolved")
+        assert code == 0 and out.startswith("200 ") and "auth=Bearer [REDACTED]" in out, (out, err)
+        assert f"/v1/resolved authorization=Bearer {SECRET}-resolve" in fakenet["request_log"].read_text()
+        code, out, err = W.sh(sbx, direct + f"{fakenet['other']} /v1/fronted-direct")
+        assert code == 0 and out.startswith("421 "), (out, err)
+        body = json.loads(out.split(" ", 1)[1])
+        assert body["code"] and "allowed.test" in body["message"], body
+        assert "/v1/fronted-direct" not in fakenet["request_log"].read_text(), "a misdirected request went on"
+    finally:
+        sbx.kill()
+
+
 def test_credential_vault_injects_over_plain_http(net_server, fakenet):
     """A binding with `schemes: ["http"]` (port 80 by default) injects into plain HTTP too, as the
     reference's does; the upstream sees the header, the sandbox an echo of it redacted. Plain HTTP
@@ -626,13 +653,14 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
         # Outside the binding's paths, nothing.
         code, out, err = W.sh(sbx, FETCH + "http://allowed.test/other")
         assert code == 0 and "auth=None" in out, (out, err)
-        # Fronting: to other.test's address, claiming to be allowed.test.
+        # Fronting: to other.test's address, claiming to be allowed.test: answered 421 by the proxy,
+        # never sent on with the credential (nor without it, as if nothing were wrong).
         front = ("python3 -c \"import http.client,socket; a=socket.gethostbyname('other.test'); "
                  "c=http.client.HTTPConnection(a, 80, timeout=5); c.request('GET', '/v1/fronted', headers={'Host': 'allowed.test'}); "
-                 "print(c.getresponse().read().decode().strip())\"")
+                 "r=c.getresponse(); print(r.status, r.read().decode().strip())\"")
         code, out, err = W.sh(sbx, front)
-        assert code == 0 and f"hello from {fakenet['other']} auth=None" in out, (out, err)
-        assert f"/v1/fronted authorization=None" in fakenet["request_log"].read_text()
+        assert code == 0 and out.startswith("421 ") and "allowed.test" in out, (out, err)
+        assert "/v1/fronted" not in fakenet["request_log"].read_text()
         # Ambiguous requests are refused by the proxy itself, before anything goes upstream: two
         # Host headers (the upstream might route by the other), or a request target naming
         # another host than Host.

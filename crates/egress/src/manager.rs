@@ -573,6 +573,40 @@ impl Egress {
             && self.allows(net, to)
     }
 
+    /// Asks the upstream resolver for `name` on behalf of the sandbox at `src`, which reached `dst`
+    /// without asking itself: when the policy allows `name` and the answer holds `dst`'s address,
+    /// the answer is learned as if the sandbox had asked (see `learn`), and `answered` decides.
+    pub(crate) async fn resolve_for(
+        self: &Arc<Self>,
+        src: Ipv4Addr,
+        dst: SocketAddrV4,
+        name: &str,
+    ) -> bool {
+        if self.decide(src, name) != Some(Action::Allow) {
+            return false;
+        }
+        let query = dns::build_query(rand_id(), name, dns::TYPE_A);
+        let Some(q) = dns::parse_query(&query) else {
+            return false;
+        };
+        let Ok(upstream) = UdpSocket::bind(("0.0.0.0", 0)).await else {
+            return false;
+        };
+        if upstream.connect(self.cfg.upstream).await.is_err() {
+            return false;
+        }
+        let reply = dns::ask(&upstream, &query, &q).await;
+        let addrs = dns::ipv4_answers(&reply);
+        if !addrs.iter().any(|(a, _)| a == dst.ip()) {
+            return false;
+        }
+        let (eg, n) = (self.clone(), name.to_string());
+        let learned = tokio::task::spawn_blocking(move || eg.learn(src, &n, &addrs))
+            .await
+            .unwrap_or(false);
+        learned && self.answered(src, dst, name)
+    }
+
     /// The current vault of the sandbox at `src`, if `src` may still reach `dst` (checked per
     /// request, so revocations reach kept connections).
     pub(crate) fn vault_for(
@@ -691,13 +725,29 @@ impl crate::mitm::Lookup for Lookup {
         self.0.upgrade().is_some_and(|e| e.answered(src, dst, name))
     }
 
+    fn resolve(
+        &self,
+        src: Ipv4Addr,
+        dst: SocketAddrV4,
+        name: &str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> {
+        let (egress, name) = (self.0.upgrade(), name.to_string());
+        Box::pin(async move {
+            match egress {
+                Some(e) => e.resolve_for(src, dst, &name).await,
+                None => false,
+            }
+        })
+    }
+
     fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::mitm::Decision> {
         let egress = self.0.upgrade()?;
         let st = egress.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
-        egress.allows(net, dst).then(|| crate::mitm::Decision {
+        Some(crate::mitm::Decision {
             vault: net.vault.clone(),
             ca: net.ca.clone(),
+            allowed: egress.allows(net, dst),
         })
     }
 }
@@ -723,4 +773,12 @@ fn host_addresses() -> Vec<Ipv4Addr> {
         libc::freeifaddrs(head);
     }
     out
+}
+
+/// A DNS query id nobody can guess (the answer is matched on it, and on the question).
+fn rand_id() -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom(2) fills the two bytes it is given.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), 2, 0) };
+    u16::from_ne_bytes(b)
 }

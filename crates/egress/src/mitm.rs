@@ -103,6 +103,9 @@ impl SandboxCa {
 pub struct Decision {
     pub vault: Option<Vault>,
     pub ca: Option<Arc<SandboxCa>>,
+    /// The firewall's answer for the destination as it stands: a plain request to one it does not
+    /// allow (yet) may still prove its `Host` (see [`Lookup::resolve`]).
+    pub allowed: bool,
 }
 
 /// Asked per connection: may `src` reach `dst` (address and TCP port) at all, and with which
@@ -113,6 +116,15 @@ pub trait Lookup: Send + Sync + 'static {
     /// Whether an allowed DNS answer to `src` for `name` held `dst`'s address (and `src` may reach
     /// `dst`).
     fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool;
+    /// For a sandbox that reached `dst` without asking for `name` (`curl --resolve`, /etc/hosts):
+    /// whether Warren's own resolver, asked now, puts `dst`'s address among `name`'s, with the
+    /// policy allowing `name` — which then counts as answered.
+    fn resolve(
+        &self,
+        src: Ipv4Addr,
+        dst: SocketAddrV4,
+        name: &str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>>;
 }
 
 /// How long a sandbox may take to send its ClientHello, and the proxy to reach a server.
@@ -293,10 +305,19 @@ impl Mitm {
                 pos: 0,
                 inner: client,
             };
-            return match plain {
-                true => serve_plain(self.lookup.clone(), *src.ip(), client, dst).await,
-                false => tunnel(client, dst).await,
+            // A destination the policy does not allow (yet) is served only where a binding may
+            // prove it, request by request; nothing is ever sent on to it unproven.
+            return match (plain, decision.allowed) {
+                (true, _) => {
+                    let bound = decision.vault.map(Arc::new);
+                    serve_plain(self.lookup.clone(), *src.ip(), client, dst, bound).await
+                }
+                (false, true) => tunnel(client, dst).await,
+                (false, false) => Err(format!("{} may not reach {dst}", src.ip())),
             };
+        }
+        if !decision.allowed {
+            return Err(format!("{} may not reach {dst}", src.ip()));
         }
         // The ClientHello: one TLS record (enough for any SNI).
         let len = u16::from_be_bytes([hello[3], hello[4]]) as usize;
@@ -384,25 +405,67 @@ async fn serve_plain(
     src: Ipv4Addr,
     client: Prefixed<TcpStream>,
     dst: SocketAddrV4,
+    bound: Option<Arc<Vault>>,
 ) -> Result<(), String> {
     let upstream = Arc::new(tokio::sync::Mutex::new(
         None::<hyper::client::conn::http1::SendRequest<RedactBody>>,
     ));
     let sent_secret = Arc::new(AtomicBool::new(false));
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let vault = lookup.vault(src, dst).map(Arc::new);
-        // (one future type for both outcomes: `forward` answers a refusal itself)
-        let target = match plain_host(&req) {
-            Err(why) => Target::Refused(why),
-            Ok(host) => Target::Plain {
-                proven: host
-                    .as_deref()
-                    .is_some_and(|h| lookup.answered(src, dst, h)),
-                host: host.unwrap_or_default(),
-                sent_secret: sent_secret.clone(),
-            },
-        };
-        forward(req, vault, upstream.clone(), target, dst)
+        let (lookup, upstream, sent_secret) =
+            (lookup.clone(), upstream.clone(), sent_secret.clone());
+        // Whether a binding wants a host: the sandbox's vault as it was when the connection came,
+        // reachable or not; what is injected is the vault as it is now, for a reachable
+        // destination (`Lookup::vault`), looked up once the host is proven.
+        let bound = lookup
+            .vault(src, dst)
+            .map(Arc::new)
+            .or_else(|| bound.clone());
+        async move {
+            // (one future type for every outcome: `forward` answers a refusal itself)
+            let target = match plain_host(&req) {
+                Err(why) => Target::Refused(why),
+                Ok(host) => {
+                    let mut proven = host
+                        .as_deref()
+                        .is_some_and(|h| lookup.answered(src, dst, h));
+                    let wanted = host
+                        .as_deref()
+                        .zip(bound.as_deref())
+                        .is_some_and(|(h, v)| v.wants("http", h, dst.port()));
+                    if !proven && wanted {
+                        // No answer of ours led here: Warren asks its own resolver.
+                        proven = lookup
+                            .resolve(src, dst, host.as_deref().unwrap_or_default())
+                            .await;
+                    }
+                    if !proven && wanted {
+                        Target::Misdirected(format!(
+                            "the credential vault binds {:?}, but {} is not among the addresses Warren's resolver gives for it (or the policy does not allow the name): no credential is sent where the Host header cannot be proven",
+                            host.unwrap_or_default(),
+                            dst.ip()
+                        ))
+                    } else {
+                        Target::Plain {
+                            proven,
+                            host: host.unwrap_or_default(),
+                            sent_secret,
+                        }
+                    }
+                }
+            };
+            let vault = lookup.vault(src, dst).map(Arc::new);
+            // An error is answered, never a connection closed with no answer.
+            Ok::<_, std::convert::Infallible>(
+                match forward(req, vault, upstream, target, dst).await {
+                    Ok(resp) => resp,
+                    Err(e) => refused(
+                        hyper::StatusCode::BAD_GATEWAY,
+                        format!("the request could not be sent on: {e}"),
+                    ),
+                },
+            )
+        }
     });
     hyper::server::conn::http1::Builder::new()
         .serve_connection(hyper_util::rt::TokioIo::new(client), service)
@@ -447,6 +510,19 @@ fn refusal(why: &'static str) -> hyper::Response<ResponseBody> {
     refused(hyper::StatusCode::BAD_REQUEST, why.to_string())
 }
 
+fn misdirected(why: &str) -> hyper::Response<ResponseBody> {
+    let text = serde_json::json!({"code": "EGRESS::HOST_NOT_PROVEN", "message": why}).to_string();
+    let frame: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from(text)));
+    let body = futures::stream::iter([frame]).boxed();
+    let mut resp = hyper::Response::new(StreamBody::new(body));
+    *resp.status_mut() = hyper::StatusCode::MISDIRECTED_REQUEST;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
 fn refused(status: hyper::StatusCode, why: String) -> hyper::Response<ResponseBody> {
     let frame: Result<Frame<Bytes>, BoxError> =
         Ok(Frame::data(Bytes::from(format!("warren egress: {why}\n"))));
@@ -476,6 +552,9 @@ enum Target {
     },
     /// Nowhere: the request is answered 400 by the proxy itself, for this reason.
     Refused(&'static str),
+    /// Nowhere: a binding wants the request's host, which cannot be proven for the address the
+    /// sandbox dialled; answered 421 with a JSON `{code, message}` saying so.
+    Misdirected(String),
 }
 
 struct Fixed(Arc<CertifiedKey>);
@@ -650,6 +729,12 @@ async fn forward(
     target: Target,
     dst: SocketAddrV4,
 ) -> Result<hyper::Response<ResponseBody>, BoxError> {
+    // Answered by the proxy itself, whatever the destination.
+    match &target {
+        Target::Refused(why) => return Ok(refusal(why)),
+        Target::Misdirected(why) => return Ok(misdirected(why)),
+        _ => {}
+    }
     let Some(vault) = vault else {
         return Err(boxed(std::io::Error::other(
             "the destination is no longer allowed",
@@ -670,7 +755,9 @@ async fn forward(
             host.clone(),
             *proven && vault.wants("http", host, dst.port()),
         ),
+        // (answered above; kept so that no arm can panic)
         Target::Refused(why) => return Ok(refusal(why)),
+        Target::Misdirected(why) => return Ok(misdirected(why)),
     };
     if taken {
         // The request goes to the host the TLS session named or the answer proved, whatever Host
