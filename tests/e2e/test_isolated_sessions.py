@@ -154,6 +154,20 @@ def test_a_session_is_apart_from_the_sandbox(iso):
         assert _text(ex) == "apart"
 
 
+def test_a_workspace_in_tmp_is_the_sandboxs_tmp(iso):
+    """Under the strict profile /tmp is the session's own, but not when the workspace is /tmp or
+    lies in it: the session sees the sandbox's files there (it saw an empty tmpfs), as the reference
+    does; writes to an overlay workspace still stay in the session."""
+    iso.commands.run("mkdir -p /tmp/ws-sub && echo from-sandbox > /tmp/ws-sub/seen && echo top > /tmp/seen-top")
+    for ws, path in (("/tmp", "/tmp/seen-top"), ("/tmp/ws-sub", "/tmp/ws-sub/seen")):
+        with iso.isolation.session(_req(workspace=ws)) as s:
+            assert _text(s.run(f"cat {path}")) in ("top", "from-sandbox"), ws
+            s.run(f"echo mine > {ws}/session-file")
+            assert _text(s.run(f"cat {ws}/session-file")) == "mine"
+        ex, _ = _sh(iso, f"test -e {ws}/session-file && echo leaked || echo apart")
+        assert _text(ex) == "apart", ws
+
+
 def test_workspace_modes(iso):
     iso.commands.run("mkdir -p /workspace/modes && echo lower > /workspace/modes/base")
     with iso.isolation.session(_req(workspace="/workspace/modes", mode="rw")) as s:

@@ -34,6 +34,26 @@ pub enum Mount {
     },
 }
 
+impl Mount {
+    /// Where the mount shows in the session.
+    pub fn target(&self) -> &str {
+        match self {
+            Self::Writable { path } | Self::ReadOnly { path } | Self::Overlay { path } => path,
+            Self::Bind { dest, .. } => dest,
+        }
+    }
+
+    /// Whether the mount is `/tmp` or lies under it, or comes from there: a private `/tmp`
+    /// would hide it, so the session keeps the sandbox's `/tmp` (the caller named a folder there).
+    pub fn within_tmp(&self) -> bool {
+        let under = |p: &str| {
+            let p = p.trim_end_matches('/');
+            p == "/tmp" || p.starts_with("/tmp/")
+        };
+        under(self.target()) || matches!(self, Self::Bind { source, .. } if under(source))
+    }
+}
+
 /// What execd asks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Request {

@@ -185,9 +185,12 @@ pub async fn create(
             ))
         })?;
     }
-    let private_tmp = options.profile == "strict";
+    // The strict profile's /tmp is the session's own — unless the caller's workspace (or another
+    // of its mounts) is /tmp or lies in it: then /tmp is the sandbox's, as the reference has it.
+    let mounts = options.mounts();
+    let private_tmp = options.profile == "strict" && !mounts.iter().any(|m| m.within_tmp());
     let helper_id = helper
-        .create(options.mounts(), private_tmp, options.share_net)
+        .create(mounts, private_tmp, options.share_net)
         .await
         .map_err(|e| ApiError::runtime(format!("making the session: {e}")))?;
     let id = uuid::Uuid::new_v4().to_string();
