@@ -306,6 +306,14 @@ def test_session_working_directory(host_sandbox):
         assert cmds.run_in_session(sid, "pwd", working_directory="/tmp").text == "/tmp"
     finally:
         cmds.delete_session(sid)
+    # `$NAME` in a working directory expands from the sandbox's environment, per session and per run.
+    home = cmds.run("echo $HOME").logs.stdout[0].text
+    sid = cmds.create_session(working_directory="$HOME")
+    try:
+        assert cmds.run_in_session(sid, "pwd").text == home
+        assert cmds.run_in_session(sid, "pwd", working_directory="${HOME}/..").text in ("/", home.rsplit("/", 1)[0] or "/")
+    finally:
+        cmds.delete_session(sid)
 
 
 def test_session_streaming_and_timeout(host_sandbox):

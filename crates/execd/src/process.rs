@@ -124,6 +124,45 @@ fn double_quoted(text: &str) -> Option<(String, usize)> {
     None
 }
 
+/// `text` with `$NAME` and `${NAME}` replaced by `env`'s values (an unknown name by nothing), as
+/// a shell expands a working directory it is given: `$HOME/project`, `${WORKDIR}/src`. A `$` not
+/// followed by a name stays as it is.
+pub fn expand_vars(text: &str, env: &BTreeMap<String, String>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        let (name, used) = match after.strip_prefix('{') {
+            Some(braced) => match braced.find('}') {
+                Some(end) => (&braced[..end], end + 2),
+                None => ("", 0),
+            },
+            None => {
+                let end = after
+                    .char_indices()
+                    .find(|(j, c)| {
+                        !(c.is_ascii_alphanumeric() || *c == '_') || (*j == 0 && c.is_ascii_digit())
+                    })
+                    .map_or(after.len(), |(j, _)| j);
+                (&after[..end], end)
+            }
+        };
+        let valid = !name.is_empty()
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if valid {
+            out.push_str(env.get(name).map_or("", String::as_str));
+            rest = &after[used..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The environment of a new command: execd's, then the env file (re-read every time: the SDK's
 /// `set_env` appends to it with a shell command), then the request's own vars.
 pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String> {
@@ -446,6 +485,23 @@ mod tests {
                 ("D".into(), "x=y".into()),
             ]
         );
+    }
+
+    #[test]
+    fn working_directories_expand_variables() {
+        let env: BTreeMap<String, String> = [("HOME", "/root"), ("W_DIR", "/srv/w")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(expand_vars("$HOME/project", &env), "/root/project");
+        assert_eq!(expand_vars("${W_DIR}/src", &env), "/srv/w/src");
+        assert_eq!(expand_vars("/a/$NOPE/b", &env), "/a//b");
+        assert_eq!(
+            expand_vars("/cost$5/${unclosed", &env),
+            "/cost$5/${unclosed"
+        );
+        assert_eq!(expand_vars("/plain/path", &env), "/plain/path");
+        assert_eq!(expand_vars("$", &env), "$");
     }
 
     #[test]

@@ -91,7 +91,11 @@ pub async fn create(
     }
     let spec = ProcessSpec {
         program: Program::Argv(argv),
-        cwd: app.resolve(req.cwd.as_deref().unwrap_or("")),
+        // `$NAME` in it expands as a shell would, from the sandbox's environment.
+        cwd: app.resolve(&crate::process::expand_vars(
+            req.cwd.as_deref().unwrap_or(""),
+            &crate::process::base_env(),
+        )),
         envs: Default::default(),
         uid: None,
         gid: None,
@@ -161,7 +165,7 @@ pub async fn run(
         .cwd
         .as_deref()
         .filter(|c| !c.is_empty())
-        .map(|c| app.resolve(c));
+        .map(|c| app.resolve(&crate::process::expand_vars(c, &crate::process::base_env())));
     let (stream, response) = sse::channel();
     let app2 = app.clone();
     tokio::spawn(async move {
