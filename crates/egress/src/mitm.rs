@@ -417,10 +417,8 @@ async fn serve_plain(
         // Whether a binding wants a host: the sandbox's vault as it was when the connection came,
         // reachable or not; what is injected is the vault as it is now, for a reachable
         // destination (`Lookup::vault`), looked up once the host is proven.
-        let bound = lookup
-            .vault(src, dst)
-            .map(Arc::new)
-            .or_else(|| bound.clone());
+        let mut vault = lookup.vault(src, dst).map(Arc::new);
+        let bound = vault.clone().or_else(|| bound.clone());
         async move {
             // (one future type for every outcome: `forward` answers a refusal itself)
             let target = match plain_host(&req) {
@@ -434,10 +432,12 @@ async fn serve_plain(
                         .zip(bound.as_deref())
                         .is_some_and(|(h, v)| v.wants("http", h, dst.port()));
                     if !proven && wanted {
-                        // No answer of ours led here: Warren asks its own resolver.
+                        // No answer of ours led here: Warren asks its own resolver, whose answer
+                        // may make the destination reachable (so the vault as it is now).
                         proven = lookup
                             .resolve(src, dst, host.as_deref().unwrap_or_default())
                             .await;
+                        vault = lookup.vault(src, dst).map(Arc::new);
                     }
                     if !proven && wanted {
                         Target::Misdirected(format!(
@@ -454,7 +454,6 @@ async fn serve_plain(
                     }
                 }
             };
-            let vault = lookup.vault(src, dst).map(Arc::new);
             // An error is answered, never a connection closed with no answer.
             Ok::<_, std::convert::Infallible>(
                 match forward(req, vault, upstream, target, dst).await {
@@ -510,12 +509,10 @@ fn refusal(why: &'static str) -> hyper::Response<ResponseBody> {
     refused(hyper::StatusCode::BAD_REQUEST, why.to_string())
 }
 
+/// A 421 answered by the proxy itself, with a `{code, message}` body.
 fn misdirected(why: &str) -> hyper::Response<ResponseBody> {
     let text = serde_json::json!({"code": "EGRESS::HOST_NOT_PROVEN", "message": why}).to_string();
-    let frame: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from(text)));
-    let body = futures::stream::iter([frame]).boxed();
-    let mut resp = hyper::Response::new(StreamBody::new(body));
-    *resp.status_mut() = hyper::StatusCode::MISDIRECTED_REQUEST;
+    let mut resp = answered(hyper::StatusCode::MISDIRECTED_REQUEST, text);
     resp.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
         hyper::header::HeaderValue::from_static("application/json"),
@@ -523,9 +520,13 @@ fn misdirected(why: &str) -> hyper::Response<ResponseBody> {
     resp
 }
 
+/// An answer of the proxy's own, in plain text.
 fn refused(status: hyper::StatusCode, why: String) -> hyper::Response<ResponseBody> {
-    let frame: Result<Frame<Bytes>, BoxError> =
-        Ok(Frame::data(Bytes::from(format!("warren egress: {why}\n"))));
+    answered(status, format!("warren egress: {why}\n"))
+}
+
+fn answered(status: hyper::StatusCode, text: String) -> hyper::Response<ResponseBody> {
+    let frame: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from(text)));
     let body = futures::stream::iter([frame]).boxed();
     let mut resp = hyper::Response::new(StreamBody::new(body));
     *resp.status_mut() = status;

@@ -126,7 +126,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
     let filter = security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?;
     // The sandbox's user namespace: PID 1 idmaps the layers through it when it mounts the root
     // itself, and joins it last. The server's, or (the spec came through a pipe) one of our own.
-    let userns = match (sent_userns, spec.userns) {
+    let sandbox_ns = match (sent_userns, spec.userns) {
         (Some(ns), _) => Some(ns),
         (None, Some(range)) => Some(
             crate::userns::make(range)
@@ -134,11 +134,14 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
         ),
         (None, None) => None,
     };
-    // Each volume's idmapping: made here, while this process's pids are the host /proc's.
-    let volume_ns = match spec.userns {
-        Some(range) => crate::userns::volume_namespaces(range, &spec.volumes)
-            .map_err(|e| format!("idmapping the volumes: {e}"))?,
-        None => Vec::new(),
+    let namespaces = UserNamespaces {
+        sandbox: sandbox_ns,
+        // Each volume's idmapping: made here, while this process's pids are the host /proc's.
+        volumes: match spec.userns {
+            Some(range) => crate::userns::volume_namespaces(range, &spec.volumes)
+                .map_err(|e| format!("idmapping the volumes: {e}"))?,
+            None => Vec::new(),
+        },
     };
     // The host's /proc, kept: once PID 1 has pivoted into the sandbox's root, this process's root
     // is that root too (it shares the mount namespace), and /proc there is the sandbox's.
@@ -156,7 +159,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
     .map_err(|e| format!("unshare: {e}"))?;
     // Sessions: made by a helper this process forks once PID 1 has set the sandbox up (see
     // `isolation::start`); PID 1 gets execd's end of the helper's socket now.
-    let mut isolation = match (&userns, spec.isolation) {
+    let mut isolation = match (&namespaces.sandbox, spec.isolation) {
         (Some(_), true) => Some(crate::isolation::Prepared::new(&host_proc)?),
         _ => None,
     };
@@ -180,8 +183,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
                 errors.as_raw_fd(),
                 premade_root.as_ref(),
                 listener,
-                userns,
-                &volume_ns,
+                namespaces,
                 isolation_end,
             ) {
                 Ok(config) => {
@@ -212,7 +214,7 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
                 let _ = waitpid(child, None).map(|s| matches!(s, WaitStatus::Exited(..)));
                 return Err(msg);
             }
-            let helper = match (isolation, &userns) {
+            let helper = match (isolation, &namespaces.sandbox) {
                 (Some(prepared), Some(ns)) => {
                     Some(start_isolation_helper(prepared, ns, &host_proc, child)?)
                 }
@@ -243,6 +245,13 @@ fn start_isolation_helper(
         .map_err(|e| format!("starting the isolation helper: {e}"))
 }
 
+/// The user namespaces of a sandbox in a range: its own, which PID 1 joins last, and one per
+/// volume, which that volume is idmapped through (`userns::volume_namespaces`).
+struct UserNamespaces {
+    sandbox: Option<OwnedFd>,
+    volumes: Vec<OwnedFd>,
+}
+
 /// In the sandbox's PID 1: everything up to running execd — namespaces' contents, root file
 /// system, then the privilege boundary. Returns execd's configuration, or the error text.
 fn prepare_execd(
@@ -251,10 +260,13 @@ fn prepare_execd(
     error_pipe: std::os::fd::RawFd,
     premade_root: Option<&OwnedFd>,
     listener: Listener,
-    userns: Option<OwnedFd>,
-    volume_ns: &[OwnedFd],
+    namespaces: UserNamespaces,
     isolation_helper: Option<OwnedFd>,
 ) -> Result<warren_execd::daemon::Config, String> {
+    let UserNamespaces {
+        sandbox: userns,
+        volumes: volume_ns,
+    } = namespaces;
     // A session of its own, as container runtimes give a container's init: without it the sandbox
     // sat in the server's process group, and a Ctrl-C or hangup of the terminal that runs
     // `warren serve` (a signal to that whole group) reached execd, which stops on SIGINT, and so
@@ -274,8 +286,11 @@ fn prepare_execd(
             fs::write(file, value).map_err(|e| format!("{file}: {e}"))?;
         }
     }
-    rootfs::build(spec, premade_root, userns.as_ref(), volume_ns)
+    rootfs::build(spec, premade_root, userns.as_ref(), &volume_ns)
         .map_err(|e| warren_core::error_chain(&e))?;
+    // Mounted: closed now, before the sweep of every descriptor but execd's below (an owned
+    // descriptor that sweep closed would abort when dropped).
+    drop(volume_ns);
     std::env::set_current_dir(&spec.workdir)
         .or_else(|_| std::env::set_current_dir("/"))
         .map_err(|e| format!("chdir: {e}"))?;
@@ -334,7 +349,8 @@ fn prepare_execd(
     //   runs) the error pipe;
     // - not dumpable, so the sandbox's processes cannot read this memory, its environment or
     //   follow /proc/1/exe (the host's `warren` binary) — the sandbox keeps no CAP_SYS_PTRACE;
-    // - the name `warren-execd` (comm, and as much of its command line as fits in /proc/1/cmdline).
+    // - the name `execd` (comm), with `warren-execd` and as much of its command line as fits in
+    //   /proc/1/cmdline.
     let in_userns = userns.is_some();
     if let Some(ns) = userns {
         // execd's own /proc/self/oom_score_adj, opened while it is still this process's to open

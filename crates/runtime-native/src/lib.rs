@@ -229,6 +229,10 @@ struct Inner {
     userns: Option<userns::Slots>,
 }
 
+/// What the embedded path's start gives back: the sandbox's PID 1, the pipe that says when execd is
+/// ready, execd's loopback port (TCP transport), and the isolation helper's pid (see `init`).
+type EmbeddedStart = (i32, Option<fs::File>, Option<u16>, Option<i32>);
+
 impl NativeRuntime {
     pub fn new(config: NativeConfig) -> Result<Self, RuntimeError> {
         let layout = cgroup::Layout::detect(&config.cgroup_root)
@@ -628,7 +632,7 @@ impl NativeRuntime {
         volumes: &[spec::HostMount],
         deadline: Instant,
         range: Option<userns::IdRange>,
-    ) -> Result<(i32, Option<fs::File>, Option<u16>, Option<i32>), RuntimeError> {
+    ) -> Result<EmbeddedStart, RuntimeError> {
         let mut init_spec = self.init_spec(spec);
         init_spec.log_path = Some(log_path.to_path_buf());
         init_spec.volumes = volumes.to_vec();

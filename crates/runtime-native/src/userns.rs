@@ -141,7 +141,7 @@ impl Slots {
                 volumes.end - 1
             ));
         }
-        if first % SIZE != 0 {
+        if !first.is_multiple_of(SIZE) {
             return Err(format!(
                 "user namespaces: the first id ({first}) must be a multiple of {SIZE}, so that \
                  servers on one host share ranges out without overlaps"
@@ -251,7 +251,7 @@ impl Slots {
         let mut before = String::new();
         let _ = file.read_to_string(&mut before);
         let ours = format!("{} {id}\n", self.owner);
-        if !before.is_empty() && !(adopting && before == ours) && range_has_processes(range) {
+        if !(before.is_empty() || adopting && before == ours) && range_has_processes(range) {
             tracing::info!(base = range.base, claim = %before.trim(), "id range skipped: a stopped server's sandbox still runs in it");
             return None;
         }
@@ -663,7 +663,10 @@ mod tests {
         volume_map(range, owner)
             .lines()
             .flat_map(|line| {
-                let f: Vec<u64> = line.split(' ').map(|v| v.parse().unwrap()).collect();
+                let f: Vec<u64> = line
+                    .split(' ')
+                    .map(|v| v.parse().expect("a number"))
+                    .collect();
                 let base = u64::from(range.base);
                 (0..f[2]).map(move |i| (f[0] + i, f[1] + i - base))
             })

@@ -220,10 +220,9 @@ pub fn runtime_policy(
             ),
         ));
     }
-    let naming = beyond;
     Ok(warren_core::EgressPolicy {
         rules: serde_json::to_value(policy).unwrap_or_default(),
-        addresses: naming.is_none().then(|| warren_core::AddressPolicy {
+        addresses: beyond.is_none().then(|| warren_core::AddressPolicy {
             default_allow: policy.default_action == Action::Allow,
             rules,
         }),
@@ -353,26 +352,34 @@ pub async fn vault_call(
     sub: &str,
     body: &[u8],
     surface: VaultSurface,
-) -> Result<(StatusCode, Option<serde_json::Value>), (StatusCode, String)> {
+) -> Result<(StatusCode, Option<serde_json::Value>), ApiError> {
     use warren_egress::vault::{Vault, VaultError};
     let lifecycle = surface == VaultSurface::Lifecycle;
-    let Some(egress) = network.started() else {
-        return match (lifecycle, method.clone(), sub.trim_matches('/')) {
-            // Nothing was ever put in a vault on this server: reads show an empty one.
-            (true, http::Method::GET, "") => {
-                Ok((StatusCode::OK, Some(Vault::default().state_json())))
-            }
-            (true, http::Method::DELETE, "") => Ok((StatusCode::NO_CONTENT, None)),
-            _ => Err((
-                StatusCode::PRECONDITION_FAILED,
-                "the credential proxy is not running for this sandbox".to_string(),
-            )),
-        };
-    };
-    let json = || -> Result<serde_json::Value, (StatusCode, String)> {
-        body_json(body).map_err(|e| (StatusCode::BAD_REQUEST, e.message))
-    };
     let parts: Vec<&str> = sub.split('/').filter(|p| !p.is_empty()).collect();
+    let proxy_on = network
+        .started()
+        .is_some_and(|e| e.has_credential_proxy(id));
+    if lifecycle && !proxy_on && parts.is_empty() {
+        // No vault was ever possible here: reads show an empty one, a delete has nothing to do.
+        match *method {
+            http::Method::GET => return Ok((StatusCode::OK, Some(Vault::default().state_json()))),
+            http::Method::DELETE => return Ok((StatusCode::NO_CONTENT, None)),
+            _ => {}
+        }
+    }
+    let not_enabled = |message: String| {
+        ApiError::new(
+            StatusCode::PRECONDITION_FAILED,
+            ErrorCode::VaultNotEnabled,
+            message,
+        )
+    };
+    let Some(egress) = network.started() else {
+        return Err(not_enabled(
+            "the credential proxy is not running for this sandbox".to_string(),
+        ));
+    };
+    let json = || -> Result<serde_json::Value, ApiError> { body_json(body) };
     let result = match (method.clone(), parts.as_slice()) {
         (http::Method::POST, []) | (http::Method::PUT, []) => {
             let v = Vault::create(&json()?);
@@ -385,12 +392,6 @@ pub async fn vault_call(
                 *slot = Some(v);
                 Ok((StatusCode::CREATED, Some(state)))
             })
-        }
-        (http::Method::GET, []) if lifecycle && !egress.has_credential_proxy(id) => {
-            return Ok((StatusCode::OK, Some(Vault::default().state_json())))
-        }
-        (http::Method::DELETE, []) if lifecycle && !egress.has_credential_proxy(id) => {
-            return Ok((StatusCode::NO_CONTENT, None))
         }
         (http::Method::PATCH, []) if lifecycle => {
             let b = json()?;
@@ -449,37 +450,44 @@ pub async fn vault_call(
             ))
         }),
         _ => {
-            return Err((
+            return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
+                ErrorCode::VaultNotFound,
                 format!("no credential-vault route {method} /{sub}"),
             ))
         }
     };
-    result.map_err(|e| match e {
-        warren_egress::EgressError::Vault(VaultError::Exists) => {
-            (StatusCode::CONFLICT, e.to_string())
-        }
-        warren_egress::EgressError::Vault(VaultError::Conflict { .. }) if lifecycle => {
-            (StatusCode::PRECONDITION_FAILED, e.to_string())
-        }
-        warren_egress::EgressError::Vault(VaultError::Conflict { .. }) => {
-            (StatusCode::CONFLICT, e.to_string())
-        }
-        warren_egress::EgressError::Vault(VaultError::NotFound(_)) => {
-            (StatusCode::NOT_FOUND, e.to_string())
-        }
-        warren_egress::EgressError::Vault(VaultError::Invalid(_)) => {
-            (StatusCode::BAD_REQUEST, e.to_string())
-        }
-        warren_egress::EgressError::NoCredentialProxy(_) => {
-            (StatusCode::PRECONDITION_FAILED, e.to_string())
-        }
-        other => {
-            tracing::error!(sandbox_id = id, error = %warren_core::error_chain(&other), "credential vault");
-            (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal error; the server's log has the cause".to_string(),
-            )
-        }
+    result.map_err(|e| {
+        let (status, code) = match &e {
+            warren_egress::EgressError::Vault(VaultError::Exists) => {
+                (StatusCode::CONFLICT, ErrorCode::VaultExists)
+            }
+            // The lifecycle spec's code for a stale revision; the sidecar's is 409.
+            warren_egress::EgressError::Vault(VaultError::Conflict { .. }) if lifecycle => (
+                StatusCode::PRECONDITION_FAILED,
+                ErrorCode::VaultRevisionMismatch,
+            ),
+            warren_egress::EgressError::Vault(VaultError::Conflict { .. }) => {
+                (StatusCode::CONFLICT, ErrorCode::VaultRevisionMismatch)
+            }
+            warren_egress::EgressError::Vault(VaultError::NotFound(_)) => {
+                (StatusCode::NOT_FOUND, ErrorCode::VaultNotFound)
+            }
+            warren_egress::EgressError::Vault(VaultError::Invalid(_)) => {
+                (StatusCode::BAD_REQUEST, ErrorCode::InvalidParameter)
+            }
+            warren_egress::EgressError::NoCredentialProxy(_) => {
+                return not_enabled(e.to_string());
+            }
+            other => {
+                tracing::error!(sandbox_id = id, error = %warren_core::error_chain(other), "credential vault");
+                return ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    ErrorCode::Unknown,
+                    "internal error; the server's log has the cause",
+                );
+            }
+        };
+        ApiError::new(status, code, e.to_string())
     })
 }

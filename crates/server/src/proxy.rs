@@ -364,7 +364,7 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
         {
             Ok((status, Some(v))) => (status, axum::Json(v)).into_response(),
             Ok((status, None)) => status.into_response(),
-            Err((status, msg)) => (status, msg).into_response(),
+            Err(e) => (e.status, e.message).into_response(),
         };
     }
     match path {

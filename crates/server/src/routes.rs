@@ -413,28 +413,22 @@ pub async fn credential_vault(
         to_completion(async move { sandboxes.enable_credential_proxy(&id).await }).await?;
     }
     let sandboxes = app.sandboxes.clone();
-    let answer = to_completion(async move {
-        let network = sandboxes.network();
-        Ok(vault_call(network, &id, &method, &sub, &body, VaultSurface::Lifecycle).await)
+    let (status, state) = to_completion(async move {
+        vault_call(
+            sandboxes.network(),
+            &id,
+            &method,
+            &sub,
+            &body,
+            VaultSurface::Lifecycle,
+        )
+        .await
     })
     .await?;
-    match answer {
-        Ok((status, Some(v))) => Ok((status, Json(v)).into_response()),
-        Ok((status, None)) => Ok(status.into_response()),
-        Err((status, message)) => {
-            let code = match status {
-                StatusCode::BAD_REQUEST => ErrorCode::InvalidParameter,
-                StatusCode::NOT_FOUND => ErrorCode::VaultNotFound,
-                StatusCode::CONFLICT => ErrorCode::VaultExists,
-                StatusCode::PRECONDITION_FAILED if message.contains("revision") => {
-                    ErrorCode::VaultRevisionMismatch
-                }
-                StatusCode::PRECONDITION_FAILED => ErrorCode::VaultNotEnabled,
-                _ => ErrorCode::Unknown,
-            };
-            Err(ApiError::new(status, code, message))
-        }
-    }
+    Ok(match state {
+        Some(v) => (status, Json(v)).into_response(),
+        None => status.into_response(),
+    })
 }
 
 /// Every port is reached through Warren's own listener; the token in `headers` opens only this port

@@ -158,38 +158,16 @@ pub async fn get(endpoint: &ExecdEndpoint, path: &str) -> Result<(u16, Vec<u8>),
     Ok((status, body))
 }
 
-/// Runs `command` in the sandbox (`sh -c`, as execd runs commands) and returns its exit code.
+/// Runs `command` in the sandbox (`sh -c`, as execd runs commands) and returns its exit code
+/// (-1 when it ended without one), answered within 15 s.
 pub async fn run(endpoint: &ExecdEndpoint, command: &str) -> Result<i32, Error> {
-    let body = serde_json::json!({"command": command}).to_string();
-    let req = http::Request::post("/command")
-        .header(http::header::HOST, "localhost")
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body))?;
-    let (status, body) = call(endpoint, req).await?;
-    if status != 200 {
-        return Err(format!(
-            "execd answered HTTP {status}: {}",
-            String::from_utf8_lossy(&body)
-        )
-        .into());
-    }
-    for line in String::from_utf8_lossy(&body).lines() {
-        let line = line.trim().trim_start_matches("data:").trim();
-        let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        match ev["type"].as_str() {
-            Some("execution_complete") => return Ok(0),
-            Some("error") => {
-                return Ok(ev["error"]["evalue"]
-                    .as_str()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(-1))
-            }
-            _ => {}
-        }
-    }
-    Err("the command's stream ended without its exit code".into())
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        run_request(endpoint, serde_json::json!({"command": command})),
+    )
+    .await
+    .map_err(|_| "the sandbox's execd did not answer in time")??;
+    Ok(ran.exit_code.unwrap_or(-1))
 }
 
 /// How a command run by [`run_argv`] ended, and the end of what it printed.
@@ -208,8 +186,15 @@ pub async fn run_argv(
     argv: &[String],
     timeout: std::time::Duration,
 ) -> Result<Ran, Error> {
+    let body = serde_json::json!({"argv": argv, "timeout": timeout.as_millis() as u64});
+    run_request(endpoint, body).await
+}
+
+/// Sends a `POST /command` body and reads its event stream as it comes: the output's end, and
+/// how the command ended.
+async fn run_request(endpoint: &ExecdEndpoint, body: serde_json::Value) -> Result<Ran, Error> {
     const KEPT: usize = 64 * 1024;
-    let body = serde_json::json!({"argv": argv, "timeout": timeout.as_millis() as u64}).to_string();
+    let body = body.to_string();
     let req = http::Request::post("/command")
         .header(http::header::HOST, "localhost")
         .header(http::header::CONTENT_TYPE, "application/json")

@@ -799,8 +799,8 @@ impl Sandboxes {
             loop {
                 match this.get(&id).map(|r| r.state) {
                     Some(SandboxState::Running) => return true,
+                    // (a resume counts as activity: `freeze_for`)
                     Some(SandboxState::Paused) => {
-                        this.inner.activity.touch(&id);
                         if let Err(e) = this.freeze_for(&id, false, "wake_on_access").await {
                             tracing::debug!(sandbox_id = %id, error = %e.message, "wake on access");
                         }
@@ -1229,16 +1229,13 @@ impl Sandboxes {
         self.still_known(id, &entry)?;
         let rec = lock(&entry.record).clone();
         // A sandbox whose delete failed still holds what the runtime made: a delete tries again.
-        if rec.state.is_terminal()
-            && rec.reason.as_deref() != Some(REASON_DELETE_FAILED)
-            && reason == REASON_USER_DELETE
-        {
-            // Ended on its own and still listed: what it held went when it ended; a user's delete
-            // takes its record out of the list too (204, as the reference answers).
-            self.forget(id);
-            return Ok(());
-        }
         if rec.state.is_terminal() && rec.reason.as_deref() != Some(REASON_DELETE_FAILED) {
+            if reason == REASON_USER_DELETE {
+                // Ended on its own and still listed: what it held went when it ended; a user's
+                // delete takes its record out of the list too (204, as the reference answers).
+                self.forget(id);
+                return Ok(());
+            }
             return Err(ApiError::new(
                 http::StatusCode::NOT_FOUND,
                 ErrorCode::SandboxNotFound,

@@ -519,8 +519,7 @@ mod tests {
             json!({"renewalPolicy": {"extendSeconds": 600}}),
             Some("900"),
         )
-        .err()
-        .expect("disagree");
+        .expect_err("disagree");
         assert!(e.message.contains("disagree"), "{}", e.message);
         for bad in [
             json!({"renewalPolicy": {"extendSeconds": 299}}),
@@ -531,7 +530,7 @@ mod tests {
             json!({"renewal": {}}),
             json!([]),
         ] {
-            let e = plan_with(bad.clone(), None).err().expect("refused");
+            let e = plan_with(bad.clone(), None).expect_err("refused");
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad}");
         }
         let plan = plan_with(
@@ -544,8 +543,7 @@ mod tests {
             Some(60)
         );
         let e = plan_with(json!({"idlePolicy": {"idleTimeoutSeconds": 60}}), None)
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(
             e.message.contains("lifecycle.idlePolicy.onIdle"),
             "{}",
@@ -558,9 +556,7 @@ mod tests {
         )
         .expect("hooks");
         assert!(plan.hooks.pre_start.is_some() && plan.hooks.periodic.len() == 1);
-        let e = plan_with(json!({"preStart": {"command": []}}), None)
-            .err()
-            .expect("refused");
+        let e = plan_with(json!({"preStart": {"command": []}}), None).expect_err("refused");
         assert!(
             e.message.contains("lifecycle.preStart.command"),
             "{}",
