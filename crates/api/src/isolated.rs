@@ -161,6 +161,8 @@ pub struct Capabilities {
     pub userns_available: bool,
     pub commit_supported: bool,
     pub diff_supported: bool,
+    /// execd as init and the floor under user code (see [`crate::hardening`]).
+    pub hardening: crate::hardening::HardeningStatus,
 }
 
 /// The header that carries the next log offset.

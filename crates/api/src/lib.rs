@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod error;
 pub mod execd;
+pub mod hardening;
 pub mod isolated;
 pub mod lifecycle;
 

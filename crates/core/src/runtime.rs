@@ -89,6 +89,9 @@ pub struct SandboxSpec {
     /// With [`RuntimeCapabilities::egress_addresses`]: what the sandbox may reach, when its policy
     /// lets anything out (`None`: nothing, the default).
     pub egress: Option<crate::EgressPolicy>,
+    /// The floor execd lays under user code (the operator's `[runtime] execd_run_as_init`):
+    /// `None` when hardening is off.
+    pub hardening: Option<warren_api::hardening::FloorPolicy>,
 }
 
 /// Whether sandboxes made ahead of need still yield their CPU (off by default: a sandbox someone

@@ -43,6 +43,10 @@ struct Args {
     /// that execd is ready without polling its socket.
     #[arg(long, value_name = "FD")]
     ready_fd: Option<i32>,
+    /// The floor under user code, as JSON (`{"keep_capabilities": […], "seccomp_deny": […]}`;
+    /// `{}` for the defaults): see the `hardening` module.
+    #[arg(long, value_name = "JSON")]
+    floor: Option<String>,
     /// The sandbox's main process; execd exits with its exit code.
     #[arg(last = true, value_name = "ENTRYPOINT")]
     entrypoint: Vec<String>,
@@ -73,6 +77,14 @@ where
             return 2;
         }
         Some(Ok(v)) => Some(v),
+        None => None,
+    };
+    let floor = match args.floor.as_deref().map(serde_json::from_str) {
+        Some(Err(e)) => {
+            eprintln!("warren-execd: --floor: {e}");
+            return 2;
+        }
+        Some(Ok(f)) => Some(f),
         None => None,
     };
     // Before anything is spawned: the entrypoint and commands must not inherit it.
@@ -107,6 +119,7 @@ where
         ready_fd,
         isolation_helper: None,
         access,
+        floor,
     })
 }
 

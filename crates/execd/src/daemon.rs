@@ -39,6 +39,8 @@ pub struct Config {
     pub isolation_helper: Option<OwnedFd>,
     /// Answer only requests that carry this credential (see `access`).
     pub access: Option<crate::access::Verifier>,
+    /// The floor under user code the server asks for (`--floor`; see `hardening`).
+    pub floor: Option<warren_api::hardening::FloorPolicy>,
 }
 
 /// A listening socket handed to execd.
@@ -142,6 +144,40 @@ fn serve_tcp(
     servers.spawn(axum::serve(listener, app).into_future());
 }
 
+/// Starts the entrypoint with `posix_spawn` rather than `Command` (see `crate::spawn`): the same
+/// environment and process group as execd; stdout and stderr into the captured output when execd
+/// is the sandbox's init.
+fn start_entrypoint(
+    reaper: &Reaper,
+    program: &std::path::Path,
+    first: &str,
+    rest: &[String],
+    workdir: &std::path::Path,
+    output: Option<&crate::output::Output>,
+) -> anyhow::Result<(i32, tokio::sync::oneshot::Receiver<Exit>)> {
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let argv = std::iter::once(first)
+        .chain(rest.iter().map(String::as_str))
+        .map(std::ffi::OsStr::new);
+    reaper
+        .start(|| {
+            crate::spawn::spawn(
+                program,
+                argv,
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                workdir,
+                crate::spawn::Stdio {
+                    stdin: crate::spawn::Stdin::Inherit,
+                    stdout: output.map(|o| o.fd()),
+                    stderr: output.map(|o| o.fd()),
+                    new_group: false,
+                    extra: &[],
+                },
+            )
+        })
+        .with_context(|| format!("starting entrypoint {first}"))
+}
+
 /// Runs until the entrypoint exits or a stop signal arrives; returns execd's exit code.
 /// `forker` makes the files workers (see `forker`), forked before the runtime started.
 /// Signals an init passes on to the entrypoint as they come, as the reference's execd does: a
@@ -171,10 +207,24 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"execd".as_ptr(), 0, 0, 0) };
     crate::oom::remember();
-    if let Err(e) = reaper::become_subreaper() {
-        tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
-    }
-    let reaper = Reaper::new();
+    let subreaper = match reaper::become_subreaper() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not become child subreaper; grandchildren may be left as zombies");
+            false
+        }
+    };
+    // Before any child: every one of them starts under the floor when there is one. A policy that
+    // cannot be laid is execd's failure to start, never user code run without it.
+    let hardening = crate::hardening::Hardening::resolve(
+        config.floor.as_ref(),
+        std::env::var(crate::hardening::ISOLATION_CONFIG_VAR)
+            .ok()
+            .as_deref(),
+        crate::hardening::Supervision::detect(subreaper),
+    )
+    .map_err(|e| anyhow::anyhow!("hardening: {e}"))?;
+    let reaper = Reaper::with_floor(hardening.floor.clone());
     tokio::spawn({
         let reaper = reaper.clone();
         async move {
@@ -192,6 +242,7 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
         None
     };
     let mut state = AppState::new(reaper.clone(), config.workdir.clone());
+    state.hardening = hardening.status;
     state.isolation = crate::isolation::Isolation::new(config.isolation_helper.take());
     state.forker = forker;
     let state = Arc::new(state);
@@ -212,29 +263,25 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
             .entrypoint
             .split_first()
             .context("empty entrypoint")?;
-        // posix_spawn rather than Command: see `crate::spawn`. Same environment and process group
-        // as execd; stdout and stderr into the captured output when execd is the sandbox's init.
         let program = crate::spawn::resolve(first, std::env::var("PATH").ok().as_deref())
             .with_context(|| format!("starting entrypoint {first}"))?;
-        let env: Vec<(String, String)> = std::env::vars().collect();
-        let argv = std::iter::once(first).chain(rest).map(std::ffi::OsStr::new);
-        let (pid, exit) = reaper
-            .start(|| {
-                crate::spawn::spawn(
-                    &program,
-                    argv,
-                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-                    &config.workdir,
-                    crate::spawn::Stdio {
-                        stdin: crate::spawn::Stdin::Inherit,
-                        stdout: output.map(|o| o.fd()),
-                        stderr: output.map(|o| o.fd()),
-                        new_group: false,
-                        extra: &[],
-                    },
-                )
-            })
-            .with_context(|| format!("starting entrypoint {first}"))?;
+        let (pid, exit) = match reaper.floor() {
+            None => start_entrypoint(&reaper, &program, first, rest, &config.workdir, output)?,
+            // Under the floor: through `Command`, whose fork can lower the child before its exec.
+            Some(_) => {
+                let mut cmd = std::process::Command::new(&program);
+                std::os::unix::process::CommandExt::arg0(&mut cmd, first);
+                cmd.args(rest).current_dir(&config.workdir);
+                if let Some(o) = output {
+                    cmd.stdout(o.file()?).stderr(o.file()?);
+                }
+                let spawned = reaper
+                    .spawn_as(&mut cmd, crate::hardening::Role::Entrypoint, None)
+                    .with_context(|| format!("starting entrypoint {first}"))?;
+                let pid = i32::try_from(spawned.child.id()).unwrap_or(i32::MAX);
+                (pid, spawned.exit)
+            }
+        };
         tracing::info!(pid, entrypoint = ?config.entrypoint, "entrypoint started");
         entry_pid = Some(pid);
         Some(exit)

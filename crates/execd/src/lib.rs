@@ -10,6 +10,7 @@ pub mod download;
 pub mod error;
 pub mod files;
 pub mod forker;
+pub mod hardening;
 pub mod identity;
 pub mod ids;
 pub mod interpreter;
@@ -60,6 +61,8 @@ pub struct AppState {
     pub isolation: isolation::Isolation,
     /// Where files workers come from (see `forker`); `None` in a worker itself.
     pub forker: Option<forker::Forker>,
+    /// execd as init and the floor under user code, as `GET /v1/isolated/capabilities` reports it.
+    pub hardening: warren_api::hardening::HardeningStatus,
 }
 
 impl AppState {
@@ -76,6 +79,16 @@ impl AppState {
             filesystem_workers: Arc::new(tokio::sync::Semaphore::new(identity::MAX_WORKERS)),
             isolation: Default::default(),
             forker: None,
+            hardening: hardening::Hardening::resolve(
+                None,
+                None,
+                hardening::Supervision {
+                    init_mode: "none",
+                    signal_shield: false,
+                },
+            )
+            .map(|h| h.status)
+            .expect("no policy is always a report"),
         }
     }
 

@@ -91,6 +91,11 @@ impl Output {
         self.write.as_raw_fd()
     }
 
+    /// Another descriptor for the pipe's write end, for a child started with `Command`.
+    pub fn file(&self) -> std::io::Result<std::fs::File> {
+        Ok(self.write.try_clone()?.into())
+    }
+
     /// Moves execd's own stdout and stderr onto the pipe.
     pub fn take_over_stdio(&self) {
         for target in [1, 2] {

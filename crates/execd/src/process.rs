@@ -234,7 +234,8 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
     if !spec.cwd.is_dir() {
         return Err(SpawnError::BadCwd(spec.cwd.clone()));
     }
-    if let (Program::Shell(script), None) = (&spec.program, spec.uid) {
+    // (posix_spawn runs nothing between fork and exec: under the floor, the general path)
+    if let (Program::Shell(script), None, None) = (&spec.program, spec.uid, reaper.floor()) {
         return spawn_shell(reaper, spec, script, stdin);
     }
     let mut cmd = match &spec.program {
@@ -269,20 +270,21 @@ pub fn spawn(reaper: &Reaper, spec: &ProcessSpec, stdin: StdinMode) -> Result<Ru
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         None
     };
-    if let Some(uid) = spec.uid {
-        // Without an explicit gid, drop to the user's primary group rather than keeping root's.
-        let gid = spec.gid.or_else(|| Ids::load().primary_gid(uid));
-        if let Some(gid) = gid {
-            cmd.gid(gid);
-        }
-        cmd.uid(uid);
-    }
+    // Without an explicit gid, drop to the user's primary group rather than keeping root's (or,
+    // without one, the gid execd has).
+    let identity = spec.uid.map(|uid| crate::hardening::Identity {
+        uid,
+        gid: spec
+            .gid
+            .or_else(|| Ids::load().primary_gid(uid))
+            .unwrap_or_else(|| nix::unistd::getgid().as_raw()),
+    });
     let program = match &spec.program {
         Program::Shell(_) => shell().to_string(),
         Program::Argv(argv) => argv.first().cloned().unwrap_or_default(),
     };
     let Spawned { mut child, exit } = reaper
-        .spawn(&mut cmd)
+        .spawn_as(&mut cmd, crate::hardening::Role::UserCode, identity)
         .map_err(|source| SpawnError::Spawn { program, source })?;
     drop(cmd);
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);

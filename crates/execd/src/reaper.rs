@@ -9,6 +9,9 @@
 //! That closes the race where a child exits before it is registered, and it also keeps the reaper away from
 //! the `waitpid` that `std::process::Command::spawn` itself performs when `exec` fails.
 //! Therefore nothing in execd may use `tokio::process` or `Child::wait`.
+//!
+//! Every child execd starts runs user code, so the reaper is also where the floor goes under them
+//! when hardening is on (see `hardening`): a spawn through it cannot leave the floor out.
 
 use std::collections::HashMap;
 use std::process::{Child, Command};
@@ -46,6 +49,7 @@ struct Table {
 #[derive(Clone, Default)]
 pub struct Reaper {
     table: Arc<Mutex<Table>>,
+    floor: Option<Arc<crate::hardening::Floor>>,
 }
 
 /// A spawned child whose exit status will be delivered by the reaper.
@@ -57,6 +61,21 @@ pub struct Spawned {
 impl Reaper {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A reaper whose spawns all start under `floor`.
+    pub fn with_floor(floor: Option<Arc<crate::hardening::Floor>>) -> Self {
+        Self {
+            floor,
+            ..Self::default()
+        }
+    }
+
+    /// The floor children start under, if hardening is on. Whoever starts a child without
+    /// [`Reaper::spawn`] (with `posix_spawn`, which runs nothing between fork and exec) must not
+    /// when there is one.
+    pub fn floor(&self) -> Option<&Arc<crate::hardening::Floor>> {
+        self.floor.as_ref()
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {
@@ -78,8 +97,28 @@ impl Reaper {
         Ok((pid, rx))
     }
 
-    /// Spawns `cmd` and registers its pid before the reaper can see it exit.
+    /// Spawns `cmd` (user code, as execd's user) and registers its pid before the reaper can see
+    /// it exit.
     pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Spawned> {
+        self.spawn_as(cmd, crate::hardening::Role::UserCode, None)
+    }
+
+    /// [`Reaper::spawn`] for `role`, as `identity` (else execd's user): under the floor, which then
+    /// makes the identity change itself; `cmd` must not have one of its own.
+    pub fn spawn_as(
+        &self,
+        cmd: &mut Command,
+        role: crate::hardening::Role,
+        identity: Option<crate::hardening::Identity>,
+    ) -> std::io::Result<Spawned> {
+        match (&self.floor, identity) {
+            (Some(floor), _) => floor.prepare(cmd, role, identity),
+            (None, Some(id)) => {
+                std::os::unix::process::CommandExt::gid(cmd, id.gid);
+                std::os::unix::process::CommandExt::uid(cmd, id.uid);
+            }
+            (None, None) => {}
+        }
         let mut child = None;
         let (_, exit) = self.start(|| {
             let c = cmd.spawn()?;

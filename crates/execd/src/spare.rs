@@ -148,7 +148,12 @@ impl SpareShell {
     /// execd's whole life. Does nothing in an image without bash, or when the sandbox's environment
     /// sets [`OFF_VAR`] to `0`.
     pub async fn keep(&self, reaper: Reaper, workdir: PathBuf) {
-        if process::shell() != "/bin/bash" || std::env::var(OFF_VAR).is_ok_and(|v| v == "0") {
+        // A spare starts with posix_spawn, which cannot lay the floor (see `hardening`): under
+        // the floor every command starts its own shell.
+        if process::shell() != "/bin/bash"
+            || std::env::var(OFF_VAR).is_ok_and(|v| v == "0")
+            || reaper.floor().is_some()
+        {
             return;
         }
         let mut backoff = IDLE;

@@ -284,6 +284,9 @@ impl DockerRuntime {
                 spec.execd_verifier.clone(),
             ],
         };
+        if let Some(floor) = &spec.hardening {
+            entrypoint.extend(["--floor".into(), serde_json::json!(floor).to_string()]);
+        }
         entrypoint.extend(["--workdir".into(), workdir.to_string(), "--".into()]);
         entrypoint.extend(spec.entrypoint.iter().cloned());
         // Docker adds the image's own env; ours (and the request's) win.
@@ -1394,6 +1397,7 @@ mod tests {
             execd_verifier: String::new(),
             record: None,
             egress: None,
+            hardening: None,
             env: [("A".to_string(), "1".to_string())].into_iter().collect(),
             limits: warren_core::ResourceLimits {
                 cpu_millis: Some(500),
@@ -1462,6 +1466,22 @@ mod tests {
         assert_eq!(h["NetworkMode"], SANDBOX_NETWORK);
         // nothing published: the relay is the way in
         assert!(h.get("PortBindings").is_none() && b.get("ExposedPorts").is_none());
+
+        // Hardening on: execd is told the floor before the entrypoint.
+        let spec = SandboxSpec {
+            hardening: Some(Default::default()),
+            ..spec
+        };
+        let b = rt.create_body(&spec, "img", &json!({}), &[], &remote);
+        let args: Vec<&str> = b["Entrypoint"]
+            .as_array()
+            .expect("entrypoint")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let at = args.iter().position(|a| *a == "--floor").expect("--floor");
+        assert_eq!(args[at + 1], "{}");
+        assert!(at < args.iter().position(|a| *a == "--").expect("--"));
     }
 
     #[test]

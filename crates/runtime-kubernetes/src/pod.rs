@@ -195,8 +195,11 @@ pub fn manifest(spec: &SandboxSpec, image: &str, settings: &PodSettings) -> Resu
         format!("0.0.0.0:{}", warren_api::EXECD_PORT),
         "--access-token-sha256".to_string(),
         spec.execd_verifier.clone(),
-        "--".to_string(),
     ];
+    if let Some(floor) = &spec.hardening {
+        command.extend(["--floor".to_string(), json!(floor).to_string()]);
+    }
+    command.push("--".to_string());
     command.extend(spec.entrypoint.iter().cloned());
     let env: Vec<Value> = spec
         .env
@@ -466,6 +469,7 @@ mod tests {
             execd_verifier: "ab".repeat(32),
             record: None,
             egress: None,
+            hardening: None,
         }
     }
 
@@ -537,6 +541,20 @@ mod tests {
             "no sidecar: Docker's set"
         );
         assert_eq!(s["initContainers"].as_array().map(Vec::len), Some(1));
+
+        // Hardening on: execd is told the floor before the entrypoint.
+        let hardened = SandboxSpec {
+            hardening: Some(warren_api::hardening::FloorPolicy {
+                keep_capabilities: vec!["CAP_NET_RAW".into()],
+                seccomp_deny: None,
+            }),
+            ..spec()
+        };
+        let pod = manifest(&hardened, "python:3.12", &settings()).expect("pod");
+        let cmd = &pod["spec"]["containers"][0]["command"];
+        assert_eq!(cmd[5], "--floor");
+        assert_eq!(cmd[6], r#"{"keep_capabilities":["CAP_NET_RAW"]}"#);
+        assert_eq!(cmd[7], "--");
     }
 
     #[test]

@@ -398,5 +398,6 @@ fn prepare_execd(
         jupyter_port: warren_execd::cli::jupyter_port_from_env(),
         ready_fd: warren_execd::daemon::adopt_ready_fd(ready_fd),
         isolation_helper,
+        floor: spec.hardening.clone(),
     })
 }

@@ -25,7 +25,7 @@ mod leftovers;
 mod oci;
 mod priority;
 mod rootfs;
-mod seccomp;
+use warren_seccomp as seccomp;
 mod security;
 mod spec;
 pub mod userns;
@@ -482,6 +482,7 @@ impl NativeRuntime {
                 .config
                 .execd_tcp
                 .then(|| spec.execd_verifier.clone()),
+            hardening: spec.hardening.clone(),
         }
     }
 

@@ -424,6 +424,9 @@ pub fn config_json(
             format!("{SOCKET_DIR_IN_SANDBOX}/{EXECD_SOCKET_NAME}"),
         ]);
     }
+    if let Some(floor) = &spec.hardening {
+        args.extend(["--floor".to_string(), json!(floor).to_string()]);
+    }
     args.extend([
         "--workdir".to_string(),
         spec.workdir.clone(),
@@ -563,6 +566,7 @@ mod tests {
             userns: None,
             isolation: false,
             execd_tcp_verifier: None,
+            hardening: None,
         }
     }
 

@@ -60,6 +60,9 @@ pub struct InitSpec {
     /// socket, and checks the credential whose SHA-256 (hex) this is (see `warren_execd::access`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub execd_tcp_verifier: Option<String>,
+    /// The floor execd lays under user code (`warren_execd::hardening`); `None`: hardening off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardening: Option<warren_api::hardening::FloorPolicy>,
 }
 
 impl InitSpec {

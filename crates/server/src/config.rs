@@ -368,6 +368,41 @@ pub struct RuntimeSection {
     /// execd credential; the transport of runtimes whose sandboxes live elsewhere, served here).
     #[serde(default = "default_execd_transport")]
     pub execd_transport: warren_api::lifecycle::ExecdTransport,
+    /// Hardening, under the reference's name for its switch (OSEP-0018). execd is every sandbox's
+    /// init whatever this says; on, it also lays the floor under every process it starts for user
+    /// code (README, "Hardening"): execd's settings out of the environment, no capabilities, no
+    /// new privileges, and a seccomp deny list over the sandbox's own filter.
+    #[serde(default)]
+    pub execd_run_as_init: bool,
+    /// What the floor keeps and refuses, with `execd_run_as_init` (`keep_capabilities`,
+    /// `seccomp_deny`); by default no capability and the reference's deny list.
+    #[serde(default)]
+    pub hardening: warren_api::hardening::FloorPolicy,
+}
+
+impl RuntimeSection {
+    /// The floor sandboxes get, checked: `None` when hardening is off.
+    pub fn floor(&self) -> anyhow::Result<Option<warren_api::hardening::FloorPolicy>> {
+        if !self.execd_run_as_init {
+            anyhow::ensure!(
+                self.hardening == Default::default(),
+                "[runtime.hardening] is set but [runtime] execd_run_as_init is not: the floor is off"
+            );
+            return Ok(None);
+        }
+        self.hardening
+            .check()
+            .map_err(|e| anyhow::anyhow!("[runtime.hardening] {e}"))?;
+        if let Some(unknown) = self
+            .hardening
+            .deny_list()
+            .iter()
+            .find(|n| warren_seccomp::number(n).is_none())
+        {
+            anyhow::bail!("[runtime.hardening] seccomp_deny: {unknown:?} is not an x86-64 syscall");
+        }
+        Ok(Some(self.hardening.clone()))
+    }
 }
 
 fn default_execd_transport() -> warren_api::lifecycle::ExecdTransport {
@@ -426,6 +461,8 @@ impl Default for RuntimeSection {
             userns_first_id: default_userns_first_id(),
             userns_ranges: None,
             execd_transport: default_execd_transport(),
+            execd_run_as_init: false,
+            hardening: Default::default(),
         }
     }
 }
@@ -653,6 +690,7 @@ impl ServerConfig {
             runtime.execd_path = Some(PathBuf::from(p));
         }
         file.limits.defaults().context("[limits]")?;
+        file.runtime.floor()?;
         file.images.unpack_limits().context("[images]")?;
         file.quotas.check().context("[quotas]")?;
         if flags.insecure_no_auth && !listen.ip().is_loopback() {

@@ -393,6 +393,7 @@ impl Server {
                     .then(|| config.registries.clone()),
                 max_pulls: config.images.max_concurrent_pulls,
                 default_env: default_env(&config),
+                floor: config.runtime.floor()?,
                 caps: sandboxes::Caps {
                     sandboxes: config.limits.max_sandboxes,
                     creates_in_flight: config.limits.max_creates_in_flight,

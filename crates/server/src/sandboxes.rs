@@ -136,6 +136,8 @@ struct Inner {
     /// server's settings for execd, such as `[runtime] spare_shell`). Not in the record: it is
     /// the server's, not the client's.
     default_env: BTreeMap<String, String>,
+    /// The floor execd lays under user code (`[runtime] execd_run_as_init`), checked at start.
+    floor: Option<warren_api::hardening::FloorPolicy>,
     caps: Caps,
     /// Creates admitted and not yet done (see `Caps::creates_in_flight`).
     in_flight: std::sync::atomic::AtomicUsize,
@@ -182,6 +184,8 @@ pub struct Options {
     pub max_pulls: usize,
     /// Set in every sandbox's environment unless its create sets the variable.
     pub default_env: BTreeMap<String, String>,
+    /// The floor under user code in every sandbox; `None`: hardening off.
+    pub floor: Option<warren_api::hardening::FloorPolicy>,
     pub caps: Caps,
 }
 
@@ -199,6 +203,7 @@ impl Sandboxes {
             registries,
             max_pulls,
             default_env,
+            floor,
             caps,
         } = options;
         let images = Arc::new(images);
@@ -230,6 +235,7 @@ impl Sandboxes {
                 retention: chrono::Duration::seconds(retention_seconds),
                 network,
                 default_env,
+                floor,
                 caps,
                 in_flight: Default::default(),
             }),
@@ -639,6 +645,7 @@ impl Sandboxes {
                 .as_ref()
                 .map(|_| shared::wire_form(&record)),
             egress: by_address,
+            hardening: self.inner.floor.clone(),
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let _slot = match &self.inner.create_slots {
@@ -1992,6 +1999,7 @@ pub(crate) mod tests {
                 registries: None,
                 max_pulls: 1,
                 default_env: BTreeMap::new(),
+                floor: None,
                 caps: Caps {
                     sandboxes: 10,
                     creates_in_flight: 10,

@@ -158,6 +158,7 @@ pub async fn capabilities(State(app): State<Arc<AppState>>) -> Json<Capabilities
         userns_available: false,
         commit_supported: false,
         diff_supported: false,
+        hardening: app.hardening.clone(),
     })
 }
 

@@ -1,5 +1,6 @@
-//! The sandbox's seccomp filter, as one classic-BPF program built here (see `security` and
-//! `warren_core::policy` for what it allows and why).
+//! Seccomp filters as classic-BPF programs built here: the sandbox's own (the native runtime's
+//! `security` and `warren_core::policy` say what it allows and why), and the deny lists execd lays
+//! under user code when hardening is on (see [`deny`]).
 //!
 //! Why by hand rather than from a filter compiler: every sandbox installs the filter, and what an
 //! install costs grows with the program. The kernel converts and JITs the program, then runs it once
@@ -14,7 +15,8 @@
 //! see them), then the tree; leaves return the run's verdict. Only `clone`, `personality` and
 //! `socket` look at an argument, so every other syscall stays answerable from the cache.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::str::FromStr;
 
 /// What a syscall gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,9 +94,12 @@ pub enum FilterError {
 pub struct Program(Vec<libc::sock_filter>);
 
 impl Program {
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
     /// What the program answers for `nr` on `arch` with `clone`-style flags `arg0` — the kernel's
@@ -137,8 +142,36 @@ pub fn build(
     verdicts: &BTreeMap<u32, Verdict>,
     otherwise: Verdict,
 ) -> Result<Program, FilterError> {
+    assemble(verdicts, otherwise, Verdict::Errno(libc::ENOSYS as u16))
+}
+
+/// A filter that refuses the calls numbered in `denied` with `errno` and allows every other one,
+/// newer calls included. It is meant to sit under a filter that already decides the rest (the
+/// sandbox's own): a process's filters all run, and the strictest answer wins.
+pub fn deny(denied: &BTreeSet<u32>, errno: u16) -> Result<Program, FilterError> {
+    let verdicts = denied
+        .iter()
+        .map(|nr| (*nr, Verdict::Errno(errno)))
+        .collect();
+    assemble(&verdicts, Verdict::Allow, Verdict::Allow)
+}
+
+/// The x86-64 number of the syscall called `name` (as in `syscall_64.tbl`), if there is one.
+pub fn number(name: &str) -> Option<u32> {
+    syscalls::Sysno::from_str(name)
+        .ok()
+        .and_then(|s| u32::try_from(s.id()).ok())
+}
+
+/// `verdicts` over the number line: listed numbers get theirs, unlisted ones up to the highest
+/// listed get `otherwise`, and higher ones `beyond`.
+fn assemble(
+    verdicts: &BTreeMap<u32, Verdict>,
+    otherwise: Verdict,
+    beyond: Verdict,
+) -> Result<Program, FilterError> {
     let top = verdicts.keys().next_back().copied().unwrap_or(0);
-    // Runs of equal verdicts over 0..=top, then ENOSYS from top + 1 on.
+    // Runs of equal verdicts over 0..=top, then `beyond` from top + 1 on.
     let mut runs: Vec<(u32, Verdict)> = Vec::new();
     for nr in 0..=top {
         let v = verdicts.get(&nr).copied().unwrap_or(otherwise);
@@ -146,7 +179,9 @@ pub fn build(
             runs.push((nr, v));
         }
     }
-    runs.push((top + 1, Verdict::Errno(libc::ENOSYS as u16)));
+    if runs.last().is_none_or(|(_, last)| *last != beyond) {
+        runs.push((top + 1, beyond));
+    }
 
     let mut b = Builder::default();
     let (x86_64, native) = (b.label(), b.label());
@@ -393,6 +428,31 @@ mod tests {
         let prog = build(&BTreeMap::new(), Verdict::Errno(libc::EPERM as u16)).expect("build");
         assert_eq!(prog.run(0, AUDIT_ARCH_X86_64, 0), EPERM);
         assert_eq!(prog.run(165, AUDIT_ARCH_X86_64, 0), ENOSYS);
+    }
+
+    #[test]
+    fn a_deny_list_refuses_its_calls_and_allows_every_other() {
+        let denied: BTreeSet<u32> = [90, 268, 452].into_iter().collect();
+        let prog = deny(&denied, libc::EACCES as u16).expect("build");
+        let eacces = libc::SECCOMP_RET_ERRNO | libc::EACCES as u32;
+        for nr in 0..1000u32 {
+            let want = if denied.contains(&nr) { eacces } else { ALLOW };
+            assert_eq!(prog.run(nr, AUDIT_ARCH_X86_64, 0), want, "syscall {nr}");
+        }
+        assert_eq!(prog.run(X32_BIT | 90, AUDIT_ARCH_X86_64, 0), ENOSYS);
+        let nothing = deny(&BTreeSet::new(), libc::EACCES as u16).expect("build");
+        assert_eq!(nothing.run(0, AUDIT_ARCH_X86_64, 0), ALLOW);
+        assert_eq!(nothing.run(451, AUDIT_ARCH_X86_64, 0), ALLOW);
+    }
+
+    #[test]
+    fn names_are_the_x86_64_table() {
+        assert_eq!(number("read"), Some(0));
+        assert_eq!(number("chmod"), Some(90));
+        assert_eq!(number("fchmodat2"), Some(452));
+        assert_eq!(number("execve"), Some(libc::SYS_execve as u32));
+        assert_eq!(number("no_such_call"), None);
+        assert_eq!(number(""), None);
     }
 
     #[test]
