@@ -653,6 +653,17 @@ def test_credential_vault_injects_over_plain_http(net_server, fakenet):
         # Outside the binding's paths, nothing.
         code, out, err = W.sh(sbx, FETCH + "http://allowed.test/other")
         assert code == 0 and "auth=None" in out, (out, err)
+        # Paths as sent, as the reference matches them: an encoded slash within the binding's scope
+        # (an npm scoped package's) gets the credential; a path that could mean another to the
+        # server once decoded (`%2e%2e`) is refused by the proxy with a {code, message}, not sent.
+        get = ("python3 -c \"import http.client,sys; c=http.client.HTTPConnection('allowed.test', 80, timeout=5); "
+               "c.request('GET', sys.argv[1]); r=c.getresponse(); print(r.status, r.read().decode().strip())\" ")
+        code, out, err = W.sh(sbx, get + "'/v1/@scope%2fpkg'")
+        assert code == 0 and out.startswith("200 ") and "auth=Bearer [REDACTED]" in out, (out, err)
+        code, out, err = W.sh(sbx, get + "'/v1/%2e%2e/admin'")
+        assert code == 0 and out.startswith("403 "), (out, err)
+        assert json.loads(out.split(" ", 1)[1])["code"] == "EGRESS::AMBIGUOUS_PATH", out
+        assert "/admin" not in fakenet["request_log"].read_text()
         # Fronting: to other.test's address, claiming to be allowed.test: answered 421 by the proxy,
         # never sent on with the credential (nor without it, as if nothing were wrong).
         front = ("python3 -c \"import http.client,socket; a=socket.gethostbyname('other.test'); "

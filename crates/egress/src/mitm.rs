@@ -511,8 +511,17 @@ fn refusal(why: &'static str) -> hyper::Response<ResponseBody> {
 
 /// A 421 answered by the proxy itself, with a `{code, message}` body.
 fn misdirected(why: &str) -> hyper::Response<ResponseBody> {
-    let text = serde_json::json!({"code": "EGRESS::HOST_NOT_PROVEN", "message": why}).to_string();
-    let mut resp = answered(hyper::StatusCode::MISDIRECTED_REQUEST, text);
+    json_refusal(
+        hyper::StatusCode::MISDIRECTED_REQUEST,
+        "EGRESS::HOST_NOT_PROVEN",
+        why,
+    )
+}
+
+/// An answer of the proxy's own with a `{code, message}` body.
+fn json_refusal(status: hyper::StatusCode, code: &str, why: &str) -> hyper::Response<ResponseBody> {
+    let text = serde_json::json!({"code": code, "message": why}).to_string();
+    let mut resp = answered(status, text);
     resp.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
         hyper::header::HeaderValue::from_static("application/json"),
@@ -781,6 +790,17 @@ async fn forward(
         "upgrade",
     ] {
         parts.headers.remove(hop);
+    }
+    if taken {
+        if let Some(why) =
+            vault.refused_path(scheme, &host, dst.port(), parts.method.as_str(), &path)
+        {
+            return Ok(json_refusal(
+                hyper::StatusCode::FORBIDDEN,
+                "EGRESS::AMBIGUOUS_PATH",
+                &why,
+            ));
+        }
     }
     let injections = match taken {
         true => vault.injections(scheme, &host, dst.port(), parts.method.as_str(), &path),

@@ -244,24 +244,23 @@ fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
+/// A binding's path pattern against a request's path as sent (its query cut): `prefix*` or the
+/// whole path, nothing decoded, as the reference matches. What decoding could change is
+/// [`Vault::refused_path`]'s to judge.
 fn path_matches(pattern: &str, path: &str) -> bool {
     let path = path.split('?').next().unwrap_or(path);
-    // A path that could mean another one to the server (dot segments, encoded slashes or dots,
-    // backslashes, empty segments) never matches: no stepping out of a binding's scope.
-    let lower = path.to_ascii_lowercase();
-    if path.split('/').any(|seg| seg == "." || seg == "..")
-        || lower.contains("%2e")
-        || lower.contains("%2f")
-        || lower.contains("%5c")
-        || path.contains('\\')
-        || path.contains("//")
-    {
-        return false;
-    }
     match pattern.strip_suffix('*') {
         Some(prefix) => path.starts_with(prefix),
         None => pattern == path,
     }
+}
+
+/// How many times a path is percent-decoded looking for what it may mean to a server.
+const DECODINGS: usize = 10;
+
+/// Whether `path` (no query) has a `..` segment.
+fn has_dot_dot(path: &str) -> bool {
+    path.split('/').any(|seg| seg == "..")
 }
 
 impl Vault {
@@ -438,6 +437,73 @@ impl Vault {
         })
     }
 
+    /// Why a request a binding matches must not get a credential, if it must not: its path could
+    /// mean another to the server (a `..` segment, as sent or once decoded; a backslash; a path
+    /// that keeps decoding), or an encoded slash in it changes which bindings match once decoded
+    /// (`/pkg%2fadmin` past a binding for `/pkg/admin/*`). An encoded slash that changes nothing
+    /// is fine: npm's scoped packages (`/@scope%2fname`) are paths of that kind. As the reference
+    /// judges; answered 403 by the proxy, never sent on.
+    pub fn refused_path(
+        &self,
+        scheme: &str,
+        host: &str,
+        port: u16,
+        method: &str,
+        path: &str,
+    ) -> Option<String> {
+        let raw = path.split('?').next().unwrap_or(path);
+        let candidates: Vec<(&String, &Binding)> = self
+            .bindings
+            .iter()
+            .filter(|(_, b)| {
+                let m = &b.matcher;
+                m.schemes.iter().any(|s| s == scheme)
+                    && m.ports.contains(&port)
+                    && m.hosts.iter().any(|h| host_matches(h, host))
+                    && m.methods.iter().any(|x| x.eq_ignore_ascii_case(method))
+            })
+            .collect();
+        let on = |p: &str| -> Vec<&String> {
+            candidates
+                .iter()
+                .filter(|(_, b)| b.matcher.paths.iter().any(|pat| path_matches(pat, p)))
+                .map(|(name, _)| *name)
+                .collect()
+        };
+        let matched = on(raw);
+        if matched.is_empty() {
+            return None;
+        }
+        let refuse = |why: &str| {
+            Some(format!(
+                "the request path {raw:?} {why}: no credential is sent where its binding may not reach"
+            ))
+        };
+        if has_dot_dot(raw) {
+            return refuse("has a `..` segment");
+        }
+        let mut current = raw.to_string();
+        for _ in 0..DECODINGS {
+            if current.contains('\\') || current.to_ascii_lowercase().contains("%5c") {
+                return refuse("holds a backslash");
+            }
+            let decoded = percent_encoding::percent_decode_str(&current)
+                .decode_utf8_lossy()
+                .into_owned();
+            if decoded == current {
+                return None;
+            }
+            if has_dot_dot(&decoded) {
+                return refuse("has a `..` segment once decoded");
+            }
+            if on(&decoded) != matched {
+                return refuse("matches other bindings once decoded");
+            }
+            current = decoded;
+        }
+        refuse("keeps decoding")
+    }
+
     /// What to do to a request, when exactly one binding matches it: its auth's headers, and its
     /// substitutions' placeholders with their secrets.
     pub fn injections(
@@ -594,6 +660,68 @@ mod tests {
                 {"name": "both", "match": {"hosts": ["x.both.test"]}, "auth": {"type": "apiKey", "name": "X-Key", "credential": "gh"}},
                 {"name": "both2", "match": {"hosts": ["x.both.test"]}, "auth": {"type": "apiKey", "name": "X-Other", "credential": "gh"}}
             ]})).expect("vault")
+    }
+
+    #[test]
+    fn encoded_slashes_inject_unless_they_change_the_binding() {
+        let v = Vault::create(&json!({
+            "credentials": [{"name": "t", "source": {"value": "tok-SECRET"}}],
+            "bindings": [
+                {"name": "registry", "match": {"hosts": ["npm.test"]}, "auth": {"type": "bearer", "credential": "t"}},
+                {"name": "gitlab", "match": {"hosts": ["gl.test"], "paths": ["/api/v8/*"]},
+                 "auth": {"type": "apiKey", "name": "Private-Token", "credential": "t"}},
+                {"name": "narrow", "match": {"hosts": ["gl.test"], "paths": ["/api/v8/projects/123%2f*"]},
+                 "auth": {"type": "apiKey", "name": "X-Narrow", "credential": "t"}},
+                {"name": "pkg", "match": {"hosts": ["pkg.test"], "paths": ["/pkg/admin/*"]},
+                 "auth": {"type": "bearer", "credential": "t"}},
+                {"name": "pkg-enc", "match": {"hosts": ["pkg.test"], "paths": ["/pkg%252Fadmin%252F*"]},
+                 "auth": {"type": "bearer", "credential": "t"}}
+            ]})).expect("vault");
+        let refused = |host: &str, path: &str| v.refused_path("https", host, 443, "GET", path);
+        // npm's scoped packages: an encoded slash that changes nothing.
+        for path in [
+            "/@ali%2forion-claude-plugin",
+            "/@ali%2Forion",
+            "/@ali%252forion",
+        ] {
+            assert_eq!(refused("npm.test", path), None, "{path}");
+            assert!(
+                v.injections("https", "npm.test", 443, "GET", path)
+                    .is_some(),
+                "{path}"
+            );
+        }
+        assert_eq!(
+            refused("gl.test", "/api/v8/groups/1%2fnested/variables"),
+            None
+        );
+        // Dot segments, as sent or encoded; backslashes, as sent or encoded.
+        for path in [
+            "/api/v8/projects/123/%2f..%2f456/variables",
+            "/api/v8/../admin",
+            "/api/v8/x/..",
+            "/api/v8/%2e%2e/admin",
+            "/api/v8/%252e%252e/admin",
+            "/@ali%5cx",
+            "/api/v8/a\\b",
+        ] {
+            let host = if path.starts_with("/@") {
+                "npm.test"
+            } else {
+                "gl.test"
+            };
+            assert!(refused(host, path).is_some(), "{path}");
+        }
+        // An encoded slash that moves the path under (or out of) another binding.
+        assert!(refused("gl.test", "/api/v8/projects/123%2fescape/variables").is_some());
+        assert!(refused("pkg.test", "/pkg%252Fadmin%252Fsecrets").is_some());
+        // A query is not the path; a path no binding matches is not the vault's to judge.
+        assert_eq!(
+            refused("gl.test", "/api/v8/projects/1/variables?ref=../../main"),
+            None
+        );
+        assert_eq!(refused("gl.test", "/other/../x"), None);
+        assert_eq!(refused("nowhere.test", "/a/../b"), None);
     }
 
     #[test]
