@@ -366,9 +366,11 @@ def test_bad_requests(code_sandbox):
     assert execd(sbx, "DELETE", "/code", params={"id": "nope"}).status_code == 404
 
 
-def test_image_without_kernels_fails_health_check_clearly(make_sandbox):
+def test_image_without_kernels_fails_health_check_clearly(make_sandbox, test_image):
+    # (the debootstrap image: no kernel, no JDK, no Go; the `host` image has the host's JDK and Go,
+    # which test_code_tools drives)
     from code_interpreter import CodeInterpreterSync
-    sbx = make_sandbox("host")
+    sbx = make_sandbox(test_image)
     ci = CodeInterpreterSync.create(sbx, skip_health_check=True)
     assert not ci.is_healthy(), "nothing may listen on the Jupyter port when no kernel can start"
     r = execd(sbx, "POST", "/code/context", json={"language": "python"})

@@ -244,13 +244,19 @@ mod tests {
             keep_capabilities: vec!["CAP_ROOT".into()],
             seccomp_deny: None,
         };
-        assert!(bad.keep_mask().expect_err("not a capability").contains("CAP_ROOT"));
+        assert!(bad
+            .keep_mask()
+            .expect_err("not a capability")
+            .contains("CAP_ROOT"));
         assert!(bad.check().is_err());
         let execve = FloorPolicy {
             keep_capabilities: vec![],
             seccomp_deny: Some(vec!["chmod".into(), "execve".into()]),
         };
-        assert!(execve.check().expect_err("execve refused").contains("execveat"));
+        assert!(execve
+            .check()
+            .expect_err("execve refused")
+            .contains("execveat"));
         let execveat = FloorPolicy {
             keep_capabilities: vec![],
             seccomp_deny: Some(vec!["execveat".into()]),

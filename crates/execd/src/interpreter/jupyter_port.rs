@@ -1,7 +1,8 @@
 //! `$JUPYTER_PORT` (44771): the official code-interpreter SDK checks that something accepts TCP
 //! connections there before it trusts the sandbox to run code. execd listens there exactly when the
-//! image has a kernel it can launch, and answers what it found in the shape of Jupyter Server's
-//! `GET /api/kernelspecs`, so the check means "kernels can start" rather than "a port is open".
+//! image has a kernel it can launch (or a language's own tools execd drives, see `tools`), and
+//! answers what it found in the shape of Jupyter Server's `GET /api/kernelspecs`, so the check
+//! means "code can run" rather than "a port is open".
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -31,8 +32,26 @@ pub fn launchable_specs() -> Vec<KernelSpec> {
         .collect()
 }
 
-fn kernelspecs_body(specs: &[KernelSpec]) -> Value {
+/// The languages execd drives through their own tools, where no kernel has them (see `tools`).
+fn tool_languages(specs: &[KernelSpec]) -> Vec<(&'static str, super::tools::Tool)> {
+    let env = base_env();
+    ["java", "go"]
+        .into_iter()
+        .filter(|l| kernelspec::pick(specs, l).is_none())
+        .filter_map(|l| super::tools::Tool::find(l, &env).map(|t| (l, t)))
+        .collect()
+}
+
+fn kernelspecs_body(specs: &[KernelSpec], tools: &[(&str, super::tools::Tool)]) -> Value {
     let mut map = Map::new();
+    for (language, tool) in tools {
+        map.insert(
+            format!("{language}-tools"),
+            json!({"name": format!("{language}-tools"), "resources": {},
+                   "spec": {"argv": [tool.program()], "display_name": format!("{language} (its own tools)"),
+                            "language": language}}),
+        );
+    }
     for s in specs {
         map.insert(
             s.name.clone(),
@@ -50,7 +69,8 @@ fn kernelspecs_body(specs: &[KernelSpec]) -> Value {
 /// ends. A port already taken (the user runs their own Jupyter there) is logged and left alone.
 pub async fn serve(port: u16) {
     loop {
-        if !launchable_specs().is_empty() {
+        let specs = launchable_specs();
+        if !specs.is_empty() || !tool_languages(&specs).is_empty() {
             break;
         }
         tokio::time::sleep(RESCAN).await;
@@ -67,7 +87,10 @@ pub async fn serve(port: u16) {
     let app = Router::new()
         .route(
             "/api/kernelspecs",
-            get(|| async { Json(kernelspecs_body(&launchable_specs())) }),
+            get(|| async {
+                let specs = launchable_specs();
+                Json(kernelspecs_body(&specs, &tool_languages(&specs)))
+            }),
         )
         .route(
             "/api",
@@ -96,9 +119,13 @@ mod tests {
             env: BTreeMap::new(),
             interrupt_mode: Default::default(),
         };
-        let b = kernelspecs_body(&[spec]);
+        let b = kernelspecs_body(
+            &[spec],
+            &[("go", super::super::tools::Tool::Go("/usr/bin/go".into()))],
+        );
         assert_eq!(b["default"], "python3");
         assert_eq!(b["kernelspecs"]["python3"]["spec"]["language"], "python");
-        assert_eq!(kernelspecs_body(&[])["default"], Value::Null);
+        assert_eq!(b["kernelspecs"]["go-tools"]["spec"]["language"], "go");
+        assert_eq!(kernelspecs_body(&[], &[])["default"], Value::Null);
     }
 }

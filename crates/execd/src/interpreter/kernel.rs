@@ -369,7 +369,7 @@ impl Drop for Kernel {
 }
 
 /// Kills a half-started kernel's group if setup bails out.
-struct KillOnDrop(Option<i32>);
+pub(super) struct KillOnDrop(pub(super) Option<i32>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -428,7 +428,7 @@ async fn drain(mut rx: zmtp::Receiver) {
     while rx.recv().await.is_ok() {}
 }
 
-async fn keep_tail(mut rx: tokio::net::unix::pipe::Receiver, tail: Arc<Mutex<Vec<u8>>>) {
+pub(super) async fn keep_tail(mut rx: tokio::net::unix::pipe::Receiver, tail: Arc<Mutex<Vec<u8>>>) {
     use tokio::io::AsyncReadExt;
     let mut buf = vec![0u8; 4096];
     while let Ok(n @ 1..) = rx.read(&mut buf).await {
@@ -441,7 +441,7 @@ async fn keep_tail(mut rx: tokio::net::unix::pipe::Receiver, tail: Arc<Mutex<Vec
     }
 }
 
-fn describe_exit(name: &str, status: Exit, oom: bool, tail: &[u8]) -> String {
+pub(super) fn describe_exit(name: &str, status: Exit, oom: bool, tail: &[u8]) -> String {
     let mut why = match status {
         Exit::Code(c) => format!("kernel '{name}' exited with code {c}"),
         Exit::Signal(s) => {
@@ -475,7 +475,7 @@ fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
         .collect()
 }
 
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(super) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)

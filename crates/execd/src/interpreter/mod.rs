@@ -1,15 +1,19 @@
 //! The code interpreter (reference §3.5): code contexts, each one real Jupyter kernel found through the
-//! image's kernelspecs, driven over the Jupyter messaging protocol.
+//! image's kernelspecs, driven over the Jupyter messaging protocol — or, for Java and Go where the
+//! image has no kernel for them, the language's own tools in the image (see `tools`).
 //!
 //! A context runs one execution at a time (a second one is refused with 409 `CONTEXT_BUSY`, never
 //! queued behind a runaway loop). Runs without a context id go to a default context per language,
 //! created on first use and replaced if its kernel died. A kernel that dies mid-run ends the stream
 //! with an `error` event saying why; the context then stays dead (its state is gone) until deleted.
 
+pub mod gorun;
+pub mod jshell;
 pub mod jupyter_port;
 pub mod kernel;
 pub mod kernelspec;
 pub mod message;
+pub mod tools;
 pub mod zmtp;
 
 use std::collections::HashMap;
@@ -36,10 +40,44 @@ pub const CONTEXT_BUSY: &str = "CONTEXT_BUSY";
 /// The `ename` of the error event sent when a context's kernel process is gone.
 pub const KERNEL_DIED: &str = "KernelDied";
 
+/// What runs a context's code.
+enum Engine {
+    Jupyter(Kernel),
+    Jshell(jshell::Jshell),
+    Go(gorun::GoRun),
+}
+
+impl Engine {
+    /// Why the context cannot run code any more, if it cannot.
+    fn died(&self) -> Option<String> {
+        match self {
+            Engine::Jupyter(k) => k.died(),
+            Engine::Jshell(j) => j.died(),
+            Engine::Go(_) => None,
+        }
+    }
+
+    fn kill(&self) {
+        match self {
+            Engine::Jupyter(k) => k.kill(),
+            Engine::Jshell(j) => j.kill(),
+            Engine::Go(g) => g.kill(),
+        }
+    }
+
+    async fn shutdown(&self) {
+        match self {
+            Engine::Jupyter(k) => k.shutdown().await,
+            Engine::Jshell(j) => j.shutdown().await,
+            Engine::Go(g) => g.kill(),
+        }
+    }
+}
+
 pub struct Context {
     pub id: String,
     pub language: String,
-    kernel: Kernel,
+    engine: Engine,
     /// Held by the running execution.
     busy: Arc<tokio::sync::Mutex<()>>,
     /// Counts `DELETE /code?id=` calls: the running execution (if any) sees each one through.
@@ -102,7 +140,7 @@ impl Contexts {
     /// Kills every kernel (execd is stopping).
     pub fn kill_all(&self) {
         for (_, ctx) in lock(&self.map).drain() {
-            ctx.kernel.kill();
+            ctx.engine.kill();
         }
     }
 }
@@ -124,21 +162,6 @@ async fn start_context(
         env.get("HOME").map(String::as_str),
     );
     let specs = kernelspec::discover(&dirs);
-    let spec = kernelspec::pick(&specs, &language).ok_or_else(|| {
-        let have: Vec<String> = specs
-            .iter()
-            .map(|s| format!("{} ({})", s.name, s.language))
-            .collect();
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            code::NOT_SUPPORTED,
-            format!(
-                "no Jupyter kernel for language '{language}' in this sandbox's image (kernelspecs found: {}); \
-                 Python needs the python3-ipykernel package (or `pip install ipykernel`)",
-                if have.is_empty() { "none".to_string() } else { have.join(", ") }
-            ),
-        )
-    })?;
     let cwd = app.resolve(cwd.unwrap_or_default());
     if !cwd.is_dir() {
         return Err(ApiError::bad_body(format!(
@@ -148,21 +171,59 @@ async fn start_context(
     }
     let id = uuid::Uuid::new_v4().simple().to_string();
     let started = Instant::now();
-    let kernel = Kernel::start(Launch {
-        spec,
-        cwd: &cwd,
-        runtime_dir: &runtime_dir(),
-        id: &id,
-        reaper: &app.reaper,
-        sources: &app.metrics,
-    })
-    .await
-    .map_err(|e| ApiError::runtime(format!("starting the {language} kernel: {e}")))?;
-    tracing::info!(context = %id, kernel = %spec.name, pid = kernel.pid, ms = started.elapsed().as_millis() as u64, "kernel ready");
+    let engine = match kernelspec::pick(&specs, &language) {
+        Some(spec) => {
+            let kernel = Kernel::start(Launch {
+                spec,
+                cwd: &cwd,
+                runtime_dir: &runtime_dir(),
+                id: &id,
+                reaper: &app.reaper,
+                sources: &app.metrics,
+            })
+            .await
+            .map_err(|e| ApiError::runtime(format!("starting the {language} kernel: {e}")))?;
+            tracing::info!(context = %id, kernel = %spec.name, pid = kernel.pid, ms = started.elapsed().as_millis() as u64, "kernel ready");
+            Engine::Jupyter(kernel)
+        }
+        None => {
+            let tool = tools::Tool::find(&language, &env).ok_or_else(|| {
+                let have: Vec<String> = specs
+                    .iter()
+                    .map(|s| format!("{} ({})", s.name, s.language))
+                    .collect();
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    code::NOT_SUPPORTED,
+                    format!(
+                        "no Jupyter kernel for language '{language}' in this sandbox's image (kernelspecs found: {}); \
+                         Python needs the python3-ipykernel package (or `pip install ipykernel`); Java, a JDK \
+                         (its jshell); Go, a Go toolchain (Debian's golang-go)",
+                        if have.is_empty() { "none".to_string() } else { have.join(", ") }
+                    ),
+                )
+            })?;
+            let launch = tools::ToolLaunch {
+                program: tool.program(),
+                cwd: &cwd,
+                runtime_dir: &runtime_dir(),
+                id: &id,
+                reaper: &app.reaper,
+                sources: &app.metrics,
+            };
+            let engine = match &tool {
+                tools::Tool::Java(_) => jshell::Jshell::start(&launch).await.map(Engine::Jshell),
+                tools::Tool::Go(_) => gorun::GoRun::start(&launch).map(Engine::Go),
+            }
+            .map_err(|e| ApiError::runtime(format!("starting the {language} context: {e}")))?;
+            tracing::info!(context = %id, tool = %tool.program().display(), ms = started.elapsed().as_millis() as u64, "context ready");
+            engine
+        }
+    };
     let ctx = Arc::new(Context {
         id: id.clone(),
         language,
-        kernel,
+        engine,
         busy: Default::default(),
         interrupts: tokio::sync::watch::Sender::new(0),
     });
@@ -220,7 +281,7 @@ pub async fn delete_context(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     let ctx = app.contexts.remove(&id).ok_or_else(|| not_found(&id))?;
-    ctx.kernel.shutdown().await;
+    ctx.engine.shutdown().await;
     Ok(StatusCode::OK)
 }
 
@@ -242,7 +303,7 @@ pub async fn delete_contexts(
         .iter()
         .filter_map(|id| app.contexts.remove(id))
         .collect();
-    futures::future::join_all(doomed.iter().map(|c| c.kernel.shutdown())).await;
+    futures::future::join_all(doomed.iter().map(|c| c.engine.shutdown())).await;
     Ok(StatusCode::OK)
 }
 
@@ -290,7 +351,7 @@ async fn resolve_context(app: &AppState, req: &RunCodeRequest) -> ApiResult<Arc<
         .get(&language)
         .and_then(|id| app.contexts.get(id));
     match current {
-        Some(ctx) if ctx.kernel.died().is_none() => Ok(ctx),
+        Some(ctx) if ctx.engine.died().is_none() => Ok(ctx),
         stale => {
             if let Some(dead) = stale {
                 app.contexts.remove(&dead.id);
@@ -322,13 +383,23 @@ pub async fn run(
     })?;
     let (stream, response) = sse::channel();
     tokio::spawn(async move {
-        drive(&ctx, &req.code, stream).await;
+        match &ctx.engine {
+            Engine::Jupyter(kernel) => drive(&ctx, kernel, &req.code, stream).await,
+            Engine::Jshell(j) => {
+                j.run(&ctx.id, &req.code, &stream, ctx.interrupts.subscribe())
+                    .await
+            }
+            Engine::Go(g) => {
+                g.run(&ctx.id, &req.code, &stream, ctx.interrupts.subscribe())
+                    .await
+            }
+        }
         drop(busy);
     });
     Ok(response)
 }
 
-fn kernel_died(why: String) -> StreamEvent {
+pub(crate) fn kernel_died(why: String) -> StreamEvent {
     StreamEvent {
         error: Some(ExecError {
             ename: KERNEL_DIED.to_string(),
@@ -346,7 +417,7 @@ fn kernel_died(why: String) -> StreamEvent {
 /// Once interrupted (`DELETE /code`, or the client gone) the interrupt is sent again until the
 /// execution ends, and an idle kernel ends it even without its `execute_reply` (after
 /// [`REPLY_AFTER_IDLE`]): the stream always ends with a terminal event, and the context is free.
-async fn drive(ctx: &Context, code: &str, out: EventStream) {
+async fn drive(ctx: &Context, kernel: &Kernel, code: &str, out: EventStream) {
     let started = Instant::now();
     let send = |ev: StreamEvent| {
         let tx = out.tx.clone();
@@ -358,7 +429,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     let mut interrupts = ctx.interrupts.subscribe();
     interrupts.mark_unchanged();
     send(sse::init(&ctx.id)).await;
-    let (msg_id, mut rx) = match ctx.kernel.execute(code).await {
+    let (msg_id, mut rx) = match kernel.execute(code).await {
         Ok(r) => r,
         Err(why) => return send(kernel_died(why)).await,
     };
@@ -371,7 +442,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
     let mut resends = 0u32;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let late_output = ctx.kernel.late_output();
+    let late_output = kernel.late_output();
     while !(idle && reply.is_some()) || late_output {
         let ending = idle || failed || reply.is_some();
         let ev = tokio::select! {
@@ -385,7 +456,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                 }
                 if executing && !ending {
                     sent = Some(Instant::now());
-                    ctx.kernel.interrupt().await;
+                    kernel.interrupt().await;
                 }
                 continue;
             }
@@ -397,7 +468,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                 }
                 if executing && !ending {
                     sent = Some(Instant::now());
-                    ctx.kernel.interrupt().await;
+                    kernel.interrupt().await;
                 }
                 continue;
             }
@@ -420,7 +491,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
                 {
                     resends += 1;
                     sent = Some(Instant::now());
-                    ctx.kernel.interrupt().await;
+                    kernel.interrupt().await;
                 }
                 continue;
             }
@@ -451,7 +522,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
             // an interrupt held until now goes out at once
             if asked.is_some() && sent.is_none() && !(idle || failed || reply.is_some()) {
                 sent = Some(Instant::now());
-                ctx.kernel.interrupt().await;
+                kernel.interrupt().await;
             }
         }
         if failed {
@@ -495,7 +566,7 @@ async fn drive(ctx: &Context, code: &str, out: EventStream) {
             _ => {}
         }
     }
-    ctx.kernel.forget(&msg_id);
+    kernel.forget(&msg_id);
     if failed {
         return;
     }
