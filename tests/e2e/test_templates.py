@@ -78,11 +78,29 @@ def test_template_build_and_sandboxes_from_it(server, manager, api):
         # where none is): the same golden image, not a warmup of their own.
         assert markers[0] == markers[1], markers
 
-        # The template fixes the workload: a create that shapes it too is refused.
-        r = api.post("/v1/sandboxes", json={"templateId": tid, "timeout": 300, "entrypoint": ["sh"]})
-        W.assert_error_body(r, codes=[400])
+        # The template fixes the workload: a create that shapes it too is refused, each field by
+        # name, as the 1.1.2 spec lists them; the timeout is required.
+        for extra, field in (({"entrypoint": ["sh"]}, "entrypoint"),
+                             ({"secureAccess": True}, "secureAccess"),
+                             ({"lifecycle": {"preStart": {"command": ["true"]}}}, "lifecycle.preStart"),
+                             ({"lifecycle": {"periodic": [{"name": "p", "schedule": "* * * * *",
+                                                           "command": ["true"]}]}}, "lifecycle.periodic")):
+            r = api.post("/v1/sandboxes", json={"templateId": tid, "timeout": 300, **extra})
+            W.assert_error_body(r, codes=[400])
+            assert field in r.json()["message"], r.json()
         r = api.post("/v1/sandboxes", json={"templateId": tid, "image": {"uri": image}, "timeout": 300})
         W.assert_error_body(r, codes=[400])
+        r = api.post("/v1/sandboxes", json={"templateId": tid})
+        W.assert_error_body(r, codes=[400])
+        assert "timeout" in r.json()["message"]
+        # credentialProxy is accepted and ignored (the vault's first create starts the proxy), and
+        # the idle policy is the request's: control-plane state, not workload shape.
+        r = api.post("/v1/sandboxes", json={"templateId": tid, "timeout": 300,
+                                            "credentialProxy": {"enabled": True},
+                                            "lifecycle": {"idlePolicy": {"idleTimeoutSeconds": 600, "onIdle": "pause"}}})
+        assert r.status_code in (200, 202), r.text
+        W.track_sandbox(r.json()["id"])
+        assert api.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 204
     finally:
         manager.delete_template(tid)
     with pytest.raises(SandboxException):
@@ -99,15 +117,16 @@ def test_template_whose_probe_never_passes_fails(server, manager, api):
     try:
         done = _wait(manager, t.template_id, 60)
         assert done.status.phase == "Failed" and "readiness probe" in (done.status.message or ""), done.status
+        # Not Succeeded: 404, as the spec has it (no existence leak), with the reason in the message.
         r = api.post("/v1/sandboxes", json={"templateId": t.template_id, "timeout": 300})
-        W.assert_error_body(r, codes=[409])
+        W.assert_error_body(r, codes=[404])
     finally:
         manager.delete_template(t.template_id)
 
 
 def test_template_whose_golden_image_was_deleted_fails(server, manager, api):
     """The golden image is an ordinary snapshot: deleted through /snapshots, the template cannot start
-    anything any more and says so (Failed, 409 on create) instead of a restore error."""
+    anything any more and says so (Failed, 404 on create) instead of a restore error."""
     if server.is_docker or server.gvisor:
         pytest.skip("templates are built on snapshots: embedded and runc")
     server.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
@@ -120,7 +139,7 @@ def test_template_whose_golden_image_was_deleted_fails(server, manager, api):
         snapshot = done.status.manifest_ref.removeprefix("warren-snapshot://")
         assert api.delete(f"/v1/snapshots/{snapshot}").status_code in (200, 204)
         r = api.post("/v1/sandboxes", json={"templateId": t.template_id, "timeout": 300})
-        W.assert_error_body(r, codes=[409])
+        W.assert_error_body(r, codes=[404])
         assert "golden image" in r.json()["message"], r.json()
         after = manager.get_template(t.template_id)
         assert after.status.phase == "Failed" and snapshot in (after.status.message or ""), after.status

@@ -253,9 +253,12 @@ impl Templates {
     }
 
     /// Turns a create naming `templateId` into a restore of the template's golden image with the
-    /// template's entrypoint, env and resources. As in the reference, the template fixes the
-    /// workload: a request that shapes it too (entrypoint, env, resources, volumes, platform) is
-    /// refused; metadata, network policy, extensions and timeout are the request's.
+    /// template's entrypoint, env and resources. As in the reference's spec, the template fixes the
+    /// workload: a request that shapes it too (entrypoint, env, resources, volumes, platform,
+    /// secureAccess, lifecycle hooks) is refused; metadata, network policy, extensions, the idle
+    /// and renewal policies and the timeout (required) are the request's; `credentialProxy` is
+    /// accepted and ignored (the vault's first create starts the proxy); and a template that is
+    /// not the caller's tenant's, or not Succeeded, is 404 (no existence leak).
     pub fn apply(&self, req: &mut CreateSandboxRequest, tenant: &str) -> Result<(), ApiError> {
         let Some(id) = req.template_id.take() else {
             return Ok(());
@@ -265,6 +268,15 @@ impl Templates {
                 "templateId cannot be given with image or snapshotId",
             ));
         }
+        let hooks = req
+            .lifecycle
+            .as_ref()
+            .and_then(|l| l.as_object())
+            .and_then(|l| {
+                ["preStart", "periodic"]
+                    .into_iter()
+                    .find(|k| l.contains_key(*k))
+            });
         let shaped = [
             ("entrypoint", req.entrypoint.is_some()),
             ("env", req.env.is_some()),
@@ -272,12 +284,26 @@ impl Templates {
             ("resourceRequests", req.resource_requests.is_some()),
             ("volumes", req.volumes.is_some()),
             ("platform", req.platform.is_some()),
+            ("secureAccess", req.secure_access == Some(true)),
+            ("lifecycle hooks", hooks.is_some()),
         ];
         if let Some((field, _)) = shaped.iter().find(|(_, set)| *set) {
+            let field = match hooks {
+                Some(hook) if *field == "lifecycle hooks" => format!("lifecycle.{hook}"),
+                _ => field.to_string(),
+            };
             return Err(ApiError::invalid(format!(
                 "{field} cannot be given with templateId: the template fixes the sandbox's workload"
             )));
         }
+        if req.timeout.is_none() {
+            return Err(ApiError::invalid(
+                "timeout is required with templateId (a template's sandbox is not kept without one)",
+            ));
+        }
+        // Accepted and ignored, as the spec has it: the vault is configured after creation, and
+        // its first create starts the credential proxy.
+        req.credential_proxy = None;
         let rec = self
             .lock()
             .get(&id)
@@ -291,8 +317,9 @@ impl Templates {
                 )
             })?;
         if rec.phase != SUCCEEDED {
-            return Err(ApiError::conflict(
-                ErrorCode::InvalidState,
+            return Err(ApiError::new(
+                http::StatusCode::NOT_FOUND,
+                ErrorCode::ImageNotFound,
                 format!(
                     "template {id} is {}{}; sandboxes start only from a Succeeded template",
                     rec.phase,
@@ -310,8 +337,9 @@ impl Templates {
                 r.message = Some(why.clone());
                 r.snapshot_id = None;
             });
-            return Err(ApiError::conflict(
-                ErrorCode::InvalidState,
+            return Err(ApiError::new(
+                http::StatusCode::NOT_FOUND,
+                ErrorCode::ImageNotFound,
                 format!("template {id} is {FAILED} ({why}); sandboxes start only from a Succeeded template"),
             ));
         }
