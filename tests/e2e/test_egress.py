@@ -601,6 +601,35 @@ def test_credential_vault_passthrough_and_substitutions(net_server, fakenet):
     assert secret not in net_server.log_path.read_text(), "a secret reached the server's log"
 
 
+def test_the_vault_and_a_port_scoped_rule_through_the_typescript_client(net_server, fakenet):
+    """The TypeScript SDK has the vault (on the egress surface) and passes rule fields it does not
+    model: create, inject on the wire, list, patch, a stale revision (409: the SDK calls the egress
+    surface, whose codes are the reference sidecar's), a create over the vault (it replaces it),
+    port-scoped rules patched and read back exactly, delete (then empty); the secret never in an
+    answer."""
+    import shutil
+    import subprocess
+    if net_server.runtime != "embedded":
+        pytest.skip("the client's calls meet the server's routes, the same on every runtime")
+    sdk_dir = W.REPO_ROOT / ".ci" / "cache" / "ts-sdk"
+    if not (sdk_dir / "node_modules" / "@alibaba-group" / "opensandbox").is_dir() or not shutil.which("node"):
+        pytest.fail(f"the TypeScript SDK is not installed in {sdk_dir} (scripts/install-deps installs it)")
+    script = sdk_dir / "vault.mjs"
+    shutil.copy(Path(__file__).parent / "ts" / "vault.mjs", script)
+    net_server.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
+    secret = SECRET + "-ts"
+    res = subprocess.run(["node", str(script), net_server.domain, net_server.api_key,
+                          net_server.sandbox_image(W.TEST_IMAGE_NAME), FETCH.strip(), secret, fakenet["other"]],
+                         capture_output=True, text=True, timeout=180, cwd=sdk_dir)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    W.track_sandbox(out["id"])
+    assert (out["stale"], out["again"]) == (409, 0), out
+    assert f"/v1/from-ts authorization=Bearer {secret}" in fakenet["request_log"].read_text()
+    assert secret not in res.stdout + res.stderr
+    assert secret not in net_server.log_path.read_text(), "a secret reached the server's log"
+
+
 def test_plain_http_vault_proves_a_host_the_sandbox_never_asked_for(net_server, fakenet):
     """The reference's own vault test reaches the bound host with `curl --resolve host:80:IP`: the
     sandbox asks no DNS question. Warren then asks its own resolver: the credential goes when the
