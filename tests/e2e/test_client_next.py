@@ -238,6 +238,48 @@ def test_a_sandbox_cannot_make_the_newest_client_replay_its_requests(next_server
         sbx.kill()
 
 
+def test_the_newest_client_replays_a_request_warren_parked_until_the_sandbox_wakes(next_server, api):
+    """A paused sandbox whose idle policy does not wake on access answers the gateway's "parked,
+    never forwarded" (503, `OpenSandbox-Wake: expired`, `Retry-After`); the 1.1.2 client resends
+    such a request until the sandbox is resumed, then gets its answer: a file read, and a POST with
+    a body it can send again (making a folder). Parked means parked: the POST took effect once.
+    (The client sends a command's SSE POST outside its retries, so that one fails at once.)"""
+    out = run_next(next_server, """
+        import threading, time, httpx
+        from opensandbox.models.sandboxes import SandboxLifecycle, IdlePolicy
+        sbx = SandboxSync.create("host", connection_config=config,
+                                 lifecycle=SandboxLifecycle(idle_policy=IdlePolicy(wake_on_access=False)))
+        out["sandboxes"] = [sbx.id]
+        base = f"http://{os.environ['WARREN_DOMAIN']}/v1/sandboxes/{sbx.id}"
+        key = {"OPEN-SANDBOX-API-KEY": os.environ["WARREN_API_KEY"]}
+        try:
+            sbx.files.write_file("/tmp/before", "written before the pause")
+            sbx.pause()
+            # What the gateway answers a paused sandbox's request, as the client meets it.
+            execd = sbx.get_endpoint(44772)
+            r = httpx.post(f"http://{execd.endpoint}/command", headers=dict(execd.headers or {}),
+                           json={"command": "true"}, timeout=10)
+            out["parked"] = [r.status_code, r.headers.get("OpenSandbox-Wake"), r.headers.get("Retry-After")]
+            threading.Timer(3.0, lambda: httpx.post(base + "/resume", headers=key, timeout=30)).start()
+            started = time.monotonic()
+            out["read"] = sbx.files.read_file("/tmp/before")
+            out["waited"] = time.monotonic() - started
+            sbx.pause()
+            threading.Timer(2.0, lambda: httpx.post(base + "/resume", headers=key, timeout=30)).start()
+            from opensandbox.models.filesystem import WriteEntry
+            sbx.files.create_directories([WriteEntry(path="/tmp/made-while-parked", mode=755)])
+            ex = sbx.commands.run("ls -d /tmp/made-while-parked")
+            out["made"] = "".join(m.text for m in ex.logs.stdout)
+        finally:
+            sbx.kill()
+    """)
+    status, marker, retry_after = out["parked"]
+    assert (status, marker) == (503, "expired") and retry_after, out["parked"]
+    assert out["read"] == "written before the pause", out
+    assert out["waited"] >= 2.5, "the client was answered before the sandbox was resumed"
+    assert out["made"] == "/tmp/made-while-parked", out
+
+
 def test_set_env_values_read_back_whole(next_server):
     """The 1.1.2 client's `commands.set_env` appends `KEY='value'` (or the double-quoted form for a
     value holding a `'`) to the env file: a value of several lines, quotes, tabs and `$` reads back

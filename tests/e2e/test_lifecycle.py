@@ -202,6 +202,35 @@ def test_lifecycle_hooks_run_before_running_and_on_their_schedule(server, api):
         api.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_periodic_hooks_run_on_after_the_server_restarts(fresh_server):
+    """The hooks' runner is the server: one that restarts (killed, even) arms a running sandbox's
+    periodic hooks again from its record; preStart, done already, does not run again, and nothing
+    runs while no server is up."""
+    srv = fresh_server
+    if srv.runtime != "embedded":
+        pytest.skip("hooks run through execd, the same on every runtime")
+    with srv.client() as api:
+        sid, st = _hooked(api, srv, {
+            "preStart": {"command": ["sh", "-c", "echo . >> /tmp/pre"]},
+            "periodic": [{"name": "tick", "schedule": "@every 1s", "command": ["sh", "-c", "echo . >> /tmp/ticks"]}]})
+        assert st["state"] == "Running", st
+    from opensandbox import SandboxSync
+
+    def count(path: str) -> int:
+        sbx = SandboxSync.connect(sid, connection_config=srv.sdk_config())
+        return int(sh(sbx, f"cat {path} 2>/dev/null | wc -l")[1].strip() or 0)
+    W.wait_until(lambda: count("/tmp/ticks") >= 2, 15, interval=0.2, message="periodic runs")
+    srv.kill9()
+    time.sleep(2.5)
+    srv.start()
+    while_down = count("/tmp/ticks")
+    W.wait_until(lambda: count("/tmp/ticks") >= while_down + 3, 20, interval=0.2,
+                 message="periodic runs after the restart")
+    assert count("/tmp/pre") == 1, "preStart ran again after the restart"
+    with srv.client() as api:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_a_failing_pre_start_ends_the_sandbox_failed_and_says_why(server, api):
     """A preStart that exits non-zero, or outlasts its timeout, ends the sandbox Failed before it
     was ever Running: its status says the hook's exit code and the end of its output, its diagnostics
