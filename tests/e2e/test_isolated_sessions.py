@@ -579,9 +579,15 @@ def _host_descriptors_of(sandbox_id: str) -> dict[int, tuple[str, list[str]]]:
             fds = os.listdir(f"/proc/{entry}/fd")
             with open(f"/proc/{entry}/comm") as f:
                 comm = f.read().strip()
-            out[int(entry)] = (comm, [os.readlink(f"/proc/{entry}/fd/{n}") for n in fds])
         except OSError:
             continue  # ended meanwhile
+        links = []
+        for n in fds:
+            try:
+                links.append(os.readlink(f"/proc/{entry}/fd/{n}"))
+            except OSError:
+                continue  # closed meanwhile (execd's connections come and go): not the process
+        out[int(entry)] = (comm, links)
     return out
 
 

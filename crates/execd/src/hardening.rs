@@ -20,6 +20,7 @@
 
 use std::collections::BTreeSet;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::Arc;
@@ -248,8 +249,21 @@ fn report(
 }
 
 impl Floor {
-    /// Checks `policy` and builds what the children will need.
+    /// Checks `policy` and builds what the children will need, for children of this process
+    /// (its capabilities are what they can keep).
     pub fn new(policy: &FloorPolicy) -> Result<Floor, String> {
+        let held = own_capabilities();
+        Self::with_held(policy, held.permitted, held.effective)
+    }
+
+    /// [`Floor::new`] for children that will hold `permitted` and `effective` (bit n: capability
+    /// n) when they are lowered: an isolated session's processes, prepared by the setup helper
+    /// that holds more.
+    pub fn with_held(
+        policy: &FloorPolicy,
+        permitted: u64,
+        effective: u64,
+    ) -> Result<Floor, String> {
         policy.check()?;
         let mut denied = BTreeSet::new();
         for name in policy.deny_list() {
@@ -265,18 +279,18 @@ impl Floor {
                     .map_err(|e| format!("building the seccomp floor: {e}"))?,
             )
         };
-        let held = own_capabilities();
         let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
             .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(40);
+            .and_then(|s| s.trim().parse::<u32>().ok())
+            .unwrap_or(40)
+            .min(63);
         let asked = policy.keep_mask()?;
         Ok(Floor {
             // A capability execd does not hold cannot be given; asking for it is not an error
             // (the runtime decides what execd holds).
-            keep: asked & held.permitted,
-            not_held: asked & !held.permitted,
-            trim_bounding: held.effective & (1 << CAP_SETPCAP) != 0,
+            keep: asked & permitted,
+            not_held: asked & !permitted,
+            trim_bounding: effective & (1 << CAP_SETPCAP) != 0,
             last_cap,
             filter,
         })
@@ -293,16 +307,43 @@ impl Floor {
         for name in stripped {
             cmd.env_remove(name);
         }
+        // `Command` enters the working folder before it runs this; as another user, the folder is
+        // entered once that user (from `/` until then), so it reaches only what that user may.
+        let cwd = match identity {
+            Some(_) => {
+                let dir = cmd
+                    .get_current_dir()
+                    .map(|d| d.as_os_str().as_bytes().to_vec());
+                cmd.current_dir("/");
+                dir.and_then(|d| std::ffi::CString::new(d).ok())
+            }
+            None => None,
+        };
         let floor = self.clone();
         // SAFETY: `lower` makes system calls only (no allocation, no lock), on data built before
         // the fork: safe between fork and exec in a process with threads.
         unsafe {
-            cmd.pre_exec(move || floor.lower(identity));
+            cmd.pre_exec(move || {
+                floor.lower(identity)?;
+                match &cwd {
+                    Some(dir) if libc::chdir(dir.as_ptr()) != 0 => Err(io::Error::last_os_error()),
+                    _ => Ok(()),
+                }
+            });
         }
     }
 
-    /// In the child, between fork and exec: see the module's comment for the order.
-    fn lower(&self, identity: Option<Identity>) -> io::Result<()> {
+    /// Whether the floor takes variable `name` out of a `role`'s environment.
+    pub fn strips(role: Role, name: &str) -> bool {
+        match role {
+            Role::Entrypoint => STRIPPED_FROM_ENTRYPOINT.contains(&name),
+            Role::UserCode => STRIPPED.contains(&name),
+        }
+    }
+
+    /// In the child, between fork and exec: see the module's comment for the order. Makes system
+    /// calls only: safe after the fork of a process with threads.
+    pub fn lower(&self, identity: Option<Identity>) -> io::Result<()> {
         fn check(rc: libc::c_long) -> io::Result<()> {
             if rc < 0 {
                 Err(io::Error::last_os_error())
@@ -318,12 +359,13 @@ impl Floor {
             }
             if self.trim_bounding {
                 for cap in 0..=self.last_cap {
-                    if self.keep & (1u64 << cap) == 0 {
-                        let rc = libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0);
-                        // EINVAL: a capability this kernel (or gVisor's Sentry) does not know.
-                        if rc < 0 && *libc::__errno_location() != libc::EINVAL {
-                            return Err(io::Error::last_os_error());
-                        }
+                    // Below 0: a capability this kernel (or gVisor's Sentry) does not know; 0:
+                    // out of the set already. Any other one must go.
+                    let cap = cap as libc::c_ulong;
+                    if self.keep & (1u64 << cap) == 0
+                        && libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) > 0
+                    {
+                        check(libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0).into())?;
                     }
                 }
             }
@@ -367,7 +409,8 @@ impl Floor {
         if let Some(filter) = &self.filter {
             warren_seccomp::install(filter).map_err(|e| match e {
                 warren_seccomp::FilterError::Install(e) => e,
-                other => io::Error::other(other.to_string()),
+                // (built before the fork; no allocation here)
+                _ => io::Error::from_raw_os_error(libc::EINVAL),
             })?;
         }
         Ok(())
@@ -515,6 +558,28 @@ mod tests {
             .expect("missing")
             .floor
             .is_none());
+        // With a server policy, the image's can only tighten it: CAP_NET_RAW is kept only if both
+        // keep it, and its deny list adds to the server's.
+        write("[hardening]\nenabled = true\nkeep_capabilities = [\"CAP_SYS_ADMIN\"]\n[seccomp]\ndeny = [\"chmod\"]\n");
+        let server = FloorPolicy {
+            keep_capabilities: vec!["CAP_NET_RAW".into()],
+            seccomp_deny: Some(vec!["ptrace".into()]),
+        };
+        let both = Hardening::resolve(Some(&server), Some(path_str), PID1).expect("both");
+        let floor = both.floor.expect("floor");
+        assert_eq!(
+            floor.keep, 0,
+            "neither the server's nor the image's capability alone is kept"
+        );
+        let filter = floor.filter.as_ref().expect("filter");
+        assert!(!filter.is_empty());
+        // An image with the floor off leaves the server's as it is.
+        write("[hardening]\nenabled = false\nkeep_capabilities = [\"CAP_SYS_ADMIN\"]\n");
+        let kept = Hardening::resolve(Some(&server), Some(path_str), PID1).expect("server only");
+        assert_eq!(
+            kept.floor.expect("floor").keep & (1 << 13),
+            own_capabilities().permitted & (1 << 13)
+        );
         write("[hardening\n");
         assert!(Hardening::resolve(None, Some(path_str), PID1).is_err());
         write("[hardening]\nenabled = true\n[seccomp]\ndeny = [\"execve\"]\n");

@@ -84,8 +84,22 @@ impl Reaper {
     }
 
     /// Registers the pid `start` returns for exit delivery. The table stays locked while `start`
-    /// runs, so a child that exits at once cannot be reaped before its waiter exists.
+    /// runs, so a child that exits at once cannot be reaped before its waiter exists. For children
+    /// started without `Command` (`posix_spawn`), which cannot go under the floor: refused when
+    /// there is one.
     pub fn start(
+        &self,
+        start: impl FnOnce() -> std::io::Result<i32>,
+    ) -> std::io::Result<(i32, oneshot::Receiver<Exit>)> {
+        if self.floor.is_some() {
+            return Err(std::io::Error::other(
+                "a child started without Command would escape the hardening floor",
+            ));
+        }
+        self.register(start)
+    }
+
+    fn register(
         &self,
         start: impl FnOnce() -> std::io::Result<i32>,
     ) -> std::io::Result<(i32, oneshot::Receiver<Exit>)> {
@@ -120,7 +134,7 @@ impl Reaper {
             (None, None) => {}
         }
         let mut child = None;
-        let (_, exit) = self.start(|| {
+        let (_, exit) = self.register(|| {
             let c = cmd.spawn()?;
             let pid = i32::try_from(c.id()).map_err(std::io::Error::other)?;
             child = Some(c);

@@ -160,7 +160,10 @@ fn run(join: Vec<String>) -> Result<(i32, Option<u16>, Option<i32>), String> {
     // Sessions: made by a helper this process forks once PID 1 has set the sandbox up (see
     // `isolation::start`); PID 1 gets execd's end of the helper's socket now.
     let mut isolation = match (&namespaces.sandbox, spec.isolation) {
-        (Some(_), true) => Some(crate::isolation::Prepared::new(&host_proc)?),
+        (Some(_), true) => Some(crate::isolation::Prepared::new(
+            &host_proc,
+            spec.hardening.as_ref(),
+        )?),
         _ => None,
     };
     let isolation_end = isolation

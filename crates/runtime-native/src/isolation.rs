@@ -42,20 +42,37 @@ pub(crate) struct Prepared {
     helper_end: OwnedFd,
     helper_filter: crate::seccomp::Program,
     session_filter: crate::seccomp::Program,
+    /// The hardening floor, laid under what sessions run as it is under execd's children.
+    floor: Option<Floor>,
     mount_ns: OwnedFd,
 }
+
+type Floor = std::sync::Arc<warren_execd::hardening::Floor>;
 
 impl Prepared {
     /// In the setup helper, after it unshared the sandbox's namespaces; `host_proc` is the
     /// host's /proc, opened before.
-    pub(crate) fn new(host_proc: &OwnedFd) -> Result<Self, String> {
+    pub(crate) fn new(
+        host_proc: &OwnedFd,
+        floor: Option<&warren_api::hardening::FloorPolicy>,
+    ) -> Result<Self, String> {
         let (execd_end, helper_end) = channel::pair().map_err(|e| format!("socket pair: {e}"))?;
+        // A session's processes hold the sandbox's capabilities when they are lowered.
+        let held = security::KEPT_CAPABILITIES
+            .iter()
+            .fold(0u64, |m, c| m | 1u64 << c.index());
+        let floor = floor
+            .map(|p| warren_execd::hardening::Floor::with_held(p, held, held))
+            .transpose()
+            .map_err(|e| format!("hardening: {e}"))?
+            .map(std::sync::Arc::new);
         Ok(Self {
             execd_end: Some(execd_end),
             helper_end,
             helper_filter: security::isolation_helper_filter()
                 .map_err(|e| warren_core::error_chain(&e))?,
             session_filter: security::seccomp_filter().map_err(|e| warren_core::error_chain(&e))?,
+            floor,
             mount_ns: open_at(host_proc, c"self/ns/mnt")?,
         })
     }
@@ -106,6 +123,7 @@ pub(crate) fn start(
         helper_end,
         helper_filter,
         session_filter,
+        floor,
         mount_ns,
     } = prepared;
     drop(execd_end);
@@ -147,6 +165,7 @@ pub(crate) fn start(
             let mut helper = Helper {
                 sock: helper_end,
                 session_filter,
+                floor,
                 sessions: HashMap::new(),
                 next: 1,
             };
@@ -203,6 +222,7 @@ const NAMESPACES: [(&str, CloneFlags); 6] = [
 struct Helper {
     sock: OwnedFd,
     session_filter: crate::seccomp::Program,
+    floor: Option<Floor>,
     sessions: HashMap<u64, Session>,
     next: u64,
 }
@@ -402,7 +422,17 @@ impl Helper {
                 .map_err(|_| "an argument or variable holds a NUL byte".to_string())
         };
         let what = match program {
-            Program::Exec { argv, env } => {
+            Program::Exec { argv, mut env } => {
+                if self.floor.is_some() {
+                    // execd's settings stay out of a session under the floor, as out of commands
+                    env.retain(|kv| {
+                        let name = kv.split_once('=').map_or(kv.as_str(), |(k, _)| k);
+                        !warren_execd::hardening::Floor::strips(
+                            warren_execd::hardening::Role::UserCode,
+                            name,
+                        )
+                    });
+                }
                 let (argv, env) = (cstrings(&argv)?, cstrings(&env)?);
                 if argv.is_empty() {
                     return Err("nothing to run".into());
@@ -428,6 +458,7 @@ impl Helper {
                     [stdin, stdout, stderr],
                     status,
                     &self.session_filter,
+                    self.floor.as_deref(),
                 );
                 // SAFETY: _exit in a forked child.
                 unsafe { libc::_exit(code) }
@@ -759,6 +790,7 @@ fn run_in_session(
     stdio: [OwnedFd; 3],
     status: OwnedFd,
     filter: &crate::seccomp::Program,
+    floor: Option<&warren_execd::hardening::Floor>,
 ) -> i32 {
     let mut status = std::fs::File::from(status);
     // SAFETY: prctl(2) with integer and string arguments.
@@ -803,7 +835,7 @@ fn run_in_session(
             drop((unshared_r, mapped_w));
             let status_fd = status.as_raw_fd();
             let why = match own_user_namespace(stdio, status_fd, unshared_w, mapped_r, filter) {
-                Ok(()) => exec_child(what, cwd, (uid, gid), status_fd),
+                Ok(()) => exec_child(what, cwd, (uid, gid), status_fd, floor),
                 Err(why) => why,
             };
             say(&mut status, &format!("error {why}"));
@@ -912,8 +944,15 @@ fn map_identity(child: Pid) -> Result<(), String> {
 }
 
 /// In the session, under the sandbox's privilege boundary (see `own_user_namespace`): a session
-/// of its own, the identity, then the program. Returns only why it could not start.
-fn exec_child(what: What, cwd: &CString, (uid, gid): (u32, u32), status_fd: RawFd) -> String {
+/// of its own, the identity (under the hardening floor, when there is one, for a program), then
+/// the program. Returns only why it could not start.
+fn exec_child(
+    what: What,
+    cwd: &CString,
+    (uid, gid): (u32, u32),
+    status_fd: RawFd,
+    floor: Option<&warren_execd::hardening::Floor>,
+) -> String {
     // The status pipe is close-on-exec: the runner reports how the program ends.
     // SAFETY: fcntl(2) on our own descriptor.
     unsafe { libc::fcntl(status_fd, libc::F_SETFD, libc::FD_CLOEXEC) };
@@ -924,13 +963,20 @@ fn exec_child(what: What, cwd: &CString, (uid, gid): (u32, u32), status_fd: RawF
     }
     // SAFETY: prctl(2) with integer arguments: the runner's death signal is not for the program.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0) };
-    // SAFETY: plain syscalls on this single thread's credentials.
-    unsafe {
-        if libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) != 0
-            || libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
-            || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
-        {
-            return format!("taking {uid}:{gid}: {}", std::io::Error::last_os_error());
+    if let (Some(floor), What::Exec { .. }) = (floor, &what) {
+        // The floor makes the identity change itself, between its steps.
+        if let Err(e) = floor.lower(Some(warren_execd::hardening::Identity { uid, gid })) {
+            return format!("the hardening floor: {e}");
+        }
+    } else {
+        // SAFETY: plain syscalls on this single thread's credentials.
+        unsafe {
+            if libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
+                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
+            {
+                return format!("taking {uid}:{gid}: {}", std::io::Error::last_os_error());
+            }
         }
     }
     match what {
