@@ -6,6 +6,7 @@
 //! expect; see `shared/reference/opensandbox-protocol.md`.
 
 pub mod admin;
+pub mod desktop;
 pub mod error;
 pub mod execd;
 pub mod hardening;

@@ -4,6 +4,7 @@ mod audit;
 mod client;
 mod code;
 mod command;
+mod desktop;
 mod egress;
 mod egress_sidecar;
 mod file;
@@ -112,6 +113,15 @@ enum Verb {
     Egress {
         #[command(subcommand)]
         command: egress::EgressCommand,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        #[command(flatten)]
+        out: output::OutputArgs,
+    },
+    /// A sandbox's desktop (made with `extensions.desktop`): screenshots, mouse, keyboard, windows.
+    Desktop {
+        #[command(subcommand)]
+        command: desktop::DesktopCommand,
         #[command(flatten)]
         server: client::ServerArgs,
         #[command(flatten)]
@@ -303,6 +313,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let (_, client, format) = remote(&server, &out)?;
             tokio::runtime::Runtime::new()?.block_on(egress::run(command, &client, format))
         }
+        Verb::Desktop {
+            command,
+            server,
+            out,
+        } => {
+            let (_, client, format) = remote(&server, &out)?;
+            tokio::runtime::Runtime::new()?.block_on(desktop::run(command, &client, format))
+        }
         Verb::Usage {
             tenant,
             server,
@@ -403,5 +421,16 @@ fn human_bytes(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.1} {}", units[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap checks the whole command tree (clashing flags, bad defaults) only when asked: a
+    /// clash would otherwise be a panic at run time, in the one verb that has it.
+    #[test]
+    fn the_command_tree_is_sound() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
     }
 }

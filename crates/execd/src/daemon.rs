@@ -245,6 +245,14 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
     state.hardening = hardening.status;
     state.isolation = crate::isolation::Isolation::new(config.isolation_helper.take());
     state.forker = forker;
+    // A desktop asked for is up (its X server answering) before execd listens, and before the
+    // entrypoint starts, which may want to draw on it.
+    if let Ok(size) = std::env::var(warren_api::desktop::DESKTOP_ENV) {
+        let desktop = crate::desktop::Desktop::start(&reaper, &size)
+            .await
+            .map_err(|e| anyhow::anyhow!("the desktop: {e}"))?;
+        state.desktop = Some(Arc::new(desktop));
+    }
     let state = Arc::new(state);
     crate::isolation::Isolation::start_collector(&state);
     let app = match config.access.take() {

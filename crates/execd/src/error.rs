@@ -11,6 +11,7 @@ use warren_api::ErrorBody;
 /// execd error codes (`components/execd/pkg/web/model/error.go` in the reference).
 pub mod code {
     pub const INVALID_REQUEST_BODY: &str = "INVALID_REQUEST_BODY";
+    pub const DESKTOP_NOT_RUNNING: &str = "DESKTOP_NOT_RUNNING";
     pub const MISSING_QUERY: &str = "MISSING_QUERY";
     pub const RUNTIME_ERROR: &str = "RUNTIME_ERROR";
     pub const INVALID_FILE: &str = "INVALID_FILE";

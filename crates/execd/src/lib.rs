@@ -6,6 +6,7 @@ pub mod access;
 pub mod cli;
 pub mod command;
 pub mod daemon;
+pub mod desktop;
 pub mod download;
 pub mod error;
 pub mod files;
@@ -63,6 +64,8 @@ pub struct AppState {
     pub forker: Option<forker::Forker>,
     /// execd as init and the floor under user code, as `GET /v1/isolated/capabilities` reports it.
     pub hardening: warren_api::hardening::HardeningStatus,
+    /// The sandbox's desktop, when it asked for one (see `desktop`).
+    pub desktop: Option<Arc<desktop::Desktop>>,
 }
 
 impl AppState {
@@ -79,6 +82,7 @@ impl AppState {
             filesystem_workers: Arc::new(tokio::sync::Semaphore::new(identity::MAX_WORKERS)),
             isolation: Default::default(),
             forker: None,
+            desktop: None,
             hardening: hardening::Hardening::resolve(
                 None,
                 None,
@@ -179,6 +183,15 @@ fn routes() -> Router<Arc<AppState>> {
         .merge(files_routes())
         .route("/v1/filesystem/{uid}/{gid}/{*rest}", any(identity::forward))
         .route("/v1/isolated/capabilities", get(isolation::capabilities))
+        .route("/desktop", get(desktop::info))
+        .route("/desktop/screenshot", get(desktop::screenshot))
+        .route("/desktop/cursor", get(desktop::cursor))
+        .route("/desktop/mouse", post(desktop::mouse))
+        .route("/desktop/keyboard", post(desktop::keyboard))
+        .route("/desktop/windows", get(desktop::windows))
+        .route("/desktop/windows/{id}/focus", post(desktop::focus))
+        .route("/desktop/launch", post(desktop::launch))
+        .route("/desktop/wait", post(desktop::wait))
         .route("/v1/isolated/session", post(isolation::create))
         .route("/v1/isolated/sessions", get(isolation::list))
         .route(

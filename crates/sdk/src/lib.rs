@@ -54,6 +54,7 @@
 mod client;
 mod code;
 mod commands;
+mod desktop;
 mod egress;
 mod error;
 mod files;
@@ -65,6 +66,7 @@ mod vault;
 pub use client::{Client, Config, ListQuery};
 pub use code::CodeTarget;
 pub use commands::{Logs, Session};
+pub use desktop::Region;
 pub use egress::{NetworkPolicy, NetworkRule, PolicyStatus};
 pub use error::{Error, Result};
 pub use files::{ByteStream, Ownership};

@@ -205,7 +205,7 @@ pub fn create_plan(
         }
     }
     let limits = resource_limits(req.resource_limits.as_ref(), defaults)?;
-    let env = req.env.unwrap_or_default();
+    let mut env = req.env.unwrap_or_default();
     check_env(&env)?;
     let metadata = req.metadata.unwrap_or_default();
     if metadata.len() > bounds::MAX_METADATA {
@@ -221,6 +221,15 @@ pub fn create_plan(
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
     let mut extensions = req.extensions.unwrap_or_default();
     check_extensions(&extensions)?;
+    if let Some(v) = extensions.get(warren_api::desktop::DESKTOP_EXTENSION) {
+        // A desktop for GUI agents: execd starts it (see `warren_execd::desktop`); commands find
+        // it on DISPLAY unless the create names another.
+        let (w, h) = warren_api::desktop::parse_size(v)
+            .map_err(|e| ApiError::invalid(format!("extensions.{e}")))?;
+        env.insert(warren_api::desktop::DESKTOP_ENV.into(), format!("{w}x{h}"));
+        env.entry("DISPLAY".into())
+            .or_insert_with(|| DESKTOP_DISPLAY.into());
+    }
     if let Some(seconds) = renewal {
         // The structured successor of the extension: one setting, stored as the extension that
         // renew on access reads (see `proxy`).
@@ -253,6 +262,9 @@ pub fn create_plan(
         tenant: warren_store::default_tenant(),
     })
 }
+
+/// The display execd's desktop is (`warren_execd::desktop::DISPLAY`).
+const DESKTOP_DISPLAY: &str = ":0";
 
 /// Names `execve` takes, values within its bounds, and no more of them than [`bounds`] allows.
 pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {

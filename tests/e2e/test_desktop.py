@@ -1,0 +1,216 @@
+"""Desktops for GUI agents: a sandbox created with `extensions.desktop` is Running with its X
+server answering (Xvfb, a window manager, VNC with noVNC: the host's Debian packages through the
+`host` image), and execd's computer-use API drives it over the X protocol — screenshots as PNG
+(whole, a region, scaled), the cursor, mouse moves, clicks, drags and scrolls, key chords and
+Unicode text, windows listed and focused, programs launched, waiting until the screen is still.
+A real xterm takes what is typed. Bad input is a clear 4xx. The desktop is execd's, the same on
+every runtime; the `host` image is the native runtime's: on the embedded runtime."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import time
+import zlib
+
+import pytest
+
+import warren_e2e as W
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+def png_pixels(data: bytes) -> tuple[int, int, bytes]:
+    """RGB rows of an 8-bit RGB PNG (filter bytes undone for the None/Sub/Up filters used here)."""
+    w, h = png_size(data)
+    chunks, i = [], 8
+    while i < len(data):
+        n, kind = struct.unpack(">I4s", data[i:i + 8])
+        if kind == b"IDAT":
+            chunks.append(data[i + 8:i + 8 + n])
+        i += 12 + n
+    raw = zlib.decompress(b"".join(chunks))
+    stride, out, prev = w * 3, bytearray(), bytearray(w * 3)
+    for y in range(h):
+        f, row = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for x in range(stride):
+            a = row[x - 3] if x >= 3 else 0
+            b, c = prev[x], prev[x - 3] if x >= 3 else 0
+            if f == 1:
+                row[x] = (row[x] + a) & 255
+            elif f == 2:
+                row[x] = (row[x] + b) & 255
+            elif f == 3:
+                row[x] = (row[x] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                row[x] = (row[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        out += row
+        prev = row
+    return w, h, bytes(out)
+
+
+@pytest.fixture(scope="module")
+def desk(server):
+    if server.runtime != "embedded":
+        pytest.skip("the desktop is execd's, the same on every runtime; the host image is the native runtime's")
+    with server.client() as api:
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"),
+                                                         extensions={"desktop": "1024x768"}))
+        assert r.status_code == 202, r.text
+        sid = r.json()["id"]
+        W.track_sandbox(sid)
+        st = W.wait_until(lambda: (s := api.get(f"/v1/sandboxes/{sid}").json()["status"])["state"]
+                          in ("Running", "Failed") and s, 60, message="the desktop sandbox")
+        assert st["state"] == "Running", st
+        yield api, sid
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
+def call(desk, method: str, path: str, **kw):
+    api, sid = desk
+    return api.request(method, f"/v1/sandboxes/{sid}/proxy/44772/desktop{path}", **kw)
+
+
+def test_the_desktop_is_up_when_the_sandbox_is_running(desk):
+    info = call(desk, "GET", "").json()
+    assert info == {"display": ":0", "width": 1024, "height": 768, "vnc": True}, info
+    shot = call(desk, "GET", "/screenshot")
+    assert shot.status_code == 200 and shot.headers["content-type"] == "image/png"
+    assert png_size(shot.content) == (1024, 768)
+    half = call(desk, "GET", "/screenshot", params={"scale": 0.5})
+    assert png_size(half.content) == (512, 384)
+    region = call(desk, "GET", "/screenshot", params={"x": 10, "y": 20, "width": 300, "height": 200})
+    assert png_size(region.content) == (300, 200)
+    # Commands find the display.
+    api, sid = desk
+    r = api.post(f"/v1/sandboxes/{sid}/proxy/44772/command", json={"command": "echo $DISPLAY"})
+    assert ":0" in r.text
+
+
+def test_an_agent_launches_types_into_and_finds_a_window(desk):
+    title = "warren-e2e-xterm"
+    r = call(desk, "POST", "/launch", json={"command": f"xterm -T {title} -geometry 80x20+50+50"})
+    assert r.status_code == 200 and r.json()["pid"] > 0, r.text
+
+    def window():
+        return next((w for w in call(desk, "GET", "/windows").json() if w["title"] == title), None)
+    win = W.wait_until(window, 20, interval=0.2, message="the xterm window")
+    assert win["width"] > 100 and win["height"] > 100, win
+    assert call(desk, "POST", f"/windows/{win['id']}/focus").status_code == 204
+    W.wait_until(lambda: window()["focused"], 10, interval=0.2, message="the xterm focused")
+    # What the agent types reaches the program: ASCII, shifted characters and Unicode.
+    r = call(desk, "POST", "/keyboard", json={"action": "type", "text": "echo 'Typed: héllo €!' > /tmp/typed"})
+    assert r.status_code == 204, r.text
+    assert call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["Return"]}).status_code == 204
+    api, sid = desk
+
+    def typed():
+        r = api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download", params={"path": "/tmp/typed"})
+        return r.status_code == 200 and r.text
+    assert W.wait_until(typed, 10, interval=0.2, message="what was typed") == "Typed: héllo €!\n"
+    # A chord: ctrl+u clears the line in the shell, so only what follows runs.
+    call(desk, "POST", "/keyboard", json={"action": "type", "text": "echo wrong > /tmp/chord"})
+    call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["ctrl+u"]})
+    call(desk, "POST", "/keyboard", json={"action": "type", "text": "echo right > /tmp/chord\n"})
+    assert W.wait_until(lambda: (r := api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download",
+                                               params={"path": "/tmp/chord"})).status_code == 200 and r.text,
+                        10, interval=0.2, message="the chord") == "right\n"
+    # The window shows on the screen: its pixels are not the bare background's.
+    call(desk, "POST", "/wait", json={"still_ms": 300, "timeout_ms": 5000})
+    w, h, px = png_pixels(call(desk, "GET", "/screenshot", params={
+        "x": win["x"], "y": win["y"], "width": win["width"], "height": win["height"]}).content)
+    assert len({px[i:i + 3] for i in range(0, len(px), 3)}) > 1, "the window's region is one colour"
+
+
+def test_the_mouse_moves_clicks_drags_and_scrolls(desk):
+    for body, at in (({"action": "move", "x": 100, "y": 120}, (100, 120)),
+                     ({"action": "click", "x": 300, "y": 200, "button": "right"}, (300, 200)),
+                     ({"action": "click", "x": 310, "y": 210, "count": 2}, (310, 210)),
+                     ({"action": "drag", "from": {"x": 20, "y": 20}, "to": {"x": 400, "y": 300}}, (400, 300)),
+                     ({"action": "scroll", "x": 500, "y": 400, "dy": 3}, (500, 400)),
+                     ({"action": "scroll", "dx": -2}, (500, 400))):
+        r = call(desk, "POST", "/mouse", json=body)
+        assert r.status_code == 200 and (r.json()["x"], r.json()["y"]) == at, (body, r.text)
+    assert call(desk, "GET", "/cursor").json() == {"x": 500, "y": 400}
+    call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["Escape"]})
+
+
+def test_waiting_until_the_screen_is_still(desk):
+    r = call(desk, "POST", "/wait", json={"still_ms": 200, "timeout_ms": 5000})
+    assert r.status_code == 200 and r.json()["still"] is True, r.text
+    # A clock ticking on screen is never still: the wait says so at its timeout.
+    call(desk, "POST", "/launch", json={"command": "xterm -T ticking -geometry 20x2+600+10 -e "
+                                                   "sh -c 'while :; do date +%N; sleep 0.05; done'"})
+    time.sleep(1)
+    r = call(desk, "POST", "/wait", json={"still_ms": 1000, "timeout_ms": 2000})
+    assert r.status_code == 200 and r.json()["still"] is False and r.json()["waited_ms"] >= 2000, r.text
+
+
+def test_bad_input_is_a_clear_4xx(desk, server):
+    for path, body in (("/mouse", {"action": "move", "x": 5000, "y": 10}),
+                       ("/mouse", {"action": "click", "x": -1, "y": 10}),
+                       ("/mouse", {"action": "click", "x": 10}),
+                       ("/mouse", {"action": "teleport", "x": 1, "y": 1}),
+                       ("/mouse", {"action": "click", "x": 1, "y": 1, "count": 9}),
+                       ("/keyboard", {"action": "key", "keys": ["ctrl+hyperdrive"]}),
+                       ("/keyboard", {"action": "key", "keys": []}),
+                       ("/launch", {"url": "javascript:alert(1)"}),
+                       ("/wait", {"still_ms": 0})):
+        r = call(desk, "POST", path, json=body)
+        assert r.status_code == 400 and r.json()["code"] and r.json()["message"], (path, body, r.text)
+    for params in ({"x": 2000}, {"scale": 2}, {"x": 1000, "width": 100}):
+        r = call(desk, "GET", "/screenshot", params=params)
+        assert r.status_code == 400, (params, r.text)
+    assert call(desk, "POST", "/windows/123456/focus").status_code == 400
+    with server.client() as api:
+        # A sandbox without a desktop says how to get one.
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host")))
+        sid = r.json()["id"]
+        W.track_sandbox(sid)
+        W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Running", 30)
+        r = api.get(f"/v1/sandboxes/{sid}/proxy/44772/desktop/screenshot")
+        assert r.status_code == 409 and r.json()["code"] == "DESKTOP_NOT_RUNNING", r.text
+        assert "extensions.desktop" in r.json()["message"]
+        api.delete(f"/v1/sandboxes/{sid}")
+        # A size that is none is refused at create, nothing made.
+        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"),
+                                                         extensions={"desktop": "99999x3"}))
+        W.assert_error_body(r, codes=[400])
+        assert "desktop" in r.json()["message"]
+
+
+def test_the_cli_drives_the_desktop(desk, server, tmp_path):
+    """`warren desktop screenshot ID > shot.png`, `launch`, `type`, `key`, `click`, `windows`."""
+    api, sid = desk
+
+    def cli(*args: str, text: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run([str(server.bin), "desktop", *args, "--domain", server.domain,
+                              "--api-key", server.api_key], capture_output=True, text=text, timeout=60)
+        assert res.returncode == 0, (args, res.stdout, res.stderr)
+        return res
+    shot = cli("screenshot", sid, "--scale", "0.25", text=False).stdout
+    assert png_size(shot) == (256, 192)
+    cli("screenshot", sid, "--width", "64", "--height", "32", "--out", str(tmp_path / "r.png"))
+    assert png_size((tmp_path / "r.png").read_bytes()) == (64, 32)
+    assert int(json.loads(cli("launch", sid, "xterm -T cli-xterm -geometry 60x10+200+300", "-o", "json").stdout)["pid"]) > 0
+    win = W.wait_until(lambda: next((w for w in json.loads(cli("windows", sid, "-o", "json").stdout)
+                                     if w["title"] == "cli-xterm"), None), 20, interval=0.3, message="the window")
+    assert "cli-xterm" in cli("windows", sid).stdout
+    at = json.loads(cli("click", sid, str(win["x"] + 20), str(win["y"] + 20), "-o", "json").stdout)
+    assert at == {"x": win["x"] + 20, "y": win["y"] + 20}
+    cli("type", sid, "echo from-the-cli > /tmp/cli-typed")
+    cli("key", sid, "Return")
+    got = W.wait_until(lambda: (r := api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download",
+                                             params={"path": "/tmp/cli-typed"})).status_code == 200 and r.text,
+                       10, interval=0.2, message="what the CLI typed")
+    assert got == "from-the-cli\n"
+    # An unknown key name fails with the server's message and a non-zero exit.
+    bad = subprocess.run([str(server.bin), "desktop", "key", sid, "ctrl+hyperdrive", "--domain", server.domain,
+                          "--api-key", server.api_key], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "hyperdrive" in bad.stderr, (bad.stdout, bad.stderr)
