@@ -214,3 +214,63 @@ def test_the_cli_drives_the_desktop(desk, server, tmp_path):
     bad = subprocess.run([str(server.bin), "desktop", "key", sid, "ctrl+hyperdrive", "--domain", server.domain,
                           "--api-key", server.api_key], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "hyperdrive" in bad.stderr, (bad.stdout, bad.stderr)
+
+
+def test_mcp_computer_use_tools(desk, server):
+    """`warren mcp`'s desktop tools, as the official MCP client calls them: a screenshot is an
+    image the model sees; click, move, drag, scroll, type and key take computer-use shaped
+    arguments; a bad key name is a tool error the model can read."""
+    import asyncio
+    import base64
+
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    api, sid = desk
+    params = StdioServerParameters(command=str(server.bin),
+                                   args=["mcp", "--domain", server.domain, "--api-key", server.api_key])
+
+    async def run():
+        async with stdio_client(params) as (r, w), ClientSession(r, w) as s:
+            await s.initialize()
+
+            async def call(tool, **args):
+                res = await s.call_tool(tool, dict(sandbox_id=sid, **args))
+                assert not res.is_error, f"{tool}: {res.content}"
+                return res
+
+            shot = (await call("desktop_screenshot", scale=0.5)).content[0]
+            assert shot.type == "image" and shot.mime_type == "image/png"
+            assert png_size(base64.b64decode(shot.data)) == (512, 384)
+            part = (await call("desktop_screenshot", region=[0, 0, 100, 50])).content[0]
+            assert png_size(base64.b64decode(part.data)) == (100, 50)
+            await call("desktop_launch", command="xterm -T mcp-xterm -geometry 60x10+100+400")
+
+            async def window():
+                ws = (await call("desktop_windows")).structured_content["windows"]
+                return next((w for w in ws if w["title"] == "mcp-xterm"), None)
+            for _ in range(100):
+                if win := await window():
+                    break
+                await asyncio.sleep(0.2)
+            assert win, "the xterm the MCP tool launched"
+            at = (await call("desktop_click", coordinate=[win["x"] + 10, win["y"] + 10])).structured_content
+            assert at == {"x": win["x"] + 10, "y": win["y"] + 10}
+            await call("desktop_type", text="echo mcp-typed > /tmp/mcp-typed")
+            await call("desktop_key", text="Return")
+            assert (await call("desktop_move", coordinate=[5, 6])).structured_content == {"x": 5, "y": 6}
+            got = (await call("desktop_drag", start_coordinate=[10, 10], coordinate=[40, 30])).structured_content
+            assert got == {"x": 40, "y": 30}
+            got = (await call("desktop_scroll", coordinate=[50, 60], scroll_direction="down")).structured_content
+            assert got == {"x": 50, "y": 60}
+            assert (await call("desktop_cursor_position")).structured_content == {"x": 50, "y": 60}
+            bad = await s.call_tool("desktop_key", {"sandbox_id": sid, "text": "ctrl+hyperdrive"})
+            assert bad.is_error and "hyperdrive" in bad.content[0].text, bad
+            bad = await s.call_tool("desktop_click", {"sandbox_id": sid, "coordinate": [99999, 1]})
+            assert bad.is_error, bad
+
+    asyncio.run(run())
+    got = W.wait_until(lambda: (r := api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download",
+                                             params={"path": "/tmp/mcp-typed"})).status_code == 200 and r.text,
+                       10, interval=0.2, message="what the MCP tool typed")
+    assert got == "mcp-typed\n"

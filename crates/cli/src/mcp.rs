@@ -61,6 +61,9 @@ macro_rules! try_tool {
     };
 }
 
+// After the macro, so the desktop tools can use it.
+mod desktop;
+
 #[derive(Deserialize, JsonSchema)]
 pub struct CreateArgs {
     /// Image to run (an imported name such as `python:3.12`, or `host`).
@@ -221,7 +224,7 @@ impl WarrenMcp {
     pub fn new(client: Client) -> Self {
         Self {
             client,
-            tool_router: Self::tool_router(),
+            tool_router: Self::tool_router() + Self::desktop_router(),
         }
     }
 
@@ -570,7 +573,9 @@ impl ServerHandler for WarrenMcp {
             .with_instructions(
                 "Warren sandboxes: create one with sandbox_create, run commands with command_run, \
                  move files with file_read/file_write, run code with code_run, and delete it with \
-                 sandbox_kill when done.",
+                 sandbox_kill when done. A sandbox created with extensions {\"desktop\": \"true\"} \
+                 has a desktop: see it with desktop_screenshot and drive it with desktop_click, \
+                 desktop_type, desktop_key and desktop_scroll.",
             )
     }
 }
@@ -642,6 +647,6 @@ mod tests {
             want == text,
             "MCP tool list changed (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{text}"
         );
-        assert_eq!(tools.len(), 21);
+        assert_eq!(tools.len(), 31);
     }
 }
