@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -208,23 +207,9 @@ def test_cors_lets_only_the_configured_origin_call_the_api(srv, app):
     assert "access-control-allow-origin" not in r.headers
 
 
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not found:
-        pytest.fail("chromium is not installed (scripts/install-deps installs it)", pytrace=False)
-    return found
-
-
 def _open_in_chromium(url: str, profile: Path) -> subprocess.Popen:
-    args = [_chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-default-apps", "--disable-extensions", "--disable-domain-reliability",
-            "--disable-client-side-phishing-detection", "--metrics-recording-only",
-            # Loopback only: no other name resolves; anything else goes to a dead proxy.
-            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE *.localhost, EXCLUDE 127.0.0.1",
-            "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=localhost;*.localhost;127.0.0.1",
-            url]
+    args = [W.chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+            *W.CHROMIUM_LOOPBACK_FLAGS, url]
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=open(profile / "chromium.log", "wb"), start_new_session=True)
 

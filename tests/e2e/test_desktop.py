@@ -12,6 +12,7 @@ import json
 import struct
 import subprocess
 import time
+import uuid
 import zlib
 
 import pytest
@@ -274,3 +275,87 @@ def test_mcp_computer_use_tools(desk, server):
                                              params={"path": "/tmp/mcp-typed"})).status_code == 200 and r.text,
                        10, interval=0.2, message="what the MCP tool typed")
     assert got == "mcp-typed\n"
+
+
+@pytest.fixture(scope="module")
+def viewable(work_root, server):
+    """A server whose endpoints are signed host names under `localhost:PORT` (Chromium resolves
+    every `*.localhost` to loopback itself), and a desktop sandbox on it."""
+    if server.runtime != "embedded":
+        pytest.skip("the live view is noVNC's behind Warren's proxy, the same on every runtime")
+    s = W.WarrenServer("embedded", work_root, f"desktop-view-{uuid.uuid4().hex[:6]}")
+    port = W.free_port()
+    s.more_config = f'[endpoints]\ndomain = "localhost:{port}"\nmax_signed_seconds = 3600\n'
+    s.check_binary()
+    s.start(port=port)
+    try:
+        with s.client() as api:
+            r = api.post("/v1/sandboxes", json=W.create_body(s.sandbox_image("host"),
+                                                             extensions={"desktop": "1024x768"}))
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Running", 60)
+            yield s, api, sid
+            api.delete(f"/v1/sandboxes/{sid}")
+    finally:
+        s.stop()
+
+
+VIEW_COLOUR = (0x1E, 0x90, 0xFF)
+
+
+def test_a_signed_url_opens_the_live_view_in_a_real_browser(viewable, tmp_path):
+    """noVNC through a signed URL, in headless Chromium on the host with no header, cookie or key:
+    the page shows the sandbox's desktop (a window the test made, in a colour it chose). The
+    interactive link (port 6080) moves the sandbox's pointer; the view-only one (6081) cannot, even
+    when the page is told it may: its VNC server takes no input."""
+    from playwright.sync_api import sync_playwright
+
+    srv, api, sid = viewable
+    desk_call = lambda method, path, **kw: api.request(method, f"/v1/sandboxes/{sid}/proxy/44772/desktop{path}", **kw)  # noqa: E731
+    hexcol = "#%02x%02x%02x" % VIEW_COLOUR
+    desk_call("POST", "/launch", json={"command": f"xterm -T warren-live-view -bg '{hexcol}' -geometry 60x20+200+150"})
+    W.wait_until(lambda: any(w["title"] == "warren-live-view" for w in desk_call("GET", "/windows").json()),
+                 20, interval=0.2, message="the window to show")
+    desk_call("POST", "/mouse", json={"action": "move", "x": 5, "y": 5})
+
+    def signed(port: int) -> str:
+        r = api.get(f"/v1/sandboxes/{sid}/endpoints/{port}", params={"expires": str(int(time.time()) + 600)})
+        assert r.status_code == 200 and not r.json().get("headers"), r.text
+        return r.json()["endpoint"]
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=W.chromium_binary(),
+                                    args=["--no-sandbox", *W.CHROMIUM_LOOPBACK_FLAGS])
+        try:
+            for port, interactive in ((6080, True), (6081, False)):
+                page = browser.new_context(viewport={"width": 1200, "height": 900}).new_page()
+                # view_only=0 even for the view-only link: the page may try; the server refuses.
+                page.goto(f"http://{signed(port)}/vnc.html?autoconnect=1&resize=off&view_only=0")
+                canvas = page.locator("#noVNC_container canvas")
+                canvas.wait_for(timeout=30_000)
+                W.wait_until(lambda: (canvas.bounding_box() or {}).get("width") == 1024, 30, interval=0.2,
+                             message="noVNC's canvas at the desktop's size")
+                shot_path = tmp_path / f"view-{port}.png"
+
+                def shows_the_window():
+                    page.screenshot(path=str(shot_path))
+                    w, h, px = png_pixels(shot_path.read_bytes())
+                    near = sum(1 for i in range(0, len(px), 3)
+                               if all(abs(px[i + k] - VIEW_COLOUR[k]) < 24 for k in range(3)))
+                    return near > 60_000 and near  # the xterm is ~480x300 of that colour
+                W.wait_until(shows_the_window, 30, interval=0.5,
+                             message=f"the page ({port}) to show the window (screenshot: {shot_path})")
+                box = canvas.bounding_box()
+                page.mouse.click(box["x"] + 700, box["y"] + 600)
+                time.sleep(1)
+                at = desk_call("GET", "/cursor").json()
+                if interactive:
+                    assert at == {"x": 700, "y": 600}, at
+                    desk_call("POST", "/mouse", json={"action": "move", "x": 5, "y": 5})
+                else:
+                    assert at == {"x": 5, "y": 5}, f"the view-only link moved the pointer: {at}"
+                page.context.close()
+        finally:
+            browser.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import httpx
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_IMAGE_NAME = "warren-test:bookworm"
@@ -827,6 +829,25 @@ def json_or_text(resp: httpx.Response) -> Any:
         return resp.json()
     except (ValueError, json.JSONDecodeError):
         return resp.text
+
+
+# A browser a test starts stays on loopback: no other name resolves (`*.localhost` is loopback to
+# Chromium itself), anything else goes to a dead proxy, and its background services are off.
+CHROMIUM_LOOPBACK_FLAGS = [
+    "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-default-apps", "--disable-extensions", "--disable-domain-reliability",
+    "--disable-client-side-phishing-detection", "--metrics-recording-only",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE *.localhost, EXCLUDE 127.0.0.1",
+    "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=localhost;*.localhost;127.0.0.1",
+]
+
+
+def chromium_binary() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        pytest.fail("chromium is not installed (scripts/install-deps installs it)", pytrace=False)
+    return found
 
 
 def sdk_sandbox(srv: "WarrenServer", image: str, **kw):
