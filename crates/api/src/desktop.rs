@@ -12,6 +12,24 @@ pub const DESKTOP_EXTENSION: &str = "desktop";
 pub const VIEW_PORT: u16 = 6080;
 pub const VIEW_ONLY_PORT: u16 = 6081;
 
+/// The create extension that asks for a browser: `"true"`: Chromium with its DevTools endpoint on
+/// [`CDP_PORT`], on the desktop when the sandbox has one, headless otherwise.
+pub const BROWSER_EXTENSION: &str = "browser";
+/// The variable that asks execd for the browser; the server sets it from [`BROWSER_EXTENSION`].
+pub const BROWSER_ENV: &str = "WARREN_BROWSER";
+/// The sandbox port of the browser's DevTools endpoint (HTTP and WebSocket): the port the
+/// reference's Chrome example reads.
+pub const CDP_PORT: u16 = 9222;
+
+/// Whether an extension's value says yes.
+pub fn parse_switch(name: &str, text: &str) -> Result<bool, String> {
+    match text.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(format!("{name}: {text:?} is not true or false")),
+    }
+}
+
 /// The default size of a desktop.
 pub const DEFAULT_SIZE: (u16, u16) = (1280, 800);
 

@@ -253,6 +253,12 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
             .map_err(|e| anyhow::anyhow!("the desktop: {e}"))?;
         state.desktop = Some(Arc::new(desktop));
     }
+    if std::env::var_os(warren_api::desktop::BROWSER_ENV).is_some() {
+        let browser = crate::browser::Browser::start(&reaper, state.desktop.is_some())
+            .await
+            .map_err(|e| anyhow::anyhow!("the browser: {e}"))?;
+        state.browser = Some(Arc::new(browser));
+    }
     let state = Arc::new(state);
     crate::isolation::Isolation::start_collector(&state);
     let app = match config.access.take() {

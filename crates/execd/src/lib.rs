@@ -3,6 +3,7 @@
 //! sandbox's entrypoint, and reaps every process of the sandbox.
 
 pub mod access;
+pub mod browser;
 pub mod cli;
 pub mod command;
 pub mod daemon;
@@ -66,6 +67,8 @@ pub struct AppState {
     pub hardening: warren_api::hardening::HardeningStatus,
     /// The sandbox's desktop, when it asked for one (see `desktop`).
     pub desktop: Option<Arc<desktop::Desktop>>,
+    /// The sandbox's browser, when it asked for one (see `browser`).
+    pub browser: Option<Arc<browser::Browser>>,
 }
 
 impl AppState {
@@ -83,6 +86,7 @@ impl AppState {
             isolation: Default::default(),
             forker: None,
             desktop: None,
+            browser: None,
             hardening: hardening::Hardening::resolve(
                 None,
                 None,

@@ -24,6 +24,9 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
+/// The most of a DevTools JSON answer that is rewritten.
+const DEVTOOLS_JSON_MAX: usize = 4 << 20;
+
 fn bad_gateway(msg: impl Into<String>) -> Response {
     ApiError::new(StatusCode::BAD_GATEWAY, code::RUNTIME_ERROR, msg).into_response()
 }
@@ -108,6 +111,10 @@ pub async fn proxy(mut req: Request) -> Response {
             parts.headers.insert(header::HOST, v);
         }
     }
+    // DevTools' JSON answers carry WebSocket URLs for the caller to rewrite (see `browser`).
+    let devtools_json = (port == warren_api::desktop::CDP_PORT
+        && parts.uri.path().starts_with("/json"))
+    .then(|| parts.headers.clone());
     let upstream_req = Request::from_parts(parts, body);
 
     let mut resp = match sender.send_request(upstream_req).await {
@@ -136,6 +143,17 @@ pub async fn proxy(mut req: Request) -> Response {
 
     let (mut parts, body) = resp.into_parts();
     strip_hop_headers(&mut parts.headers, false);
+    if let Some(request) = devtools_json {
+        // Small answers (a list of targets); a larger one goes through as it is.
+        let limited = http_body_util::Limited::new(body, DEVTOOLS_JSON_MAX);
+        let bytes = match http_body_util::BodyExt::collect(limited).await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return bad_gateway(format!("DevTools on port {port}: {e}")),
+        };
+        let out = crate::browser::rewrite_json(&bytes, &request).unwrap_or_else(|| bytes.to_vec());
+        parts.headers.remove(header::CONTENT_LENGTH);
+        return Response::from_parts(parts, Body::from(out));
+    }
     Response::from_parts(parts, Body::new(body))
 }
 

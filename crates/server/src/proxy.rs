@@ -205,6 +205,7 @@ async fn relay_opened(
         format!("/proxy/{port}/{rest}{query}")
     };
 
+    let forwarded = (port != EXECD_PORT).then(|| Forwarded::of(app, &req, rest));
     let client_upgrade = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
@@ -214,6 +215,15 @@ async fn relay_opened(
     parts
         .headers
         .insert(http::header::HOST, HeaderValue::from_static("localhost"));
+    // The app sees `Host: localhost`; these say the URL its caller used, for an app that must
+    // write its own absolute URLs (DevTools' WebSocket addresses). Always Warren's: a caller's
+    // own are replaced.
+    for name in Forwarded::HEADERS {
+        parts.headers.remove(name);
+    }
+    if let Some(f) = forwarded {
+        f.insert(&mut parts.headers);
+    }
     parts.uri = match path.parse() {
         Ok(u) => u,
         Err(_) => return ApiError::invalid("invalid proxied path").into_response(),
@@ -416,4 +426,56 @@ fn renew_on_access(app: &AppState, rec: &warren_store::SandboxRecord) {
             tracing::debug!(sandbox_id = %id, error = %e.message, "renew on access");
         }
     });
+}
+
+/// The URL a proxied request's caller used, as `X-Forwarded-Host`, `-Proto` and `-Prefix`: the
+/// part of the path before the app's own (`/signed/{token}`, `/v1/sandboxes/{id}/proxy/{port}`,
+/// or nothing on an endpoint host).
+struct Forwarded {
+    host: Option<HeaderValue>,
+    proto: &'static str,
+    prefix: Option<HeaderValue>,
+}
+
+impl Forwarded {
+    const HEADERS: [&'static str; 3] = [
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-forwarded-prefix",
+    ];
+
+    fn of(app: &AppState, req: &Request, rest: &str) -> Self {
+        let host = req.headers().get(http::header::HOST).cloned().or_else(|| {
+            req.uri()
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        // The path as the caller sent it (a nested router has taken `/v1` off `uri()`).
+        let path = req
+            .extensions()
+            .get::<axum::extract::OriginalUri>()
+            .map_or(req.uri().path(), |o| o.0.path());
+        // `rest` is the app's path as routed; the prefix is what came before it. A path the
+        // router decoded differently has none to give.
+        let prefix = path
+            .strip_suffix(rest)
+            .map(|p| p.trim_end_matches('/'))
+            .filter(|p| !p.is_empty())
+            .and_then(|p| HeaderValue::from_str(p).ok());
+        Forwarded {
+            host,
+            proto: if app.tls.is_some() { "https" } else { "http" },
+            prefix,
+        }
+    }
+
+    fn insert(self, headers: &mut http::HeaderMap) {
+        if let Some(host) = self.host {
+            headers.insert("x-forwarded-host", host);
+        }
+        headers.insert("x-forwarded-proto", HeaderValue::from_static(self.proto));
+        if let Some(prefix) = self.prefix {
+            headers.insert("x-forwarded-prefix", prefix);
+        }
+    }
 }

@@ -230,6 +230,14 @@ pub fn create_plan(
         env.entry("DISPLAY".into())
             .or_insert_with(|| DESKTOP_DISPLAY.into());
     }
+    if let Some(v) = extensions.get(warren_api::desktop::BROWSER_EXTENSION) {
+        // Chromium with its DevTools endpoint: execd starts it (see `warren_execd::browser`).
+        let on = warren_api::desktop::parse_switch(warren_api::desktop::BROWSER_EXTENSION, v)
+            .map_err(|e| ApiError::invalid(format!("extensions.{e}")))?;
+        if on {
+            env.insert(warren_api::desktop::BROWSER_ENV.into(), "1".into());
+        }
+    }
     if let Some(seconds) = renewal {
         // The structured successor of the extension: one setting, stored as the extension that
         // renew on access reads (see `proxy`).

@@ -51,7 +51,7 @@ pub struct Desktop {
 }
 
 /// The first of `names` on `PATH`.
-fn find(path: &str, names: &[&str]) -> Option<PathBuf> {
+pub(crate) fn find(path: &str, names: &[&str]) -> Option<PathBuf> {
     names.iter().find_map(|n| {
         std::env::split_paths(path)
             .map(|d| d.join(n))
@@ -59,7 +59,11 @@ fn find(path: &str, names: &[&str]) -> Option<PathBuf> {
     })
 }
 
-fn spawn(reaper: &Reaper, argv: &[&str], env: &BTreeMap<String, String>) -> Result<i32, String> {
+pub(crate) fn spawn(
+    reaper: &Reaper,
+    argv: &[&str],
+    env: &BTreeMap<String, String>,
+) -> Result<i32, String> {
     let mut cmd = Command::new(argv[0]);
     cmd.args(&argv[1..])
         .env_clear()
