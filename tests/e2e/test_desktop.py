@@ -359,3 +359,73 @@ def test_a_signed_url_opens_the_live_view_in_a_real_browser(viewable, tmp_path):
                 page.context.close()
         finally:
             browser.close()
+
+
+TK_APP = r"""
+import sys, tkinter as tk
+root = tk.Tk()
+root.title("warren-tk")
+root.geometry("300x200+600+400")
+tk.Frame(root, bg="#ff8000", width=300, height=100).pack(fill="x")
+def clicked():
+    open("/tmp/tk-clicked", "w").write("clicked\n")
+tk.Button(root, text="Write", command=clicked).pack(fill="both", expand=True)
+root.mainloop()
+"""
+
+
+def test_a_click_on_a_tk_button_and_known_pixels(desk):
+    """A small Tk app: a click on its button writes a file; the colour it paints is exact in a
+    screenshot of its region (Xvfb is 24-bit: what was drawn is what is read)."""
+    api, sid = desk
+    r = api.post(f"/v1/sandboxes/{sid}/proxy/44772/files/upload", files={
+        "metadata": (None, '{"path": "/tmp/tk_app.py"}', "application/json"),
+        "file": ("tk_app.py", TK_APP.encode(), "application/octet-stream")})
+    assert r.status_code == 200, r.text
+    call(desk, "POST", "/launch", json={"command": "python3 /tmp/tk_app.py"})
+    win = W.wait_until(lambda: next((w for w in call(desk, "GET", "/windows").json() if w["title"] == "warren-tk"),
+                                    None), 20, interval=0.2, message="the Tk window")
+    call(desk, "POST", "/wait", json={"still_ms": 300, "timeout_ms": 5000})
+    # The orange band: the window's top 100 pixels, exactly #ff8000 inside.
+    shot = call(desk, "GET", "/screenshot", params={"x": win["x"] + 10, "y": win["y"] + 10,
+                                                     "width": win["width"] - 20, "height": 80})
+    w, h, px = png_pixels(shot.content)
+    assert {px[i:i + 3] for i in range(0, len(px), 3)} == {bytes([0xFF, 0x80, 0x00])}, "not all orange"
+    # The button: the window's lower half.
+    r = call(desk, "POST", "/mouse", json={"action": "click", "x": win["x"] + win["width"] // 2,
+                                            "y": win["y"] + 150})
+    assert r.status_code == 200, r.text
+    got = W.wait_until(lambda: (r := api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download",
+                                             params={"path": "/tmp/tk-clicked"})).status_code == 200 and r.text,
+                       10, interval=0.2, message="the button's file")
+    assert got == "clicked\n"
+
+
+def test_claim_a_desktop_from_a_warm_pool(server):
+    """A pool whose template asks for a desktop holds sandboxes with the desktop up: a claim is
+    Running with its display answering at once."""
+    if server.runtime != "embedded":
+        pytest.skip("the host image is the native runtime's")
+    with server.client() as api:
+        name = f"desk-{uuid.uuid4().hex[:8]}"
+        template = W.create_body(server.sandbox_image("host"), extensions={"desktop": "800x600"})
+        template["env"] = {"E2E_DESK_POOL": name}
+        r = api.post("/v1/pools", json={"name": name, "template": template, "maxWaitSeconds": 10,
+                                        "capacitySpec": {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 2}})
+        assert r.status_code == 201, r.text
+        try:
+            W.wait_until(lambda: api.get(f"/v1/pools/{name}").json()["status"]["available"] >= 1, 120,
+                         interval=0.2, message="a warm desktop")
+            t0 = time.perf_counter()
+            r = api.post("/v1/sandboxes", json={**template, "extensions": {"poolRef": name}})
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            W.track_sandbox(sid)
+            shot = api.get(f"/v1/sandboxes/{sid}/proxy/44772/desktop/screenshot")
+            first_ms = (time.perf_counter() - t0) * 1000
+            assert shot.status_code == 200 and png_size(shot.content) == (800, 600), shot.text[:200]
+            assert api.get(f"/v1/pools/{name}").json()["status"]["allocated"] == 1
+            print(f"warm pool: claim to first screenshot {first_ms:.1f} ms")
+            api.delete(f"/v1/sandboxes/{sid}")
+        finally:
+            api.delete(f"/v1/pools/{name}")

@@ -37,6 +37,8 @@ use x11::{Failure, X};
 pub const DISPLAY: &str = ":0";
 /// How long the X server may take to answer.
 const X_START: Duration = Duration::from_secs(15);
+/// How long the window manager may take to manage the screen.
+const WM_START: Duration = Duration::from_secs(5);
 /// The VNC servers behind the two views.
 const VNC_PORT: u16 = 5900;
 const VNC_VIEW_ONLY_PORT: u16 = 5901;
@@ -119,11 +121,28 @@ impl Desktop {
                 _ => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
+        let mut x = x;
         if let Some(wm) = find(
             &path,
             &["openbox", "fluxbox", "twm", "matchbox-window-manager"],
         ) {
             spawn(reaper, &[&wm.to_string_lossy()], &env)?;
+            // A window mapped while the manager starts can be lost to it (openbox takes the map
+            // request and never maps it): the desktop is ready when the manager says it is
+            // (openbox and fluxbox do; twm and matchbox say nothing, and are not waited for).
+            let ewmh = wm.ends_with("openbox") || wm.ends_with("fluxbox");
+            let waited = Instant::now();
+            x = tokio::task::spawn_blocking(move || {
+                if !ewmh {
+                    return x;
+                }
+                while waited.elapsed() < WM_START && !x.wm_ready().unwrap_or(false) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                x
+            })
+            .await
+            .map_err(|e| format!("waiting for the window manager: {e}"))?;
         }
         let mut vnc = false;
         if let Some(x11vnc) = find(&path, &["x11vnc"]) {
@@ -162,6 +181,27 @@ impl Desktop {
                     spawn(reaper, &argv, &env)?;
                 }
                 vnc = web.is_some();
+            }
+            // Ready when they listen: the live view opens at once, and programs start on a
+            // settled display (a Tk app started while the VNC servers were still setting up
+            // waited on its window manager forever, its window never mapped).
+            let mut ports = vec![VNC_PORT, VNC_VIEW_ONLY_PORT];
+            if vnc {
+                ports.extend([VIEW_PORT, VIEW_ONLY_PORT]);
+            }
+            for port in ports {
+                while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_err()
+                {
+                    if started.elapsed() >= X_START {
+                        return Err(format!(
+                            "the desktop's VNC did not listen on port {port} within {} s",
+                            X_START.as_secs()
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
         tracing::info!(

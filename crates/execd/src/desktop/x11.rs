@@ -355,7 +355,9 @@ impl X {
             else {
                 continue; // gone meanwhile
             };
-            if attrs.map_state != xproto::MapState::VIEWABLE {
+            // Unmapped windows, and a window manager's own (override-redirect: its check window,
+            // menus) are not the desktop's windows.
+            if attrs.map_state != xproto::MapState::VIEWABLE || attrs.override_redirect {
                 continue;
             }
             let title = self.title(id)?;
@@ -382,6 +384,13 @@ impl X {
             });
         }
         Ok(out)
+    }
+
+    /// Whether an EWMH window manager manages the screen (its `_NET_SUPPORTING_WM_CHECK` set).
+    pub fn wm_ready(&self) -> R<bool> {
+        Ok(!self
+            .windows_property(self.root, "_NET_SUPPORTING_WM_CHECK")?
+            .is_empty())
     }
 
     /// Raises and focuses window `id` (through the window manager when there is one).
