@@ -1,10 +1,14 @@
 """Desktops for GUI agents: a sandbox created with `extensions.desktop` is Running with its X
-server answering (Xvfb, a window manager, VNC with noVNC: the host's Debian packages through the
-`host` image), and execd's computer-use API drives it over the X protocol — screenshots as PNG
-(whole, a region, scaled), the cursor, mouse moves, clicks, drags and scrolls, key chords and
-Unicode text, windows listed and focused, programs launched, waiting until the screen is still.
-A real xterm takes what is typed. Bad input is a clear 4xx. The desktop is execd's, the same on
-every runtime; the `host` image is the native runtime's: on the embedded runtime."""
+server answering (Xvfb, a window manager, VNC with noVNC), and execd's computer-use API drives it
+over the X protocol — screenshots as PNG (whole, a region, scaled), the cursor, mouse moves,
+clicks, drags and scrolls, key chords and Unicode text, windows listed and focused, programs
+launched, waiting until the screen is still. A real xterm takes what is typed, a Tk button writes a
+file, painted pixels read back exact. Bad input is a clear 4xx. The CLI and MCP tools drive it; a
+real Chromium on the host opens its live view by a signed URL; a warm pool holds desktops.
+
+The desktop is execd's, the same on every runtime: it runs on the embedded runtime (the host's
+Debian packages through the `host` image) and on Docker (the desktop image, build-test-image's
+desktop variant). Client paths (CLI, MCP, live view) run on the embedded runtime only."""
 
 from __future__ import annotations
 
@@ -56,12 +60,28 @@ def png_pixels(data: bytes) -> tuple[int, int, bytes]:
     return w, h, bytes(out)
 
 
+def desktop_image(server) -> str:
+    """The host's own programs on the embedded runtime; the desktop image on Docker."""
+    if server.runtime == "embedded":
+        return server.sandbox_image("host")
+    if server.runtime == "docker":
+        rootfs = W.desktop_rootfs()
+        if not (rootfs / "usr/bin/Xvfb").exists():
+            pytest.fail(f"no desktop image at {rootfs} (scripts/build-test-image {rootfs} desktop)", pytrace=False)
+        server.import_image(W.DESKTOP_IMAGE_NAME, rootfs)
+        return W.DESKTOP_IMAGE_NAME
+    pytest.skip("the desktop is execd's, the same on every runtime: the native one and Docker cover it")
+
+
+def client_only(server) -> None:
+    if server.runtime != "embedded":
+        pytest.skip("a client's path (CLI, MCP), the same on every runtime")
+
+
 @pytest.fixture(scope="module")
 def desk(server):
-    if server.runtime != "embedded":
-        pytest.skip("the desktop is execd's, the same on every runtime; the host image is the native runtime's")
     with server.client() as api:
-        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"),
+        r = api.post("/v1/sandboxes", json=W.create_body(desktop_image(server),
                                                          extensions={"desktop": "1024x768"}))
         assert r.status_code == 202, r.text
         sid = r.json()["id"]
@@ -170,8 +190,9 @@ def test_bad_input_is_a_clear_4xx(desk, server):
         assert r.status_code == 400, (params, r.text)
     assert call(desk, "POST", "/windows/123456/focus").status_code == 400
     with server.client() as api:
-        # A sandbox without a desktop says how to get one.
-        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host")))
+        # A sandbox without a desktop (its image has the programs; the create did not ask) says how
+        # to get one.
+        r = api.post("/v1/sandboxes", json=W.create_body(desktop_image(server)))
         sid = r.json()["id"]
         W.track_sandbox(sid)
         W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}").json()["status"]["state"] == "Running", 30)
@@ -180,7 +201,7 @@ def test_bad_input_is_a_clear_4xx(desk, server):
         assert "extensions.desktop" in r.json()["message"]
         api.delete(f"/v1/sandboxes/{sid}")
         # A size that is none is refused at create, nothing made.
-        r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host"),
+        r = api.post("/v1/sandboxes", json=W.create_body(desktop_image(server),
                                                          extensions={"desktop": "99999x3"}))
         W.assert_error_body(r, codes=[400])
         assert "desktop" in r.json()["message"]
@@ -188,6 +209,7 @@ def test_bad_input_is_a_clear_4xx(desk, server):
 
 def test_the_cli_drives_the_desktop(desk, server, tmp_path):
     """`warren desktop screenshot ID > shot.png`, `launch`, `type`, `key`, `click`, `windows`."""
+    client_only(server)
     api, sid = desk
 
     def cli(*args: str, text: bool = True) -> subprocess.CompletedProcess:
@@ -224,6 +246,7 @@ def test_mcp_computer_use_tools(desk, server):
     import asyncio
     import base64
 
+    client_only(server)
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
 
@@ -404,11 +427,10 @@ def test_a_click_on_a_tk_button_and_known_pixels(desk):
 def test_claim_a_desktop_from_a_warm_pool(server):
     """A pool whose template asks for a desktop holds sandboxes with the desktop up: a claim is
     Running with its display answering at once."""
-    if server.runtime != "embedded":
-        pytest.skip("the host image is the native runtime's")
+    image = desktop_image(server)
     with server.client() as api:
         name = f"desk-{uuid.uuid4().hex[:8]}"
-        template = W.create_body(server.sandbox_image("host"), extensions={"desktop": "800x600"})
+        template = W.create_body(image, extensions={"desktop": "800x600"})
         template["env"] = {"E2E_DESK_POOL": name}
         r = api.post("/v1/pools", json={"name": name, "template": template, "maxWaitSeconds": 10,
                                         "capacitySpec": {"bufferMin": 1, "bufferMax": 1, "poolMin": 0, "poolMax": 2}})

@@ -35,6 +35,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_IMAGE_NAME = "warren-test:bookworm"
 JUPYTER_IMAGE_NAME = "warren-test:jupyter"
+DESKTOP_IMAGE_NAME = "warren-test:desktop"
 CODE_IMAGE_NAME = "warren-test:code-interpreter"
 RUN_ID = uuid.uuid4().hex[:12]
 MARKER_ENV = "WARREN_E2E_RUN"
@@ -80,6 +81,12 @@ def code_rootfs() -> Path:
     """The jupyter image plus the Java, JavaScript and TypeScript kernels (build-test-image's
     code-interpreter variant)."""
     return Path(os.environ.get("WARREN_TEST_CODE_ROOTFS", "/var/cache/warren/test-rootfs-code-interpreter"))
+
+
+def desktop_rootfs() -> Path:
+    """The desktop image (build-test-image's desktop variant): X, a window manager, VNC, noVNC,
+    xterm, Tk and Chromium."""
+    return Path(os.environ.get("WARREN_TEST_DESKTOP_ROOTFS", "/var/cache/warren/test-rootfs-desktop"))
 
 
 def allow_skip() -> bool:

@@ -37,6 +37,8 @@ pub const POOL_REF: &str = "poolRef";
 const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// Warm sandboxes one pool makes at the same time.
 const REFILL_PARALLEL: u32 = 2;
+/// How long a pool's delete waits for the sandboxes it was making to be made and deleted.
+const RETIRE_WAIT: Duration = Duration::from_secs(60);
 /// How long after a claim (from any pool) no refill starts, while the pool still holds more than
 /// a [`HOLD_FLOOR`]th of what it wants and nobody waits for it. A claimed sandbox's client goes
 /// on at once to its first command, which takes a few ms; a refill started beside it (~20 ms of
@@ -433,6 +435,12 @@ impl Pools {
             }
         });
         let _ = deleting.await;
+        // Sandboxes being made when the pool closed delete themselves once made (see
+        // `refill_loop`): the pool is gone when they are, so that a delete leaves nothing running.
+        let deadline = tokio::time::Instant::now() + RETIRE_WAIT;
+        while pool.creating.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn get(&self, tenant: &str, name: &str) -> Result<WirePool, ApiError> {
@@ -708,13 +716,15 @@ impl Pools {
                             // the lock the refill loop counts both under: in between, the loop
                             // would see one too few and make a sandbox past `poolMax`.
                             let mut warm = p.warm.lock().unwrap_or_else(|e| e.into_inner());
-                            p.creating.fetch_sub(1, Ordering::SeqCst);
                             if p.closed.load(Ordering::SeqCst) {
                                 drop(warm);
                                 let _ =
                                     me.inner.sandboxes.delete(&rec.id, REASON_USER_DELETE).await;
+                                // Counted as being made until it is gone: `retire` waits for it.
+                                p.creating.fetch_sub(1, Ordering::SeqCst);
                                 return true;
                             }
+                            p.creating.fetch_sub(1, Ordering::SeqCst);
                             // With replicas the list may have it already: the records' feed
                             // brings this replica's own warm sandboxes too (see
                             // `live_warm_and_creating`).
