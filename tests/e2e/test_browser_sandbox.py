@@ -6,8 +6,8 @@ download lands where the files API reads it; the sandbox's egress policy holds f
 allowed name loads from a fake internet the test builds, a denied one does not).
 
 The host's Playwright drives the sandbox's Chromium only; the host's own browser is not started.
-The `host` image is the native runtime's: on the embedded runtime (the browser is execd's, the same
-on every runtime)."""
+The browser is execd's, the same on every runtime: on the embedded runtime (the host's Chromium
+through the `host` image) and on Docker (the desktop image)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 import warren_e2e as W
 from fakenet import FakeNet
-from test_desktop import png_pixels
+from test_desktop import desktop_image, png_pixels
 
 FORM = """<!doctype html><html><head><title>form</title><style>
 body { margin: 0; background: #ffffff; font: 16px sans-serif }
@@ -41,9 +41,9 @@ def fakenet(work_root):
 
 @pytest.fixture(scope="module")
 def browser_sandbox(server, work_root, fakenet):
-    if server.runtime != "embedded":
-        pytest.skip("the browser is execd's, the same on every runtime; the host image is the native runtime's")
-    s = W.WarrenServer("embedded", work_root, f"browser-sbx-{uuid.uuid4().hex[:6]}")
+    if server.runtime not in ("embedded", "docker"):
+        pytest.skip("the browser is execd's, the same on every runtime: the native one and Docker cover it")
+    s = W.WarrenServer(server.runtime, work_root, f"browser-sbx-{uuid.uuid4().hex[:6]}")
     port = W.free_port()
     s.more_config = f'[endpoints]\ndomain = "localhost:{port}"\nmax_signed_seconds = 3600\n'
     s.extra_config = (f'[network]\nsubnet = "10.232.{port % 200}.0/24"\n'
@@ -53,7 +53,7 @@ def browser_sandbox(server, work_root, fakenet):
     try:
         with s.client() as api:
             r = api.post("/v1/sandboxes", json=W.create_body(
-                s.sandbox_image("host"), extensions={"browser": "true"},
+                desktop_image(s), extensions={"browser": "true"},
                 networkPolicy={"defaultAction": "deny", "egress": [{"action": "allow", "target": "allowed.test"}]}))
             assert r.status_code == 202, r.text
             sid = r.json()["id"]

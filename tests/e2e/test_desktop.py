@@ -8,7 +8,7 @@ real Chromium on the host opens its live view by a signed URL; a warm pool holds
 
 The desktop is execd's, the same on every runtime: it runs on the embedded runtime (the host's
 Debian packages through the `host` image) and on Docker (the desktop image, build-test-image's
-desktop variant). Client paths (CLI, MCP, live view) run on the embedded runtime only."""
+desktop variant). Client paths (CLI, MCP) run on the embedded runtime only."""
 
 from __future__ import annotations
 
@@ -304,16 +304,16 @@ def test_mcp_computer_use_tools(desk, server):
 def viewable(work_root, server):
     """A server whose endpoints are signed host names under `localhost:PORT` (Chromium resolves
     every `*.localhost` to loopback itself), and a desktop sandbox on it."""
-    if server.runtime != "embedded":
-        pytest.skip("the live view is noVNC's behind Warren's proxy, the same on every runtime")
-    s = W.WarrenServer("embedded", work_root, f"desktop-view-{uuid.uuid4().hex[:6]}")
+    if server.runtime not in ("embedded", "docker"):
+        pytest.skip("the live view is noVNC's behind Warren's proxy: the native runtime and Docker cover it")
+    s = W.WarrenServer(server.runtime, work_root, f"desktop-view-{uuid.uuid4().hex[:6]}")
     port = W.free_port()
     s.more_config = f'[endpoints]\ndomain = "localhost:{port}"\nmax_signed_seconds = 3600\n'
     s.check_binary()
     s.start(port=port)
     try:
         with s.client() as api:
-            r = api.post("/v1/sandboxes", json=W.create_body(s.sandbox_image("host"),
+            r = api.post("/v1/sandboxes", json=W.create_body(desktop_image(s),
                                                              extensions={"desktop": "1024x768"}))
             assert r.status_code == 202, r.text
             sid = r.json()["id"]
