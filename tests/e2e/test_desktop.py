@@ -166,11 +166,16 @@ def test_waiting_until_the_screen_is_still(desk):
     r = call(desk, "POST", "/wait", json={"still_ms": 200, "timeout_ms": 5000})
     assert r.status_code == 200 and r.json()["still"] is True, r.text
     # A clock ticking on screen is never still: the wait says so at its timeout.
-    call(desk, "POST", "/launch", json={"command": "xterm -T ticking -geometry 20x2+600+10 -e "
-                                                   "sh -c 'while :; do date +%N; sleep 0.05; done'"})
+    pid = call(desk, "POST", "/launch", json={"command": "xterm -T ticking -geometry 20x2+600+10 -e "
+                                                         "sh -c 'while :; do date +%N; sleep 0.05; done'"}).json()["pid"]
     time.sleep(1)
     r = call(desk, "POST", "/wait", json={"still_ms": 1000, "timeout_ms": 2000})
     assert r.status_code == 200 and r.json()["still"] is False and r.json()["waited_ms"] >= 2000, r.text
+    # The clock goes (its process group: launch starts each program in one of its own).
+    api, sid = desk
+    api.post(f"/v1/sandboxes/{sid}/proxy/44772/command", json={"command": f"kill -- -{pid}"})
+    r = call(desk, "POST", "/wait", json={"still_ms": 300, "timeout_ms": 5000})
+    assert r.json()["still"] is True, r.text
 
 
 def test_bad_input_is_a_clear_4xx(desk, server):
@@ -451,3 +456,40 @@ def test_claim_a_desktop_from_a_warm_pool(server):
             api.delete(f"/v1/sandboxes/{sid}")
         finally:
             api.delete(f"/v1/pools/{name}")
+
+
+def test_recording_a_timeline_of_screenshots(desk, server):
+    """A recording writes a PNG each time the screen changed and a timeline line for it; the files
+    API reads both; a still screen adds nothing; it stops on request and says what it made."""
+    api, sid = desk
+    files = f"/v1/sandboxes/{sid}/proxy/44772/files/download"
+    folder = f"/tmp/rec-{uuid.uuid4().hex[:6]}"
+    r = call(desk, "POST", "/recording", json={"dir": folder, "fps": 5, "scale": 0.5})
+    assert r.status_code == 201 and r.json()["running"] is True and r.json()["dir"] == folder, r.text
+    # One at a time.
+    r = call(desk, "POST", "/recording", json={"fps": 5})
+    assert r.status_code == 409 and r.json()["code"] == "RECORDING_RUNNING", r.text
+    time.sleep(1)
+    still = call(desk, "GET", "/recording").json()["frames"]
+    time.sleep(1)
+    assert call(desk, "GET", "/recording").json()["frames"] == still, "a still screen made frames"
+    call(desk, "POST", "/launch", json={"command": "xterm -T rec -geometry 40x10+10+10 -e "
+                                                   "sh -c 'for i in 1 2 3 4 5 6; do echo $i; sleep 0.3; done; sleep 60'"})
+    time.sleep(3)
+    done = call(desk, "DELETE", "/recording")
+    assert done.status_code == 200, done.text
+    rec = done.json()
+    assert rec["running"] is False and rec["frames"] >= still + 3 and rec["duration_ms"] >= 4000, rec
+    lines = api.get(files, params={"path": f"{folder}/timeline.jsonl"}).text.splitlines()
+    timeline = [json.loads(x) for x in lines]
+    assert [f["frame"] for f in timeline] == list(range(1, rec["frames"] + 1)), timeline
+    assert all(a["t_ms"] < b["t_ms"] for a, b in zip(timeline, timeline[1:])), timeline
+    first, last = (api.get(files, params={"path": f"{folder}/{f['file']}"}).content for f in (timeline[0], timeline[-1]))
+    assert png_size(first) == png_size(last) == (512, 384)
+    assert first != last
+    # Stopped is stopped: its status stays readable, nothing more is written.
+    time.sleep(1)
+    assert call(desk, "GET", "/recording").json() == rec
+    for body in ({"fps": 0}, {"fps": 30}, {"max_seconds": 0}, {"scale": 3}, {"dir": "/proc/1/nope"}, {"speed": 1}):
+        r = call(desk, "POST", "/recording", json=body)
+        assert r.status_code == 400 and r.json()["message"], (body, r.text)

@@ -181,6 +181,57 @@ pub struct Waited {
     pub waited_ms: u64,
 }
 
+/// `POST /desktop/recording`: record the screen as a timeline of screenshots: a PNG in `dir`
+/// each time the screen changed (looked at `fps` times a second), and `timeline.jsonl` with a
+/// line per frame. The files API reads them.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RecordingStart {
+    /// Where the frames go (made if missing); by default a new folder under `/tmp`.
+    #[serde(default)]
+    pub dir: Option<String>,
+    /// How often the screen is looked at: 1 to 10 times a second (default 2).
+    #[serde(default = "default_fps")]
+    pub fps: u32,
+    /// Frames scaled down (above 0, at most 1).
+    #[serde(default)]
+    pub scale: Option<f64>,
+    /// The recording stops by itself after this long: at most 3600 (default 600).
+    #[serde(default = "default_record_seconds")]
+    pub max_seconds: u64,
+}
+
+fn default_fps() -> u32 {
+    2
+}
+
+fn default_record_seconds() -> u64 {
+    600
+}
+
+/// A recording, running or ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Recording {
+    pub dir: String,
+    pub fps: u32,
+    pub running: bool,
+    /// Frames written (screens that differed from the one before).
+    pub frames: u64,
+    pub duration_ms: u64,
+    /// Why it ended, when it did by itself (`max_seconds`, `max_frames`, an error).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
+}
+
+/// One line of `timeline.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Frame {
+    pub frame: u64,
+    /// Since the recording started.
+    pub t_ms: u64,
+    pub file: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

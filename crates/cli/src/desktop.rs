@@ -3,7 +3,7 @@
 //!
 //! `warren desktop screenshot ID > shot.png`, `click ID X Y [--button right] [--double]`,
 //! `move ID X Y`, `scroll ID [--dy N] [--dx N]`, `type ID TEXT`, `key ID CHORD...`,
-//! `windows ID`, `launch ID COMMAND`, `open ID URL`.
+//! `windows ID`, `launch ID COMMAND`, `open ID URL`, `record ID`, `stop-recording ID`.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use warren_api::desktop::{KeyboardAction, Launch, MouseAction, MouseButton};
 use warren_sdk::{Client, Region};
 
-use warren_api::desktop::{Launched, Point, Window};
+use warren_api::desktop::{Launched, Point, Recording, RecordingStart, Window};
 use warren_sdk::Sandbox;
 
 use crate::client::Explain;
@@ -72,6 +72,20 @@ pub enum DesktopCommand {
     Launch { sandbox: String, command: String },
     /// Open a URL in the image's browser.
     Open { sandbox: String, url: String },
+    /// Start recording the screen as a timeline of screenshots in a folder of the sandbox.
+    Record {
+        sandbox: String,
+        /// The folder (default: a new one under /tmp).
+        #[arg(long)]
+        dir: Option<String>,
+        /// Looks at the screen this often a second (1 to 10).
+        #[arg(long, default_value_t = 2)]
+        fps: u32,
+        #[arg(long, default_value_t = 600)]
+        max_seconds: u64,
+    },
+    /// Stop the recording; say where its frames are.
+    StopRecording { sandbox: String },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -193,8 +207,46 @@ pub async fn run(cmd: DesktopCommand, client: &Client, format: Format) -> anyhow
                 format,
             )?;
         }
+        DesktopCommand::Record {
+            sandbox,
+            dir,
+            fps,
+            max_seconds,
+        } => {
+            let start = RecordingStart {
+                dir,
+                fps,
+                scale: None,
+                max_seconds,
+            };
+            recording(
+                &connect(client, &sandbox)
+                    .await?
+                    .start_recording(&start)
+                    .await?,
+                format,
+            )?;
+        }
+        DesktopCommand::StopRecording { sandbox } => {
+            recording(
+                &connect(client, &sandbox).await?.stop_recording().await?,
+                format,
+            )?;
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn recording(r: &Recording, format: Format) -> anyhow::Result<()> {
+    emit(format, r, |r| {
+        Table::pairs(vec![
+            ("DIR", r.dir.clone()),
+            ("RUNNING", r.running.to_string()),
+            ("FRAMES", r.frames.to_string()),
+            ("DURATION", format!("{} ms", r.duration_ms)),
+            ("ENDED", r.ended.clone().unwrap_or_else(|| "-".into())),
+        ])
+    })
 }
 
 async fn connect(client: &Client, id: &str) -> anyhow::Result<Sandbox> {

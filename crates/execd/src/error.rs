@@ -12,6 +12,9 @@ use warren_api::ErrorBody;
 pub mod code {
     pub const INVALID_REQUEST_BODY: &str = "INVALID_REQUEST_BODY";
     pub const DESKTOP_NOT_RUNNING: &str = "DESKTOP_NOT_RUNNING";
+    /// Warren's own: a desktop recording runs already, or none was started.
+    pub const RECORDING_RUNNING: &str = "RECORDING_RUNNING";
+    pub const NO_RECORDING: &str = "NO_RECORDING";
     pub const MISSING_QUERY: &str = "MISSING_QUERY";
     pub const RUNTIME_ERROR: &str = "RUNTIME_ERROR";
     pub const INVALID_FILE: &str = "INVALID_FILE";

@@ -196,6 +196,12 @@ fn routes() -> Router<Arc<AppState>> {
         .route("/desktop/windows/{id}/focus", post(desktop::focus))
         .route("/desktop/launch", post(desktop::launch))
         .route("/desktop/wait", post(desktop::wait))
+        .route(
+            "/desktop/recording",
+            post(desktop::recording::start)
+                .get(desktop::recording::status)
+                .delete(desktop::recording::stop),
+        )
         .route("/v1/isolated/session", post(isolation::create))
         .route("/v1/isolated/sessions", get(isolation::list))
         .route(

@@ -2,7 +2,8 @@
 //! agents drive it with.
 
 use warren_api::desktop::{
-    DesktopInfo, KeyboardAction, Launch, Launched, MouseAction, Point, Wait, Waited, Window,
+    DesktopInfo, KeyboardAction, Launch, Launched, MouseAction, Point, Recording, RecordingStart,
+    Wait, Waited, Window,
 };
 
 use crate::client::{json, send};
@@ -86,5 +87,23 @@ impl Sandbox {
     pub async fn wait_still(&self, wait: &Wait) -> Result<Waited> {
         let (r, url) = self.execd_call(reqwest::Method::POST, "/desktop/wait");
         json(send(r.json(wait), &url).await?).await
+    }
+
+    /// Starts recording the screen as a timeline of screenshots (read them with the files API).
+    pub async fn start_recording(&self, start: &RecordingStart) -> Result<Recording> {
+        let (r, url) = self.execd_call(reqwest::Method::POST, "/desktop/recording");
+        json(send(r.json(start), &url).await?).await
+    }
+
+    /// The current or last recording.
+    pub async fn recording(&self) -> Result<Recording> {
+        let (r, url) = self.execd_call(reqwest::Method::GET, "/desktop/recording");
+        json(send(r, &url).await?).await
+    }
+
+    /// Stops the recording and says what it made.
+    pub async fn stop_recording(&self) -> Result<Recording> {
+        let (r, url) = self.execd_call(reqwest::Method::DELETE, "/desktop/recording");
+        json(send(r, &url).await?).await
     }
 }

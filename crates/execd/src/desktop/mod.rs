@@ -9,6 +9,7 @@
 //! mouse, keyboard, windows, launch, wait until still.
 
 pub mod keys;
+pub mod recording;
 pub mod x11;
 
 use std::collections::BTreeMap;
@@ -50,6 +51,8 @@ pub struct Desktop {
     pub vnc: bool,
     /// The X connection the API uses, made on first use and again after an error.
     x: Mutex<Option<X>>,
+    /// Its recording, if one was started.
+    recorder: recording::Recorder,
 }
 
 /// The first of `names` on `PATH`.
@@ -216,11 +219,12 @@ impl Desktop {
             height,
             vnc,
             x: Mutex::new(Some(x)),
+            recorder: Default::default(),
         })
     }
 
     /// Runs `f` on the X connection, off the async runtime.
-    async fn with<T: Send + 'static>(
+    pub(crate) async fn with<T: Send + 'static>(
         self: &Arc<Self>,
         f: impl FnOnce(&X) -> Result<T, Failure> + Send + 'static,
     ) -> ApiResult<T> {
@@ -248,7 +252,7 @@ impl Desktop {
     }
 }
 
-fn desktop(app: &AppState) -> ApiResult<Arc<Desktop>> {
+pub(crate) fn desktop(app: &AppState) -> ApiResult<Arc<Desktop>> {
     app.desktop.clone().ok_or_else(|| {
         ApiError::new(
             StatusCode::CONFLICT,
