@@ -100,7 +100,7 @@ def call(desk, method: str, path: str, **kw):
 
 def test_the_desktop_is_up_when_the_sandbox_is_running(desk):
     info = call(desk, "GET", "").json()
-    assert info == {"display": ":0", "width": 1024, "height": 768, "vnc": True}, info
+    assert info == {"display": ":0", "width": 1024, "height": 768, "vnc": True, "capture": "shm"}, info
     shot = call(desk, "GET", "/screenshot")
     assert shot.status_code == 200 and shot.headers["content-type"] == "image/png"
     assert png_size(shot.content) == (1024, 768)

@@ -58,6 +58,9 @@ pub struct DesktopInfo {
     pub height: u16,
     /// Whether a VNC server (and noVNC on [`VIEW_PORT`] / [`VIEW_ONLY_PORT`]) serves it.
     pub vnc: bool,
+    /// How screenshots are read: `shm` (MIT-SHM shared memory) or `get_image` (through the
+    /// X connection, where the server has no MIT-SHM).
+    pub capture: String,
 }
 
 /// `GET /desktop/cursor`.

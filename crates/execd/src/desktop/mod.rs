@@ -10,6 +10,7 @@
 
 pub mod keys;
 pub mod recording;
+mod shm;
 pub mod x11;
 
 use std::collections::BTreeMap;
@@ -265,11 +266,13 @@ pub(crate) fn desktop(app: &AppState) -> ApiResult<Arc<Desktop>> {
 /// `GET /desktop`.
 pub async fn info(State(app): State<Arc<AppState>>) -> ApiResult<Json<DesktopInfo>> {
     let d = desktop(&app)?;
+    let shared = d.with(|x| Ok(x.shared_memory())).await?;
     Ok(Json(DesktopInfo {
         display: DISPLAY.into(),
         width: d.width,
         height: d.height,
         vnc: d.vnc,
+        capture: if shared { "shm" } else { "get_image" }.into(),
     }))
 }
 

@@ -1,4 +1,5 @@
-//! The computer-use actions over the X protocol itself (x11rb): screenshots with `GetImage`,
+//! The computer-use actions over the X protocol itself (x11rb): screenshots through MIT-SHM
+//! (`super::shm`, else `GetImage`),
 //! input through the XTEST extension (as a real keyboard and mouse, so every program sees it),
 //! windows through the EWMH properties the window manager keeps. One connection, blocking: its
 //! callers run it off the async runtime and one at a time.
@@ -34,6 +35,8 @@ pub struct X {
     root: xproto::Window,
     pub width: u16,
     pub height: u16,
+    /// Shared memory the size of the screen, for screenshots, when the server takes it.
+    shm: Option<super::shm::Segment>,
 }
 
 /// The X button numbers: 1 left, 2 middle, 3 right; 4/5 wheel up/down, 6/7 left/right.
@@ -53,12 +56,19 @@ impl X {
         conn.extension_information(x11rb::protocol::xtest::X11_EXTENSION_NAME)
             .map_err(display)?
             .ok_or_else(|| Failure::Display("the X server has no XTEST extension".into()))?;
+        let shm = super::shm::Segment::attach(&conn, usize::from(width) * usize::from(height) * 4);
         Ok(X {
             conn,
             root,
             width,
             height,
+            shm,
         })
+    }
+
+    /// Whether screenshots come through shared memory (MIT-SHM).
+    pub fn shared_memory(&self) -> bool {
+        self.shm.is_some()
     }
 
     /// A round trip: everything sent before has been handled.
@@ -94,6 +104,19 @@ impl X {
                 self.width, self.height
             )));
         }
+        let bgrx = |data: &[u8]| -> Vec<u8> {
+            // Depth 24 in 32 bits per pixel, little-endian: B, G, R, unused.
+            data.chunks_exact(4)
+                .flat_map(|p| [p[2], p[1], p[0]])
+                .collect()
+        };
+        if let Some(pixels) = self
+            .shm
+            .as_ref()
+            .and_then(|s| s.get_image(&self.conn, self.root, (sx, sy, w as u16, h as u16)))
+        {
+            return Ok(bgrx(pixels));
+        }
         let img = self
             .conn
             .get_image(
@@ -115,11 +138,7 @@ impl X {
                 img.depth
             )));
         }
-        Ok(img
-            .data
-            .chunks_exact(4)
-            .flat_map(|p| [p[2], p[1], p[0]])
-            .collect())
+        Ok(bgrx(&img.data))
     }
 
     pub fn cursor(&self) -> R<Point> {
