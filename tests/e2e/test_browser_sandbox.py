@@ -11,6 +11,7 @@ through the `host` image) and on Docker (the desktop image)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -31,6 +32,17 @@ body.done { background: rgb(0, 200, 83) }
 </body></html>"""
 
 DONE = (0, 200, 83)
+
+# Answers with the request's headers, as JSON (single quotes: it runs as `python3 -c '…'`).
+HEADERS_APP = """
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8001), H).serve_forever()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +82,11 @@ def browser_sandbox(server, work_root, fakenet):
             r = api.post(f"{execd}/command", json={
                 "command": "python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp/site", "background": True})
             assert r.status_code == 200, r.text
+            r = api.post(f"{execd}/command", json={"command": f"python3 -c '{HEADERS_APP}'", "background": True})
+            assert r.status_code == 200, r.text
+            for port in (8000, 8001):
+                W.wait_until(lambda: api.get(f"/v1/sandboxes/{sid}/proxy/{port}/").status_code == 200, 20,
+                             interval=0.1, message=f"the sandbox's server on {port}")
             yield s, api, sid
             api.delete(f"/v1/sandboxes/{sid}")
     finally:
@@ -182,3 +199,17 @@ def test_downloads_land_where_the_files_api_reads_them(browser_sandbox):
             page.close()
         finally:
             browser.close()
+
+
+def test_no_app_sees_the_callers_url(browser_sandbox):
+    """The caller's URL (X-Forwarded-*, which for a signed URL holds its token) goes to execd for
+    the DevTools port only, and execd keeps it: an app sees neither Warren's nor a caller's."""
+    srv, api, sid = browser_sandbox
+    r = api.get(f"/v1/sandboxes/{sid}/endpoints/8001", params={"expires": str(int(time.time()) + 600)})
+    token = r.json()["endpoint"].split(".", 1)[0]
+    import httpx
+    seen = httpx.get(f"{srv.base_url}/signed/{token}/", timeout=30).json()
+    assert seen["host"] == "localhost", seen
+    assert not any(k.startswith("x-forwarded") for k in seen) and token not in json.dumps(seen), seen
+    seen = api.get(f"/v1/sandboxes/{sid}/proxy/8001/", headers={"X-Forwarded-Host": "mine.example"}).json()
+    assert seen.get("x-forwarded-host") == "mine.example", "a caller's own header reaches its app as sent"

@@ -135,6 +135,14 @@ def test_an_agent_launches_types_into_and_finds_a_window(desk):
         r = api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download", params={"path": "/tmp/typed"})
         return r.status_code == 200 and r.text
     assert W.wait_until(typed, 10, interval=0.2, message="what was typed") == "Typed: héllo €!\n"
+    # Characters no key has take turns on a few scratch keycodes: more of them than there are
+    # scratch keycodes all arrive, in order, none lost to a key mapped again too soon.
+    many = "".join(chr(c) for c in range(0x100, 0x130))  # Latin Extended-A: 48 letters
+    r = call(desk, "POST", "/keyboard", json={"action": "type", "text": f"echo {many} > /tmp/many\n"})
+    assert r.status_code == 204, r.text
+    assert W.wait_until(lambda: (r := api.get(f"/v1/sandboxes/{sid}/proxy/44772/files/download",
+                                               params={"path": "/tmp/many"})).status_code == 200 and r.text,
+                        20, interval=0.2, message="the many characters") == many + "\n"
     # A chord: ctrl+u clears the line in the shell, so only what follows runs.
     call(desk, "POST", "/keyboard", json={"action": "type", "text": "echo wrong > /tmp/chord"})
     call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["ctrl+u"]})
@@ -158,8 +166,11 @@ def test_the_mouse_moves_clicks_drags_and_scrolls(desk):
                      ({"action": "scroll", "dx": -2}, (500, 400))):
         r = call(desk, "POST", "/mouse", json=body)
         assert r.status_code == 200 and (r.json()["x"], r.json()["y"]) == at, (body, r.text)
+        if body.get("button") == "right":
+            # A right click on the bare desktop opens the window manager's menu: closed before
+            # the next click could pick one of its items.
+            call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["Escape"]})
     assert call(desk, "GET", "/cursor").json() == {"x": 500, "y": 400}
-    call(desk, "POST", "/keyboard", json={"action": "key", "keys": ["Escape"]})
 
 
 def test_waiting_until_the_screen_is_still(desk):
@@ -190,10 +201,22 @@ def test_bad_input_is_a_clear_4xx(desk, server):
                        ("/wait", {"still_ms": 0})):
         r = call(desk, "POST", path, json=body)
         assert r.status_code == 400 and r.json()["code"] and r.json()["message"], (path, body, r.text)
-    for params in ({"x": 2000}, {"scale": 2}, {"x": 1000, "width": 100}):
+    # Widths that wrap a 32-bit sum, or a u16, are off the screen too; so is a wheel of i32::MIN.
+    for path, body in (("/mouse", {"action": "scroll", "dx": -2**31}),
+                       ("/mouse", {"action": "scroll", "dy": 2**31 - 1}),
+                       ("/wait", {"still_ms": 10, "timeout_ms": 200_000})):
+        r = call(desk, "POST", path, json=body)
+        assert r.status_code == 400 and r.json()["code"] and r.json()["message"], (path, body, r.text)
+    for params in ({"x": 2000}, {"scale": 2}, {"x": 1000, "width": 100}, {"x": 10, "width": 2**32 - 5},
+                   {"width": 2**31 + 1280, "height": 800, "scale": 0.9}, {"width": 65536 + 100},
+                   {"x": "abc"}, {"scale": "nan"}, {"colour": "red"}):
         r = call(desk, "GET", "/screenshot", params=params)
-        assert r.status_code == 400, (params, r.text)
+        assert r.status_code == 400 and r.json()["code"] and r.json()["message"], (params, r.text)
     assert call(desk, "POST", "/windows/123456/focus").status_code == 400
+    r = call(desk, "POST", "/windows/abc/focus")
+    assert r.status_code == 400 and r.json()["code"], r.text
+    # Still up after all that.
+    assert call(desk, "GET", "/cursor").status_code == 200
     with server.client() as api:
         # A sandbox without a desktop (its image has the programs; the create did not ask) says how
         # to get one.

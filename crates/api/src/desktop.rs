@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 /// The variable that asks execd for a desktop (`WIDTHxHEIGHT`); the server sets it from the
 /// create's `extensions.desktop`.
 pub const DESKTOP_ENV: &str = "WARREN_DESKTOP";
-/// The create extension that asks for a desktop: `"true"` (1280x800) or `"WIDTHxHEIGHT"`.
+/// The create extension that asks for a desktop: `"true"` (1280x800) or `"WIDTHxHEIGHT"`
+/// (`"false"`: none).
 pub const DESKTOP_EXTENSION: &str = "desktop";
 /// The sandbox ports of the desktop's live view: noVNC over websockify, interactive and view-only.
 pub const VIEW_PORT: u16 = 6080;

@@ -115,6 +115,17 @@ pub async fn proxy(mut req: Request) -> Response {
     let devtools_json = (port == warren_api::desktop::CDP_PORT
         && parts.uri.path().starts_with("/json"))
     .then(|| parts.headers.clone());
+    if port == warren_api::desktop::CDP_PORT {
+        // The caller's URL is execd's to use, not the browser's to see (it may hold a signed
+        // URL's token).
+        for name in [
+            "x-forwarded-host",
+            "x-forwarded-proto",
+            "x-forwarded-prefix",
+        ] {
+            parts.headers.remove(name);
+        }
+    }
     let upstream_req = Request::from_parts(parts, body);
 
     let mut resp = match sender.send_request(upstream_req).await {
@@ -144,7 +155,7 @@ pub async fn proxy(mut req: Request) -> Response {
     let (mut parts, body) = resp.into_parts();
     strip_hop_headers(&mut parts.headers, false);
     if let Some(request) = devtools_json {
-        // Small answers (a list of targets); a larger one goes through as it is.
+        // Small answers (a list of targets); one larger than DEVTOOLS_JSON_MAX is a 502.
         let limited = http_body_util::Limited::new(body, DEVTOOLS_JSON_MAX);
         let bytes = match http_body_util::BodyExt::collect(limited).await {
             Ok(b) => b.to_bytes(),

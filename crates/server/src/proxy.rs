@@ -205,7 +205,8 @@ async fn relay_opened(
         format!("/proxy/{port}/{rest}{query}")
     };
 
-    let forwarded = (port != EXECD_PORT).then(|| Forwarded::of(app, &req, rest));
+    let devtools = port == warren_api::desktop::CDP_PORT;
+    let forwarded = devtools.then(|| Forwarded::of(app, &req, rest));
     let client_upgrade = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
@@ -215,13 +216,14 @@ async fn relay_opened(
     parts
         .headers
         .insert(http::header::HOST, HeaderValue::from_static("localhost"));
-    // The app sees `Host: localhost`; these say the URL its caller used, for an app that must
-    // write its own absolute URLs (DevTools' WebSocket addresses). Always Warren's: a caller's
-    // own are replaced.
-    for name in Forwarded::HEADERS {
-        parts.headers.remove(name);
-    }
+    // The app sees `Host: localhost`. For the DevTools port, these say the URL its caller used,
+    // for execd to write DevTools' WebSocket addresses with (see `warren_execd::browser`); execd
+    // takes them off before Chromium sees them, so no app gets a signed URL's token from them.
+    // Always Warren's there: a caller's own are replaced.
     if let Some(f) = forwarded {
+        for name in Forwarded::HEADERS {
+            parts.headers.remove(name);
+        }
         f.insert(&mut parts.headers);
     }
     parts.uri = match path.parse() {

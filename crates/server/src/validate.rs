@@ -221,7 +221,10 @@ pub fn create_plan(
     validate_metadata(metadata.iter().map(|(k, v)| (k.as_str(), Some(v.as_str()))))?;
     let mut extensions = req.extensions.unwrap_or_default();
     check_extensions(&extensions)?;
-    if let Some(v) = extensions.get(warren_api::desktop::DESKTOP_EXTENSION) {
+    if let Some(v) = extensions
+        .get(warren_api::desktop::DESKTOP_EXTENSION)
+        .filter(|v| !v.eq_ignore_ascii_case("false"))
+    {
         // A desktop for GUI agents: execd starts it (see `warren_execd::desktop`); commands find
         // it on DISPLAY unless the create names another.
         let (w, h) = warren_api::desktop::parse_size(v)

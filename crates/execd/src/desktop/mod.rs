@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -151,7 +152,12 @@ impl Desktop {
         let mut vnc = false;
         if let Some(x11vnc) = find(&path, &["x11vnc"]) {
             let x11vnc = x11vnc.to_string_lossy().into_owned();
-            for (port, extra) in [(VNC_PORT, None), (VNC_VIEW_ONLY_PORT, Some("-viewonly"))] {
+            // The view-only server takes no input and gives no clipboard (x11vnc sends the X
+            // selection to viewers, which a link that only shows the screen must not).
+            for (port, extra) in [
+                (VNC_PORT, &[][..]),
+                (VNC_VIEW_ONLY_PORT, &["-viewonly", "-nosel"][..]),
+            ] {
                 let port = port.to_string();
                 let mut argv = vec![
                     x11vnc.as_str(),
@@ -165,7 +171,7 @@ impl Desktop {
                     "-nopw",
                     "-quiet",
                 ];
-                argv.extend(extra);
+                argv.extend(extra.iter().copied());
                 spawn(reaper, &argv, &env)?;
             }
             if let Some(ws) = find(&path, &["websockify"]) {
@@ -176,7 +182,10 @@ impl Desktop {
                 for (view, vnc_port) in
                     [(VIEW_PORT, VNC_PORT), (VIEW_ONLY_PORT, VNC_VIEW_ONLY_PORT)]
                 {
-                    let (listen, target) = (view.to_string(), format!("localhost:{vnc_port}"));
+                    // On loopback: execd's proxy reaches it there, and nothing else should (a
+                    // neighbour on a shared network would find a password-free VNC).
+                    let (listen, target) =
+                        (format!("127.0.0.1:{view}"), format!("localhost:{vnc_port}"));
                     let mut argv = vec![ws.as_str()];
                     if let Some(web) = web {
                         argv.extend(["--web", web]);
@@ -290,8 +299,9 @@ pub struct ShotQuery {
 /// `GET /desktop/screenshot`: PNG of the screen or of a region, scaled down if asked.
 pub async fn screenshot(
     State(app): State<Arc<AppState>>,
-    Query(q): Query<ShotQuery>,
+    q: Result<Query<ShotQuery>, QueryRejection>,
 ) -> ApiResult<Response> {
+    let Query(q) = q.map_err(|e| ApiError::bad_body(format!("the query: {}", e.body_text())))?;
     let d = desktop(&app)?;
     let scale = q.scale.unwrap_or(1.0);
     if !(scale > 0.0 && scale <= 1.0) {
@@ -390,7 +400,12 @@ pub async fn windows(
 }
 
 /// `POST /desktop/windows/{id}/focus`.
-pub async fn focus(State(app): State<Arc<AppState>>, Path(id): Path<u32>) -> ApiResult<StatusCode> {
+pub async fn focus(
+    State(app): State<Arc<AppState>>,
+    id: Result<Path<u32>, PathRejection>,
+) -> ApiResult<StatusCode> {
+    let Path(id) =
+        id.map_err(|_| ApiError::bad_body("a window id is a number (GET /desktop/windows)"))?;
     let d = desktop(&app)?;
     d.with(move |x| x.focus(id)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -461,16 +476,31 @@ pub async fn wait(
             "still_ms from 1 to timeout_ms, timeout_ms at most 120000",
         ));
     }
-    let (still, waited) = d
-        .with(move |x| {
-            x.wait_still(
-                Duration::from_millis(w.still_ms),
-                Duration::from_millis(w.timeout_ms),
-            )
-        })
-        .await?;
+    // One look at the screen per turn of the desktop's lock: other actions and a recording go on
+    // while this waits.
+    let (still_for, timeout) = (
+        Duration::from_millis(w.still_ms),
+        Duration::from_millis(w.timeout_ms),
+    );
+    let started = Instant::now();
+    let mut last = d.with(|x| x.look()).await?;
+    let mut since = Instant::now();
+    let still = loop {
+        if since.elapsed() >= still_for {
+            break true;
+        }
+        if started.elapsed() >= timeout {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(50).min(still_for)).await;
+        let now = d.with(|x| x.look()).await?;
+        if now != last {
+            last = now;
+            since = Instant::now();
+        }
+    };
     Ok(Json(Waited {
         still,
-        waited_ms: waited.as_millis() as u64,
+        waited_ms: started.elapsed().as_millis() as u64,
     }))
 }

@@ -5,9 +5,11 @@
 //! nothing needs ffmpeg in the image.
 //!
 //! One recording at a time per desktop. It ends when stopped, after `max_seconds`, after
-//! [`MAX_FRAMES`] frames, or when a frame cannot be read or written (the reason is kept).
+//! [`MAX_FRAMES`] frames or [`MAX_BYTES`] of them, or when a frame cannot be read or written (the
+//! reason is kept).
 
 use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,6 +26,8 @@ use crate::AppState;
 
 /// The most frames one recording writes (a busy screen at 10 fps fills it in ~17 minutes).
 const MAX_FRAMES: u64 = 10_000;
+/// The most bytes of frames one recording writes.
+const MAX_BYTES: u64 = 2 << 30;
 
 /// A desktop's recording slot.
 #[derive(Default)]
@@ -68,17 +72,36 @@ pub async fn start(
             ));
         }
     }
-    let dir = match req.dir.as_deref() {
-        Some(d) => app.resolve(d),
-        None => std::env::temp_dir().join(format!(
-            "warren-recording-{}",
-            chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ")
-        )),
+    let bad = |dir: &std::path::Path, e: std::io::Error| {
+        ApiError::bad_body(format!("the folder {}: {e}", dir.display()))
     };
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| ApiError::bad_body(format!("the folder {}: {e}", dir.display())))?;
-    let timeline = std::fs::File::create(dir.join("timeline.jsonl"))
-        .map_err(|e| ApiError::bad_body(format!("the folder {}: {e}", dir.display())))?;
+    let dir = match req.dir.as_deref() {
+        Some(d) => {
+            let dir = app.resolve(d);
+            std::fs::create_dir_all(&dir).map_err(|e| bad(&dir, e))?;
+            dir
+        }
+        None => {
+            // A new folder nobody else could have made first: a name no one can guess, made
+            // here (not found), readable by the sandbox's user only.
+            let dir = std::env::temp_dir().join(format!(
+                "warren-recording-{}-{}",
+                chrono::Utc::now().format("%Y%m%dT%H%M%SZ"),
+                uuid::Uuid::new_v4().simple()
+            ));
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|e| bad(&dir, e))?;
+            dir
+        }
+    };
+    // Never over another recording's timeline (nor through a link left in its place).
+    let timeline = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dir.join("timeline.jsonl"))
+        .map_err(|e| bad(&dir, e))?;
     let state = Arc::new(Mutex::new(Recording {
         dir: dir.to_string_lossy().into_owned(),
         fps: req.fps,
@@ -147,6 +170,7 @@ async fn record(
     let (w, h) = (u32::from(d.width), u32::from(d.height));
     let mut last: Option<Arc<Vec<u8>>> = None;
     let mut frames = 0u64;
+    let mut bytes = 0u64;
     let ended = loop {
         tokio::select! {
             () = stop.cancelled() => break None,
@@ -169,12 +193,15 @@ async fn record(
         let path = dir.join(&file);
         let written = tokio::task::spawn_blocking(move || {
             let png = x11::png(&rgb, w, h, scale)?;
-            std::fs::write(&path, png).map_err(|e| format!("writing {}: {e}", path.display()))
+            std::fs::write(&path, &png)
+                .map(|()| png.len() as u64)
+                .map_err(|e| format!("writing {}: {e}", path.display()))
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
-        if let Err(e) = written {
-            break Some(e);
+        match written {
+            Ok(n) => bytes += n,
+            Err(e) => break Some(e),
         }
         let line = serde_json::to_string(&Frame {
             frame: frames,
@@ -192,6 +219,9 @@ async fn record(
         }
         if frames >= MAX_FRAMES {
             break Some("max_frames".to_string());
+        }
+        if bytes >= MAX_BYTES {
+            break Some("max_bytes".to_string());
         }
     };
     let mut s = state.lock().unwrap_or_else(|e| e.into_inner());

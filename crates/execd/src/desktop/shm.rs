@@ -18,8 +18,9 @@ pub struct Segment {
     len: usize,
 }
 
-// SAFETY: the mapping belongs to this value alone (made in `attach`, unmapped in `drop`), and it is
-// only read, through `&self`, by the one thread that holds the desktop's connection lock.
+// SAFETY: the mapping belongs to this value alone (made in `attach`, unmapped in `drop`); it is
+// only copied out of through a raw pointer, by the one thread that holds the desktop's connection
+// lock.
 unsafe impl Send for Segment {}
 
 impl Segment {
@@ -66,14 +67,14 @@ impl Segment {
         })
     }
 
-    /// `w`x`h` pixels of `root` at (`x`, `y`) in Z format, 32 bits each; `None` if the server
-    /// would not (the caller then asks with `GetImage`).
+    /// `w`x`h` pixels of `root` at (`x`, `y`) in Z format, 32 bits each, copied out of the
+    /// segment; `None` if the server would not (the caller then asks with `GetImage`).
     pub fn get_image(
         &self,
         conn: &RustConnection,
         root: xproto::Window,
         (x, y, w, h): (i16, i16, u16, u16),
-    ) -> Option<&[u8]> {
+    ) -> Option<Vec<u8>> {
         let need = usize::from(w) * usize::from(h) * 4;
         if need > self.len {
             return None;
@@ -96,9 +97,13 @@ impl Segment {
         if reply.depth != 24 || reply.size as usize != need {
             return None;
         }
-        // SAFETY: the mapping is `len` bytes long, `need` fits in it, and the server has written
-        // the image before it answered.
-        Some(unsafe { std::slice::from_raw_parts(self.addr, need) })
+        // Copied at once through the raw pointer, never lent as a slice: other processes of the
+        // sandbox (its owner, or an X client) could write the segment while it was borrowed.
+        let mut out = vec![0u8; need];
+        // SAFETY: the mapping is `len` bytes long and `need` fits in it; `out` is a new buffer of
+        // `need` bytes that cannot overlap it; the server wrote the image before it answered.
+        unsafe { ptr::copy_nonoverlapping(self.addr, out.as_mut_ptr(), need) };
+        Some(out)
     }
 }
 

@@ -4,7 +4,7 @@
 //! windows through the EWMH properties the window manager keeps. One connection, blocking: its
 //! callers run it off the async runtime and one at a time.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use warren_api::desktop::{MouseButton, Point, Window};
 use x11rb::connection::{Connection, RequestConnection};
@@ -30,6 +30,17 @@ fn display<E: std::fmt::Display>(e: E) -> Failure {
 
 type R<T> = Result<T, Failure>;
 
+/// A keycode to press for a keysym.
+#[derive(Clone, Copy)]
+struct Key {
+    code: u8,
+    /// Shift gives the keysym (its second level).
+    shifted: bool,
+}
+
+/// How many keycodes characters without a key of their own take turns on.
+const SCRATCH_KEYS: usize = 16;
+
 pub struct X {
     conn: RustConnection,
     root: xproto::Window,
@@ -37,6 +48,10 @@ pub struct X {
     pub height: u16,
     /// Shared memory the size of the screen, for screenshots, when the server takes it.
     shm: Option<super::shm::Segment>,
+    /// Keycodes no key had when first needed, lent in turn to characters that have none
+    /// (see [`X::keycode`]), and which of them is next.
+    scratch: std::cell::RefCell<Vec<u8>>,
+    next_scratch: std::cell::Cell<usize>,
 }
 
 /// The X button numbers: 1 left, 2 middle, 3 right; 4/5 wheel up/down, 6/7 left/right.
@@ -63,6 +78,8 @@ impl X {
             width,
             height,
             shm,
+            scratch: Default::default(),
+            next_scratch: Default::default(),
         })
     }
 
@@ -94,10 +111,11 @@ impl X {
     /// The screen, or a region of it, as RGB rows.
     pub fn capture(&self, x: i32, y: i32, w: u32, h: u32) -> R<Vec<u8>> {
         let (sx, sy) = self.on_screen(x, y)?;
+        // (In i64: a width near u32::MAX must not wrap into range.)
         if w == 0
             || h == 0
-            || x + w as i32 > i32::from(self.width)
-            || y + h as i32 > i32::from(self.height)
+            || i64::from(x) + i64::from(w) > i64::from(self.width)
+            || i64::from(y) + i64::from(h) > i64::from(self.height)
         {
             return Err(Failure::Bad(format!(
                 "the region {w}x{h} at ({x}, {y}) is not within the screen ({}x{})",
@@ -110,12 +128,14 @@ impl X {
                 .flat_map(|p| [p[2], p[1], p[0]])
                 .collect()
         };
+        // Within the screen, whose sides are u16: these fit.
+        let (w16, h16) = (w as u16, h as u16);
         if let Some(pixels) = self
             .shm
             .as_ref()
-            .and_then(|s| s.get_image(&self.conn, self.root, (sx, sy, w as u16, h as u16)))
+            .and_then(|s| s.get_image(&self.conn, self.root, (sx, sy, w16, h16)))
         {
-            return Ok(bgrx(pixels));
+            return Ok(bgrx(&pixels));
         }
         let img = self
             .conn
@@ -201,7 +221,7 @@ impl X {
     }
 
     pub fn scroll(&self, at: Option<(i32, i32)>, dx: i32, dy: i32) -> R<()> {
-        if dx.abs() > 100 || dy.abs() > 100 {
+        if dx.unsigned_abs() > 100 || dy.unsigned_abs() > 100 {
             return Err(Failure::Bad("at most 100 wheel clicks at once".into()));
         }
         if let Some((x, y)) = at {
@@ -209,7 +229,7 @@ impl X {
         }
         for (amount, less, more) in [(dy, 4u8, 5u8), (dx, 6, 7)] {
             let b = if amount < 0 { less } else { more };
-            for _ in 0..amount.abs() {
+            for _ in 0..amount.unsigned_abs() {
                 self.fake(xproto::BUTTON_PRESS_EVENT, b, 0, 0)?;
                 self.fake(xproto::BUTTON_RELEASE_EVENT, b, 0, 0)?;
             }
@@ -230,23 +250,26 @@ impl X {
         Ok((min, m.keysyms_per_keycode, m.keysyms))
     }
 
-    /// The keycode that gives `sym`, and whether Shift is needed for it; or a spare keycode mapped
-    /// to `sym` for the moment (as xdotool does for characters no key has).
-    fn keycode(&self, sym: u32) -> R<(u8, bool)> {
+    /// The keycode that gives `sym`, and whether Shift is needed for it; or, for a character no
+    /// key has, a scratch keycode mapped to it (as xdotool does). The scratch keycodes take
+    /// turns: one is mapped again only [`SCRATCH_KEYS`] characters later, long after the
+    /// programs have read the key it gave (a key mapped back at once can be read with the new
+    /// map, and its character lost), and they never run out.
+    fn keycode(&self, sym: u32) -> R<Key> {
         let (min, per, syms) = self.mapping()?;
         let per = usize::from(per.max(1));
         for (i, row) in syms.chunks(per).enumerate() {
             if let Some(level) = row.iter().take(2).position(|s| *s == sym) {
-                return Ok((min + i as u8, level == 1));
+                return Ok(Key {
+                    code: min + i as u8,
+                    shifted: level == 1,
+                });
             }
         }
-        let spare = syms
-            .chunks(per)
-            .rposition(|row| row.iter().all(|s| *s == 0))
-            .ok_or_else(|| {
-                Failure::Display("no spare keycode to type this character with".into())
-            })?;
-        let code = min + spare as u8;
+        let scratch = self.scratch_keys(min, per, &syms)?;
+        let turn = self.next_scratch.get();
+        self.next_scratch.set(turn.wrapping_add(1));
+        let code = scratch[turn % scratch.len()];
         let mut row = vec![0u32; per];
         row[0] = sym;
         if per > 1 {
@@ -258,11 +281,41 @@ impl X {
         self.sync()?;
         // Clients read the new map when its MappingNotify reaches them.
         std::thread::sleep(Duration::from_millis(20));
-        Ok((code, false))
+        Ok(Key {
+            code,
+            shifted: false,
+        })
+    }
+
+    /// The scratch keycodes: the last run of keycodes no key had when first asked (up to
+    /// [`SCRATCH_KEYS`] in a row, so that one request maps them all at once).
+    fn scratch_keys(&self, min: u8, per: usize, syms: &[u32]) -> R<Vec<u8>> {
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.is_empty() {
+            let empty: Vec<bool> = syms
+                .chunks(per)
+                .map(|row| row.iter().all(|s| *s == 0))
+                .collect();
+            if let Some(last) = empty.iter().rposition(|e| *e) {
+                let first = (0..=last)
+                    .rev()
+                    .take_while(|i| empty[*i])
+                    .last()
+                    .unwrap_or(last)
+                    .max(last + 1 - SCRATCH_KEYS.min(last + 1));
+                *scratch = (first..=last).map(|i| min + i as u8).collect();
+            }
+        }
+        if scratch.is_empty() {
+            return Err(Failure::Display(
+                "the keyboard has no spare keycode to type this character with".into(),
+            ));
+        }
+        Ok(scratch.clone())
     }
 
     fn shift(&self) -> R<u8> {
-        Ok(self.keycode(0xffe1)?.0)
+        Ok(self.keycode(0xffe1)?.code)
     }
 
     /// Presses the chord's keys in order (with Shift where a key needs it), then releases them
@@ -271,14 +324,14 @@ impl X {
         let syms = keys::chord(text).map_err(Failure::Bad)?;
         let mut down = Vec::new();
         for sym in syms {
-            let (code, shifted) = self.keycode(sym)?;
-            if shifted {
+            let key = self.keycode(sym)?;
+            if key.shifted {
                 let s = self.shift()?;
                 self.fake(xproto::KEY_PRESS_EVENT, s, 0, 0)?;
                 down.push(s);
             }
-            self.fake(xproto::KEY_PRESS_EVENT, code, 0, 0)?;
-            down.push(code);
+            self.fake(xproto::KEY_PRESS_EVENT, key.code, 0, 0)?;
+            down.push(key.code);
         }
         for code in down.iter().rev() {
             self.fake(xproto::KEY_RELEASE_EVENT, *code, 0, 0)?;
@@ -291,14 +344,67 @@ impl X {
             return Err(Failure::Bad("at most 10,000 characters at once".into()));
         }
         let shift = self.shift()?;
-        for c in text.chars() {
-            let (code, shifted) = self.keycode(keys::char_keysym(c))?;
-            if shifted {
+        // The map, read once: each character's key, and the scratch keys' present keysyms.
+        let (min, per, syms) = self.mapping()?;
+        let per = usize::from(per.max(1));
+        let mut keyed = std::collections::HashMap::new();
+        for (i, row) in syms.chunks(per).enumerate() {
+            for (level, sym) in row.iter().take(2).enumerate().rev() {
+                if *sym != 0 {
+                    keyed.insert(*sym, (min + i as u8, level == 1));
+                }
+            }
+        }
+        let wanted: Vec<u32> = text.chars().map(keys::char_keysym).collect();
+        for (at, sym) in wanted.iter().enumerate() {
+            let (code, shifted) = match keyed.get(sym) {
+                Some(k) => *k,
+                None => {
+                    // The scratch keys take the next characters no key has, all in one change
+                    // of the map (each change makes every program and the window manager read
+                    // the map again: one per character slowed a whole desktop for seconds).
+                    let scratch = self.scratch_keys(min, per, &syms)?;
+                    let mut next: Vec<u32> = Vec::new();
+                    for s in &wanted[at..] {
+                        let has_key = keyed.get(s).is_some_and(|(c, _)| !scratch.contains(c));
+                        if !has_key && !next.contains(s) {
+                            next.push(*s);
+                            if next.len() == scratch.len() {
+                                break;
+                            }
+                        }
+                    }
+                    // What was typed with the old map is read with it first.
+                    self.sync()?;
+                    std::thread::sleep(Duration::from_millis(50));
+                    let mut rows = vec![0u32; scratch.len() * per];
+                    for (k, s) in next.iter().enumerate() {
+                        rows[k * per] = *s;
+                        if per > 1 {
+                            rows[k * per + 1] = *s;
+                        }
+                    }
+                    self.conn
+                        .change_keyboard_mapping(scratch.len() as u8, scratch[0], per as u8, &rows)
+                        .map_err(display)?;
+                    self.sync()?;
+                    std::thread::sleep(Duration::from_millis(20));
+                    keyed.retain(|_, (c, _)| !scratch.contains(c));
+                    for (k, s) in next.iter().enumerate() {
+                        keyed.insert(*s, (scratch[k], false));
+                    }
+                    *keyed.get(sym).ok_or_else(|| {
+                        Failure::Display("a character could not be given a key".into())
+                    })?
+                }
+            };
+            let key = Key { code, shifted };
+            if key.shifted {
                 self.fake(xproto::KEY_PRESS_EVENT, shift, 0, 0)?;
             }
-            self.fake(xproto::KEY_PRESS_EVENT, code, 0, 0)?;
-            self.fake(xproto::KEY_RELEASE_EVENT, code, 0, 0)?;
-            if shifted {
+            self.fake(xproto::KEY_PRESS_EVENT, key.code, 0, 0)?;
+            self.fake(xproto::KEY_RELEASE_EVENT, key.code, 0, 0)?;
+            if key.shifted {
                 self.fake(xproto::KEY_RELEASE_EVENT, shift, 0, 0)?;
             }
             self.sync()?;
@@ -437,31 +543,13 @@ impl X {
     }
 
     /// Waits until two looks at the screen `still` apart are the same, or `timeout` passes.
-    pub fn wait_still(&self, still: Duration, timeout: Duration) -> R<(bool, Duration)> {
-        let started = Instant::now();
-        let look = || -> R<u64> {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            self.capture(0, 0, u32::from(self.width), u32::from(self.height))?
-                .hash(&mut h);
-            Ok(h.finish())
-        };
-        let mut last = look()?;
-        let mut since = Instant::now();
-        loop {
-            if since.elapsed() >= still {
-                return Ok((true, started.elapsed()));
-            }
-            if started.elapsed() >= timeout {
-                return Ok((false, started.elapsed()));
-            }
-            std::thread::sleep(Duration::from_millis(50).min(still));
-            let now = look()?;
-            if now != last {
-                last = now;
-                since = Instant::now();
-            }
-        }
+    /// A fingerprint of the whole screen, to tell whether it changed.
+    pub fn look(&self) -> R<u64> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.capture(0, 0, u32::from(self.width), u32::from(self.height))?
+            .hash(&mut h);
+        Ok(h.finish())
     }
 }
 
