@@ -121,10 +121,12 @@ impl SharedBody {
         Self(Arc::new(std::sync::Mutex::new(stream)))
     }
 
-    /// Reads and discards the rest of the body (bounded: an upload's epilogue is tiny; a client
-    /// that keeps sending after the closing boundary is cut off after 1 MiB).
+    /// Reads and discards the rest of the body, bounded: an upload's epilogue is tiny, but after
+    /// a refusal (a path execd will not write) the rest of the refused file is unread too. Up to
+    /// 8 MiB is read so that the client gets the answer; a client that sends more than that is
+    /// cut off (and may see a failed request instead).
     async fn drain(&self) {
-        let mut left = 1usize << 20;
+        let mut left = 8usize << 20;
         while let Some(Ok(chunk)) = self.clone().next().await {
             left = left.saturating_sub(chunk.len());
             if left == 0 {
