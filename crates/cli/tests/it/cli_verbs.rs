@@ -435,6 +435,7 @@ fn help_matches_snapshots() {
         &["run"],
         &["image"],
         &["key"],
+        &["desktop"],
     ];
     let update = std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some();
     let mut stale = Vec::new();
