@@ -54,6 +54,24 @@ pub struct Match {
     pub paths: Vec<String>,
 }
 
+impl Match {
+    /// Whether it takes `scheme` on `port`, for some host.
+    fn takes(&self, scheme: &str, port: u16) -> bool {
+        self.schemes.iter().any(|s| s == scheme) && self.ports.contains(&port)
+    }
+
+    /// Whether it takes connections to `host:port` over `scheme`.
+    fn reaches(&self, scheme: &str, host: &str, port: u16) -> bool {
+        self.takes(scheme, port) && self.hosts.iter().any(|h| host_matches(h, host))
+    }
+
+    /// Whether it takes `method` requests to `host:port` over `scheme`, on any path.
+    fn serves(&self, scheme: &str, host: &str, port: u16, method: &str) -> bool {
+        self.reaches(scheme, host, port)
+            && self.methods.iter().any(|x| x.eq_ignore_ascii_case(method))
+    }
+}
+
 fn https() -> Vec<String> {
     vec!["https".into()]
 }
@@ -420,21 +438,19 @@ impl Vault {
         )
     }
 
-    /// Whether some binding could apply to connections to `host:port` over `scheme` (then they are
-    /// intercepted; all others are tunnelled untouched).
     /// Whether any binding takes `scheme` on `port`, for some host.
     pub fn takes_scheme_on(&self, scheme: &str, port: u16) -> bool {
-        self.bindings.values().any(|b| {
-            b.matcher.schemes.iter().any(|s| s == scheme) && b.matcher.ports.contains(&port)
-        })
+        self.bindings
+            .values()
+            .any(|b| b.matcher.takes(scheme, port))
     }
 
+    /// Whether some binding could apply to connections to `host:port` over `scheme` (then they are
+    /// intercepted; all others are tunnelled untouched).
     pub fn wants(&self, scheme: &str, host: &str, port: u16) -> bool {
-        self.bindings.values().any(|b| {
-            b.matcher.schemes.iter().any(|s| s == scheme)
-                && b.matcher.ports.contains(&port)
-                && b.matcher.hosts.iter().any(|h| host_matches(h, host))
-        })
+        self.bindings
+            .values()
+            .any(|b| b.matcher.reaches(scheme, host, port))
     }
 
     /// Why a request a binding matches must not get a credential, if it must not: its path could
@@ -455,13 +471,7 @@ impl Vault {
         let candidates: Vec<(&String, &Binding)> = self
             .bindings
             .iter()
-            .filter(|(_, b)| {
-                let m = &b.matcher;
-                m.schemes.iter().any(|s| s == scheme)
-                    && m.ports.contains(&port)
-                    && m.hosts.iter().any(|h| host_matches(h, host))
-                    && m.methods.iter().any(|x| x.eq_ignore_ascii_case(method))
-            })
+            .filter(|(_, b)| b.matcher.serves(scheme, host, port, method))
             .collect();
         let on = |p: &str| -> Vec<&String> {
             candidates
@@ -515,12 +525,8 @@ impl Vault {
         path: &str,
     ) -> Option<Injection> {
         let mut matching = self.bindings.values().filter(|b| {
-            let m = &b.matcher;
-            m.schemes.iter().any(|s| s == scheme)
-                && m.ports.contains(&port)
-                && m.hosts.iter().any(|h| host_matches(h, host))
-                && m.methods.iter().any(|x| x.eq_ignore_ascii_case(method))
-                && m.paths.iter().any(|p| path_matches(p, path))
+            b.matcher.serves(scheme, host, port, method)
+                && b.matcher.paths.iter().any(|p| path_matches(p, path))
         });
         let b = matching.next()?;
         if matching.next().is_some() {
