@@ -22,6 +22,13 @@ pub const BROWSER_ENV: &str = "WARREN_BROWSER";
 /// reference's Chrome example reads.
 pub const CDP_PORT: u16 = 9222;
 
+/// What the server tells execd of the URL a caller used for the DevTools port (the headers are
+/// the server's own; execd takes them off before the browser sees them).
+pub const FORWARDED_HOST: &str = "x-forwarded-host";
+pub const FORWARDED_PROTO: &str = "x-forwarded-proto";
+pub const FORWARDED_PREFIX: &str = "x-forwarded-prefix";
+pub const FORWARDED_HEADERS: [&str; 3] = [FORWARDED_HOST, FORWARDED_PROTO, FORWARDED_PREFIX];
+
 /// Whether an extension's value says yes.
 pub fn parse_switch(name: &str, text: &str) -> Result<bool, String> {
     match text.to_ascii_lowercase().as_str() {

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
-use warren_api::desktop::CDP_PORT;
+use warren_api::desktop::{CDP_PORT, FORWARDED_HOST, FORWARDED_PREFIX, FORWARDED_PROTO};
 
 use crate::desktop::{find, spawn, DISPLAY};
 use crate::process::command_env;
@@ -136,9 +136,9 @@ fn answers() -> bool {
 /// from `X-Forwarded-Host`, `-Proto` and `-Prefix`. Without a forwarded host, as it is.
 pub fn rewrite_json(body: &[u8], request: &HeaderMap) -> Option<Vec<u8>> {
     let header = |n: &str| request.get(n).and_then(|v| v.to_str().ok());
-    let host = header("x-forwarded-host")?;
-    let secure = header("x-forwarded-proto") == Some("https");
-    let prefix = header("x-forwarded-prefix").unwrap_or("");
+    let host = header(FORWARDED_HOST)?;
+    let secure = header(FORWARDED_PROTO) == Some("https");
+    let prefix = header(FORWARDED_PREFIX).unwrap_or("");
     // Only what a URL's authority and path hold: nothing that could end the JSON string.
     let plain = |s: &str, extra: &[char]| {
         s.chars()

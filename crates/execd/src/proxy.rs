@@ -118,11 +118,7 @@ pub async fn proxy(mut req: Request) -> Response {
     if port == warren_api::desktop::CDP_PORT {
         // The caller's URL is execd's to use, not the browser's to see (it may hold a signed
         // URL's token).
-        for name in [
-            "x-forwarded-host",
-            "x-forwarded-proto",
-            "x-forwarded-prefix",
-        ] {
+        for name in warren_api::desktop::FORWARDED_HEADERS {
             parts.headers.remove(name);
         }
     }

@@ -221,7 +221,7 @@ async fn relay_opened(
     // takes them off before Chromium sees them, so no app gets a signed URL's token from them.
     // Always Warren's there: a caller's own are replaced.
     if let Some(f) = forwarded {
-        for name in Forwarded::HEADERS {
+        for name in warren_api::desktop::FORWARDED_HEADERS {
             parts.headers.remove(name);
         }
         f.insert(&mut parts.headers);
@@ -440,12 +440,6 @@ struct Forwarded {
 }
 
 impl Forwarded {
-    const HEADERS: [&'static str; 3] = [
-        "x-forwarded-host",
-        "x-forwarded-proto",
-        "x-forwarded-prefix",
-    ];
-
     fn of(app: &AppState, req: &Request, rest: &str) -> Self {
         let host = req.headers().get(http::header::HOST).cloned().or_else(|| {
             req.uri()
@@ -473,11 +467,14 @@ impl Forwarded {
 
     fn insert(self, headers: &mut http::HeaderMap) {
         if let Some(host) = self.host {
-            headers.insert("x-forwarded-host", host);
+            headers.insert(warren_api::desktop::FORWARDED_HOST, host);
         }
-        headers.insert("x-forwarded-proto", HeaderValue::from_static(self.proto));
+        headers.insert(
+            warren_api::desktop::FORWARDED_PROTO,
+            HeaderValue::from_static(self.proto),
+        );
         if let Some(prefix) = self.prefix {
-            headers.insert("x-forwarded-prefix", prefix);
+            headers.insert(warren_api::desktop::FORWARDED_PREFIX, prefix);
         }
     }
 }

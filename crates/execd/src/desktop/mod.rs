@@ -113,7 +113,7 @@ impl Desktop {
             &env,
         )?;
         let started = Instant::now();
-        let x = loop {
+        let mut x = loop {
             match tokio::task::spawn_blocking(|| X::connect(DISPLAY)).await {
                 Ok(Ok(x)) => break x,
                 Ok(Err(Failure::Display(e) | Failure::Bad(e))) if started.elapsed() >= X_START => {
@@ -126,7 +126,6 @@ impl Desktop {
                 _ => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
-        let mut x = x;
         if let Some(wm) = find(
             &path,
             &["openbox", "fluxbox", "twm", "matchbox-window-manager"],
@@ -262,6 +261,11 @@ impl Desktop {
     }
 }
 
+/// A scale screenshots take: above 0, at most 1 (a NaN is none: every comparison with it is false).
+pub(crate) fn scale_ok(scale: f64) -> bool {
+    scale > 0.0 && scale <= 1.0
+}
+
 pub(crate) fn desktop(app: &AppState) -> ApiResult<Arc<Desktop>> {
     app.desktop.clone().ok_or_else(|| {
         ApiError::new(
@@ -304,7 +308,7 @@ pub async fn screenshot(
     let Query(q) = q.map_err(|e| ApiError::bad_body(format!("the query: {}", e.body_text())))?;
     let d = desktop(&app)?;
     let scale = q.scale.unwrap_or(1.0);
-    if !(scale > 0.0 && scale <= 1.0) {
+    if !scale_ok(scale) {
         return Err(ApiError::bad_body(format!(
             "scale {scale}: from above 0 to 1"
         )));
@@ -316,12 +320,12 @@ pub async fn screenshot(
     let h = q
         .height
         .unwrap_or_else(|| u32::from(d.height).saturating_sub(y.max(0) as u32));
-    let png = d
-        .with(move |xc| {
-            let rgb = xc.capture(x, y, w, h)?;
-            x11::png(&rgb, w, h, scale).map_err(Failure::Display)
-        })
-        .await?;
+    let rgb = d.with(move |xc| xc.capture(x, y, w, h)).await?;
+    // Encoded off the desktop's lock: other actions go on meanwhile.
+    let png = tokio::task::spawn_blocking(move || x11::png(&rgb, w, h, scale))
+        .await
+        .map_err(|e| ApiError::runtime(format!("the screenshot: {e}")))?
+        .map_err(ApiError::runtime)?;
     Ok(([(header::CONTENT_TYPE, "image/png")], png).into_response())
 }
 

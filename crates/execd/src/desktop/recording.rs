@@ -52,11 +52,9 @@ pub async fn start(
 ) -> ApiResult<(StatusCode, Json<Recording>)> {
     let d = desktop(&app)?;
     let scale = req.scale.unwrap_or(1.0);
-    // (A NaN scale is no scale: every comparison with it is false.)
     let valid = (1..=10).contains(&req.fps)
         && (1..=3600).contains(&req.max_seconds)
-        && scale > 0.0
-        && scale <= 1.0;
+        && super::scale_ok(scale);
     if !valid {
         return Err(ApiError::bad_body(
             "fps from 1 to 10, max_seconds from 1 to 3600, scale above 0 and at most 1",

@@ -38,6 +38,15 @@ struct Key {
     shifted: bool,
 }
 
+/// The keyboard map as [`X::keymap`] reads it.
+struct Keymap {
+    min: u8,
+    /// Keysyms per keycode.
+    per: usize,
+    syms: Vec<u32>,
+    keys: std::collections::HashMap<u32, Key>,
+}
+
 /// How many keycodes characters without a key of their own take turns on.
 const SCRATCH_KEYS: usize = 16;
 
@@ -256,44 +265,72 @@ impl X {
     /// programs have read the key it gave (a key mapped back at once can be read with the new
     /// map, and its character lost), and they never run out.
     fn keycode(&self, sym: u32) -> R<Key> {
-        let (min, per, syms) = self.mapping()?;
-        let per = usize::from(per.max(1));
-        for (i, row) in syms.chunks(per).enumerate() {
-            if let Some(level) = row.iter().take(2).position(|s| *s == sym) {
-                return Ok(Key {
-                    code: min + i as u8,
-                    shifted: level == 1,
-                });
-            }
+        let map = self.keymap()?;
+        if let Some(key) = map.keys.get(&sym) {
+            return Ok(*key);
         }
-        let scratch = self.scratch_keys(min, per, &syms)?;
+        let scratch = self.scratch_keys(&map)?;
         let turn = self.next_scratch.get();
         self.next_scratch.set(turn.wrapping_add(1));
         let code = scratch[turn % scratch.len()];
-        let mut row = vec![0u32; per];
-        row[0] = sym;
-        if per > 1 {
-            row[1] = sym;
-        }
-        self.conn
-            .change_keyboard_mapping(1, code, per as u8, &row)
-            .map_err(display)?;
-        self.sync()?;
-        // Clients read the new map when its MappingNotify reaches them.
-        std::thread::sleep(Duration::from_millis(20));
+        self.lend(code, 1, map.per, &[sym])?;
         Ok(Key {
             code,
             shifted: false,
         })
     }
 
+    /// The keyboard map, read once: each keysym's key (the first keycode that has it on its
+    /// first two levels, unshifted where it can be).
+    fn keymap(&self) -> R<Keymap> {
+        let (min, per, syms) = self.mapping()?;
+        let per = usize::from(per.max(1));
+        let mut keys = std::collections::HashMap::new();
+        for (i, row) in syms.chunks(per).enumerate() {
+            for (level, sym) in row.iter().take(2).enumerate() {
+                if *sym != 0 {
+                    keys.entry(*sym).or_insert(Key {
+                        code: min + i as u8,
+                        shifted: level == 1,
+                    });
+                }
+            }
+        }
+        Ok(Keymap {
+            min,
+            per,
+            syms,
+            keys,
+        })
+    }
+
+    /// Maps `count` keycodes from `first` to `syms` in turn (the rest to none), in one change of
+    /// the map, and gives the programs time to read it.
+    fn lend(&self, first: u8, count: usize, per: usize, syms: &[u32]) -> R<()> {
+        let mut rows = vec![0u32; count * per];
+        for (k, s) in syms.iter().enumerate() {
+            rows[k * per] = *s;
+            if per > 1 {
+                rows[k * per + 1] = *s;
+            }
+        }
+        self.conn
+            .change_keyboard_mapping(count as u8, first, per as u8, &rows)
+            .map_err(display)?;
+        self.sync()?;
+        // Clients read the new map when its MappingNotify reaches them.
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(())
+    }
+
     /// The scratch keycodes: the last run of keycodes no key had when first asked (up to
     /// [`SCRATCH_KEYS`] in a row, so that one request maps them all at once).
-    fn scratch_keys(&self, min: u8, per: usize, syms: &[u32]) -> R<Vec<u8>> {
+    fn scratch_keys(&self, map: &Keymap) -> R<Vec<u8>> {
         let mut scratch = self.scratch.borrow_mut();
         if scratch.is_empty() {
-            let empty: Vec<bool> = syms
-                .chunks(per)
+            let empty: Vec<bool> = map
+                .syms
+                .chunks(map.per)
                 .map(|row| row.iter().all(|s| *s == 0))
                 .collect();
             if let Some(last) = empty.iter().rposition(|e| *e) {
@@ -303,7 +340,7 @@ impl X {
                     .last()
                     .unwrap_or(last)
                     .max(last + 1 - SCRATCH_KEYS.min(last + 1));
-                *scratch = (first..=last).map(|i| min + i as u8).collect();
+                *scratch = (first..=last).map(|i| map.min + i as u8).collect();
             }
         }
         if scratch.is_empty() {
@@ -344,29 +381,19 @@ impl X {
             return Err(Failure::Bad("at most 10,000 characters at once".into()));
         }
         let shift = self.shift()?;
-        // The map, read once: each character's key, and the scratch keys' present keysyms.
-        let (min, per, syms) = self.mapping()?;
-        let per = usize::from(per.max(1));
-        let mut keyed = std::collections::HashMap::new();
-        for (i, row) in syms.chunks(per).enumerate() {
-            for (level, sym) in row.iter().take(2).enumerate().rev() {
-                if *sym != 0 {
-                    keyed.insert(*sym, (min + i as u8, level == 1));
-                }
-            }
-        }
+        let mut map = self.keymap()?;
         let wanted: Vec<u32> = text.chars().map(keys::char_keysym).collect();
         for (at, sym) in wanted.iter().enumerate() {
-            let (code, shifted) = match keyed.get(sym) {
+            let key = match map.keys.get(sym) {
                 Some(k) => *k,
                 None => {
                     // The scratch keys take the next characters no key has, all in one change
                     // of the map (each change makes every program and the window manager read
                     // the map again: one per character slowed a whole desktop for seconds).
-                    let scratch = self.scratch_keys(min, per, &syms)?;
+                    let scratch = self.scratch_keys(&map)?;
                     let mut next: Vec<u32> = Vec::new();
                     for s in &wanted[at..] {
-                        let has_key = keyed.get(s).is_some_and(|(c, _)| !scratch.contains(c));
+                        let has_key = map.keys.get(s).is_some_and(|k| !scratch.contains(&k.code));
                         if !has_key && !next.contains(s) {
                             next.push(*s);
                             if next.len() == scratch.len() {
@@ -377,28 +404,22 @@ impl X {
                     // What was typed with the old map is read with it first.
                     self.sync()?;
                     std::thread::sleep(Duration::from_millis(50));
-                    let mut rows = vec![0u32; scratch.len() * per];
+                    self.lend(scratch[0], scratch.len(), map.per, &next)?;
+                    map.keys.retain(|_, k| !scratch.contains(&k.code));
                     for (k, s) in next.iter().enumerate() {
-                        rows[k * per] = *s;
-                        if per > 1 {
-                            rows[k * per + 1] = *s;
-                        }
+                        map.keys.insert(
+                            *s,
+                            Key {
+                                code: scratch[k],
+                                shifted: false,
+                            },
+                        );
                     }
-                    self.conn
-                        .change_keyboard_mapping(scratch.len() as u8, scratch[0], per as u8, &rows)
-                        .map_err(display)?;
-                    self.sync()?;
-                    std::thread::sleep(Duration::from_millis(20));
-                    keyed.retain(|_, (c, _)| !scratch.contains(c));
-                    for (k, s) in next.iter().enumerate() {
-                        keyed.insert(*s, (scratch[k], false));
-                    }
-                    *keyed.get(sym).ok_or_else(|| {
+                    *map.keys.get(sym).ok_or_else(|| {
                         Failure::Display("a character could not be given a key".into())
                     })?
                 }
             };
-            let key = Key { code, shifted };
             if key.shifted {
                 self.fake(xproto::KEY_PRESS_EVENT, shift, 0, 0)?;
             }
