@@ -301,3 +301,31 @@ def test_set_env_values_read_back_whole(next_server):
             sbx.kill()
     """)
     assert out["same"], out["got"]
+
+
+def test_a_desktop_and_a_browser_through_the_newest_client(next_server):
+    """The 1.1.2 client asks for a desktop and a browser with its own `extensions`; the sandbox it
+    gets is Running with both up, and its endpoints reach execd's desktop routes and DevTools."""
+    out = run_next(next_server, """
+        import httpx
+        sbx = SandboxSync.create("host", connection_config=config,
+                                 extensions={"desktop": "800x600", "browser": "true"})
+        out["sandboxes"] = [sbx.id]
+        try:
+            execd = sbx.get_endpoint(44772)
+            r = httpx.get(f"http://{execd.endpoint}/desktop", headers=execd.headers or {})
+            out["desktop"] = r.json()
+            shot = httpx.get(f"http://{execd.endpoint}/desktop/screenshot", headers=execd.headers or {})
+            out["png"] = [shot.headers["content-type"], shot.content[:8].hex()]
+            cdp = sbx.get_endpoint(9222)
+            version = httpx.get(f"http://{cdp.endpoint}/json/version", headers=cdp.headers or {}).json()
+            out["ws"] = version["webSocketDebuggerUrl"]
+            out["cdp"] = cdp.endpoint
+            out["display"] = sbx.commands.run("echo $DISPLAY").logs.stdout[0].text
+        finally:
+            sbx.kill()
+    """)
+    assert out["desktop"]["width"] == 800 and out["desktop"]["height"] == 600, out
+    assert out["png"] == ["image/png", "89504e470d0a1a0a"], out
+    assert out["ws"].startswith(f"ws://{out['cdp']}/devtools/browser/"), out
+    assert out["display"].strip() == ":0", out
