@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// The variable that asks execd for a desktop (`WIDTHxHEIGHT`); the server sets it from the
 /// create's `extensions.desktop`.
-pub const DESKTOP_ENV: &str = "WARREN_DESKTOP";
+pub const DESKTOP_ENV: &str = warren_env::EnvVars::WARREN_DESKTOP;
 /// The create extension that asks for a desktop: `"true"` (1280x800) or `"WIDTHxHEIGHT"`
 /// (`"false"`: none).
 pub const DESKTOP_EXTENSION: &str = "desktop";
@@ -17,7 +17,7 @@ pub const VIEW_ONLY_PORT: u16 = 6081;
 /// [`CDP_PORT`], on the desktop when the sandbox has one, headless otherwise.
 pub const BROWSER_EXTENSION: &str = "browser";
 /// The variable that asks execd for the browser; the server sets it from [`BROWSER_EXTENSION`].
-pub const BROWSER_ENV: &str = "WARREN_BROWSER";
+pub const BROWSER_ENV: &str = warren_env::EnvVars::WARREN_BROWSER;
 /// The sandbox port of the browser's DevTools endpoint (HTTP and WebSocket): the port the
 /// reference's Chrome example reads.
 pub const CDP_PORT: u16 = 9222;

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// `WARREN_SPARE_SHELL=0` in a sandbox's environment: execd keeps no spare shell, every command
 /// starts its own. The server sets it in every sandbox when `[runtime] spare_shell = false`.
-pub const SPARE_SHELL_ENV: &str = "WARREN_SPARE_SHELL";
+pub const SPARE_SHELL_ENV: &str = warren_env::EnvVars::WARREN_SPARE_SHELL;
 
 /// One event of a `/command`, `/session/{id}/run` or `/code` stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context;
+use warren_env::EnvVars;
 use warren_sdk::{Client, Config, Error};
 
 /// Where a running server is: `--domain`, `OPEN_SANDBOX_DOMAIN`, the CLI config's `connection.domain`,
@@ -35,18 +36,14 @@ impl ServerArgs {
         let flags = self.clone();
         let conn = settings.connection.clone();
         let config = Config::from_lookup(move |k| {
-            let env = || std::env::var(k).ok().filter(|v| !v.is_empty());
+            let env = || warren_env::var(k);
             match k {
                 "OPEN_SANDBOX_DOMAIN" => flags.domain.clone().or_else(env).or(conn.domain.clone()),
                 "OPEN_SANDBOX_API_KEY" => flags
                     .api_key
                     .clone()
                     .or_else(env)
-                    .or_else(|| {
-                        std::env::var("WARREN_API_KEY")
-                            .ok()
-                            .filter(|v| !v.is_empty())
-                    })
+                    .or_else(|| warren_env::var(EnvVars::WARREN_API_KEY))
                     .or(conn.api_key.clone()),
                 "WARREN_DATA_DIR" => flags
                     .data_dir

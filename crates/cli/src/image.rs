@@ -179,7 +179,8 @@ fn table_row(i: &ImageRecord, full_digest: bool) -> Vec<String> {
 
 /// `[registries]` of a server config file (`--config`, else `WARREN_CONFIG`), or none.
 fn registries_from(config: Option<PathBuf>) -> anyhow::Result<RegistriesConfig> {
-    let path = config.or_else(|| std::env::var_os("WARREN_CONFIG").map(PathBuf::from));
+    let path = config
+        .or_else(|| warren_env::var_os(warren_env::EnvVars::WARREN_CONFIG).map(PathBuf::from));
     let Some(path) = path else {
         return Ok(RegistriesConfig::default());
     };

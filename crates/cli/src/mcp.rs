@@ -639,7 +639,7 @@ mod tests {
         let text = serde_json::to_string_pretty(&tools).expect("tools json") + "\n";
         let file =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/mcp-tools.json");
-        if std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some() {
+        if warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS) {
             std::fs::write(&file, &text).expect("write snapshot");
         }
         let want = std::fs::read_to_string(&file).unwrap_or_default();

@@ -61,7 +61,7 @@ pub const KEYS: [&str; 6] = [
 ];
 
 pub fn path() -> PathBuf {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let env = warren_env::var;
     if let Some(p) = env("WARREN_CLI_CONFIG") {
         return p.into();
     }

@@ -132,6 +132,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 
 /// The original destination of a redirected connection (`SO_ORIGINAL_DST`).
 fn original_dst(stream: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    // SAFETY: all-zero is a valid `sockaddr_in`.
     let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes into `addr`, which lives for the call.

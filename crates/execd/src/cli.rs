@@ -146,9 +146,9 @@ pub fn init_logging(filter: Option<&str>) {
 /// The health port without `--jupyter-port` (the binary's and the embedded runtime's one rule):
 /// `$JUPYTER_PORT`, else the default; 0 (or a value that is not a port) turns it off.
 pub fn jupyter_port_from_env() -> Option<u16> {
-    match std::env::var("JUPYTER_PORT") {
-        Ok(v) => v.trim().parse::<u16>().ok().filter(|p| *p != 0),
-        Err(_) => Some(crate::interpreter::jupyter_port::DEFAULT_PORT),
+    match warren_env::var_os(warren_env::EnvVars::JUPYTER_PORT) {
+        Some(v) => v.to_str()?.trim().parse::<u16>().ok().filter(|p| *p != 0),
+        None => Some(crate::interpreter::jupyter_port::DEFAULT_PORT),
     }
 }
 

@@ -155,7 +155,7 @@ fn start_entrypoint(
     workdir: &std::path::Path,
     output: Option<&crate::output::Output>,
 ) -> anyhow::Result<(i32, tokio::sync::oneshot::Receiver<Exit>)> {
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let env: Vec<(String, String)> = warren_env::vars().collect();
     let argv = std::iter::once(first)
         .chain(rest.iter().map(String::as_str))
         .map(std::ffi::OsStr::new);
@@ -218,9 +218,7 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
     // cannot be laid is execd's failure to start, never user code run without it.
     let hardening = crate::hardening::Hardening::resolve(
         config.floor.as_ref(),
-        std::env::var(crate::hardening::ISOLATION_CONFIG_VAR)
-            .ok()
-            .as_deref(),
+        warren_env::var(crate::hardening::ISOLATION_CONFIG_VAR).as_deref(),
         crate::hardening::Supervision::detect(subreaper),
     )
     .map_err(|e| anyhow::anyhow!("hardening: {e}"))?;
@@ -247,13 +245,13 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
     state.forker = forker;
     // A desktop asked for is up (its X server answering) before execd listens, and before the
     // entrypoint starts, which may want to draw on it.
-    if let Ok(size) = std::env::var(warren_api::desktop::DESKTOP_ENV) {
+    if let Some(size) = warren_env::var(warren_api::desktop::DESKTOP_ENV) {
         let desktop = crate::desktop::Desktop::start(&reaper, &size)
             .await
             .map_err(|e| anyhow::anyhow!("the desktop: {e}"))?;
         state.desktop = Some(Arc::new(desktop));
     }
-    if std::env::var_os(warren_api::desktop::BROWSER_ENV).is_some() {
+    if warren_env::is_set(warren_api::desktop::BROWSER_ENV) {
         let browser = crate::browser::Browser::start(&reaper, state.desktop.is_some())
             .await
             .map_err(|e| anyhow::anyhow!("the browser: {e}"))?;
@@ -277,8 +275,9 @@ pub async fn run(mut config: Config, forker: Option<crate::forker::Forker>) -> a
             .entrypoint
             .split_first()
             .context("empty entrypoint")?;
-        let program = crate::spawn::resolve(first, std::env::var("PATH").ok().as_deref())
-            .with_context(|| format!("starting entrypoint {first}"))?;
+        let program =
+            crate::spawn::resolve(first, warren_env::var(warren_env::EnvVars::PATH).as_deref())
+                .with_context(|| format!("starting entrypoint {first}"))?;
         let (pid, exit) = match reaper.floor() {
             None => start_entrypoint(&reaper, &program, first, rest, &config.workdir, output)?,
             // Under the floor: through `Command`, whose fork can lower the child before its exec.

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use warren_api::hardening::{FloorPolicy, HardeningStatus, LayerState};
 
 /// The variable that names an image's isolation TOML, as in the reference.
-pub const ISOLATION_CONFIG_VAR: &str = "EXECD_ISOLATION_CONFIG";
+pub const ISOLATION_CONFIG_VAR: &str = warren_env::EnvVars::EXECD_ISOLATION_CONFIG;
 
 /// execd's own settings, which commands, sessions, terminals and kernels do not see under the
 /// floor: a credential, the policy's file, a kernel gateway's token, and the env file's path (so

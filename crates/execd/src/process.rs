@@ -19,9 +19,9 @@ use crate::ids::Ids;
 use crate::reaper::{Exit, Reaper, Spawned};
 
 /// Environment variable naming the env file loaded for every command.
-pub const EXECD_ENVS_VAR: &str = "EXECD_ENVS";
+pub const EXECD_ENVS_VAR: &str = warren_env::EnvVars::EXECD_ENVS;
 /// Where the env file lives when `EXECD_ENVS` is unset.
-pub const DEFAULT_ENVS_FILE: &str = "/opt/opensandbox/.env";
+pub const DEFAULT_ENVS_FILE: &str = warren_env::DEFAULT_EXECD_ENVS;
 
 /// What to run, already validated.
 #[derive(Debug, Clone)]
@@ -173,8 +173,8 @@ pub fn command_env(extra: &BTreeMap<String, String>) -> BTreeMap<String, String>
 
 /// What every command starts from: execd's own environment and the env file's variables.
 pub fn base_env() -> BTreeMap<String, String> {
-    let mut env: BTreeMap<String, String> = std::env::vars().collect();
-    let file = std::env::var(EXECD_ENVS_VAR).unwrap_or_else(|_| DEFAULT_ENVS_FILE.to_string());
+    let mut env: BTreeMap<String, String> = warren_env::vars().collect();
+    let file = warren_env::var(EXECD_ENVS_VAR).unwrap_or_else(|| DEFAULT_ENVS_FILE.to_string());
     // Commands must see where the file is: the SDK's `set_env` appends to "$EXECD_ENVS".
     env.insert(EXECD_ENVS_VAR.to_string(), file.clone());
     if let Ok(text) = std::fs::read_to_string(&file) {

@@ -151,7 +151,7 @@ impl SpareShell {
         // A spare starts with posix_spawn, which cannot lay the floor (see `hardening`): under
         // the floor every command starts its own shell.
         if process::shell() != "/bin/bash"
-            || std::env::var(OFF_VAR).is_ok_and(|v| v == "0")
+            || warren_env::var(OFF_VAR).is_some_and(|v| v == "0")
             || reaper.floor().is_some()
         {
             return;

@@ -75,6 +75,8 @@ impl Plan {
         // SAFETY: zeroed structs are initialised by the *_init calls before any other use; the plan is
         // boxed so the addresses glibc may keep inside them stay put.
         let mut plan: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
+        // SAFETY: each posix_spawn_* call gets the plan's own initialised structs and NUL-terminated
+        // strings that outlive it; on failure the structs are destroyed before the plan is dropped.
         unsafe {
             check(libc::posix_spawn_file_actions_init(&mut plan.actions))?;
             if let Err(e) = check(libc::posix_spawnattr_init(&mut plan.attr)) {

@@ -41,6 +41,7 @@ use warren_core::{
     RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount,
     VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
+use warren_env::EnvVars;
 
 pub use client::{Client, DockerError, Endpoint, TlsFiles};
 
@@ -147,17 +148,19 @@ impl DockerRuntime {
         let host = config
             .host
             .clone()
-            .or_else(|| std::env::var("DOCKER_HOST").ok().filter(|h| !h.is_empty()))
-            .unwrap_or_else(|| "unix:///var/run/docker.sock".to_string());
+            .or_else(|| warren_env::var(EnvVars::DOCKER_HOST))
+            .unwrap_or_else(|| warren_env::DEFAULT_DOCKER_HOST.to_string());
         let mut endpoint = Endpoint::parse(&host).map_err(RuntimeError::Unsupported)?;
         let tls = config.tls.clone().or_else(|| {
             // Docker's own variables, when the host came from the environment too
             (config.host.is_none()
-                && std::env::var("DOCKER_TLS_VERIFY").is_ok_and(|v| !v.is_empty() && v != "0"))
+                && warren_env::var(EnvVars::DOCKER_TLS_VERIFY).is_some_and(|v| v != "0"))
             .then(|| {
-                std::env::var_os("DOCKER_CERT_PATH")
+                warren_env::var_os(EnvVars::DOCKER_CERT_PATH)
                     .map(PathBuf::from)
-                    .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".docker")))
+                    .or_else(|| {
+                        warren_env::var_os(EnvVars::HOME).map(|h| PathBuf::from(h).join(".docker"))
+                    })
                     .map(|d| TlsFiles::in_dir(&d))
             })
             .flatten()

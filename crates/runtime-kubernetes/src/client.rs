@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::Value;
+use warren_env::EnvVars;
 
 /// Time allowed for an ordinary call (a watch has its own, longer, bound).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -54,12 +55,13 @@ impl Connection {
     /// In a pod: `KUBERNETES_SERVICE_HOST`/`_PORT` and the service account's token and CA.
     /// `None` outside a cluster.
     pub fn in_cluster() -> Option<Self> {
-        Self::in_cluster_from(|k| std::env::var(k).ok(), Path::new(SERVICE_ACCOUNT_DIR))
+        Self::in_cluster_from(warren_env::var, Path::new(SERVICE_ACCOUNT_DIR))
     }
 
     fn in_cluster_from(env: impl Fn(&str) -> Option<String>, dir: &Path) -> Option<Self> {
-        let host = env("KUBERNETES_SERVICE_HOST").filter(|h| !h.is_empty())?;
-        let port = env("KUBERNETES_SERVICE_PORT").unwrap_or_else(|| "443".into());
+        let host = env(EnvVars::KUBERNETES_SERVICE_HOST).filter(|h| !h.is_empty())?;
+        let port = env(EnvVars::KUBERNETES_SERVICE_PORT)
+            .unwrap_or_else(|| warren_env::DEFAULT_KUBERNETES_SERVICE_PORT.into());
         let token = std::fs::read_to_string(dir.join("token")).ok()?;
         let ca_pem = std::fs::read(dir.join("ca.crt")).ok();
         // An IPv6 service address needs brackets in a URL.

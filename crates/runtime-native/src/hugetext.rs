@@ -23,7 +23,7 @@ use std::io;
 const HUGE: usize = 2 << 20;
 
 /// Environment variable of the server that turns the move off when `0`.
-const ENV: &str = "WARREN_HUGE_TEXT";
+const ENV: &str = warren_env::EnvVars::WARREN_HUGE_TEXT;
 
 /// The zygote's argument that turns the move off. (An argument, not the variable itself: the
 /// zygote's environment stays empty, so that no server setting reaches a sandbox's PID 1.)
@@ -31,7 +31,7 @@ pub const OFF_FLAG: &str = "--file-backed-text";
 
 /// Whether the server's environment asks to keep the file mapping.
 pub fn turned_off() -> bool {
-    std::env::var_os(ENV).is_some_and(|v| v == "0")
+    warren_env::var_os(ENV).is_some_and(|v| v == "0")
 }
 
 /// Moves the binary's read-only mappings onto huge pages; the number of bytes moved.

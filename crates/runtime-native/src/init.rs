@@ -379,7 +379,7 @@ fn prepare_execd(
         security::restrict_privileges(true).map_err(|e| warren_core::error_chain(&e))?;
         security::install_seccomp(filter).map_err(|e| warren_core::error_chain(&e))?;
     }
-    for (key, _) in std::env::vars_os() {
+    for key in warren_env::names_os() {
         std::env::remove_var(key);
     }
     for kv in &spec.env {

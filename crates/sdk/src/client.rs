@@ -58,7 +58,7 @@ impl Config {
     /// (default `127.0.0.1:8080`), the key from `OPEN_SANDBOX_API_KEY`, else `WARREN_API_KEY`, else the
     /// key a server on this machine generated in its data dir (`WARREN_DATA_DIR` or the default one).
     pub fn from_env() -> Self {
-        Self::from_lookup(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+        Self::from_lookup(warren_env::var)
     }
 
     /// [`Config::from_env`] with a custom variable lookup (for tests and embedding).

@@ -1,5 +1,5 @@
 //! Server configuration: defaults < TOML file < `WARREN_*` environment < command-line flags.
-//! Every environment variable Warren reads is a constant here.
+//! The variables it reads are named in `warren_env`, with every other one Warren reads.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 pub mod env {
-    pub const LISTEN: &str = "WARREN_LISTEN";
-    pub const DATA_DIR: &str = "WARREN_DATA_DIR";
-    pub const API_KEY: &str = "WARREN_API_KEY";
-    pub const CONFIG: &str = "WARREN_CONFIG";
-    pub const EXECD_PATH: &str = "WARREN_EXECD_PATH";
-    pub const LOG: &str = "WARREN_LOG";
+    use warren_env::EnvVars;
+    pub const LISTEN: &str = EnvVars::WARREN_LISTEN;
+    pub const DATA_DIR: &str = EnvVars::WARREN_DATA_DIR;
+    pub const API_KEY: &str = EnvVars::WARREN_API_KEY;
+    pub const CONFIG: &str = EnvVars::WARREN_CONFIG;
+    pub const EXECD_PATH: &str = EnvVars::WARREN_EXECD_PATH;
+    pub const LOG: &str = EnvVars::WARREN_LOG;
 }
 
 pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
@@ -348,13 +349,13 @@ pub struct RuntimeSection {
     /// How long a sandbox may take to start (setup, then execd listening) before its create fails
     /// and what it made is removed; default 15 (native) or 30 (docker, which may also pull).
     pub start_timeout_seconds: Option<f64>,
-    /// Whether execd keeps a spare shell for the next command (README, "What a sandbox is"). Off,
+    /// Whether execd keeps a spare shell for the next command (docs/native-runtime.md). Off,
     /// every sandbox gets `WARREN_SPARE_SHELL=0` in its environment unless its create sets it,
     /// and every command starts its own `bash -c`.
     #[serde(default = "default_spare_shell")]
     pub spare_shell: bool,
     /// Native runtime: each sandbox's root is a range of 65,536 unprivileged host ids of its own (a
-    /// user namespace), not host root (README, "Security model"). Default: on with the embedded
+    /// user namespace), not host root (docs/security-model.md). Default: on with the embedded
     /// runtime, runc and crun; gVisor (`runsc`) has none (its Sentry is the sandbox's kernel).
     /// `false` is the explicit opt-out.
     pub user_namespaces: Option<bool>,
@@ -370,8 +371,8 @@ pub struct RuntimeSection {
     pub execd_transport: warren_api::lifecycle::ExecdTransport,
     /// Hardening, under the reference's name for its switch (OSEP-0018). execd is every sandbox's
     /// init whatever this says; on, it also lays the floor under every process it starts for user
-    /// code (README, "Hardening"): execd's settings out of the environment, no capabilities, no
-    /// new privileges, and a seccomp deny list over the sandbox's own filter.
+    /// code (docs/security-model.md, "Hardening"): execd's settings out of the environment, no
+    /// capabilities, no new privileges, and a seccomp deny list over the sandbox's own filter.
     #[serde(default)]
     pub execd_run_as_init: bool,
     /// What the floor keeps and refuses, with `execd_run_as_init` (`keep_capabilities`,
@@ -637,7 +638,7 @@ pub struct ProcessEnv;
 
 impl EnvSource for ProcessEnv {
     fn get(&self, key: &str) -> Option<String> {
-        std::env::var(key).ok().filter(|v| !v.is_empty())
+        warren_env::var(key)
     }
 }
 

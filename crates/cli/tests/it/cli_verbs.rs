@@ -320,7 +320,7 @@ fn completions_are_generated() {
 /// Compares `text` with the snapshot file `name` (or rewrites it with WARREN_UPDATE_SNAPSHOTS=1).
 fn check_snapshot(name: &str, text: &str) -> Option<String> {
     let file = snapshot_dir().join(name);
-    if std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some() {
+    if warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS) {
         std::fs::create_dir_all(snapshot_dir()).expect("snapshot dir");
         std::fs::write(&file, text).expect("write snapshot");
         return None;
@@ -437,7 +437,7 @@ fn help_matches_snapshots() {
         &["key"],
         &["desktop"],
     ];
-    let update = std::env::var_os("WARREN_UPDATE_SNAPSHOTS").is_some();
+    let update = warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS);
     let mut stale = Vec::new();
     for p in paths {
         let mut args: Vec<&str> = p.to_vec();

@@ -192,8 +192,8 @@ async fn more_sandboxes_than_the_open_file_limit_it_started_with() {
         rlim_cur: 0,
         rlim_max: 0,
     };
-    // SAFETY: getrlimit fills the struct.
     assert_eq!(
+        // SAFETY: getrlimit fills the struct, which lives for the call.
         unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) },
         0
     );

@@ -196,10 +196,7 @@ pub async fn create(
         .map_err(|e| ApiError::runtime(format!("making the session: {e}")))?;
     let id = uuid::Uuid::new_v4().to_string();
     // (variables that are not UTF-8 are left out: the wire cannot carry them anyway)
-    let env = options.env(
-        std::env::vars_os()
-            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
-    );
+    let env = options.env(warren_env::vars());
     let session = match IsoSession::start(&helper, id.clone(), helper_id, options, env).await {
         Ok(s) => s,
         Err(e) => {

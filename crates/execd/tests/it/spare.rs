@@ -64,7 +64,7 @@ async fn an_idle_execd_keeps_one_spare_shell_and_the_next_command_runs_in_it() {
         .run(json!({"command": cmd, "envs": {"FOO": "a b", "Q": "it's"}}))
         .await;
     // What bash starts `$_` with: the environment's `_` (execd's, here the test's), else its path.
-    let underscore = std::env::var("_").unwrap_or_else(|_| "/bin/bash".into());
+    let underscore = warren_env::var("_").unwrap_or_else(|| "/bin/bash".into());
     assert_eq!(
         text_of(&events, "stdout"),
         format!(
