@@ -8,7 +8,7 @@ cluster and how it follows what the cluster does — the Pod it makes, execd rea
 network with its credential, a Pod deleted or evicted behind Warren's back, a restart that finds its
 Pods again, a watch that lost its history — not a container runtime's isolation, which the kubelet
 here does not provide. The checks that hold on any cluster are in `cluster_suite`, which runs here
-and, with `scripts/test-on-cluster`, against a real cluster (README, "Kubernetes runtime")."""
+and, with `scripts/test-on-cluster`, against a real cluster (docs/kubernetes.md)."""
 
 from __future__ import annotations
 
