@@ -1,4 +1,4 @@
-"""Egress benchmark (issue 5): what the policy path adds to a sandbox's HTTPS requests.
+"""Egress benchmark: what the policy path adds to a sandbox's HTTPS requests.
 
 One run builds the fake internet of the egress tests (tests/e2e/fakenet.py: a network namespace of
 its own with HTTPS servers, a DNS server on loopback), starts its own `warren serve` whose DNS filter

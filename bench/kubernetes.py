@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Warren on Kubernetes at scale, in simulation (issue 31): N sandboxes as Pods of the test cluster
+"""Warren on Kubernetes at scale, in simulation: N sandboxes as Pods of the test cluster
 (tests/e2e/fakekube.py) with its kubelet simulated — every Pod is Running at once at one address,
 where a single listener stands in for every execd — so what is measured is Warren's side: the API
 requests a create and a delete cost (counted by the fake API server), the watch events Warren

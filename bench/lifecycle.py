@@ -3,7 +3,7 @@
 
 Side by side in one process and one run:
   * fork+exec   - a plain subprocess running the same command (the floor),
-  * unshare+overlay+chroot - the bare bones of a sandbox, as issue 2 measures its scale: `unshare` into
+  * unshare+overlay+chroot - the bare bones of a sandbox, what any sandbox does at least: `unshare` into
                  new mount, PID, network, UTS and IPC namespaces, an overlay of the test image
                  ($WARREN_TEST_ROOTFS) on a fresh upper dir, `chroot` and the command; its folder
                  removed after (no cgroup, no API, no agent). Omitted when the test image is absent.

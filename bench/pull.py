@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Image pull benchmark (issue 7): pull + unpack of one image from one local registry.
+"""Image pull benchmark: pull + unpack of one image from one local registry.
 
 Side by side in one run, each from a cold local cache, N times:
   * warren image pull      - Warren's pull into a fresh data dir (download, verify, unpack, commit),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed at scale (issue 8): warm pools, forks from a snapshot, sustained creates, idle sandboxes.
+"""Speed at scale: warm pools, forks from a snapshot, sustained creates, idle sandboxes.
 
 One `warren serve` of its own (release build, embedded runtime), raw REST API through httpx, and,
 side by side in the same run, `docker run --rm` when a Docker engine answers (DOCKER_HOST honoured).

@@ -1,5 +1,5 @@
-"""Raw HTTP checks of the lifecycle API: auth, error bodies, bad input
-(issue 2 items 2 and 8). Uses httpx directly, not the SDK."""
+"""Raw HTTP checks of the lifecycle API: auth, error bodies, bad input, unknown and deleted
+sandboxes, readiness on create, clients that go away mid-request. Uses httpx directly, not the SDK."""
 
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def test_bad_metadata_filter_and_paging(api):
 
 def test_ready_means_ready(server, api, raw_sandbox):
     """Create returns 202 only once execd answers: the very first /ping
-    through the returned endpoint must succeed (issue 2 item 11)."""
+    through the returned endpoint must succeed."""
     sid = raw_sandbox()["id"]
     r = api.get(f"/v1/sandboxes/{sid}/endpoints/44772", params={"use_server_proxy": "false"})
     assert r.status_code == 200, r.text[:300]

@@ -1,4 +1,4 @@
-"""Attacks on the isolation boundary, tried as an attacker would (issue 28): from inside a sandbox
+"""Attacks on the isolation boundary, tried as an attacker would: from inside a sandbox
 through execd's own files API and plain commands, and from outside with nothing but what the API
 hands out (an endpoint for one port). Each test checks the host objects behind the boundary — bytes,
 mode, owner — before and after, on every runtime the suite runs."""

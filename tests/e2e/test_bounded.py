@@ -1,4 +1,4 @@
-"""Nothing a sandbox makes can take the server down (issue 29): trees deeper than any stack, in a
+"""Nothing a sandbox makes can take the server down: trees deeper than any stack, in a
 sandbox's root, in the trash at start. Each test uses a private server it may kill and restart."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Endpoint URLs a browser can open (issue 32 item 5): signed, expiring URLs that carry their own
+"""Endpoint URLs a browser can open: signed, expiring URLs that carry their own
 credential — on the path (`/signed/{token}/`) and as a host (`{token}.{domain}`) — host routing
 (`{port}-{id}.{domain}` with the port's token header or a key), and CORS for the API. A real headless
 Chromium loads a page and opens a WebSocket served from inside a sandbox through both forms.

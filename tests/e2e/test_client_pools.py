@@ -1,7 +1,7 @@
 """The official SDK's client-side pools (`SandboxPoolSync`, `SandboxPoolAsync` with the in-memory state
 stores) against Warren, and the rule they rely on: a deleted sandbox leaves the list and answers 404 at
-once, as in the reference, so a caller counting its sandboxes by a metadata tag sees the count fall
-(issue 30). Sandboxes that ended on their own stay visible for `terminated_retention_seconds`
+once, as in the reference, so a caller counting its sandboxes by a metadata tag sees the count fall.
+Sandboxes that ended on their own stay visible for `terminated_retention_seconds`
 (test_lifecycle's expiry test)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The code interpreter (issue 3): code contexts on real Jupyter kernels (python3-ipykernel in the
+"""The code interpreter: code contexts on real Jupyter kernels (python3-ipykernel in the
 debootstrap image), driven with the official `opensandbox-code-interpreter==1.1.1` SDK, plus raw
 checks of the event stream where the SDK keeps only `text` of a result."""
 

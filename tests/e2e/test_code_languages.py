@@ -1,4 +1,4 @@
-"""The languages of the official code-interpreter image (issue 30), each on a real Jupyter kernel in
+"""The languages of the official code-interpreter image, each on a real Jupyter kernel in
 the image build-test-image's code-interpreter variant makes, driven by the official
 `opensandbox-code-interpreter` SDK: Python (ipykernel) and Bash (bash_kernel) as in test_code, Java
 (BeakerX's kernel on Debian's OpenJDK 17, from PyPI), JavaScript and TypeScript (Deno's kernel, from

@@ -1,4 +1,6 @@
-"""Commands and sessions through the official SDK (issue 2 items 6, 9, 11)."""
+"""Commands and sessions through the official SDK: output (streamed, in order, large, binary),
+exit codes, background commands and their logs, interrupts and timeouts, env, cwd and identity,
+and bash sessions that keep their state and are isolated from one another."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Docker runtime (issue 4), beyond the shared suite: how the containers are set up, a container
+"""The Docker runtime, beyond the shared suite: how the containers are set up, a container
 removed behind Warren's back, leftovers of a crash removed at start, a Docker daemon that stops
 and comes back (503s meanwhile, running sandboxes keep working), and volumes staged so that the
 daemon never resolves a path a sandbox can change. Runs for the docker runtimes only."""

@@ -1,4 +1,5 @@
-"""Egress control (issue 5), against a fake internet the test builds itself:
+"""Egress control (a sandbox's network policy: which names and addresses it may reach), against a
+fake internet the test builds itself:
 
 - a network namespace of the test's own, linked to the host, whose addresses (198.18.K.2-.4, K free
   on this host) serve HTTP and HTTPS (fakenet.py);
@@ -11,8 +12,10 @@ on either) refuses policies that allow anything with a clear 400 (tested too).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -456,17 +459,37 @@ def test_default_deny_has_no_link_and_bad_policies_are_refused(net_server):
         sbx.kill()
 
 
+def _host_links() -> dict[int, str]:
+    """The host's network links (this test's own namespace): ifindex → name."""
+    links = {}
+    for name in os.listdir("/sys/class/net"):
+        with contextlib.suppress(OSError, ValueError):
+            links[int(Path(f"/sys/class/net/{name}/ifindex").read_text())] = name
+    return links
+
+
 def test_links_are_removed_with_their_sandboxes(net_server):
+    """A sandbox with a network policy has a link of its own on the host (Warren's veth named
+    `w<server tag>-<n>`, whose peer is the sandbox's eth0) while it runs, and that link is gone
+    once the sandbox is deleted. Only this sandbox's link is looked at, found through its peer,
+    so links of other servers on the host do not count."""
     _native_net(net_server)
     sbx = create(net_server, {"defaultAction": "allow"})
-    links_before = set(os.listdir("/sys/class/net"))
-    sbx.kill()
+    try:
+        code, out, err = W.sh(sbx, "cat /sys/class/net/eth0/iflink")
+        assert code == 0, f"the sandbox has no eth0: {out}{err}"
+        peer = int(out.strip())
+        name = _host_links().get(peer)
+        assert name is not None, f"no host link is the peer (ifindex {peer}) of the sandbox's eth0"
+        assert re.fullmatch(r"w[0-9a-f]{4}-[0-9]+", name), f"the sandbox's host link is not Warren's: {name}"
+    finally:
+        sbx.kill()
     deadline = time.time() + 5
     while True:
-        mine = [l for l in os.listdir("/sys/class/net") if l.startswith("w") and "-" in l and l[1:5].isalnum() and len(l.split("-")[0]) == 5]
-        if not (set(mine) & links_before):
+        left = {i: n for i, n in _host_links().items() if i == peer or n == name}
+        if not left:
             break
-        assert time.time() < deadline, f"links left: {mine}"
+        assert time.time() < deadline, f"the deleted sandbox's link is left: {left}"
         time.sleep(0.1)
 
 

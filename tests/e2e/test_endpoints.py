@@ -1,5 +1,6 @@
 """Reaching a server started inside the sandbox through get_endpoint(port)
-and Warren's proxy (issue 2 items 3, 9)."""
+and Warren's proxy: HTTP and WebSocket traffic, the endpoint token required, closed ports, unknown
+sandboxes and bad ports refused, the server-proxy mode and its query parameters."""
 
 from __future__ import annotations
 

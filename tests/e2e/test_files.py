@@ -1,4 +1,6 @@
-"""Files and directories through the official SDK (issue 2 items 6, 8, 9)."""
+"""Files and directories through the official SDK: round trips of small, empty, Unicode and large
+binary files, ranged reads, directory operations, errors for missing and read-only paths, and
+paths and symlinks that try to escape the sandbox (reads never reach the host, writes land inside)."""
 
 from __future__ import annotations
 

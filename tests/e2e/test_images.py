@@ -1,5 +1,6 @@
-"""`warren image import/ls/rm` (issue 2 item 5): a tiny busybox rootfs as a
-tarball, imported while the server runs, then used by a sandbox."""
+"""`warren image import/ls/rm`: a tiny busybox rootfs as a tarball, imported while the server
+runs, then used by a sandbox; removal, a bad path refused cleanly, and the built-in `host` image
+listed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What a sandbox can and cannot see (issue 2 items 3, 4, 5)."""
+"""What a sandbox can and cannot see of the host: its secrets and private folders, its processes,
+its network, its writable file system, and the server's own credentials and data dir."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import json
 import os
 import socket
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,19 +38,80 @@ def test_var_and_data_dir_hidden(server, host_sandbox):
     assert len(common) < max(3, len(host_var) // 2), f"host /var looks visible inside: {sorted(common)[:20]}"
 
 
-def test_shadow_unreadable(host_sandbox):
-    host_shadow = open("/etc/shadow").read()
+def test_shadow_unreadable(server, host_sandbox):
+    """The `host` image shows the host's own /etc, yet none of /etc/shadow: not a line of the
+    host's file can be read inside."""
+    server.native_only("the built-in host image, which shows the host's /etc")
+    host_shadow = Path("/etc/shadow")
+    if not host_shadow.is_file():
+        pytest.skip("this host has no /etc/shadow, so there is nothing for the sandbox to fail to read")
+    host_lines = [line for line in host_shadow.read_text().splitlines() if line.strip()]
+    assert host_lines, "the host's /etc/shadow is empty: the test could not tell a leak from a mask"
+    # Control: the sandbox's /etc is the host's, so an unmasked /etc/shadow would be the host's
+    # file too (its lines, whatever their hashes, would appear below).
+    code, passwd, err = sh(host_sandbox, "cat /etc/passwd")
+    assert code == 0, err
+    assert passwd == Path("/etc/passwd").read_text(), "the sandbox's /etc is not the host's: no control"
     code, out, err = sh(host_sandbox, "cat /etc/shadow")
-    if code == 0:
-        for line in host_shadow.splitlines():
-            fields = line.split(":")
-            if len(fields) > 1 and len(fields[1]) > 3:
-                assert line not in out, "the host's /etc/shadow is readable inside the sandbox"
+    leaked = [line.split(":")[0] for line in host_lines if line in out.splitlines()]
+    assert not leaked, f"the host's /etc/shadow is readable inside the sandbox (entries of {leaked})"
 
 
-def test_ssh_keys_hidden(host_sandbox):
-    code, out, _ = sh(host_sandbox, "ls /etc/ssh/ssh_host_*_key 2>/dev/null; cat /etc/ssh/ssh_host_*_key 2>/dev/null | head -c 100; true")
-    assert "PRIVATE KEY" not in out
+@pytest.fixture
+def host_key_markers():
+    """Secret key files planted on the host where SSH keys live, removed afterwards: a host key in
+    /etc/ssh and a user key in /root/.ssh (the folder made, and removed again, when missing).
+    Each holds a random token, so that a sandbox that can read it is caught whether or not the
+    host has keys of its own. Also a world-readable file in /etc beside /etc/ssh with a token of
+    its own: the control that a sandbox made now does see files planted there."""
+    token = uuid.uuid4().hex
+    body = f"-----BEGIN OPENSSH PRIVATE KEY-----\nwarren-e2e-marker-{token}\n-----END OPENSSH PRIVATE KEY-----\n"
+    made_dirs: list[Path] = []
+    made_files: list[Path] = []
+
+    def plant(path: Path, text: str, mode: int) -> None:
+        if not path.parent.is_dir():
+            path.parent.mkdir(mode=0o700)
+            made_dirs.append(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        made_files.append(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    keys = [Path(f"/etc/ssh/ssh_host_warren_e2e_{token[:8]}_key"), Path(f"/root/.ssh/id_warren_e2e_{token[:8]}")]
+    visible = Path(f"/etc/warren-e2e-visible-{token[:8]}")
+    try:
+        for key in keys:
+            plant(key, body, 0o600)
+        plant(visible, f"visible-{token}\n", 0o644)
+        yield {"token": token, "keys": keys, "visible": visible}
+    finally:
+        for f in made_files:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+        for d in reversed(made_dirs):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def test_ssh_keys_hidden(server, make_sandbox, host_key_markers):
+    """SSH private keys of the host, its host keys in /etc/ssh and root's keys in ~/.ssh, can be
+    neither listed nor read in a `host` sandbox, though the rest of the host's /etc is visible."""
+    server.native_only("the built-in host image, which shows the host's /etc")
+    token = host_key_markers["token"]
+    # Made after the keys were planted, so that it would see them if they were not hidden.
+    sbx = make_sandbox("host")
+    # Control: a file planted in the host's /etc at the same time is visible inside, so the probes
+    # below would find a key that was not hidden.
+    code, out, err = sh(sbx, f"cat {host_key_markers['visible']}")
+    assert code == 0 and out.strip() == f"visible-{token}", (code, out, err)
+    keys = " ".join(str(k) for k in host_key_markers["keys"])
+    code, listing, _ = sh(sbx, f"ls -a /etc/ssh /root/.ssh 2>/dev/null; ls -d {keys} 2>/dev/null; true")
+    assert token[:8] not in listing, f"a host key file is visible inside the sandbox:\n{listing}"
+    # What a read shows is not printed: it may be a real key of this host.
+    code, out, _ = sh(sbx, f"cat /etc/ssh/ssh_host_*_key /root/.ssh/id_* {keys} 2>/dev/null | head -c 4096; true")
+    assert token not in out and "PRIVATE KEY" not in out, \
+        f"a private key is readable inside the sandbox (it lists:\n{listing})"
 
 
 def test_host_fs_read_only(server, host_sandbox):

@@ -1,4 +1,4 @@
-"""Official OpenSandbox clients other than the Python SDK against Warren (issue 6 item 4): the `osb`
+"""Official OpenSandbox clients other than the Python SDK against Warren: the `osb`
 CLI (PyPI `opensandbox-cli==1.1.1`), the MCP server (`opensandbox-mcp==1.1.1`) and the TypeScript SDK
 (npm `@alibaba-group/opensandbox`, installed by scripts/install-deps) — create, run, files, kill.
 Runs on the first runtime of the session only: it tests the client path, not the runtime."""
@@ -144,7 +144,7 @@ def test_typescript_sdk(server, osb, tmp_path):
 
 
 def test_diagnostics_with_the_sdk_and_osb(server, osb, make_sandbox, manager):
-    """The diagnostics API the 1.1.1 clients call (issue 30): logs (`container`: what the entrypoint
+    """The diagnostics API the 1.1.1 clients call: logs (`container`: what the entrypoint
     printed) and events (`runtime`: the sandbox's state changes) through the SDK's manager and
     `osb diagnostics`, an unknown scope refused with its code, and the deprecated plain-text forms
     `osb devops` reads (logs, events, inspect without secrets, summary)."""

@@ -4,7 +4,7 @@ One event per line with its terminator (`\\n`, `\\r`, `\\r\\n`) removed, an empt
 last line without a terminator sent when the command ends, never a piece of a line because the
 command paused mid-line; lines longer than 256 KiB arrive in 256 KiB pieces (the reference holds
 them whole; Warren bounds what one event can hold). Background logs keep the bytes as written.
-Checked for foreground commands (sync and async SDK), sessions and background logs (issue 30).
+Checked for foreground commands (sync and async SDK), sessions and background logs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Warm pools (issue 8 item 1): `/v1/pools` CRUD, creates served from a pool by `extensions.poolRef`
+"""Warm pools: `/v1/pools` CRUD, creates served from a pool by `extensions.poolRef`
 (official SDK) and by an exact template match (raw API), background refill, and an empty pool that
 queues creates for a bounded wait and then answers 429 with Retry-After — never a silent failure."""
 

@@ -1,4 +1,4 @@
-"""`warren image pull` on a terminal draws a progress bar per layer it fetches (issue 6), and stays
+"""`warren image pull` on a terminal draws a progress bar per layer it fetches, and stays
 quiet when its output is not a terminal. The pull comes from Debian's docker-registry on loopback;
 the terminal is a real pseudo-terminal (Python's `pty`)."""
 

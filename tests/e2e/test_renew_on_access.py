@@ -1,4 +1,4 @@
-"""Renew on access (OSEP-0009, issue 32 item 6): a sandbox created with
+"""Renew on access (OpenSandbox's OSEP-0009): a sandbox created with
 `extensions["access.renew.extend.seconds"]` is kept alive by traffic through the endpoint proxy —
 its expiry pushed to that long from now, debounced, never past `[limits]
 renew_on_access_max_lifetime_seconds` after its creation — while one nobody reaches still expires.

@@ -1,4 +1,5 @@
-"""Durable state across `kill -9` of the server (issue 2 item 7). Each test
+"""Durable state across `kill -9` of the server: running sandboxes kept and reachable, sandboxes
+that died meanwhile noticed, helpers replaced, frozen sandboxes thawed. Each test
 uses its own server so the shared one is never disturbed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Snapshots and forks (issue 8 item 2) and pause that keeps memory (item 3), driven through the
+"""Snapshots and forks, and pause that keeps memory, driven through the
 official SDK: a running sandbox's file system captured without stopping it, restored into new
 sandboxes with `snapshot_id`, N restores from one snapshot (a fork), and a paused sandbox whose
 processes use no CPU and continue where they were after resume."""

@@ -1,4 +1,4 @@
-"""Templates (`/v1/templates`, `templateId` on create) through the official SDK (issue 30): a golden
+"""Templates (`/v1/templates`, `templateId` on create) through the official SDK: a golden
 image built from an image once — started, probed until ready, snapshotted — and sandboxes started
 from it with the template's workload. Built on snapshots, so on the runtimes that take them."""
 

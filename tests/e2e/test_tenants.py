@@ -1,4 +1,4 @@
-"""Tenants on one Warren (issue 32): keys that belong to tenants, made and revoked without a restart
+"""Tenants on one Warren: keys that belong to tenants, made and revoked without a restart
 (the admin API and `warren key`), roles (admin, full, read-only), and a tenant that sees and
 touches only its own sandboxes, pools, snapshots and named volumes — another tenant's answering
 exactly as a missing one — driven through the official SDK with each tenant's key. Tenancy lives

@@ -1,4 +1,4 @@
-"""TLS for the API and the proxy (issue 32 item 4): a certificate and key from files, read again on
+"""TLS for the API and the proxy: a certificate and key from files, read again on
 SIGHUP (a broken file leaves the served one in place); a development certificate Warren makes on
 request; and the official SDK with `protocol="https"`, trusting a CA bundle, driving a sandbox —
 lifecycle, commands, files and an endpoint — over HTTPS only."""

@@ -1,4 +1,4 @@
-"""Volumes (issue 4 item 3) on every runtime: host folders only from under the server's
+"""Volumes on every runtime: host folders only from under the server's
 `allowed_host_paths` (read-only honoured, `subPath`), and named volumes (`pvc`) that outlive the
 sandbox and are shared by later ones — a folder Warren keeps on native, a Docker named volume on Docker."""
 

@@ -1,4 +1,4 @@
-"""`warren mcp` (issue 6 item 3): Warren's own MCP server, built on rmcp, driven by the official MCP
+"""`warren mcp`: Warren's own MCP server, built on rmcp, driven by the official MCP
 Python SDK's clients over stdio and over streamable HTTP. Tools work end to end; a failing call is a
 tool error (isError) and the server keeps serving. Runs on the first runtime only: it tests the
 client path, not the runtime."""

@@ -1,4 +1,4 @@
-"""Leak check (issue 2 item 8). Runs LAST (marker `leak_check`, moved to the
+"""Leak check: nothing of a sandbox outlives it. Runs LAST (marker `leak_check`, moved to the
 end by conftest.py whatever the collection order): stops every server the
 suite started, after deleting their sandboxes through the API, then proves
 nothing is left behind: no process, no mount, no cgroup, no sandbox folder, no Docker container or
