@@ -1,7 +1,8 @@
 //! Wire types of the OpenSandbox Sandbox Protocol as Warren speaks it.
 //!
-//! This crate is wire types only and depends on serde alone, so clients (SDK, CLI, MCP) never pull in the server
-//! or a runtime.
+//! This crate is wire types only: it depends on serde (and `warren-env`, for the names of the
+//! variables the server sets in a sandbox), so clients (SDK, CLI, MCP) never pull in the server or
+//! a runtime.
 //! Field names are camelCase on the lifecycle API and snake_case on execd, exactly as the official SDKs
 //! expect; see `shared/reference/opensandbox-protocol.md`.
 

@@ -278,6 +278,26 @@ pub struct RuntimeCapabilities {
     pub isolated_sessions: bool,
     /// Whose folders `host` volumes mount, if anyone's (`pvc` volumes work on every runtime).
     pub host_volumes: HostVolumes,
+    /// Where images come from.
+    #[serde(default)]
+    pub image_source: ImageSource,
+    /// How many creates run at once, when creating is bound by the server's CPUs (the rest queue
+    /// in order); absent: no bound (the work is elsewhere, e.g. in a Docker daemon).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_parallelism: Option<usize>,
+}
+
+/// Where a runtime gets its images from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ImageSource {
+    /// Warren's own image store: the server resolves and leases the image before the runtime
+    /// creates the sandbox (`warren image …` manages it).
+    #[default]
+    Store,
+    /// The runtime's engine (a Docker daemon, a kubelet) resolves and pulls references itself.
+    Engine,
 }
 
 /// Whose folders `host` volumes mount.

@@ -17,7 +17,7 @@ use futures::channel::mpsc;
 use serde_json::Value;
 
 use crate::runtime::{
-    ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeCapabilities, RuntimeError,
+    ExecdTransport, ExitInfo, ImageSource, Liveness, Runtime, RuntimeError, RuntimeFeatures,
     RuntimeState, SandboxSpec,
 };
 use crate::{RecordEvent, SharedPhase, SharedRecords};
@@ -50,18 +50,18 @@ struct Inner {
     destroyed: Vec<String>,
 }
 
-/// What the fake runtime says it can do (pause only): for other test runtimes too.
-pub const CAPABILITIES: RuntimeCapabilities = RuntimeCapabilities {
+/// What the fake runtime says it can do (pause only, images by reference): for other test
+/// runtimes too.
+pub const FEATURES: RuntimeFeatures = RuntimeFeatures {
     execd_transport: ExecdTransport::Unix,
     pause: true,
-    snapshots: false,
-    egress_policy: false,
-    egress_addresses: false,
-    egress_names: false,
     disk_bound: false,
     user_namespaces: false,
     isolated_sessions: false,
     host_volumes: crate::HostVolumes::Server,
+    // The spec carries the reference; no image store is needed.
+    image_source: ImageSource::Engine,
+    create_parallelism: None,
 };
 
 /// See the module documentation.
@@ -327,13 +327,8 @@ impl Runtime for FakeRuntime {
         "fake".into()
     }
 
-    fn capabilities(&self) -> RuntimeCapabilities {
-        CAPABILITIES
-    }
-
-    fn image_source(&self) -> ImageSource {
-        // The spec carries the reference; no image store is needed.
-        ImageSource::Engine
+    fn features(&self) -> RuntimeFeatures {
+        FEATURES
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {

@@ -36,9 +36,10 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 pub use egress::{AddressPolicy, EgressPolicy, Net};
 pub use runtime::{
-    Background, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
-    ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage,
-    SandboxSpec, VolumeMount, VolumeSource,
+    Background, EgressEnforcer, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource,
+    Liveness, NetworkLinks, ResourceLimits, Runtime, RuntimeCapabilities, RuntimeError, RuntimeExt,
+    RuntimeFeatures, RuntimeState, SandboxImage, SandboxSpec, VolumeMount, VolumeSource,
+    WritableLayers,
 };
 pub use shared::{RecordEvent, SharedPhase, SharedRecords};
 

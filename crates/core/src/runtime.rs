@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use crate::image::ResolvedImage;
 use futures::future::BoxFuture;
-pub use warren_api::lifecycle::{ExecdTransport, HostVolumes, RuntimeCapabilities};
+pub use warren_api::lifecycle::{ExecdTransport, HostVolumes, ImageSource, RuntimeCapabilities};
 
 /// Limits always applied; the server fills defaults for what the request leaves out.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -19,15 +19,6 @@ pub struct ResourceLimits {
     /// Records written before the field existed read as unbounded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_bytes: Option<u64>,
-}
-
-/// Where a runtime gets its images from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ImageSource {
-    /// Warren's own image store: the server resolves and leases the image before `create`.
-    Store,
-    /// The runtime's engine (a Docker daemon) resolves and pulls references itself.
-    Engine,
 }
 
 /// The image of one sandbox, as its runtime's [`ImageSource`] needs it.
@@ -208,22 +199,99 @@ impl RuntimeError {
     }
 }
 
+/// What a runtime declares of itself in [`RuntimeCapabilities`]: everything but what its facets
+/// say (snapshots, egress), so that a flag and the code behind it cannot disagree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuntimeFeatures {
+    /// How the server reaches a sandbox's execd.
+    pub execd_transport: ExecdTransport,
+    /// `pause` and `resume` work.
+    pub pause: bool,
+    /// `ephemeral-storage` bounds a sandbox's root file system writes on every host it runs on:
+    /// only such a runtime gets the server's default bound for creates that name none.
+    pub disk_bound: bool,
+    /// Sandbox root is an unprivileged range of host ids of its own.
+    pub user_namespaces: bool,
+    /// execd's isolated sessions work.
+    pub isolated_sessions: bool,
+    /// Whose folders `host` volumes mount.
+    pub host_volumes: HostVolumes,
+    /// Where images come from; with [`ImageSource::Engine`] the spec carries a reference.
+    pub image_source: ImageSource,
+    /// How many creates may run at once, when creating is bound by this machine's CPUs (native):
+    /// more at a time only makes every one of them slower. `None`: no limit.
+    pub create_parallelism: Option<usize>,
+}
+
+/// The facet of a runtime whose sandboxes' network namespaces are this host's.
+pub trait NetworkLinks: Send + Sync {
+    /// The host pid of a process in the sandbox's network namespace (where its link goes);
+    /// `None`: the sandbox is not running.
+    fn network_pid(&self, state: &RuntimeState) -> Option<i32>;
+}
+
+/// The facet of a runtime that keeps each sandbox's writes in an overlayfs layer on this host.
+pub trait WritableLayers: Send + Sync {
+    /// The sandbox's writable (upper) layer: everything it wrote.
+    fn upper_dir(&self, id: &str) -> PathBuf;
+
+    /// With a user namespace: the host id that is id 0 in sandbox `id` (its range's first), so
+    /// what its upper dir holds can be recorded with the sandbox's own ids. `None`: the sandbox's
+    /// ids are the host's.
+    fn id_base(&self, id: &str) -> Option<u32>;
+}
+
+/// The facet of a runtime whose backend enforces egress itself.
+#[async_trait::async_trait]
+pub trait EgressEnforcer: Send + Sync {
+    /// Rules naming hosts are enforced too, not only addresses and networks.
+    fn names(&self) -> bool;
+
+    /// Makes `policy` what the sandbox may reach (`None`: nothing), in force when this returns.
+    /// `credential` is the sandbox's execd credential, which an enforcer beside the sandbox checks
+    /// as execd does.
+    async fn set_egress(
+        &self,
+        id: &str,
+        state: &RuntimeState,
+        policy: Option<&crate::EgressPolicy>,
+        credential: &str,
+    ) -> Result<(), RuntimeError>;
+}
+
+/// What every runtime can be asked, derived from what it declares and the facets it has.
+pub trait RuntimeExt {
+    /// What this runtime can do (`/health` reports it; the server checks it instead of the
+    /// runtime's name): its [`RuntimeFeatures`], with `snapshots` true exactly when it has
+    /// [`WritableLayers`], `egress_policy` when it has [`NetworkLinks`], and `egress_addresses`
+    /// and `egress_names` when it has an [`EgressEnforcer`].
+    fn capabilities(&self) -> RuntimeCapabilities;
+}
+
+impl<R: Runtime + ?Sized> RuntimeExt for R {
+    fn capabilities(&self) -> RuntimeCapabilities {
+        let f = self.features();
+        RuntimeCapabilities {
+            execd_transport: f.execd_transport,
+            pause: f.pause,
+            snapshots: self.layers().is_some(),
+            egress_policy: self.links().is_some(),
+            egress_addresses: self.enforcer().is_some(),
+            egress_names: self.enforcer().is_some_and(|e| e.names()),
+            disk_bound: f.disk_bound,
+            user_namespaces: f.user_namespaces,
+            isolated_sessions: f.isolated_sessions,
+            host_volumes: f.host_volumes,
+            image_source: f.image_source,
+            create_parallelism: f.create_parallelism,
+        }
+    }
+}
+
 #[async_trait::async_trait]
 pub trait Runtime: Send + Sync + 'static {
     /// Short name for logs and `/health` ("native/embedded", "native/runsc", …).
     fn name(&self) -> String;
-
-    /// How many creates may run at once, when creating is bound by this machine's CPUs (native):
-    /// more at a time only makes every one of them slower. `None`: no limit (the work is elsewhere,
-    /// e.g. in a Docker daemon).
-    fn create_parallelism(&self) -> Option<usize> {
-        None
-    }
-
-    /// Where images come from; with [`ImageSource::Engine`] the spec carries a reference.
-    fn image_source(&self) -> ImageSource {
-        ImageSource::Store
-    }
 
     /// Creates and starts the sandbox; returns once execd's socket accepts connections. On error nothing
     /// of the sandbox is left behind.
@@ -268,16 +336,26 @@ pub trait Runtime: Send + Sync + 'static {
         std::collections::BTreeMap::new()
     }
 
-    /// What this runtime can do (`/health` reports it; the server checks it instead of the
-    /// runtime's name). `egress_policy`: sandboxes can be given a network link (see
-    /// [`Runtime::network_pid`]). `disk_bound`: root file system writes are bounded by
-    /// `ephemeral-storage` on every host it runs on — only such a runtime gets the server's default
-    /// bound for creates that name none. `snapshots`: [`Runtime::upper_dir`] answers.
-    fn capabilities(&self) -> RuntimeCapabilities;
+    /// What this runtime declares it can do; the rest of its [`RuntimeCapabilities`] follows from
+    /// the facets below (see [`RuntimeExt::capabilities`]).
+    fn features(&self) -> RuntimeFeatures;
 
-    /// The host pid of a process in the sandbox's network namespace, when the runtime lets Warren give
-    /// that namespace a network link (egress). `None`: this runtime cannot have networking.
-    fn network_pid(&self, _state: &RuntimeState) -> Option<i32> {
+    /// Sandboxes whose network namespace is on this host, where the server gives each a link of
+    /// its own and enforces its egress policy there. `None`: no link (gVisor runs its own network
+    /// stack; a remote daemon's sandboxes are on its host).
+    fn links(&self) -> Option<&dyn NetworkLinks> {
+        None
+    }
+
+    /// Sandboxes whose writes are an overlayfs layer on this host (snapshots copy it). `None`: no
+    /// snapshots.
+    fn layers(&self) -> Option<&dyn WritableLayers> {
+        None
+    }
+
+    /// A backend that enforces egress policies itself, without a link (a NetworkPolicy per
+    /// sandbox on Kubernetes, and a sidecar for rules naming hosts).
+    fn enforcer(&self) -> Option<&dyn EgressEnforcer> {
         None
     }
 
@@ -285,38 +363,34 @@ pub trait Runtime: Send + Sync + 'static {
     /// of Warren's that is not among `known` (leftovers of a crash in the middle of a create).
     async fn sweep_orphans(&self, _known: &[String]) {}
 
-    /// The sandbox's writable overlayfs layer on the host, when the runtime keeps one there that
-    /// holds everything the sandbox wrote (snapshots copy it). `None`: snapshots are not supported.
-    fn upper_dir(&self, _id: &str) -> Option<std::path::PathBuf> {
-        None
-    }
-
-    /// With a user namespace: the host id that is id 0 in sandbox `id` (its range's first), so what
-    /// its upper dir holds can be recorded with the sandbox's own ids (snapshots). `None`: the
-    /// sandbox's ids are the host's.
-    fn id_base(&self, _id: &str) -> Option<u32> {
-        None
-    }
-
-    /// With [`RuntimeCapabilities::egress_addresses`]: makes `policy` what the sandbox may reach
-    /// (`None`: nothing), in force when this returns. `credential` is the sandbox's execd
-    /// credential, which an enforcer beside the sandbox checks as execd does.
-    async fn set_egress(
-        &self,
-        _id: &str,
-        _state: &RuntimeState,
-        _policy: Option<&crate::EgressPolicy>,
-        _credential: &str,
-    ) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Unsupported(format!(
-            "the {} runtime does not enforce network policies itself",
-            self.name()
-        )))
-    }
-
     /// The backend keeps the sandboxes' records, shared by every server that uses it (see
     /// [`crate::shared`]). `None`: the server's own journal holds them.
     fn shared_records(&self) -> Option<std::sync::Arc<dyn crate::SharedRecords>> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeRuntime;
+
+    /// A runtime's snapshot and egress flags are what its facets are, never a second word on them.
+    #[test]
+    fn capabilities_follow_the_facets() {
+        let fake = FakeRuntime::default();
+        let caps = fake.capabilities();
+        assert!(fake.layers().is_none() && !caps.snapshots);
+        assert!(fake.links().is_none() && !caps.egress_policy);
+        assert!(fake.enforcer().is_none() && !caps.egress_addresses && !caps.egress_names);
+        let f = crate::fake::FEATURES;
+        assert_eq!(
+            (caps.pause, caps.image_source, caps.create_parallelism),
+            (f.pause, f.image_source, f.create_parallelism)
+        );
+        // and /health says so on the wire
+        let wire = serde_json::to_value(caps).expect("json");
+        assert_eq!(wire["imageSource"], "engine");
+        assert!(wire.get("createParallelism").is_none());
     }
 }

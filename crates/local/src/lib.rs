@@ -23,8 +23,8 @@ pub fn default_data_dir(env: impl Fn(&str) -> Option<String>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".warren"))
 }
 
-/// Creates `data_dir` if needed and makes it 0700. Sandboxes have no user namespace: a file root in a
-/// sandbox makes setuid (in its writable layer, a volume, or a snapshot's layer) is a setuid-root
+/// Creates `data_dir` if needed and makes it 0700. A sandbox without a user namespace (opted out,
+/// or a runtime that has none): a file root in that sandbox makes setuid (in its writable layer, a volume, or a snapshot's layer) is a setuid-root
 /// file on the host, which any local user could run if they could reach it; nobody but root can
 /// inside a 0700 data dir. An existing data dir is tightened too.
 pub fn prepare_data_dir(data_dir: &Path) -> std::io::Result<()> {

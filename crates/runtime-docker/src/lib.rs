@@ -37,9 +37,9 @@ use hyper::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use warren_core::{
-    policy, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness, Runtime,
-    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec, VolumeMount,
-    VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
+    policy, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
+    NetworkLinks, Runtime, RuntimeError, RuntimeFeatures, RuntimeState, SandboxImage, SandboxSpec,
+    VolumeMount, VolumeSource, EXECD_IN_SANDBOX, EXECD_SOCKET_NAME, SOCKET_DIR_IN_SANDBOX,
 };
 use warren_env::EnvVars;
 
@@ -1096,6 +1096,14 @@ fn demux_logs(bytes: &[u8]) -> String {
     String::from_utf8_lossy(&out).to_string()
 }
 
+impl NetworkLinks for DockerRuntime {
+    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
+        let st: DockerState = serde_json::from_value(state.clone()).ok()?;
+        let (pid, start) = st.pid?;
+        (warren_core::process_start_time(pid) == Some(start)).then_some(pid)
+    }
+}
+
 #[async_trait::async_trait]
 impl Runtime for DockerRuntime {
     fn name(&self) -> String {
@@ -1119,27 +1127,14 @@ impl Runtime for DockerRuntime {
         }
     }
 
-    fn image_source(&self) -> ImageSource {
-        ImageSource::Engine
-    }
-
-    fn capabilities(&self) -> RuntimeCapabilities {
-        RuntimeCapabilities {
+    fn features(&self) -> RuntimeFeatures {
+        RuntimeFeatures {
             execd_transport: if self.local {
                 ExecdTransport::Unix
             } else {
                 ExecdTransport::Tcp
             },
             pause: true,
-            // No writable layer on this host that Warren can copy.
-            snapshots: false,
-            // gVisor keeps its own network stack inside the sandbox: a link in the container's
-            // host-side namespace would not reach it. The daemon must be on this host (its pids
-            // are ours).
-            egress_policy: self.config.oci_runtime.as_deref() != Some("runsc")
-                && self.local_daemon(),
-            egress_addresses: false,
-            egress_names: false,
             // StorageOpt bounds the root only on some storage drivers.
             disk_bound: false,
             // The daemon's `userns-remap` is its own.
@@ -1151,14 +1146,17 @@ impl Runtime for DockerRuntime {
             } else {
                 HostVolumes::None
             },
+            image_source: ImageSource::Engine,
+            create_parallelism: None,
         }
     }
 
-    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
-        let st: DockerState = serde_json::from_value(state.clone()).ok()?;
-        let (pid, start) = st.pid?;
-        (self.capabilities().egress_policy && warren_core::process_start_time(pid) == Some(start))
-            .then_some(pid)
+    /// gVisor keeps its own network stack inside the sandbox: a link in the container's host-side
+    /// namespace would not reach it. The daemon must be on this host (its pids are ours). (No
+    /// `layers`: no writable layer on this host that Warren can copy.)
+    fn links(&self) -> Option<&dyn NetworkLinks> {
+        (self.config.oci_runtime.as_deref() != Some("runsc") && self.local_daemon())
+            .then_some(self as &dyn NetworkLinks)
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {

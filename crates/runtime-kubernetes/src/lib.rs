@@ -32,8 +32,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::OnceCell;
 use warren_core::{
-    ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness, Runtime,
-    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
+    EgressEnforcer, ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness,
+    Runtime, RuntimeError, RuntimeFeatures, RuntimeState, SandboxImage, SandboxSpec,
 };
 
 pub use client::{Client, Connection, KubeError};
@@ -366,24 +366,9 @@ pub(crate) fn pod_of(id: &str, state: &RuntimeState) -> String {
 }
 
 #[async_trait::async_trait]
-impl Runtime for KubernetesRuntime {
-    fn name(&self) -> String {
-        match &self.config.pod.runtime_class {
-            Some(class) => format!("kubernetes/{class}"),
-            None => "kubernetes".into(),
-        }
-    }
-
-    fn backend_identifiers(&self, id: &str) -> std::collections::BTreeMap<String, String> {
-        [
-            ("namespace".to_string(), self.config.namespace.clone()),
-            ("pod".to_string(), pod::pod_name(id)),
-        ]
-        .into()
-    }
-
-    fn image_source(&self) -> ImageSource {
-        ImageSource::Engine
+impl EgressEnforcer for KubernetesRuntime {
+    fn names(&self) -> bool {
+        self.config.pod.egress.is_some()
     }
 
     async fn set_egress(
@@ -417,6 +402,24 @@ impl Runtime for KubernetesRuntime {
         }
         self.apply_egress(id, &pod.pod, &pod.uid, policy).await
     }
+}
+
+#[async_trait::async_trait]
+impl Runtime for KubernetesRuntime {
+    fn name(&self) -> String {
+        match &self.config.pod.runtime_class {
+            Some(class) => format!("kubernetes/{class}"),
+            None => "kubernetes".into(),
+        }
+    }
+
+    fn backend_identifiers(&self, id: &str) -> std::collections::BTreeMap<String, String> {
+        [
+            ("namespace".to_string(), self.config.namespace.clone()),
+            ("pod".to_string(), pod::pod_name(id)),
+        ]
+        .into()
+    }
 
     fn shared_records(&self) -> Option<Arc<dyn warren_core::SharedRecords>> {
         self.records
@@ -424,16 +427,10 @@ impl Runtime for KubernetesRuntime {
             .map(|r| r as Arc<dyn warren_core::SharedRecords>)
     }
 
-    fn capabilities(&self) -> RuntimeCapabilities {
-        RuntimeCapabilities {
+    fn features(&self) -> RuntimeFeatures {
+        RuntimeFeatures {
             execd_transport: ExecdTransport::Tcp,
             pause: false,
-            snapshots: false,
-            // No link: sandboxes get no egress by default (the instance's NetworkPolicy), and a
-            // sandbox whose policy lets addresses out a NetworkPolicy of its own.
-            egress_policy: false,
-            egress_addresses: true,
-            egress_names: self.config.pod.egress.is_some(),
             // `ephemeral-storage` is passed on as a limit, which the kubelet enforces by eviction.
             disk_bound: false,
             user_namespaces: false,
@@ -443,7 +440,16 @@ impl Runtime for KubernetesRuntime {
             } else {
                 HostVolumes::Node
             },
+            image_source: ImageSource::Engine,
+            create_parallelism: None,
         }
+    }
+
+    /// No link: sandboxes get no egress by default (the instance's NetworkPolicy), and a sandbox
+    /// whose policy lets addresses out a NetworkPolicy of its own (rules naming hosts: the egress
+    /// sidecar, when configured).
+    fn enforcer(&self) -> Option<&dyn EgressEnforcer> {
+        Some(self)
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {

@@ -49,8 +49,9 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use warren_core::image::ResolvedImage;
 use warren_core::{
-    ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, Liveness, ResourceLimits, Runtime,
-    RuntimeCapabilities, RuntimeError, RuntimeState, SandboxImage, SandboxSpec,
+    ExecdAddress, ExecdTransport, ExitInfo, HostVolumes, ImageSource, Liveness, NetworkLinks,
+    ResourceLimits, Runtime, RuntimeError, RuntimeFeatures, RuntimeState, SandboxImage,
+    SandboxSpec, WritableLayers,
 };
 
 use crate::children::{pidfd_exited, pidfd_open, reap_pidfd, reap_pidfd_with};
@@ -1170,34 +1171,7 @@ impl NativeRuntime {
     }
 }
 
-#[async_trait::async_trait]
-impl Runtime for NativeRuntime {
-    fn capabilities(&self) -> RuntimeCapabilities {
-        let gvisor = self.is_gvisor();
-        RuntimeCapabilities {
-            execd_transport: if self.inner.config.execd_tcp {
-                ExecdTransport::Tcp
-            } else {
-                ExecdTransport::Unix
-            },
-            pause: true,
-            // gVisor keeps the sandbox's writes in its own overlay, in its own memory (bounded by
-            // the memory limit instead), and runs its own network stack inside the sandbox
-            // (started with --network=none here): a link in the host-side namespace would not
-            // reach it.
-            snapshots: !gvisor,
-            egress_policy: !gvisor,
-            egress_addresses: false,
-            egress_names: false,
-            disk_bound: !gvisor,
-            user_namespaces: self.inner.userns.is_some(),
-            // The isolation helper is forked by the embedded runtime's PID 1, in the sandbox's
-            // user namespace (see `isolation`).
-            isolated_sessions: self.inner.oci.is_none() && self.inner.userns.is_some(),
-            host_volumes: HostVolumes::Server,
-        }
-    }
-
+impl WritableLayers for NativeRuntime {
     fn id_base(&self, id: &str) -> Option<u32> {
         self.inner.userns.as_ref()?;
         fs::read_to_string(self.sandbox_dir(id).join(USERNS_FILE))
@@ -1207,25 +1181,54 @@ impl Runtime for NativeRuntime {
             .ok()
     }
 
-    fn upper_dir(&self, id: &str) -> Option<PathBuf> {
-        // gVisor keeps the sandbox's writes in its own overlay, not in ours.
-        if self.is_gvisor() {
-            return None;
-        }
+    fn upper_dir(&self, id: &str) -> PathBuf {
         let dir = self.sandbox_dir(id);
         let layers = if disk::is_mounted(&dir) {
             disk::mount_point(&dir)
         } else {
             dir
         };
-        Some(layers.join("upper"))
+        layers.join("upper")
+    }
+}
+
+impl NetworkLinks for NativeRuntime {
+    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
+        Self::live_pid(state)
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for NativeRuntime {
+    fn features(&self) -> RuntimeFeatures {
+        RuntimeFeatures {
+            execd_transport: if self.inner.config.execd_tcp {
+                ExecdTransport::Tcp
+            } else {
+                ExecdTransport::Unix
+            },
+            pause: true,
+            // gVisor keeps the sandbox's writes in its own memory, bounded by the memory limit.
+            disk_bound: !self.is_gvisor(),
+            user_namespaces: self.inner.userns.is_some(),
+            // The isolation helper is forked by the embedded runtime's PID 1, in the sandbox's
+            // user namespace (see `isolation`).
+            isolated_sessions: self.inner.oci.is_none() && self.inner.userns.is_some(),
+            host_volumes: HostVolumes::Server,
+            image_source: ImageSource::Store,
+            create_parallelism: self.inner.config.max_parallel_creates,
+        }
     }
 
-    fn network_pid(&self, state: &RuntimeState) -> Option<i32> {
-        if !self.capabilities().egress_policy {
-            return None;
-        }
-        Self::live_pid(state)
+    /// Not under gVisor, which runs its own network stack inside the sandbox (started with
+    /// --network=none here): a link in the host-side namespace would not reach it.
+    fn links(&self) -> Option<&dyn NetworkLinks> {
+        (!self.is_gvisor()).then_some(self as &dyn NetworkLinks)
+    }
+
+    /// Not under gVisor, which keeps the sandbox's writes in its own overlay, not in ours.
+    fn layers(&self) -> Option<&dyn WritableLayers> {
+        (!self.is_gvisor()).then_some(self as &dyn WritableLayers)
     }
 
     fn name(&self) -> String {
@@ -1242,10 +1245,6 @@ impl Runtime for NativeRuntime {
                     .into_owned())
                 .unwrap_or_else(|| "embedded".into())
         )
-    }
-
-    fn create_parallelism(&self) -> Option<usize> {
-        self.inner.config.max_parallel_creates
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {

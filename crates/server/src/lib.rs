@@ -71,7 +71,7 @@ use axum::response::Response;
 use axum::routing::{any, get, patch, post};
 use axum::Router;
 use warren_api::REQUEST_ID_HEADER;
-use warren_core::Runtime;
+use warren_core::{Runtime, RuntimeExt};
 use warren_image::ImageStore;
 use warren_store::Store;
 

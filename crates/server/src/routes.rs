@@ -21,6 +21,7 @@ use crate::error::{ApiError, ApiJson};
 use crate::sandboxes::REASON_USER_DELETE;
 use crate::validate::{create_plan, validate_metadata};
 use crate::AppState;
+use warren_core::RuntimeExt;
 
 const MAX_PAGE_SIZE: u32 = 1000;
 

@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
 use warren_core::{
-    Background, ImageSource, Liveness, Runtime, RuntimeError, SandboxImage, SandboxSpec,
+    Background, ImageSource, Liveness, Runtime, RuntimeError, RuntimeExt, SandboxImage, SandboxSpec,
 };
 use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
@@ -174,6 +174,15 @@ fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Moves a record through the store's transition table. A refused move is a bug (the verbs check
+/// the state under the sandbox's lock first): it is logged, and the record stays as it was rather
+/// than, say, a deleted sandbox coming back to Running.
+fn moved(r: &mut SandboxRecord, to: SandboxState, reason: Option<&str>, message: Option<String>) {
+    if let Err(e) = r.transition(to, reason, message) {
+        tracing::error!(error = %e, "a state change the transition table refuses (a bug in Warren); the record stays as it was");
+    }
+}
+
 /// The server's settings for its sandboxes.
 pub struct Options {
     /// How long an ended sandbox stays listed.
@@ -215,7 +224,8 @@ impl Sandboxes {
             )
         });
         let create_slots = runtime
-            .create_parallelism()
+            .capabilities()
+            .create_parallelism
             .map(|n| tokio::sync::Semaphore::new(n.max(1)));
         Self {
             inner: Arc::new(Inner {
@@ -501,7 +511,7 @@ impl Sandboxes {
             )));
         }
         let id = uuid::Uuid::new_v4().to_string();
-        let image = match self.inner.runtime.image_source() {
+        let image = match self.inner.runtime.capabilities().image_source {
             ImageSource::Store => {
                 let image = self
                     .store_image(&plan.image, plan.image_auth.as_ref(), &id)
@@ -678,7 +688,7 @@ impl Sandboxes {
                     }
                 }
                 let rec = self.update(&entry, |r| {
-                    r.transition(SandboxState::Running, Some("ready"), None);
+                    moved(r, SandboxState::Running, Some("ready"), None);
                 });
                 // Idle from now, not from the server's start.
                 self.inner.activity.touch(&id);
@@ -740,7 +750,8 @@ impl Sandboxes {
         self.unlink(&rec.id).await;
         let _ = self.inner.images.release(&rec.id);
         Some(self.update(entry, |r| {
-            r.transition(
+            moved(
+                r,
                 SandboxState::Failed,
                 Some(REASON_PRE_START_FAILED),
                 Some(format!("the preStart hook failed: {summary}")),
@@ -948,7 +959,8 @@ impl Sandboxes {
         self.inner.execd_conns.forget(&id);
         let message = format!("{task} panicked (a bug in Warren); the server's log has it");
         self.update(entry, |r| {
-            r.transition(
+            moved(
+                r,
                 SandboxState::Failed,
                 Some("internal_error"),
                 Some(message.clone()),
@@ -969,7 +981,13 @@ impl Sandboxes {
         policy: warren_egress::NetworkPolicy,
         index: Option<u32>,
     ) -> Result<u32, ApiError> {
-        let pid = self.inner.runtime.network_pid(state).ok_or_else(|| {
+        let links = self.inner.runtime.links().ok_or_else(|| {
+            ApiError::internal(
+                "linking the sandbox",
+                &std::io::Error::other("the runtime gives sandboxes no link"),
+            )
+        })?;
+        let pid = links.network_pid(state).ok_or_else(|| {
             ApiError::internal(
                 "linking the sandbox",
                 &std::io::Error::other("its init process is gone"),
@@ -1117,8 +1135,16 @@ impl Sandboxes {
                 false => None,
             };
             let credential = crate::tokens::execd_credential(&rec.token);
-            self.inner
-                .runtime
+            let enforcer = self.inner.runtime.enforcer().ok_or_else(|| {
+                ApiError::from_runtime(
+                    "updating the policy",
+                    RuntimeError::Unsupported(format!(
+                        "{} do not enforce network policies themselves",
+                        self.inner.runtime.sandboxes_described()
+                    )),
+                )
+            })?;
+            enforcer
                 .set_egress(id, &rec.runtime_state, by_address.as_ref(), &credential)
                 .await
                 .map_err(|e| ApiError::from_runtime("updating the policy", e))?;
@@ -1192,7 +1218,7 @@ impl Sandboxes {
             this.unlink(&id).await;
             let _ = this.inner.images.release(&id);
             this.update(&entry, |r| {
-                r.transition(state, Some("process_exited"), Some(message))
+                moved(r, state, Some("process_exited"), Some(message))
             });
             this.inner.execd_conns.forget(&id);
         };
@@ -1250,7 +1276,7 @@ impl Sandboxes {
             ));
         }
         let mut stopping = rec.clone();
-        stopping.transition(SandboxState::Stopping, Some(reason), None);
+        moved(&mut stopping, SandboxState::Stopping, Some(reason), None);
         match self.share(&stopping).await {
             // Gone already (removed by another replica, or behind Warren's back): still removed.
             Err(e) if e.status != http::StatusCode::NOT_FOUND => return Err(e),
@@ -1264,12 +1290,7 @@ impl Sandboxes {
             if let Err(e) = self.share(&rec).await {
                 tracing::warn!(sandbox_id = %id, error = %e.message, "could not take back the record of a delete that failed");
             }
-            self.update(&entry, |r| {
-                r.state = rec.state;
-                r.reason = rec.reason.clone();
-                r.message = rec.message.clone();
-                r.last_transition_at = rec.last_transition_at;
-            });
+            self.update(&entry, |r| r.take_back(&rec));
             return Err(ApiError::from_runtime(
                 "deleting the sandbox",
                 result
@@ -1282,7 +1303,7 @@ impl Sandboxes {
         match result {
             Ok(()) => {
                 self.update(&entry, |r| {
-                    r.transition(SandboxState::Terminated, Some(reason), None)
+                    moved(r, SandboxState::Terminated, Some(reason), None)
                 });
                 if reason == REASON_USER_DELETE {
                     // A deleted sandbox is gone at once, as in the reference: clients that count their
@@ -1295,7 +1316,8 @@ impl Sandboxes {
             Err(e) => {
                 let err = ApiError::from_runtime("deleting the sandbox", e);
                 self.update(&entry, |r| {
-                    r.transition(
+                    moved(
+                        r,
                         SandboxState::Failed,
                         Some(REASON_DELETE_FAILED),
                         Some(err.message.clone()),
@@ -1349,7 +1371,7 @@ impl Sandboxes {
                 ),
             ));
         }
-        self.update(&entry, |r| r.transition(via, None, None));
+        self.update(&entry, |r| moved(r, via, None, None));
         let result = if pause {
             self.inner.runtime.pause(id, &rec.runtime_state).await
         } else {
@@ -1361,11 +1383,11 @@ impl Sandboxes {
                     // A resumed sandbox is idle from its resume.
                     self.inner.activity.touch(id);
                 }
-                self.update(&entry, |r| r.transition(to, Some(reason), None));
+                self.update(&entry, |r| moved(r, to, Some(reason), None));
                 Ok(())
             }
             Err(e) => {
-                self.update(&entry, |r| r.transition(from, None, None));
+                self.update(&entry, |r| moved(r, from, None, None));
                 Err(ApiError::from_runtime(context, e))
             }
         }
@@ -1448,11 +1470,12 @@ impl Sandboxes {
         let rec = lock(&entry.record).clone();
         snapshot_source_state(&rec)?;
         self.check_snapshots()?;
-        let upper = self
+        let layers = self
             .inner
             .runtime
-            .upper_dir(id)
+            .layers()
             .ok_or_else(|| self.snapshots_unsupported())?;
+        let upper = layers.upper_dir(id);
         let images = self.inner.images.clone();
         let holder = id.to_owned();
         let base = tokio::task::spawn_blocking(move || images.leased(&holder))
@@ -1476,7 +1499,7 @@ impl Sandboxes {
         }
         let images = self.inner.images.clone();
         let name = image_name.to_owned();
-        let id_base = self.inner.runtime.id_base(id);
+        let id_base = layers.id_base(id);
         let captured = tokio::task::spawn_blocking(move || {
             images.commit_snapshot(&name, &base, &upper, id_base)
         })
@@ -1614,7 +1637,7 @@ impl Sandboxes {
                             .await;
                         let _ = self.inner.images.release(&rec.id);
                         let reason = rec.reason.clone();
-                        rec.transition(SandboxState::Terminated, reason.as_deref(), None);
+                        moved(&mut rec, SandboxState::Terminated, reason.as_deref(), None);
                         self.persist(&rec);
                     }
                     (_, Liveness::Gone) => {
@@ -1625,7 +1648,7 @@ impl Sandboxes {
                             .await;
                         let _ = self.inner.images.release(&rec.id);
                         let was = rec.state;
-                        rec.transition(
+                        moved(&mut rec,
                             SandboxState::Failed,
                             Some("lost"),
                             Some(format!("the sandbox's processes ended while the server was down (it was {})", was.as_str())),
@@ -1638,21 +1661,19 @@ impl Sandboxes {
                         if let Err(e) = self.inner.runtime.resume(&rec.id, &rec.runtime_state).await
                         {
                             tracing::warn!(sandbox_id = %rec.id, error = %e, "thawing a sandbox left frozen failed");
-                            rec.transition(
-                                SandboxState::Paused,
-                                rec.reason.clone().as_deref(),
-                                None,
-                            );
+                            let reason = rec.reason.clone();
+                            moved(&mut rec, SandboxState::Paused, reason.as_deref(), None);
                             self.persist(&rec);
                         }
                     }
                     (_, Liveness::Paused) => {
-                        rec.transition(SandboxState::Paused, rec.reason.clone().as_deref(), None);
+                        let reason = rec.reason.clone();
+                        moved(&mut rec, SandboxState::Paused, reason.as_deref(), None);
                         self.persist(&rec);
                     }
                     (_, Liveness::Running) => {
                         if rec.state != SandboxState::Running {
-                            rec.transition(SandboxState::Running, None, None);
+                            moved(&mut rec, SandboxState::Running, None, None);
                             self.persist(&rec);
                         }
                     }
@@ -1918,11 +1939,8 @@ pub(crate) mod tests {
         fn name(&self) -> String {
             "panicking".into()
         }
-        fn capabilities(&self) -> warren_core::RuntimeCapabilities {
-            warren_core::fake::CAPABILITIES
-        }
-        fn image_source(&self) -> ImageSource {
-            ImageSource::Engine
+        fn features(&self) -> warren_core::RuntimeFeatures {
+            warren_core::fake::FEATURES
         }
         async fn create(&self, _spec: &SandboxSpec) -> Result<RuntimeState, RuntimeError> {
             if self.in_create {

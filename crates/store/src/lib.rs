@@ -24,6 +24,9 @@ use serde::{Deserialize, Serialize};
 use warren_api::lifecycle::SandboxState;
 use warren_core::{ResourceLimits, RuntimeState};
 
+pub mod transitions;
+pub use transitions::IllegalTransition;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub id: String,
@@ -82,16 +85,74 @@ pub fn default_tenant() -> String {
 }
 
 impl SandboxRecord {
+    /// Moves the sandbox to `state`, if the table in [`transitions`] allows it from where it is;
+    /// a refused move changes nothing.
     pub fn transition(
         &mut self,
         state: SandboxState,
         reason: Option<&str>,
         message: Option<String>,
-    ) {
+    ) -> Result<(), IllegalTransition> {
+        if !transitions::allowed(self.state, state) {
+            return Err(IllegalTransition {
+                id: self.id.clone(),
+                from: self.state,
+                to: state,
+            });
+        }
         self.state = state;
         self.reason = reason.map(str::to_string);
         self.message = message;
         self.last_transition_at = Utc::now();
+        Ok(())
+    }
+
+    /// Takes back a move whose step failed (a delete the runtime could not start): the state, its
+    /// reason, message and time, as they were in `before`.
+    pub fn take_back(&mut self, before: &SandboxRecord) {
+        self.state = before.state;
+        self.reason = before.reason.clone();
+        self.message = before.message.clone();
+        self.last_transition_at = before.last_transition_at;
+    }
+}
+
+#[cfg(test)]
+impl SandboxRecord {
+    /// A Running sandbox of the `host` image, for tests.
+    pub(crate) fn for_tests(id: &str) -> Self {
+        Self {
+            id: id.into(),
+            image: "host".into(),
+            snapshot_id: None,
+            warm_pool: None,
+            pool_ref: None,
+            entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
+            env: BTreeMap::new(),
+            metadata: [("team".to_string(), "a".to_string())]
+                .into_iter()
+                .collect(),
+            extensions: BTreeMap::new(),
+            limits: ResourceLimits {
+                cpu_millis: Some(1000),
+                memory_bytes: None,
+                pids: 4096,
+                disk_bytes: None,
+            },
+            created_at: Utc::now(),
+            expires_at: None,
+            state: SandboxState::Running,
+            reason: None,
+            message: None,
+            last_transition_at: Utc::now(),
+            token: "t".into(),
+            runtime_state: serde_json::json!({"pid": 1}),
+            network_policy: None,
+            network_link: None,
+            credential_proxy: false,
+            lifecycle_hooks: None,
+            tenant: default_tenant(),
+        }
     }
 }
 
@@ -351,38 +412,7 @@ mod tests {
     use super::*;
 
     fn record(id: &str) -> SandboxRecord {
-        SandboxRecord {
-            id: id.into(),
-            image: "host".into(),
-            snapshot_id: None,
-            warm_pool: None,
-            pool_ref: None,
-            entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
-            env: BTreeMap::new(),
-            metadata: [("team".to_string(), "a".to_string())]
-                .into_iter()
-                .collect(),
-            extensions: BTreeMap::new(),
-            limits: ResourceLimits {
-                cpu_millis: Some(1000),
-                memory_bytes: None,
-                pids: 4096,
-                disk_bytes: None,
-            },
-            created_at: Utc::now(),
-            expires_at: None,
-            state: SandboxState::Running,
-            reason: None,
-            message: None,
-            last_transition_at: Utc::now(),
-            token: "t".into(),
-            runtime_state: serde_json::json!({"pid": 1}),
-            network_policy: None,
-            network_link: None,
-            credential_proxy: false,
-            lifecycle_hooks: None,
-            tenant: default_tenant(),
-        }
+        SandboxRecord::for_tests(id)
     }
 
     #[test]
@@ -392,7 +422,8 @@ mod tests {
         store.save(&record("a")).expect("save a");
         let mut b = record("b");
         store.save(&b).expect("save b");
-        b.transition(SandboxState::Terminated, Some("user_delete"), None);
+        b.transition(SandboxState::Terminated, Some("user_delete"), None)
+            .expect("a running sandbox may end");
         store.save(&b).expect("overwrite b");
         let (mut all, errors) = store.load_all().expect("load");
         all.sort_by(|x, y| x.id.cmp(&y.id));
@@ -452,14 +483,16 @@ mod tests {
         for i in 0..3000 {
             let mut r = record(&format!("gone-{i}"));
             store.save(&r).expect("save");
-            r.transition(SandboxState::Terminated, Some("user_delete"), None);
+            r.transition(SandboxState::Terminated, Some("user_delete"), None)
+                .expect("a running sandbox may end");
             store.save(&r).expect("save");
             store.remove(&r.id).expect("remove");
             peak = peak.max(fs::metadata(&path).expect("stat").len());
             if i == 1500 {
                 // compactions after this must write the record's latest line, not its first
                 let mut keep = record("keep");
-                keep.transition(SandboxState::Paused, None, None);
+                keep.transition(SandboxState::Paused, None, None)
+                    .expect("a running sandbox may be found paused");
                 store.save(&keep).expect("save");
             }
         }

@@ -23,7 +23,7 @@ use warren_api::lifecycle::SandboxState;
 use warren_core::{ExitInfo, RecordEvent, SharedPhase, SharedRecords};
 use warren_store::SandboxRecord;
 
-use super::{ended_by_itself, lock, Entry, Sandboxes, REASON_USER_DELETE};
+use super::{ended_by_itself, lock, moved, Entry, Sandboxes, REASON_USER_DELETE};
 use crate::error::ApiError;
 
 /// How long a start waits for the backend's first list before it serves without it (the
@@ -292,7 +292,7 @@ impl Follower {
         }
         let running = *phase == SharedPhase::Running;
         if running && rec.state != SandboxState::Running {
-            rec.transition(SandboxState::Running, Some("ready"), None);
+            moved(&mut rec, SandboxState::Running, Some("ready"), None);
         } else if !running {
             // Another replica's create in flight: Pending here as there.
             rec.state = SandboxState::Pending;
@@ -338,7 +338,7 @@ impl Follower {
             r.warm_pool = theirs.warm_pool.clone();
             r.pool_ref = theirs.pool_ref.clone();
             if deleting {
-                r.transition(SandboxState::Stopping, theirs.reason.as_deref(), None);
+                moved(r, SandboxState::Stopping, theirs.reason.as_deref(), None);
             }
         });
         if deleting {
@@ -377,7 +377,7 @@ impl Follower {
         if lock(&entry.record).state == SandboxState::Pending {
             let rec = self.sandboxes.update(entry, |r| {
                 r.runtime_state = state;
-                r.transition(SandboxState::Running, Some("ready"), None);
+                moved(r, SandboxState::Running, Some("ready"), None);
             });
             if rec.warm_pool.is_some() {
                 self.sandboxes.inner.pool_sandbox_ended.notify_waiters();
@@ -406,7 +406,7 @@ impl Follower {
         });
         if let Some(reason) = deleted {
             sandboxes.update(entry, |r| {
-                r.transition(SandboxState::Terminated, Some(&reason), None)
+                moved(r, SandboxState::Terminated, Some(&reason), None)
             });
             if reason == REASON_USER_DELETE {
                 sandboxes.forget(id);
@@ -426,7 +426,7 @@ impl Follower {
             });
         }
         sandboxes.update(entry, |r| {
-            r.transition(state, Some("process_exited"), Some(message))
+            moved(r, state, Some("process_exited"), Some(message))
         });
     }
 }

@@ -191,7 +191,8 @@ async fn a_change_kept_for_later_never_brings_back_a_deleted_sandbox() {
 /// Stopping, the sandbox is still there.
 async fn delete_cut_short(r: &Replicas, id: &str) {
     let mut rec = r.a.get(id).expect("record");
-    rec.transition(SandboxState::Stopping, Some(REASON_USER_DELETE), None);
+    rec.transition(SandboxState::Stopping, Some(REASON_USER_DELETE), None)
+        .expect("a sandbox may be deleted");
     r.rt.records()
         .expect("shared")
         .put(id, &rec.runtime_state, &wire_form(&rec))
