@@ -630,23 +630,21 @@ mod tests {
     use super::*;
 
     /// The tool list (names, descriptions, parameter schemas) is the MCP server's public surface:
-    /// changes to it show up here (`WARREN_UPDATE_SNAPSHOTS=1` accepts them).
+    /// changes to it show up here (insta: `INSTA_UPDATE=always` or `cargo insta review` accepts
+    /// them).
     #[test]
     fn tool_list_matches_snapshot() {
         let server = WarrenMcp::new(Client::new(warren_sdk::Config::new("127.0.0.1:1")));
         let mut tools = server.tools();
         tools.sort_by(|a, b| a.name.cmp(&b.name));
         let text = serde_json::to_string_pretty(&tools).expect("tools json") + "\n";
-        let file =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/mcp-tools.json");
-        if warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS) {
-            std::fs::write(&file, &text).expect("write snapshot");
-        }
-        let want = std::fs::read_to_string(&file).unwrap_or_default();
-        assert!(
-            want == text,
-            "MCP tool list changed (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{text}"
-        );
+        insta::with_settings!({
+            snapshot_path => concat!(env!("CARGO_MANIFEST_DIR"), "/tests/snapshots"),
+            prepend_module_to_snapshot => false,
+            omit_expression => true,
+        }, {
+            insta::assert_snapshot!("mcp-tools", text);
+        });
         assert_eq!(tools.len(), 31);
     }
 }

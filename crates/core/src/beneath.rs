@@ -285,3 +285,60 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+    use std::os::unix::fs::symlink;
+    use std::path::PathBuf;
+
+    /// What a path inside a volume may be made of: folders, a file, links that lead out (to a
+    /// folder, to a file, to `..`), `.` and `..`.
+    fn part() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "a", "b", "file", "out", "up", "victim", ".", "..", "new",
+        ])
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+        /// However the path is put together, what opens is beneath the root (the descriptor's
+        /// own path says so), and nothing is ever made outside it, with or without `create`.
+        #[test]
+        fn nothing_outside_the_root_is_opened_or_made(
+            parts in prop::collection::vec(part(), 1..6),
+            create: bool,
+            file in any::<bool>(),
+        ) {
+            let base = tempfile::tempdir().expect("tempdir");
+            let root = base.path().join("vol");
+            let outside = base.path().join("outside");
+            std::fs::create_dir_all(root.join("a/b")).expect("mkdir");
+            std::fs::create_dir_all(&outside).expect("mkdir");
+            std::fs::write(outside.join("secret"), b"x").expect("secret");
+            std::fs::write(root.join("a/file"), b"x").expect("file");
+            symlink(&outside, root.join("a/out")).expect("link");
+            symlink("..", root.join("a/up")).expect("link");
+            symlink(outside.join("secret"), root.join("a/b/victim")).expect("link");
+            let rel: PathBuf = parts.iter().collect();
+            let opened = if file {
+                make_file_beneath(&root, &rel)
+            } else {
+                open_beneath(&root, &rel, create)
+            };
+            if let Ok(o) = opened {
+                let at = std::fs::read_link(format!("/proc/self/fd/{}", o.fd.as_raw_fd()))
+                    .expect("fd path");
+                let root = root.canonicalize().expect("root");
+                prop_assert!(at.starts_with(&root), "{:?} opened {:?}", rel, at);
+            }
+            let made: Vec<_> = std::fs::read_dir(&outside)
+                .expect("outside")
+                .map(|e| e.expect("entry").file_name())
+                .collect();
+            prop_assert_eq!(made, vec![std::ffi::OsString::from("secret")], "{:?}", rel);
+            prop_assert_eq!(std::fs::read(outside.join("secret")).expect("secret"), b"x");
+        }
+    }
+}

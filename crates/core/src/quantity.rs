@@ -152,3 +152,48 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the text, parsing answers (never panics), and what it accepts is in range.
+        #[test]
+        fn any_text_is_parsed_or_refused_within_bounds(text in "\\PC{0,12}") {
+            if let Ok(m) = parse_cpu_millis(&text) {
+                prop_assert!((10..=1_024_000).contains(&m));
+            }
+            if let Ok(b) = parse_memory_bytes(&text) {
+                prop_assert!(b >= 8 << 20);
+            }
+            if let Ok(b) = parse_disk_bytes(&text) {
+                prop_assert!(b >= 32 << 20);
+            }
+        }
+
+        /// Every quantity written the ways clients write them reads back as itself.
+        #[test]
+        fn written_quantities_read_back(millis in 10u64..=1_024_000, cores in 1u64..=1024, mib in 8u64..=1 << 20, bytes in (8u64 << 20)..=(1 << 40)) {
+            prop_assert_eq!(parse_cpu_millis(&format!("{millis}m")), Ok(millis));
+            prop_assert_eq!(parse_cpu_millis(&format!("{cores}")), Ok(cores * 1000));
+            prop_assert_eq!(parse_memory_bytes(&format!("{mib}Mi")), Ok(mib << 20));
+            prop_assert_eq!(parse_memory_bytes(&format!("{bytes}")), Ok(bytes));
+            prop_assert_eq!(parse_memory_bytes(&format!(" {mib}Mi ")), Ok(mib << 20));
+        }
+
+        /// A unit the parser does not know is refused, never read as some other one.
+        #[test]
+        fn unknown_units_are_refused(n in 1u64..100_000, unit in "[a-zA-Z]{1,3}") {
+            let known = ["k", "K", "M", "G", "T", "Ki", "Mi", "Gi", "Ti", "P", "E", "Pi", "Ei"];
+            prop_assume!(!known.contains(&unit.as_str()));
+            let text = format!("{n}{unit}");
+            prop_assert!(parse_memory_bytes(&text).is_err(), "{}", text);
+            prop_assert!(parse_disk_bytes(&text).is_err(), "{}", text);
+            if unit != "m" {
+                prop_assert!(parse_cpu_millis(&text).is_err(), "{}", text);
+            }
+        }
+    }
+}

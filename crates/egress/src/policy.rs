@@ -869,3 +869,62 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn label() -> impl Strategy<Value = String> {
+        "[a-z0-9][a-z0-9-]{0,10}"
+    }
+
+    fn policy(default_action: Action, rules: Vec<(Action, String)>) -> NetworkPolicy {
+        NetworkPolicy {
+            default_action,
+            egress: rules
+                .into_iter()
+                .map(|(a, t)| NetworkRule::new(a, t))
+                .collect(),
+        }
+    }
+
+    proptest! {
+        /// `*.S` takes any name strictly under S, never S itself nor a name that merely ends in
+        /// S's text; case and a trailing dot change nothing.
+        #[test]
+        fn a_wildcard_takes_names_strictly_under_it(sub in label(), a in label(), b in label()) {
+            let suffix = format!("{a}.{b}");
+            let p = policy(Action::Deny, vec![(Action::Allow, format!("*.{suffix}"))]);
+            let under = format!("{sub}.{suffix}");
+            prop_assert_eq!(p.decide_name(&under), Action::Allow);
+            prop_assert_eq!(p.decide_name(&format!("{}.", under.to_uppercase())), Action::Allow);
+            prop_assert_eq!(p.decide_name(&suffix), Action::Deny);
+            prop_assert_eq!(p.decide_name(&format!("{sub}{suffix}")), Action::Deny);
+        }
+
+        /// An exact name beats any wildcard over it, and a longer wildcard beats a shorter one,
+        /// whatever order the rules come in.
+        #[test]
+        fn the_most_specific_rule_decides_in_any_order(
+            host in label(), mid in label(), other in label(), top in label(), order in 0u8..8,
+        ) {
+            prop_assume!(host != other);
+            let top = format!("{top}.test");
+            let mut rules = vec![
+                (Action::Deny, format!("*.{top}")),
+                (Action::Allow, format!("*.{mid}.{top}")),
+                (Action::Deny, format!("{host}.{mid}.{top}")),
+            ];
+            rules.rotate_left(usize::from(order) % 3);
+            if order & 4 != 0 {
+                rules.reverse();
+            }
+            let p = policy(Action::Allow, rules);
+            prop_assert_eq!(p.decide_name(&format!("{host}.{mid}.{top}")), Action::Deny);
+            prop_assert_eq!(p.decide_name(&format!("{other}.{mid}.{top}")), Action::Allow);
+            prop_assert_eq!(p.decide_name(&format!("{other}.{top}")), Action::Deny);
+            prop_assert_eq!(p.decide_name("unrelated.example"), Action::Allow);
+        }
+    }
+}

@@ -72,10 +72,6 @@ impl EnvVars {
     pub const EXECD_ACCESS_TOKEN: &'static str = "EXECD_ACCESS_TOKEN";
     /// The Jupyter health port (default 54321 in execd); `0` turns it off.
     pub const JUPYTER_PORT: &'static str = "JUPYTER_PORT";
-
-    // ---- tests ----
-    /// Set: snapshot tests rewrite their expected files instead of comparing.
-    pub const WARREN_UPDATE_SNAPSHOTS: &'static str = "WARREN_UPDATE_SNAPSHOTS";
 }
 
 pub const DEFAULT_DOCKER_HOST: &str = "unix:///var/run/docker.sock";

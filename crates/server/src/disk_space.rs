@@ -62,6 +62,11 @@ pub fn insufficient(message: String) -> ApiError {
 /// Why the filesystem at `dir` is short of room, if it is.
 pub fn shortage(dir: &Path) -> Option<String> {
     let (bytes, inodes) = free(dir)?;
+    judge(dir, bytes, inodes)
+}
+
+/// Why `bytes` and `inodes` free at `dir` are short of the reserve, if they are.
+fn judge(dir: &Path, bytes: u64, inodes: u64) -> Option<String> {
     (bytes < RESERVE_BYTES || inodes < RESERVE_INODES).then(|| {
         format!(
             "the data dir's filesystem ({}) has {} MiB and {} inodes free, below the {} MiB and {} inodes kept in reserve",
@@ -88,5 +93,53 @@ mod tests {
             shortage(dir.path())
         );
         assert!(check(&dir.path().join("missing"), "a sandbox").is_ok());
+    }
+
+    #[test]
+    fn too_few_bytes_or_inodes_is_a_shortage_that_says_so() {
+        let dir = Path::new("/data");
+        assert_eq!(judge(dir, RESERVE_BYTES, RESERVE_INODES), None);
+        assert_eq!(judge(dir, u64::MAX, u64::MAX), None);
+        let bytes = judge(dir, RESERVE_BYTES - 1, u64::MAX).expect("short of bytes");
+        assert!(
+            bytes.contains("63 MiB and unlimited inodes free"),
+            "{bytes}"
+        );
+        let inodes = judge(dir, u64::MAX, RESERVE_INODES - 1).expect("short of inodes");
+        assert!(inodes.contains("1023 inodes free"), "{inodes}");
+    }
+
+    /// The whole path on a real filesystem that is full: a 507 with the numbers.
+    #[test]
+    #[ignore = "needs root: mounts a small tmpfs (scripts/test runs it as root)"]
+    fn a_full_filesystem_refuses_with_507_and_the_numbers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let target = CString::new(dir.path().as_os_str().as_bytes()).expect("path");
+        // SAFETY: mount(2) with NUL-terminated strings that live for the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                c"size=4m".as_ptr().cast(),
+            )
+        };
+        assert_eq!(rc, 0, "mount: {}", std::io::Error::last_os_error());
+        struct Unmount(CString);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                // SAFETY: umount2(2) of the tmpfs this test mounted.
+                unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        let _unmount = Unmount(target);
+        let err = check(dir.path(), "a sandbox").expect_err("4 MiB is below the reserve");
+        assert_eq!(err.status, StatusCode::INSUFFICIENT_STORAGE);
+        assert!(
+            err.message.contains("no room for a sandbox") && err.message.contains("MiB"),
+            "{}",
+            err.message
+        );
     }
 }

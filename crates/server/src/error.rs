@@ -172,3 +172,53 @@ where
         Ok(Self(v))
     }
 }
+
+#[cfg(test)]
+mod snapshot {
+    use super::*;
+
+    /// What clients read of an error, one of each kind: status, Retry-After and body. The official
+    /// SDKs parse these bodies, so a change shows up in review as a change to this snapshot.
+    #[tokio::test]
+    async fn error_bodies_match_their_snapshot() {
+        let failure = std::io::Error::other("disk on fire at /var/lib/warren/secret");
+        let errors = [
+            ApiError::not_found("sbx-1"),
+            ApiError::invalid("resourceLimits.memory: invalid memory quantity \"lots\""),
+            ApiError::conflict(ErrorCode::SandboxNotRunning, "sandbox sbx-1 is Paused"),
+            ApiError {
+                retry_after: Some(3),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    ErrorCode::LimitReached,
+                    "pool p is empty",
+                )
+            },
+            ApiError::from_runtime(
+                "pausing the sandbox",
+                RuntimeError::Unavailable("the daemon is down".into()),
+            ),
+            crate::disk_space::insufficient("no room for a sandbox".into()),
+            // a failure of the server's own: its text stays in the log
+            ApiError::internal("reading the sandbox's image", &failure),
+        ];
+        let mut text = String::new();
+        for e in errors {
+            let resp = e.into_response();
+            let status = resp.status();
+            let retry = resp
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .map(|v| format!(" Retry-After: {}", v.to_str().unwrap_or("?")))
+                .unwrap_or_default();
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+                .await
+                .expect("body");
+            text += &format!("{status}{retry}\n{}\n\n", String::from_utf8_lossy(&body));
+        }
+        assert!(!text.contains("on fire"), "an internal error's text leaked");
+        insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
+            insta::assert_snapshot!("error-bodies", text);
+        });
+    }
+}

@@ -118,3 +118,19 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod snapshot {
+    use super::*;
+
+    /// The served OpenAPI document whole: any change to a route, a field or a status code shows
+    /// up in review as a change to this snapshot (insta: `INSTA_UPDATE=always` or `cargo insta
+    /// review` accepts it).
+    #[test]
+    fn the_served_document_matches_its_snapshot() {
+        let doc = serde_json::to_string_pretty(&ApiDoc::openapi()).expect("serialize");
+        insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
+            insta::assert_snapshot!("openapi", doc);
+        });
+    }
+}

@@ -1,6 +1,6 @@
 //! The `warren` verbs that mirror `osb` (sandbox, command, file, config), driven as a person would,
 //! against a real server; and snapshots of the help text so changes to the CLI's surface are seen in
-//! review (`WARREN_UPDATE_SNAPSHOTS=1` rewrites them).
+//! review (insta: `INSTA_UPDATE=always` or `cargo insta review` accepts a change).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -317,20 +317,16 @@ fn completions_are_generated() {
     }
 }
 
-/// Compares `text` with the snapshot file `name` (or rewrites it with WARREN_UPDATE_SNAPSHOTS=1).
-fn check_snapshot(name: &str, text: &str) -> Option<String> {
-    let file = snapshot_dir().join(name);
-    if warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS) {
-        std::fs::create_dir_all(snapshot_dir()).expect("snapshot dir");
-        std::fs::write(&file, text).expect("write snapshot");
-        return None;
-    }
-    (std::fs::read_to_string(&file).ok().as_deref() != Some(text)).then(|| {
-        format!(
-            "{} (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{text}",
-            file.display()
-        )
-    })
+/// Compares `text` with the snapshot `name` in tests/snapshots (insta: `INSTA_UPDATE=always` or
+/// `cargo insta review` accepts a change).
+fn check_snapshot(name: &str, text: &str) {
+    insta::with_settings!({
+        snapshot_path => snapshot_dir(),
+        prepend_module_to_snapshot => false,
+        omit_expression => true,
+    }, {
+        insta::assert_snapshot!(name, text);
+    });
 }
 
 /// Table output of a few verbs, with what changes from run to run (ids, times) replaced.
@@ -397,22 +393,21 @@ fn table_output_matches_snapshots() {
         "--group",
         "4242",
     ]);
-    let mut stale = Vec::new();
-    for (name, args) in [
+    let outputs: Vec<_> = [
+        ("output-sandbox-get", vec!["sandbox", "get", id.as_str()]),
         (
-            "output-sandbox-get.txt",
-            vec!["sandbox", "get", id.as_str()],
-        ),
-        (
-            "output-file-ls.txt",
+            "output-file-ls",
             vec!["file", "ls", id.as_str(), "/tmp/snap"],
         ),
-        ("output-egress-get.txt", vec!["egress", "get", id.as_str()]),
-    ] {
-        stale.extend(check_snapshot(name, &normalize(cli.ok(&args))));
-    }
+        ("output-egress-get", vec!["egress", "get", id.as_str()]),
+    ]
+    .into_iter()
+    .map(|(name, args)| (name, normalize(cli.ok(&args))))
+    .collect();
     cli.ok(&["sandbox", "kill", &id]);
-    assert!(stale.is_empty(), "output changed:\n{}", stale.join("\n"));
+    for (name, text) in outputs {
+        check_snapshot(name, &text);
+    }
 }
 
 fn snapshot_dir() -> PathBuf {
@@ -437,8 +432,6 @@ fn help_matches_snapshots() {
         &["key"],
         &["desktop"],
     ];
-    let update = warren_env::is_set(warren_env::EnvVars::WARREN_UPDATE_SNAPSHOTS);
-    let mut stale = Vec::new();
     for p in paths {
         let mut args: Vec<&str> = p.to_vec();
         args.push("--help");
@@ -454,19 +447,8 @@ fn help_matches_snapshots() {
         } else {
             p.join("-")
         };
-        let file = snapshot_dir().join(format!("help-{name}.txt"));
-        if update {
-            std::fs::create_dir_all(snapshot_dir()).expect("snapshot dir");
-            std::fs::write(&file, &text).expect("write snapshot");
-        } else if std::fs::read_to_string(&file).ok().as_deref() != Some(text.as_str()) {
-            stale.push(format!("{}:\n{text}", file.display()));
-        }
+        check_snapshot(&format!("help-{name}"), &text);
     }
-    assert!(
-        stale.is_empty(),
-        "help changed (WARREN_UPDATE_SNAPSHOTS=1 to accept):\n{}",
-        stale.join("\n")
-    );
 }
 
 #[test]

@@ -23,7 +23,8 @@ use warren_api::lifecycle::SandboxState;
 use warren_core::{ExitInfo, RecordEvent, SharedPhase, SharedRecords};
 use warren_store::SandboxRecord;
 
-use super::{ended_by_itself, lock, moved, Entry, Sandboxes, REASON_USER_DELETE};
+use super::watch::ended_by_itself;
+use super::{lock, moved, Entry, Sandboxes, REASON_USER_DELETE};
 use crate::error::ApiError;
 
 /// How long a start waits for the backend's first list before it serves without it (the
