@@ -203,7 +203,7 @@ fn copy_sparse(from: &Path, to: &Path) -> io::Result<fs::File> {
 
 /// Loop devices through `/dev/loop-control` (the kernel's `linux/loop.h`, which libc lacks).
 mod loop_device {
-    use super::*;
+    use super::{fs, io, AsRawFd, FromRawFd, OwnedFd, PathBuf};
 
     const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
     const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;

@@ -486,7 +486,10 @@ impl Server {
             header_timeout: std::time::Duration::from_secs_f64(http.header_timeout_seconds),
             max_connections: http.max_connections,
         };
-        let reloads = tokio::spawn(reload_on_sighup(self.state.clone()));
+        // The handler is in place before the first request is served: a SIGHUP sent once the
+        // server answers must never meet the default action, which ends the process.
+        let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+        let reloads = tokio::spawn(reload_on_sighup(self.state.clone(), hup));
         let key_refresh = tokio::spawn(refresh_shared_keys(self.state.keys.clone()));
         let tls = self.state.tls.as_ref().map(|t| t.acceptor());
         front::serve(self.listener, app, limits, tls, shutdown).await;
@@ -503,9 +506,8 @@ impl Server {
 
 /// SIGHUP reads the TLS certificate and the endpoint signing keys again. A file that fails to
 /// read is logged and the one in use stays.
-async fn reload_on_sighup(state: AppState) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut hup = match signal(SignalKind::hangup()) {
+async fn reload_on_sighup(state: AppState, hup: std::io::Result<tokio::signal::unix::Signal>) {
+    let mut hup = match hup {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(error = %e, "no SIGHUP handler: certificates are read at start only");

@@ -22,6 +22,7 @@ mod create;
 mod egress;
 mod entries;
 mod expiry;
+mod records;
 mod shared;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -49,10 +50,8 @@ struct Inner {
     /// Checked for room before each create (`disk_space`).
     data_dir: PathBuf,
     runtime: Arc<dyn Runtime>,
-    store: Store,
-    /// The runtime's backend keeps the records, shared with other replicas (see `shared`); the
-    /// journal then holds none.
-    shared: Option<Arc<dyn warren_core::SharedRecords>>,
+    /// The journal, or the runtime's backend shared with other replicas (see `records`).
+    records: Box<dyn records::Records>,
     images: Arc<ImageStore>,
     entries: RwLock<HashMap<String, Arc<Entry>>>,
     retention: chrono::Duration,
@@ -169,9 +168,11 @@ impl Sandboxes {
             inner: Arc::new(Inner {
                 data_dir: data_dir.to_path_buf(),
                 create_slots,
-                shared: runtime.shared_records(),
+                records: match runtime.shared_records() {
+                    Some(shared) => Box::new(records::Shared(shared)),
+                    None => Box::new(records::Journal(store)),
+                },
                 runtime,
-                store,
                 images,
                 puller,
                 pool_sandbox_ended: tokio::sync::Notify::new(),

@@ -195,10 +195,7 @@ impl Sandboxes {
             reason: None,
             message: None,
             last_transition_at: now,
-            token: match &self.inner.shared {
-                Some(shared) => shared.secret(&id),
-                None => crate::tokens::new_secret(),
-            },
+            token: self.inner.records.secret(&id),
             runtime_state: serde_json::Value::Null,
             network_policy: serde_json::to_value(&policy).ok(),
             network_link: None,
@@ -244,11 +241,7 @@ impl Sandboxes {
             background,
             isolation,
             execd_verifier: crate::tokens::execd_verifier(&record.token),
-            record: self
-                .inner
-                .shared
-                .as_ref()
-                .map(|_| super::shared::wire_form(&record)),
+            record: self.inner.records.runtime_copy(&record),
             egress: by_address,
             hardening: self.inner.floor.clone(),
         };
@@ -295,7 +288,7 @@ impl Sandboxes {
                 // Idle from now, not from the server's start.
                 self.inner.activity.touch(&id);
                 self.arm_periodic(&id, &hooks.periodic);
-                if self.inner.shared.is_none() {
+                if self.inner.records.feed().is_none() {
                     // With shared records, ends come from the records' feed (`shared`).
                     self.watch(&rec);
                 }
@@ -503,7 +496,7 @@ impl Drop for PartialCreate<'_> {
                 .write()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&self.id);
-            let _ = inner.store.remove(&self.id);
+            inner.records.remove(&self.id);
         }
         if self.leased {
             let _ = inner.images.release(&self.id);

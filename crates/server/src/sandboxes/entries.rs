@@ -197,12 +197,7 @@ impl Sandboxes {
     }
 
     pub(super) fn persist(&self, record: &SandboxRecord) {
-        if self.inner.shared.is_some() {
-            return;
-        }
-        if let Err(e) = self.inner.store.save(record) {
-            tracing::error!(sandbox_id = %record.id, error = %e, "persisting sandbox record failed");
-        }
+        self.inner.records.persist(record);
     }
 
     pub(super) fn update(
@@ -288,9 +283,7 @@ impl Sandboxes {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-        if self.inner.shared.is_none() {
-            let _ = self.inner.store.remove(id);
-        }
+        self.inner.records.remove(id);
     }
 }
 

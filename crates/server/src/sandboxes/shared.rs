@@ -69,13 +69,13 @@ fn from_wire(
 impl Sandboxes {
     /// Whether the records are shared with other replicas.
     pub fn shares_records(&self) -> bool {
-        self.inner.shared.is_some()
+        self.inner.records.feed().is_some()
     }
 
     /// Whether this server does the common chores (expiring sandboxes, making the pools' warm
     /// sandboxes): always, unless it shares its sandboxes with other replicas and another leads.
     pub fn leads(&self) -> bool {
-        self.inner.shared.as_ref().is_none_or(|s| s.leads())
+        self.inner.records.leads()
     }
 
     /// With shared records: hands warm sandbox `rec` (claimed as `claimed`) over only if no other
@@ -88,20 +88,7 @@ impl Sandboxes {
         rec: &SandboxRecord,
         claimed: &SandboxRecord,
     ) -> bool {
-        let Some(shared) = &self.inner.shared else {
-            return true;
-        };
-        let pool = rec.warm_pool.clone();
-        let still_warm = move |r: &Value| r["warm_pool"].as_str() == pool.as_deref();
-        match shared
-            .put_if(
-                &rec.id,
-                &rec.runtime_state,
-                &wire_form(claimed),
-                &still_warm,
-            )
-            .await
-        {
+        match self.inner.records.claim(rec, claimed).await {
             Ok(true) => true,
             Ok(false) => {
                 self.update(entry, |r| r.warm_pool = None);
@@ -117,13 +104,7 @@ impl Sandboxes {
     /// With shared records: writes `rec` where the other replicas read it. Called before this
     /// server takes `rec` as the sandbox's record, so a failure changes nothing.
     pub(super) async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        let Some(shared) = &self.inner.shared else {
-            return Ok(());
-        };
-        shared
-            .put(&rec.id, &rec.runtime_state, &wire_form(rec))
-            .await
-            .map_err(|e| ApiError::from_runtime("writing the sandbox's record", e))
+        self.inner.records.share(rec).await
     }
 
     /// Starts following the shared records and waits (within [`SYNC_WAIT`]) until those there now

@@ -58,11 +58,11 @@ impl Sandboxes {
     /// Loads persisted records after a (re)start and re-attaches to sandboxes that still run.
     /// With shared records: follows the runtime's records instead, from the ones there now.
     pub async fn recover(&self) -> anyhow::Result<()> {
-        if let Some(shared) = self.inner.shared.clone() {
+        if let Some(shared) = self.inner.records.feed() {
             self.follow_shared(shared).await;
             return Ok(());
         }
-        let (records, errors) = self.inner.store.load_all()?;
+        let (records, errors) = self.inner.records.load()?;
         for e in errors {
             tracing::error!(error = %e, "skipping an unreadable sandbox record");
         }
