@@ -126,7 +126,7 @@ pub async fn summary(
     let events = events_of(&app, &id)?;
     let logs = match output(&app, &id).await {
         Ok((text, _)) => last_lines(&text, tail),
-        Err(e) => format!("[error] {}\n", e.message),
+        Err(e) => format!("[error] {}\n", e.public_message()),
     };
     let rule = "=".repeat(72);
     let line = "-".repeat(40);
@@ -352,9 +352,9 @@ mod tests {
         let err = check_scope("logs", "kernel", LOG_SCOPES).expect_err("unknown");
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
         assert!(
-            err.message.contains("container, lifecycle, all"),
+            err.to_string().contains("container, lifecycle, all"),
             "{}",
-            err.message
+            err.to_string()
         );
         assert!(check_scope("events", "runtime", EVENT_SCOPES).is_ok());
     }

@@ -137,9 +137,9 @@ mod tests {
         let err = check(dir.path(), "a sandbox").expect_err("4 MiB is below the reserve");
         assert_eq!(err.status, StatusCode::INSUFFICIENT_STORAGE);
         assert!(
-            err.message.contains("no room for a sandbox") && err.message.contains("MiB"),
+            err.to_string().contains("no room for a sandbox") && err.to_string().contains("MiB"),
             "{}",
-            err.message
+            err.to_string()
         );
     }
 }

@@ -11,14 +11,35 @@ use warren_core::RuntimeError;
 pub struct ApiError {
     pub status: StatusCode,
     pub code: String,
-    pub message: String,
+    /// What the client reads, unless `hidden`. Private: a caller that passes an error on to a
+    /// client (another surface, a record others read) takes [`ApiError::public_message`], so an
+    /// internal error's text cannot leave by a path that forgot to check.
+    message: String,
     /// A failure of the server's own (`internal`): the message goes to the log, not the client.
     pub hidden: bool,
     /// With a 429: how many seconds to wait (`Retry-After`; 1 when not given).
     pub retry_after: Option<u64>,
 }
 
+impl std::fmt::Display for ApiError {
+    /// The whole message, for the server's own log.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 impl ApiError {
+    /// What a client may read of this error: its message, or for a failure of the server's own a
+    /// generic line (the cause is logged here, once).
+    pub fn public_message(&self) -> String {
+        if self.hidden {
+            tracing::error!(code = %self.code, "{}", self.message);
+            internal_message("-")
+        } else {
+            self.message.clone()
+        }
+    }
+
     pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             status,
@@ -217,6 +238,13 @@ mod snapshot {
             text += &format!("{status}{retry}\n{}\n\n", String::from_utf8_lossy(&body));
         }
         assert!(!text.contains("on fire"), "an internal error's text leaked");
+        // Passed on to another surface (the egress sidecar's, a template's or a snapshot's
+        // record): the same generic line; the full text only where the server logs it.
+        let internal = ApiError::internal("reading the sandbox's image", &failure);
+        assert!(!internal.public_message().contains("on fire"));
+        assert!(internal.to_string().contains("on fire"));
+        let plain = ApiError::invalid("resourceLimits.memory: too small");
+        assert_eq!(plain.public_message(), plain.to_string());
         insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
             insta::assert_snapshot!("error-bodies", text);
         });

@@ -180,12 +180,9 @@ impl Pools {
         for spec in from_config {
             let pool = self
                 .prepare(spec.clone(), true, now, DEFAULT_TENANT)
-                .map_err(|e| {
-                    anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
-                })?;
-            self.insert(pool.clone()).map_err(|e| {
-                anyhow::anyhow!("pool {:?} in the config: {}", spec.name, e.message)
-            })?;
+                .map_err(|e| anyhow::anyhow!("pool {:?} in the config: {e}", spec.name))?;
+            self.insert(pool.clone())
+                .map_err(|e| anyhow::anyhow!("pool {:?} in the config: {e}", spec.name))?;
             started.push(pool);
         }
         let saved: Vec<SavedPool> = match std::fs::read(&self.inner.file) {
@@ -208,7 +205,7 @@ impl Pools {
             {
                 Ok(pool) => started.push(pool),
                 Err(e) => {
-                    tracing::error!(pool = %spec.name, "saved pool not started: {}", e.message)
+                    tracing::error!(pool = %spec.name, "saved pool not started: {e}")
                 }
             }
         }
@@ -275,7 +272,7 @@ impl Pools {
             self.inner.max_timeout,
             &self.inner.storage,
         )
-        .map_err(|e| ApiError::invalid(format!("template: {}", e.message)))?;
+        .map_err(|e| ApiError::invalid(format!("template: {}", e.public_message())))?;
         if plan.snapshot_id.is_some() || !plan.volumes.is_empty() || plan.image_auth.is_some() {
             return Err(ApiError::invalid(
                 "template: pools take an image without auth, and no volumes or snapshotId",
@@ -738,7 +735,7 @@ impl Pools {
                         }
                         Err(e) => {
                             p.creating.fetch_sub(1, Ordering::SeqCst);
-                            tracing::warn!(pool = %p.spec.name, "making a warm sandbox failed: {}", e.message);
+                            tracing::warn!(pool = %p.spec.name, "making a warm sandbox failed: {e}");
                             p.refill.notify_one();
                             false
                         }

@@ -376,14 +376,14 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
         {
             Ok((status, Some(v))) => (status, axum::Json(v)).into_response(),
             Ok((status, None)) => status.into_response(),
-            Err(e) => (e.status, e.message).into_response(),
+            Err(e) => (e.status, e.public_message()).into_response(),
         };
     }
     match path {
         "healthz" => (StatusCode::OK, "ok").into_response(),
         "policy" => match crate::network::policy_call(&app.sandboxes, id, &method, &body).await {
             Ok(status) => axum::Json(status).into_response(),
-            Err(e) => (e.status, e.message).into_response(),
+            Err(e) => (e.status, e.public_message()).into_response(),
         },
         other => (
             StatusCode::NOT_FOUND,
@@ -425,7 +425,7 @@ fn renew_on_access(app: &AppState, rec: &warren_store::SandboxRecord) {
     let (sandboxes, id) = (app.sandboxes.clone(), rec.id.clone());
     tokio::spawn(async move {
         if let Err(e) = sandboxes.extend(&id, wanted).await {
-            tracing::debug!(sandbox_id = %id, error = %e.message, "renew on access");
+            tracing::debug!(sandbox_id = %id, error = %e, "renew on access");
         }
     });
 }

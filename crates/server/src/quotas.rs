@@ -373,7 +373,11 @@ mod tests {
             (e.status.as_u16(), e.code.as_str()),
             (403, "QUOTA_EXCEEDED")
         );
-        assert!(e.message.contains("quota sandboxes"), "{}", e.message);
+        assert!(
+            e.to_string().contains("quota sandboxes"),
+            "{}",
+            e.to_string()
+        );
         drop(a);
         // Done (failed, or its record now counts it, which the caller passes as `live`): its share
         // is free again.
@@ -396,9 +400,9 @@ mod tests {
         let e = q.admit_snapshot("acme", limit, None).expect_err("full");
         assert_eq!(e.status, StatusCode::FORBIDDEN);
         assert!(
-            e.message.starts_with("quota snapshot_storage:"),
+            e.to_string().starts_with("quota snapshot_storage:"),
             "{}",
-            e.message
+            e.to_string()
         );
         assert!(q.admit_snapshot("acme", limit - 10, Some(10)).is_ok());
         assert!(q.admit_snapshot("acme", limit - 10, Some(11)).is_err());
@@ -441,6 +445,6 @@ mod tests {
             .admit("acme", &limits(500, 2 << 30), &[], true, true)
             .err()
             .expect("memory");
-        assert!(e.message.contains("quota memory"), "{}", e.message);
+        assert!(e.to_string().contains("quota memory"), "{}", e.to_string());
     }
 }

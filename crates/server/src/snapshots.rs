@@ -230,12 +230,7 @@ impl Snapshots {
                 Err(e) => {
                     done.state = FAILED.into();
                     done.reason = Some("capture_failed".into());
-                    done.message = Some(if e.hidden {
-                        tracing::error!(snapshot_id = %done.id, "{}", e.message);
-                        "internal error; the server's log has the cause".into()
-                    } else {
-                        e.message
-                    });
+                    done.message = Some(e.public_message());
                 }
             }
             // Deleted while it was being taken, or past the tenant's storage quota: drop what the
@@ -355,7 +350,7 @@ impl Snapshots {
             {
                 done.state = FAILED.into();
                 done.reason = Some("quota_exceeded".into());
-                done.message = Some(e.message);
+                done.message = Some(e.public_message());
                 done.size_bytes = None;
                 keep = false;
             }

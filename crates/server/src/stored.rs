@@ -212,7 +212,7 @@ mod tests {
         assert_eq!(volume_name("alpha", "x.y").expect("dotted"), "alpha.x.y");
         let e = volume_name(DEFAULT_TENANT, "alpha.data").expect_err("dotted default");
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert!(e.message.contains("alpha.data"), "{}", e.message);
+        assert!(e.to_string().contains("alpha.data"), "{}", e.to_string());
         // Every default-tenant name differs from every tenant's: one has a dot, the other none.
         for claim in ["data", "alpha-data", "x_y"] {
             let mine = volume_name(DEFAULT_TENANT, claim).expect("default");
@@ -262,7 +262,7 @@ mod tests {
 
     fn answer(r: Result<String, ApiError>) -> (StatusCode, String, String) {
         let e = r.expect_err("refused");
-        (e.status, format!("{:?}", e.code), e.message)
+        (e.status, format!("{:?}", e.code), e.to_string())
     }
 
     #[tokio::test]
@@ -304,8 +304,8 @@ mod tests {
             plan.snapshot_id = Some(missing.into());
             let none = stored.resolve(&mut plan).expect_err("missing");
             assert_eq!(
-                (theirs.status, theirs.message.replace(A, missing)),
-                (none.status, none.message)
+                (theirs.status, theirs.to_string().replace(A, missing)),
+                (none.status, none.to_string())
             );
         }
         // By the store's image id: no snapshot's image, not even its owner's, as a missing id.

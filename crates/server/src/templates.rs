@@ -387,7 +387,7 @@ impl Templates {
             self.inner.max_timeout,
             &self.inner.storage,
         )
-        .map_err(|e| format!("the template's sandbox: {}", e.message))?;
+        .map_err(|e| format!("the template's sandbox: {}", e.public_message()))?;
         plan.warm_pool = Some(format!("template:{id}"));
         let tenant = self
             .lock()
@@ -396,13 +396,13 @@ impl Templates {
             .ok_or("the template was deleted")?;
         plan.set_tenant(&tenant)
             .and_then(|()| self.inner.stored.resolve(&mut plan))
-            .map_err(|e| format!("the template's sandbox: {}", e.message))?;
+            .map_err(|e| format!("the template's sandbox: {}", e.public_message()))?;
         let rec = self
             .inner
             .sandboxes
             .create(plan)
             .await
-            .map_err(|e| format!("starting the template's sandbox: {}", e.message))?;
+            .map_err(|e| format!("starting the template's sandbox: {}", e.public_message()))?;
         let sandbox = DeleteOnDrop(Some((self.inner.sandboxes.clone(), rec.id.clone())));
         let result = self.ready_and_capture(id, &rec.id, &probe, warmup).await;
         sandbox.delete().await;
@@ -452,7 +452,7 @@ impl Templates {
             .snapshots
             .create(sandbox, Some(format!("template {id}")))
             .await
-            .map_err(|e| format!("taking the golden image: {}", e.message))?;
+            .map_err(|e| format!("taking the golden image: {}", e.public_message()))?;
         // Recorded at once: whatever cuts the build off from here (a restart, a panic) leaves a
         // record that names the snapshot to throw away.
         self.set(id, |r| r.snapshot_id = Some(snap.id.clone()));

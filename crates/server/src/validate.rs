@@ -543,7 +543,7 @@ mod tests {
             Some("900"),
         )
         .expect_err("disagree");
-        assert!(e.message.contains("disagree"), "{}", e.message);
+        assert!(e.to_string().contains("disagree"), "{}", e.to_string());
         for bad in [
             json!({"renewalPolicy": {"extendSeconds": 299}}),
             json!({"renewalPolicy": {"extendSeconds": 86_401}}),
@@ -568,9 +568,9 @@ mod tests {
         let e = plan_with(json!({"idlePolicy": {"idleTimeoutSeconds": 60}}), None)
             .expect_err("refused");
         assert!(
-            e.message.contains("lifecycle.idlePolicy.onIdle"),
+            e.to_string().contains("lifecycle.idlePolicy.onIdle"),
             "{}",
-            e.message
+            e.to_string()
         );
         let plan = plan_with(
             json!({"preStart": {"command": ["true"]},
@@ -581,9 +581,9 @@ mod tests {
         assert!(plan.hooks.pre_start.is_some() && plan.hooks.periodic.len() == 1);
         let e = plan_with(json!({"preStart": {"command": []}}), None).expect_err("refused");
         assert!(
-            e.message.contains("lifecycle.preStart.command"),
+            e.to_string().contains("lifecycle.preStart.command"),
             "{}",
-            e.message
+            e.to_string()
         );
         assert!(plan_with(json!({}), None).is_ok());
         assert!(plan_with(json!({"idlePolicy": null}), None).is_ok());
@@ -627,7 +627,11 @@ mod tests {
         for bad in ["banana", "1Mi", ""] {
             let err = with(bad).expect_err("must be refused");
             assert_eq!(err.status, 400);
-            assert!(err.message.contains("ephemeral-storage"), "{}", err.message);
+            assert!(
+                err.to_string().contains("ephemeral-storage"),
+                "{}",
+                err.to_string()
+            );
         }
     }
 
@@ -715,32 +719,36 @@ mod tests {
         r.env = Some(many(40_000, "x"));
         let e = refused(r);
         assert_eq!(e.status, 400);
-        assert!(e.message.contains("at most 1024"), "{}", e.message);
+        assert!(e.to_string().contains("at most 1024"), "{}", e.to_string());
         let mut r = req();
         r.env = Some(many(1, &"x".repeat(200 << 10)));
-        assert!(refused(r).message.contains("longer than 131072"));
+        assert!(refused(r).to_string().contains("longer than 131072"));
         let mut r = req();
         r.env = Some(many(10, &"x".repeat(100 << 10)));
-        assert!(refused(r).message.contains("at most 262144"));
+        assert!(refused(r).to_string().contains("at most 262144"));
         let mut r = req();
         r.env = Some(many(1024, "value"));
         accepted(r);
         let mut r = req();
         r.extensions = Some(many(1, &"x".repeat(900_000)));
         let e = refused(r);
-        assert!(e.message.starts_with("extensions:"), "{}", e.message);
+        assert!(
+            e.to_string().starts_with("extensions:"),
+            "{}",
+            e.to_string()
+        );
         let mut r = req();
         r.extensions = Some(many(65, "x"));
-        assert!(refused(r).message.contains("at most 64"));
+        assert!(refused(r).to_string().contains("at most 64"));
         let mut r = req();
         r.metadata = Some(many(65, "v"));
         assert_eq!(refused(r).code, "SANDBOX::INVALID_METADATA_LABEL");
         let mut r = req();
         r.entrypoint = Some(vec!["sh".into(), "x".repeat(200 << 10)]);
-        assert!(refused(r).message.contains("longer than 131072"));
+        assert!(refused(r).to_string().contains("longer than 131072"));
         let mut r = req();
         r.entrypoint = Some((0..4000).map(|_| "y".repeat(100)).collect());
-        assert!(refused(r).message.contains("at most 262144"));
+        assert!(refused(r).to_string().contains("at most 262144"));
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl Sandboxes {
                     // (a resume counts as activity: `freeze_for`)
                     Some(SandboxState::Paused) => {
                         if let Err(e) = this.freeze_for(&id, false, "wake_on_access").await {
-                            tracing::debug!(sandbox_id = %id, error = %e.message, "wake on access");
+                            tracing::debug!(sandbox_id = %id, error = %e, "wake on access");
                         }
                     }
                     // Pausing or resuming: its operation holds the lock; look again shortly.
@@ -124,7 +124,7 @@ impl Sandboxes {
                             tracing::info!(sandbox_id = %rec.id, idle_s = idle.as_secs(), "paused for idleness")
                         }
                         Err(e) => {
-                            tracing::debug!(sandbox_id = %rec.id, error = %e.message, "idle pause skipped")
+                            tracing::debug!(sandbox_id = %rec.id, error = %e, "idle pause skipped")
                         }
                     }
                 });

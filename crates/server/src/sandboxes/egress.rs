@@ -136,7 +136,7 @@ impl Sandboxes {
         let mut updated = rec;
         updated.credential_proxy = true;
         if let Err(e) = self.share(&updated).await {
-            tracing::warn!(sandbox_id = %id, error = %e.message, "the credential proxy is on but its record was not shared");
+            tracing::warn!(sandbox_id = %id, error = %e, "the credential proxy is on but its record was not shared");
         }
         self.update(entry, |r| r.credential_proxy = true);
         Ok(())
@@ -187,7 +187,7 @@ impl Sandboxes {
             let mut updated = rec.clone();
             updated.network_policy = value.clone();
             if let Err(e) = self.share(&updated).await {
-                tracing::warn!(sandbox_id = %id, error = %e.message, "the new policy is in force but its record was not shared");
+                tracing::warn!(sandbox_id = %id, error = %e, "the new policy is in force but its record was not shared");
             }
             self.update(entry, |r| r.network_policy = value);
             return Ok(policy);

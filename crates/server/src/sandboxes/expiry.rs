@@ -56,7 +56,7 @@ impl Sandboxes {
                                     tracing::info!(sandbox_id = %rec.id, "sandbox expired")
                                 }
                                 Err(e) => {
-                                    tracing::debug!(sandbox_id = %rec.id, error = %e.message, "expiry skipped")
+                                    tracing::debug!(sandbox_id = %rec.id, error = %e, "expiry skipped")
                                 }
                             }
                         }

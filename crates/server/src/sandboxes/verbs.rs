@@ -46,7 +46,7 @@ impl Sandboxes {
             if let Err(RuntimeError::Unavailable(_)) = &result {
                 // Nothing was removed: the sandbox stays as it was, and the delete can be retried.
                 if let Err(e) = self.share(&rec).await {
-                    tracing::warn!(sandbox_id = %id, error = %e.message, "could not take back the record of a delete that failed");
+                    tracing::warn!(sandbox_id = %id, error = %e, "could not take back the record of a delete that failed");
                 }
             } else {
                 let _ = self.inner.images.release(id);
@@ -70,7 +70,7 @@ impl Sandboxes {
                     let failed = Settle::To {
                         state: SandboxState::Failed,
                         reason: Some(REASON_DELETE_FAILED.to_owned()),
-                        message: Some(err.message.clone()),
+                        message: Some(err.public_message()),
                     };
                     (failed, Err(err))
                 }

@@ -158,7 +158,7 @@ impl Sandboxes {
                         other => other,
                     };
                     if let Err(e) = relinked {
-                        tracing::error!(sandbox_id = %rec.id, error = %e.message, "re-attaching the network link failed");
+                        tracing::error!(sandbox_id = %rec.id, error = %e, "re-attaching the network link failed");
                     }
                 }
                 self.watch(&rec);
