@@ -10,7 +10,6 @@ mod egress_sidecar;
 mod file;
 mod image;
 mod key;
-mod mcp;
 mod output;
 mod run;
 mod runtimes;
@@ -105,7 +104,7 @@ enum Verb {
     /// An MCP server with tools for sandboxes, commands, files and code (stdio or streamable HTTP).
     Mcp {
         #[command(flatten)]
-        args: mcp::McpArgs,
+        args: warren_mcp::McpArgs,
         #[command(flatten)]
         server: client::ServerArgs,
     },
@@ -302,7 +301,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Verb::Mcp { args, server } => {
             let client = server.client()?;
             let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(mcp::run(args, client))?;
+            rt.block_on(warren_mcp::run(args, client))?;
             Ok(ExitCode::SUCCESS)
         }
         Verb::Egress {
