@@ -20,41 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::auth::Caller;
 use crate::AppState;
 
-/// `[audit]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AuditSection {
-    #[serde(default = "yes")]
-    pub enabled: bool,
-    /// The file is rotated when it grows past this.
-    #[serde(default = "default_rotate_bytes")]
-    pub rotate_bytes: u64,
-    /// Older files kept (`audit.jsonl.1` … `.N`).
-    #[serde(default = "default_keep")]
-    pub keep_files: u32,
-}
-
-fn yes() -> bool {
-    true
-}
-
-fn default_rotate_bytes() -> u64 {
-    64 << 20
-}
-
-fn default_keep() -> u32 {
-    5
-}
-
-impl Default for AuditSection {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            rotate_bytes: default_rotate_bytes(),
-            keep_files: default_keep(),
-        }
-    }
-}
+pub use crate::config::AuditSection;
 
 /// One line of the log.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -18,6 +18,9 @@ pub mod env {
 
 pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
 
+mod sections;
+pub use sections::{AuditSection, EndpointsSection, QuotaSection, QuotaSpec, TlsSection};
+
 /// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -57,16 +60,16 @@ pub struct FileConfig {
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
     /// `[quotas]`: tenants' quotas (see `quotas`).
     #[serde(default)]
-    pub quotas: crate::quotas::QuotaSection,
+    pub quotas: QuotaSection,
     /// `[audit]`: the audit log (see `audit`).
     #[serde(default)]
-    pub audit: crate::audit::AuditSection,
+    pub audit: AuditSection,
     /// `[tls]`: HTTPS for the API and the proxy (see `tls`).
     #[serde(default)]
-    pub tls: crate::tls::TlsSection,
+    pub tls: TlsSection,
     /// `[endpoints]`: signed endpoint URLs and host-based routing (see `signed`).
     #[serde(default)]
-    pub endpoints: crate::signed::EndpointsSection,
+    pub endpoints: EndpointsSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -611,10 +614,10 @@ pub struct ServerConfig {
     pub http: HttpSection,
     pub registries: warren_registry::RegistriesConfig,
     pub pools: Vec<warren_api::lifecycle::PoolSpec>,
-    pub quotas: crate::quotas::QuotaSection,
-    pub audit: crate::audit::AuditSection,
-    pub tls: crate::tls::TlsSection,
-    pub endpoints: crate::signed::EndpointsSection,
+    pub quotas: QuotaSection,
+    pub audit: AuditSection,
+    pub tls: TlsSection,
+    pub endpoints: EndpointsSection,
     pub config_file: Option<PathBuf>,
 }
 

@@ -13,7 +13,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use serde::Deserialize;
 use warren_api::admin::{QuotaInfo, Usage};
 use warren_api::ErrorCode;
 use warren_core::ResourceLimits;
@@ -21,29 +20,7 @@ use warren_store::{SandboxRecord, DEFAULT_TENANT};
 
 use crate::error::ApiError;
 
-/// One tenant's quotas as written (`cpu` and `memory` as in `resourceLimits`).
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaSpec {
-    pub sandboxes: Option<u64>,
-    pub cpu: Option<String>,
-    pub memory: Option<String>,
-    pub creates_per_minute: Option<u64>,
-    /// What its snapshots may take in the image store, in all (as `memory` is written: `50Gi`):
-    /// the layers they add to their sandboxes' images.
-    pub snapshot_storage: Option<String>,
-}
-
-/// `[quotas]`.
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaSection {
-    /// Every tenant's but the default one's (the server's own key), unless it has its own.
-    #[serde(default)]
-    pub default: QuotaSpec,
-    #[serde(default)]
-    pub tenants: HashMap<String, QuotaSpec>,
-}
+pub use crate::config::{QuotaSection, QuotaSpec};
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Quota {

@@ -26,7 +26,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hmac::{Hmac, Mac};
 use http::StatusCode;
-use serde::Deserialize;
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
 use warren_api::ErrorCode;
@@ -35,42 +34,7 @@ use crate::audit::Routed;
 use crate::error::ApiError;
 use crate::AppState;
 
-/// `[endpoints]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EndpointsSection {
-    /// A wildcard DNS name that points at Warren (`sandboxes.example.com`, maybe with `:port` for
-    /// the URLs handed out): requests for `{token}.{domain}` and `{port}-{id}.{domain}` go to that
-    /// sandbox's port, and signed URLs are handed out in that form.
-    pub domain: Option<String>,
-    /// Hand out endpoints without `expires` as `{port}-{id}.{domain}` too (they still need their
-    /// token header); by default they stay on the path proxy.
-    #[serde(default)]
-    pub host_urls: bool,
-    /// The longest a signed URL may live, in seconds.
-    #[serde(default = "default_max_signed_seconds")]
-    pub max_signed_seconds: u64,
-    /// The signing keys, one per line: the first signs, every one verifies (so a new key can be
-    /// put first and the old one dropped later). Default: `<data dir>/endpoint-signing-keys`,
-    /// made with one random key when missing; on replicas (`[kubernetes] shared_key_file`), one
-    /// derived from the key they share.
-    pub signing_keys_file: Option<PathBuf>,
-}
-
-fn default_max_signed_seconds() -> u64 {
-    86_400
-}
-
-impl Default for EndpointsSection {
-    fn default() -> Self {
-        Self {
-            domain: None,
-            host_urls: false,
-            max_signed_seconds: default_max_signed_seconds(),
-            signing_keys_file: None,
-        }
-    }
-}
+pub use crate::config::EndpointsSection;
 
 impl EndpointsSection {
     pub fn check(&self) -> anyhow::Result<()> {

@@ -12,20 +12,8 @@ use std::sync::{Arc, RwLock};
 use anyhow::Context;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use serde::Deserialize;
 
-/// `[tls]`: either `cert_file` and `key_file`, or `self_signed`; neither serves plain HTTP.
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsSection {
-    /// PEM: the server's certificate, then its chain.
-    pub cert_file: Option<PathBuf>,
-    /// PEM: its private key (PKCS#8, PKCS#1 or SEC1).
-    pub key_file: Option<PathBuf>,
-    /// Make a development certificate (and its CA) in `<data dir>/tls/`.
-    #[serde(default)]
-    pub self_signed: bool,
-}
+pub use crate::config::TlsSection;
 
 /// Where the development certificate's files are.
 pub fn dev_dir(data_dir: &Path) -> PathBuf {

@@ -1,0 +1,117 @@
+//! The config sections whose code lives elsewhere (`quotas`, `audit`, `tls`, `signed`): their
+//! shapes and defaults are here, so that `config` depends on no other module of the server.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// One tenant's quotas as written (`cpu` and `memory` as in `resourceLimits`).
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    pub sandboxes: Option<u64>,
+    pub cpu: Option<String>,
+    pub memory: Option<String>,
+    pub creates_per_minute: Option<u64>,
+    /// What its snapshots may take in the image store, in all (as `memory` is written: `50Gi`):
+    /// the layers they add to their sandboxes' images.
+    pub snapshot_storage: Option<String>,
+}
+
+/// `[quotas]`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Every tenant's but the default one's (the server's own key), unless it has its own.
+    #[serde(default)]
+    pub default: QuotaSpec,
+    #[serde(default)]
+    pub tenants: HashMap<String, QuotaSpec>,
+}
+
+/// `[audit]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditSection {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The file is rotated when it grows past this.
+    #[serde(default = "default_rotate_bytes")]
+    pub rotate_bytes: u64,
+    /// Older files kept (`audit.jsonl.1` … `.N`).
+    #[serde(default = "default_keep")]
+    pub keep_files: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_rotate_bytes() -> u64 {
+    64 << 20
+}
+
+fn default_keep() -> u32 {
+    5
+}
+
+impl Default for AuditSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            rotate_bytes: default_rotate_bytes(),
+            keep_files: default_keep(),
+        }
+    }
+}
+
+/// `[tls]`: either `cert_file` and `key_file`, or `self_signed`; neither serves plain HTTP.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// PEM: the server's certificate, then its chain.
+    pub cert_file: Option<PathBuf>,
+    /// PEM: its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: Option<PathBuf>,
+    /// Make a development certificate (and its CA) in `<data dir>/tls/`.
+    #[serde(default)]
+    pub self_signed: bool,
+}
+
+/// `[endpoints]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointsSection {
+    /// A wildcard DNS name that points at Warren (`sandboxes.example.com`, maybe with `:port` for
+    /// the URLs handed out): requests for `{token}.{domain}` and `{port}-{id}.{domain}` go to that
+    /// sandbox's port, and signed URLs are handed out in that form.
+    pub domain: Option<String>,
+    /// Hand out endpoints without `expires` as `{port}-{id}.{domain}` too (they still need their
+    /// token header); by default they stay on the path proxy.
+    #[serde(default)]
+    pub host_urls: bool,
+    /// The longest a signed URL may live, in seconds.
+    #[serde(default = "default_max_signed_seconds")]
+    pub max_signed_seconds: u64,
+    /// The signing keys, one per line: the first signs, every one verifies (so a new key can be
+    /// put first and the old one dropped later). Default: `<data dir>/endpoint-signing-keys`,
+    /// made with one random key when missing; on replicas (`[kubernetes] shared_key_file`), one
+    /// derived from the key they share.
+    pub signing_keys_file: Option<PathBuf>,
+}
+
+fn default_max_signed_seconds() -> u64 {
+    86_400
+}
+
+impl Default for EndpointsSection {
+    fn default() -> Self {
+        Self {
+            domain: None,
+            host_urls: false,
+            max_signed_seconds: default_max_signed_seconds(),
+            signing_keys_file: None,
+        }
+    }
+}
