@@ -56,7 +56,7 @@ pub mod fuzzing {
         };
         crate::validate::create_plan(req, &LimitsSection::default(), Some(86_400), &storage)
             .map(drop)
-            .map_err(|e| (e.status.as_u16(), e.message))
+            .map_err(|e| (e.status.as_u16(), e.public_message()))
     }
 }
 
