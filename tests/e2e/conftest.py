@@ -157,8 +157,10 @@ def _start_server(runtime: str, root: Path, name: str) -> W.WarrenServer:
 
 @pytest.fixture(scope="session")
 def server(runtime, work_root):
-    """The shared `warren serve` for one OCI runtime."""
+    """The shared `warren serve` for one OCI runtime. What it can do (`srv.caps`, from its
+    /v1/health) is what tests choose by; `run_once` compares runtimes by it too."""
     srv = _start_server(runtime, work_root, f"{runtime}-main")
+    W.DEFAULT_CAPS.setdefault(runtime, srv.caps)
     yield srv
     srv.stop()
 

@@ -22,28 +22,52 @@ def test_health_needs_no_key(server):
     assert r.json() == {"status": "healthy"} or r.json().get("status") == "healthy"
 
 
-# What each runtime can do, as /health must report it.
+# What each runtime can do, as /health must report it. (The one place the suite names runtimes to
+# choose what to expect: every other test chooses by what /health says, `server.caps`.)
+_LOCAL = dict(egressAddresses=False, egressNames=False, hostVolumes="server")
 CAPABILITIES = {
-    "embedded": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=True),
-    "runc": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=False),
-    "runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False),
-    "docker": dict(snapshots=False, egressPolicy=True, diskBound=False, isolatedSessions=False),
-    "docker-runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False),
+    "embedded": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=True,
+                     imageSource="store", **_LOCAL),
+    "runc": dict(snapshots=True, egressPolicy=True, diskBound=True, isolatedSessions=False,
+                 imageSource="store", **_LOCAL),
+    "runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False,
+                  imageSource="store", **_LOCAL),
+    "docker": dict(snapshots=False, egressPolicy=True, diskBound=False, isolatedSessions=False,
+                   imageSource="engine", **_LOCAL),
+    "docker-runsc": dict(snapshots=False, egressPolicy=False, diskBound=False, isolatedSessions=False,
+                         imageSource="engine", **_LOCAL),
 }
+
+
+def _expected_userns(server) -> bool:
+    """Whether its sandboxes should run in user namespaces of their own (the default of the
+    embedded runtime and runc; `user_namespaces` in its `[runtime]` decides otherwise)."""
+    if "user_namespaces = false" in server.runtime_config:
+        return False
+    return server.runtime in ("embedded", "runc") or "user_namespaces = true" in server.runtime_config
 
 
 def test_health_reports_the_runtime_and_what_it_can_do(server, api):
     """/health says which runtime runs sandboxes and what it can do; the answers the server gives
-    agree with it (a snapshot or a network policy where the runtime has none is refused)."""
+    agree with it (a snapshot or a network policy where the runtime has none is refused). Native
+    runtimes bound how many creates run at once by the server's CPUs and say how many; a Docker
+    daemon has no such bound. /v1/health says the same, and the harness's `caps` are its answer."""
     info = httpx.get(f"{server.base_url}/health", timeout=10).json()["runtime"]
-    assert info["kind"] == ("docker" if server.is_docker else "native"), info
+    docker = server.runtime.startswith("docker")
+    assert info["kind"] == ("docker" if docker else "native"), info
     assert info["name"] == {"embedded": "native/embedded", "runc": "native/runc", "runsc": "native/runsc",
                             "docker": "docker", "docker-runsc": "docker/runsc"}[server.runtime], info
     caps = info["capabilities"]
     assert caps["execdTransport"] == "unix" and caps["pause"] is True, caps
-    assert caps["userNamespaces"] is server.userns, caps
+    assert caps["userNamespaces"] is _expected_userns(server), caps
     expected = CAPABILITIES[server.runtime]
-    assert {k: caps[k] for k in expected} == expected, caps
+    assert {k: caps.get(k) for k in expected} == expected, caps
+    if docker:
+        assert "createParallelism" not in caps, caps
+    else:
+        assert isinstance(caps.get("createParallelism"), int) and caps["createParallelism"] >= 1, caps
+    assert httpx.get(f"{server.base_url}/v1/health", timeout=10).json()["runtime"] == info
+    assert W.Capabilities.from_health(info) == server.caps
     r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image("host")))
     assert r.status_code == 202, r.text
     sid = r.json()["id"]
@@ -399,10 +423,11 @@ def test_a_full_data_dir_refuses_creates_cleanly(server, work_root):
     import subprocess
     from opensandbox import SandboxSync
 
-    if server.is_docker:
-        pytest.skip("a Docker sandbox writes into Docker's storage, not Warren's data dir")
-    if server.gvisor:
-        pytest.skip("gVisor keeps a sandbox's root writes in its own overlay, not in Warren's data dir")
+    # (A Docker sandbox writes into Docker's storage, and gVisor keeps a sandbox's root writes in
+    # its own overlay: neither in Warren's data dir.)
+    server.require("snapshots", "a sandbox's root writes land in its writable layer in Warren's data "
+                                "dir, and a snapshot copies that layer")
+    server.require_image_store("creates on the built-in host image")
     srv = W.WarrenServer(server.runtime, work_root, f"full-{uuid.uuid4().hex[:6]}")
     srv.data_dir.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(srv.data_dir)], check=True)

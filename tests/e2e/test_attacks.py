@@ -238,8 +238,7 @@ def test_no_host_folder_takes_writes_past_the_storage_limit(server, raw_sandbox,
     """With `ephemeral-storage: 64Mi` the root file system stops at the limit, and nothing else
     takes the rest: not the socket folder (gone on the embedded runtime and runc), not PID 1's or the
     entrypoint's output (a ring in memory), not the host log."""
-    if server.is_docker or server.gvisor:
-        pytest.skip("ephemeral-storage is refused on this runtime")
+    server.require("diskBound", "ephemeral-storage bounds the root file system (refused elsewhere)")
     body = raw_sandbox(test_image, resourceLimits={"cpu": "1", "memory": "1Gi", "ephemeral-storage": "64Mi"})
     sid = body["id"]
     folder = server.data_dir / "sandboxes" / sid
@@ -289,7 +288,7 @@ def test_the_socket_folder_is_no_host_storage(server, raw_sandbox, api, test_ima
 
     out = run("dd if=/dev/zero of=/.warren/run/fill bs=1M count=8 2>/dev/null; "
               "stat -c %s /.warren/run/fill 2>/dev/null || echo none")
-    if server.is_docker or server.gvisor:
+    if not server.execd_socket_handed_over:
         assert os.path.ismount(run_dir), "the socket folder is a mount of its own"
         assert os.statvfs(run_dir).f_blocks * os.statvfs(run_dir).f_frsize <= 64 << 10
         # gVisor refuses to make a plain file there at all
@@ -420,7 +419,7 @@ def test_files_workers_hold_nothing_of_the_host(server, api, make_sandbox, test_
 def test_files_workers_hold_nothing_of_the_host_without_user_namespaces(server, work_root, test_image):
     """The same where sandbox root is host root's ids (`user_namespaces = false`): there the old
     worker's /proc/<pid>/exe let sandbox root chmod the running host binary."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("the embedded runtime runs execd from the host's binary; elsewhere execd is a "
                     "read-only bind (checked with user namespaces by the test above)")
     import uuid

@@ -32,9 +32,9 @@ print("made", levels)
 LEVELS = 100_000
 
 
-def _native_only(server) -> None:
-    if server.is_docker:
-        pytest.skip("the sandbox's files are the Docker daemon's to remove")
+def _image_store_only(server) -> None:
+    server.require_image_store("the server makes the sandbox's root from its image store in its data "
+                               "dir and removes it (an engine's sandboxes' files are the engine's)")
 
 
 @pytest.mark.timeout(600)
@@ -46,7 +46,7 @@ def test_a_tree_deeper_than_any_stack_snapshots_cleanly_survives_a_restart_and_d
     from opensandbox import SandboxSync
 
     srv = fresh_server
-    _native_only(srv)
+    _image_store_only(srv)
     srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
     sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
     W.track_sandbox(sbx.id)
@@ -54,7 +54,7 @@ def test_a_tree_deeper_than_any_stack_snapshots_cleanly_survives_a_restart_and_d
     code, out, err = W.sh(sbx, f"python3 /tmp/deep.py /tmp/deep {LEVELS}", timeout=timedelta(seconds=300))
     assert code == 0 and f"made {LEVELS}" in out, (out, err)
 
-    if not srv.gvisor:  # (snapshots copy the native runtime's writable layer: embedded, runc)
+    if srv.caps.snapshots:  # (snapshots copy the native runtime's writable layer: embedded, runc)
         with srv.client() as c:
             r = c.post(f"/v1/sandboxes/{sbx.id}/snapshots", json={"name": "deep"})
             assert r.status_code in (200, 201, 202), r.text
@@ -109,14 +109,13 @@ def test_a_million_entry_tree_snapshots_survives_a_restart_and_deletes(fresh_ser
     """A sandbox's tree of 1,000,000 entries (within the default bounds: 2,000,000 per image, an
     inode per 8 KiB of its 10 GiB disk) is snapshotted, restored, re-adopted after a restart and
     removed with its sandbox and snapshot, the server answering all along. The walks are the
-    server's own, the same under every native runtime: embedded alone runs it (gVisor keeps such
-    writes in memory and snapshots nothing)."""
+    server's own, the same under every native runtime: it runs once, on the first runtime with
+    snapshots (gVisor keeps such writes in memory and snapshots nothing)."""
     from opensandbox import SandboxSync
 
     srv = fresh_server
-    _native_only(srv)
-    if srv.runtime != "embedded":
-        pytest.skip("the same walks as under the embedded runtime")
+    _image_store_only(srv)
+    srv.run_once("the server's own walks, the same under every runtime with snapshots", snapshots=True)
     srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
     sbx = SandboxSync.create(W.TEST_IMAGE_NAME, connection_config=srv.sdk_config())
     W.track_sandbox(sbx.id)
@@ -167,7 +166,7 @@ def test_a_deep_tree_left_in_the_trash_is_removed_at_start(fresh_server):
     """A server that died while removing a sandbox's folder leaves it in the trash; the next one
     removes it in the background and serves meanwhile (before, it aborted, at every start)."""
     srv = fresh_server
-    _native_only(srv)
+    _image_store_only(srv)
     srv.stop()
     trash = srv.data_dir / "trash"
     left = trash / f"{uuid.uuid4()}.1"
@@ -313,7 +312,7 @@ def test_a_create_that_names_no_limits_is_bounded_by_default(files_capped_server
     assert code == 0, err
     values = out.split()
     assert int(values[-2]) == 4096 and int(values[-1]) <= 4096, f"open files: {out}"
-    if srv.gvisor and srv.is_docker:
+    if srv.gvisor and srv.kind == "docker":
         # gVisor's /sys is its own: the daemon holds the container's bounds
         inspect = subprocess.run(["docker", "inspect", "-f", "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}}",
                                   f"warren-{sid}"], capture_output=True, text=True, check=True)
@@ -343,8 +342,7 @@ def test_a_short_soak_with_the_server_killed_under_load_loses_nothing(server, wo
     loop devices, folders)."""
     import json
     import sys
-    if server.runtime != "embedded":
-        pytest.skip("the harness runs its own server on the embedded runtime")
+    server.run_once("bench/soak.py runs its own server, on the embedded runtime")
     out = work_root / f"soak-{uuid.uuid4().hex[:6]}.json"
     res = subprocess.run(
         [sys.executable, str(W.REPO_ROOT / "bench" / "soak.py"), "--warren", str(server.bin),

@@ -6,8 +6,9 @@ download lands where the files API reads it; the sandbox's egress policy holds f
 allowed name loads from a fake internet the test builds, a denied one does not).
 
 The host's Playwright drives the sandbox's Chromium only; the host's own browser is not started.
-The browser is execd's, the same on every runtime: on the embedded runtime (the host's Chromium
-through the `host` image) and on Docker (the desktop image)."""
+The browser is execd's, the same on every runtime: it runs once per image source, on the first
+runtime with a network link (egressPolicy) of each — with Warren's image store, the host's Chromium
+through the `host` image (the embedded runtime); with an engine's, the desktop image (Docker)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def fakenet(work_root):
 
 @pytest.fixture(scope="module")
 def browser_sandbox(server, work_root, fakenet):
-    if server.runtime not in ("embedded", "docker"):
-        pytest.skip("the browser is execd's, the same on every runtime: the native one and Docker cover it")
+    server.run_once("the browser is execd's, the same on every runtime: once per image source, where the "
+                    "sandbox's egress policy is enforced on its link",
+                    imageSource=server.caps.image_source, egressPolicy=True)
     s = W.WarrenServer(server.runtime, work_root, f"browser-sbx-{uuid.uuid4().hex[:6]}")
     port = W.free_port()
     s.more_config = f'[endpoints]\ndomain = "localhost:{port}"\nmax_signed_seconds = 3600\n'

@@ -4,8 +4,10 @@ lifecycle API (the path its template sandboxes take), `get_diagnostic_context`, 
 `lifecycle` fields. The suite's own process runs the published 1.1.1 client, so each test here runs
 a script with the other venv's python and checks what it prints.
 
-What it checks does not depend on the runtime (the server's routes and policy code): it runs on the
-embedded runtime only; port enforcement itself is tested on every runtime in test_egress.py."""
+What it checks does not depend on the runtime (the server's routes and policy code): it runs once, on
+the first runtime with a network link (egressPolicy: the vault and port-scoped rules are enforced
+there) and Warren's image store (its scripts create on the `host` image); port enforcement itself is
+tested on every runtime in test_egress.py."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def done():
 
 @pytest.fixture(scope="module")
 def next_server(server):
-    if server.runtime != "embedded":
-        pytest.skip("the newest client's calls: the server's routes, the same on every runtime")
+    server.run_once("the newest client's calls: the server's routes, the same on every runtime",
+                    egressPolicy=True, imageSource="store")
     if not NEXT_PYTHON.exists():
         pytest.fail(f"the 1.1.2 client's venv is missing ({NEXT_PYTHON}): run scripts/install-deps")
     version = subprocess.run([NEXT_PYTHON, "-c", "import importlib.metadata as m; print(m.version('opensandbox'))"],

@@ -4,7 +4,8 @@ reference's Java kernel names it) and Go's `go build` per run (a compile error a
 `CompilationError`) — through the official `opensandbox-code-interpreter` SDK, with the reference's
 own cells. The `host` image brings the host's Debian `openjdk-17-jdk-headless` and `golang-go`
 (scripts/install-deps installs both) and no Java or Go kernel. The engines are execd's, the same on
-every runtime; the `host` image is the native runtime's: once, on the embedded runtime."""
+every runtime; the `host` image is in Warren's image store: once, on the first runtime whose images
+come from there (imageSource "store")."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from conftest import SandboxFactory
 @pytest.fixture(scope="module")
 def ci(server):
     from code_interpreter import CodeInterpreterSync
-    if server.runtime != "embedded":
-        pytest.skip("execd's engines are the same on every runtime; the host image is the native runtime's")
+    server.run_once("execd's engines are the same on every runtime; the host image is in Warren's image store",
+                    imageSource="store")
     f = SandboxFactory(server)
     sbx = f("host")
     # The SDK waits for the Jupyter port: execd opens it for a language's own tools too.

@@ -6,9 +6,10 @@ launched, waiting until the screen is still. A real xterm takes what is typed, a
 file, painted pixels read back exact. Bad input is a clear 4xx. The CLI and MCP tools drive it; a
 real Chromium on the host opens its live view by a signed URL; a warm pool holds desktops.
 
-The desktop is execd's, the same on every runtime: it runs on the embedded runtime (the host's
-Debian packages through the `host` image) and on Docker (the desktop image, build-test-image's
-desktop variant). Client paths (CLI, MCP) run on the embedded runtime only."""
+The desktop is execd's, the same on every runtime: it runs once per image source, on the first
+runtime of each — with Warren's image store, the host's Debian packages through the `host` image
+(the embedded runtime); with an engine's, the desktop image (build-test-image's desktop variant, on
+Docker). Client paths (CLI, MCP) run on the first runtime only."""
 
 from __future__ import annotations
 
@@ -61,21 +62,21 @@ def png_pixels(data: bytes) -> tuple[int, int, bytes]:
 
 
 def desktop_image(server) -> str:
-    """The host's own programs on the embedded runtime; the desktop image on Docker."""
-    if server.runtime == "embedded":
+    """The host's own programs through the `host` image where images come from Warren's store; the
+    desktop image where an engine brings them. Once per image source (see the module's docstring)."""
+    server.run_once("the desktop is execd's, the same on every runtime: once per image source",
+                    imageSource=server.caps.image_source)
+    if server.caps.image_source == "store":
         return server.sandbox_image("host")
-    if server.runtime == "docker":
-        rootfs = W.desktop_rootfs()
-        if not (rootfs / "usr/bin/Xvfb").exists():
-            pytest.fail(f"no desktop image at {rootfs} (scripts/build-test-image {rootfs} desktop)", pytrace=False)
-        server.import_image(W.DESKTOP_IMAGE_NAME, rootfs)
-        return W.DESKTOP_IMAGE_NAME
-    pytest.skip("the desktop is execd's, the same on every runtime: the native one and Docker cover it")
+    rootfs = W.desktop_rootfs()
+    if not (rootfs / "usr/bin/Xvfb").exists():
+        pytest.fail(f"no desktop image at {rootfs} (scripts/build-test-image {rootfs} desktop)", pytrace=False)
+    server.import_image(W.DESKTOP_IMAGE_NAME, rootfs)
+    return W.DESKTOP_IMAGE_NAME
 
 
 def client_only(server) -> None:
-    if server.runtime != "embedded":
-        pytest.skip("a client's path (CLI, MCP), the same on every runtime")
+    server.run_once("a client's path (CLI, MCP), the same on every runtime")
 
 
 @pytest.fixture(scope="module")
@@ -332,8 +333,8 @@ def test_mcp_computer_use_tools(desk, server):
 def viewable(work_root, server):
     """A server whose endpoints are signed host names under `localhost:PORT` (Chromium resolves
     every `*.localhost` to loopback itself), and a desktop sandbox on it."""
-    if server.runtime not in ("embedded", "docker"):
-        pytest.skip("the live view is noVNC's behind Warren's proxy: the native runtime and Docker cover it")
+    server.run_once("the live view is noVNC's behind Warren's proxy: once per image source",
+                    imageSource=server.caps.image_source)
     s = W.WarrenServer(server.runtime, work_root, f"desktop-view-{uuid.uuid4().hex[:6]}")
     port = W.free_port()
     s.more_config = f'[endpoints]\ndomain = "localhost:{port}"\nmax_signed_seconds = 3600\n'

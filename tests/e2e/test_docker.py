@@ -1,7 +1,7 @@
 """The Docker runtime, beyond the shared suite: how the containers are set up, a container
 removed behind Warren's back, leftovers of a crash removed at start, a Docker daemon that stops
 and comes back (503s meanwhile, running sandboxes keep working), and volumes staged so that the
-daemon never resolves a path a sandbox can change. Runs for the docker runtimes only."""
+daemon never resolves a path a sandbox can change. Runs where /health's runtime.kind is "docker"."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def docker_only(server):
-    if not server.is_docker:
-        pytest.skip("Docker runtime only")
+    if server.kind != "docker":
+        pytest.skip("Docker runtime only (runtime.kind docker)")
 
 
 def inspect(sandbox_id: str) -> dict | None:

@@ -7,8 +7,9 @@ fake internet the test builds itself:
   dns_upstream`), answering the `.test` zone and logging every name it is asked.
 
 No packet goes anywhere else: sandboxes' DNS is answered by Warren, their traffic goes to the fake
-internet's addresses or is refused. Native runtime (embedded, runc) and Docker (runc); gVisor (runsc
-on either) refuses policies that allow anything with a clear 400 (tested too)."""
+internet's addresses or is refused. Runs where /health says egressPolicy (a link per sandbox: the
+native runtime and Docker, with runc); where it does not (gVisor, runsc on either), policies that
+allow anything are refused with a clear 400 (tested too)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def net_server(server, work_root, fakenet):
 
 
 def _native_net(srv) -> None:
-    if srv.gvisor:
-        pytest.skip("sandbox networking: not with gVisor (its own network stack), which refuses policies")
+    srv.require("egressPolicy", "sandbox networking: a link whose egress the server enforces (not with "
+                                "gVisor, whose network stack is its own; it refuses policies)")
 
 
 def create(srv, policy):
@@ -445,7 +446,7 @@ def test_default_deny_has_no_link_and_bad_policies_are_refused(net_server):
         W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[400])
         body["networkPolicy"] = {"defaultAction": "sometimes"}
         W.assert_error_body(c.post("/v1/sandboxes", json=body), codes=[400])
-        if net_server.gvisor:
+        if not net_server.caps.egress_policy:
             body["networkPolicy"] = {}
             r = c.post("/v1/sandboxes", json=body)
             W.assert_error_body(r, codes=[400])
@@ -632,8 +633,8 @@ def test_the_vault_and_a_port_scoped_rule_through_the_typescript_client(net_serv
     answer."""
     import shutil
     import subprocess
-    if net_server.runtime != "embedded":
-        pytest.skip("the client's calls meet the server's routes, the same on every runtime")
+    net_server.run_once("the client's calls meet the server's routes, the same on every runtime",
+                        egressPolicy=True)
     sdk_dir = W.REPO_ROOT / ".ci" / "cache" / "ts-sdk"
     if not (sdk_dir / "node_modules" / "@alibaba-group" / "opensandbox").is_dir() or not shutil.which("node"):
         pytest.fail(f"the TypeScript SDK is not installed in {sdk_dir} (scripts/install-deps installs it)")
@@ -752,8 +753,8 @@ def test_full_subnet_refuses_creates_cleanly(server, work_root):
     """When every link address of the server's subnet is taken, a create with a network policy gets
     429 and a message that names the setting; the sandbox it had already started is removed and
     reaped (each such failure used to leave a zombie PID 1 with the server until it exited)."""
-    if server.gvisor or server.is_docker:
-        pytest.skip("sandbox network links: native runtimes without gVisor only")
+    server.require("egressPolicy", "sandbox network links from the server's subnet")
+    server.require_image_store("creates on the built-in host image")
     srv = W.WarrenServer(server.runtime, work_root, f"{server.runtime}-subnet-{uuid.uuid4().hex[:6]}")
     # A /28 holds three /30 links; DNS goes nowhere (no query is made).
     srv.extra_config = (f'[network]\nsubnet = "10.232.{abs(hash(server.runtime)) % 200}.0/28"\n'

@@ -1,6 +1,7 @@
 """execd over TCP (`[runtime] execd_transport = "tcp"`): the transport of runtimes whose sandboxes
 live elsewhere (a pod, a remote Docker host), served here by the embedded runtime on a loopback
-port of the host.
+port of the host (a server of its own, whatever the session's runtimes: once per session, on the
+first runtime's turn).
 
 A network listener is an open door unless it checks who calls: these tests call execd's port the
 way anything else on the host (or, elsewhere, on the pod network) could — without the credential,
@@ -52,8 +53,7 @@ def _start(work_root) -> W.WarrenServer:
 
 @pytest.fixture(scope="module")
 def tcp_server(runtime, work_root):
-    if runtime != "embedded":
-        pytest.skip("execd over TCP is served by the embedded runtime")
+    W.skip_unless_first(runtime, work_root, "its server is an embedded one of its own, with execd over TCP")
     srv = _start(work_root)
     yield srv
     srv.stop()
@@ -159,8 +159,7 @@ def test_a_program_behind_the_endpoint_proxy_never_sees_the_credential(tcp_serve
 
 
 def test_a_restarted_server_reaches_its_sandboxes_over_tcp_again(work_root, runtime):
-    if runtime != "embedded":
-        pytest.skip("execd over TCP is served by the embedded runtime")
+    W.skip_unless_first(runtime, work_root, "its server is an embedded one of its own, with execd over TCP")
     from opensandbox import SandboxSync
     srv = _start(work_root)
     try:

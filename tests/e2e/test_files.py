@@ -169,7 +169,7 @@ def test_relative_paths(host_sandbox):
 
 def test_write_to_readonly_host_path_fails(server, host_sandbox):
     """The host image's system folders are read-only."""
-    server.native_only("the built-in host image")
+    server.require_image_store("the built-in host image")
     with pytest.raises(SandboxException):
         host_sandbox.files.write_file("/usr/e2e-should-not-exist", "x")
     assert not os.path.exists("/usr/e2e-should-not-exist")

@@ -4,7 +4,8 @@
 capability and cannot regain one, has `no_new_privs`, meets the deny list, and does not see execd's
 settings; the capabilities endpoint says what is in force. Behaviour depends on how each runtime
 starts execd (in-process, an OCI runtime's exec, Docker's) and whose kernel answers (gVisor's Sentry
-differs), so it runs on each but Docker's gVisor twin (the same Sentry as runsc)."""
+differs), so it runs on each runtime but the second gVisor one (/health's runtime.name: runsc under
+Docker is the same Sentry as native runsc): under gVisor once, on the first gVisor runtime."""
 
 import json
 import uuid
@@ -59,12 +60,18 @@ def hardening_report(sbx) -> dict:
 
 
 def gvisor(srv) -> bool:
-    return srv.runtime in ("runsc", "docker-runsc")
+    """gVisor's Sentry answers (its own signal rules, /proc and capabilities): by /health's
+    runtime.name, as no capability says so."""
+    return srv.gvisor
+
+
+def _gvisor_once(server) -> None:
+    if server.gvisor:
+        server.run_once("the floor under gVisor is tried once, on the first gVisor runtime", gvisor=True)
 
 
 def _server(server, work_root, name: str, runtime_lines: str):
-    if server.runtime == "docker-runsc":
-        pytest.skip("the floor under gVisor is tried once, on runsc")
+    _gvisor_once(server)
     srv = W.WarrenServer(server.runtime, work_root, f"{name}-{uuid.uuid4().hex[:6]}")
     srv.runtime_config = runtime_lines
     srv.start()
@@ -159,8 +166,7 @@ def test_another_user_a_session_and_a_kernel_are_under_the_floor_too(hardened, h
 
 
 def test_a_kernel_is_under_the_floor(hardened, server):
-    if server.runtime != "embedded":
-        pytest.skip("kernels start through the same launch as commands on every runtime")
+    server.run_once("kernels start through the same launch as commands on every runtime")
     from opensandbox import SandboxSync
     from code_interpreter import CodeInterpreterSync
     hardened.import_image(W.JUPYTER_IMAGE_NAME, W.jupyter_rootfs())
@@ -222,8 +228,7 @@ def test_a_hostile_workload_cannot_climb_back(hardened, hardened_sbx):
 def test_an_isolated_session_is_under_the_floor(hardened, server):
     """Isolated sessions run what they run through the isolation helper, not execd's launch: the
     floor is laid there too, and execd's settings stay out."""
-    if server.runtime != "embedded":
-        pytest.skip("isolated sessions are offered by the embedded runtime")
+    hardened.require("isolatedSessions", "runs an isolated session")
     from opensandbox.models.isolated import CreateIsolatedSessionRequest, IsolatedWorkspaceSpec
     sbx = make(hardened, env=SETTINGS, extensions={"bootstrap.execd.isolation": "enable"})
     try:
@@ -269,8 +274,7 @@ def test_an_image_policy_lays_the_floor_on_a_plain_server(server, test_image, ma
     """The reference's way for an image to ask for the floor: an isolation TOML named by
     EXECD_ISOLATION_CONFIG (its other keys are the image's business). A server without hardening
     lays what it asks."""
-    if server.runtime != "embedded":
-        pytest.skip("the image's TOML is read by execd, the same on every runtime")
+    server.run_once("the image's TOML is read by execd, the same on every runtime", hostVolumes="server")
     from opensandbox.models.sandboxes import Host, Volume
     folder = server.host_volumes / f"isolation-{uuid.uuid4().hex[:6]}"
     folder.mkdir()
@@ -305,8 +309,7 @@ def test_an_image_policy_lays_the_floor_on_a_plain_server(server, test_image, ma
 
 
 def test_a_plain_server_reports_the_floor_off(server, test_image, make_sandbox):
-    if server.runtime == "docker-runsc":
-        pytest.skip("the floor under gVisor is tried once, on runsc")
+    _gvisor_once(server)
     sbx = make_sandbox(test_image)
     report = hardening_report(sbx)
     assert report["init_mode"] == "pid1" and report["signal_shield"] is (not gvisor(server)), report
@@ -318,8 +321,7 @@ def test_a_plain_server_reports_the_floor_off(server, test_image, make_sandbox):
 
 
 def test_a_bad_policy_stops_the_server_at_start(server, work_root):
-    if server.runtime != "embedded":
-        pytest.skip("configuration is read by the server, the same on every runtime")
+    server.run_once("configuration is read by the server, the same on every runtime")
     for lines, needle in (
         ('execd_run_as_init = true\nhardening = { seccomp_deny = ["execve"] }\n', "execveat"),
         ('execd_run_as_init = true\nhardening = { seccomp_deny = ["frobnicate"] }\n', "frobnicate"),

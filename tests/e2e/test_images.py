@@ -49,7 +49,7 @@ def busybox_tarball(work_root):
 
 
 def test_import_tarball_and_use_it(server, busybox_tarball, make_sandbox):
-    server.native_only("Warren's image store (on Docker, images are the daemon's)")
+    server.require_image_store("Warren's image store (where an engine brings images, they are its own)")
     name = f"busybox-e2e:{uuid.uuid4().hex[:6]}"
     server.cli("image", "import", name, str(busybox_tarball))
     ls = server.cli("image", "ls")
@@ -97,7 +97,7 @@ def test_folders_warren_needs_come_from_a_base_layer_and_the_image_wins(server, 
     every image: an image without them
     still gets them (with the right modes) and nothing is made in the sandbox's own writable layer;
     an image that has its own /tmp (here a symlink) keeps it."""
-    server.native_only("Warren's image store (on Docker, images are the daemon's)")
+    server.require_image_store("Warren's image store (where an engine brings images, they are its own)")
     bb = _require_busybox()
     for variant in ("bare", "own-tmp"):
         root = work_root / f"base-{variant}-{uuid.uuid4().hex[:6]}"
@@ -123,7 +123,7 @@ def test_folders_warren_needs_come_from_a_base_layer_and_the_image_wins(server, 
             assert lines[0] == "777 symbolic link", f"the image's own /tmp wins: {lines}"
         assert lines[1] == "755 directory", lines
         assert lines[-1] == "x"
-        if not server.gvisor:  # gVisor keeps a sandbox's writes in its own overlay
+        if server.caps.snapshots:  # a writable layer on this host (gVisor keeps writes in its own overlay)
             upper = W.upper_dir(server.data_dir, sbx.id)
             made = sorted(p.name for p in upper.iterdir())
             assert made == ["workspace"], f"only what the sandbox wrote is in its upper dir: {made}"

@@ -6,8 +6,9 @@ network's unless shared), the sandbox's tree read-only, its workspace rw, ro or 
 tests try what code in a session would try: to write outside its workspace, to see or signal the
 sandbox's processes, to read secrets from the environment, to unshare or mount, to reach another
 session's files — and check the reference's observable behaviour (events, exit codes, background
-runs, validation). Only the embedded runtime with user namespaces offers sessions; elsewhere
-capabilities say why (test_official_clients checks that answer)."""
+runs, validation). Only the embedded runtime with user namespaces offers sessions (/health's
+isolatedSessions, which these tests choose by); elsewhere capabilities say why (checked here and in
+test_official_clients)."""
 
 import os
 import time
@@ -24,8 +25,7 @@ ISOLATION = {"bootstrap.execd.isolation": "enable"}
 
 @pytest.fixture(scope="module")
 def iso(server):
-    if server.runtime != "embedded":
-        pytest.skip("isolated sessions are offered by the embedded runtime")
+    server.require("isolatedSessions", "isolated sessions are offered by the embedded runtime")
     from opensandbox import SandboxSync
     from datetime import timedelta
     sbx = SandboxSync.create(
@@ -394,8 +394,8 @@ def test_async_sdk(iso, server):
 def test_other_runtimes_say_why(server, make_sandbox):
     """Runtimes without the isolation helper (runc, gVisor, Docker) take the extension and answer
     as the reference does without its isolation runner: available false, and why."""
-    if server.runtime == "embedded":
-        pytest.skip("the embedded runtime offers isolated sessions")
+    if server.caps.isolated_sessions:
+        pytest.skip("this runtime offers isolated sessions (isolatedSessions)")
     sbx = make_sandbox("host", extensions=ISOLATION)
     caps = sbx.isolation.capabilities()
     assert caps.available is False and "embedded runtime" in caps.message, caps
@@ -409,8 +409,8 @@ def test_pools_keep_the_extension_apart(server, api):
     """A pool whose template asks for isolated sessions makes sandboxes that have them; a create
     asking for them is never handed a warm sandbox without (and a poolRef to such a pool is
     refused, not silently served)."""
-    if server.runtime != "embedded":
-        pytest.skip("isolated sessions are offered by the embedded runtime")
+    server.require("isolatedSessions", "isolated sessions are offered by the embedded runtime")
+    server.require_image_store("the pools' template is on the built-in host image")
     marker = uuid.uuid4().hex
     plain, isolated = f"e2e-plain-{marker[:6]}", f"e2e-iso-{marker[:6]}"
     template = W.create_body("host")
@@ -458,8 +458,7 @@ def test_the_helper_is_beyond_the_sandboxs_reach(server):
     and could stop or kill it, which hung every session. The helper now lives in the host's PID
     namespace: the sandbox cannot name it; killing every process the sandbox can see ends its
     sessions with an error, never a hang, and new sessions are made as before."""
-    if server.runtime != "embedded":
-        pytest.skip("isolated sessions are offered by the embedded runtime")
+    server.require("isolatedSessions", "isolated sessions are offered by the embedded runtime")
     from opensandbox.models.isolated import IsolatedRunOpts
     sbx = _iso_sandbox(server)
     try:
@@ -596,8 +595,7 @@ def test_no_process_of_the_sandbox_holds_a_host_descriptor(server, work_root):
     helper, a session's keeper, init, runner and shell, a background run — none holds a
     descriptor of a host file (the sandbox's log on the host, the data dir, Warren's binary):
     read from the host, while all of them are alive."""
-    if server.runtime != "embedded":
-        pytest.skip("isolated sessions are offered by the embedded runtime")
+    server.require("isolatedSessions", "isolated sessions are offered by the embedded runtime")
     sbx = _iso_sandbox(server)
     try:
         with sbx.isolation.session(_req(workspace="/workspace")) as s:

@@ -24,7 +24,7 @@ def iso_sandbox(make_sandbox, any_image):
 
 
 def test_root_and_home_hidden(server, host_sandbox):
-    server.native_only("the built-in host image")
+    server.require_image_store("the built-in host image")
     code, out, _ = sh(host_sandbox, "find /root /home -mindepth 1 -maxdepth 2 2>/dev/null | head -20; true")
     assert out.strip() == "", f"host /root or /home content visible:\n{out}"
 
@@ -41,7 +41,7 @@ def test_var_and_data_dir_hidden(server, host_sandbox):
 def test_shadow_unreadable(server, host_sandbox):
     """The `host` image shows the host's own /etc, yet none of /etc/shadow: not a line of the
     host's file can be read inside."""
-    server.native_only("the built-in host image, which shows the host's /etc")
+    server.require_image_store("the built-in host image, which shows the host's /etc")
     host_shadow = Path("/etc/shadow")
     if not host_shadow.is_file():
         pytest.skip("this host has no /etc/shadow, so there is nothing for the sandbox to fail to read")
@@ -97,7 +97,7 @@ def host_key_markers():
 def test_ssh_keys_hidden(server, make_sandbox, host_key_markers):
     """SSH private keys of the host, its host keys in /etc/ssh and root's keys in ~/.ssh, can be
     neither listed nor read in a `host` sandbox, though the rest of the host's /etc is visible."""
-    server.native_only("the built-in host image, which shows the host's /etc")
+    server.require_image_store("the built-in host image, which shows the host's /etc")
     token = host_key_markers["token"]
     # Made after the keys were planted, so that it would see them if they were not hidden.
     sbx = make_sandbox("host")
@@ -115,7 +115,7 @@ def test_ssh_keys_hidden(server, make_sandbox, host_key_markers):
 
 
 def test_host_fs_read_only(server, host_sandbox):
-    server.native_only("the built-in host image")
+    server.require_image_store("the built-in host image")
     code, _, _ = sh(host_sandbox, "echo x > /etc/e2e-should-fail")
     assert code != 0
     assert not os.path.exists("/etc/e2e-should-fail")
@@ -183,7 +183,7 @@ def test_capabilities_are_bounded(iso_sandbox, server):
     if "NoNewPrivs" in fields:
         # In a user namespace of its own a sandbox goes without it, so setuid programs work: they
         # reach the sandbox's root, an unprivileged id range (test_userns.py).
-        assert fields["NoNewPrivs"].strip() == ("0" if server.userns else "1")
+        assert fields["NoNewPrivs"].strip() == ("0" if server.caps.user_namespaces else "1")
     if "Seccomp" in fields:
         assert fields["Seccomp"].strip() == "2", "a seccomp filter must be active"
 
@@ -262,7 +262,7 @@ def test_seccomp_matches_dockers_default_profile(make_sandbox, any_image, server
     argument rules (personality, socket, clone), clone3 answering ENOSYS so libc falls back to
     clone, whose flags the filter reads; x32 numbers cannot slip past a list of 64-bit numbers, and a
     call newer than the list answers ENOSYS."""
-    if server.is_docker and not server.gvisor:
+    if server.kind == "docker" and not server.gvisor:
         pytest.skip("Docker with runc keeps the daemon's own default profile: Docker's by definition")
     sbx = make_sandbox(any_image)
     rows = SYSCALL_TABLE
@@ -273,7 +273,7 @@ def test_seccomp_matches_dockers_default_profile(make_sandbox, any_image, server
     calls = [[name, nr, args] for name, nr, args, _, _ in rows]
     # Warren's own filter (embedded runtime) refuses x32 numbers with ENOSYS; libseccomp-made
     # profiles (runc) may kill the caller instead, so only the embedded one is probed.
-    if server.runtime == "embedded":
+    if server.embedded:
         calls.append(["x32 getpid", 0x40000000 | 39, []])
     if not server.gvisor:
         calls.append(["a number past every listed call", 600, []])
@@ -314,9 +314,9 @@ def test_writable_layer_is_volatile(server, iso_sandbox):
     """The sandbox's root is an overlay mounted `volatile`: its writable layer never outlives the
     host's uptime, so nothing is synced to disk for it — without the option overlay's unmount
     syncs the whole host filesystem under it, once per sandbox."""
-    server.native_only("on Docker the engine mounts the container's root")
-    if server.gvisor:
-        pytest.skip("gVisor shows its own mount table, not the host's overlay")
+    # (On Docker the engine mounts the container's root; gVisor shows its own mount table and keeps
+    # writes in its own overlay.)
+    server.require("snapshots", "the root is the runtime's overlay with its writable layer on this host")
     code, out, _ = sh(iso_sandbox, "grep ' / / ' /proc/self/mountinfo")
     assert code == 0, out
     # "<fstype> <source> <super options>" after the separator
@@ -330,7 +330,8 @@ def test_masked_proc_files_do_not_reach_the_host(server, make_sandbox, any_image
     """/proc files Docker masks read as empty, and root in the sandbox changing their mode or owner
     changes nothing on the host: what is bound over them is the sandbox's own /dev/null, not the
     host's."""
-    server.native_only("on Docker the engine masks /proc")
+    if server.kind != "native":
+        pytest.skip("on Docker the engine masks /proc")
     if server.gvisor:
         pytest.skip("gVisor serves its own /proc")
     sbx = make_sandbox(any_image)
@@ -398,7 +399,8 @@ def test_sandbox_init_holds_no_server_secret(server, make_sandbox, any_image):
     """The sandbox's PID 1 (execd) — on the embedded runtime forked from the server's zygote rather
     than exec'd — carries nothing of the server: its memory, read from the host, does not contain
     the API key."""
-    server.native_only("on Docker the engine starts the container's first process")
+    if server.kind != "native":
+        pytest.skip("on Docker the engine starts the container's first process")
     if server.gvisor:
         pytest.skip("gVisor's processes live inside its sentry, not on the host")
     sbx = make_sandbox(any_image, env={"E2E_MEMORY_PROBE": "visible-in-pid-1"})
@@ -414,9 +416,9 @@ def test_sandbox_init_is_opaque_to_the_sandbox(server, make_sandbox, any_image):
     is the host's `warren` binary: it is undumpable, so root in the sandbox (no CAP_SYS_PTRACE) can
     neither follow that link nor read PID 1's memory or environment; `ps` shows it as `execd` (as the
     reference's PID 1), with the command line `warren-execd`."""
-    server.native_only("on Docker the engine starts the container's first process")
-    if server.runtime != "embedded":
-        pytest.skip("an OCI runtime execs the execd binary as PID 1")
+    if not server.embedded:
+        pytest.skip("on Docker the engine starts the container's first process, and an OCI runtime "
+                    "execs the execd binary as PID 1")
     sbx = make_sandbox(any_image, env={"E2E_MEMORY_PROBE": "visible-to-its-own-commands"})
     code, out, _ = sh(sbx, "cat /proc/1/comm; tr '\\0' ' ' < /proc/1/cmdline; echo; "
                            "for f in exe cwd root; do readlink /proc/1/$f >/dev/null 2>&1 && echo $f-readable; done; "
@@ -464,7 +466,7 @@ def test_socket_folder_cannot_point_the_server_at_a_host_socket(server, api, mak
     try:
         sbx = make_sandbox(any_image)
         code, out, err = sh(sbx, f"rm -f /.warren/run/execd.sock && ln -s {host_sock} /.warren/run/execd.sock && readlink /.warren/run/execd.sock")
-        if server.runtime in ("embedded", "runc"):
+        if server.execd_socket_handed_over:
             # execd's socket is bound outside and handed over: no host folder is mounted there
             # (under runc /.warren/run is an empty folder of the sandbox's own root), so whatever
             # the sandbox puts there the server never sees.
@@ -510,7 +512,7 @@ def test_a_strict_umask_where_the_server_starts_does_not_shape_sandboxes(fresh_s
     srv.umask = 0o077
     srv.start()
     images = ["host"]
-    if not srv.is_docker and (W.test_rootfs() / "usr/bin/python3").exists():
+    if srv.caps.image_source == "store" and (W.test_rootfs() / "usr/bin/python3").exists():
         srv.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())  # under the 077 too
         images.append(W.TEST_IMAGE_NAME)
     for image in images:

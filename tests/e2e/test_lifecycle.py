@@ -97,7 +97,7 @@ def test_ephemeral_storage_bounds_the_root_filesystem(server, test_image, make_s
     limit) where they cannot be bounded apart: there the create is refused with the reason, and
     nothing is made."""
     bounded = {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "64Mi"}
-    if server.is_docker or server.gvisor:
+    if not server.caps.disk_bound:
         before = {s["id"] for s in api.get("/v1/sandboxes", params={"pageSize": 200}).json()["items"]}
         r = api.post("/v1/sandboxes", json=W.create_body(server.sandbox_image(test_image),
                                                          resourceLimits=bounded))
@@ -124,8 +124,7 @@ def test_a_create_without_a_disk_bound_gets_the_default_one(server, test_image, 
     `ephemeral-storage` gets [limits] default_ephemeral_storage (10Gi), on a sparse disk of its own.
     gVisor holds root writes in the sandbox's memory (bounded by the memory limit); Docker's
     overlay2 on ext4 cannot bound them, so there no default applies."""
-    if server.is_docker or server.gvisor:
-        pytest.skip("this runtime does not bound disk writes apart (see the docstring)")
+    server.require("diskBound", "this runtime does not bound disk writes apart (see the docstring)")
     sbx = make_sandbox(test_image, resource={"cpu": "1", "memory": "512Mi"})
     code, out, err = sh(sbx, "df -B1 --output=size / | tail -1")
     assert code == 0, err
@@ -170,9 +169,8 @@ def test_lifecycle_hooks_run_before_running_and_on_their_schedule(server, api):
     first command), as the argument list it is (no shell); `lifecycle.periodic` runs on its
     schedule while the sandbox runs, never past its timeout, and the runs show in
     `diagnostics/logs?scope=lifecycle`. The hooks' runner is the server and execd, the same on every
-    runtime: tested on the embedded one."""
-    if server.runtime != "embedded":
-        pytest.skip("hooks run through execd, the same on every runtime")
+    runtime: tested once, on the first runtime of the session."""
+    server.run_once("hooks run through execd, the same on every runtime")
     sid, st = _hooked(api, server, {
         "preStart": {"command": ["sh", "-c", "echo prepared > /tmp/pre; echo pre-output $0", "x y"]},
         "periodic": [{"name": "tick", "schedule": "@every 1s", "command": ["sh", "-c", "echo . >> /tmp/ticks"]},
@@ -207,8 +205,7 @@ def test_periodic_hooks_run_on_after_the_server_restarts(fresh_server):
     periodic hooks again from its record; preStart, done already, does not run again, and nothing
     runs while no server is up."""
     srv = fresh_server
-    if srv.runtime != "embedded":
-        pytest.skip("hooks run through execd, the same on every runtime")
+    srv.run_once("hooks run through execd, the same on every runtime")
     with srv.client() as api:
         sid, st = _hooked(api, srv, {
             "preStart": {"command": ["sh", "-c", "echo . >> /tmp/pre"]},
@@ -235,8 +232,7 @@ def test_a_failing_pre_start_ends_the_sandbox_failed_and_says_why(server, api):
     """A preStart that exits non-zero, or outlasts its timeout, ends the sandbox Failed before it
     was ever Running: its status says the hook's exit code and the end of its output, its diagnostics
     keep the run, and nothing of it runs on. Bad hooks are 400s that make nothing."""
-    if server.runtime != "embedded":
-        pytest.skip("hooks run through execd, the same on every runtime")
+    server.run_once("hooks run through execd, the same on every runtime")
     sid, st = _hooked(api, server, {"preStart": {"command": ["sh", "-c", "echo missing-config >&2; exit 7"]}})
     assert st["state"] == "Failed" and st["reason"] == "prestart_hook_failed", st
     assert "exit code 7" in st["message"] and "missing-config" in st["message"], st
@@ -273,9 +269,9 @@ def test_an_idle_policy_pauses_idle_sandboxes_and_wakes_them_on_access(server, a
     to a paused one wakes it and is answered as if it had never slept; without `wakeOnAccess` the
     answer is 503 with the gateway's marker (`OpenSandbox-Wake: expired`, `Retry-After`) and
     nothing is relayed. Pause and resume are the runtime's; what decides them is the server's:
-    tested on the embedded runtime."""
-    if server.runtime != "embedded":
-        pytest.skip("the idle policy's decisions are the server's, the same on every runtime that pauses")
+    tested once, on the first runtime that pauses."""
+    server.run_once("the idle policy's decisions are the server's, the same on every runtime that pauses",
+                    pause=True)
     import httpx
     from opensandbox import SandboxSync
     timeout = {"idleTimeoutSeconds": 30, "onIdle": "pause"}
@@ -582,7 +578,7 @@ def test_a_start_over_its_timeout_fails_cleanly(server, work_root):
     removed, the sandbox's PID 1 (which the killed helper may have forked) reaped (a setup that hangs
     used to hold its create, and a create slot, for ever). A timeout that is not a positive number
     keeps the server from starting."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("the setup helper's answer is awaited with this deadline on the embedded runtime")
     bad = W.WarrenServer(server.runtime, work_root, f"badstart-{uuid.uuid4().hex[:6]}")
     bad.runtime_config = "start_timeout_seconds = 0\n"
@@ -618,7 +614,7 @@ def test_a_server_whose_port_is_taken_leaves_nothing(server, work_root):
     """`warren serve` on a port another process holds exits with an error naming the address, and
     leaves no standby setup helper's cgroup behind: the port is bound before the runtime starts
     anything (they used to stay until the next server started on the host)."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("standby setup helpers belong to the embedded runtime")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -663,7 +659,7 @@ def test_a_cgroup_that_outlives_its_delete_is_removed_later(server, work_root):
     standing in for one stuck on a hung NFS mount), the delete still answers 204; the cgroup is
     recorded under the data dir and removed once the process can die, with PID 1 reaped — by the
     same server, and by the next one started on that data dir. Before, the cgroup stayed for ever."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("the cgroups and processes of the embedded runtime's sandboxes")
     srv = W.WarrenServer(server.runtime, work_root, f"leftover-{uuid.uuid4().hex[:6]}")
     srv.start()
@@ -732,7 +728,7 @@ def test_deleted_sandboxes_leave_no_dying_memory_cgroups(server, api):
     with memory to spare. Making a sandbox's overlay root writes a few pages of ext4 metadata (the
     work dir's probes); charged to the sandbox, they kept the memory cgroups of 250 of every 300
     deleted sandboxes dying. The server makes the overlay now, outside the sandbox's cgroup."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("the embedded runtime makes its sandboxes' roots itself")
     if _memory_cgroups_in_kernel() is None:
         pytest.skip("no memory controller")
@@ -761,7 +757,7 @@ def test_a_zygote_that_dies_leaves_no_zombies(server, work_root):
     """When the sandbox zygote dies (OOM killer, an operator's kill), the setup helpers it had forked
     are reparented to the server; the next creates use them and a new zygote, and each helper that
     ends is reaped (they used to stay zombies until the server exited)."""
-    if server.runtime != "embedded":
+    if not server.embedded:
         pytest.skip("the zygote and its setup helpers belong to the embedded runtime")
     srv = W.WarrenServer(server.runtime, work_root, f"zygote-{uuid.uuid4().hex[:6]}")
     srv.start()

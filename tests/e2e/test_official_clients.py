@@ -20,8 +20,7 @@ import warren_e2e as W
 
 @pytest.fixture
 def osb(server, tmp_path):
-    if server.runtime != W.oci_runtimes()[0]:
-        pytest.skip("client smoke tests run on the first runtime only")
+    server.run_once("client smoke tests: the client path, not the runtime")
     exe = Path(sys.executable).with_name("osb")
     if not exe.exists():
         exe = shutil.which("osb")
@@ -129,7 +128,7 @@ def test_typescript_sdk(server, osb, tmp_path):
     # ESM resolves packages from the script's folder: run a copy placed next to node_modules
     script = sdk_dir / "smoke.mjs"
     shutil.copy(Path(__file__).parent / "ts" / "smoke.mjs", script)
-    isolation = ["isolation"] if server.runtime == "embedded" else []
+    isolation = ["isolation"] if server.caps.isolated_sessions else []
     res = subprocess.run(["node", str(script), server.domain, server.api_key, server.sandbox_image("host"),
                           *isolation], capture_output=True, text=True, timeout=120, cwd=sdk_dir)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"

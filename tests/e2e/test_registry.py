@@ -60,13 +60,12 @@ def _need(ok: bool, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def native_once(runtime):
-    """Runs this module on the first native runtime only (pulls are the same code for every OCI runtime)."""
-    natives = [r for r in W.oci_runtimes() if not r.startswith("docker")]
-    if runtime.startswith("docker"):
-        pytest.skip("registry pulls into Warren's image store: native runtime only")
-    if not natives or runtime != natives[0]:
-        pytest.skip(f"registry pulls run once per session, on the first native runtime ({natives[0]})")
+def native_once(runtime, work_root):
+    """Runs this module once, on the first runtime whose images come from Warren's image store
+    (/health's imageSource "store": registry pulls go there; they are the same code for every OCI
+    runtime)."""
+    W.skip_unless_first(runtime, work_root, "registry pulls into Warren's image store, the same code for "
+                                            "every OCI runtime", imageSource="store")
     for tool in ("docker-registry", "htpasswd", "openssl", "zstd", "tar"):
         _need(shutil.which(tool) is not None, f"{tool} is needed by the registry tests")
     _need(R.busybox_path() is not None, "static busybox is needed by the registry tests")
@@ -126,8 +125,8 @@ def _registries(regs, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def srv(native_once, regs, work_root):
     """A server of its own with the [registries] above (the shared one has none)."""
+    # (native_once chose a runtime whose images come from Warren's image store, where pulls go)
     server = W.WarrenServer(native_once, work_root, f"{native_once}-registry-{uuid.uuid4().hex[:6]}")
-    server.native_only("pulls into Warren's image store")
     try:
         server.check_binary()
     except W.BinaryMissing as exc:

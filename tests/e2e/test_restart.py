@@ -89,14 +89,14 @@ def test_sandbox_killed_while_server_down(fresh_server):
     survivor.close()
 
     srv.kill9()
-    if srv.is_docker:
+    if srv.kind == "docker":
         # the daemon owns the container's processes: kill them through it
         res = subprocess.run(["docker", "kill", f"warren-{victim.id}"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         pids = []
     else:
         pids = W.sandbox_host_pids(marker, victim.id)
-    assert pids or srv.is_docker, (f"could not find the host processes of sandbox {victim.id} (runtime {srv.runtime}); "
+    assert pids or srv.kind == "docker", (f"could not find the host processes of sandbox {victim.id} (runtime {srv.runtime}); "
                   f"the test looks for a PID namespace shared with a process named {marker} and for "
                   f"command lines mentioning the sandbox id\n{_whereabouts(srv, victim.id)}")
     for p in pids:
@@ -169,7 +169,7 @@ def test_setup_zygote_is_replaced_when_it_dies_and_ends_with_the_server(fresh_se
     from opensandbox import SandboxSync
 
     srv = fresh_server
-    if srv.runtime != "embedded":
+    if not srv.embedded:
         pytest.skip("only the embedded runtime forks setup helpers")
     first = W.wait_until(lambda: _zygotes(srv.proc.pid), 10, message="the server's zygote")
     for pid in first:
@@ -228,8 +228,10 @@ def test_sandbox_left_frozen_by_a_dead_server_is_thawed(fresh_server):
     it records it). Killed in between, it used to find the sandbox frozen at its next start and
     report it Paused though nobody paused it; now it thaws it, as its record says Running."""
     srv = fresh_server
-    if srv.is_docker or srv.gvisor:
-        pytest.skip("freezes the sandbox's cgroup directly: native runtimes whose cgroups Warren names")
+    # (The server freezes a sandbox's cgroup to copy its writable layer: native runtimes whose cgroups
+    # Warren names, not gVisor's or Docker's.)
+    srv.require("snapshots", "the server freezes the sandbox for a snapshot's copy of its writable layer")
+    srv.require_image_store("creates on the built-in host image")
     with srv.client() as api:
         r = api.post("/v1/sandboxes", json=W.create_body(timeout=600))
         assert r.status_code == 202, r.text

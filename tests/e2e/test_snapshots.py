@@ -16,8 +16,7 @@ import warren_e2e as W
 
 
 def _snapshot_capable(server) -> None:
-    if server.is_docker or server.gvisor:
-        pytest.skip("snapshots copy the native runtime's writable layer (embedded, runc)")
+    server.require("snapshots", "snapshots copy the runtime's writable layer (embedded, runc)")
 
 
 def _wait_ready(mgr, snapshot_id: str, timeout: float = 120):
@@ -135,7 +134,7 @@ def test_snapshot_bad_requests(server, api, make_sandbox):
     assert api.delete("/v1/snapshots/nope").status_code == 404
     r = api.get("/v1/snapshots", params={"pageSize": "0"})
     W.assert_error_body(r, codes=[400])
-    if server.is_docker or server.gvisor:
+    if not server.caps.snapshots:
         sbx = make_sandbox("host")
         r = api.post(f"/v1/sandboxes/{sbx.id}/snapshots", json={})
         # accepted and then failed, or refused at once: never a half-made image
@@ -199,7 +198,7 @@ def test_a_disk_bounded_sandbox_snapshots_and_restores_bounded(server, test_imag
 
 @pytest.mark.timeout(180)
 def test_pause_keeps_memory_and_uses_no_cpu(server, test_image, make_sandbox):
-    if server.is_docker:
+    if server.kind == "docker":
         pytest.skip("the Docker runtime's pause is docker pause (covered by test_lifecycle)")
     sbx = make_sandbox(test_image)
     # Busy, with its state only in memory: a counter that spins and reports itself. The report is

@@ -41,7 +41,7 @@ def test_template_build_and_sandboxes_from_it(server, manager, api):
         assert tid.startswith("tpl_") and created.status.phase in ("Pending", "Building")
         assert created.format == "native"
         done = _wait(manager, tid)
-        if server.is_docker or server.gvisor:
+        if not server.caps.snapshots:
             # no snapshots there: the build ends Failed and says why
             assert done.status.phase == "Failed" and done.status.message, done.status
             with pytest.raises(SandboxException):
@@ -127,8 +127,7 @@ def test_template_whose_probe_never_passes_fails(server, manager, api):
 def test_template_whose_golden_image_was_deleted_fails(server, manager, api):
     """The golden image is an ordinary snapshot: deleted through /snapshots, the template cannot start
     anything any more and says so (Failed, 404 on create) instead of a restore error."""
-    if server.is_docker or server.gvisor:
-        pytest.skip("templates are built on snapshots: embedded and runc")
+    server.require("snapshots", "templates are built on snapshots: embedded and runc")
     server.import_image(W.TEST_IMAGE_NAME, W.test_rootfs())
     t = manager.create_template(CreateTemplateRequest(
         image=W.TEST_IMAGE_NAME, publish="s3://bucket/e2e", entrypoint=["sleep", "infinity"],

@@ -23,9 +23,8 @@ SIZE = 65536
 
 @pytest.fixture(scope="module")
 def userns_server(server, work_root):
-    if server.runtime not in ("embedded", "runc"):
-        pytest.skip("user namespaces: the embedded runtime and runc (gVisor's Sentry is a kernel "
-                    "of its own; Docker's are the daemon's to set up)")
+    server.require("userNamespaces", "user namespaces: the embedded runtime and runc (gVisor's Sentry is a "
+                                     "kernel of its own; Docker's are the daemon's to set up)")
     srv = W.WarrenServer(server.runtime, work_root, f"userns-{uuid.uuid4().hex[:6]}")
     srv.runtime_config = "user_namespaces = true\n"
     srv.start()

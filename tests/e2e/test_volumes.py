@@ -22,7 +22,7 @@ sh = W.sh
 
 
 def remove_named_volume(server, claim: str) -> None:
-    if server.is_docker:
+    if server.kind == "docker":
         subprocess.run(["docker", "volume", "rm", "-f", claim], capture_output=True)
     else:
         shutil.rmtree(server.data_dir / "volumes" / claim, ignore_errors=True)
@@ -30,7 +30,7 @@ def remove_named_volume(server, claim: str) -> None:
 
 def named_volume_dir(server, claim: str) -> Path:
     """Where the named volume's files are on this host."""
-    if server.is_docker:
+    if server.kind == "docker":
         out = subprocess.run(["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", claim],
                              capture_output=True, text=True, check=True).stdout
         return Path(out.strip())
@@ -38,7 +38,7 @@ def named_volume_dir(server, claim: str) -> Path:
 
 
 def named_volume_exists(server, claim: str) -> bool:
-    if server.is_docker:
+    if server.kind == "docker":
         return subprocess.run(["docker", "volume", "inspect", claim], capture_output=True).returncode == 0
     return (server.data_dir / "volumes" / claim).is_dir()
 

@@ -27,8 +27,7 @@ TOOLS = {
 
 @pytest.fixture
 def mcp_args(server):
-    if server.runtime != W.oci_runtimes()[0]:
-        pytest.skip("client tests run on the first runtime only")
+    server.run_once("client tests: the client path, not the runtime")
     return ["mcp", "--domain", server.domain, "--api-key", server.api_key]
 
 

@@ -5,7 +5,9 @@ relies on (every PID, data dir and sandbox id the suite touched).
 Contract assumed (see README.md):
   warren serve --listen 127.0.0.1:PORT --data-dir DIR [--config FILE]
       API key from env WARREN_API_KEY; logs on stderr; ready when
-      GET /health answers 200 {"status":"healthy"}.
+      GET /health answers 200 {"status":"healthy"}; what its runtime can do is
+      GET /v1/health's `runtime` ({kind, name, capabilities}), which the
+      tests choose by (`WarrenServer.caps`, `require`, `run_once`).
   warren image import NAME PATH --data-dir DIR
   warren image ls --data-dir DIR          (NAME appears in stdout)
   warren image rm NAME --data-dir DIR
@@ -212,6 +214,111 @@ def create_body(image: str = "host", **overrides: Any) -> dict:
 
 
 # --------------------------------------------------------------------------
+# what a server's runtime can do, as its /v1/health says
+# --------------------------------------------------------------------------
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """`runtime` of a server's `GET /v1/health`: `kind` ("native", "docker", "kubernetes"), `name`
+    ("native/embedded", "native/runsc", "docker/runsc", …) and its `capabilities`
+    (crates/api/src/lifecycle.rs, RuntimeCapabilities). Tests choose by these, not by the name of
+    the runtime they were started for: `caps.get("egressPolicy")` or `caps.egress_policy`."""
+
+    kind: str
+    name: str
+    execd_transport: str            # "unix" | "tcp"
+    pause: bool
+    snapshots: bool                 # a writable layer on this host (overlayfs) that snapshots copy
+    egress_policy: bool             # a network link per sandbox, where the server enforces egress
+    egress_addresses: bool          # the backend enforces rules naming addresses (Kubernetes)
+    egress_names: bool              # … and names
+    disk_bound: bool                # ephemeral-storage bounds the root file system's writes
+    user_namespaces: bool
+    isolated_sessions: bool
+    host_volumes: str               # "server" | "node" | "none"
+    image_source: str               # "store" (Warren's, with the built-in `host`) | "engine"
+    create_parallelism: int | None  # only where creating is bound by the server's CPUs
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_health(cls, runtime: dict) -> "Capabilities":
+        c = runtime["capabilities"]
+        return cls(kind=runtime["kind"], name=runtime["name"],
+                   execd_transport=c["execdTransport"], pause=c["pause"], snapshots=c["snapshots"],
+                   egress_policy=c["egressPolicy"], egress_addresses=c.get("egressAddresses", False),
+                   egress_names=c.get("egressNames", False), disk_bound=c["diskBound"],
+                   user_namespaces=c["userNamespaces"], isolated_sessions=c["isolatedSessions"],
+                   host_volumes=c["hostVolumes"], image_source=c.get("imageSource", "store"),
+                   create_parallelism=c.get("createParallelism"), raw=dict(runtime))
+
+    @property
+    def gvisor(self) -> bool:
+        """gVisor runs the sandboxes (`native/runsc`, `docker/runsc`, `kubernetes/gvisor`): its
+        Sentry is the sandbox's kernel (its own /proc, /sys, mount table, network stack and signal
+        rules; no host process per sandbox process). No capability says that; only the name does."""
+        return self.name.rsplit("/", 1)[-1] in ("runsc", "gvisor")
+
+    def get(self, cap: str) -> Any:
+        """A capability by its /health name (`egressPolicy`) or this object's (`egress_policy`);
+        also `kind`, `name` and `gvisor`."""
+        attr = _snake(cap)
+        if not hasattr(self, attr) or attr == "raw":
+            raise KeyError(f"no such capability: {cap!r}")
+        return getattr(self, attr)
+
+    def has(self, **needs: Any) -> bool:
+        """Every capability named has the value given (True: present)."""
+        return all(self.get(k) == v for k, v in needs.items())
+
+
+def describe_needs(needs: dict) -> str:
+    return ", ".join(k if v is True else f"not {k}" if v is False else f"{k}={v}" for k, v in needs.items())
+
+
+# Each runtime's capabilities with the harness's default configuration (the shared `server`
+# fixture's), read from a server of that runtime: what `run_once` picks a runtime by.
+DEFAULT_CAPS: dict[str, Capabilities] = {}
+
+
+def runtime_caps(runtime: str, root: Path) -> Capabilities:
+    """What a server of `runtime` with the default configuration says it can do: the shared
+    server's answer when it was started already, else that of a server started (and stopped)
+    for the question."""
+    if runtime not in DEFAULT_CAPS:
+        probe = WarrenServer(runtime, root, f"{runtime}-caps-{uuid.uuid4().hex[:6]}")
+        probe.start()
+        try:
+            DEFAULT_CAPS[runtime] = probe.caps
+        finally:
+            probe.stop()
+    return DEFAULT_CAPS[runtime]
+
+
+def first_runtime_with(root: Path, **needs: Any) -> str | None:
+    """The first runtime of WARREN_E2E_OCI_RUNTIMES whose servers have `needs` (none: the first)."""
+    for r in oci_runtimes():
+        if not needs or runtime_caps(r, root).has(**needs):
+            return r
+    return None
+
+
+def skip_unless_first(runtime: str, root: Path, why: str, **needs: Any) -> None:
+    """Skips unless `runtime` is the one `first_runtime_with(**needs)` names: for what is the same
+    on every runtime (that has `needs`), so that the suite runs it exactly once whatever
+    WARREN_E2E_OCI_RUNTIMES lists, not once per runtime."""
+    first = first_runtime_with(root, **needs)
+    if first is None:
+        pytest.skip(f"no runtime of WARREN_E2E_OCI_RUNTIMES has {describe_needs(needs)}: {why}")
+    if first != runtime:
+        which = f"the first runtime with {describe_needs(needs)}" if needs else "the first runtime"
+        pytest.skip(f"runtime-independent: runs on {which} only ({first}): {why}")
+
+
+# --------------------------------------------------------------------------
 # the server under test
 # --------------------------------------------------------------------------
 
@@ -254,6 +361,8 @@ class WarrenServer:
         # "https" for a server with `[tls]`; `ca_file` is then what clients trust.
         self.scheme = "http"
         self.ca_file: Path | None = None
+        # What GET /v1/health said of its runtime at its last start (see `caps`).
+        self._caps: Capabilities | None = None
         REGISTRY.data_dirs.add(self.data_dir)
         REGISTRY.roots.add(root)
         REGISTRY.servers.append(self)
@@ -293,20 +402,84 @@ class WarrenServer:
 
     # -- runtimes: "embedded", "runc", "runsc" (native) and "docker", "docker-runsc" ----------
     @property
-    def is_docker(self) -> bool:
+    def docker_configured(self) -> bool:
+        """Configured as a Docker runtime: how the harness writes its config and imports images.
+        Tests choose by what the server says it can do (`caps`), not by this."""
         return self.runtime.startswith("docker")
+
+    # -- what it can do, as GET /v1/health says (tests choose by these) --------------------------
+    @property
+    def caps(self) -> Capabilities:
+        """The capabilities /v1/health reported at the last start (fetched once per start)."""
+        assert self._caps is not None, (
+            f"no capabilities for server {self.name}: it was never started, or its /v1/health "
+            f"named no runtime")
+        return self._caps
+
+    def _fetch_caps(self) -> Capabilities | None:
+        """/v1/health's `runtime`, read once per start (None when it names none: `caps` says so
+        where a test asks)."""
+        try:
+            r = httpx.get(f"{self.base_url}/v1/health", timeout=10, verify=self.verify)
+            runtime = r.json().get("runtime") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return Capabilities.from_health(runtime) if runtime else None
+
+    @property
+    def kind(self) -> str:
+        """/v1/health's runtime.kind: "native", "docker" or "kubernetes"."""
+        return self.caps.kind
 
     @property
     def gvisor(self) -> bool:
-        return self.runtime in ("runsc", "docker-runsc")
+        """gVisor runs its sandboxes (runtime.name `native/runsc`, `docker/runsc`): for what its
+        Sentry does its own way, which no capability expresses."""
+        return self.caps.gvisor
 
     @property
-    def userns(self) -> bool:
-        """Whether its sandboxes run in user namespaces of their own (the default of the embedded
-        runtime and runc)."""
-        if "user_namespaces = false" in self.runtime_config:
-            return False
-        return self.runtime in ("embedded", "runc") or "user_namespaces = true" in self.runtime_config
+    def embedded(self) -> bool:
+        """The embedded runtime runs its sandboxes (runtime.name `native/embedded`): for its own
+        machinery (the zygote and setup helpers, its seccomp filter, execd forked from the
+        server's binary), which no capability expresses."""
+        return self.caps.name == "native/embedded"
+
+    @property
+    def execd_socket_handed_over(self) -> bool:
+        """execd gets a listening socket the server bound on the host's side and mounts no socket
+        folder in the sandbox: the native runtime except under gVisor, whose sandbox serves its own
+        sockets only (crates/runtime-native/src/oci.rs, `takes_listener`). Elsewhere (gVisor,
+        Docker) execd binds its socket in `/.warren/run`, a folder of the sandbox's. No capability
+        says which: derived from runtime.kind and runtime.name."""
+        return self.kind == "native" and not self.gvisor
+
+    @property
+    def is_primary(self) -> bool:
+        """Its runtime is the first of WARREN_E2E_OCI_RUNTIMES (see `run_once`)."""
+        return self.runtime == oci_runtimes()[0]
+
+    def require(self, cap: str, why: str, value: Any = True) -> None:
+        """Skips unless /v1/health says the runtime has capability `cap` (or that `cap` is `value`):
+        `server.require("snapshots", "captures the writable layer")`,
+        `server.require("hostVolumes", "mounts a host folder", "server")`."""
+        got = self.caps.get(cap)
+        if got != value:
+            want = cap if value is True else f"{cap}={value}"
+            pytest.skip(f"needs {want} (this runtime, {self.caps.name}: {cap}={json.dumps(got)}): {why}")
+
+    def require_image_store(self, why: str) -> None:
+        """Skips unless images come from Warren's own image store (imageSource "store"), where the
+        built-in `host` image is and `warren image …` manages images."""
+        self.require("imageSource", why, "store")
+
+    def run_once(self, why: str, **needs: Any) -> None:
+        """Skips unless this is the one runtime of the session the calling test runs on: the first
+        of WARREN_E2E_OCI_RUNTIMES whose server has `needs` (capabilities by their /health names,
+        `run_once(why, snapshots=True)`; none: the first runtime). For what is the same on every
+        runtime (that has them): it runs exactly once whatever the list is."""
+        skip_unless_first(self.runtime, self.root, why, **needs)
+        if needs and not self.caps.has(**needs):
+            pytest.skip(f"needs {describe_needs(needs)} (this server of {self.runtime} has not): {why}")
 
     @property
     def host_volumes(self) -> Path:
@@ -324,7 +497,7 @@ class WarrenServer:
             self.config_path.write_text('[runtime]\nkind = "kubernetes"\n' + self.runtime_config + storage
                                         + network + self.more_config)
             return
-        if self.is_docker:
+        if self.docker_configured:
             text = '[runtime]\nkind = "docker"\n' + self.runtime_config + '[docker]\n'
             if self.docker_host or os.environ.get("DOCKER_HOST"):
                 text += f'host = "{self.docker_host or os.environ["DOCKER_HOST"]}"\n'
@@ -346,16 +519,11 @@ class WarrenServer:
             f'oci_runtime = "{self.runtime}"\n' + self.runtime_config + storage + network + images
             + self.more_config)
 
-    def native_only(self, why: str) -> None:
-        """Skips a test about the native runtime's built-in `host` image or image store on Docker."""
-        if self.is_docker:
-            import pytest
-            pytest.skip(f"native runtime only: {why}")
-
     def sandbox_image(self, image: str) -> str:
-        """The built-in `host` image exists on the native runtime only; on Docker the tests that do
-        not care which image they get use the debootstrap test image instead."""
-        if image == "host" and self.is_docker:
+        """The built-in `host` image exists in Warren's image store only (imageSource "store"); where
+        an engine brings the images, the tests that do not care which image they get use the
+        debootstrap test image instead."""
+        if image == "host" and self.caps.image_source != "store":
             self.import_image(TEST_IMAGE_NAME, test_rootfs())
             return TEST_IMAGE_NAME
         return image
@@ -375,7 +543,7 @@ class WarrenServer:
     def import_image(self, name: str, path: Path) -> None:
         if name in self.imported:
             return
-        if self.is_docker:
+        if self.docker_configured:
             docker_import(name, path)
         else:
             self.cli("image", "import", name, str(path))
@@ -411,6 +579,7 @@ class WarrenServer:
         REGISTRY.server_pids.add(self.proc.pid)
         REGISTRY.server_starts[self.proc.pid] = _start_ticks(self.proc.pid)
         self.wait_ready(ready_timeout)
+        self._caps = self._fetch_caps()
         return self
 
     def wait_ready(self, timeout: float) -> None:
@@ -747,7 +916,7 @@ def sh(sbx, command: str, **opts):
 def leaked_docker(data_dirs: Iterable[Path]) -> list[str]:
     """Containers and volumes a server of this run labelled as its own (io.warren.owner = its data
     dir) that are still on the Docker daemon. Nothing when no daemon answers."""
-    if not any(s.is_docker for s in REGISTRY.servers):
+    if not any(s.docker_configured for s in REGISTRY.servers):
         return []
     out = []
     for d in data_dirs:
