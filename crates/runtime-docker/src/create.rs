@@ -359,7 +359,8 @@ impl DockerRuntime {
             if checks.is_multiple_of(probe.checks_per_inspect()) {
                 let state = self.inspect(container).await?;
                 if state["State"]["Running"] != json!(true) {
-                    return Err(RuntimeError::backend(format!(
+                    // The caller's to read, as on the native runtime: their image, their logs.
+                    return Err(RuntimeError::StartFailed(format!(
                         "the container exited during start (exit code {}): {}",
                         state["State"]["ExitCode"],
                         self.logs_tail(container).await
@@ -367,7 +368,7 @@ impl DockerRuntime {
                 }
             }
             if Instant::now() > deadline {
-                return Err(RuntimeError::backend(format!(
+                return Err(RuntimeError::StartFailed(format!(
                     "execd did not become ready within {:?}: {}",
                     self.config.ready_timeout,
                     self.logs_tail(container).await
