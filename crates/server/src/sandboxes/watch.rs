@@ -9,6 +9,17 @@ use warren_store::SandboxRecord;
 use super::{lock, moved, Entry, Sandboxes};
 
 impl Sandboxes {
+    /// What a sandbox found ended at recovery still holds (the runtime's remains, the image
+    /// lease), removed whatever is left of it.
+    async fn release_ended(&self, rec: &SandboxRecord) {
+        let _ = self
+            .inner
+            .runtime
+            .destroy(&rec.id, &rec.runtime_state)
+            .await;
+        let _ = self.inner.images.release(&rec.id);
+    }
+
     /// Watches a running sandbox: if its processes end by themselves it becomes Terminated (exit 0) or
     /// Failed, its resources are released, and its record stays to say why.
     pub(super) fn watch(&self, rec: &SandboxRecord) {
@@ -80,23 +91,13 @@ impl Sandboxes {
                     (SandboxState::Stopping, _) => {
                         // A delete was in flight: finish it, whether or not its kill already
                         // landed (the reason stays the delete's, not "lost").
-                        let _ = self
-                            .inner
-                            .runtime
-                            .destroy(&rec.id, &rec.runtime_state)
-                            .await;
-                        let _ = self.inner.images.release(&rec.id);
+                        self.release_ended(&rec).await;
                         let reason = rec.reason.clone();
                         moved(&mut rec, SandboxState::Terminated, reason.as_deref(), None);
                         self.persist(&rec);
                     }
                     (_, Liveness::Gone) => {
-                        let _ = self
-                            .inner
-                            .runtime
-                            .destroy(&rec.id, &rec.runtime_state)
-                            .await;
-                        let _ = self.inner.images.release(&rec.id);
+                        self.release_ended(&rec).await;
                         let was = rec.state;
                         moved(&mut rec,
                             SandboxState::Failed,
