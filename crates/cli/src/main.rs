@@ -222,7 +222,7 @@ fn main() -> ExitCode {
         _ => {}
     }
     let filter = ProcessEnv
-        .get(config::env::LOG)
+        .get(warren_env::EnvVars::WARREN_LOG)
         .unwrap_or_else(|| "warren=info,warren_server=info,warn".into());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -377,7 +377,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
 /// The data dir a local command works on: `--data-dir`, else `WARREN_DATA_DIR`, else the default.
 fn local_data_dir(given: Option<PathBuf>) -> PathBuf {
     given
-        .or_else(|| ProcessEnv.get(config::env::DATA_DIR).map(PathBuf::from))
+        .or_else(|| {
+            ProcessEnv
+                .get(warren_env::EnvVars::WARREN_DATA_DIR)
+                .map(PathBuf::from)
+        })
         .unwrap_or_else(|| config::default_data_dir(&ProcessEnv))
 }
 

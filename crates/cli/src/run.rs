@@ -55,7 +55,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .api_key
         .clone()
         .or_else(|| env.get("OPEN_SANDBOX_API_KEY"))
-        .or_else(|| env.get(config::env::API_KEY));
+        .or_else(|| env.get(warren_env::EnvVars::WARREN_API_KEY));
     let domain = args
         .domain
         .clone()
@@ -63,7 +63,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let data_dir = args
         .data_dir
         .clone()
-        .or_else(|| env.get(config::env::DATA_DIR).map(Into::into))
+        .or_else(|| {
+            env.get(warren_env::EnvVars::WARREN_DATA_DIR)
+                .map(Into::into)
+        })
         .unwrap_or_else(|| config::default_data_dir(&env));
 
     let mut embedded = None;

@@ -5,16 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::Deserialize;
-
-pub mod env {
-    use warren_env::EnvVars;
-    pub const LISTEN: &str = EnvVars::WARREN_LISTEN;
-    pub const DATA_DIR: &str = EnvVars::WARREN_DATA_DIR;
-    pub const API_KEY: &str = EnvVars::WARREN_API_KEY;
-    pub const CONFIG: &str = EnvVars::WARREN_CONFIG;
-    pub const EXECD_PATH: &str = EnvVars::WARREN_EXECD_PATH;
-    pub const LOG: &str = EnvVars::WARREN_LOG;
-}
+use warren_env::EnvVars;
 
 pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
 
@@ -663,7 +654,7 @@ impl ServerConfig {
         let config_file = flags
             .config
             .clone()
-            .or_else(|| env.get(env::CONFIG).map(PathBuf::from));
+            .or_else(|| env.get(EnvVars::WARREN_CONFIG).map(PathBuf::from));
         let file: FileConfig = match &config_file {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -676,7 +667,7 @@ impl ServerConfig {
         let listen = flags
             .listen
             .clone()
-            .or_else(|| env.get(env::LISTEN))
+            .or_else(|| env.get(EnvVars::WARREN_LISTEN))
             .or(file.listen.clone())
             .unwrap_or_else(|| DEFAULT_LISTEN.to_string());
         let listen: SocketAddr = listen
@@ -685,12 +676,12 @@ impl ServerConfig {
         let data_dir = flags
             .data_dir
             .clone()
-            .or_else(|| env.get(env::DATA_DIR).map(PathBuf::from))
+            .or_else(|| env.get(EnvVars::WARREN_DATA_DIR).map(PathBuf::from))
             .or(file.data_dir.clone())
             .unwrap_or_else(|| default_data_dir(env));
-        let api_key = env.get(env::API_KEY).or(file.api_key.clone());
+        let api_key = env.get(EnvVars::WARREN_API_KEY).or(file.api_key.clone());
         let mut runtime = file.runtime.clone();
-        if let Some(p) = env.get(env::EXECD_PATH) {
+        if let Some(p) = env.get(EnvVars::WARREN_EXECD_PATH) {
             runtime.execd_path = Some(PathBuf::from(p));
         }
         file.limits.defaults().context("[limits]")?;
@@ -811,7 +802,8 @@ maxWaitSeconds = 30
             config: Some(file.clone()),
             ..Default::default()
         };
-        let cfg = ServerConfig::load(&flags, &[(env::API_KEY, "from-env")]).expect("load");
+        let cfg =
+            ServerConfig::load(&flags, &[(EnvVars::WARREN_API_KEY, "from-env")]).expect("load");
         assert_eq!(cfg.listen.port(), 9000);
         assert_eq!(cfg.api_key.as_deref(), Some("from-env"));
         assert_eq!(cfg.runtime.oci_runtime, "runsc");
@@ -820,7 +812,8 @@ maxWaitSeconds = 30
             listen: Some("127.0.0.1:9100".into()),
             ..Default::default()
         };
-        let cfg = ServerConfig::load(&flags, &[(env::LISTEN, "127.0.0.1:9200")]).expect("load");
+        let cfg = ServerConfig::load(&flags, &[(EnvVars::WARREN_LISTEN, "127.0.0.1:9200")])
+            .expect("load");
         assert_eq!(cfg.listen.port(), 9100);
     }
 

@@ -132,13 +132,8 @@ impl IntoResponse for ApiError {
         let retry = (self.status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| self.retry_after.unwrap_or(1).max(1));
         let internal = self.hidden;
-        let message = if internal {
-            // (inside the request's span: the line carries its id)
-            tracing::error!(code = %self.code, "{}", self.message);
-            internal_message("-")
-        } else {
-            self.message
-        };
+        // (inside the request's span: an internal error's log line carries its id)
+        let message = self.public_message();
         let marker = internal.then(|| InternalError(self.code.clone()));
         let mut resp = (
             self.status,

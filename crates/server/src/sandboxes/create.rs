@@ -489,17 +489,11 @@ impl PartialCreate<'_> {
 
 impl Drop for PartialCreate<'_> {
     fn drop(&mut self) {
-        let inner = &self.sandboxes.inner;
         if self.entered {
-            inner
-                .entries
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&self.id);
-            inner.records.remove(&self.id);
+            self.sandboxes.forget(&self.id);
         }
         if self.leased {
-            let _ = inner.images.release(&self.id);
+            let _ = self.sandboxes.inner.images.release(&self.id);
         }
     }
 }
