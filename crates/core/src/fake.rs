@@ -140,6 +140,10 @@ impl SharedRecords for FakeRecords {
         format!("fake-secret-{id}")
     }
 
+    fn endpoint_signing_key(&self) -> Vec<u8> {
+        b"fake-endpoint-signing-key-shared-by-replicas".to_vec()
+    }
+
     async fn put(
         &self,
         id: &str,

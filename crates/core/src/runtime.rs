@@ -368,6 +368,12 @@ pub trait Runtime: Send + Sync + 'static {
     fn shared_records(&self) -> Option<std::sync::Arc<dyn crate::SharedRecords>> {
         None
     }
+
+    /// With [`HostVolumes::Node`]: the node folders `host` volumes may mount, the runtime's own
+    /// allow list (the server checks each is a plain absolute path).
+    fn node_host_paths(&self) -> Vec<std::path::PathBuf> {
+        Vec::new()
+    }
 }
 
 #[cfg(test)]

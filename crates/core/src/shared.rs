@@ -43,6 +43,10 @@ pub trait SharedRecords: Send + Sync {
     /// on every server that shares these records, and stored nowhere.
     fn secret(&self, id: &str) -> String;
 
+    /// The key endpoint URLs are signed with: the same on every server that shares these
+    /// records (a URL one signed opens on every one), and stored nowhere.
+    fn endpoint_signing_key(&self) -> Vec<u8>;
+
     /// Replaces sandbox `id`'s record with `record` (a sandbox gets its first with
     /// [`crate::SandboxSpec::record`]). `NotFound`: the sandbox is gone.
     async fn put(

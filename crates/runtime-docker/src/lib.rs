@@ -28,6 +28,7 @@ mod client;
 mod create;
 mod delivery;
 mod mounts;
+mod section;
 mod staging;
 mod teardown;
 
@@ -47,6 +48,7 @@ use warren_core::{
 use warren_env::EnvVars;
 
 pub use client::{Client, DockerError, Endpoint, TlsFiles};
+pub use section::{Common, DockerSection};
 
 /// Label carrying the sandbox id.
 pub const LABEL_SANDBOX: &str = "io.warren.sandbox";

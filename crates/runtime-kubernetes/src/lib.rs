@@ -20,6 +20,7 @@ mod egress;
 mod lease;
 pub mod pod;
 mod records;
+mod section;
 mod watch;
 
 use std::collections::BTreeMap;
@@ -41,6 +42,7 @@ use pod::PodView;
 pub use pod::{EgressSidecar, PodSettings, LABEL_OWNER, LABEL_SANDBOX};
 pub use records::check_key;
 use records::PodRecords;
+pub use section::KubernetesSection;
 use watch::{PodWatch, Seen};
 
 #[derive(Debug, Clone)]
@@ -425,6 +427,10 @@ impl Runtime for KubernetesRuntime {
         self.records
             .clone()
             .map(|r| r as Arc<dyn warren_core::SharedRecords>)
+    }
+
+    fn node_host_paths(&self) -> Vec<std::path::PathBuf> {
+        self.config.pod.allowed_host_paths.clone()
     }
 
     fn features(&self) -> RuntimeFeatures {

@@ -77,6 +77,10 @@ impl SharedRecords for PodRecords {
         sandbox_secret(&self.key, id)
     }
 
+    fn endpoint_signing_key(&self) -> Vec<u8> {
+        signing_key(&self.key)
+    }
+
     async fn put(
         &self,
         id: &str,
@@ -235,6 +239,15 @@ fn sandbox_secret(key: &[u8], id: &str) -> String {
     hex::encode(mac.finalize().into_bytes())
 }
 
+/// The endpoint signing key of replicas holding `key`: hex, so it reads like a key written in a
+/// signing-keys file.
+fn signing_key(key: &[u8]) -> Vec<u8> {
+    let mut mac = <Hmac<Sha256>>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+    mac.update(b"warren-endpoint-signing-v1");
+    hex::encode(mac.finalize().into_bytes()).into_bytes()
+}
+
 /// Checks a shared key as read from its file: long enough to be a key, not a password.
 pub fn check_key(key: &[u8]) -> Result<(), String> {
     if key.len() < 32 {
@@ -300,5 +313,20 @@ mod tests {
         assert_ne!(sandbox_secret(&a, "x"), sandbox_secret(&b, "x"));
         assert_eq!(sandbox_secret(&a, "x").len(), 64);
         assert!(check_key(&[0; 31]).is_err() && check_key(&[0; 32]).is_ok());
+    }
+
+    /// Replicas holding one key sign alike, and alike across versions (a URL signed before an
+    /// upgrade still opens: the value is pinned); another key signs otherwise.
+    #[test]
+    fn the_signing_key_derives_from_the_shared_one() {
+        assert_eq!(
+            String::from_utf8(signing_key(&[1; 32])).expect("hex"),
+            "f6cae3fa8ac392b068c28b824710359dafb7a9218a6e4677cd316da92b14fac2"
+        );
+        assert_ne!(signing_key(&[1; 32]), signing_key(&[2; 32]));
+        assert_ne!(
+            signing_key(&[1; 32]),
+            sandbox_secret(&[1; 32], "").into_bytes()
+        );
     }
 }

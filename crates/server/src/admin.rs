@@ -8,37 +8,38 @@ use axum::Json;
 use warren_api::admin::{CreateKeyRequest, IssuedKey, ListKeysResponse};
 use warren_api::ErrorCode;
 
-use crate::error::{ApiError, ApiJson};
+use crate::error::{ErrorKind, SandboxError};
+use crate::http::error::ApiJson;
 use crate::keys::{KeyError, Role};
 use crate::AppState;
 
-fn from_key_error(e: KeyError) -> ApiError {
+fn from_key_error(e: KeyError) -> SandboxError {
     match e {
-        KeyError::Invalid(m) => ApiError::invalid(m),
-        KeyError::NotFound(id) => ApiError::new(
-            StatusCode::NOT_FOUND,
+        KeyError::Invalid(m) => SandboxError::invalid(m),
+        KeyError::NotFound(id) => SandboxError::new(
+            ErrorKind::NotFound,
             ErrorCode::InvalidParameter,
             format!("no live key {id}"),
         ),
-        KeyError::Io { .. } => ApiError::internal("the key store", &e),
+        KeyError::Io { .. } => SandboxError::internal("the key store", &e),
     }
 }
 
 /// Runs a store change off the async workers (it locks and writes a file).
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, KeyError> + Send + 'static,
-) -> Result<T, ApiError> {
+) -> Result<T, SandboxError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ApiError::internal("the key store", &e))?
+        .map_err(|e| SandboxError::internal("the key store", &e))?
         .map_err(from_key_error)
 }
 
 pub async fn create_key(
     State(app): State<AppState>,
     ApiJson(req): ApiJson<CreateKeyRequest>,
-) -> Result<Response, ApiError> {
-    let role = Role::parse(&req.role).map_err(ApiError::invalid)?;
+) -> Result<Response, SandboxError> {
+    let role = Role::parse(&req.role).map_err(SandboxError::invalid)?;
     let keys = app.keys.clone();
     let (entry, key) = blocking(move || keys.create(&req.tenant, role, req.name)).await?;
     tracing::info!(key_id = %entry.id, tenant = %entry.tenant, role = role.as_str(), "key created");
@@ -54,7 +55,7 @@ pub async fn list_keys(State(app): State<AppState>) -> Json<ListKeysResponse> {
 pub async fn revoke_key(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<warren_api::admin::KeyInfo>, ApiError> {
+) -> Result<Json<warren_api::admin::KeyInfo>, SandboxError> {
     let keys = app.keys.clone();
     let entry = blocking(move || keys.revoke(&id)).await?;
     tracing::info!(key_id = %entry.id, tenant = %entry.tenant, "key revoked");
@@ -64,7 +65,7 @@ pub async fn revoke_key(
 pub async fn rotate_key(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<IssuedKey>, ApiError> {
+) -> Result<Json<IssuedKey>, SandboxError> {
     let keys = app.keys.clone();
     let (entry, key) = blocking(move || keys.rotate(&id)).await?;
     tracing::info!(key_id = %entry.id, tenant = %entry.tenant, "key rotated");

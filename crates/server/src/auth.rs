@@ -11,14 +11,14 @@
 use std::path::Path;
 
 use axum::extract::{Request, State};
-use axum::http::{Method, StatusCode};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
 use subtle::ConstantTimeEq;
 use warren_api::{ErrorCode, API_KEY_HEADER};
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::keys::{check_tenant, Role, DEFAULT_TENANT};
 use crate::AppState;
 
@@ -86,12 +86,12 @@ fn is_admin_path(path: &str) -> bool {
 }
 
 fn forbidden(message: impl Into<String>) -> Response {
-    ApiError::new(StatusCode::FORBIDDEN, ErrorCode::Forbidden, message).into_response()
+    SandboxError::new(ErrorKind::Forbidden, ErrorCode::Forbidden, message).into_response()
 }
 
 /// The caller a request's key makes, or why there is none (401, or 403 for a tenant it may not
 /// name). `Ok(None)`: no key was sent.
-pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiError> {
+pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, SandboxError> {
     let Some(server_key) = app.api_key.as_deref() else {
         return acting(Caller::server(), req).map(Some);
     };
@@ -112,8 +112,8 @@ pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiErr
             tenant: key.tenant,
         }
     } else {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
+        return Err(SandboxError::new(
+            ErrorKind::Unauthenticated,
             ErrorCode::InvalidApiKey,
             "invalid API key",
         ));
@@ -122,13 +122,13 @@ pub fn caller_of(app: &AppState, req: &Request) -> Result<Option<Caller>, ApiErr
 }
 
 /// Applies `X-Warren-Tenant`: an admin acts for the tenant it names; anyone else may name only its own.
-fn acting(mut caller: Caller, req: &Request) -> Result<Caller, ApiError> {
+fn acting(mut caller: Caller, req: &Request) -> Result<Caller, SandboxError> {
     let Some(named) = req.headers().get(TENANT_HEADER) else {
         return Ok(caller);
     };
     let named = named.to_str().unwrap_or_default();
     if let Err(e) = check_tenant(named) {
-        return Err(ApiError::invalid(format!("{TENANT_HEADER}: {e}")));
+        return Err(SandboxError::invalid(format!("{TENANT_HEADER}: {e}")));
     }
     match caller.role {
         Role::Admin => {
@@ -137,8 +137,8 @@ fn acting(mut caller: Caller, req: &Request) -> Result<Caller, ApiError> {
             Ok(caller)
         }
         _ if named == caller.tenant => Ok(caller),
-        _ => Err(ApiError::new(
-            StatusCode::FORBIDDEN,
+        _ => Err(SandboxError::new(
+            ErrorKind::Forbidden,
             ErrorCode::Forbidden,
             format!(
                 "this key belongs to tenant {}; only an admin key acts for another",
@@ -170,8 +170,8 @@ pub async fn require_api_key(
         return resp;
     }
     let Some(caller) = caller else {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
+        return SandboxError::new(
+            ErrorKind::Unauthenticated,
             ErrorCode::MissingApiKey,
             format!("missing {API_KEY_HEADER} header"),
         )
@@ -218,7 +218,7 @@ pub fn guard(app: &AppState, caller: &Caller, raw: &str) -> Option<Response> {
         .sandboxes
         .get(&id)
         .is_some_and(|rec| caller.sees(&rec.tenant));
-    (!seen).then(|| ApiError::not_found(&id).into_response())
+    (!seen).then(|| SandboxError::not_found(&id).into_response())
 }
 
 pub use warren_local::key_file;

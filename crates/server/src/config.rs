@@ -29,10 +29,12 @@ pub struct FileConfig {
     pub terminated_retention_seconds: Option<i64>,
     #[serde(default)]
     pub runtime: RuntimeSection,
+    /// `[docker]` and `[kubernetes]`: each backend's own section, kept as written here and read
+    /// by the backend's crate (`DockerSection`, `KubernetesSection`), which owns its fields.
     #[serde(default)]
-    pub docker: DockerSection,
+    pub docker: toml::Table,
     #[serde(default)]
-    pub kubernetes: KubernetesSection,
+    pub kubernetes: toml::Table,
     #[serde(default)]
     pub storage: StorageSection,
     #[serde(default)]
@@ -239,86 +241,6 @@ impl Default for NetworkSection {
 #[serde(deny_unknown_fields)]
 pub struct StorageSection {
     /// Host folders under which `host` volumes may be mounted; empty (the default) allows none.
-    #[serde(default)]
-    pub allowed_host_paths: Vec<PathBuf>,
-}
-
-/// `[docker]`: used when `runtime.kind = "docker"`.
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DockerSection {
-    /// `unix:///path` or `tcp://host:port`; default `$DOCKER_HOST`, else `unix:///var/run/docker.sock`.
-    pub host: Option<String>,
-    /// An OCI runtime registered with the daemon, e.g. `runsc` for gVisor.
-    pub runtime: Option<String>,
-    /// `missing` (default): pull images the daemon does not have; `never`: only use local ones.
-    pub pull: Option<String>,
-    /// TLS to a `tcp://` daemon (`--tlsverify`): a folder with `ca.pem`, `cert.pem` and `key.pem`,
-    /// as in `DOCKER_CERT_PATH` (which, with `DOCKER_TLS_VERIFY`, applies when `host` is unset).
-    pub tls_cert_path: Option<PathBuf>,
-    /// Where the server reaches a remote daemon's relay (port 44773 of its host); default: the
-    /// host of `host`.
-    pub sandbox_host: Option<String>,
-    /// The network sandboxes on a remote daemon join; default: `warren-sandboxes`, made by Warren
-    /// internal, with traffic between containers off.
-    pub network: Option<String>,
-}
-
-fn default_lease_seconds() -> u64 {
-    15
-}
-
-/// `[kubernetes]`: where the cluster is and what the sandboxes' Pods get.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KubernetesSection {
-    /// The API server's URL; default: the cluster Warren runs in (its service account).
-    pub api_server: Option<String>,
-    /// A bearer token file and a CA bundle for `api_server` (outside a cluster).
-    pub token_file: Option<PathBuf>,
-    pub ca_file: Option<PathBuf>,
-    /// Where the sandboxes' Pods go; default: Warren's own namespace in a cluster, else `default`.
-    pub namespace: Option<String>,
-    /// This server's label value on its Pods (`io.warren.owner`); default: the host name (a
-    /// StatefulSet's Pod name). Without `shared_key_file` each server must have its own: it
-    /// removes the Pods of its instance that it has no record of. With it, every replica of one
-    /// service has the same.
-    pub instance: Option<String>,
-    /// A file holding a key (32 bytes or more) every replica of one service holds: the sandboxes'
-    /// records then live on their Pods, each sandbox's secret derives from the key, and the
-    /// replicas (same `instance`, same key) serve one set of sandboxes. Unset: each server keeps
-    /// its records in its data dir.
-    pub shared_key_file: Option<PathBuf>,
-    /// With `shared_key_file`: how long the replicas' Lease (which one makes the pools' warm
-    /// sandboxes) lasts unrenewed, in seconds; a replica that dies hands it on after this long.
-    #[serde(default = "default_lease_seconds")]
-    pub lease_seconds: u64,
-    /// The image the init container copies execd from (`scripts/build-image` makes it).
-    pub execd_image: Option<String>,
-    /// Where execd is in that image.
-    pub execd_image_path: Option<String>,
-    /// A container beside every sandbox, from `execd_image`, holding its egress policy in the Pod's
-    /// network namespace and answering its DNS: rules naming hosts (`pypi.org`, `*.example.com`)
-    /// work, not only addresses (a NetworkPolicy's reach). Off by default.
-    #[serde(default)]
-    pub egress_sidecar: bool,
-    /// Where the `warren` binary is in `execd_image` (the sidecar runs `warren egress-sidecar`).
-    pub warren_image_path: Option<String>,
-    /// Where the sidecar sends allowed DNS queries (`ip:port`); default: the first `nameserver` of
-    /// the Pod's resolv.conf (the cluster's DNS).
-    pub egress_dns_upstream: Option<String>,
-    /// `runtimeClassName` of every sandbox Pod (gVisor, Kata…).
-    pub runtime_class: Option<String>,
-    #[serde(default)]
-    pub node_selector: std::collections::BTreeMap<String, String>,
-    #[serde(default)]
-    pub tolerations: Vec<std::collections::BTreeMap<String, String>>,
-    /// Secrets in the namespace every sandbox Pod pulls its image with (`imagePullSecrets`); a
-    /// create's own `image.auth` adds a Secret of its own.
-    #[serde(default)]
-    pub image_pull_secrets: Vec<String>,
-    /// Node folders `host` volumes may mount (absolute, checked by name: the node resolves them);
-    /// empty (the default): none.
     #[serde(default)]
     pub allowed_host_paths: Vec<PathBuf>,
 }
@@ -596,8 +518,9 @@ pub struct ServerConfig {
     pub max_timeout_seconds: Option<i64>,
     pub terminated_retention_seconds: i64,
     pub runtime: RuntimeSection,
-    pub docker: DockerSection,
-    pub kubernetes: KubernetesSection,
+    /// The backends' own sections, as written (see [`FileConfig::docker`]).
+    pub docker: toml::Table,
+    pub kubernetes: toml::Table,
     pub storage: StorageSection,
     pub limits: LimitsSection,
     pub network: NetworkSection,

@@ -9,14 +9,14 @@
 //! `events?limit=`, `inspect`, `summary`.
 
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use warren_api::lifecycle::{DiagnosticContent, DiagnosticContext, SandboxState};
 use warren_api::{ErrorBody, ErrorCode};
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::routes::rfc3339;
 use crate::sandboxes::Events;
 use crate::AppState;
@@ -54,7 +54,7 @@ pub async fn logs(
     State(app): State<AppState>,
     Path(id): Path<String>,
     Query(q): Query<LogsQuery>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     let Some(scope) = q.scope else {
         let tail = q.tail.unwrap_or(100).clamp(1, 10_000);
         let (text, _) = output(&app, &id).await?;
@@ -90,7 +90,7 @@ pub async fn events(
     State(app): State<AppState>,
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     let events = events_of(&app, &id)?;
     let Some(scope) = q.scope else {
         let limit = q.limit.unwrap_or(50).clamp(1, 500);
@@ -110,7 +110,7 @@ pub async fn events(
 pub async fn inspect(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     Ok(plain(inspect_text(&app, &id)?))
 }
 
@@ -119,7 +119,7 @@ pub async fn summary(
     State(app): State<AppState>,
     Path(id): Path<String>,
     Query(q): Query<SummaryQuery>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     let tail = q.tail.unwrap_or(50).clamp(1, 10_000);
     let limit = q.event_limit.unwrap_or(20).clamp(1, 500);
     let inspect = inspect_text(&app, &id)?;
@@ -145,7 +145,7 @@ pub async fn summary(
 pub async fn context(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<DiagnosticContext>, ApiError> {
+) -> Result<Json<DiagnosticContext>, SandboxError> {
     let rec = visible(&app, &id)?;
     let runtime = app.sandboxes.runtime();
     let mut identifiers = runtime.backend_identifiers(&id);
@@ -165,12 +165,12 @@ struct Note {
     warnings: Vec<String>,
 }
 
-fn check_scope(kind: &str, scope: &str, supported: &[&str]) -> Result<(), ApiError> {
+fn check_scope(kind: &str, scope: &str, supported: &[&str]) -> Result<(), SandboxError> {
     if supported.contains(&scope) {
         return Ok(());
     }
-    Err(ApiError::new(
-        StatusCode::BAD_REQUEST,
+    Err(SandboxError::new(
+        ErrorKind::Invalid,
         ErrorCode::DiagnosticsScopeUnsupported,
         format!(
             "unsupported {kind} diagnostics scope {scope:?}; supported scopes: {}",
@@ -181,7 +181,7 @@ fn check_scope(kind: &str, scope: &str, supported: &[&str]) -> Result<(), ApiErr
 
 /// The sandbox's output, with what explains an empty or partial one. A sandbox that is not running
 /// has no execd to ask: the text is empty and a warning says why.
-async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
+async fn output(app: &AppState, id: &str) -> Result<(String, Note), SandboxError> {
     let rec = visible(app, id)?;
     let mut note = Note::default();
     if rec.state != SandboxState::Running {
@@ -213,18 +213,18 @@ async fn output(app: &AppState, id: &str) -> Result<(String, Note), ApiError> {
 
 /// The sandbox's record, as get shows it: warm pool and template-build sandboxes are not the
 /// caller's to see.
-fn visible(app: &AppState, id: &str) -> Result<warren_store::SandboxRecord, ApiError> {
+fn visible(app: &AppState, id: &str) -> Result<warren_store::SandboxRecord, SandboxError> {
     app.sandboxes
         .get(id)
         .filter(|r| r.warm_pool.is_none())
-        .ok_or_else(|| ApiError::not_found(id))
+        .ok_or_else(|| SandboxError::not_found(id))
 }
 
-fn events_of(app: &AppState, id: &str) -> Result<Events, ApiError> {
+fn events_of(app: &AppState, id: &str) -> Result<Events, SandboxError> {
     visible(app, id)?;
     app.sandboxes
         .events(id)
-        .ok_or_else(|| ApiError::not_found(id))
+        .ok_or_else(|| SandboxError::not_found(id))
 }
 
 fn events_warnings(events: &Events) -> Vec<String> {
@@ -260,7 +260,7 @@ fn events_text(events: &Events, limit: usize) -> String {
     out
 }
 
-fn inspect_text(app: &AppState, id: &str) -> Result<String, ApiError> {
+fn inspect_text(app: &AppState, id: &str) -> Result<String, SandboxError> {
     let rec = visible(app, id)?;
     let mut value = serde_json::to_value(&rec).unwrap_or_default();
     if let Some(map) = value.as_object_mut() {
@@ -350,7 +350,7 @@ mod tests {
     #[test]
     fn unknown_scopes_are_named_with_the_supported_ones() {
         let err = check_scope("logs", "kernel", LOG_SCOPES).expect_err("unknown");
-        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
         assert!(
             err.to_string().contains("container, lifecycle, all"),
             "{}",

@@ -11,10 +11,9 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use http::StatusCode;
 use warren_api::ErrorCode;
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 
 /// Kept free: a sandbox's folders, log and socket, and the journal's next records, with room to
 /// spare. A create below it would fail, or push the server's own writes into failing.
@@ -41,7 +40,7 @@ fn free(dir: &Path) -> Option<(u64, u64)> {
 
 /// The 507 a create (of `what`: "a sandbox", "a snapshot") gets while the data dir's filesystem is
 /// below the reserve; `Ok` when it is not, or when it cannot be measured.
-pub fn check(dir: &Path, what: &str) -> Result<(), ApiError> {
+pub fn check(dir: &Path, what: &str) -> Result<(), SandboxError> {
     match shortage(dir) {
         Some(why) => Err(insufficient(format!(
             "no room for {what}: {why}; delete sandboxes, snapshots or images to make room"
@@ -51,12 +50,8 @@ pub fn check(dir: &Path, what: &str) -> Result<(), ApiError> {
 }
 
 /// The 507 `SANDBOX::INSUFFICIENT_STORAGE` error with `message`.
-pub fn insufficient(message: String) -> ApiError {
-    ApiError::new(
-        StatusCode::INSUFFICIENT_STORAGE,
-        ErrorCode::InsufficientStorage,
-        message,
-    )
+pub fn insufficient(message: String) -> SandboxError {
+    SandboxError::new(ErrorKind::NoSpace, ErrorCode::InsufficientStorage, message)
 }
 
 /// Why the filesystem at `dir` is short of room, if it is.
@@ -135,7 +130,7 @@ mod tests {
         }
         let _unmount = Unmount(target);
         let err = check(dir.path(), "a sandbox").expect_err("4 MiB is below the reserve");
-        assert_eq!(err.status, StatusCode::INSUFFICIENT_STORAGE);
+        assert_eq!(err.kind, ErrorKind::NoSpace);
         assert!(
             err.to_string().contains("no room for a sandbox") && err.to_string().contains("MiB"),
             "{}",

@@ -18,7 +18,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ApiError;
+use crate::error::SandboxError;
 
 /// The longest a `preStart` may run.
 pub const MAX_PRE_START_SECONDS: u64 = 3600;
@@ -114,7 +114,7 @@ impl Schedule {
 pub fn parse(
     pre_start: Option<&serde_json::Value>,
     periodic: Option<&serde_json::Value>,
-) -> Result<Hooks, ApiError> {
+) -> Result<Hooks, SandboxError> {
     let mut hooks = Hooks::default();
     if let Some(v) = pre_start.filter(|v| !v.is_null()) {
         hooks.pre_start = Some(hook(
@@ -127,9 +127,9 @@ pub fn parse(
     if let Some(v) = periodic.filter(|v| !v.is_null()) {
         let list = v
             .as_array()
-            .ok_or_else(|| ApiError::invalid("lifecycle.periodic must be a list of hooks"))?;
+            .ok_or_else(|| SandboxError::invalid("lifecycle.periodic must be a list of hooks"))?;
         if list.len() > MAX_PERIODIC {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "lifecycle.periodic: {} hooks, at most {MAX_PERIODIC}",
                 list.len()
             )));
@@ -148,14 +148,16 @@ pub fn parse(
                     .map(str::trim)
                     .filter(|s| !s.is_empty() && s.len() <= 128)
                     .map(str::to_string)
-                    .ok_or_else(|| ApiError::invalid(format!("{at}.{field}: 1 to 128 characters")))
+                    .ok_or_else(|| {
+                        SandboxError::invalid(format!("{at}.{field}: 1 to 128 characters"))
+                    })
             };
             let name = text("name")?;
             let schedule = text("schedule")?;
             Schedule::parse(&schedule)
-                .map_err(|e| ApiError::invalid(format!("{at}.schedule: {e}")))?;
+                .map_err(|e| SandboxError::invalid(format!("{at}.schedule: {e}")))?;
             if hooks.periodic.iter().any(|p| p.name == name) {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "{at}.name: {name:?} names another periodic hook"
                 )));
             }
@@ -169,12 +171,12 @@ pub fn parse(
     Ok(hooks)
 }
 
-fn hook(at: &str, v: &serde_json::Value, fields: &[&str], max: u64) -> Result<Hook, ApiError> {
+fn hook(at: &str, v: &serde_json::Value, fields: &[&str], max: u64) -> Result<Hook, SandboxError> {
     let obj = v
         .as_object()
-        .ok_or_else(|| ApiError::invalid(format!("{at} must be an object")))?;
+        .ok_or_else(|| SandboxError::invalid(format!("{at} must be an object")))?;
     if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "{at}.{k} is not a field of a hook (known: {})",
             fields.join(", ")
         )));
@@ -184,12 +186,14 @@ fn hook(at: &str, v: &serde_json::Value, fields: &[&str], max: u64) -> Result<Ho
         .and_then(|c| serde_json::from_value::<Vec<String>>(c.clone()).ok())
         .filter(|c| c.first().is_some_and(|p| !p.trim().is_empty()))
         .ok_or_else(|| {
-            ApiError::invalid(format!(
+            SandboxError::invalid(format!(
                 "{at}.command: a list of strings, the program first (not empty)"
             ))
         })?;
     if command.iter().map(String::len).sum::<usize>() > 64 * 1024 {
-        return Err(ApiError::invalid(format!("{at}.command: at most 64 KiB")));
+        return Err(SandboxError::invalid(format!(
+            "{at}.command: at most 64 KiB"
+        )));
     }
     let timeout_seconds = match obj.get("timeoutSeconds") {
         None | Some(serde_json::Value::Null) => DEFAULT_SECONDS,
@@ -197,7 +201,7 @@ fn hook(at: &str, v: &serde_json::Value, fields: &[&str], max: u64) -> Result<Ho
             .as_u64()
             .filter(|t| (1..=max).contains(t))
             .ok_or_else(|| {
-                ApiError::invalid(format!(
+                SandboxError::invalid(format!(
                     "{at}.timeoutSeconds: a whole number of seconds from 1 to {max}"
                 ))
             })?,

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ApiError;
+use crate::error::SandboxError;
 
 /// How long the proxy holds a request for a sandbox it wakes before it answers 503.
 pub const WAKE_WAIT: Duration = Duration::from_secs(30);
@@ -42,8 +42,8 @@ pub struct Probe {
 }
 
 /// Reads `lifecycle.idlePolicy`, checking it as the clients do.
-pub fn parse(v: &serde_json::Value) -> Result<Option<IdlePolicy>, ApiError> {
-    let bad = |m: String| ApiError::invalid(format!("lifecycle.idlePolicy{m}"));
+pub fn parse(v: &serde_json::Value) -> Result<Option<IdlePolicy>, SandboxError> {
+    let bad = |m: String| SandboxError::invalid(format!("lifecycle.idlePolicy{m}"));
     let obj = match v {
         serde_json::Value::Null => return Ok(None),
         serde_json::Value::Object(o) => o,

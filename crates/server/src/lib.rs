@@ -12,6 +12,7 @@ pub mod error;
 mod execd_conns;
 mod front;
 mod hooks;
+pub mod http;
 mod idle;
 pub mod keys;
 pub mod network;
@@ -56,7 +57,7 @@ pub mod fuzzing {
         };
         crate::validate::create_plan(req, &LimitsSection::default(), Some(86_400), &storage)
             .map(drop)
-            .map_err(|e| (e.status.as_u16(), e.public_message()))
+            .map_err(|e| (e.status().as_u16(), e.public_message()))
     }
 }
 
@@ -222,16 +223,20 @@ pub fn router(state: AppState) -> Router {
 /// response") loses that one. `Connection: close` on such an answer tells the client not to
 /// reuse the connection. HTTP/1 only (HTTP/2 has no such header, and streams end on their own).
 async fn close_after_refused_body(req: Request, next: Next) -> Response {
-    let has_body = req.version() < http::Version::HTTP_2
-        && (req.headers().contains_key(http::header::TRANSFER_ENCODING)
+    let has_body = req.version() < ::http::Version::HTTP_2
+        && (req
+            .headers()
+            .contains_key(::http::header::TRANSFER_ENCODING)
             || req
                 .headers()
-                .get(http::header::CONTENT_LENGTH)
+                .get(::http::header::CONTENT_LENGTH)
                 .is_some_and(|v| v.as_bytes() != b"0"));
     let mut resp = next.run(req).await;
     if has_body && (resp.status().is_client_error() || resp.status().is_server_error()) {
-        resp.headers_mut()
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        resp.headers_mut().insert(
+            ::http::header::CONNECTION,
+            HeaderValue::from_static("close"),
+        );
     }
     resp
 }
@@ -259,9 +264,9 @@ fn cors(http: &config::HttpSection) -> Option<tower_http::cors::CorsLayer> {
             .allow_methods(AllowMethods::mirror_request())
             .allow_headers(AllowHeaders::mirror_request())
             .expose_headers([
-                http::HeaderName::from_static("x-request-id"),
-                http::header::RETRY_AFTER,
-                http::header::LOCATION,
+                ::http::HeaderName::from_static("x-request-id"),
+                ::http::header::RETRY_AFTER,
+                ::http::header::LOCATION,
             ])
             .max_age(std::time::Duration::from_secs(600)),
     )
@@ -271,7 +276,7 @@ fn cors(http: &config::HttpSection) -> Option<tower_http::cors::CorsLayer> {
 /// instead of a connection closed without a word. The panic itself is logged by the hook that
 /// `supervise::log_panics` installs.
 fn panicked(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
-    axum::response::IntoResponse::into_response(error::ApiError::internal(
+    axum::response::IntoResponse::into_response(error::SandboxError::internal(
         "answering the request",
         &std::io::Error::other("the handler panicked"),
     ))
@@ -294,7 +299,7 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     // Inner layers (the audit log) read it from the request.
     req.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
     let mut resp = next.run(req).instrument(span).await;
-    if let Some(error::InternalError(code)) = resp.extensions().get().cloned() {
+    if let Some(http::error::InternalError(code)) = resp.extensions().get().cloned() {
         let (parts, _) = resp.into_parts();
         let body = warren_api::ErrorBody {
             code,
@@ -302,7 +307,7 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         };
         let json = serde_json::to_vec(&body).unwrap_or_default();
         resp = Response::from_parts(parts, axum::body::Body::from(json));
-        resp.headers_mut().remove(http::header::CONTENT_LENGTH);
+        resp.headers_mut().remove(::http::header::CONTENT_LENGTH);
     }
     resp.headers_mut().insert(REQUEST_ID_HEADER, id);
     resp
@@ -409,6 +414,7 @@ impl Server {
         let storage = Arc::new(storage_policy(
             &config,
             sandboxes.runtime().capabilities().host_volumes,
+            sandboxes.runtime().node_host_paths(),
         )?);
         let stored = stored::Stored::new(snapshots.clone(), sandboxes.images().clone());
         let pools = pools::Pools::new(
@@ -439,9 +445,9 @@ impl Server {
                 &config.endpoints,
                 &config.data_dir,
                 sandboxes
-                    .shares_records()
-                    .then_some(config.kubernetes.shared_key_file.as_deref())
-                    .flatten(),
+                    .runtime()
+                    .shared_records()
+                    .map(|r| r.endpoint_signing_key()),
             )
             .context("[endpoints] signing keys")?,
         );
@@ -592,12 +598,11 @@ fn tls_names(config: &ServerConfig) -> Vec<String> {
 fn storage_policy(
     config: &ServerConfig,
     host_volumes: warren_core::HostVolumes,
+    node_host_paths: Vec<std::path::PathBuf>,
 ) -> anyhow::Result<volumes::StoragePolicy> {
     if host_volumes != warren_core::HostVolumes::Server {
         let allowed_host_paths = match host_volumes {
-            warren_core::HostVolumes::Node => config
-                .kubernetes
-                .allowed_host_paths
+            warren_core::HostVolumes::Node => node_host_paths
                 .iter()
                 .map(|p| {
                     volumes::plain_absolute(p).ok_or_else(|| {
@@ -656,11 +661,11 @@ mod tests {
 
     #[tokio::test]
     async fn an_internal_error_or_a_panic_answers_with_its_request_id_and_no_cause() {
-        async fn fails() -> Result<(), error::ApiError> {
+        async fn fails() -> Result<(), error::SandboxError> {
             let cause = std::io::Error::other("open /var/lib/warren/secret/path: EACCES");
-            Err(error::ApiError::internal("making the sandbox", &cause))
+            Err(error::SandboxError::internal("making the sandbox", &cause))
         }
-        async fn panics() -> Result<(), error::ApiError> {
+        async fn panics() -> Result<(), error::SandboxError> {
             panic!("a bug in a handler")
         }
         let app: axum::Router = axum::Router::new()

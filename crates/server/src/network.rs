@@ -12,7 +12,7 @@ use serde::Serialize;
 use warren_egress::{Egress, EgressConfig, NetworkPolicy, NetworkRule};
 
 use crate::config::NetworkSection;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use warren_api::ErrorCode;
 
 pub struct Network {
@@ -124,7 +124,7 @@ impl Network {
     }
 
     /// The egress controller, started on first use.
-    pub async fn egress(&self) -> Result<Arc<Egress>, ApiError> {
+    pub async fn egress(&self) -> Result<Arc<Egress>, SandboxError> {
         if let Some(why) = &self.broken {
             return Err(unavailable(why));
         }
@@ -157,27 +157,28 @@ impl Network {
     }
 }
 
-fn unavailable(why: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
+fn unavailable(why: &str) -> SandboxError {
+    SandboxError::new(
+        ErrorKind::Unavailable,
         ErrorCode::RuntimeUnavailable,
         format!("sandbox networking is unavailable on this server: {why}"),
     )
 }
 
 /// Reads a `networkPolicy` body, or a 400 saying what is wrong with it.
-pub fn parse_policy(v: &serde_json::Value) -> Result<Option<NetworkPolicy>, ApiError> {
-    NetworkPolicy::from_json(v).map_err(|e| ApiError::invalid(format!("networkPolicy: {e}")))
+pub fn parse_policy(v: &serde_json::Value) -> Result<Option<NetworkPolicy>, SandboxError> {
+    NetworkPolicy::from_json(v).map_err(|e| SandboxError::invalid(format!("networkPolicy: {e}")))
 }
 
-pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, ApiError> {
+pub fn parse_rules(v: &serde_json::Value) -> Result<Vec<NetworkRule>, SandboxError> {
     warren_egress::policy::parse_rules(v)
-        .map_err(|e| ApiError::invalid(format!("egress rules: {e}")))
+        .map_err(|e| SandboxError::invalid(format!("egress rules: {e}")))
 }
 
-pub fn parse_targets(v: &serde_json::Value) -> Result<Vec<String>, ApiError> {
-    serde_json::from_value::<Vec<String>>(v.clone())
-        .map_err(|_| ApiError::invalid("expected a JSON list of targets, e.g. [\"example.com\"]"))
+pub fn parse_targets(v: &serde_json::Value) -> Result<Vec<String>, SandboxError> {
+    serde_json::from_value::<Vec<String>>(v.clone()).map_err(|_| {
+        SandboxError::invalid("expected a JSON list of targets, e.g. [\"example.com\"]")
+    })
 }
 
 /// A policy is worth a link only if it lets something through.
@@ -192,7 +193,7 @@ pub fn runtime_policy(
     policy: &NetworkPolicy,
     runtime: &str,
     names: bool,
-) -> Result<warren_core::EgressPolicy, ApiError> {
+) -> Result<warren_core::EgressPolicy, SandboxError> {
     use warren_egress::policy::{Action, Target};
     let mut rules = Vec::with_capacity(policy.egress.len());
     // (index, what the address-only enforcer cannot take)
@@ -212,8 +213,8 @@ pub fn runtime_policy(
         }
     }
     if let (Some((i, what)), false) = (&beyond, names) {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
+        return Err(SandboxError::new(
+            ErrorKind::Invalid,
             ErrorCode::ApiNotSupported,
             format!(
                 "networkPolicy rule {i} ({what}): the {runtime} runtime enforces rules that name addresses or networks (CIDR), on every port, here; rules naming hosts or limited to ports need the egress proxy beside the sandbox (on Kubernetes: [kubernetes] egress_sidecar = true)"
@@ -234,11 +235,12 @@ pub fn runtime_policy(
 pub const EGRESS_AUTH_HEADER: &str = "OPENSANDBOX-EGRESS-AUTH";
 
 /// A JSON body that may be empty.
-fn body_json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+fn body_json(body: &[u8]) -> Result<serde_json::Value, SandboxError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(serde_json::Value::Null);
     }
-    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| SandboxError::invalid(format!("invalid JSON body: {e}")))
 }
 
 /// One call on a sandbox's policy: `GET`, `PUT`/`POST` (replace; an empty body or `null` goes back
@@ -248,7 +250,7 @@ pub async fn policy_call(
     id: &str,
     method: &http::Method,
     body: &[u8],
-) -> Result<PolicyStatus, ApiError> {
+) -> Result<PolicyStatus, SandboxError> {
     let policy = match *method {
         http::Method::GET => sandboxes.network_policy(id)?,
         http::Method::PUT | http::Method::POST => {
@@ -271,8 +273,8 @@ pub async fn policy_call(
                 .await?
         }
         _ => {
-            return Err(ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
+            return Err(SandboxError::new(
+                ErrorKind::MethodNotAllowed,
                 ErrorCode::InvalidParameter,
                 "use GET, PUT, POST, PATCH or DELETE",
             ))
@@ -352,7 +354,7 @@ pub async fn vault_call(
     sub: &str,
     body: &[u8],
     surface: VaultSurface,
-) -> Result<(StatusCode, Option<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Option<serde_json::Value>), SandboxError> {
     use warren_egress::vault::{Vault, VaultError};
     let lifecycle = surface == VaultSurface::Lifecycle;
     let parts: Vec<&str> = sub.split('/').filter(|p| !p.is_empty()).collect();
@@ -368,8 +370,8 @@ pub async fn vault_call(
         }
     }
     let not_enabled = |message: String| {
-        ApiError::new(
-            StatusCode::PRECONDITION_FAILED,
+        SandboxError::new(
+            ErrorKind::PreconditionFailed,
             ErrorCode::VaultNotEnabled,
             message,
         )
@@ -379,7 +381,7 @@ pub async fn vault_call(
             "the credential proxy is not running for this sandbox".to_string(),
         ));
     };
-    let json = || -> Result<serde_json::Value, ApiError> { body_json(body) };
+    let json = || -> Result<serde_json::Value, SandboxError> { body_json(body) };
     let result = match (method.clone(), parts.as_slice()) {
         (http::Method::POST, []) | (http::Method::PUT, []) => {
             let v = Vault::create(&json()?);
@@ -450,44 +452,44 @@ pub async fn vault_call(
             ))
         }),
         _ => {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
+            return Err(SandboxError::new(
+                ErrorKind::NotFound,
                 ErrorCode::VaultNotFound,
                 format!("no credential-vault route {method} /{sub}"),
             ))
         }
     };
     result.map_err(|e| {
-        let (status, code) = match &e {
+        let (kind, code) = match &e {
             warren_egress::EgressError::Vault(VaultError::Exists) => {
-                (StatusCode::CONFLICT, ErrorCode::VaultExists)
+                (ErrorKind::Conflict, ErrorCode::VaultExists)
             }
             // The lifecycle spec's code for a stale revision; the sidecar's is 409.
             warren_egress::EgressError::Vault(VaultError::Conflict { .. }) if lifecycle => (
-                StatusCode::PRECONDITION_FAILED,
+                ErrorKind::PreconditionFailed,
                 ErrorCode::VaultRevisionMismatch,
             ),
             warren_egress::EgressError::Vault(VaultError::Conflict { .. }) => {
-                (StatusCode::CONFLICT, ErrorCode::VaultRevisionMismatch)
+                (ErrorKind::Conflict, ErrorCode::VaultRevisionMismatch)
             }
             warren_egress::EgressError::Vault(VaultError::NotFound(_)) => {
-                (StatusCode::NOT_FOUND, ErrorCode::VaultNotFound)
+                (ErrorKind::NotFound, ErrorCode::VaultNotFound)
             }
             warren_egress::EgressError::Vault(VaultError::Invalid(_)) => {
-                (StatusCode::BAD_REQUEST, ErrorCode::InvalidParameter)
+                (ErrorKind::Invalid, ErrorCode::InvalidParameter)
             }
             warren_egress::EgressError::NoCredentialProxy(_) => {
                 return not_enabled(e.to_string());
             }
             other => {
                 tracing::error!(sandbox_id = id, error = %warren_core::error_chain(other), "credential vault");
-                return ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
+                return SandboxError::new(
+                    ErrorKind::Failed,
                     ErrorCode::Unknown,
                     "internal error; the server's log has the cause",
                 );
             }
         };
-        ApiError::new(status, code, e.to_string())
+        SandboxError::new(kind, code, e.to_string())
     })
 }

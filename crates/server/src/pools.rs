@@ -24,7 +24,7 @@ use warren_store::{SandboxRecord, DEFAULT_TENANT};
 
 use crate::auth::Caller;
 use crate::config::LimitsSection;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::quotas::Quotas;
 use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
@@ -255,13 +255,13 @@ impl Pools {
         from_config: bool,
         created_at: DateTime<Utc>,
         tenant: &str,
-    ) -> Result<Arc<Pool>, ApiError> {
+    ) -> Result<Arc<Pool>, SandboxError> {
         validate_spec(&spec)?;
         if self.inner.sandboxes.shares_records() && !from_config {
             // Every replica has the config's pools; one made through one replica's API would be
             // that replica's alone.
-            return Err(ApiError::new(
-                http::StatusCode::NOT_IMPLEMENTED,
+            return Err(SandboxError::new(
+                ErrorKind::Unsupported,
                 ErrorCode::ApiNotSupported,
                 "when replicas share their sandboxes ([kubernetes] shared_key_file), pools come from the config file, which every replica has",
             ));
@@ -272,9 +272,9 @@ impl Pools {
             self.inner.max_timeout,
             &self.inner.storage,
         )
-        .map_err(|e| ApiError::invalid(format!("template: {}", e.public_message())))?;
+        .map_err(|e| SandboxError::invalid(format!("template: {}", e.public_message())))?;
         if plan.snapshot_id.is_some() || !plan.volumes.is_empty() || plan.image_auth.is_some() {
-            return Err(ApiError::invalid(
+            return Err(SandboxError::invalid(
                 "template: pools take an image without auth, and no volumes or snapshotId",
             ));
         }
@@ -307,10 +307,10 @@ impl Pools {
     }
 
     /// Registers a prepared pool under its name (409 if the name is taken).
-    fn insert(&self, pool: Arc<Pool>) -> Result<Arc<Pool>, ApiError> {
+    fn insert(&self, pool: Arc<Pool>) -> Result<Arc<Pool>, SandboxError> {
         let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
         if pools.contains_key(&pool.key) {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::InvalidState,
                 format!("pool {} exists", pool.spec.name),
             ));
@@ -319,7 +319,7 @@ impl Pools {
         Ok(pool)
     }
 
-    pub fn create(&self, spec: PoolSpec, tenant: &str) -> Result<WirePool, ApiError> {
+    pub fn create(&self, spec: PoolSpec, tenant: &str) -> Result<WirePool, SandboxError> {
         let pool = self.insert(self.prepare(spec, false, Utc::now(), tenant)?)?;
         self.spawn_refill(pool.clone());
         self.save();
@@ -337,9 +337,11 @@ impl Pools {
         tenant: &str,
         name: &str,
         update: PoolUpdate,
-    ) -> Result<WirePool, ApiError> {
+    ) -> Result<WirePool, SandboxError> {
         if update.name.as_deref().is_some_and(|n| n != name) {
-            return Err(ApiError::invalid("the body's name must be the pool's name"));
+            return Err(SandboxError::invalid(
+                "the body's name must be the pool's name",
+            ));
         }
         let key = pool_key(tenant, name);
         let old = self.pool(&key).ok_or_else(|| not_found(name))?;
@@ -359,7 +361,7 @@ impl Pools {
             }
             if !Arc::ptr_eq(&current, &old) {
                 // Another update won meanwhile: this one's kept fields came from the pool before it.
-                return Err(ApiError::conflict(
+                return Err(SandboxError::conflict(
                     ErrorCode::InvalidState,
                     format!("pool {name} was changed by another request meanwhile; send the update again"),
                 ));
@@ -395,7 +397,7 @@ impl Pools {
         Ok(self.wire(&new))
     }
 
-    pub async fn delete(&self, tenant: &str, name: &str) -> Result<(), ApiError> {
+    pub async fn delete(&self, tenant: &str, name: &str) -> Result<(), SandboxError> {
         let key = pool_key(tenant, name);
         let pool = {
             let mut pools = self.inner.pools.lock().unwrap_or_else(|e| e.into_inner());
@@ -440,7 +442,7 @@ impl Pools {
         }
     }
 
-    pub fn get(&self, tenant: &str, name: &str) -> Result<WirePool, ApiError> {
+    pub fn get(&self, tenant: &str, name: &str) -> Result<WirePool, SandboxError> {
         let pool = self
             .pool(&pool_key(tenant, name))
             .ok_or_else(|| not_found(name))?;
@@ -465,11 +467,11 @@ impl Pools {
     /// The pool a create goes to: the one its `poolRef` names (400 if unknown, or if the request
     /// asks for something the pool's sandboxes are not), else the first whose template the
     /// request matches exactly (ignoring metadata, extensions and timeout), else none.
-    pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, ApiError> {
+    pub fn route(&self, plan: &CreatePlan) -> Result<Option<String>, SandboxError> {
         if !plan.hooks.is_empty() {
             // A warm sandbox is Running already: its preStart would come too late.
             if plan.extensions.contains_key(POOL_REF) {
-                return Err(ApiError::invalid(
+                return Err(SandboxError::invalid(
                     "a create from a pool takes no lifecycle hooks (preStart, periodic)",
                 ));
             }
@@ -480,7 +482,7 @@ impl Pools {
             // A pool's name holds no `/`: one that does would name another tenant's key.
             let found = (!name.contains('/')).then(|| self.pool(&key)).flatten();
             let pool = found.ok_or_else(|| {
-                ApiError::bad_request(
+                SandboxError::bad_request(
                     ErrorCode::InvalidParameter,
                     format!("extensions.poolRef: no pool named {name:?}"),
                 )
@@ -490,19 +492,19 @@ impl Pools {
                 || plan.network_policy.is_some()
                 || plan.credential_proxy
             {
-                return Err(ApiError::invalid(
+                return Err(SandboxError::invalid(
                     "a create from a pool takes no snapshotId, volumes, networkPolicy or credentialProxy",
                 ));
             }
             if !plan.image.is_empty() && plan.image != pool.plan.image {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "extensions.poolRef: pool {name} runs image {:?}, not {:?}",
                     pool.plan.image, plan.image
                 )));
             }
             if isolation_requested(&plan.extensions) && !isolation_requested(&pool.plan.extensions)
             {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "extensions.poolRef: pool {name} makes sandboxes without isolated sessions \
                      (its template has no extensions.{ISOLATION_EXTENSION} = enable)"
                 )));
@@ -531,7 +533,7 @@ impl Pools {
         &self,
         name: &str,
         plan: &CreatePlan,
-    ) -> Result<Option<SandboxRecord>, ApiError> {
+    ) -> Result<Option<SandboxRecord>, SandboxError> {
         let mut pool = self.pool(name).ok_or_else(|| not_found(name))?;
         let wait = pool
             .spec
@@ -569,7 +571,7 @@ impl Pools {
         plan: &CreatePlan,
         deadline: tokio::time::Instant,
         wait: Duration,
-    ) -> Result<Option<SandboxRecord>, ApiError> {
+    ) -> Result<Option<SandboxRecord>, SandboxError> {
         let name = pool.key.as_str();
         let mut waiting = None;
         loop {
@@ -606,7 +608,7 @@ impl Pools {
                     rec
                 })
                 .await
-                .map_err(|e| ApiError::internal("handing out a warm sandbox", &e))?;
+                .map_err(|e| SandboxError::internal("handing out a warm sandbox", &e))?;
                 pool.refill.notify_one();
                 if let Some(rec) = handed {
                     return Ok(Some(rec));
@@ -625,8 +627,8 @@ impl Pools {
             }
             pool.refill.notify_one();
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(ApiError::new(
-                    http::StatusCode::TOO_MANY_REQUESTS,
+                return Err(SandboxError::new(
+                    ErrorKind::Busy,
                     ErrorCode::PoolExhausted,
                     format!(
                         "pool {name} had no free sandbox within {} s ({} allocated of at most {}); retry later",
@@ -874,19 +876,15 @@ fn revision(spec: &PoolSpec) -> String {
     digest[..6].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn not_found(name: &str) -> ApiError {
+fn not_found(name: &str) -> SandboxError {
     pool_not_found(format!("pool {name} not found"))
 }
 
-fn pool_not_found(message: String) -> ApiError {
-    ApiError::new(
-        http::StatusCode::NOT_FOUND,
-        ErrorCode::PoolNotFound,
-        message,
-    )
+fn pool_not_found(message: String) -> SandboxError {
+    SandboxError::new(ErrorKind::NotFound, ErrorCode::PoolNotFound, message)
 }
 
-fn validate_spec(spec: &PoolSpec) -> Result<(), ApiError> {
+fn validate_spec(spec: &PoolSpec) -> Result<(), SandboxError> {
     let name_ok = !spec.name.is_empty()
         && spec.name.len() <= MAX_NAME_LEN
         && spec
@@ -895,7 +893,7 @@ fn validate_spec(spec: &PoolSpec) -> Result<(), ApiError> {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !spec.name.starts_with('-');
     if !name_ok {
-        return Err(ApiError::invalid(
+        return Err(SandboxError::invalid(
             "pool name must be 1 to 63 of [a-z0-9-], not starting with -",
         ));
     }
@@ -906,19 +904,19 @@ fn validate_spec(spec: &PoolSpec) -> Result<(), ApiError> {
         pool_min,
     } = spec.capacity_spec;
     if buffer_min > buffer_max || pool_min > pool_max || buffer_max > pool_max || pool_max == 0 {
-        return Err(ApiError::invalid(
+        return Err(SandboxError::invalid(
             "capacitySpec: need bufferMin ≤ bufferMax ≤ poolMax, poolMin ≤ poolMax, poolMax ≥ 1",
         ));
     }
     if pool_max > 10_000 {
-        return Err(ApiError::invalid("capacitySpec.poolMax: at most 10000"));
+        return Err(SandboxError::invalid("capacitySpec.poolMax: at most 10000"));
     }
     Ok(())
 }
 
 /// A request for exactly the sandbox a pool makes (metadata, extensions and timeout aside).
-fn from_config(name: &str) -> ApiError {
-    ApiError::conflict(
+fn from_config(name: &str) -> SandboxError {
+    SandboxError::conflict(
         ErrorCode::InvalidState,
         format!("pool {name} is defined in the config file; change it there"),
     )

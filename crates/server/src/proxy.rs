@@ -13,7 +13,7 @@ use warren_api::lifecycle::SandboxState;
 use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::execd_conns;
 use crate::keys::Role;
 use crate::AppState;
@@ -84,14 +84,14 @@ pub(crate) async fn forward(
     req: Request,
 ) -> Response {
     let Ok(port) = port.parse::<u16>() else {
-        return ApiError::invalid(format!("invalid port {port:?}")).into_response();
+        return SandboxError::invalid(format!("invalid port {port:?}")).into_response();
     };
     let rec = app.sandboxes.get(&id);
     // Credentials first: whether a sandbox exists is for those who may open it (or hold a key that
     // sees it).
     match opened(rec.as_ref(), port, &req) {
         Opened::ByToken | Opened::ByKey => {}
-        Opened::KeyNotHere => return ApiError::not_found(&id).into_response(),
+        Opened::KeyNotHere => return SandboxError::not_found(&id).into_response(),
         Opened::No => {
             let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
                 && req.headers().get(API_KEY_HEADER).is_none()
@@ -104,12 +104,16 @@ pub(crate) async fn forward(
             } else {
                 format!("invalid access token for port {port} of this sandbox (each port has its own: GET /sandboxes/{{id}}/endpoints/{port})")
             };
-            return ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, msg)
-                .into_response();
+            return SandboxError::new(
+                ErrorKind::Unauthenticated,
+                ErrorCode::InvalidAccessToken,
+                msg,
+            )
+            .into_response();
         }
     }
     let Some(rec) = rec else {
-        return ApiError::not_found(&id).into_response();
+        return SandboxError::not_found(&id).into_response();
     };
     relay_to(&app, rec, port, &rest, req).await
 }
@@ -125,7 +129,7 @@ pub(crate) async fn relay(
 ) -> Response {
     match app.sandboxes.get(id) {
         Some(rec) => relay_to(app, rec, port, rest, req).await,
-        None => ApiError::not_found(id).into_response(),
+        None => SandboxError::not_found(id).into_response(),
     }
 }
 
@@ -167,21 +171,21 @@ async fn relay_opened(
             }
             match app.sandboxes.get(&id) {
                 Some(now) => rec = now,
-                None => return ApiError::not_found(&id).into_response(),
+                None => return SandboxError::not_found(&id).into_response(),
             }
         }
     }
     match rec.state {
         SandboxState::Running => {}
         SandboxState::Paused | SandboxState::Pausing => {
-            return ApiError::conflict(
+            return SandboxError::conflict(
                 ErrorCode::SandboxNotRunning,
                 format!("sandbox {id} is paused; resume it first"),
             )
             .into_response()
         }
         other => {
-            return ApiError::conflict(
+            return SandboxError::conflict(
                 ErrorCode::SandboxNotRunning,
                 format!("sandbox {id} is {}", other.as_str()),
             )
@@ -228,7 +232,7 @@ async fn relay_opened(
     }
     parts.uri = match path.parse() {
         Ok(u) => u,
-        Err(_) => return ApiError::invalid("invalid proxied path").into_response(),
+        Err(_) => return SandboxError::invalid("invalid proxied path").into_response(),
     };
     parts.version = http::Version::HTTP_11;
     let mut upstream_req = Request::from_parts(parts, body);
@@ -260,8 +264,8 @@ async fn relay_opened(
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(sandbox_id = %id, error = %e, "execd socket unreachable");
-                return ApiError::new(
-                    StatusCode::BAD_GATEWAY,
+                return SandboxError::new(
+                    ErrorKind::Upstream,
                     ErrorCode::ProxyUnavailable,
                     format!("sandbox {id} is not answering"),
                 )
@@ -284,8 +288,8 @@ async fn relay_opened(
                 match e.take_message() {
                     Some(req) if fresh < 2 => upstream_req = req,
                     _ => {
-                        return ApiError::new(
-                            StatusCode::BAD_GATEWAY,
+                        return SandboxError::new(
+                            ErrorKind::Upstream,
                             ErrorCode::ProxyUnavailable,
                             format!("sandbox {id} dropped the request"),
                         )
@@ -339,8 +343,8 @@ fn parked(id: &str, wakes: bool) -> Response {
             "sandbox {id} is paused (its idle policy does not wake it on access); resume it first"
         )
     };
-    let mut resp = ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
+    let mut resp = SandboxError::new(
+        ErrorKind::Unavailable,
         ErrorCode::SandboxNotRunning,
         message,
     )
@@ -376,14 +380,14 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
         {
             Ok((status, Some(v))) => (status, axum::Json(v)).into_response(),
             Ok((status, None)) => status.into_response(),
-            Err(e) => (e.status, e.public_message()).into_response(),
+            Err(e) => (e.status(), e.public_message()).into_response(),
         };
     }
     match path {
         "healthz" => (StatusCode::OK, "ok").into_response(),
         "policy" => match crate::network::policy_call(&app.sandboxes, id, &method, &body).await {
             Ok(status) => axum::Json(status).into_response(),
-            Err(e) => (e.status, e.public_message()).into_response(),
+            Err(e) => (e.status(), e.public_message()).into_response(),
         },
         other => (
             StatusCode::NOT_FOUND,

@@ -12,13 +12,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use axum::http::StatusCode;
 use warren_api::admin::{QuotaInfo, Usage};
 use warren_api::ErrorCode;
 use warren_core::ResourceLimits;
 use warren_store::{SandboxRecord, DEFAULT_TENANT};
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 
 pub use crate::config::{QuotaSection, QuotaSpec};
 
@@ -113,9 +112,9 @@ impl Drop for Admission {
     }
 }
 
-fn over(quota: &str, message: String) -> ApiError {
-    ApiError::new(
-        StatusCode::FORBIDDEN,
+fn over(quota: &str, message: String) -> SandboxError {
+    SandboxError::new(
+        ErrorKind::Forbidden,
         ErrorCode::QuotaExceeded,
         format!("quota {quota}: {message}"),
     )
@@ -160,7 +159,7 @@ impl Quotas {
         live: &[SandboxRecord],
         new_sandbox: bool,
         rated: bool,
-    ) -> Result<Admission, ApiError> {
+    ) -> Result<Admission, SandboxError> {
         let mut quota = self.quota(tenant);
         if !new_sandbox {
             (quota.sandboxes, quota.cpu_millis, quota.memory_bytes) = (None, None, None);
@@ -230,8 +229,8 @@ impl Quotas {
                     .recent
                     .front()
                     .map_or(WINDOW, |oldest| WINDOW.saturating_sub(now - *oldest));
-                let mut e = ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
+                let mut e = SandboxError::new(
+                    ErrorKind::Busy,
                     ErrorCode::QuotaExceeded,
                     format!("quota creates_per_minute: tenant {tenant} made {max} creates in the last minute"),
                 );
@@ -262,7 +261,7 @@ impl Quotas {
         tenant: &str,
         used: u64,
         adds: Option<u64>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), SandboxError> {
         let Some(max) = self.quota(tenant).snapshot_bytes else {
             return Ok(());
         };
@@ -347,7 +346,7 @@ mod tests {
             .err()
             .expect("third refused");
         assert_eq!(
-            (e.status.as_u16(), e.code.as_str()),
+            (e.status().as_u16(), e.code.as_str()),
             (403, "QUOTA_EXCEEDED")
         );
         assert!(
@@ -375,7 +374,7 @@ mod tests {
         let limit = 10 << 10;
         assert!(q.admit_snapshot("acme", limit - 1, None).is_ok());
         let e = q.admit_snapshot("acme", limit, None).expect_err("full");
-        assert_eq!(e.status, StatusCode::FORBIDDEN);
+        assert_eq!(e.kind, ErrorKind::Forbidden);
         assert!(
             e.to_string().starts_with("quota snapshot_storage:"),
             "{}",
@@ -400,7 +399,7 @@ mod tests {
             .admit("acme", &limits(1, 1), &[], true, true)
             .err()
             .expect("refused");
-        assert_eq!(e.status.as_u16(), 429);
+        assert_eq!(e.status().as_u16(), 429);
         assert!(
             matches!(e.retry_after, Some(59 | 60)),
             "{:?}",

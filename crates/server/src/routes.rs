@@ -17,7 +17,8 @@ use warren_api::{ErrorBody, ErrorCode, ACCESS_TOKEN_HEADER};
 use warren_store::SandboxRecord;
 
 use crate::auth::Caller;
-use crate::error::{ApiError, ApiJson};
+use crate::error::{ErrorKind, SandboxError};
+use crate::http::error::ApiJson;
 use crate::sandboxes::REASON_USER_DELETE;
 use crate::validate::{create_plan, validate_metadata};
 use crate::AppState;
@@ -37,11 +38,11 @@ const STATES_NEVER_SHOWN: [&str; 2] = ["Allocated", "Unknown"];
 /// a delete, pause or resume leaves the record in a state the sandbox is not in. So the work runs as
 /// a task of its own, and only waiting for its answer belongs to the request.
 async fn to_completion<T: Send + 'static>(
-    op: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
-) -> Result<T, ApiError> {
+    op: impl std::future::Future<Output = Result<T, SandboxError>> + Send + 'static,
+) -> Result<T, SandboxError> {
     tokio::spawn(op)
         .await
-        .map_err(|e| ApiError::internal("the operation's task", &e))?
+        .map_err(|e| SandboxError::internal("the operation's task", &e))?
 }
 
 /// `page` (from 1) and `pageSize` (1 to [`MAX_PAGE_SIZE`]) of a list query.
@@ -60,20 +61,20 @@ impl Default for Paging {
 }
 
 impl Paging {
-    fn set(&mut self, key: &str, value: &str) -> Result<(), ApiError> {
+    fn set(&mut self, key: &str, value: &str) -> Result<(), SandboxError> {
         if key == "page" {
             self.page = value
                 .parse()
                 .ok()
                 .filter(|p| *p >= 1)
-                .ok_or_else(|| ApiError::invalid("page must be an integer ≥ 1"))?;
+                .ok_or_else(|| SandboxError::invalid("page must be an integer ≥ 1"))?;
         } else {
             self.page_size = value
                 .parse()
                 .ok()
                 .filter(|p| (1..=MAX_PAGE_SIZE).contains(p))
                 .ok_or_else(|| {
-                    ApiError::invalid(format!(
+                    SandboxError::invalid(format!(
                         "pageSize must be an integer from 1 to {MAX_PAGE_SIZE}"
                     ))
                 })?;
@@ -150,7 +151,7 @@ pub async fn create(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     ApiJson(mut req): ApiJson<CreateSandboxRequest>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     app.templates.apply(&mut req, &caller.tenant)?;
     let mut plan = create_plan(
         req,
@@ -206,12 +207,12 @@ pub async fn create(
 pub async fn get(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, ApiError> {
+) -> Result<Json<Sandbox>, SandboxError> {
     app.sandboxes
         .get(&id)
         .filter(|r| r.warm_pool.is_none())
         .map(|r| Json(to_wire(&r)))
-        .ok_or_else(|| ApiError::not_found(&id))
+        .ok_or_else(|| SandboxError::not_found(&id))
 }
 
 /// `GET /sandboxes?state=A&state=B&metadata=k%3Dv&page=1&pageSize=20`; repeated `state` values are
@@ -225,7 +226,7 @@ pub async fn list(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
-) -> Result<Json<ListSandboxesResponse>, ApiError> {
+) -> Result<Json<ListSandboxesResponse>, SandboxError> {
     let mut states = Vec::new();
     // Set by any `state` parameter, even one naming only states no sandbox here is ever in.
     let mut by_state = false;
@@ -239,7 +240,7 @@ pub async fn list(
                     match SandboxState::parse(s) {
                         Some(state) => states.push(state),
                         None if STATES_NEVER_SHOWN.iter().any(|n| n.eq_ignore_ascii_case(s)) => {}
-                        None => return Err(ApiError::invalid(format!("unknown state {s:?}"))),
+                        None => return Err(SandboxError::invalid(format!("unknown state {s:?}"))),
                     }
                 }
             }
@@ -264,9 +265,9 @@ pub async fn list(
 }
 
 /// The metadata filter is itself a query string (`k1=v1&k2=v2`), percent-encoded once more.
-fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError> {
+fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, SandboxError> {
     let bad = || {
-        ApiError::bad_request(
+        SandboxError::bad_request(
             ErrorCode::InvalidMetadataFormat,
             format!("metadata filter {value:?} must look like k1=v1&k2=v2"),
         )
@@ -295,7 +296,7 @@ fn parse_metadata_filter(value: &str) -> Result<Vec<(String, String)>, ApiError>
 pub async fn delete(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     let sandboxes = app.sandboxes.clone();
     to_completion(async move { sandboxes.delete(&id, REASON_USER_DELETE).await }).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -306,7 +307,7 @@ pub async fn delete(
 pub async fn pause(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     let sandboxes = app.sandboxes.clone();
     to_completion(async move { sandboxes.pause(&id).await }).await?;
     Ok(StatusCode::ACCEPTED)
@@ -317,7 +318,7 @@ pub async fn pause(
 pub async fn resume(
     State(app): State<AppState>,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     let sandboxes = app.sandboxes.clone();
     to_completion(async move { sandboxes.resume(&id).await }).await?;
     Ok(StatusCode::ACCEPTED)
@@ -330,10 +331,10 @@ pub async fn renew(
     State(app): State<AppState>,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<RenewExpirationRequest>,
-) -> Result<Json<RenewExpirationResponse>, ApiError> {
+) -> Result<Json<RenewExpirationResponse>, SandboxError> {
     let at = DateTime::parse_from_rfc3339(&req.expires_at)
         .map_err(|e| {
-            ApiError::bad_request(
+            SandboxError::bad_request(
                 ErrorCode::InvalidExpiration,
                 format!("expiresAt {:?} is not RFC 3339: {e}", req.expires_at),
             )
@@ -353,7 +354,7 @@ pub async fn patch_metadata(
     State(app): State<AppState>,
     Path(id): Path<String>,
     ApiJson(patch): ApiJson<BTreeMap<String, Option<String>>>,
-) -> Result<Json<Sandbox>, ApiError> {
+) -> Result<Json<Sandbox>, SandboxError> {
     validate_metadata(patch.iter().map(|(k, v)| (k.as_str(), v.as_deref())))?;
     let sandboxes = app.sandboxes.clone();
     let rec = to_completion(async move {
@@ -372,7 +373,7 @@ pub async fn network_policy(
     Path(id): Path<String>,
     method: http::Method,
     body: axum::body::Bytes,
-) -> Result<Json<crate::network::PolicyStatus>, ApiError> {
+) -> Result<Json<crate::network::PolicyStatus>, SandboxError> {
     let sandboxes = app.sandboxes.clone();
     Ok(Json(
         to_completion(
@@ -391,7 +392,7 @@ pub async fn credential_vault(
     Path(params): Path<Vec<(String, String)>>,
     method: http::Method,
     body: axum::body::Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     use crate::network::{vault_call, VaultSurface};
     let mut id = String::new();
     let mut sub = String::new();
@@ -406,9 +407,9 @@ pub async fn credential_vault(
     if method == http::Method::POST && sub.is_empty() {
         // A body that would be refused must not leave a proxy started behind it.
         let parsed = serde_json::from_slice::<serde_json::Value>(&body)
-            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
+            .map_err(|e| SandboxError::invalid(format!("invalid JSON body: {e}")))?;
         warren_egress::vault::Vault::create(&parsed)
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
+            .map_err(|e| SandboxError::invalid(e.to_string()))?;
         let sandboxes = app.sandboxes.clone();
         let id = id.clone();
         to_completion(async move { sandboxes.enable_credential_proxy(&id).await }).await?;
@@ -448,19 +449,19 @@ pub async fn endpoint(
     Path((id, port)): Path<(String, String)>,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-) -> Result<Json<Endpoint>, ApiError> {
+) -> Result<Json<Endpoint>, SandboxError> {
     let port: u16 = port
         .parse()
         .ok()
         .filter(|p| *p > 0)
-        .ok_or_else(|| ApiError::invalid(format!("invalid port {port:?}")))?;
+        .ok_or_else(|| SandboxError::invalid(format!("invalid port {port:?}")))?;
     let expires = check_endpoint_query(query.as_deref().unwrap_or_default())?;
     let rec = app
         .sandboxes
         .get(&id)
-        .ok_or_else(|| ApiError::not_found(&id))?;
+        .ok_or_else(|| SandboxError::not_found(&id))?;
     if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
-        return Err(ApiError::conflict(
+        return Err(SandboxError::conflict(
             ErrorCode::SandboxNotRunning,
             format!("sandbox {id} is {}", rec.state.as_str()),
         ));
@@ -505,7 +506,7 @@ pub async fn endpoint(
 
 /// The endpoint route's query: `use_server_proxy` a boolean (every endpoint is the server's
 /// proxy); `expires` a future Unix time, for a signed URL: answered with (expires, now).
-fn check_endpoint_query(query: &str) -> Result<Option<(u64, u64)>, ApiError> {
+fn check_endpoint_query(query: &str) -> Result<Option<(u64, u64)>, SandboxError> {
     let mut expires = None;
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match k.as_ref() {
@@ -515,13 +516,13 @@ fn check_endpoint_query(query: &str) -> Result<Option<(u64, u64)>, ApiError> {
                     "true" | "1" | "false" | "0"
                 ) =>
             {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "use_server_proxy must be true or false, not {v:?}"
                 )));
             }
             "expires" => {
                 expires = Some(v.parse::<u64>().map_err(|_| {
-                    ApiError::invalid(format!(
+                    SandboxError::invalid(format!(
                         "expires must be a non-negative Unix timestamp (uint64), not {v:?}"
                     ))
                 })?)
@@ -534,7 +535,7 @@ fn check_endpoint_query(query: &str) -> Result<Option<(u64, u64)>, ApiError> {
     };
     let now = Utc::now().timestamp().max(0) as u64;
     if expires <= now {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "expires ({expires}) must be greater than current time ({now})"
         )));
     }
@@ -554,8 +555,8 @@ pub async fn metrics_event(ApiJson(ev): ApiJson<MetricsEvent>) -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
-pub async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, ErrorCode::Unknown, "no such route")
+pub async fn not_found() -> SandboxError {
+    SandboxError::new(ErrorKind::NotFound, ErrorCode::Unknown, "no such route")
 }
 
 // ---- snapshots ----
@@ -569,16 +570,18 @@ pub async fn create_snapshot(
     State(app): State<AppState>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     // The body is optional: an empty one means no name.
-    let req: warren_api::lifecycle::CreateSnapshotRequest =
-        if body.iter().all(u8::is_ascii_whitespace) {
-            Default::default()
-        } else {
-            serde_json::from_slice(&body).map_err(|e| {
-                ApiError::bad_request(ErrorCode::InvalidRequestBody, format!("invalid body: {e}"))
-            })?
-        };
+    let req: warren_api::lifecycle::CreateSnapshotRequest = if body
+        .iter()
+        .all(u8::is_ascii_whitespace)
+    {
+        Default::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            SandboxError::bad_request(ErrorCode::InvalidRequestBody, format!("invalid body: {e}"))
+        })?
+    };
     let snapshots = app.snapshots.clone();
     let rec = to_completion(async move { snapshots.create(&id, req.name).await }).await?;
     Ok((StatusCode::ACCEPTED, Json(rec.to_wire())).into_response())
@@ -592,7 +595,7 @@ pub async fn list_snapshots(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
-) -> Result<Json<warren_api::lifecycle::ListSnapshotsResponse>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::ListSnapshotsResponse>, SandboxError> {
     let mut sandbox = None;
     let mut name = None;
     let mut states: Vec<String> = Vec::new();
@@ -628,7 +631,7 @@ pub async fn get_snapshot(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-) -> Result<Json<warren_api::lifecycle::Snapshot>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::Snapshot>, SandboxError> {
     Ok(Json(app.snapshots.lookup_as(&caller, &id)?.to_wire()))
 }
 
@@ -638,7 +641,7 @@ pub async fn delete_snapshot(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     app.snapshots.lookup_as(&caller, &id)?;
     let snapshots = app.snapshots.clone();
     to_completion(async move { snapshots.delete(&id).await }).await?;
@@ -653,7 +656,7 @@ pub async fn create_pool(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     ApiJson(spec): ApiJson<warren_api::lifecycle::PoolSpec>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     let pool = app.pools.create(spec, &caller.tenant)?;
     Ok((StatusCode::CREATED, Json(pool)).into_response())
 }
@@ -675,7 +678,7 @@ pub async fn get_pool(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::Pool>, SandboxError> {
     app.pools.get(&caller.tenant, &name).map(Json)
 }
 
@@ -687,7 +690,7 @@ pub async fn update_pool(
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
     ApiJson(update): ApiJson<warren_api::lifecycle::PoolUpdate>,
-) -> Result<Json<warren_api::lifecycle::Pool>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::Pool>, SandboxError> {
     let pools = app.pools.clone();
     to_completion(async move { pools.update(&caller.tenant, &name, update).await })
         .await
@@ -700,7 +703,7 @@ pub async fn delete_pool(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     let pools = app.pools.clone();
     to_completion(async move { pools.delete(&caller.tenant, &name).await }).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -714,7 +717,7 @@ pub async fn create_template(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     ApiJson(req): ApiJson<warren_api::lifecycle::CreateTemplateRequest>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, SandboxError> {
     // Its build is a sandbox of the tenant's, admitted as any create.
     let limits =
         crate::validate::resource_limits(req.resource_limits.as_ref(), &app.config.limits)?;
@@ -733,7 +736,7 @@ pub async fn list_templates(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     RawQuery(query): RawQuery,
-) -> Result<Json<warren_api::lifecycle::ListTemplatesResponse>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::ListTemplatesResponse>, SandboxError> {
     let mut metadata = BTreeMap::new();
     let mut paging = Paging::default();
     for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
@@ -757,7 +760,7 @@ pub async fn get_template(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-) -> Result<Json<warren_api::lifecycle::Template>, ApiError> {
+) -> Result<Json<warren_api::lifecycle::Template>, SandboxError> {
     app.templates.get(&caller, &id).map(Json)
 }
 
@@ -767,7 +770,7 @@ pub async fn delete_template(
     State(app): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<StatusCode, SandboxError> {
     let templates = app.templates.clone();
     to_completion(async move { templates.delete(&caller, &id).await }).await?;
     Ok(StatusCode::NO_CONTENT)

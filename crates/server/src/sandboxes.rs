@@ -12,7 +12,7 @@ use warren_core::{Runtime, RuntimeExt};
 use warren_image::ImageStore;
 use warren_store::{SandboxRecord, Store};
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::execd_conns::ExecdConns;
 use crate::network::Network;
 
@@ -99,12 +99,8 @@ impl Drop for InFlight<'_> {
     }
 }
 
-fn limit_reached(message: String) -> ApiError {
-    ApiError::new(
-        http::StatusCode::TOO_MANY_REQUESTS,
-        ErrorCode::LimitReached,
-        message,
-    )
+fn limit_reached(message: String) -> SandboxError {
+    SandboxError::new(ErrorKind::Busy, ErrorCode::LimitReached, message)
 }
 
 fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {

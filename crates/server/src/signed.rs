@@ -31,7 +31,7 @@ use subtle::ConstantTimeEq;
 use warren_api::ErrorCode;
 
 use crate::audit::Routed;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::AppState;
 
 pub use crate::config::EndpointsSection;
@@ -91,9 +91,10 @@ pub struct SigningKeys {
 enum KeySource {
     /// `signing_keys_file`, or the data dir's.
     File(PathBuf),
-    /// Replicas without a file of their own: derived from the key they all hold
-    /// (`[kubernetes] shared_key_file`), so that a URL one signed opens on every one.
-    Derived(PathBuf),
+    /// Replicas without a file of their own: the key the shared records give every one of them
+    /// alike ([`warren_core::SharedRecords::endpoint_signing_key`]), so that a URL one signed
+    /// opens on every one.
+    Shared(Vec<u8>),
 }
 
 const KEY_FILE: &str = "endpoint-signing-keys";
@@ -101,15 +102,15 @@ const KEY_FILE: &str = "endpoint-signing-keys";
 const SIGNATURE_BYTES: usize = 10;
 
 impl SigningKeys {
-    /// `replicas_key`: the file of the key replicas share, if this server is one.
+    /// `replicas_key`: the key replicas share, if this server is one.
     pub fn open(
         section: &EndpointsSection,
         data_dir: &Path,
-        replicas_key: Option<&Path>,
+        replicas_key: Option<Vec<u8>>,
     ) -> anyhow::Result<Self> {
         let source = match (&section.signing_keys_file, replicas_key) {
             (Some(f), _) => KeySource::File(f.clone()),
-            (None, Some(shared)) => KeySource::Derived(shared.to_path_buf()),
+            (None, Some(shared)) => KeySource::Shared(shared),
             (None, None) => {
                 let file = data_dir.join(KEY_FILE);
                 if !file.exists() {
@@ -193,13 +194,7 @@ impl KeySource {
     fn read(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         match self {
             KeySource::File(f) => read_keys(f),
-            KeySource::Derived(f) => {
-                let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-                let mut mac = <Hmac<Sha256>>::new_from_slice(bytes.trim_ascii())
-                    .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
-                mac.update(b"warren-endpoint-signing-v1");
-                Ok(vec![hex::encode(mac.finalize().into_bytes()).into_bytes()])
-            }
+            KeySource::Shared(key) => Ok(vec![key.clone()]),
         }
     }
 }
@@ -311,24 +306,24 @@ pub fn signed_endpoint(
     port: u16,
     expires: u64,
     now: u64,
-) -> Result<String, ApiError> {
+) -> Result<String, SandboxError> {
     if port == warren_api::EXECD_PORT || port == warren_api::EGRESS_PORT {
         // A URL anyone may hold for hours must not run commands or change the egress policy;
         // these ports keep their token header, which the SDK sends.
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "port {port} is Warren's own (execd, egress): signed URLs open application ports only"
         )));
     }
     let max = app.config.endpoints.max_signed_seconds;
     if expires - now > max {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "expires is more than {max} s away ([endpoints] max_signed_seconds)"
         )));
     }
     let token = app
         .signing
         .token(id, port, expires)
-        .ok_or_else(|| ApiError::invalid(format!("sandbox {id} cannot have a signed URL")))?;
+        .ok_or_else(|| SandboxError::invalid(format!("sandbox {id} cannot have a signed URL")))?;
     Ok(match &app.config.endpoints.domain {
         Some(domain) => format!("{token}.{domain}"),
         None => format!("{api_host}/signed/{token}"),
@@ -470,8 +465,8 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
                             .into_response();
                         (resp, routed)
                     } else if on_path && req.headers().contains_key("service-worker") {
-                        let e = ApiError::new(
-                            StatusCode::FORBIDDEN,
+                        let e = SandboxError::new(
+                            ErrorKind::Forbidden,
                             ErrorCode::InvalidAccessToken,
                             "an app on a signed path cannot register a service worker (it would be Warren's origin's): use host routing ([endpoints] domain)",
                         );
@@ -487,8 +482,12 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
                     }
                 }
                 Err(why) => (
-                    ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::InvalidAccessToken, why)
-                        .into_response(),
+                    SandboxError::new(
+                        ErrorKind::Unauthenticated,
+                        ErrorCode::InvalidAccessToken,
+                        why,
+                    )
+                    .into_response(),
                     Routed {
                         sandbox: None,
                         port: None,
@@ -644,19 +643,15 @@ mod tests {
             ..EndpointsSection::default()
         };
         assert!(SigningKeys::open(&named, dir.path(), None).is_err());
-        // Replicas without a file: every one derives the same key from the key they share.
-        let shared = dir.path().join("shared");
-        std::fs::write(
-            &shared,
-            "c2hhcmVkLWtleS0wMTIzNDU2Nzg5YWJjZGVmMDEyMzQ1Njc4OQ==\n",
-        )
-        .expect("write");
+        // Replicas without a file: every one signs with the key their shared records give
+        // alike (its derivation is the Kubernetes runtime's, tested there).
+        let shared = b"f6cae3fa8ac392b068c28b824710359dafb7a9218a6e4677cd316da92b14fac2".to_vec();
         let (r1, r2) = (
             tempfile::tempdir().expect("r1"),
             tempfile::tempdir().expect("r2"),
         );
-        let one = SigningKeys::open(&section, r1.path(), Some(&shared)).expect("one");
-        let two = SigningKeys::open(&section, r2.path(), Some(&shared)).expect("two");
+        let one = SigningKeys::open(&section, r1.path(), Some(shared.clone())).expect("one");
+        let two = SigningKeys::open(&section, r2.path(), Some(shared)).expect("two");
         let token = one.token(ID, 8080, 1_900_000_000).expect("token");
         assert!(two.verify(&token, 0).is_ok());
         assert!(a.verify(&token, 0).is_err());

@@ -17,7 +17,7 @@ use warren_api::ErrorCode;
 use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::routes::rfc3339;
 use crate::sandboxes::{snapshot_source_state, Sandboxes};
 
@@ -152,10 +152,10 @@ impl Snapshots {
         &self,
         sandbox_id: &str,
         name: Option<String>,
-    ) -> Result<SnapshotRecord, ApiError> {
+    ) -> Result<SnapshotRecord, SandboxError> {
         if let Some(n) = &name {
             if n.is_empty() || n.len() > MAX_NAME_LEN || n.chars().any(char::is_control) {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "snapshot name must be 1 to {MAX_NAME_LEN} printable characters"
                 )));
             }
@@ -165,7 +165,7 @@ impl Snapshots {
             .inner
             .sandboxes
             .get(sandbox_id)
-            .ok_or_else(|| ApiError::not_found(sandbox_id))?;
+            .ok_or_else(|| SandboxError::not_found(sandbox_id))?;
         snapshot_source_state(&source)?;
         self.inner.sandboxes.check_snapshots()?;
         // The capture copies the sandbox's writable layer into the image store.
@@ -200,8 +200,8 @@ impl Snapshots {
             .snapshot_bytes
             .is_some();
         if !self.begin(&rec, one_at_a_time) {
-            let mut e = ApiError::new(
-                http::StatusCode::TOO_MANY_REQUESTS,
+            let mut e = SandboxError::new(
+                ErrorKind::Busy,
                 ErrorCode::QuotaExceeded,
                 format!("quota snapshot_storage: tenant {} has a snapshot being taken; under a storage quota one is taken at a time", source.tenant),
             );
@@ -219,7 +219,7 @@ impl Snapshots {
             );
             let outcome = tokio::spawn(async move { sandboxes.capture(&sid, &image).await })
                 .await
-                .unwrap_or_else(|e| Err(ApiError::internal("taking the snapshot", &e)));
+                .unwrap_or_else(|e| Err(SandboxError::internal("taking the snapshot", &e)));
             let mut done = capture.clone();
             done.last_transition_at = Utc::now();
             match outcome {
@@ -255,12 +255,12 @@ impl Snapshots {
             .cloned()
     }
 
-    pub fn lookup(&self, id: &str) -> Result<SnapshotRecord, ApiError> {
+    pub fn lookup(&self, id: &str) -> Result<SnapshotRecord, SandboxError> {
         self.get(id).ok_or_else(|| not_found(id))
     }
 
     /// Snapshot `id` if `caller` sees it: another tenant's answers as a missing one.
-    pub fn lookup_as(&self, caller: &Caller, id: &str) -> Result<SnapshotRecord, ApiError> {
+    pub fn lookup_as(&self, caller: &Caller, id: &str) -> Result<SnapshotRecord, SandboxError> {
         self.get(id)
             .filter(|r| caller.sees(&r.tenant))
             .ok_or_else(|| not_found(id))
@@ -281,13 +281,13 @@ impl Snapshots {
     }
 
     /// The store image a create with `snapshotId` runs; the snapshot must be Ready, and `tenant`'s.
-    pub fn image_for_restore(&self, id: &str, tenant: &str) -> Result<String, ApiError> {
+    pub fn image_for_restore(&self, id: &str, tenant: &str) -> Result<String, SandboxError> {
         let rec = self
             .get(id)
             .filter(|r| r.tenant == tenant)
             .ok_or_else(|| not_found(id))?;
         if rec.state != READY {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::SnapshotInvalidState,
                 format!("snapshot {id} is {}, not Ready", rec.state),
             ));
@@ -297,7 +297,7 @@ impl Snapshots {
 
     /// Deletes the record and the image name; sandboxes restored from it keep their layers (their
     /// leases) until they are gone. A capture in progress ends as if it never happened.
-    pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn delete(&self, id: &str) -> Result<(), SandboxError> {
         // The state that decides who removes the image is the one at removal, under the lock
         // the capture's end writes with (see `create`).
         let rec = {
@@ -310,7 +310,7 @@ impl Snapshots {
             if let Err(e) = std::fs::remove_file(self.path(id)) {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     records.insert(id.to_owned(), rec);
-                    return Err(ApiError::internal("removing the snapshot record", &e));
+                    return Err(SandboxError::internal("removing the snapshot record", &e));
                 }
             }
             rec
@@ -319,10 +319,10 @@ impl Snapshots {
             let images = self.inner.images.clone();
             let removed = tokio::task::spawn_blocking(move || images.remove(&rec.image))
                 .await
-                .map_err(|e| ApiError::internal("removing the snapshot image", &e))?;
+                .map_err(|e| SandboxError::internal("removing the snapshot image", &e))?;
             match removed {
                 Ok(()) | Err(warren_image::ImageError::NotFound { .. }) => {}
-                Err(e) => return Err(ApiError::internal("removing the snapshot image", &e)),
+                Err(e) => return Err(SandboxError::internal("removing the snapshot image", &e)),
             }
         }
         Ok(())
@@ -412,9 +412,9 @@ fn bytes_in<'a>(
         .sum()
 }
 
-fn not_found(id: &str) -> ApiError {
-    ApiError::new(
-        http::StatusCode::NOT_FOUND,
+fn not_found(id: &str) -> SandboxError {
+    SandboxError::new(
+        ErrorKind::NotFound,
         ErrorCode::SnapshotNotFound,
         format!("snapshot {id} not found"),
     )

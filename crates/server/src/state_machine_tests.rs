@@ -43,7 +43,7 @@ async fn create_pause_resume_delete() {
         .pause(&rec.id)
         .await
         .expect_err("pausing a paused sandbox");
-    assert_eq!(again.status, http::StatusCode::CONFLICT);
+    assert_eq!(again.status(), http::StatusCode::CONFLICT);
 
     sb.resume(&rec.id).await.expect("resume");
     assert_eq!(sb.state(&rec.id), Some(SandboxState::Running));
@@ -52,7 +52,7 @@ async fn create_pause_resume_delete() {
         .resume(&rec.id)
         .await
         .expect_err("resuming a running sandbox");
-    assert_eq!(again.status, http::StatusCode::CONFLICT);
+    assert_eq!(again.status(), http::StatusCode::CONFLICT);
 
     sb.delete(&rec.id, REASON_USER_DELETE)
         .await
@@ -67,7 +67,7 @@ async fn create_pause_resume_delete() {
         .delete(&rec.id, REASON_USER_DELETE)
         .await
         .expect_err("deleting twice");
-    assert_eq!(again.status, http::StatusCode::NOT_FOUND);
+    assert_eq!(again.status(), http::StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
@@ -75,12 +75,12 @@ async fn a_create_that_fails_leaves_nothing_running() {
     let (_dir, rt, sb) = setup();
     rt.fail(Step::Create);
     let err = sb.create(plan()).await.expect_err("create fails");
-    assert!(err.status.is_server_error(), "{err:?}");
+    assert!(err.status().is_server_error(), "{err:?}");
     rt.heal(Step::Create);
     rt.fail(Step::Start);
     let err = sb.create(plan()).await.expect_err("start fails");
     assert!(
-        err.status.is_client_error() || err.status.is_server_error(),
+        err.status().is_client_error() || err.status().is_server_error(),
         "{err:?}"
     );
     assert!(rt.live().is_empty(), "{:?}", rt.live());

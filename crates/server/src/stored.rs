@@ -16,12 +16,11 @@
 
 use std::sync::Arc;
 
-use http::StatusCode;
 use warren_api::ErrorCode;
 use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
 use warren_store::DEFAULT_TENANT;
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::snapshots::Snapshots;
 use crate::validate::CreatePlan;
 
@@ -50,7 +49,7 @@ impl Stored {
     /// image reference to the snapshot repository, becomes that snapshot's image when the
     /// snapshot is the tenant's and Ready; an image id must name an image outside the snapshot
     /// repository. Anything else is left as it is (a registry name, the `host` image).
-    pub fn resolve(&self, plan: &mut CreatePlan) -> Result<(), ApiError> {
+    pub fn resolve(&self, plan: &mut CreatePlan) -> Result<(), SandboxError> {
         plan.image = match &plan.snapshot_id {
             Some(id) => self.snapshots.image_for_restore(id, &plan.tenant)?,
             None => self.image(&plan.image, &plan.tenant)?,
@@ -59,7 +58,7 @@ impl Stored {
     }
 
     /// The image `uri` runs for `tenant` (see [`Stored::resolve`]).
-    pub fn image(&self, uri: &str, tenant: &str) -> Result<String, ApiError> {
+    pub fn image(&self, uri: &str, tenant: &str) -> Result<String, SandboxError> {
         let uri = uri.trim();
         if let Some(id) = snapshot_named(uri)? {
             return self.snapshots.image_for_restore(&id, tenant);
@@ -70,10 +69,10 @@ impl Stored {
             let names = self
                 .images
                 .names_of(uri)
-                .map_err(|e| ApiError::internal("looking up an image id", &e))?;
+                .map_err(|e| SandboxError::internal("looking up an image id", &e))?;
             if !names.iter().any(|n| !n.starts_with(SNAPSHOT_REPOSITORY)) {
-                return Err(ApiError::new(
-                    StatusCode::NOT_FOUND,
+                return Err(SandboxError::new(
+                    ErrorKind::NotFound,
                     ErrorCode::ImageNotFound,
                     format!(
                         "image {uri:?} is not in the local store (an image id names an image the store holds; a snapshot is named warren-snapshot/<snapshot id>)"
@@ -91,7 +90,7 @@ impl Stored {
 /// case so that no spelling slips past as a registry name to pull. `Ok(None)`: not a snapshot
 /// reference. A tag other than `latest` or a digest names nothing there: 400, decided from the
 /// text alone, so it says nothing about whether the snapshot exists.
-pub fn snapshot_named(uri: &str) -> Result<Option<String>, ApiError> {
+pub fn snapshot_named(uri: &str) -> Result<Option<String>, SandboxError> {
     let repository = SNAPSHOT_REPOSITORY.trim_end_matches('/');
     let mut rest = uri.trim();
     for prefix in REGISTRY_PREFIXES {
@@ -113,7 +112,7 @@ pub fn snapshot_named(uri: &str) -> Result<Option<String>, ApiError> {
         None => (name, None),
     };
     if digest.is_some() || tag.is_some_and(|t| !t.eq_ignore_ascii_case("latest")) || id.is_empty() {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "image {uri:?}: a snapshot is named {SNAPSHOT_REPOSITORY}<snapshot id>, with no other tag and no digest (or give snapshotId)"
         )));
     }
@@ -131,12 +130,12 @@ fn strip_prefix_ignore_case<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
 /// hold no `.`; a default-tenant claim may hold none either, or the default tenant's `alpha.data`
 /// would be tenant alpha's `data`. A tenant's own claims may: `alpha.x.y` is
 /// still only alpha's.
-pub fn volume_name(tenant: &str, claim: &str) -> Result<String, ApiError> {
+pub fn volume_name(tenant: &str, claim: &str) -> Result<String, SandboxError> {
     if tenant != DEFAULT_TENANT {
         return Ok(format!("{tenant}.{claim}"));
     }
     if claim.contains('.') {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "claimName {claim:?}: the default tenant's claim names hold no '.' (a tenant's volumes are kept as <tenant>.<claim>, so a dotted name would be another tenant's)"
         )));
     }
@@ -201,7 +200,7 @@ mod tests {
             "warren-snapshot://".to_string(),
         ] {
             let e = snapshot_named(&bad).expect_err(&bad);
-            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad:?}");
+            assert_eq!(e.kind, ErrorKind::Invalid, "{bad:?}");
         }
     }
 
@@ -211,7 +210,7 @@ mod tests {
         assert_eq!(volume_name("alpha", "data").expect("alpha"), "alpha.data");
         assert_eq!(volume_name("alpha", "x.y").expect("dotted"), "alpha.x.y");
         let e = volume_name(DEFAULT_TENANT, "alpha.data").expect_err("dotted default");
-        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.kind, ErrorKind::Invalid);
         assert!(e.to_string().contains("alpha.data"), "{}", e.to_string());
         // Every default-tenant name differs from every tenant's: one has a dot, the other none.
         for claim in ["data", "alpha-data", "x_y"] {
@@ -260,9 +259,9 @@ mod tests {
         (dir, Stored::new(snapshots, images))
     }
 
-    fn answer(r: Result<String, ApiError>) -> (StatusCode, String, String) {
+    fn answer(r: Result<String, SandboxError>) -> (ErrorKind, String, String) {
         let e = r.expect_err("refused");
-        (e.status, format!("{:?}", e.code), e.to_string())
+        (e.kind, format!("{:?}", e.code), e.to_string())
     }
 
     #[tokio::test]
@@ -291,7 +290,7 @@ mod tests {
             for spell in spellings {
                 let theirs = answer(stored.image(&spell(A), tenant));
                 let none = answer(stored.image(&spell(missing), tenant));
-                assert_eq!(theirs.0, StatusCode::NOT_FOUND);
+                assert_eq!(theirs.0, ErrorKind::NotFound);
                 assert_eq!(theirs.0, none.0);
                 assert_eq!(theirs.1, none.1);
                 assert_eq!(theirs.2.replace(A, missing), none.2);
@@ -304,8 +303,8 @@ mod tests {
             plan.snapshot_id = Some(missing.into());
             let none = stored.resolve(&mut plan).expect_err("missing");
             assert_eq!(
-                (theirs.status, theirs.to_string().replace(A, missing)),
-                (none.status, none.to_string())
+                (theirs.status(), theirs.to_string().replace(A, missing)),
+                (none.status(), none.to_string())
             );
         }
         // By the store's image id: no snapshot's image, not even its owner's, as a missing id.
@@ -317,7 +316,7 @@ mod tests {
         for tenant in ["acme", "globex"] {
             let theirs = answer(stored.image(&id, tenant));
             let none = answer(stored.image(&missing_id, tenant));
-            assert_eq!(theirs.0, StatusCode::NOT_FOUND);
+            assert_eq!(theirs.0, ErrorKind::NotFound);
             assert_eq!((theirs.0, theirs.1), (none.0, none.1));
             assert_eq!(theirs.2.replace(&id, &missing_id), none.2);
         }

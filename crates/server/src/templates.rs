@@ -24,7 +24,7 @@ use warren_api::ErrorCode;
 
 use crate::auth::Caller;
 use crate::config::LimitsSection;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
 use crate::snapshots::{self, Snapshots};
 use crate::stored::Stored;
@@ -176,7 +176,7 @@ impl Templates {
         req: CreateTemplateRequest,
         tenant: &str,
         admission: crate::quotas::Admission,
-    ) -> Result<Template, ApiError> {
+    ) -> Result<Template, SandboxError> {
         let probe = validate(&req)?;
         // Refused now, not when the build fails: an image naming another tenant's snapshot
         // answers as a missing one (and the build resolves it again, for the snapshot may go).
@@ -211,7 +211,7 @@ impl Templates {
     }
 
     /// Template `id` if `caller` sees it: another tenant's answers as a missing one.
-    pub fn get(&self, caller: &Caller, id: &str) -> Result<Template, ApiError> {
+    pub fn get(&self, caller: &Caller, id: &str) -> Result<Template, SandboxError> {
         self.lock()
             .get(id)
             .filter(|r| caller.sees(&r.tenant))
@@ -237,7 +237,7 @@ impl Templates {
 
     /// Removes the template and its golden image. A build in progress ends on its own and throws
     /// away what it made.
-    pub async fn delete(&self, caller: &Caller, id: &str) -> Result<(), ApiError> {
+    pub async fn delete(&self, caller: &Caller, id: &str) -> Result<(), SandboxError> {
         let rec = {
             let mut records = self.lock();
             if !records.get(id).is_some_and(|r| caller.sees(&r.tenant)) {
@@ -259,12 +259,12 @@ impl Templates {
     /// and renewal policies and the timeout (required) are the request's; `credentialProxy` is
     /// accepted and ignored (the vault's first create starts the proxy); and a template that is
     /// not the caller's tenant's, or not Succeeded, is 404 (no existence leak).
-    pub fn apply(&self, req: &mut CreateSandboxRequest, tenant: &str) -> Result<(), ApiError> {
+    pub fn apply(&self, req: &mut CreateSandboxRequest, tenant: &str) -> Result<(), SandboxError> {
         let Some(id) = req.template_id.take() else {
             return Ok(());
         };
         if req.image.is_some() || req.snapshot_id.is_some() {
-            return Err(ApiError::invalid(
+            return Err(SandboxError::invalid(
                 "templateId cannot be given with image or snapshotId",
             ));
         }
@@ -292,12 +292,12 @@ impl Templates {
                 Some(hook) if *field == "lifecycle hooks" => format!("lifecycle.{hook}"),
                 _ => field.to_string(),
             };
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "{field} cannot be given with templateId: the template fixes the sandbox's workload"
             )));
         }
         if req.timeout.is_none() {
-            return Err(ApiError::invalid(
+            return Err(SandboxError::invalid(
                 "timeout is required with templateId (a template's sandbox is not kept without one)",
             ));
         }
@@ -310,15 +310,15 @@ impl Templates {
             .filter(|r| r.tenant == tenant)
             .cloned()
             .ok_or_else(|| {
-                ApiError::new(
-                    http::StatusCode::NOT_FOUND,
+                SandboxError::new(
+                    ErrorKind::NotFound,
                     ErrorCode::ImageNotFound,
                     format!("template {id} not found"),
                 )
             })?;
         if rec.phase != SUCCEEDED {
-            return Err(ApiError::new(
-                http::StatusCode::NOT_FOUND,
+            return Err(SandboxError::new(
+                ErrorKind::NotFound,
                 ErrorCode::ImageNotFound,
                 format!(
                     "template {id} is {}{}; sandboxes start only from a Succeeded template",
@@ -337,8 +337,8 @@ impl Templates {
                 r.message = Some(why.clone());
                 r.snapshot_id = None;
             });
-            return Err(ApiError::new(
-                http::StatusCode::NOT_FOUND,
+            return Err(SandboxError::new(
+                ErrorKind::NotFound,
                 ErrorCode::ImageNotFound,
                 format!("template {id} is {FAILED} ({why}); sandboxes start only from a Succeeded template"),
             ));
@@ -570,24 +570,24 @@ enum Probe {
     Command(String),
 }
 
-fn validate(req: &CreateTemplateRequest) -> Result<Probe, ApiError> {
+fn validate(req: &CreateTemplateRequest) -> Result<Probe, SandboxError> {
     if req.image.trim().is_empty() || req.image.len() > 255 {
-        return Err(ApiError::invalid("image must be 1 to 255 characters"));
+        return Err(SandboxError::invalid("image must be 1 to 255 characters"));
     }
     if req.publish.trim().is_empty() {
-        return Err(ApiError::invalid("publish is required"));
+        return Err(SandboxError::invalid("publish is required"));
     }
     match req.format.as_deref() {
         None | Some("native") | Some("overlaybd") => {}
         Some(f) => {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "format {f:?}: native or overlaybd"
             )))
         }
     }
     let readiness = req.readiness.clone().unwrap_or_default();
     if readiness.warmup_seconds.is_some_and(|w| w > MAX_WARMUP) {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "readiness.warmupSeconds is at most {MAX_WARMUP}"
         )));
     }
@@ -596,23 +596,25 @@ fn validate(req: &CreateTemplateRequest) -> Result<Probe, ApiError> {
         Some(p) => {
             if let Some(cmd) = p.strip_prefix("cmd://") {
                 if cmd.trim().is_empty() {
-                    return Err(ApiError::invalid("readiness.probe cmd:// needs a command"));
+                    return Err(SandboxError::invalid(
+                        "readiness.probe cmd:// needs a command",
+                    ));
                 }
                 Probe::Command(cmd.to_owned())
             } else if let Some(addr) = p.strip_prefix("tcp://") {
-                let (host, port) = addr
-                    .rsplit_once(':')
-                    .ok_or_else(|| ApiError::invalid("readiness.probe tcp:// needs HOST:PORT"))?;
+                let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
+                    SandboxError::invalid("readiness.probe tcp:// needs HOST:PORT")
+                })?;
                 if !matches!(host, "127.0.0.1" | "localhost" | "[::1]" | "0.0.0.0") {
-                    return Err(ApiError::invalid(
+                    return Err(SandboxError::invalid(
                         "readiness.probe tcp:// checks the sandbox's own loopback (127.0.0.1:PORT)",
                     ));
                 }
                 Probe::Port(port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
-                    ApiError::invalid(format!("readiness.probe: bad port {port:?}"))
+                    SandboxError::invalid(format!("readiness.probe: bad port {port:?}"))
                 })?)
             } else {
-                return Err(ApiError::invalid(
+                return Err(SandboxError::invalid(
                     "readiness.probe is tcp://127.0.0.1:PORT or cmd://COMMAND",
                 ));
             }
@@ -622,9 +624,9 @@ fn validate(req: &CreateTemplateRequest) -> Result<Probe, ApiError> {
     Ok(probe)
 }
 
-fn not_found(id: &str) -> ApiError {
-    ApiError::new(
-        http::StatusCode::NOT_FOUND,
+fn not_found(id: &str) -> SandboxError {
+    SandboxError::new(
+        ErrorKind::NotFound,
         ErrorCode::ImageNotFound,
         format!("template {id} not found"),
     )

@@ -8,7 +8,7 @@ use warren_api::ErrorCode;
 use warren_core::{parse_cpu_millis, parse_disk_bytes, parse_memory_bytes, ResourceLimits};
 
 use crate::config::LimitsSection;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::volumes::StoragePolicy;
 
 /// Reserved metadata prefix (as in the reference server).
@@ -67,7 +67,7 @@ impl CreatePlan {
     /// tenant is ever another's). Host folders are the server's, not a tenant's: only the default
     /// tenant (the server's own key, and admins acting for no tenant) mounts them. What the plan
     /// names of stored images is resolved for the tenant afterwards (`stored::Stored::resolve`).
-    pub fn set_tenant(&mut self, tenant: &str) -> Result<(), ApiError> {
+    pub fn set_tenant(&mut self, tenant: &str) -> Result<(), SandboxError> {
         self.tenant = tenant.to_string();
         for v in &mut self.volumes {
             match &mut v.source {
@@ -76,8 +76,8 @@ impl CreatePlan {
                 }
                 warren_core::VolumeSource::Host(_) if tenant == warren_store::DEFAULT_TENANT => {}
                 warren_core::VolumeSource::Host(_) => {
-                    return Err(ApiError::new(
-                        http::StatusCode::FORBIDDEN,
+                    return Err(SandboxError::new(
+                        ErrorKind::Forbidden,
                         ErrorCode::Forbidden,
                         format!(
                             "volume at {}: host folders are the server's; tenant {tenant} mounts only its own named volumes",
@@ -96,9 +96,9 @@ pub fn create_plan(
     defaults: &LimitsSection,
     max_timeout: Option<i64>,
     storage: &StoragePolicy,
-) -> Result<CreatePlan, ApiError> {
+) -> Result<CreatePlan, SandboxError> {
     if req.template_id.is_some() {
-        return Err(ApiError::invalid(
+        return Err(SandboxError::invalid(
             "templateId cannot be used here (only on POST /sandboxes)",
         ));
     }
@@ -113,14 +113,14 @@ pub fn create_plan(
             Some(serde_json::Value::Bool(b)) => *b,
             None => false,
             Some(_) => {
-                return Err(ApiError::invalid(
+                return Err(SandboxError::invalid(
                     "credentialProxy.enabled must be true or false",
                 ))
             }
         },
     };
     if credential_proxy && network_policy.as_ref().is_none_or(|p| !p.allows_anything()) {
-        return Err(ApiError::invalid(
+        return Err(SandboxError::invalid(
             "credentialProxy needs a networkPolicy that lets the sandbox reach something",
         ));
     }
@@ -132,7 +132,7 @@ pub fn create_plan(
     let (renewal, hooks) = lifecycle(req.lifecycle.as_ref())?;
     if let Some(p) = &req.platform {
         if p.os != "linux" || !(p.arch == "amd64" || p.arch == "x86_64") {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "platform {}/{} is not available on this host (linux/amd64)",
                 p.os, p.arch
             )));
@@ -142,22 +142,26 @@ pub fn create_plan(
         (Some(image), None) => {
             let uri = image.uri.trim().to_string();
             if uri.is_empty() || uri.len() > 255 {
-                return Err(ApiError::invalid("image.uri must be 1 to 255 characters"));
+                return Err(SandboxError::invalid(
+                    "image.uri must be 1 to 255 characters",
+                ));
             }
             (uri, image.auth, None)
         }
         (None, Some(snapshot)) => {
             if snapshot.is_empty() || snapshot.len() > 128 {
-                return Err(ApiError::invalid("snapshotId must be 1 to 128 characters"));
+                return Err(SandboxError::invalid(
+                    "snapshotId must be 1 to 128 characters",
+                ));
             }
             (String::new(), None, Some(snapshot))
         }
         (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
+            return Err(SandboxError::invalid(
                 "give either image or snapshotId, not both",
             ))
         }
-        (None, None) => return Err(ApiError::invalid("image (or snapshotId) is required")),
+        (None, None) => return Err(SandboxError::invalid("image (or snapshotId) is required")),
     };
     // A restore keeps the sandbox up by default (as the reference does), whatever the image says.
     let entrypoint = req.entrypoint.or_else(|| {
@@ -167,24 +171,24 @@ pub fn create_plan(
     });
     if let Some(entrypoint) = &entrypoint {
         if entrypoint.is_empty() || entrypoint[0].is_empty() {
-            return Err(ApiError::invalid(
+            return Err(SandboxError::invalid(
                 "entrypoint must have at least one non-empty element",
             ));
         }
         if entrypoint.len() > MAX_ENTRYPOINT_ARGS || entrypoint.iter().any(|a| a.contains('\0')) {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "entrypoint has a NUL byte or more than {MAX_ENTRYPOINT_ARGS} arguments"
             )));
         }
         if entrypoint.iter().any(|a| a.len() > bounds::MAX_STRING) {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "entrypoint: an argument is longer than {} bytes",
                 bounds::MAX_STRING
             )));
         }
         let total: usize = entrypoint.iter().map(|a| a.len() + 1).sum();
         if total > bounds::MAX_TOTAL {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "entrypoint: {total} bytes of arguments, at most {} allowed",
                 bounds::MAX_TOTAL
             )));
@@ -192,13 +196,13 @@ pub fn create_plan(
     }
     if let Some(t) = req.timeout {
         if t < MIN_TIMEOUT_SECONDS {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "timeout must be at least {MIN_TIMEOUT_SECONDS} seconds, got {t}"
             )));
         }
         if let Some(max) = max_timeout {
             if t > max {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "timeout {t} exceeds the server maximum of {max} seconds"
                 )));
             }
@@ -209,7 +213,7 @@ pub fn create_plan(
     check_env(&env)?;
     let metadata = req.metadata.unwrap_or_default();
     if metadata.len() > bounds::MAX_METADATA {
-        return Err(ApiError::bad_request(
+        return Err(SandboxError::bad_request(
             ErrorCode::InvalidMetadataLabel,
             format!(
                 "metadata: {} labels, at most {} allowed",
@@ -228,7 +232,7 @@ pub fn create_plan(
         // A desktop for GUI agents: execd starts it (see `warren_execd::desktop`); commands find
         // it on DISPLAY unless the create names another.
         let (w, h) = warren_api::desktop::parse_size(v)
-            .map_err(|e| ApiError::invalid(format!("extensions.{e}")))?;
+            .map_err(|e| SandboxError::invalid(format!("extensions.{e}")))?;
         env.insert(warren_api::desktop::DESKTOP_ENV.into(), format!("{w}x{h}"));
         env.entry("DISPLAY".into())
             .or_insert_with(|| DESKTOP_DISPLAY.into());
@@ -236,7 +240,7 @@ pub fn create_plan(
     if let Some(v) = extensions.get(warren_api::desktop::BROWSER_EXTENSION) {
         // Chromium with its DevTools endpoint: execd starts it (see `warren_execd::browser`).
         let on = warren_api::desktop::parse_switch(warren_api::desktop::BROWSER_EXTENSION, v)
-            .map_err(|e| ApiError::invalid(format!("extensions.{e}")))?;
+            .map_err(|e| SandboxError::invalid(format!("extensions.{e}")))?;
         if on {
             env.insert(warren_api::desktop::BROWSER_ENV.into(), "1".into());
         }
@@ -246,7 +250,7 @@ pub fn create_plan(
         // renew on access reads (see `proxy`).
         match extensions.get(RENEW_ON_ACCESS) {
             Some(v) if v.parse::<i64>() != Ok(seconds) => {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "lifecycle.renewalPolicy.extendSeconds ({seconds}) and extensions.{RENEW_ON_ACCESS} ({v:?}) disagree: give one, or the same value"
                 )))
             }
@@ -278,9 +282,9 @@ pub fn create_plan(
 const DESKTOP_DISPLAY: &str = ":0";
 
 /// Names `execve` takes, values within its bounds, and no more of them than [`bounds`] allows.
-pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), SandboxError> {
     if env.len() > bounds::MAX_ENV_VARS {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "env: {} variables, at most {} allowed",
             env.len(),
             bounds::MAX_ENV_VARS
@@ -289,18 +293,18 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     let mut total = 0;
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "invalid environment variable name {k:?}"
             )));
         }
         if k.len() > bounds::MAX_ENV_NAME {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "env: a variable name is longer than {} bytes",
                 bounds::MAX_ENV_NAME
             )));
         }
         if k.len() + 1 + v.len() > bounds::MAX_STRING {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "env: {k} is longer than {} bytes",
                 bounds::MAX_STRING
             )));
@@ -308,7 +312,7 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
         total += k.len() + 1 + v.len() + 1;
     }
     if total > bounds::MAX_TOTAL {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "env: {total} bytes of variables, at most {} allowed",
             bounds::MAX_TOTAL
         )));
@@ -316,9 +320,9 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiError> {
+fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), SandboxError> {
     if extensions.len() > bounds::MAX_EXTENSIONS {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "extensions: {} entries, at most {} allowed",
             extensions.len(),
             bounds::MAX_EXTENSIONS
@@ -326,7 +330,7 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
     }
     for (k, v) in extensions {
         if k.len() > bounds::MAX_EXTENSION_KEY || v.len() > bounds::MAX_EXTENSION_VALUE {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "extensions: a key is at most {} bytes and a value at most {} ({:?} is {} and {})",
                 bounds::MAX_EXTENSION_KEY,
                 bounds::MAX_EXTENSION_VALUE,
@@ -338,7 +342,7 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
     }
     if let Some(v) = extensions.get(RENEW_ON_ACCESS) {
         if !v.parse::<i64>().is_ok_and(|s| (300..=86_400).contains(&s)) {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "extensions.{RENEW_ON_ACCESS}: {v:?} is not a whole number of seconds from 300 to 86400"
             )));
         }
@@ -351,11 +355,11 @@ fn check_extensions(extensions: &BTreeMap<String, String>) -> Result<(), ApiErro
 /// refused by name, never ignored.
 fn lifecycle(
     v: Option<&serde_json::Value>,
-) -> Result<(Option<i64>, crate::hooks::Hooks), ApiError> {
+) -> Result<(Option<i64>, crate::hooks::Hooks), SandboxError> {
     let obj = match v {
         None | Some(serde_json::Value::Null) => return Ok((None, Default::default())),
         Some(serde_json::Value::Object(o)) => o,
-        Some(_) => return Err(ApiError::invalid("lifecycle must be a JSON object")),
+        Some(_) => return Err(SandboxError::invalid("lifecycle must be a JSON object")),
     };
     let mut renewal = None;
     for (key, value) in obj {
@@ -363,7 +367,7 @@ fn lifecycle(
             "renewalPolicy" => renewal = renewal_policy(value)?,
             "preStart" | "periodic" | "idlePolicy" => {}
             other => {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "lifecycle.{other:?} is not a lifecycle field (known: renewalPolicy, idlePolicy, preStart, periodic)"
                 )))
             }
@@ -376,9 +380,9 @@ fn lifecycle(
     Ok((renewal, hooks))
 }
 
-fn renewal_policy(v: &serde_json::Value) -> Result<Option<i64>, ApiError> {
+fn renewal_policy(v: &serde_json::Value) -> Result<Option<i64>, SandboxError> {
     let bad = || {
-        ApiError::invalid(
+        SandboxError::invalid(
             "lifecycle.renewalPolicy must be {\"extendSeconds\": a whole number of seconds from 300 to 86400}",
         )
     };
@@ -401,8 +405,8 @@ fn renewal_policy(v: &serde_json::Value) -> Result<Option<i64>, ApiError> {
 /// from now (see `proxy`).
 pub const RENEW_ON_ACCESS: &str = "access.renew.extend.seconds";
 
-fn unsupported(what: &str) -> ApiError {
-    ApiError::bad_request(
+fn unsupported(what: &str) -> SandboxError {
+    SandboxError::bad_request(
         ErrorCode::ApiNotSupported,
         format!("{what} is not supported by this Warren server"),
     )
@@ -411,8 +415,8 @@ fn unsupported(what: &str) -> ApiError {
 pub fn resource_limits(
     map: Option<&BTreeMap<String, String>>,
     defaults: &LimitsSection,
-) -> Result<ResourceLimits, ApiError> {
-    let bad = |e: warren_core::QuantityError| ApiError::invalid(e.to_string());
+) -> Result<ResourceLimits, SandboxError> {
+    let bad = |e: warren_core::QuantityError| SandboxError::invalid(e.to_string());
     let mut limits = defaults.defaults().map_err(bad)?;
     for (k, v) in map.into_iter().flatten() {
         match k.as_str() {
@@ -424,7 +428,7 @@ pub fn resource_limits(
                     .ok()
                     .filter(|p| (16..=1 << 22).contains(p))
                     .ok_or_else(|| {
-                        ApiError::invalid(format!(
+                        SandboxError::invalid(format!(
                             "invalid pids limit {v:?}: expected an integer from 16 to 4194304"
                         ))
                     })?
@@ -432,7 +436,7 @@ pub fn resource_limits(
             "gpu" | "nvidia.com/gpu" => return Err(unsupported("gpu resources")),
             "ephemeral-storage" => limits.disk_bytes = Some(parse_disk_bytes(v).map_err(bad)?),
             other => {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "unknown resource {other:?} (known: cpu, memory, ephemeral-storage, pids)"
                 )))
             }
@@ -445,8 +449,8 @@ pub fn resource_limits(
 /// `[A-Za-z0-9._-]` starting and ending alphanumeric; values the same charset, may be empty.
 pub fn validate_metadata<'a>(
     entries: impl Iterator<Item = (&'a str, Option<&'a str>)>,
-) -> Result<(), ApiError> {
-    let bad = |m: String| ApiError::bad_request(ErrorCode::InvalidMetadataLabel, m);
+) -> Result<(), SandboxError> {
+    let bad = |m: String| SandboxError::bad_request(ErrorCode::InvalidMetadataLabel, m);
     for (key, value) in entries {
         if key.starts_with(RESERVED_PREFIX) {
             return Err(bad(format!(
@@ -516,7 +520,10 @@ mod tests {
         }
     }
 
-    fn plan_with(lifecycle: serde_json::Value, ext: Option<&str>) -> Result<CreatePlan, ApiError> {
+    fn plan_with(
+        lifecycle: serde_json::Value,
+        ext: Option<&str>,
+    ) -> Result<CreatePlan, SandboxError> {
         let mut r = req();
         r.lifecycle = Some(lifecycle);
         r.extensions = ext.map(|v| [(RENEW_ON_ACCESS.to_string(), v.to_string())].into());
@@ -554,7 +561,7 @@ mod tests {
             json!([]),
         ] {
             let e = plan_with(bad.clone(), None).expect_err("refused");
-            assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad}");
+            assert_eq!(e.kind, ErrorKind::Invalid, "{bad}");
         }
         let plan = plan_with(
             json!({"idlePolicy": {"idleTimeoutSeconds": 60, "onIdle": "pause"}}),
@@ -626,7 +633,7 @@ mod tests {
         );
         for bad in ["banana", "1Mi", ""] {
             let err = with(bad).expect_err("must be refused");
-            assert_eq!(err.status, 400);
+            assert_eq!(err.status(), 400);
             assert!(
                 err.to_string().contains("ephemeral-storage"),
                 "{}",
@@ -647,7 +654,7 @@ mod tests {
                 &StoragePolicy::default()
             )
             .expect_err("must be refused")
-            .status,
+            .status(),
             400
         );
         let mut r = req();
@@ -718,7 +725,7 @@ mod tests {
         let mut r = req();
         r.env = Some(many(40_000, "x"));
         let e = refused(r);
-        assert_eq!(e.status, 400);
+        assert_eq!(e.status(), 400);
         assert!(e.to_string().contains("at most 1024"), "{}", e.to_string());
         let mut r = req();
         r.env = Some(many(1, &"x".repeat(200 << 10)));

@@ -7,12 +7,11 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use http::StatusCode;
 use warren_api::lifecycle::Volume;
 use warren_api::ErrorCode;
 use warren_core::{HostVolumes, VolumeMount, VolumeSource};
 
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 
 const MAX_VOLUMES: usize = 32;
 /// Targets a volume may not cover or sit under.
@@ -66,17 +65,16 @@ fn allowed_list(policy: &StoragePolicy) -> String {
         .join(", ")
 }
 
-fn not_allowed(message: String) -> ApiError {
-    ApiError::new(
-        StatusCode::FORBIDDEN,
-        ErrorCode::HostPathNotAllowed,
-        message,
-    )
+fn not_allowed(message: String) -> SandboxError {
+    SandboxError::new(ErrorKind::Forbidden, ErrorCode::HostPathNotAllowed, message)
 }
 
-pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<VolumeMount>, ApiError> {
+pub fn validate(
+    volumes: &[Volume],
+    policy: &StoragePolicy,
+) -> Result<Vec<VolumeMount>, SandboxError> {
     if volumes.len() > MAX_VOLUMES {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "at most {MAX_VOLUMES} volumes per sandbox"
         )));
     }
@@ -85,29 +83,28 @@ pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<Volume
     for v in volumes {
         let name = v.name.trim();
         if name.is_empty() || !names.insert(name.to_string()) {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "volume names must be non-empty and unique (got {:?})",
                 v.name
             )));
         }
         let target = mount_target(&v.mount_path).map_err(|why| {
-            ApiError::invalid(format!("volume {name}: mountPath {:?} {why}", v.mount_path))
+            SandboxError::invalid(format!("volume {name}: mountPath {:?} {why}", v.mount_path))
         })?;
         if mounts.iter().any(|m| m.target == target) {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "volume {name}: another volume is already mounted at {target}"
             )));
         }
-        let sub_path =
-            match v.sub_path.as_deref().filter(|s| !s.is_empty()) {
-                Some(s) => Some(relative(s).map_err(|why| {
-                    ApiError::invalid(format!("volume {name}: subPath {s:?} {why}"))
-                })?),
-                None => None,
-            };
+        let sub_path = match v.sub_path.as_deref().filter(|s| !s.is_empty()) {
+            Some(s) => Some(relative(s).map_err(|why| {
+                SandboxError::invalid(format!("volume {name}: subPath {s:?} {why}"))
+            })?),
+            None => None,
+        };
         let backends = [v.host.is_some(), v.pvc.is_some(), v.ossfs.is_some()];
         if backends.iter().filter(|b| **b).count() != 1 {
-            return Err(ApiError::invalid(format!(
+            return Err(SandboxError::invalid(format!(
                 "volume {name}: exactly one of host, pvc or ossfs is required"
             )));
         }
@@ -116,7 +113,7 @@ pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<Volume
         } else if let Some(pvc) = &v.pvc {
             let claim = pvc.claim_name.trim();
             if !valid_claim(claim) {
-                return Err(ApiError::invalid(format!(
+                return Err(SandboxError::invalid(format!(
                     "volume {name}: claimName {claim:?} must be 1-63 letters, digits, '.', '_' or '-', \
                      starting with a letter or digit"
                 )));
@@ -128,8 +125,8 @@ pub fn validate(volumes: &[Volume], policy: &StoragePolicy) -> Result<Vec<Volume
                 delete_on_termination: pvc.delete_on_sandbox_termination,
             }
         } else {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
+            return Err(SandboxError::new(
+                ErrorKind::Invalid,
                 ErrorCode::ApiNotSupported,
                 format!("volume {name}: ossfs volumes are not supported by Warren"),
             ));
@@ -198,17 +195,17 @@ fn host_source(
     path: &str,
     sub_path: Option<&str>,
     policy: &StoragePolicy,
-) -> Result<PathBuf, ApiError> {
+) -> Result<PathBuf, SandboxError> {
     if !path.starts_with('/') {
-        return Err(ApiError::invalid(format!(
+        return Err(SandboxError::invalid(format!(
             "volume {name}: host.path {path:?} must be absolute"
         )));
     }
     match policy.host_volumes {
         HostVolumes::Server => {}
         HostVolumes::None => {
-            return Err(ApiError::new(
-                StatusCode::NOT_IMPLEMENTED,
+            return Err(SandboxError::new(
+                ErrorKind::Unsupported,
                 ErrorCode::ApiNotSupported,
                 format!(
                     "volume {name}: this server's runtime mounts no host folders (its sandboxes \
@@ -225,7 +222,7 @@ fn host_source(
         )));
     }
     let base = std::fs::canonicalize(path)
-        .map_err(|e| ApiError::invalid(format!("volume {name}: host.path {path}: {e}")))?;
+        .map_err(|e| SandboxError::invalid(format!("volume {name}: host.path {path}: {e}")))?;
     let allowed = |p: &Path| policy.allowed_host_paths.iter().any(|a| p.starts_with(a));
     if !allowed(&base) {
         return Err(not_allowed(format!(
@@ -237,7 +234,7 @@ fn host_source(
         Some(s) => {
             let joined = base.join(s);
             let r = std::fs::canonicalize(&joined).map_err(|e| {
-                ApiError::invalid(format!("volume {name}: {}: {e}", joined.display()))
+                SandboxError::invalid(format!("volume {name}: {}: {e}", joined.display()))
             })?;
             // a symlink inside the folder must not lead out of it
             if !r.starts_with(&base) {
@@ -269,9 +266,9 @@ fn node_source(
     path: &str,
     sub_path: Option<&str>,
     policy: &StoragePolicy,
-) -> Result<PathBuf, ApiError> {
+) -> Result<PathBuf, SandboxError> {
     let mut full = plain_absolute(Path::new(path)).ok_or_else(|| {
-        ApiError::invalid(format!(
+        SandboxError::invalid(format!(
             "volume {name}: host.path {path:?} must be absolute, without . or .."
         ))
     })?;
@@ -350,21 +347,21 @@ mod tests {
             one("/srv/sharedx", None)
                 .map(drop)
                 .expect_err("refused")
-                .status,
+                .status(),
             403
         );
         assert_eq!(
             one("/srv/shared/../etc", None)
                 .map(drop)
                 .expect_err("refused")
-                .status,
+                .status(),
             400
         );
         assert_eq!(
             one("/srv/shared", Some("../x"))
                 .map(drop)
                 .expect_err("refused")
-                .status,
+                .status(),
             400
         );
         let none = StoragePolicy {
@@ -372,7 +369,7 @@ mod tests {
             ..policy
         };
         let e = validate(&[host("v", "/srv/shared", "/data")], &none).expect_err("refused");
-        assert_eq!(e.status, 501);
+        assert_eq!(e.status(), 501);
         assert_eq!(plain_absolute(Path::new("/a//b/")), Some("/a/b".into()));
         assert_eq!(plain_absolute(Path::new("/a/../b")), None);
         assert_eq!(plain_absolute(Path::new("a/b")), None);
@@ -403,7 +400,7 @@ mod tests {
         let none = StoragePolicy::default();
         let e = validate(&[host("v", allowed.to_str().expect("utf8"), "/mnt")], &none)
             .expect_err("empty list");
-        assert_eq!(e.status, StatusCode::FORBIDDEN);
+        assert_eq!(e.kind, ErrorKind::Forbidden);
         let policy = StoragePolicy {
             allowed_host_paths: vec![std::fs::canonicalize(&allowed).expect("canon")],
             protected: vec![std::fs::canonicalize(&data).expect("canon")],
@@ -426,14 +423,14 @@ mod tests {
         );
         sub.sub_path = Some("escape".into());
         assert_eq!(
-            validate(&[sub], &policy).expect_err("symlink out").status,
-            StatusCode::FORBIDDEN
+            validate(&[sub], &policy).expect_err("symlink out").kind,
+            ErrorKind::Forbidden
         );
         assert_eq!(
             validate(&[host("v", "/etc", "/mnt")], &policy)
                 .expect_err("outside")
-                .status,
-            StatusCode::FORBIDDEN
+                .kind,
+            ErrorKind::Forbidden
         );
         // the allowed folder contains the data dir: mounting it would expose the API key
         assert_eq!(
@@ -442,14 +439,14 @@ mod tests {
                 &policy
             )
             .expect_err("protected")
-            .status,
-            StatusCode::FORBIDDEN
+            .kind,
+            ErrorKind::Forbidden
         );
         assert_eq!(
             validate(&[host("v", "/no/such/dir", "/mnt")], &policy)
                 .expect_err("missing")
-                .status,
-            StatusCode::BAD_REQUEST
+                .kind,
+            ErrorKind::Invalid
         );
     }
 

@@ -6,11 +6,11 @@ use warren_core::RuntimeExt;
 use warren_store::SandboxRecord;
 
 use super::Sandboxes;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 
 impl Sandboxes {
     /// 400 where the runtime keeps no writable layer to copy (its capabilities say so).
-    pub fn check_snapshots(&self) -> Result<(), ApiError> {
+    pub fn check_snapshots(&self) -> Result<(), SandboxError> {
         if self.inner.runtime.capabilities().snapshots {
             Ok(())
         } else {
@@ -18,9 +18,9 @@ impl Sandboxes {
         }
     }
 
-    pub(super) fn snapshots_unsupported(&self) -> ApiError {
-        ApiError::new(
-            http::StatusCode::BAD_REQUEST,
+    pub(super) fn snapshots_unsupported(&self) -> SandboxError {
+        SandboxError::new(
+            ErrorKind::Invalid,
             ErrorCode::ApiNotSupported,
             format!(
                 "snapshots: the {} runtime keeps no writable layer Warren can copy (the native runtime, embedded or runc, can)",
@@ -33,7 +33,7 @@ impl Sandboxes {
     /// layers plus its writable layer. A running sandbox is frozen for the copy (its processes stop
     /// for that long and continue after, memory intact), a paused one stays paused. Answers the
     /// bytes it adds to the store (its own layer's; the ones below are its sandbox's image's).
-    pub async fn capture(&self, id: &str, image_name: &str) -> Result<u64, ApiError> {
+    pub async fn capture(&self, id: &str, image_name: &str) -> Result<u64, SandboxError> {
         let held = self.hold(id).await?;
         let rec = held.rec.clone();
         snapshot_source_state(&rec)?;
@@ -48,11 +48,11 @@ impl Sandboxes {
         let holder = id.to_owned();
         let base = tokio::task::spawn_blocking(move || images.leased(&holder))
             .await
-            .map_err(|e| ApiError::internal("reading the sandbox's image", &e))?
-            .map_err(|e| ApiError::internal("reading the sandbox's image", &e))?
+            .map_err(|e| SandboxError::internal("reading the sandbox's image", &e))?
+            .map_err(|e| SandboxError::internal("reading the sandbox's image", &e))?
             .ok_or_else(|| {
-                ApiError::new(
-                    http::StatusCode::BAD_REQUEST,
+                SandboxError::new(
+                    ErrorKind::Invalid,
                     ErrorCode::ApiNotSupported,
                     format!("sandbox {id} runs the built-in host image (or one from before snapshots existed): nothing to snapshot"),
                 )
@@ -63,7 +63,9 @@ impl Sandboxes {
                 .runtime
                 .pause(id, &rec.runtime_state)
                 .await
-                .map_err(|e| ApiError::from_runtime("freezing the sandbox for its snapshot", e))?;
+                .map_err(|e| {
+                    SandboxError::from_runtime("freezing the sandbox for its snapshot", e)
+                })?;
         }
         let images = self.inner.images.clone();
         let name = image_name.to_owned();
@@ -78,27 +80,27 @@ impl Sandboxes {
             }
         }
         captured
-            .map_err(|e| ApiError::internal("capturing the file system", &e))?
+            .map_err(|e| SandboxError::internal("capturing the file system", &e))?
             .map_err(|e| match e {
                 // What the sandbox made cannot be a layer (a path past what a layer holds): the
                 // caller's to know, without the host path of the sandbox's folder.
-                warren_image::ImageError::InvalidSource { reason, .. } => ApiError::new(
-                    http::StatusCode::UNPROCESSABLE_ENTITY,
+                warren_image::ImageError::InvalidSource { reason, .. } => SandboxError::new(
+                    ErrorKind::Unprocessable,
                     ErrorCode::SnapshotInvalidSourceState,
                     format!("the sandbox's files cannot be captured: {reason}"),
                 ),
-                e => ApiError::internal("capturing the file system", &e),
+                e => SandboxError::internal("capturing the file system", &e),
             })
             .map(|(_, adds)| adds)
     }
 }
 
 /// Snapshots are taken of Running or Paused sandboxes only (409 otherwise).
-pub fn snapshot_source_state(rec: &SandboxRecord) -> Result<(), ApiError> {
+pub fn snapshot_source_state(rec: &SandboxRecord) -> Result<(), SandboxError> {
     if matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
         return Ok(());
     }
-    Err(ApiError::conflict(
+    Err(SandboxError::conflict(
         ErrorCode::SnapshotInvalidSourceState,
         format!(
             "sandbox {} is {}; snapshots are taken of Running or Paused sandboxes",

@@ -11,7 +11,7 @@ use warren_core::{Background, ImageSource, RuntimeExt, SandboxImage, SandboxSpec
 use warren_store::SandboxRecord;
 
 use super::{limit_reached, lock, moved, Entry, InFlight, Sandboxes, REASON_PRE_START_FAILED};
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::network::{needs_link, runtime_policy};
 use crate::validate::CreatePlan;
 
@@ -34,7 +34,7 @@ impl Sandboxes {
         name: &str,
         auth: Option<&warren_api::lifecycle::ImageAuth>,
         holder: &str,
-    ) -> Result<warren_image::ResolvedImage, ApiError> {
+    ) -> Result<warren_image::ResolvedImage, SandboxError> {
         let resolve = || {
             // Resolving and leasing are file work that may wait on the store's lock during an
             // import.
@@ -47,7 +47,7 @@ impl Sandboxes {
                     Ok(image)
                 })
                 .await
-                .map_err(|e| ApiError::internal("resolving the image", &e))
+                .map_err(|e| SandboxError::internal("resolving the image", &e))
             }
         };
         match resolve().await? {
@@ -71,13 +71,13 @@ impl Sandboxes {
 
     /// A 507 while the data dir's filesystem is too full for `what` ("a sandbox", "a snapshot")
     /// to be made (see `disk_space`).
-    pub fn check_room(&self, what: &str) -> Result<(), ApiError> {
+    pub fn check_room(&self, what: &str) -> Result<(), SandboxError> {
         crate::disk_space::check(&self.inner.data_dir, what)
     }
 
     /// Creates a sandbox and returns once execd answers. On failure nothing remains: no record, no
     /// lease, no runtime resource.
-    pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, ApiError> {
+    pub async fn create(&self, plan: CreatePlan) -> Result<SandboxRecord, SandboxError> {
         self.create_in_background(plan, Background::default()).await
     }
 
@@ -87,11 +87,11 @@ impl Sandboxes {
         &self,
         plan: CreatePlan,
         background: Background,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, SandboxError> {
         self.check_room("a sandbox")?;
         if plan.hooks.idle.is_some() && !self.inner.runtime.capabilities().pause {
-            return Err(ApiError::new(
-                http::StatusCode::BAD_REQUEST,
+            return Err(SandboxError::new(
+                ErrorKind::Invalid,
                 ErrorCode::ApiNotSupported,
                 format!(
                     "lifecycle.idlePolicy pauses and wakes sandboxes, which {} cannot do",
@@ -145,8 +145,8 @@ impl Sandboxes {
         let egress = if needs_link(&policy) && !caps_now.egress_policy && caps_now.egress_addresses
         {
             let checked = if plan.credential_proxy {
-                Err(ApiError::new(
-                    http::StatusCode::BAD_REQUEST,
+                Err(SandboxError::new(
+                    ErrorKind::Invalid,
                     ErrorCode::ApiNotSupported,
                     format!(
                         "the credential vault needs a network link, which sandboxes of the {} runtime do not have",
@@ -160,8 +160,8 @@ impl Sandboxes {
             None
         } else if needs_link(&policy) {
             if !caps_now.egress_policy {
-                return Err(ApiError::new(
-                    http::StatusCode::BAD_REQUEST,
+                return Err(SandboxError::new(
+                    ErrorKind::Invalid,
                     ErrorCode::ApiNotSupported,
                     format!(
                         "networkPolicy: Warren cannot enforce network policies on {} (the native runtime, embedded or runc, and Docker on this host can)",
@@ -359,7 +359,7 @@ impl Sandboxes {
         egress: Option<&Arc<warren_egress::Egress>>,
         policy: &warren_egress::NetworkPolicy,
         credential_proxy: bool,
-    ) -> Result<(warren_core::RuntimeState, Option<u32>), ApiError> {
+    ) -> Result<(warren_core::RuntimeState, Option<u32>), SandboxError> {
         match self.inner.runtime.create(spec).await {
             Ok(state) => match egress {
                 // The link comes once the sandbox's namespace exists; a failure undoes the create.
@@ -386,7 +386,7 @@ impl Sandboxes {
                 Some(why) => crate::disk_space::insufficient(format!(
                     "creating the sandbox failed: {why} ({e})"
                 )),
-                None => ApiError::from_runtime("creating the sandbox", e),
+                None => SandboxError::from_runtime("creating the sandbox", e),
             }),
         }
     }
@@ -394,7 +394,7 @@ impl Sandboxes {
     /// After a panic in a task of the sandbox in `entry` (`task` says which): releases what the
     /// runtime made of it (by the state on record: none yet while it is created), marks it Failed,
     /// and returns the "internal error" a caller waiting for that task gets.
-    pub(super) async fn failed_by_panic(&self, entry: &Entry, task: &str) -> ApiError {
+    pub(super) async fn failed_by_panic(&self, entry: &Entry, task: &str) -> SandboxError {
         let (id, state) = {
             let r = lock(&entry.record);
             (r.id.clone(), r.runtime_state.clone())
@@ -415,22 +415,22 @@ impl Sandboxes {
                 Some(message.clone()),
             )
         });
-        ApiError::internal(
+        SandboxError::internal(
             task,
             &std::io::Error::other(format!("sandbox {id}: {message}")),
         )
     }
 }
 
-fn image_error(name: &str, e: warren_image::ImageError) -> ApiError {
+fn image_error(name: &str, e: warren_image::ImageError) -> SandboxError {
     match e {
-        warren_image::ImageError::NotFound { .. } => ApiError::new(
-            http::StatusCode::NOT_FOUND,
+        warren_image::ImageError::NotFound { .. } => SandboxError::new(
+            ErrorKind::NotFound,
             ErrorCode::ImageNotFound,
             format!("image {name:?} is not in the local store and this server does not pull ([images] pull = \"never\"); pull it with `warren image pull {name}`, import it with `warren image import {name} PATH`, or use the built-in \"host\" image"),
         ),
-        warren_image::ImageError::InvalidName { .. } => ApiError::invalid(format!("invalid image reference {name:?}")),
-        other => ApiError::internal("resolving the image", &other),
+        warren_image::ImageError::InvalidName { .. } => SandboxError::invalid(format!("invalid image reference {name:?}")),
+        other => SandboxError::internal("resolving the image", &other),
     }
 }
 
@@ -453,20 +453,17 @@ fn default_entrypoint(image: &SandboxImage) -> Vec<String> {
 }
 
 /// A failed pull as the create's answer: the message names the image and the cause.
-fn pull_error(e: &warren_registry::PullError) -> ApiError {
+fn pull_error(e: &warren_registry::PullError) -> SandboxError {
     use warren_registry::PullErrorKind as K;
     let (status, code) = match e.kind() {
-        K::BadName => (http::StatusCode::BAD_REQUEST, ErrorCode::InvalidParameter),
-        K::NotFound => (http::StatusCode::NOT_FOUND, ErrorCode::ImageNotFound),
-        K::Denied => (http::StatusCode::FORBIDDEN, ErrorCode::ImagePullDenied),
-        K::Upstream => (http::StatusCode::BAD_GATEWAY, ErrorCode::ImagePullFailed),
-        K::Invalid => (
-            http::StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorCode::ImageInvalid,
-        ),
-        K::Internal => return ApiError::internal("pulling the image", e),
+        K::BadName => (ErrorKind::Invalid, ErrorCode::InvalidParameter),
+        K::NotFound => (ErrorKind::NotFound, ErrorCode::ImageNotFound),
+        K::Denied => (ErrorKind::Forbidden, ErrorCode::ImagePullDenied),
+        K::Upstream => (ErrorKind::Upstream, ErrorCode::ImagePullFailed),
+        K::Invalid => (ErrorKind::Unprocessable, ErrorCode::ImageInvalid),
+        K::Internal => return SandboxError::internal("pulling the image", e),
     };
-    ApiError::new(status, code, e.to_string())
+    SandboxError::new(status, code, e.to_string())
 }
 
 /// What a create has made so far, undone if it ends before there is a sandbox (an early `?`, a

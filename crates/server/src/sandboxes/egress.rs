@@ -7,7 +7,7 @@ use warren_api::ErrorCode;
 use warren_core::{RuntimeError, RuntimeExt};
 
 use super::Sandboxes;
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 use crate::network::{needs_link, runtime_policy, Network};
 
 impl Sandboxes {
@@ -19,15 +19,15 @@ impl Sandboxes {
         state: &warren_core::RuntimeState,
         policy: warren_egress::NetworkPolicy,
         index: Option<u32>,
-    ) -> Result<u32, ApiError> {
+    ) -> Result<u32, SandboxError> {
         let links = self.inner.runtime.links().ok_or_else(|| {
-            ApiError::internal(
+            SandboxError::internal(
                 "linking the sandbox",
                 &std::io::Error::other("the runtime gives sandboxes no link"),
             )
         })?;
         let pid = links.network_pid(state).ok_or_else(|| {
-            ApiError::internal(
+            SandboxError::internal(
                 "linking the sandbox",
                 &std::io::Error::other("its init process is gone"),
             )
@@ -35,16 +35,16 @@ impl Sandboxes {
         let (eg, id2) = (egress.clone(), id.to_string());
         let link = tokio::task::spawn_blocking(move || eg.attach(&id2, pid, policy, index))
             .await
-            .map_err(|e| ApiError::internal("linking the sandbox", &e))?
+            .map_err(|e| SandboxError::internal("linking the sandbox", &e))?
             .map_err(|e| match e {
                 // Capacity, not a fault: every address of the subnet is some sandbox's; as with
                 // other exhausted capacity, 429 and a retry later.
-                warren_egress::EgressError::Exhausted(_) => ApiError::new(
-                    http::StatusCode::TOO_MANY_REQUESTS,
+                warren_egress::EgressError::Exhausted(_) => SandboxError::new(
+                    ErrorKind::Busy,
                     ErrorCode::Unknown,
                     format!("giving the sandbox its network link: {e}; [network] subnet sets how many sandboxes with a network policy can exist at once"),
                 ),
-                e => ApiError::internal("giving the sandbox its network link", &e),
+                e => SandboxError::internal("giving the sandbox its network link", &e),
             })?;
         Ok(link.index)
     }
@@ -54,17 +54,17 @@ impl Sandboxes {
         &self,
         egress: &Arc<warren_egress::Egress>,
         id: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), SandboxError> {
         let pem = egress
             .enable_credential_proxy(id)
-            .map_err(|e| ApiError::internal("starting the credential proxy", &e))?;
+            .map_err(|e| SandboxError::internal("starting the credential proxy", &e))?;
         let endpoint = self
             .execd_endpoint(id)
-            .ok_or_else(|| ApiError::not_found(id))?;
+            .ok_or_else(|| SandboxError::not_found(id))?;
         crate::network::install_ca(&endpoint, &pem)
             .await
             .map_err(|e| {
-                ApiError::internal(
+                SandboxError::internal(
                     "installing the credential proxy's CA in the sandbox",
                     &std::io::Error::other(e),
                 )
@@ -94,8 +94,8 @@ impl Sandboxes {
     }
 
     /// The sandbox's egress policy.
-    pub fn network_policy(&self, id: &str) -> Result<warren_egress::NetworkPolicy, ApiError> {
-        let rec = self.get(id).ok_or_else(|| ApiError::not_found(id))?;
+    pub fn network_policy(&self, id: &str) -> Result<warren_egress::NetworkPolicy, SandboxError> {
+        let rec = self.get(id).ok_or_else(|| SandboxError::not_found(id))?;
         Ok(match rec.network_policy {
             None => self.inner.network.default_policy(),
             // A record this server cannot read (a field of a newer version's, say) fails closed:
@@ -111,20 +111,20 @@ impl Sandboxes {
     /// from a template, whose first vault create asks for it): the proxy's CA goes into its trust
     /// and the record keeps the choice, so a restarted server starts the proxy again. Needs the
     /// sandbox's network link: a vault for a sandbox that reaches nothing would inject nowhere.
-    pub async fn enable_credential_proxy(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn enable_credential_proxy(&self, id: &str) -> Result<(), SandboxError> {
         let held = self.hold(id).await?;
         let (entry, rec) = (&held.entry, held.rec.clone());
         if rec.credential_proxy {
             return Ok(());
         }
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::SandboxNotRunning,
                 format!("sandbox {id} is {}", rec.state.as_str()),
             ));
         }
         if rec.network_link.is_none() {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::InvalidState,
                 format!(
                     "sandbox {id} reaches no network, so a credential vault would inject nowhere: give it a networkPolicy that lets it reach something first (PUT /sandboxes/{id}/networkpolicy)"
@@ -147,11 +147,11 @@ impl Sandboxes {
         &self,
         id: &str,
         change: impl FnOnce(&mut warren_egress::NetworkPolicy),
-    ) -> Result<warren_egress::NetworkPolicy, ApiError> {
+    ) -> Result<warren_egress::NetworkPolicy, SandboxError> {
         let held = self.hold(id).await?;
         let (entry, rec) = (&held.entry, held.rec.clone());
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::SandboxNotRunning,
                 format!("sandbox {id} is {}", rec.state.as_str()),
             ));
@@ -171,7 +171,7 @@ impl Sandboxes {
             };
             let credential = crate::tokens::execd_credential(&rec.token);
             let enforcer = self.inner.runtime.enforcer().ok_or_else(|| {
-                ApiError::from_runtime(
+                SandboxError::from_runtime(
                     "updating the policy",
                     RuntimeError::Unsupported(format!(
                         "{} do not enforce network policies themselves",
@@ -182,7 +182,7 @@ impl Sandboxes {
             enforcer
                 .set_egress(id, &rec.runtime_state, by_address.as_ref(), &credential)
                 .await
-                .map_err(|e| ApiError::from_runtime("updating the policy", e))?;
+                .map_err(|e| SandboxError::from_runtime("updating the policy", e))?;
             let value = serde_json::to_value(&policy).ok();
             let mut updated = rec.clone();
             updated.network_policy = value.clone();
@@ -198,14 +198,14 @@ impl Sandboxes {
                 let (p, id2) = (policy.clone(), id.to_string());
                 tokio::task::spawn_blocking(move || eg.set_policy(&id2, p))
                     .await
-                    .map_err(|e| ApiError::internal("updating the policy", &e))?
-                    .map_err(|e| ApiError::internal("updating the policy", &e))?;
+                    .map_err(|e| SandboxError::internal("updating the policy", &e))?
+                    .map_err(|e| SandboxError::internal("updating the policy", &e))?;
                 Some(index)
             }
             None if needs_link(&policy) => {
                 if !self.inner.runtime.capabilities().egress_policy {
-                    return Err(ApiError::new(
-                        http::StatusCode::BAD_REQUEST,
+                    return Err(SandboxError::new(
+                        ErrorKind::Invalid,
                         ErrorCode::ApiNotSupported,
                         format!(
                             "Warren cannot enforce network policies on {}",

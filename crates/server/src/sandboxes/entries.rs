@@ -11,7 +11,7 @@ use warren_image::ImageStore;
 use warren_store::SandboxRecord;
 
 use super::{lock, moved, Sandboxes};
-use crate::error::ApiError;
+use crate::error::SandboxError;
 use crate::execd_conns::{ExecdConns, ExecdEndpoint};
 
 pub(super) struct Entry {
@@ -234,12 +234,12 @@ impl Sandboxes {
     /// is held. A user's delete that held the lock before may have forgotten the sandbox: what
     /// waited behind it answers as for any unknown sandbox (404), not with the Terminated state of
     /// a record nobody can see any more.
-    pub(super) async fn hold(&self, id: &str) -> Result<Held, ApiError> {
-        let entry = self.entry(id).ok_or_else(|| ApiError::not_found(id))?;
+    pub(super) async fn hold(&self, id: &str) -> Result<Held, SandboxError> {
+        let entry = self.entry(id).ok_or_else(|| SandboxError::not_found(id))?;
         let op = entry.op.clone().lock_owned().await;
         match self.entry(id) {
             Some(current) if Arc::ptr_eq(&current, &entry) => {}
-            _ => return Err(ApiError::not_found(id)),
+            _ => return Err(SandboxError::not_found(id)),
         }
         let rec = lock(&entry.record).clone();
         Ok(Held {
@@ -259,8 +259,8 @@ impl Sandboxes {
         via: SandboxState,
         reason: Option<&str>,
         call: impl std::future::Future<Output = Result<T, RuntimeError>>,
-        settle: impl FnOnce(Result<T, RuntimeError>) -> (Settle, Result<U, ApiError>),
-    ) -> Result<U, ApiError> {
+        settle: impl FnOnce(Result<T, RuntimeError>) -> (Settle, Result<U, SandboxError>),
+    ) -> Result<U, SandboxError> {
         self.update(&held.entry, |r| moved(r, via, reason, None));
         let (to, answer) = settle(call.await);
         match to {

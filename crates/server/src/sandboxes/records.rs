@@ -9,7 +9,7 @@ use warren_core::{RuntimeError, SharedRecords};
 use warren_store::{SandboxRecord, Store, StoreError};
 
 use super::shared::wire_form;
-use crate::error::ApiError;
+use crate::error::SandboxError;
 
 #[async_trait::async_trait]
 pub(super) trait Records: Send + Sync {
@@ -27,7 +27,7 @@ pub(super) trait Records: Send + Sync {
 
     /// Writes `rec` where the other replicas read it, before this server takes it as the
     /// sandbox's record, so a failure changes nothing.
-    async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    async fn share(&self, rec: &SandboxRecord) -> Result<(), SandboxError>;
 
     /// Hands warm sandbox `rec` over as `claimed` if no other replica claimed it first (`false`).
     async fn claim(
@@ -70,7 +70,7 @@ impl Records for Journal {
         let _ = self.0.remove(id);
     }
 
-    async fn share(&self, _rec: &SandboxRecord) -> Result<(), ApiError> {
+    async fn share(&self, _rec: &SandboxRecord) -> Result<(), SandboxError> {
         Ok(())
     }
 
@@ -108,11 +108,11 @@ impl Records for Shared {
 
     fn remove(&self, _id: &str) {}
 
-    async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+    async fn share(&self, rec: &SandboxRecord) -> Result<(), SandboxError> {
         self.0
             .put(&rec.id, &rec.runtime_state, &wire_form(rec))
             .await
-            .map_err(|e| ApiError::from_runtime("writing the sandbox's record", e))
+            .map_err(|e| SandboxError::from_runtime("writing the sandbox's record", e))
     }
 
     async fn claim(

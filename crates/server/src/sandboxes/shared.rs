@@ -25,7 +25,7 @@ use warren_store::SandboxRecord;
 
 use super::watch::ended_by_itself;
 use super::{lock, moved, Entry, Sandboxes, REASON_USER_DELETE};
-use crate::error::ApiError;
+use crate::error::SandboxError;
 
 /// How long a start waits for the backend's first list before it serves without it (the
 /// follower adopts what it lists later).
@@ -103,7 +103,7 @@ impl Sandboxes {
 
     /// With shared records: writes `rec` where the other replicas read it. Called before this
     /// server takes `rec` as the sandbox's record, so a failure changes nothing.
-    pub(super) async fn share(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+    pub(super) async fn share(&self, rec: &SandboxRecord) -> Result<(), SandboxError> {
         self.inner.records.share(rec).await
     }
 

@@ -11,12 +11,12 @@ use warren_store::SandboxRecord;
 
 use super::entries::Settle;
 use super::{lock, moved, Sandboxes, REASON_DELETE_FAILED, REASON_USER_DELETE};
-use crate::error::ApiError;
+use crate::error::{ErrorKind, SandboxError};
 
 impl Sandboxes {
     /// Kills a sandbox. Its record is kept as Terminated with `reason` for the retention period,
     /// except after a user's delete, which forgets it at once.
-    pub async fn delete(&self, id: &str, reason: &str) -> Result<(), ApiError> {
+    pub async fn delete(&self, id: &str, reason: &str) -> Result<(), SandboxError> {
         let held = self.hold(id).await?;
         let rec = held.rec.clone();
         // A sandbox whose delete failed still holds what the runtime made: a delete tries again.
@@ -27,8 +27,8 @@ impl Sandboxes {
                 self.forget(id);
                 return Ok(());
             }
-            return Err(ApiError::new(
-                http::StatusCode::NOT_FOUND,
+            return Err(SandboxError::new(
+                ErrorKind::NotFound,
                 ErrorCode::SandboxNotFound,
                 format!("sandbox {id} is already {}", rec.state.as_str()),
             ));
@@ -37,7 +37,7 @@ impl Sandboxes {
         moved(&mut stopping, SandboxState::Stopping, Some(reason), None);
         match self.share(&stopping).await {
             // Gone already (removed by another replica, or behind Warren's back): still removed.
-            Err(e) if e.status != http::StatusCode::NOT_FOUND => return Err(e),
+            Err(e) if e.kind != ErrorKind::NotFound => return Err(e),
             _ => {}
         }
         let destroyed = async {
@@ -63,10 +63,10 @@ impl Sandboxes {
                 Ok(()) => (Settle::to(SandboxState::Terminated, reason), Ok(())),
                 Err(e @ RuntimeError::Unavailable(_)) => (
                     Settle::Back,
-                    Err(ApiError::from_runtime("deleting the sandbox", e)),
+                    Err(SandboxError::from_runtime("deleting the sandbox", e)),
                 ),
                 Err(e) => {
-                    let err = ApiError::from_runtime("deleting the sandbox", e);
+                    let err = SandboxError::from_runtime("deleting the sandbox", e);
                     let failed = Settle::To {
                         state: SandboxState::Failed,
                         reason: Some(REASON_DELETE_FAILED.to_owned()),
@@ -86,11 +86,11 @@ impl Sandboxes {
         Ok(())
     }
 
-    pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn pause(&self, id: &str) -> Result<(), SandboxError> {
         self.freeze_for(id, true, "user_pause").await
     }
 
-    pub async fn resume(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn resume(&self, id: &str) -> Result<(), SandboxError> {
         self.freeze_for(id, false, "user_resume").await
     }
 
@@ -102,7 +102,7 @@ impl Sandboxes {
         id: &str,
         pause: bool,
         reason: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), SandboxError> {
         let (from, via, to, code, context) = if pause {
             (
                 SandboxState::Running,
@@ -123,7 +123,7 @@ impl Sandboxes {
         let held = self.hold(id).await?;
         let rec = &held.rec;
         if rec.state != from {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 code,
                 format!(
                     "sandbox {id} is {}, not {}",
@@ -147,7 +147,7 @@ impl Sandboxes {
                 }
                 (Settle::to(to, reason), Ok(()))
             }
-            Err(e) => (Settle::Back, Err(ApiError::from_runtime(context, e))),
+            Err(e) => (Settle::Back, Err(SandboxError::from_runtime(context, e))),
         })
         .await
     }
@@ -221,7 +221,7 @@ impl Sandboxes {
         &self,
         id: &str,
         expires_at: DateTime<Utc>,
-    ) -> Result<DateTime<Utc>, ApiError> {
+    ) -> Result<DateTime<Utc>, SandboxError> {
         self.renew_to(id, expires_at, false).await
     }
 
@@ -231,7 +231,7 @@ impl Sandboxes {
         &self,
         id: &str,
         expires_at: DateTime<Utc>,
-    ) -> Result<DateTime<Utc>, ApiError> {
+    ) -> Result<DateTime<Utc>, SandboxError> {
         self.renew_to(id, expires_at, true).await
     }
 
@@ -240,23 +240,23 @@ impl Sandboxes {
         id: &str,
         expires_at: DateTime<Utc>,
         only_later: bool,
-    ) -> Result<DateTime<Utc>, ApiError> {
+    ) -> Result<DateTime<Utc>, SandboxError> {
         let held = self.hold(id).await?;
         let rec = held.rec.clone();
         if rec.state.is_terminal() || rec.state == SandboxState::Stopping {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::InvalidState,
                 format!("sandbox {id} is {}", rec.state.as_str()),
             ));
         }
         if rec.expires_at.is_none() {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::InvalidExpiration,
                 format!("sandbox {id} has no expiry (manual cleanup)"),
             ));
         }
         if expires_at <= Utc::now() {
-            return Err(ApiError::bad_request(
+            return Err(SandboxError::bad_request(
                 ErrorCode::InvalidExpiration,
                 "expiresAt must be in the future",
             ));
@@ -275,11 +275,11 @@ impl Sandboxes {
         &self,
         id: &str,
         patch: Vec<(String, Option<String>)>,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, SandboxError> {
         let held = self.hold(id).await?;
         let entry = &held.entry;
         if held.rec.state.is_terminal() {
-            return Err(ApiError::conflict(
+            return Err(SandboxError::conflict(
                 ErrorCode::InvalidState,
                 format!("sandbox {id} has ended"),
             ));
