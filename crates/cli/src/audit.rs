@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
-use warren_server::audit::{files, AuditEntry};
+use warren_server::audit_log::{files, AuditEntry};
 
 use crate::output::{self, or_dash, OutputArgs};
 

@@ -238,7 +238,7 @@ impl Run {
         };
         let mut s = format!(
             "{} {} ran {:.2} s: {end}",
-            crate::routes::rfc3339(self.started),
+            crate::time::rfc3339(self.started),
             self.hook,
             self.seconds
         );

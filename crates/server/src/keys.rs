@@ -526,6 +526,35 @@ fn parse_document(bytes: Option<&[u8]>) -> std::io::Result<Vec<KeyEntry>> {
     }
 }
 
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The key's id (`server` for the server's own key).
+    pub key_id: String,
+    pub role: Role,
+    /// The tenant it acts as: whose objects it makes.
+    pub tenant: String,
+    /// An admin acting for no one tenant: it sees every tenant's objects.
+    pub all_tenants: bool,
+}
+
+impl Caller {
+    /// The server's own key, or no key at all (`--insecure-no-auth`).
+    pub fn server() -> Self {
+        Self {
+            key_id: "server".into(),
+            role: Role::Admin,
+            tenant: DEFAULT_TENANT.into(),
+            all_tenants: true,
+        }
+    }
+
+    /// Whether objects of `tenant` are this caller's to see.
+    pub fn sees(&self, tenant: &str) -> bool {
+        self.all_tenants || self.tenant == tenant
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,29 +1,21 @@
 //! Warren's lifecycle server: the OpenSandbox `/v1` API (also served unprefixed), API-key auth, the
 //! sandbox registry with durable state and expiry, and the endpoint proxy into sandboxes.
 
-mod admin;
-pub mod audit;
-pub mod auth;
+pub mod audit_log;
 pub mod config;
-mod diagnostics;
 mod disk_space;
-mod docs;
 pub mod error;
 mod execd_conns;
-mod front;
 mod hooks;
 pub mod http;
 mod idle;
 pub mod keys;
 pub mod network;
-mod openapi;
 mod pools;
-mod proxy;
 mod quotas;
-mod routes;
 mod sandbox_files;
 pub mod sandboxes;
-mod signed;
+mod signing;
 mod snapshots;
 mod state_file;
 #[cfg(test)]
@@ -31,7 +23,7 @@ mod state_machine_tests;
 mod stored;
 mod supervise;
 mod templates;
-pub mod tls;
+mod time;
 mod tokens;
 mod validate;
 pub mod volumes;
@@ -65,253 +57,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::HeaderValue;
-use axum::middleware::Next;
-use axum::response::Response;
-use axum::routing::{any, get, patch, post};
-use axum::Router;
-use warren_api::REQUEST_ID_HEADER;
 use warren_core::{Runtime, RuntimeExt};
 use warren_image::ImageStore;
 use warren_store::Store;
 
 pub use config::{Overrides, RuntimeKind, ServerConfig};
+pub use http::AppState;
 pub use sandboxes::Sandboxes;
-
-/// Lifecycle request bodies are small JSON documents; anything larger is refused with a 413.
-const MAX_JSON_BODY: usize = 1 << 20;
-
-#[derive(Clone)]
-pub struct AppState {
-    pub config: Arc<ServerConfig>,
-    pub storage: Arc<volumes::StoragePolicy>,
-    pub api_key: Option<Arc<str>>,
-    /// Tenants' keys (`keys.json` in the data dir), besides the server's own `api_key`.
-    pub keys: Arc<keys::KeyStore>,
-    pub quotas: Arc<quotas::Quotas>,
-    pub audit: Arc<audit::AuditLog>,
-    pub sandboxes: Sandboxes,
-    pub snapshots: snapshots::Snapshots,
-    pub pools: pools::Pools,
-    pub templates: templates::Templates,
-    /// What every create's references to stored objects go through (`stored`).
-    pub stored: stored::Stored,
-    /// The keys that sign endpoint URLs (`signed`).
-    pub signing: Arc<signed::SigningKeys>,
-    /// HTTPS, when `[tls]` asks for it.
-    pub tls: Option<Arc<tls::Tls>>,
-    pub local_addr: SocketAddr,
-}
-
-pub fn router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/health", get(routes::health))
-        .route("/openapi.json", get(openapi::document))
-        .route("/docs", get(docs::swagger))
-        .route("/redoc", get(docs::redoc))
-        .route("/sandboxes", post(routes::create).get(routes::list))
-        .route("/sandboxes/{id}", get(routes::get).delete(routes::delete))
-        .route("/sandboxes/{id}/pause", post(routes::pause))
-        .route("/sandboxes/{id}/resume", post(routes::resume))
-        .route("/sandboxes/{id}/renew-expiration", post(routes::renew))
-        .route("/sandboxes/{id}/metadata", patch(routes::patch_metadata))
-        .route("/sandboxes/{id}/endpoints/{port}", get(routes::endpoint))
-        .route(
-            "/sandboxes/{id}/networkpolicy",
-            get(routes::network_policy)
-                .put(routes::network_policy)
-                .patch(routes::network_policy)
-                .delete(routes::network_policy),
-        )
-        .route("/sandboxes/{id}/diagnostics/logs", get(diagnostics::logs))
-        .route(
-            "/sandboxes/{id}/diagnostics/events",
-            get(diagnostics::events),
-        )
-        .route(
-            "/sandboxes/{id}/diagnostics/inspect",
-            get(diagnostics::inspect),
-        )
-        .route(
-            "/sandboxes/{id}/diagnostics/summary",
-            get(diagnostics::summary),
-        )
-        .route(
-            "/sandboxes/{id}/diagnostics/context",
-            get(diagnostics::context),
-        )
-        .route(
-            "/sandboxes/{id}/credential-vault",
-            get(routes::credential_vault)
-                .post(routes::credential_vault)
-                .patch(routes::credential_vault)
-                .delete(routes::credential_vault),
-        )
-        .route(
-            "/sandboxes/{id}/credential-vault/{kind}",
-            get(routes::credential_vault),
-        )
-        .route(
-            "/sandboxes/{id}/credential-vault/{kind}/{name}",
-            get(routes::credential_vault),
-        )
-        .route("/metrics/events", post(routes::metrics_event))
-        .route("/usage", get(admin::usage))
-        .route("/admin/keys", post(admin::create_key).get(admin::list_keys))
-        .route("/admin/keys/{id}", axum::routing::delete(admin::revoke_key))
-        .route("/admin/keys/{id}/rotate", post(admin::rotate_key))
-        .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
-        .route("/snapshots", get(routes::list_snapshots))
-        .route("/pools", post(routes::create_pool).get(routes::list_pools))
-        .route(
-            "/templates",
-            post(routes::create_template).get(routes::list_templates),
-        )
-        .route(
-            "/templates/{id}",
-            get(routes::get_template).delete(routes::delete_template),
-        )
-        .route(
-            "/pools/{name}",
-            get(routes::get_pool)
-                .put(routes::update_pool)
-                .delete(routes::delete_pool),
-        )
-        .route(
-            "/snapshots/{id}",
-            get(routes::get_snapshot).delete(routes::delete_snapshot),
-        )
-        .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
-    // The proxy streams bodies of any size (file uploads), so it has no body limit.
-    let proxy = Router::new()
-        .route("/sandboxes/{id}/proxy/{port}", any(proxy::proxy_root))
-        .route("/sandboxes/{id}/proxy/{port}/", any(proxy::proxy_root))
-        .route(
-            "/sandboxes/{id}/proxy/{port}/{*rest}",
-            any(proxy::proxy_path),
-        )
-        .layer(DefaultBodyLimit::disable());
-    let both = api.merge(proxy);
-    Router::new()
-        .nest("/v1", both.clone())
-        .merge(both)
-        .fallback(routes::not_found)
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_api_key,
-        ))
-        // Preflights carry no key: answered before `auth`, and only for the API and the path proxy.
-        .layer(tower::util::option_layer(cors(&state.config.http)))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            signed::routes,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            audit::middleware,
-        ))
-        .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
-        .layer(axum::middleware::from_fn(request_id))
-        .layer(axum::middleware::from_fn(close_after_refused_body))
-        .with_state(state)
-}
-
-/// A request refused before its body was read (a 404 for a sandbox the caller does not see, a
-/// 401) leaves that body unread on the connection, and hyper then closes it after the answer: a
-/// client that sent its next request on it meanwhile ("Server disconnected without sending a
-/// response") loses that one. `Connection: close` on such an answer tells the client not to
-/// reuse the connection. HTTP/1 only (HTTP/2 has no such header, and streams end on their own).
-async fn close_after_refused_body(req: Request, next: Next) -> Response {
-    let has_body = req.version() < ::http::Version::HTTP_2
-        && (req
-            .headers()
-            .contains_key(::http::header::TRANSFER_ENCODING)
-            || req
-                .headers()
-                .get(::http::header::CONTENT_LENGTH)
-                .is_some_and(|v| v.as_bytes() != b"0"));
-    let mut resp = next.run(req).await;
-    if has_body && (resp.status().is_client_error() || resp.status().is_server_error()) {
-        resp.headers_mut().insert(
-            ::http::header::CONNECTION,
-            HeaderValue::from_static("close"),
-        );
-    }
-    resp
-}
-
-/// `[http] cors_allowed_origins`: browsers at these origins may call the API and the path proxy
-/// (with a key or an endpoint token in a header: no cookie is ever a credential here).
-fn cors(http: &config::HttpSection) -> Option<tower_http::cors::CorsLayer> {
-    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, CorsLayer};
-    let origins = &http.cors_allowed_origins;
-    if origins.is_empty() {
-        return None;
-    }
-    let allow = if origins.iter().any(|o| o == "*") {
-        AllowOrigin::any()
-    } else {
-        AllowOrigin::list(
-            origins
-                .iter()
-                .filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok()),
-        )
-    };
-    Some(
-        CorsLayer::new()
-            .allow_origin(allow)
-            .allow_methods(AllowMethods::mirror_request())
-            .allow_headers(AllowHeaders::mirror_request())
-            .expose_headers([
-                ::http::HeaderName::from_static("x-request-id"),
-                ::http::header::RETRY_AFTER,
-                ::http::header::LOCATION,
-            ])
-            .max_age(std::time::Duration::from_secs(600)),
-    )
-}
-
-/// The answer to a request whose handler panicked (a bug): an internal error naming the request,
-/// instead of a connection closed without a word. The panic itself is logged by the hook that
-/// `supervise::log_panics` installs.
-fn panicked(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
-    axum::response::IntoResponse::into_response(error::SandboxError::internal(
-        "answering the request",
-        &std::io::Error::other("the handler panicked"),
-    ))
-}
-
-/// Echoes the client's `X-Request-ID` or assigns one, on every response; what the server logs
-/// while answering carries it (a span), and an internal error's answer names it.
-async fn request_id(mut req: Request, next: Next) -> Response {
-    use tracing::Instrument;
-    let id = req
-        .headers()
-        .get(REQUEST_ID_HEADER)
-        .cloned()
-        .unwrap_or_else(|| {
-            HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
-                .unwrap_or(HeaderValue::from_static("-"))
-        });
-    let shown = String::from_utf8_lossy(id.as_bytes()).into_owned();
-    let span = tracing::error_span!("request", id = %shown);
-    // Inner layers (the audit log) read it from the request.
-    req.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
-    let mut resp = next.run(req).instrument(span).await;
-    if let Some(http::error::InternalError(code)) = resp.extensions().get().cloned() {
-        let (parts, _) = resp.into_parts();
-        let body = warren_api::ErrorBody {
-            code,
-            message: error::internal_message(&shown),
-        };
-        let json = serde_json::to_vec(&body).unwrap_or_default();
-        resp = Response::from_parts(parts, axum::body::Body::from(json));
-        resp.headers_mut().remove(::http::header::CONTENT_LENGTH);
-    }
-    resp.headers_mut().insert(REQUEST_ID_HEADER, id);
-    resp
-}
 
 /// A bound, ready server: recover state, then `run` to serve until the future is dropped.
 pub struct Server {
@@ -345,9 +97,9 @@ impl Server {
         } else if let Some(k) = &config.api_key {
             Some(Arc::from(k.as_str()))
         } else {
-            let (key, fresh) = auth::load_or_generate_key(&config.data_dir)
+            let (key, fresh) = http::auth::load_or_generate_key(&config.data_dir)
                 .context("creating the API key file")?;
-            let path = auth::key_file(&config.data_dir);
+            let path = http::auth::key_file(&config.data_dir);
             if fresh {
                 eprintln!(
                     "warren: generated an API key; it is stored (0600) in {}",
@@ -362,12 +114,12 @@ impl Server {
             anyhow::bail!("refusing to listen on {} without an API key", config.listen);
         }
         // Before anything starts: a certificate that does not load costs nothing to undo.
-        let tls =
-            tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config)).context("[tls]")?;
+        let tls = http::tls::Tls::open(&config.tls, &config.data_dir, &tls_names(&config))
+            .context("[tls]")?;
         if tls.is_some() && config.tls.self_signed {
             eprintln!(
                 "warren: serving HTTPS with a development certificate; clients trust {}",
-                tls::dev_ca_file(&config.data_dir).display()
+                http::tls::dev_ca_file(&config.data_dir).display()
             );
         }
         // Bound before anything that starts processes or makes cgroups (the runtime's standby
@@ -441,7 +193,7 @@ impl Server {
         )
         .context("opening the templates")?;
         let signing = Arc::new(
-            signed::SigningKeys::open(
+            signing::SigningKeys::open(
                 &config.endpoints,
                 &config.data_dir,
                 sandboxes
@@ -461,7 +213,10 @@ impl Server {
                 None => keys::KeyStore::open(&config.data_dir),
             }),
             quotas,
-            audit: Arc::new(audit::AuditLog::new(&config.data_dir, config.audit.clone())),
+            audit: Arc::new(audit_log::AuditLog::new(
+                &config.data_dir,
+                config.audit.clone(),
+            )),
             config: Arc::new(config),
             api_key,
             sandboxes,
@@ -486,9 +241,9 @@ impl Server {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let app = router(self.state.clone());
+        let app = http::router(self.state.clone());
         let http = &self.state.config.http;
-        let limits = front::Limits {
+        let limits = http::front::Limits {
             header_timeout: std::time::Duration::from_secs_f64(http.header_timeout_seconds),
             max_connections: http.max_connections,
         };
@@ -498,7 +253,7 @@ impl Server {
         let reloads = tokio::spawn(reload_on_sighup(self.state.clone(), hup));
         let key_refresh = tokio::spawn(refresh_shared_keys(self.state.keys.clone()));
         let tls = self.state.tls.as_ref().map(|t| t.acceptor());
-        front::serve(self.listener, app, limits, tls, shutdown).await;
+        http::front::serve(self.listener, app, limits, tls, shutdown).await;
         reloads.abort();
         key_refresh.abort();
         self.reaper.abort();
@@ -652,70 +407,4 @@ fn default_env(config: &ServerConfig) -> std::collections::BTreeMap<String, Stri
         );
     }
     env
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tower::ServiceExt;
-
-    #[tokio::test]
-    async fn an_internal_error_or_a_panic_answers_with_its_request_id_and_no_cause() {
-        async fn fails() -> Result<(), error::SandboxError> {
-            let cause = std::io::Error::other("open /var/lib/warren/secret/path: EACCES");
-            Err(error::SandboxError::internal("making the sandbox", &cause))
-        }
-        async fn panics() -> Result<(), error::SandboxError> {
-            panic!("a bug in a handler")
-        }
-        let app: axum::Router = axum::Router::new()
-            .route("/x", axum::routing::get(fails))
-            .route("/panic", axum::routing::get(panics))
-            .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
-            .layer(axum::middleware::from_fn(request_id));
-        let req = axum::http::Request::builder()
-            .uri("/panic")
-            .body(axum::body::Body::empty())
-            .expect("request");
-        let resp = app
-            .clone()
-            .oneshot(req)
-            .await
-            .expect("an answer, not a dropped connection");
-        assert_eq!(resp.status(), 500);
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .expect("body")
-            .to_bytes();
-        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
-        assert!(
-            body["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("internal error (request id")),
-            "{body}"
-        );
-        let req = axum::http::Request::builder()
-            .uri("/x")
-            .header(REQUEST_ID_HEADER, "req-42")
-            .body(axum::body::Body::empty())
-            .expect("request");
-        let resp = app.oneshot(req).await.expect("answer");
-        assert_eq!(resp.status(), 500);
-        assert_eq!(resp.headers()[REQUEST_ID_HEADER], "req-42");
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .expect("body")
-            .to_bytes();
-        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
-        assert_eq!(body["code"], "GENERAL::UNKNOWN_ERROR");
-        let message = body["message"].as_str().expect("message");
-        assert!(
-            message.contains("internal error") && message.contains("req-42"),
-            "{message}"
-        );
-        assert!(
-            !message.contains("/var/lib") && !message.contains("EACCES"),
-            "{message}"
-        );
-    }
 }

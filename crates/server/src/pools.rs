@@ -22,9 +22,9 @@ use warren_api::ErrorCode;
 use warren_core::Background;
 use warren_store::{SandboxRecord, DEFAULT_TENANT};
 
-use crate::auth::Caller;
 use crate::config::LimitsSection;
 use crate::error::{ErrorKind, SandboxError};
+use crate::keys::Caller;
 use crate::quotas::Quotas;
 use crate::sandboxes::{isolation_requested, ISOLATION_EXTENSION};
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
@@ -827,7 +827,7 @@ impl Pools {
                 available,
                 revision: revision(&pool.spec),
             },
-            created_at: crate::routes::rfc3339(pool.created_at),
+            created_at: crate::time::rfc3339(pool.created_at),
         }
     }
 

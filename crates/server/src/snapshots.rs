@@ -16,10 +16,10 @@ use warren_api::lifecycle::{Snapshot, SnapshotStatus};
 use warren_api::ErrorCode;
 use warren_image::{ImageStore, SNAPSHOT_REPOSITORY};
 
-use crate::auth::Caller;
 use crate::error::{ErrorKind, SandboxError};
-use crate::routes::rfc3339;
+use crate::keys::Caller;
 use crate::sandboxes::{snapshot_source_state, Sandboxes};
+use crate::time::rfc3339;
 
 pub const CREATING: &str = "Creating";
 pub const READY: &str = "Ready";

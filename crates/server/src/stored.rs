@@ -125,23 +125,6 @@ fn strip_prefix_ignore_case<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
         .then(|| &s[prefix.len()..])
 }
 
-/// The runtime's name for `tenant`'s named volume `claim`: `<tenant>.<claim>`, the default
-/// tenant's under its plain claim (volumes made before tenants keep their names). Tenant names
-/// hold no `.`; a default-tenant claim may hold none either, or the default tenant's `alpha.data`
-/// would be tenant alpha's `data`. A tenant's own claims may: `alpha.x.y` is
-/// still only alpha's.
-pub fn volume_name(tenant: &str, claim: &str) -> Result<String, SandboxError> {
-    if tenant != DEFAULT_TENANT {
-        return Ok(format!("{tenant}.{claim}"));
-    }
-    if claim.contains('.') {
-        return Err(SandboxError::invalid(format!(
-            "claimName {claim:?}: the default tenant's claim names hold no '.' (a tenant's volumes are kept as <tenant>.<claim>, so a dotted name would be another tenant's)"
-        )));
-    }
-    Ok(claim.to_string())
-}
-
 /// A pool's key: its name, qualified by its tenant unless that is the default one (whose pools,
 /// and their sandboxes' records, keep the names they had before tenants). Pool names and tenant
 /// names hold no `/`, so keys of two tenants never meet.
@@ -157,6 +140,7 @@ pub fn pool_key(tenant: &str, name: &str) -> String {
 mod tests {
     use super::*;
     use crate::snapshots::{SnapshotRecord, READY};
+    use crate::volumes::volume_name;
 
     const A: &str = "11111111-2222-4333-8444-555555555555";
     const B: &str = "66666666-7777-4888-8999-aaaaaaaaaaaa";

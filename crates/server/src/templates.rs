@@ -22,9 +22,9 @@ use warren_api::lifecycle::{
 };
 use warren_api::ErrorCode;
 
-use crate::auth::Caller;
 use crate::config::LimitsSection;
 use crate::error::{ErrorKind, SandboxError};
+use crate::keys::Caller;
 use crate::sandboxes::{Sandboxes, REASON_USER_DELETE};
 use crate::snapshots::{self, Snapshots};
 use crate::stored::Stored;
@@ -78,8 +78,8 @@ impl Record {
                     .map(|s| format!("warren-snapshot://{s}")),
                 message: self.message.clone(),
             },
-            created_at: crate::routes::rfc3339(self.created_at),
-            updated_at: crate::routes::rfc3339(self.updated_at),
+            created_at: crate::time::rfc3339(self.created_at),
+            updated_at: crate::time::rfc3339(self.updated_at),
             resource_limits: r.resource_limits.clone(),
             entrypoint: r.entrypoint.clone(),
             env: r.env.clone(),

@@ -63,7 +63,7 @@ pub struct CreatePlan {
 
 impl CreatePlan {
     /// Makes the sandbox `tenant`'s. Its named volumes are that tenant's: another tenant's
-    /// `claimName` is another volume (named by `stored::volume_name`, so that no name of one
+    /// `claimName` is another volume (named by `volumes::volume_name`, so that no name of one
     /// tenant is ever another's). Host folders are the server's, not a tenant's: only the default
     /// tenant (the server's own key, and admins acting for no tenant) mounts them. What the plan
     /// names of stored images is resolved for the tenant afterwards (`stored::Stored::resolve`).
@@ -72,7 +72,7 @@ impl CreatePlan {
         for v in &mut self.volumes {
             match &mut v.source {
                 warren_core::VolumeSource::Named { claim, .. } => {
-                    *claim = crate::stored::volume_name(tenant, claim)?;
+                    *claim = crate::volumes::volume_name(tenant, claim)?;
                 }
                 warren_core::VolumeSource::Host(_) if tenant == warren_store::DEFAULT_TENANT => {}
                 warren_core::VolumeSource::Host(_) => {

@@ -294,6 +294,23 @@ fn node_source(
     Ok(full)
 }
 
+/// The runtime's name for `tenant`'s named volume `claim`: `<tenant>.<claim>`, the default
+/// tenant's under its plain claim (volumes made before tenants keep their names). Tenant names
+/// hold no `.`; a default-tenant claim may hold none either, or the default tenant's `alpha.data`
+/// would be tenant alpha's `data`. A tenant's own claims may: `alpha.x.y` is
+/// still only alpha's.
+pub fn volume_name(tenant: &str, claim: &str) -> Result<String, SandboxError> {
+    if tenant != warren_store::DEFAULT_TENANT {
+        return Ok(format!("{tenant}.{claim}"));
+    }
+    if claim.contains('.') {
+        return Err(SandboxError::invalid(format!(
+            "claimName {claim:?}: the default tenant's claim names hold no '.' (a tenant's volumes are kept as <tenant>.<claim>, so a dotted name would be another tenant's)"
+        )));
+    }
+    Ok(claim.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -71,7 +71,8 @@ pub async fn serve(
         let service =
             TowerToHyperService::new(app.clone().map_request(move |req: Request<Incoming>| {
                 let mut req = req.map(axum::body::Body::new);
-                req.extensions_mut().insert(crate::audit::ClientAddr(peer));
+                req.extensions_mut()
+                    .insert(crate::http::audit::ClientAddr(peer));
                 req
             }));
         let stop = stop_rx.clone();

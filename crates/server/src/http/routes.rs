@@ -7,7 +7,9 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, Utc};
+
+use crate::time::rfc3339;
 use warren_api::lifecycle::{
     CreateSandboxRequest, Endpoint, Health, ImageSpec, ListSandboxesResponse, MetricsEvent,
     Pagination, RenewExpirationRequest, RenewExpirationResponse, Sandbox, SandboxState,
@@ -16,12 +18,12 @@ use warren_api::lifecycle::{
 use warren_api::{ErrorBody, ErrorCode, ACCESS_TOKEN_HEADER};
 use warren_store::SandboxRecord;
 
-use crate::auth::Caller;
 use crate::error::{ErrorKind, SandboxError};
+use crate::http::auth::Caller;
 use crate::http::error::ApiJson;
+use crate::http::AppState;
 use crate::sandboxes::REASON_USER_DELETE;
 use crate::validate::{create_plan, validate_metadata};
-use crate::AppState;
 use warren_core::RuntimeExt;
 
 const MAX_PAGE_SIZE: u32 = 1000;
@@ -101,10 +103,6 @@ impl Paging {
             },
         )
     }
-}
-
-pub fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
 pub fn to_wire(r: &SandboxRecord) -> Sandbox {
@@ -376,9 +374,9 @@ pub async fn network_policy(
 ) -> Result<Json<crate::network::PolicyStatus>, SandboxError> {
     let sandboxes = app.sandboxes.clone();
     Ok(Json(
-        to_completion(
-            async move { crate::network::policy_call(&sandboxes, &id, &method, &body).await },
-        )
+        to_completion(async move {
+            crate::http::policy::policy_call(&sandboxes, &id, &method, &body).await
+        })
         .await?,
     ))
 }
@@ -393,7 +391,7 @@ pub async fn credential_vault(
     method: http::Method,
     body: axum::body::Bytes,
 ) -> Result<Response, SandboxError> {
-    use crate::network::{vault_call, VaultSurface};
+    use crate::http::policy::{vault_call, VaultSurface};
     let mut id = String::new();
     let mut sub = String::new();
     for (key, value) in params {
@@ -480,7 +478,7 @@ pub async fn endpoint(
         .unwrap_or_else(|| app.local_addr.to_string());
     if let Some((expires, now)) = expires {
         // A signed URL carries its own credential: no header to send (see `signed`).
-        let endpoint = crate::signed::signed_endpoint(&app, &host, &id, port, expires, now)?;
+        let endpoint = crate::http::signed::signed_endpoint(&app, &host, &id, port, expires, now)?;
         return Ok(Json(Endpoint {
             endpoint,
             headers: BTreeMap::new(),
@@ -498,7 +496,7 @@ pub async fn endpoint(
     }
     out.insert(ACCESS_TOKEN_HEADER.to_string(), token);
     Ok(Json(Endpoint {
-        endpoint: crate::signed::host_endpoint(&app, &id, port)
+        endpoint: crate::http::signed::host_endpoint(&app, &id, port)
             .unwrap_or_else(|| format!("{host}/sandboxes/{id}/proxy/{port}")),
         headers: out,
     }))

@@ -17,9 +17,9 @@ use warren_api::lifecycle::{DiagnosticContent, DiagnosticContext, SandboxState};
 use warren_api::{ErrorBody, ErrorCode};
 
 use crate::error::{ErrorKind, SandboxError};
-use crate::routes::rfc3339;
+use crate::http::AppState;
 use crate::sandboxes::Events;
-use crate::AppState;
+use crate::time::rfc3339;
 
 const LOG_SCOPES: &[&str] = &["container", "lifecycle", "all"];
 const EVENT_SCOPES: &[&str] = &["runtime", "all"];

@@ -10,7 +10,7 @@ use warren_api::lifecycle::{
 };
 use warren_api::ErrorBody;
 
-use crate::routes;
+use crate::http::routes;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -41,9 +41,9 @@ use crate::routes;
         routes::get_pool,
         routes::update_pool,
         routes::delete_pool,
-        crate::diagnostics::logs,
-        crate::diagnostics::events,
-        crate::diagnostics::context,
+        crate::http::diagnostics::logs,
+        crate::http::diagnostics::events,
+        crate::http::diagnostics::context,
         routes::create_template,
         routes::list_templates,
         routes::get_template,

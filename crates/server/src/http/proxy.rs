@@ -12,11 +12,11 @@ use hyper_util::rt::TokioIo;
 use warren_api::lifecycle::SandboxState;
 use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 
-use crate::auth::Caller;
 use crate::error::{ErrorKind, SandboxError};
 use crate::execd_conns;
+use crate::http::auth::Caller;
+use crate::http::AppState;
 use crate::keys::Role;
-use crate::AppState;
 
 pub async fn proxy_root(
     state: State<AppState>,
@@ -215,7 +215,7 @@ async fn relay_opened(
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(ACCESS_TOKEN_HEADER);
     parts.headers.remove(API_KEY_HEADER);
-    parts.headers.remove(crate::auth::TENANT_HEADER);
+    parts.headers.remove(crate::http::auth::TENANT_HEADER);
     parts.headers.remove(crate::network::EGRESS_AUTH_HEADER);
     parts
         .headers
@@ -367,8 +367,8 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
     let path = rest.trim_end_matches('/');
     if path == "credential-vault" || path.starts_with("credential-vault/") {
         let sub = path.trim_start_matches("credential-vault");
-        let surface = crate::network::VaultSurface::Sidecar;
-        return match crate::network::vault_call(
+        let surface = crate::http::policy::VaultSurface::Sidecar;
+        return match crate::http::policy::vault_call(
             app.sandboxes.network(),
             id,
             &method,
@@ -385,10 +385,12 @@ async fn egress_surface(app: &AppState, id: &str, rest: &str, req: Request) -> R
     }
     match path {
         "healthz" => (StatusCode::OK, "ok").into_response(),
-        "policy" => match crate::network::policy_call(&app.sandboxes, id, &method, &body).await {
-            Ok(status) => axum::Json(status).into_response(),
-            Err(e) => (e.status(), e.public_message()).into_response(),
-        },
+        "policy" => {
+            match crate::http::policy::policy_call(&app.sandboxes, id, &method, &body).await {
+                Ok(status) => axum::Json(status).into_response(),
+                Err(e) => (e.status(), e.public_message()).into_response(),
+            }
+        }
         other => (
             StatusCode::NOT_FOUND,
             format!("no egress route /{other} (try /policy)"),

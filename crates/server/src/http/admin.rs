@@ -10,8 +10,8 @@ use warren_api::ErrorCode;
 
 use crate::error::{ErrorKind, SandboxError};
 use crate::http::error::ApiJson;
+use crate::http::AppState;
 use crate::keys::{KeyError, Role};
-use crate::AppState;
 
 fn from_key_error(e: KeyError) -> SandboxError {
     match e {
@@ -75,7 +75,7 @@ pub async fn rotate_key(
 /// The caller's tenant's usage and quotas (an admin acting for no tenant: the default tenant's).
 pub async fn usage(
     State(app): State<AppState>,
-    axum::Extension(caller): axum::Extension<crate::auth::Caller>,
+    axum::Extension(caller): axum::Extension<crate::http::auth::Caller>,
 ) -> Json<warren_api::admin::Usage> {
     let live = app.sandboxes.live_of(&caller.tenant);
     let snapshot_bytes = app.snapshots.bytes_of(&caller.tenant, None);

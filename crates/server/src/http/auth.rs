@@ -19,39 +19,11 @@ use subtle::ConstantTimeEq;
 use warren_api::{ErrorCode, API_KEY_HEADER};
 
 use crate::error::{ErrorKind, SandboxError};
-use crate::keys::{check_tenant, Role, DEFAULT_TENANT};
-use crate::AppState;
+use crate::http::AppState;
+use crate::keys::{check_tenant, Role};
 
+pub use crate::keys::Caller;
 pub use warren_api::admin::TENANT_HEADER;
-
-/// Who is calling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller {
-    /// The key's id (`server` for the server's own key).
-    pub key_id: String,
-    pub role: Role,
-    /// The tenant it acts as: whose objects it makes.
-    pub tenant: String,
-    /// An admin acting for no one tenant: it sees every tenant's objects.
-    pub all_tenants: bool,
-}
-
-impl Caller {
-    /// The server's own key, or no key at all (`--insecure-no-auth`).
-    pub fn server() -> Self {
-        Self {
-            key_id: "server".into(),
-            role: Role::Admin,
-            tenant: DEFAULT_TENANT.into(),
-            all_tenants: true,
-        }
-    }
-
-    /// Whether objects of `tenant` are this caller's to see.
-    pub fn sees(&self, tenant: &str) -> bool {
-        self.all_tenants || self.tenant == tenant
-    }
-}
 
 /// Paths that answer without a key: health, the OpenAPI document and its pages, and the sandbox
 /// proxy (which checks its own per-sandbox token, or a key).

@@ -8,7 +8,7 @@ use axum::response::Html;
 use serde_json::Value;
 use utoipa::OpenApi;
 
-use crate::openapi::ApiDoc;
+use crate::http::openapi::ApiDoc;
 
 const SWAGGER_UI: &str = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5";
 const REDOC: &str = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js";
