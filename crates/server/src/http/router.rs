@@ -107,7 +107,7 @@ pub fn router(state: AppState) -> Router {
         )
         .layer(DefaultBodyLimit::disable());
     let both = api.merge(proxy);
-    Router::new()
+    let keyed = Router::new()
         .nest("/v1", both.clone())
         .merge(both)
         .fallback(routes::not_found)
@@ -116,11 +116,11 @@ pub fn router(state: AppState) -> Router {
             auth::require_api_key,
         ))
         // Preflights carry no key: answered before `auth`, and only for the API and the path proxy.
-        .layer(tower::util::option_layer(cors(&state.config.http)))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            signed::routes,
-        ))
+        .layer(tower::util::option_layer(cors(&state.config.http)));
+    // Signed paths carry their own credential: routed beside the key check, not behind it.
+    let own_host = keyed.merge(signed::path_router()).with_state(state.clone());
+    // A sandbox's own host (`[endpoints] domain`) is its app's at every path.
+    signed::ByHost::new(&state, own_host)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             audit::middleware,
@@ -128,7 +128,6 @@ pub fn router(state: AppState) -> Router {
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
         .layer(axum::middleware::from_fn(request_id))
         .layer(axum::middleware::from_fn(close_after_refused_body))
-        .with_state(state)
 }
 
 /// A request refused before its body was read (a 404 for a sandbox the caller does not see, a

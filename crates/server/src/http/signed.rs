@@ -17,9 +17,10 @@
 //! Host routing also takes `{port}-{id}.{domain}` with the credentials the path proxy takes (the
 //! port's token header, or a key).
 
-use axum::extract::{Request, State};
-use axum::middleware::Next;
+use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use axum::{Extension, Router};
 use http::StatusCode;
 use warren_api::ErrorCode;
 
@@ -113,81 +114,107 @@ pub fn host_endpoint(app: &AppState, id: &str, port: u16) -> Option<String> {
         .map(|domain| format!("{port}-{id}.{domain}"))
 }
 
-/// What a request's host or path routes to, when it is not the API.
-enum Route {
-    /// A signed route token, the rest of the path (from its `/`), and whether it came on
-    /// Warren's own host (`/signed/{token}/…`) rather than as a host of its own.
-    Signed {
-        token: String,
-        rest: String,
-        on_path: bool,
-        /// `/signed/{token}` with nothing after the token, not even `/`.
-        bare: bool,
-    },
-    /// `{port}-{id}.{domain}`: opened as the path proxy is.
-    Host { id: String, port: String },
+/// Sends each request to one of two routers by its host: a host under `[endpoints] domain` (a
+/// sandbox's own: `{token}.{domain}` or `{port}-{id}.{domain}`) to the endpoint hosts' router,
+/// where every path is the app's (an app's `/v1/sandboxes` is the app's, not Warren's); any other
+/// to the API's. axum routes by path only, so the host is looked at here, once.
+#[derive(Clone)]
+pub struct ByHost {
+    /// The domain's host name, lower case, without a port.
+    domain: String,
+    hosts: Router,
+    api: Router,
 }
 
-fn route_of(app: &AppState, req: &Request) -> Option<Route> {
-    let path = req.uri().path();
-    if let Some(domain) = app.config.endpoints.host() {
-        let host = req
-            .headers()
-            .get(http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri().host())
-            // A fully qualified name (`….example.com.`) is the same name.
-            .map(|h| host_part(h).trim_end_matches('.').to_ascii_lowercase());
-        if let Some(label) = host
-            .as_deref()
-            .and_then(|h| h.strip_suffix(domain.as_str()))
-            .and_then(|h| h.strip_suffix('.'))
-        {
-            if label.contains('.') || label.is_empty() {
-                // Deeper names are nobody's; answered, never taken for the API.
-                return Some(Route::Signed {
-                    token: String::new(),
-                    rest: String::new(),
-                    on_path: false,
-                    bare: false,
-                });
-            }
-            return Some(match label.split_once('-') {
-                Some((port, id)) if port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit()) => {
-                    Route::Host {
-                        id: id.to_string(),
-                        port: port.to_string(),
-                    }
-                }
-                _ => Route::Signed {
-                    token: label.to_string(),
-                    rest: path.trim_start_matches('/').to_string(),
-                    on_path: false,
-                    bare: false,
-                },
-            });
+impl ByHost {
+    pub fn new(app: &AppState, api: Router) -> Router {
+        match app.config.endpoints.host() {
+            None => api,
+            Some(domain) => Router::new().fallback_service(ByHost {
+                domain,
+                hosts: host_router(app.clone()),
+                api,
+            }),
         }
     }
-    let p = path.strip_prefix("/v1").unwrap_or(path);
-    let tail = p.strip_prefix("/signed/")?;
-    let (token, rest) = tail.split_once('/').unwrap_or((tail, ""));
-    Some(Route::Signed {
-        token: token.to_string(),
-        rest: rest.to_string(),
-        on_path: true,
-        bare: !tail.contains('/'),
+}
+
+impl tower::Service<Request> for ByHost {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::BoxFuture<'static, Result<Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request) -> Self::Future {
+        let router = match endpoint_label(&self.domain, &req) {
+            Some(label) => {
+                req.extensions_mut().insert(EndpointHost(label));
+                self.hosts.clone()
+            }
+            None => self.api.clone(),
+        };
+        Box::pin(tower::ServiceExt::oneshot(router, req))
+    }
+}
+
+/// The label before `.{domain}` in a request's host, if its host is under the domain. A deeper
+/// name is nobody's: it comes back empty, which opens nothing.
+fn endpoint_label(domain: &str, req: &Request) -> Option<String> {
+    let host = req
+        .headers()
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri().host())
+        // A fully qualified name (`….example.com.`) is the same name.
+        .map(|h| host_part(h).trim_end_matches('.').to_ascii_lowercase())?;
+    let label = host.strip_suffix(domain)?.strip_suffix('.')?;
+    Some(if label.contains('.') {
+        String::new()
+    } else {
+        label.to_string()
     })
 }
 
-/// Outside the API's routes and its key check: requests for a sandbox's host or a signed path
-/// never reach them (an app's `/v1/sandboxes` is the app's, not Warren's).
-pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let (mut resp, routed) = match route_of(&app, &req) {
-        None => return next.run(req).await,
-        Some(Route::Host { id, port }) => {
-            let rest = req.uri().path().trim_start_matches('/').to_string();
+/// The label `ByHost` found in the request's host.
+#[derive(Clone)]
+struct EndpointHost(String);
+
+/// A sandbox's own host: every path is its app's.
+fn host_router(app: AppState) -> Router {
+    Router::new()
+        .route("/", any(on_host))
+        .route("/{*rest}", any(on_host))
+        .with_state(app)
+}
+
+/// Signed paths on Warren's own host, under `/v1` and unprefixed, outside the key check: the
+/// token is the credential.
+pub fn path_router() -> Router<AppState> {
+    let signed = Router::new()
+        .route("/signed/{token}", any(on_path_bare))
+        .route("/signed/{token}/", any(on_path))
+        .route("/signed/{token}/{*rest}", any(on_path));
+    Router::new().nest("/v1", signed.clone()).merge(signed)
+}
+
+/// `{token}.{domain}` opens its port; `{port}-{id}.{domain}` opens as the path proxy does (the
+/// port's token, or a key of the sandbox's tenant).
+async fn on_host(
+    State(app): State<AppState>,
+    Extension(EndpointHost(label)): Extension<EndpointHost>,
+    req: Request,
+) -> Response {
+    let rest = req.uri().path().trim_start_matches('/').to_string();
+    match label.split_once('-') {
+        Some((port, id)) if port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit()) => {
             let routed = Routed {
-                sandbox: Some(id.clone()),
+                sandbox: Some(id.to_string()),
                 port: port.parse().ok(),
                 opened_by: "endpoint-token",
             };
@@ -201,76 +228,136 @@ pub async fn routes(State(app): State<AppState>, req: Request, next: Next) -> Re
             if let Some(c) = &caller {
                 req.extensions_mut().insert(c.clone());
             }
-            let mut resp = crate::http::proxy::forward(State(app), id, port, rest, req).await;
+            let mut resp = crate::http::proxy::forward(
+                State(app),
+                id.to_string(),
+                port.to_string(),
+                rest,
+                req,
+            )
+            .await;
             host_only_cookies(&mut resp);
             if let Some(c) = caller {
                 // For the audit log: the key that asked, as `auth` leaves it for the path proxy.
                 resp.extensions_mut().insert(c);
             }
-            (resp, routed)
+            with_routed(resp, routed)
         }
-        Some(Route::Signed {
-            token,
-            rest,
-            on_path,
-            bare,
-        }) => {
-            let now = chrono::Utc::now().timestamp().max(0) as u64;
-            match app.signing.verify(&token, now) {
-                Ok((id, port)) => {
-                    let routed = Routed {
-                        sandbox: Some(id.clone()),
-                        port: Some(port),
-                        opened_by: "signed-url",
-                    };
-                    if bare {
-                        // The URL as handed out names the app's root without its slash: a page
-                        // there resolves `app.js` to `/signed/app.js`, beside the token. Sent to
-                        // the same URL with the slash (308 keeps the method and body), its
-                        // relative links load as they would at the app's `/`.
-                        let location = match req.uri().query() {
-                            Some(q) => format!("{}/?{q}", req.uri().path()),
-                            None => format!("{}/", req.uri().path()),
-                        };
-                        let resp = (
-                            StatusCode::PERMANENT_REDIRECT,
-                            [(http::header::LOCATION, location)],
-                        )
-                            .into_response();
-                        (resp, routed)
-                    } else if on_path && req.headers().contains_key("service-worker") {
-                        let e = SandboxError::new(
-                            ErrorKind::Forbidden,
-                            ErrorCode::InvalidAccessToken,
-                            "an app on a signed path cannot register a service worker (it would be Warren's origin's): use host routing ([endpoints] domain)",
-                        );
-                        (e.into_response(), routed)
-                    } else {
-                        let mut resp = crate::http::proxy::relay(&app, &id, port, &rest, req).await;
-                        if on_path {
-                            confine_to_opaque_origin(&mut resp);
-                        } else {
-                            host_only_cookies(&mut resp);
-                        }
-                        (resp, routed)
-                    }
-                }
-                Err(why) => (
-                    SandboxError::new(
-                        ErrorKind::Unauthenticated,
-                        ErrorCode::InvalidAccessToken,
-                        why,
-                    )
-                    .into_response(),
-                    Routed {
-                        sandbox: None,
-                        port: None,
-                        opened_by: "signed-url",
-                    },
-                ),
-            }
+        _ => open_signed(&app, &label, &rest, Opened::OnHost, req).await,
+    }
+}
+
+/// `/signed/{token}` with nothing after the token, not even `/`.
+async fn on_path_bare(
+    State(app): State<AppState>,
+    Path(token): Path<String>,
+    req: Request,
+) -> Response {
+    open_signed(&app, &token, "", Opened::Bare, req).await
+}
+
+/// `/signed/{token}/{rest}`: the rest as it came (still percent-encoded), as on a host of its own.
+async fn on_path(
+    State(app): State<AppState>,
+    Path(params): Path<Vec<(String, String)>>,
+    req: Request,
+) -> Response {
+    let token = params
+        .iter()
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    let path = req.uri().path();
+    let after = path.strip_prefix("/v1").unwrap_or(path);
+    let rest = after
+        .strip_prefix("/signed/")
+        .and_then(|t| t.split_once('/'))
+        .map(|(_, rest)| rest.to_string())
+        .unwrap_or_default();
+    open_signed(&app, &token, &rest, Opened::OnPath, req).await
+}
+
+/// Where a signed token came.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Opened {
+    /// As a host of its own, `{token}.{domain}`.
+    OnHost,
+    /// On Warren's own host, `/signed/{token}/…`.
+    OnPath,
+    /// `/signed/{token}` without the slash after it.
+    Bare,
+}
+
+async fn open_signed(
+    app: &AppState,
+    token: &str,
+    rest: &str,
+    how: Opened,
+    req: Request,
+) -> Response {
+    let now = chrono::Utc::now().timestamp().max(0) as u64;
+    let (id, port) = match app.signing.verify(token, now) {
+        Ok(opened) => opened,
+        Err(why) => {
+            let resp = SandboxError::new(
+                ErrorKind::Unauthenticated,
+                ErrorCode::InvalidAccessToken,
+                why,
+            )
+            .into_response();
+            return with_routed(
+                resp,
+                Routed {
+                    sandbox: None,
+                    port: None,
+                    opened_by: "signed-url",
+                },
+            );
         }
     };
+    let routed = Routed {
+        sandbox: Some(id.clone()),
+        port: Some(port),
+        opened_by: "signed-url",
+    };
+    let resp = match how {
+        Opened::Bare => {
+            // The URL as handed out names the app's root without its slash: a page there
+            // resolves `app.js` to `/signed/app.js`, beside the token. Sent to the same URL with
+            // the slash (308 keeps the method and body), its relative links load as they would
+            // at the app's `/`.
+            let location = match req.uri().query() {
+                Some(q) => format!("{}/?{q}", req.uri().path()),
+                None => format!("{}/", req.uri().path()),
+            };
+            (
+                StatusCode::PERMANENT_REDIRECT,
+                [(http::header::LOCATION, location)],
+            )
+                .into_response()
+        }
+        Opened::OnPath if req.headers().contains_key("service-worker") => SandboxError::new(
+            ErrorKind::Forbidden,
+            ErrorCode::InvalidAccessToken,
+            "an app on a signed path cannot register a service worker (it would be Warren's origin's): use host routing ([endpoints] domain)",
+        )
+        .into_response(),
+        Opened::OnPath => {
+            let mut resp = crate::http::proxy::relay(app, &id, port, rest, req).await;
+            confine_to_opaque_origin(&mut resp);
+            resp
+        }
+        Opened::OnHost => {
+            let mut resp = crate::http::proxy::relay(app, &id, port, rest, req).await;
+            host_only_cookies(&mut resp);
+            resp
+        }
+    };
+    with_routed(resp, routed)
+}
+
+/// For the audit log: which sandbox and port the request opened, and by what.
+fn with_routed(mut resp: Response, routed: Routed) -> Response {
     resp.extensions_mut().insert(routed);
     resp
 }
@@ -321,6 +408,42 @@ fn host_only_cookies(resp: &mut Response) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_under_the_domain_is_a_sandbox_s_and_any_other_is_the_api_s() {
+        let label = |host: &str| {
+            let req = Request::builder()
+                .uri("/v1/sandboxes")
+                .header(http::header::HOST, host)
+                .body(axum::body::Body::empty())
+                .expect("request");
+            endpoint_label("sbx.example.com", &req)
+        };
+        assert_eq!(
+            label("8080-abc.sbx.example.com").as_deref(),
+            Some("8080-abc")
+        );
+        assert_eq!(
+            label("TOKEN.Sbx.Example.Com:8443").as_deref(),
+            Some("token")
+        );
+        assert_eq!(label("token.sbx.example.com.").as_deref(), Some("token"));
+        // Deeper names are nobody's: an empty label, which opens nothing.
+        assert_eq!(label("a.b.sbx.example.com").as_deref(), Some(""));
+        // The domain itself, other domains, and names that only end alike are the API's.
+        assert_eq!(label("sbx.example.com"), None);
+        assert_eq!(label("evilsbx.example.com"), None);
+        assert_eq!(label("127.0.0.1:8080"), None);
+        // HTTP/2 has no Host header: the authority is in the URI.
+        let req = Request::builder()
+            .uri("https://t.sbx.example.com/x")
+            .body(axum::body::Body::empty())
+            .expect("request");
+        assert_eq!(
+            endpoint_label("sbx.example.com", &req).as_deref(),
+            Some("t")
+        );
+    }
 
     #[test]
     fn a_host_loses_its_port() {
