@@ -120,7 +120,7 @@ pub fn router(state: AppState) -> Router {
     // Signed paths carry their own credential: routed beside the key check, not behind it.
     let own_host = keyed.merge(signed::path_router()).with_state(state.clone());
     // A sandbox's own host (`[endpoints] domain`) is its app's at every path.
-    signed::ByHost::new(&state, own_host)
+    signed::ByHost::around(&state, own_host)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             audit::middleware,

@@ -127,7 +127,7 @@ pub struct ByHost {
 }
 
 impl ByHost {
-    pub fn new(app: &AppState, api: Router) -> Router {
+    pub fn around(app: &AppState, api: Router) -> Router {
         match app.config.endpoints.host() {
             None => api,
             Some(domain) => Router::new().fallback_service(ByHost {
