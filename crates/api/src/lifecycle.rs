@@ -1,4 +1,8 @@
 //! Lifecycle API types (`/v1/sandboxes…`), camelCase on the wire.
+//!
+//! Why one file: one serde type per object of the lifecycle API (sandboxes, health, volumes,
+//! snapshots, pools, diagnostics, templates), with next to no logic, kept together so that the
+//! `/v1` schema reads in one place.
 
 use std::collections::BTreeMap;
 

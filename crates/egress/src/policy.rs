@@ -5,6 +5,10 @@
 //!
 //! Every field of a rule is enforced or the rule is refused: a rule read with a field dropped is
 //! wider than what was asked (a port-scoped allow opening every port of its address).
+//!
+//! Why one file: ~400 of its lines are tests (unit and proptest). The rest is one policy type and
+//! every decision read from it (names, addresses, ports, firewall sets), which must agree on what a
+//! rule means and share its target parsing.
 
 use std::net::{IpAddr, Ipv4Addr};
 

@@ -26,6 +26,10 @@
 //! before a change is put in force and renamed after: a restarted sidecar (the kubelet restarts it)
 //! resumes the latest policy, never an older, wider one, and never reads the Pod's resolv.conf again
 //! (a file the sandbox may write).
+//!
+//! Why one file: one enforcer process. Its nftables table, the control port that changes the policy
+//! and the DNS filter that learns addresses act on the same sets and mark under the same two locks;
+//! the table is one text so that the ruleset reads whole.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

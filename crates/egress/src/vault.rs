@@ -2,6 +2,10 @@
 //! (scheme, host, port, method, path) which secret goes into which header. The sandbox never holds a
 //! secret: the vault lives in the server, and the MITM proxy injects headers on the wire. The API
 //! answers only sanitized state (names, types, revisions), never values.
+//!
+//! Why one file: ~245 of its lines are tests. The rest is the vault's wire schema and one `Vault`
+//! whose create, patch, matching and injection share private parsers and matchers, with the
+//! `Redactor` that masks the same secrets in the answers the proxy relays.
 
 use std::collections::BTreeMap;
 

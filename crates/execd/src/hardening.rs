@@ -17,6 +17,10 @@
 //! `--floor`), and an image's isolation TOML named by `EXECD_ISOLATION_CONFIG` with `[hardening]
 //! enabled = true`, as the reference reads it. When both are there the image's can only tighten
 //! the server's.
+//!
+//! Why one file: ~200 of its lines are tests, some starting real children under the floor. The rest
+//! is one floor: reading its policy, reporting what is in force and lowering children, all three
+//! about the same `Floor` fields.
 
 use std::collections::BTreeSet;
 use std::io;

@@ -11,6 +11,10 @@
 //!   first with code 4001 (`TAKEN_OVER`) and attaches to the same shell.
 //!
 //! Output is kept (the last [`REPLAY_BYTES`]) so a client that reconnects with `since=` misses nothing.
+//!
+//! Why one file: one protocol (PTY.md): the handlers, the session state that the attached client
+//! and the output pumps share under one lock, and the two ways of starting the shell (a terminal or
+//! pipes), which both yield the `Shell` and `Reader`s the rest uses.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};

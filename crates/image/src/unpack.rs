@@ -5,6 +5,10 @@
 //! with `lstat` before use is race-free: the only symlinks that can appear are the ones this tar created,
 //! and we refuse to walk through them. Files are created with `O_EXCL|O_NOFOLLOW` after removing whatever
 //! an earlier entry left at the same path.
+//!
+//! Why one file: ~300 of its lines are tests that unpack crafted tars through the crate-private
+//! `unpack_layer`. The rest is one `Unpacker` whose branches, one per kind of entry, share its
+//! path-safety helpers (`ensure_dirs`, `remove_existing`) and the image-wide `Budget` they spend.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;

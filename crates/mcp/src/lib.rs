@@ -4,6 +4,10 @@
 //!
 //! A failing call (unknown sandbox, a command that cannot start, a server that is down) is a tool
 //! error (`isError: true` with the reason), never a protocol error or a crash of this server.
+//!
+//! Why one file: 21 of opensandbox-mcp's tools, each a short call of the SDK beside its argument
+//! struct, in one `#[tool_router]` block (one router per block) sharing `try_tool!` and the result
+//! shapes; the desktop tools, a feature of their own, have their router in `desktop`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

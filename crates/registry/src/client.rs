@@ -1,6 +1,10 @@
 //! The registry side of a pull (OCI distribution API v2): HTTP clients per host, the Basic and
 //! Bearer-token challenges, manifests and blobs with their digests checked, and blob streams that
 //! resume with `Range` after a dropped connection.
+//!
+//! Why one file: one conversation with a registry. Every request of a `Session` (manifests, blobs,
+//! resumed blob streams) goes through its `get`, which answers auth challenges, and all of them
+//! report failures through the same private error constructors.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

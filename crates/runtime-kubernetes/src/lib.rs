@@ -14,6 +14,10 @@
 //!
 //! With a shared key, replicas of one service serve one set of sandboxes, whose records live on
 //! their Pods (`records`).
+//!
+//! Why one file: the crate's other jobs have modules of their own; what stays is
+//! `KubernetesRuntime` and its `Runtime` and `EgressEnforcer` impls, whose methods share private
+//! API paths and clean-up steps (`delete_pod`, `delete_pull_secret`, `apply_egress`).
 
 mod client;
 mod egress;

@@ -14,6 +14,10 @@
 //! bound once its rules are in): it alone has `NET_ADMIN`, and the sandbox's container loses
 //! `NET_RAW` too, without which it cannot mark its sockets as the sidecar's (see
 //! `warren_egress::sidecar`).
+//!
+//! Why one file: ~285 of its lines are tests that check the manifests field by field. The rest is
+//! the Pod and Secret manifests Warren writes and the `PodView` it reads back, which share the
+//! labels, names and container names defined at the top.
 
 use std::collections::BTreeMap;
 

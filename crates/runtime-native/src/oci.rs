@@ -2,6 +2,10 @@
 //! embedded setup code. Warren still owns the root filesystem (an overlay it mounts on the host, under
 //! the sandbox's folder), execd and its socket folder; the OCI runtime gets a bundle whose `config.json`
 //! asks for the same isolation the embedded path builds.
+//!
+//! Why one file: ~195 of its lines are tests (of `config_json` and the private `roots_in`). The
+//! rest is one backend whose start, bundle and teardown agree on private details: `LISTEN_FD`,
+//! where the root is mounted, and which runtimes take a listening socket.
 
 use std::fs;
 use std::io;

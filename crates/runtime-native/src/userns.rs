@@ -24,6 +24,10 @@
 //! root overlay it makes, and goes to the setup helper with the spec; the sandbox's PID 1 joins it
 //! last, just before it drops capabilities. (A helper whose spec came through a pipe, which carries
 //! no descriptors, makes one of its own.)
+//!
+//! Why one file: ~285 of its lines are tests (some of the private `volume_group`, with claims in a
+//! temporary folder). The rest is one scheme of id ranges (slots, host-wide claims, volume maps and
+//! the namespaces made for them), whose safety rests on the one argument told above.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

@@ -16,6 +16,10 @@
 //! Sandbox PID 1s, orphaned when their helper exits, are reparented past the zygote to the server
 //! (a child subreaper), as before. If the zygote cannot be started or stops answering, the runtime
 //! falls back to exec'ing helpers.
+//!
+//! Why one file: both ends of one wire protocol, the server's (`Zygote`, `Helper`) and the zygote's
+//! (`main`, `serve_one`), which share the `Request` and `Reply` messages, and the spec channel to a
+//! helper; all of it is built on the same descriptor-passing `send` and `receive`.
 
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut};

@@ -1,5 +1,9 @@
 //! Server configuration: defaults < TOML file < `WARREN_*` environment < command-line flags.
 //! The variables it reads are named in `warren_env`, with every other one Warren reads.
+//!
+//! Why one file: one struct per TOML section, each field documented beside its serde default, so
+//! every setting, its meaning and its default read in one place; ~150 of its lines are tests of
+//! loading. Sections whose code lives in other modules are in `sections`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -20,6 +20,9 @@
 //! Every connection to execd, the proxy's or the server's own calls, is opened here ([`open`]):
 //! to a Unix socket on this host, or over TCP, where each request carries the sandbox's execd
 //! credential ([`Sender`] adds it, so no caller can forget it).
+//!
+//! Why one file: ~290 of its lines are tests against a real HTTP upstream, which call the private
+//! `sweep` and `parked`; the pool and the connections it opens are one job.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

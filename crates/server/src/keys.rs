@@ -13,6 +13,10 @@
 //! the admin API, and read again by every replica each [`SHARED_REFRESH`]; a key revoked on one
 //! replica stops on all within that. A replica that cannot read it for [`SHARED_STALE`] refuses
 //! every key of it (the server's own still works) rather than keep honouring revoked ones.
+//!
+//! Why one file: one `KeyStore` with two backings (the file under its lock, the replicas' shared
+//! document by compare-and-swap) behind the same `current` and `change`, so each operation is
+//! written once; ~135 of its lines are tests.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -9,6 +9,10 @@
 //! `publish` (the reference's S3 target) is recorded; the golden image stays in Warren's store, and
 //! `format` is always `native`. Templates live in `templates.json` in the data dir; a build a
 //! server restart cut off ends Failed.
+//!
+//! Why one file: it is one feature end to end. The records and their file, the API calls, the
+//! background build and how a create applies a template all read and change the same `Record`s
+//! under one lock.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,5 +1,9 @@
 //! `warren-sdk` against a real `warren serve`: every call of the SDK, its streaming, its errors, and
 //! the quickstart example from its docs, run as written.
+//!
+//! Why one file: it covers one crate's whole surface against a real server, a test per area
+//! (lifecycle, commands, files, errors, config, terminals, egress, vault), sharing the client and
+//! request helpers at its top.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -3,6 +3,9 @@
 //! input through the XTEST extension (as a real keyboard and mouse, so every program sees it),
 //! windows through the EWMH properties the window manager keeps. One connection, blocking: its
 //! callers run it off the async runtime and one at a time.
+//!
+//! Why one file: one `X` connection and every action over it. The keyboard's scratch-key scheme
+//! (about 180 lines) needs the connection's round trips and the keycodes it lends, kept in `X`.
 
 use std::time::Duration;
 
