@@ -17,12 +17,16 @@
 //! publish the name, so a long import never blocks a server resolving or leasing images; garbage
 //! collection runs under the same lock, so it never sees half an import.
 
+mod commit;
 mod dirtar;
 mod error;
+mod gc;
+mod lease_verbs;
 mod leases;
 pub mod oci;
 mod reference;
 mod source;
+mod staging;
 mod unpack;
 
 /// Entry points for the fuzz targets in `fuzz/`; not an API.
@@ -39,8 +43,8 @@ pub mod fuzzing {
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufReader, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -50,8 +54,10 @@ use sha2::{Digest, Sha256};
 pub use error::{BoxError, ImageError};
 pub use reference::{Reference, DOCKER_HUB, HOST_IMAGE};
 
+pub use gc::Pruned;
 use source::{hex_digest, ImagePlan, Plan};
-use unpack::{unpack_layer, Budget, HashingReader, Unpacked};
+pub use staging::{StagedLayer, Staging};
+use unpack::{Budget, HashingReader, Unpacked};
 pub use unpack::{UnpackLimits, MAX_DEPTH};
 
 /// Images under this repository are sandbox snapshots, made and removed through the snapshot API;
@@ -110,69 +116,8 @@ struct Names {
     digests: BTreeMap<String, String>,
 }
 
+use crate::gc::empty_trash;
 use leases::{Lease, Leases};
-
-/// A layer of an import or pull in progress: unpacked into staging, or already in the store.
-#[derive(Debug)]
-pub struct StagedLayer {
-    hex: String,
-    /// Where it was unpacked, if it was (a layer already in the store is not unpacked again).
-    staged: Option<PathBuf>,
-    size: u64,
-}
-
-impl StagedLayer {
-    /// The same layer again, for an image that lists it twice: the commit moves it in once and
-    /// finds it in place the second time.
-    pub fn duplicate(&self) -> StagedLayer {
-        StagedLayer {
-            hex: self.hex.clone(),
-            staged: None,
-            size: self.size,
-        }
-    }
-}
-
-/// What [`ImageStore::prune`] removed (or would remove).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pruned {
-    pub removed: Vec<String>,
-    pub reclaimed_bytes: u64,
-}
-
-/// The staging folder of one pull (see [`ImageStore::staging`]).
-pub struct Staging {
-    dir: tempfile::TempDir,
-    /// The pulled image's layers together are held to the store's [`UnpackLimits`].
-    budget: Budget,
-}
-
-impl Staging {
-    /// Unpacks layer `index` of the image from its blob stream (gzip, zstd or plain tar, recognised
-    /// from the stream), refusing unsafe entries and checking the blob digest and the diff_id
-    /// (`sha256:<hex>` each). May be called from several threads for different indexes.
-    pub fn unpack_layer(
-        &self,
-        index: usize,
-        blob: impl Read,
-        label: &Path,
-        blob_digest: &str,
-        diff_id: &str,
-    ) -> Result<StagedLayer, ImageError> {
-        let bad = |d: &str| ImageError::source(label, format!("bad digest {d:?}"));
-        let blob_hex = hex_digest(blob_digest).ok_or_else(|| bad(blob_digest))?;
-        let diff_hex = hex_digest(diff_id).ok_or_else(|| bad(diff_id))?;
-        let dest = make_stage_dir(self.dir.path(), index)?;
-        unpack_verified(
-            blob,
-            dest,
-            label,
-            Some(blob_hex),
-            Some(diff_hex),
-            &self.budget,
-        )
-    }
-}
 
 pub struct ImageStore {
     root: PathBuf,
@@ -361,494 +306,11 @@ impl ImageStore {
         })
     }
 
-    /// Records that `holder` (a sandbox) uses the image's layers, so they survive removal of the image
-    /// until [`release`](Self::release). Re-leasing the same layers is a no-op; a holder can hold one
-    /// image only. The `host` image has nothing to hold.
-    pub fn lease(&self, holder: &str, image: &ResolvedImage) -> Result<(), ImageError> {
-        validate_holder(holder)?;
-        let ResolvedImage::Layers {
-            name,
-            layers,
-            id,
-            config,
-        } = image
-        else {
-            return Ok(());
-        };
-        let layers_dir = self.layers_dir();
-        let mut digests = Vec::with_capacity(layers.len());
-        for path in layers {
-            let hex = path
-                .strip_prefix(&layers_dir)
-                .ok()
-                .and_then(|p| p.to_str())
-                .filter(|h| hex_digest(&format!("sha256:{h}")).is_some())
-                .ok_or_else(|| ImageError::NotFound { name: name.clone() })?;
-            digests.push(format!("sha256:{hex}"));
-        }
-        let _lock = self.lock(true)?;
-        // Resolve and lease are separate calls: the image may have been removed in between.
-        if layers.iter().any(|p| !p.is_dir()) {
-            return Err(ImageError::NotFound { name: name.clone() });
-        }
-        let lease = Lease {
-            image: name.clone(),
-            layers: digests,
-            id: id.clone(),
-            config: Some(config.clone()),
-        };
-        match self.leases.add(holder, lease.clone())? {
-            Some(held) if held.layers != lease.layers => Err(ImageError::InUse {
-                holder: holder.to_owned(),
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// The image `holder` leased, as it was when leased (`None` without a lease or for `host`).
-    pub fn leased(&self, holder: &str) -> Result<Option<ResolvedImage>, ImageError> {
-        validate_holder(holder)?;
-        let _lock = self.lock(false)?;
-        let Some(lease) = self.leases.read(|live| live.get(holder).cloned())? else {
-            return Ok(None);
-        };
-        let Some(config) = lease.config else {
-            return Ok(None);
-        };
-        let layers = lease
-            .layers
-            .iter()
-            .filter_map(|d| hex_digest(d).map(|h| self.layers_dir().join(h)))
-            .collect();
-        Ok(Some(ResolvedImage::Layers {
-            name: lease.image,
-            id: lease.id,
-            layers,
-            config,
-        }))
-    }
-
-    /// Drops `holder`'s lease (if any) and collects what it alone kept alive.
-    pub fn release(&self, holder: &str) -> Result<(), ImageError> {
-        validate_holder(holder)?;
-        let trash = {
-            let _lock = self.lock(true)?;
-            let Some(lease) = self.leases.remove(holder)? else {
-                return Ok(());
-            };
-            // An image that still has a name keeps its layers (an id is the hash of its layers
-            // and config): nothing to collect, and no need to read every image's metadata.
-            if !lease.id.is_empty() && self.read_names()?.names.values().any(|id| *id == lease.id) {
-                return Ok(());
-            }
-            self.gc_locked()?
-        };
-        empty_trash(trash);
-        Ok(())
-    }
-
     // ---- pulls (and other importers that bring their own layer streams) ----
-
-    /// A private staging folder for the layers of one pull; removed (with whatever is in it) on drop.
-    pub fn staging(&self) -> Result<Staging, ImageError> {
-        let dir = tempfile::Builder::new()
-            .prefix(&format!("pull-{}-", std::process::id()))
-            .tempdir_in(self.tmp_dir())
-            .map_err(ImageError::io("create staging dir", self.tmp_dir()))?;
-        Ok(Staging {
-            dir,
-            budget: Budget::new(self.limits),
-        })
-    }
-
-    /// The layer with this diff_id (`sha256:<hex>`) if the store has it, so a pull need not fetch it.
-    /// A layer a concurrent collection is removing may still vanish before [`commit_pulled`]
-    /// (which then answers `None`).
-    ///
-    /// [`commit_pulled`]: Self::commit_pulled
-    pub fn existing_layer(&self, diff_id: &str) -> Option<StagedLayer> {
-        let hex = hex_digest(diff_id)?;
-        let path = self.layers_dir().join(hex);
-        let size = dir_size(&path).ok()?;
-        Some(StagedLayer {
-            hex: hex.to_owned(),
-            staged: None,
-            size,
-        })
-    }
-
-    /// Publishes a pulled image: moves its new layers in and points `name` at `id` (the config
-    /// digest), recording the manifest `digest`. `None` if a layer meant to be reused is gone (pull
-    /// it again).
-    pub fn commit_pulled(
-        &self,
-        name: &str,
-        id: &str,
-        config: ImageConfig,
-        digest: &str,
-        layers: &[StagedLayer],
-    ) -> Result<Option<ImageRecord>, ImageError> {
-        let reference = Reference::parse(name)?;
-        if reference.is_host() {
-            return Err(ImageError::InvalidName {
-                name: name.to_owned(),
-                reason: "the name host is reserved for the built-in image",
-            });
-        }
-        if hex_digest(id).is_none() {
-            return Err(ImageError::InvalidName {
-                name: id.to_owned(),
-                reason: "an image id is sha256:<64 hex>",
-            });
-        }
-        self.commit(
-            &reference.to_string(),
-            id.to_owned(),
-            config,
-            Some(digest.to_owned()),
-            layers,
-        )
-    }
-
-    /// Names `name` an image of `base`'s layers plus the overlayfs upper directory `upper` as a new
-    /// top layer (whiteouts and opaque directories kept), with `base`'s config: the file system of a
-    /// sandbox made from `base`, whose upper that is. The caller keeps `upper` still meanwhile
-    /// (a frozen sandbox). `base`'s layers must be in the store (the sandbox's lease keeps them).
-    /// `id_base`: the sandbox ran in a user namespace whose id 0 is that host id; the layer records
-    /// its files with the sandbox's own ids, so any sandbox made from it sees them the same.
-    /// Answers the image and the bytes of its new top layer (what it adds to the store).
-    pub fn commit_snapshot(
-        &self,
-        name: &str,
-        base: &ResolvedImage,
-        upper: &Path,
-        id_base: Option<u32>,
-    ) -> Result<(ImageRecord, u64), ImageError> {
-        let ResolvedImage::Layers {
-            layers: base_layers,
-            config,
-            ..
-        } = base
-        else {
-            return Err(ImageError::source(
-                upper,
-                "a sandbox of the built-in host image has no layers to snapshot",
-            ));
-        };
-        let reference = Reference::parse(name)?;
-        let name = reference.to_string();
-        let staging = self.staging()?;
-        let dest = make_stage_dir(staging.dir.path(), 0)?;
-        let top = staged(
-            dirtar::unpack_upper(upper, &dest, id_base, &Budget::new(self.limits))?,
-            dest,
-        )?;
-        let mut layers = Vec::with_capacity(base_layers.len() + 1);
-        for path in base_layers {
-            let hex = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .filter(|h| hex_digest(&format!("sha256:{h}")).is_some())
-                .ok_or_else(|| ImageError::source(path, "not a layer of this store"))?;
-            let layer = self
-                .existing_layer(&format!("sha256:{hex}"))
-                .ok_or_else(|| ImageError::source(path, "base layer missing from the store"))?;
-            layers.push(layer);
-        }
-        let doc = serde_json::json!({
-            "layers": layers.iter().map(|l| format!("sha256:{}", l.hex)).chain([format!("sha256:{}", top.hex)]).collect::<Vec<_>>(),
-            "config": config,
-        });
-        let id = format!(
-            "sha256:{}",
-            hex::encode(Sha256::digest(doc.to_string().as_bytes()))
-        );
-        let adds = top.size;
-        layers.push(top);
-        let image = self
-            .commit(&name, id, config.clone(), None, &layers)?
-            .ok_or_else(|| ImageError::source(upper, "base layers vanished during the snapshot"))?;
-        Ok((image, adds))
-    }
-
-    /// Removes every named image no sandbox holds a lease on (snapshots excepted),
-    /// and staging left by dead processes. Returns the names removed and the bytes their layers took
-    /// (layers another image still uses are not counted).
-    pub fn prune(&self, dry_run: bool) -> Result<Pruned, ImageError> {
-        self.clean_stale_tmp()?;
-        let (pruned, trash) = {
-            let _lock = self.lock(true)?;
-            let mut names = self.read_names()?;
-            // In use: named by a sandbox's lease. Layers a lease holds survive the collection
-            // anyway, so they are not counted as reclaimed.
-            let mut in_use: HashSet<String> = HashSet::new();
-            let mut kept_layers: HashSet<String> = HashSet::new();
-            self.leases.read(|live| {
-                for lease in live.values() {
-                    in_use.insert(lease.image.clone());
-                    kept_layers.extend(lease.layers.iter().cloned());
-                }
-            })?;
-            // Old lease files are moved into the journal when the store opens; one left is one
-            // that could not be read, and stops the prune as it always did.
-            for lease in self.old_leases()? {
-                let lease = lease?;
-                in_use.insert(lease.image);
-                kept_layers.extend(lease.layers);
-            }
-            let mut removed = Vec::new();
-            let mut doomed_layers: HashSet<String> = HashSet::new();
-            for (name, id) in &names.names {
-                let Some(meta) = self.read_image(id)? else {
-                    continue;
-                };
-                if in_use.contains(name) || name.starts_with(SNAPSHOT_REPOSITORY) {
-                    kept_layers.extend(meta.layers);
-                } else {
-                    removed.push(name.clone());
-                    doomed_layers.extend(meta.layers);
-                }
-            }
-            let mut reclaimed = 0;
-            for layer in doomed_layers.difference(&kept_layers) {
-                if let Some(hex) = hex_digest(layer) {
-                    reclaimed += dir_size(&self.layers_dir().join(hex)).unwrap_or(0);
-                }
-            }
-            let trash = if dry_run || removed.is_empty() {
-                Vec::new()
-            } else {
-                for name in &removed {
-                    names.names.remove(name);
-                    names.digests.remove(name);
-                }
-                self.write_names(&names)?;
-                self.gc_locked()?
-            };
-            (
-                Pruned {
-                    removed,
-                    reclaimed_bytes: reclaimed,
-                },
-                trash,
-            )
-        };
-        empty_trash(trash);
-        Ok(pruned)
-    }
 
     // ---- import ----
 
-    /// Unpacks what is not in the store yet into `staging`.
-    fn prepare(
-        &self,
-        reference: &Reference,
-        source: &Path,
-        staging: &Path,
-        reuse: bool,
-        budget: &Budget,
-    ) -> Result<(String, ImageConfig, Vec<StagedLayer>), ImageError> {
-        match source::plan(source, &self.tmp_dir(), reference)? {
-            Plan::RootfsDir(dir) => {
-                let dest = make_stage_dir(staging, 0)?;
-                let exclude = fs::metadata(&self.root).ok().map(|m| (m.dev(), m.ino()));
-                let unpacked = dirtar::unpack_dir(&dir, &dest, exclude, budget)?;
-                Ok(rootfs_image(staged(unpacked, dest)?))
-            }
-            Plan::RootfsTar(path) => {
-                let dest = make_stage_dir(staging, 0)?;
-                let file = File::open(&path).map_err(ImageError::io("open source", &path))?;
-                let reader =
-                    source::decompressed(BufReader::with_capacity(256 * 1024, file), &path)?;
-                let unpacked = unpack_layer(reader, &dest, &path, budget)?;
-                if unpacked.entries == 0 {
-                    return Err(ImageError::source(&path, "empty archive"));
-                }
-                Ok(rootfs_image(staged(unpacked, dest)?))
-            }
-            Plan::Image(plan) => {
-                let layers = self.prepare_layers(&plan, staging, reuse, budget)?;
-                Ok((plan.id, plan.config, layers))
-            }
-        }
-    }
-
-    fn prepare_layers(
-        &self,
-        plan: &ImagePlan,
-        staging: &Path,
-        reuse: bool,
-        budget: &Budget,
-    ) -> Result<Vec<StagedLayer>, ImageError> {
-        let mut out: Vec<StagedLayer> = Vec::with_capacity(plan.layers.len());
-        for (i, layer) in plan.layers.iter().enumerate() {
-            if let Some(diff_id) = &layer.diff_id {
-                let done = out.iter().find(|p| &p.hex == diff_id).map(|p| p.size);
-                let existing = self.layers_dir().join(diff_id);
-                let size = match done {
-                    Some(size) => Some(size),
-                    // Unreadable means a concurrent remove is collecting it: unpack our own copy.
-                    None if reuse && existing.is_dir() => dir_size(&existing).ok(),
-                    None => None,
-                };
-                if let Some(size) = size {
-                    out.push(StagedLayer {
-                        hex: diff_id.clone(),
-                        staged: None,
-                        size,
-                    });
-                    continue;
-                }
-            }
-            let label = plan.bundle.member_label(&layer.member);
-            let dest = make_stage_dir(staging, i)?;
-            out.push(unpack_verified(
-                plan.bundle.open(&layer.member)?,
-                dest,
-                &label,
-                layer.blob_digest.as_deref(),
-                layer.diff_id.as_deref(),
-                budget,
-            )?);
-        }
-        Ok(out)
-    }
-
-    /// Moves new layers in and publishes the image under `name`, all under the lock. `None` if a layer
-    /// we meant to reuse is gone.
-    fn commit(
-        &self,
-        name: &str,
-        id: String,
-        config: ImageConfig,
-        digest: Option<String>,
-        layers: &[StagedLayer],
-    ) -> Result<Option<ImageRecord>, ImageError> {
-        let (meta, trash) = {
-            let _lock = self.lock(true)?;
-            for layer in layers {
-                let dest = self.layers_dir().join(&layer.hex);
-                if dest.is_dir() {
-                    continue;
-                }
-                let Some(staged) = &layer.staged else {
-                    return Ok(None);
-                };
-                fs::rename(staged, &dest).map_err(ImageError::io("store layer", &dest))?;
-            }
-            let meta = match self.read_image(&id)? {
-                Some(meta) => meta,
-                None => {
-                    let meta = ImageMeta {
-                        id: id.clone(),
-                        layers: layers.iter().map(|l| format!("sha256:{}", l.hex)).collect(),
-                        config,
-                        size_bytes: layers.iter().map(|l| l.size).sum(),
-                        created_at: chrono::Utc::now()
-                            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                    };
-                    self.write_json(&self.image_path(&id)?, &meta)?;
-                    meta
-                }
-            };
-            let mut names = self.read_names()?;
-            let previous = names.names.insert(name.to_owned(), id);
-            match &digest {
-                Some(d) => names.digests.insert(name.to_owned(), d.clone()),
-                None => names.digests.remove(name),
-            };
-            self.write_names(&names)?;
-            // Retagging may have orphaned the previous image.
-            let trash = if previous.is_some() {
-                self.gc_locked()?
-            } else {
-                Vec::new()
-            };
-            (meta, trash)
-        };
-        empty_trash(trash);
-        Ok(Some(record(name.to_owned(), &meta, digest)))
-    }
-
     // ---- garbage collection ----
-
-    /// Deletes image metadata no name refers to and moves unreferenced layers to `tmp/` (returned, to
-    /// be deleted once the lock is released). If any metadata cannot be read, no layer is touched.
-    fn gc_locked(&self) -> Result<Vec<PathBuf>, ImageError> {
-        let names = self.read_names()?;
-        let named: HashSet<&String> = names.names.values().collect();
-        let mut keep: HashSet<String> = HashSet::new();
-        let mut complete = true;
-
-        let images_dir = self.images_dir();
-        for entry in read_dir_names(&images_dir)? {
-            let Some(hex) = entry.strip_suffix(".json") else {
-                continue;
-            };
-            let id = format!("sha256:{hex}");
-            if hex_digest(&id).is_none() {
-                continue;
-            }
-            if !named.contains(&id) {
-                let path = images_dir.join(&entry);
-                fs::remove_file(&path).map_err(ImageError::io("remove image", &path))?;
-                continue;
-            }
-            match self.read_image(&id) {
-                Ok(Some(meta)) => keep.extend(meta.layers),
-                _ => complete = false,
-            }
-        }
-        self.leases.read(|live| {
-            for lease in live.values() {
-                keep.extend(lease.layers.iter().cloned());
-            }
-        })?;
-        for lease in self.old_leases()? {
-            match lease {
-                Ok(lease) => keep.extend(lease.layers),
-                Err(_) => complete = false,
-            }
-        }
-        if !complete {
-            return Ok(Vec::new());
-        }
-
-        let mut trash = Vec::new();
-        let layers_dir = self.layers_dir();
-        for entry in read_dir_names(&layers_dir)? {
-            let digest = format!("sha256:{entry}");
-            if hex_digest(&digest).is_none() || keep.contains(&digest) {
-                continue;
-            }
-            let doomed = tempfile::Builder::new()
-                .prefix(&format!("gc-{}-", std::process::id()))
-                .tempdir_in(self.tmp_dir())
-                .map_err(ImageError::io("create dir", self.tmp_dir()))?
-                .keep();
-            let from = layers_dir.join(&entry);
-            let to = doomed.join("layer");
-            fs::rename(&from, &to).map_err(ImageError::io("remove layer", &from))?;
-            trash.push(doomed);
-        }
-        Ok(trash)
-    }
-
-    /// Removes `tmp/` entries whose owning process is gone.
-    fn clean_stale_tmp(&self) -> Result<(), ImageError> {
-        let tmp = self.tmp_dir();
-        let me = std::process::id();
-        for entry in read_dir_names(&tmp)? {
-            let pid = entry.split('-').nth(1).and_then(|p| p.parse::<i32>().ok());
-            let Some(pid) = pid else { continue };
-            if pid as u32 == me || process_alive(pid) {
-                continue;
-            }
-            let path = tmp.join(&entry);
-            let _ = warren_fstree::remove_all(&path);
-        }
-        Ok(())
-    }
 
     // ---- files ----
 
@@ -982,88 +444,6 @@ fn rootfs_id(layer_hex: &str, config: &ImageConfig) -> String {
     )
 }
 
-/// Unpacks one layer blob (gzip, zstd or plain tar) into `dest`, checking the blob's and the
-/// uncompressed tar's sha256 (hex) where they are known. On any error `dest` may hold a partial
-/// layer; it lives in staging, which its owner removes.
-fn unpack_verified(
-    blob: impl Read,
-    dest: PathBuf,
-    label: &Path,
-    blob_digest: Option<&str>,
-    diff_id: Option<&str>,
-    budget: &Budget,
-) -> Result<StagedLayer, ImageError> {
-    let mut raw = HashingReader::new(blob);
-    let unpacked = {
-        let buffered = BufReader::with_capacity(256 * 1024, &mut raw);
-        unpack_layer(source::decompressed(buffered, label)?, &dest, label, budget)?
-    };
-    raw.drain()
-        .map_err(|e| ImageError::source_with(label, "read layer", e))?;
-    if let Some(expected) = blob_digest {
-        let actual = raw.hex_digest();
-        if actual != expected {
-            return Err(ImageError::DigestMismatch {
-                path: label.to_path_buf(),
-                what: "layer blob",
-                expected: format!("sha256:{expected}"),
-                actual: format!("sha256:{actual}"),
-            });
-        }
-    }
-    if let Some(expected) = diff_id {
-        // The blob was what the manifest promised, so the image itself is inconsistent.
-        if unpacked.digest != expected {
-            return Err(ImageError::source(
-                label,
-                format!(
-                    "uncompressed layer has digest sha256:{}, the image config says sha256:{expected} (diff_id)",
-                    unpacked.digest
-                ),
-            ));
-        }
-    }
-    staged(unpacked, dest)
-}
-
-fn staged(unpacked: Unpacked, dest: PathBuf) -> Result<StagedLayer, ImageError> {
-    let size = unpacked.bytes;
-    Ok(StagedLayer {
-        hex: unpacked.digest,
-        staged: Some(dest),
-        size,
-    })
-}
-
-fn make_stage_dir(staging: &Path, index: usize) -> Result<PathBuf, ImageError> {
-    let dir = staging.join(index.to_string());
-    fs::create_dir(&dir).map_err(ImageError::io("create staging dir", &dir))?;
-    Ok(dir)
-}
-
-/// Apparent size of the regular files under `root`, each inode counted once.
-fn dir_size(root: &Path) -> Result<u64, ImageError> {
-    let mut seen = HashSet::new();
-    let mut total = 0u64;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let entries = fs::read_dir(&dir).map_err(ImageError::io("read dir", &dir))?;
-        for entry in entries {
-            let entry = entry.map_err(ImageError::io("read dir", &dir))?;
-            let meta = entry
-                .metadata()
-                .map_err(ImageError::io("stat", entry.path()))?;
-            if meta.is_dir() {
-                stack.push(entry.path());
-            } else if meta.is_file() && (meta.nlink() == 1 || seen.insert((meta.dev(), meta.ino())))
-            {
-                total += meta.len();
-            }
-        }
-    }
-    Ok(total)
-}
-
 fn dedup_keep_last(layers: &[String]) -> Vec<&str> {
     let mut seen = HashSet::new();
     let mut out: Vec<&str> = layers
@@ -1074,22 +454,6 @@ fn dedup_keep_last(layers: &[String]) -> Vec<&str> {
         .collect();
     out.reverse();
     out
-}
-
-fn validate_holder(holder: &str) -> Result<(), ImageError> {
-    let ok = !holder.is_empty()
-        && holder.len() <= MAX_HOLDER_LEN
-        && !holder.starts_with('.')
-        && holder
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(ImageError::InvalidHolder {
-            holder: holder.to_owned(),
-        })
-    }
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Option<T>, ImageError> {
@@ -1118,19 +482,4 @@ fn read_dir_names(dir: &Path) -> Result<Vec<String>, ImageError> {
         }
     }
     Ok(out)
-}
-
-fn empty_trash(trash: Vec<PathBuf>) {
-    for dir in trash {
-        // Already unreachable from the store; a leftover is retried by the next `open`.
-        let _ = warren_fstree::remove_all(&dir);
-    }
-}
-
-fn process_alive(pid: i32) -> bool {
-    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
-        Ok(()) => true,
-        Err(nix::errno::Errno::ESRCH) => false,
-        Err(_) => true,
-    }
 }
