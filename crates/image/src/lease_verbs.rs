@@ -1,7 +1,6 @@
 //! The store's lease verbs: a sandbox holds its image's layers from its create until it is
 //! gone, so that garbage collection leaves them (the journal itself is `leases`).
 
-
 use crate::{
     gc::empty_trash, hex_digest, leases::Lease, ImageError, ImageStore, ResolvedImage,
     MAX_HOLDER_LEN,

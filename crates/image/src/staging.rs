@@ -7,7 +7,6 @@ use std::io::{BufReader, Read};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-
 use crate::{
     hex_digest, source, unpack::unpack_layer, Budget, HashingReader, ImageError, ImageStore,
     Unpacked,
