@@ -14,7 +14,7 @@ use crate::{isolation::session::say, isolation::Session, security};
 /// The runner: joins session `s`, starts the process, reports its pid and how it ended on
 /// `status`. Returns the runner's exit code.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run_in_session(
+pub(super) fn run_in_session(
     s: &Session,
     what: What,
     cwd: &CString,
@@ -229,13 +229,13 @@ fn exec_child(
 }
 
 /// What a session process is asked to be, as the helper received it.
-pub(crate) enum Program {
+pub(super) enum Program {
     Exec { argv: Vec<String>, env: Vec<String> },
     FilesWorker { uid: u32, gid: u32, workdir: String },
 }
 
 /// A [`Program`] ready to run in the forked child.
-pub(crate) enum What {
+pub(super) enum What {
     Exec {
         argv: Vec<CString>,
         env: Vec<CString>,

@@ -20,10 +20,10 @@ use crate::{
 };
 
 /// How long the keeper gets to make a session and report.
-pub(crate) const REPORT_WITHIN_MS: i32 = 10_000;
+pub(super) const REPORT_WITHIN_MS: i32 = 10_000;
 
 /// What `pipe` carries until its writers close it, or until `within_ms` have passed.
-pub(crate) fn read_to_end_within(pipe: OwnedFd, within_ms: i32) -> String {
+pub(super) fn read_to_end_within(pipe: OwnedFd, within_ms: i32) -> String {
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(within_ms as u64);
     let mut file = std::fs::File::from(pipe);
     let mut out = Vec::new();
@@ -53,7 +53,7 @@ pub(crate) fn read_to_end_within(pipe: OwnedFd, within_ms: i32) -> String {
 
 /// One line on a pipe another process writes lines on too: in a single write, so the lines do
 /// not interleave (pipe writes up to PIPE_BUF are atomic).
-pub(crate) fn say(pipe: &mut std::fs::File, line: &str) {
+pub(super) fn say(pipe: &mut std::fs::File, line: &str) {
     let mut line = line.replace('\n', " ");
     let mut end = line.len().min(libc::PIPE_BUF - 1);
     while !line.is_char_boundary(end) {
@@ -67,7 +67,7 @@ pub(crate) fn say(pipe: &mut std::fs::File, line: &str) {
 
 /// The keeper: makes the session's namespaces and mounts, forks the session's PID 1, and lives as
 /// long as it does. Never returns.
-pub(crate) fn keep_session(
+pub(super) fn keep_session(
     mounts: &[Mount],
     (private_tmp, share_net): (bool, bool),
     report: OwnedFd,

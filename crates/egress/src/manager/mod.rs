@@ -3,17 +3,24 @@
 //! firewall's sets in step with each sandbox's policy.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use credentials::Lookup;
+use names::dns_loop;
 use tokio::net::UdpSocket;
 
-use crate::dns;
-use crate::forwarding::Forwarding;
-use crate::nft::{Batch, Firewall};
-use crate::policy::{in_cidr, is_internal, names_internal, Action, NetworkPolicy};
+use crate::{
+    dns,
+    forwarding::Forwarding,
+    nft::{Batch, Firewall},
+    policy::{is_internal, Action, NetworkPolicy},
+};
+
+mod credentials;
+mod names;
 
 #[derive(Debug, Clone)]
 pub struct EgressConfig {
@@ -392,168 +399,6 @@ impl Egress {
         Ok(())
     }
 
-    /// The DNS decision for a query from `src`; `None` when `src` is no sandbox of ours.
-    fn decide(&self, src: Ipv4Addr, name: &str) -> Option<Action> {
-        let st = self.lock();
-        let id = st.by_addr.get(&src)?;
-        Some(st.by_id.get(id)?.policy.decide_name(name))
-    }
-
-    /// Lets `src` reach the addresses of an allowed answer for as long as the answer lives. Checks
-    /// again that `name` is still allowed (the policy may have changed while upstream answered);
-    /// false when it is not, or when `src` is no sandbox any more.
-    fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, u32)]) -> bool {
-        let _changes = self.serialize();
-        let mut b = Batch::new();
-        {
-            let mut st = self.lock();
-            let Some(id) = st.by_addr.get(&src).cloned() else {
-                return false;
-            };
-            let Some(net) = st.by_id.get_mut(&id) else {
-                return false;
-            };
-            if net.policy.decide_name(name) != Action::Allow {
-                return false;
-            }
-            // An internal address (the host's networks, a cloud's metadata, other sandboxes)
-            // opens only for a name a rule names itself: a wildcard or an allow default says
-            // "the internet", and an answer pointing inside (DNS rebinding) must not widen it.
-            let named = net.policy.names_exactly(name);
-            let now = Instant::now();
-            for (dest, ttl) in addrs.iter().filter(|(d, _)| named || !is_internal(*d)) {
-                // At least a minute: clients cache longer than TTLs say, and a connection opened
-                // just before expiry must not die mid-handshake.
-                let ttl = (*ttl).clamp(60, 86_400);
-                let wanted = now + Duration::from_secs(u64::from(ttl));
-                let names = net.answered.entry(*dest).or_default();
-                names.retain(|_, exp| *exp > now);
-                let key = normal_name(name);
-                // A name already kept is renewed even at the cap (only new names wait).
-                if names.len() < MAX_NAMES_PER_ADDRESS || names.contains_key(&key) {
-                    let exp = names.entry(key).or_insert(wanted);
-                    *exp = (*exp).max(wanted);
-                }
-                if let Some((_, exp)) = net.learned.get(dest) {
-                    // Still good for more than half the new lifetime: leave the firewall alone (an
-                    // nft run costs milliseconds; lookups repeat far more often than that).
-                    if *exp > now + Duration::from_secs(u64::from(ttl / 2)) {
-                        continue;
-                    }
-                    if *exp > now {
-                        self.fw.learned(&mut b, src, *dest, None);
-                    }
-                }
-                self.fw.learned(&mut b, src, *dest, Some(ttl));
-                net.learned.insert(*dest, (name.to_string(), wanted));
-            }
-        }
-        if let Err(e) = b.apply() {
-            tracing::warn!(%src, error = %e, "egress: adding learned addresses");
-            return false;
-        }
-        true
-    }
-
-    /// Turns the credential proxy on for a linked sandbox; returns its CA certificate (PEM), for the
-    /// sandbox's trust store.
-    pub fn enable_credential_proxy(&self, id: &str) -> Result<String, EgressError> {
-        let _changes = self.serialize();
-        let (addr, pem, fresh) = {
-            let mut st = self.lock();
-            let net = st
-                .by_id
-                .get_mut(id)
-                .ok_or_else(|| EgressError::NoCredentialProxy(id.to_string()))?;
-            let fresh = net.ca.is_none();
-            if fresh {
-                net.ca = Some(Arc::new(
-                    crate::mitm::SandboxCa::new(id).map_err(EgressError::Setup)?,
-                ));
-            }
-            (
-                net.addr,
-                net.ca.as_ref().map(|c| c.pem()).unwrap_or_default(),
-                fresh,
-            )
-        };
-        if fresh {
-            let mut b = Batch::new();
-            self.fw.vault(&mut b, addr, true);
-            b.apply()
-                .map_err(|e| EgressError::Setup(format!("firewall: {e}")))?;
-        }
-        Ok(pem)
-    }
-
-    /// Whether the sandbox's credential proxy is on.
-    pub fn has_credential_proxy(&self, id: &str) -> bool {
-        self.lock().by_id.get(id).is_some_and(|n| n.ca.is_some())
-    }
-
-    /// Runs `f` on a sandbox's vault slot (the credential proxy must be on).
-    pub fn with_vault<T>(
-        &self,
-        id: &str,
-        f: impl FnOnce(&mut Option<crate::vault::Vault>) -> Result<T, crate::vault::VaultError>,
-    ) -> Result<T, EgressError> {
-        let mut st = self.lock();
-        let net = st
-            .by_id
-            .get_mut(id)
-            .filter(|n| n.ca.is_some())
-            .ok_or_else(|| EgressError::NoCredentialProxy(id.to_string()))?;
-        Ok(f(&mut net.vault)?)
-    }
-
-    /// May `src` open a TCP connection to `to` (for connections the firewall handed to a proxy,
-    /// which therefore never meet the forward chain)? The same answer the firewall would give:
-    /// never the host or another sandbox of this server; a CIDR or port-scoped deny wins; then
-    /// learned addresses (internal ones only ever learned for names a rule names), allowed CIDRs
-    /// (on every port, or on `to`'s) inside an internal range; nothing else internal; then other
-    /// allowed CIDRs and port-scoped allows, and an allow default.
-    fn allows(&self, net: &SandboxNet, to: SocketAddrV4) -> bool {
-        let dst = *to.ip();
-        let (base, len) = self.cfg.subnet;
-        if dst.is_loopback()
-            || dst.is_unspecified()
-            || dst.is_broadcast()
-            || in_cidr(IpAddr::V4(dst), IpAddr::V4(base), len)
-            || host_addresses().contains(&dst)
-        {
-            return false;
-        }
-        // (does the rule name an internal range, its action)
-        let port_hits = net
-            .policy
-            .port_rules()
-            .into_iter()
-            .filter(|r| r.covers(SocketAddr::V4(to)))
-            .map(|r| (names_internal(r.net, r.len), r.action));
-        let hits: Vec<(bool, Action)> = net
-            .policy
-            .cidr_rules()
-            .into_iter()
-            .filter(|(n, l, _)| in_cidr(IpAddr::V4(dst), *n, *l))
-            .map(|(n, l, a)| (names_internal(n, l), a))
-            .chain(port_hits)
-            .collect();
-        if hits.iter().any(|(_, a)| *a == Action::Deny) {
-            return false;
-        }
-        if net
-            .learned
-            .get(&dst)
-            .is_some_and(|(_, exp)| *exp > Instant::now())
-            || hits.contains(&(true, Action::Allow))
-        {
-            return true;
-        }
-        !is_internal(dst)
-            && (hits.contains(&(false, Action::Allow))
-                || net.policy.default_action == Action::Allow)
-    }
-
     /// Whether an allowed answer to `src` for `name` held `dst`, and `src` may still reach it under
     /// the policy as it is now (a rule removed since the answer no longer vouches for the name; an
     /// internal address only for a name a rule names itself, as when it was learned).
@@ -651,105 +496,6 @@ fn service_address(subnet: (Ipv4Addr, u8)) -> Ipv4Addr {
 
 fn index_link_exists(name: &str) -> bool {
     std::path::Path::new("/sys/class/net").join(name).exists()
-}
-
-/// Answers every sandbox query: denied names get NXDOMAIN and never leave the host; allowed ones are
-/// forwarded upstream and the addresses in the answer are let through the firewall before the answer
-/// goes back. AAAA queries get an empty answer (sandbox links are IPv4-only).
-async fn dns_loop(egress: Arc<Egress>, socket: Arc<UdpSocket>) {
-    let mut buf = vec![0u8; 4096];
-    loop {
-        let (n, from) = match socket.recv_from(&mut buf).await {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "egress: DNS receive");
-                continue;
-            }
-        };
-        let Ok(permit) = egress.dns_slots.clone().try_acquire_owned() else {
-            continue; // too many in flight: dropped, the client retries
-        };
-        let query = buf[..n].to_vec();
-        let egress = egress.clone();
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            if let Some(reply) = answer(&egress, from, &query).await {
-                let _ = socket.send_to(&reply, from).await;
-            }
-        });
-    }
-}
-
-async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<Vec<u8>> {
-    let q = dns::parse_query(query)?;
-    let IpAddr::V4(src) = from.ip() else {
-        return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
-    };
-    let Some(action) = egress.decide(src, &q.name) else {
-        return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
-    };
-    if action == Action::Deny {
-        tracing::debug!(%src, name = %q.name, "egress: denied name");
-        return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
-    }
-    if q.qtype == dns::TYPE_AAAA {
-        return Some(dns::reply_empty(query, &q, dns::RCODE_NOERROR));
-    }
-    let upstream = UdpSocket::bind(("0.0.0.0", 0)).await.ok()?;
-    upstream.connect(egress.cfg.upstream).await.ok()?;
-    let reply = dns::ask(&upstream, query, &q).await;
-    let addrs = dns::ipv4_answers(&reply);
-    if !addrs.is_empty() {
-        let (eg, name) = (egress.clone(), q.name.clone());
-        let learned = tokio::task::spawn_blocking(move || eg.learn(src, &name, &addrs))
-            .await
-            .unwrap_or(false);
-        if !learned {
-            // The policy changed (or the sandbox went) while upstream answered.
-            return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
-        }
-    }
-    Some(reply)
-}
-
-/// The vault proxy's view of the sandboxes.
-struct Lookup(std::sync::Weak<Egress>);
-
-impl crate::mitm::Lookup for Lookup {
-    fn vault(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::vault::Vault> {
-        self.0.upgrade()?.vault_for(src, dst)
-    }
-
-    fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool {
-        self.0.upgrade().is_some_and(|e| e.answered(src, dst, name))
-    }
-
-    fn resolve(
-        &self,
-        src: Ipv4Addr,
-        dst: SocketAddrV4,
-        name: &str,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> {
-        let (egress, name) = (self.0.upgrade(), name.to_string());
-        Box::pin(async move {
-            match egress {
-                Some(e) => e.resolve_for(src, dst, &name).await,
-                None => false,
-            }
-        })
-    }
-
-    fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::mitm::Decision> {
-        let egress = self.0.upgrade()?;
-        let st = egress.lock();
-        let net = st.by_id.get(st.by_addr.get(&src)?)?;
-        Some(crate::mitm::Decision {
-            vault: net.vault.clone(),
-            ca: net.ca.clone(),
-            allowed: egress.allows(net, dst),
-        })
-    }
 }
 
 /// Every IPv4 address of this host (any interface), so proxied connections cannot reach the host.
