@@ -403,3 +403,132 @@ impl DockerRuntime {
         demux_logs(&bytes).trim().to_string()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::delivery::Delivery;
+    use crate::{DockerConfig, DockerRuntime, SANDBOX_NETWORK};
+    use warren_core::{SandboxImage, EXECD_IN_SANDBOX};
+
+    #[test]
+    fn log_frames() {
+        let mut b = vec![1, 0, 0, 0, 0, 0, 0, 3];
+        b.extend_from_slice(b"ab\n");
+        b.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 2]);
+        b.extend_from_slice(b"c\n");
+        assert_eq!(demux_logs(&b), "ab\nc\n");
+    }
+
+    #[test]
+    fn create_body_has_isolation_and_limits() {
+        let rt = DockerRuntime::new(DockerConfig {
+            host: Some("unix:///nonexistent".into()),
+            oci_runtime: Some("runsc".into()),
+            pull: false,
+            registries: Default::default(),
+            data_dir: std::env::temp_dir().join("warren-docker-unit"),
+            execd_path: "/opt/warren-execd".into(),
+            ready_timeout: Duration::from_secs(1),
+            tls: None,
+            sandbox_host: None,
+            network: None,
+        })
+        .expect("runtime");
+        let spec = SandboxSpec {
+            id: "abc".into(),
+            image: SandboxImage::Reference {
+                name: "img".into(),
+                auth: None,
+            },
+            entrypoint: vec!["tail".into(), "-f".into(), "/dev/null".into()],
+            execd_verifier: String::new(),
+            record: None,
+            egress: None,
+            hardening: None,
+            env: [("A".to_string(), "1".to_string())].into_iter().collect(),
+            limits: warren_core::ResourceLimits {
+                cpu_millis: Some(500),
+                memory_bytes: Some(1 << 30),
+                pids: 100,
+                disk_bytes: None,
+            },
+            volumes: Vec::new(),
+            background: Default::default(),
+            isolation: false,
+        };
+        let b = rt.create_body(
+            &spec,
+            "img",
+            &json!({"Config": {"Env": ["PATH=/bin", "A=0"], "WorkingDir": "/work"}}),
+            &[json!({"Type": "volume", "Source": "vol", "Target": "/data", "ReadOnly": true})],
+            &Delivery::Local,
+        );
+        assert_eq!(b["HostConfig"]["Mounts"][2]["Source"], "vol");
+        assert_eq!(b["Entrypoint"][0], EXECD_IN_SANDBOX);
+        assert_eq!(b["Entrypoint"][4], "/work");
+        assert_eq!(b["Entrypoint"][6], "tail");
+        assert!(b["Env"].as_array().expect("env").contains(&json!("A=1")));
+        assert!(b["Env"]
+            .as_array()
+            .expect("env")
+            .contains(&json!("PATH=/bin")));
+        let h = &b["HostConfig"];
+        assert_eq!(h["NetworkMode"], "none");
+        assert_eq!(h["CapDrop"], json!(["ALL"]));
+        assert_eq!(h["SecurityOpt"][0], "no-new-privileges");
+        assert!(h["SecurityOpt"][1]
+            .as_str()
+            .expect("seccomp")
+            .starts_with("seccomp={"));
+        assert_eq!(security_opts(Some("runc")), ["no-new-privileges"]);
+        assert_eq!(h["NanoCpus"], 500_000_000);
+        assert_eq!(h["Memory"], h["MemorySwap"]);
+        assert_eq!(h["PidsLimit"], 100);
+        assert_eq!(h["Runtime"], "runsc");
+        assert_eq!(h["Mounts"][0]["Source"], "/opt/warren-execd");
+        assert_eq!(h["Mounts"][0]["Target"], EXECD_IN_SANDBOX);
+        assert_eq!(h["Mounts"][0]["ReadOnly"], true);
+        assert_eq!(b["Labels"][LABEL_SANDBOX], "abc");
+        assert!(h.get("PortBindings").is_none());
+
+        // A remote daemon: execd from its volume, on TCP with only the verifier, nothing published.
+        let spec = SandboxSpec {
+            execd_verifier: "ab".repeat(32),
+            ..spec
+        };
+        let remote = Delivery::Remote {
+            volume: "warren-execd-0123".into(),
+            network: SANDBOX_NETWORK.into(),
+        };
+        let b = rt.create_body(&spec, "img", &json!({}), &[], &remote);
+        let h = &b["HostConfig"];
+        assert_eq!(b["Entrypoint"][0], "/.warren/bin/warren-execd");
+        assert_eq!(b["Entrypoint"][1], "--listen");
+        assert_eq!(b["Entrypoint"][3], "--access-token-sha256");
+        assert_eq!(b["Entrypoint"][4], "ab".repeat(32));
+        assert_eq!(h["Mounts"][0]["Type"], "volume");
+        assert_eq!(h["Mounts"][0]["Source"], "warren-execd-0123");
+        assert_eq!(h["Mounts"][0]["ReadOnly"], true);
+        assert_eq!(h["Mounts"].as_array().map(Vec::len), Some(1));
+        assert_eq!(h["NetworkMode"], SANDBOX_NETWORK);
+        // nothing published: the relay is the way in
+        assert!(h.get("PortBindings").is_none() && b.get("ExposedPorts").is_none());
+
+        // Hardening on: execd is told the floor before the entrypoint.
+        let spec = SandboxSpec {
+            hardening: Some(Default::default()),
+            ..spec
+        };
+        let b = rt.create_body(&spec, "img", &json!({}), &[], &remote);
+        let args: Vec<&str> = b["Entrypoint"]
+            .as_array()
+            .expect("entrypoint")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let at = args.iter().position(|a| *a == "--floor").expect("--floor");
+        assert_eq!(args[at + 1], "{}");
+        assert!(at < args.iter().position(|a| *a == "--").expect("--"));
+    }
+}

@@ -310,3 +310,34 @@ impl DockerRuntime {
         Ok((name, subnet))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn execd_archive_is_a_tar_of_the_binary_then_a_marker() {
+        let dir =
+            std::env::temp_dir().join(format!("warren-docker-archive-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let bin = dir.join("execd");
+        std::fs::write(&bin, b"\x7fELF not really").expect("write");
+        let (digest, a) = execd_archive(&bin).expect("archive");
+        assert_eq!(digest.len(), 64);
+        let mut t = tar::Archive::new(a.binary.as_ref());
+        let mut entries = t.entries().expect("entries");
+        let e = entries.next().expect("one").expect("entry");
+        assert_eq!(e.path().expect("path").to_str(), Some("warren-execd"));
+        assert_eq!(e.header().mode().expect("mode"), 0o755);
+        assert_eq!(e.header().size().expect("size"), 15);
+        let mut t = tar::Archive::new(a.ready.as_ref());
+        let e = t
+            .entries()
+            .expect("entries")
+            .next()
+            .expect("one")
+            .expect("entry");
+        assert_eq!(e.path().expect("path").to_str(), Some("ready"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
