@@ -213,34 +213,6 @@ impl Drop for Busy {
     }
 }
 
-/// A body that keeps its sandbox busy until it has been sent whole (or dropped).
-pub struct BusyBody {
-    pub inner: axum::body::Body,
-    /// Held, never read: dropped with the body.
-    #[allow(dead_code)]
-    pub busy: Busy,
-}
-
-impl http_body::Body for BusyBody {
-    type Data = bytes::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 /// Whether the probe says the sandbox is busy: `200` with `{"active": true}`.
 pub fn probe_says_active(status: u16, body: &[u8]) -> bool {
     status == 200

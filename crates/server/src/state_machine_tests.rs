@@ -43,7 +43,7 @@ async fn create_pause_resume_delete() {
         .pause(&rec.id)
         .await
         .expect_err("pausing a paused sandbox");
-    assert_eq!(again.status(), http::StatusCode::CONFLICT);
+    assert_eq!(again.kind, crate::error::ErrorKind::Conflict);
 
     sb.resume(&rec.id).await.expect("resume");
     assert_eq!(sb.state(&rec.id), Some(SandboxState::Running));
@@ -52,7 +52,7 @@ async fn create_pause_resume_delete() {
         .resume(&rec.id)
         .await
         .expect_err("resuming a running sandbox");
-    assert_eq!(again.status(), http::StatusCode::CONFLICT);
+    assert_eq!(again.kind, crate::error::ErrorKind::Conflict);
 
     sb.delete(&rec.id, REASON_USER_DELETE)
         .await
@@ -67,7 +67,7 @@ async fn create_pause_resume_delete() {
         .delete(&rec.id, REASON_USER_DELETE)
         .await
         .expect_err("deleting twice");
-    assert_eq!(again.status(), http::StatusCode::NOT_FOUND);
+    assert_eq!(again.kind, crate::error::ErrorKind::NotFound);
 }
 
 #[tokio::test]

@@ -323,7 +323,7 @@ async fn relay_opened(
     // Only Warren says a sandbox is parked: the newest clients replay a request (a POST too) on
     // this header, so one a sandbox's process sent would make them resend what it already took.
     parts.headers.remove(warren_api::WAKE_HEADER);
-    let body = crate::idle::BusyBody {
+    let body = BusyBody {
         inner: Body::new(body),
         busy,
     };
@@ -482,5 +482,33 @@ impl Forwarded {
         if let Some(prefix) = self.prefix {
             headers.insert(warren_api::desktop::FORWARDED_PREFIX, prefix);
         }
+    }
+}
+
+/// A body that keeps its sandbox busy until it has been sent whole (or dropped).
+struct BusyBody {
+    inner: axum::body::Body,
+    /// Held, never read: dropped with the body.
+    #[allow(dead_code)]
+    busy: crate::idle::Busy,
+}
+
+impl http_body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
