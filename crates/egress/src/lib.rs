@@ -5,6 +5,7 @@
 pub mod dns;
 pub mod forwarding;
 pub mod manager;
+pub mod metrics;
 pub mod mitm;
 pub mod nft;
 pub mod policy;

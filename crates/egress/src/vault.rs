@@ -139,6 +139,8 @@ pub struct Substitution {
 /// (each with its secret and where).
 #[derive(Debug, Default)]
 pub struct Injection {
+    /// The binding that matched (a name the vault's owner chose; never a secret).
+    pub binding: String,
     pub headers: Vec<(String, String)>,
     pub substitutions: Vec<(String, String, Vec<Place>)>,
 }
@@ -528,11 +530,11 @@ impl Vault {
         method: &str,
         path: &str,
     ) -> Option<Injection> {
-        let mut matching = self.bindings.values().filter(|b| {
+        let mut matching = self.bindings.iter().filter(|(_, b)| {
             b.matcher.serves(scheme, host, port, method)
                 && b.matcher.paths.iter().any(|p| path_matches(p, path))
         });
-        let b = matching.next()?;
+        let (binding, b) = matching.next()?;
         if matching.next().is_some() {
             return None;
         }
@@ -568,6 +570,7 @@ impl Vault {
             Auth::Passthrough {} => Vec::new(),
         };
         Some(Injection {
+            binding: binding.clone(),
             headers,
             substitutions,
         })

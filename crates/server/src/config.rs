@@ -14,7 +14,9 @@ use warren_env::EnvVars;
 pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
 
 mod sections;
-pub use sections::{AuditSection, EndpointsSection, QuotaSection, QuotaSpec, TlsSection};
+pub use sections::{
+    AuditSection, EndpointsSection, MetricsSection, QuotaSection, QuotaSpec, TlsSection,
+};
 
 /// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -67,6 +69,9 @@ pub struct FileConfig {
     /// `[endpoints]`: signed endpoint URLs and host-based routing (see `signed`).
     #[serde(default)]
     pub endpoints: EndpointsSection,
+    /// `[metrics]`: Prometheus metrics (see `metrics`).
+    #[serde(default)]
+    pub metrics: MetricsSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -536,6 +541,7 @@ pub struct ServerConfig {
     pub audit: AuditSection,
     pub tls: TlsSection,
     pub endpoints: EndpointsSection,
+    pub metrics: MetricsSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -652,6 +658,7 @@ impl ServerConfig {
             pools: file.pools.clone(),
             quotas: file.quotas.clone(),
             audit: file.audit.clone(),
+            metrics: file.metrics.clone(),
             tls: {
                 let mut tls = file.tls.clone();
                 tls.self_signed |= flags.tls_self_signed;

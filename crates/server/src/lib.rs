@@ -10,6 +10,7 @@ mod hooks;
 pub mod http;
 mod idle;
 pub mod keys;
+mod metrics;
 pub mod network;
 mod pools;
 mod quotas;
@@ -69,6 +70,8 @@ pub use sandboxes::Sandboxes;
 pub struct Server {
     pub state: AppState,
     listener: tokio::net::TcpListener,
+    /// `[metrics] listen`: `/metrics` alone, without a key.
+    metrics_listener: Option<tokio::net::TcpListener>,
     reaper: tokio::task::JoinHandle<()>,
 }
 
@@ -203,6 +206,19 @@ impl Server {
             )
             .context("[endpoints] signing keys")?,
         );
+        let config_metrics = config.metrics.enabled;
+        let metrics_listener = match &config.metrics.listen {
+            Some(addr) if config.metrics.enabled => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("[metrics] listen {addr}"))?,
+            ),
+            Some(addr) => {
+                tracing::warn!(%addr, "[metrics] listen is set but metrics are off: not served");
+                None
+            }
+            None => None,
+        };
         let state = AppState {
             signing,
             tls,
@@ -225,10 +241,12 @@ impl Server {
             templates,
             stored,
             local_addr,
+            metrics: config_metrics.then(http::metrics::install).flatten(),
         };
         Ok(Self {
             state,
             listener,
+            metrics_listener,
             reaper,
         })
     }
@@ -253,7 +271,18 @@ impl Server {
         let reloads = tokio::spawn(reload_on_sighup(self.state.clone(), hup));
         let key_refresh = tokio::spawn(refresh_shared_keys(self.state.keys.clone()));
         let tls = self.state.tls.as_ref().map(|t| t.acceptor());
+        let metrics = self.metrics_listener.map(|listener| {
+            let app = http::metrics::router(self.state.clone());
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!(error = %e, "[metrics] listen: the listener failed");
+                }
+            })
+        });
         http::front::serve(self.listener, app, limits, tls, shutdown).await;
+        if let Some(task) = metrics {
+            task.abort();
+        }
         reloads.abort();
         key_refresh.abort();
         self.reaper.abort();

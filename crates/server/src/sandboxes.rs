@@ -111,8 +111,12 @@ fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// the state under the sandbox's lock first): it is logged, and the record stays as it was rather
 /// than, say, a deleted sandbox coming back to Running.
 fn moved(r: &mut SandboxRecord, to: SandboxState, reason: Option<&str>, message: Option<String>) {
-    if let Err(e) = r.transition(to, reason, message) {
-        tracing::error!(error = %e, "a state change the transition table refuses (a bug in Warren); the record stays as it was");
+    match r.transition(to, reason, message) {
+        Ok(()) if to.is_terminal() => crate::metrics::sandbox_ended(to.as_str(), reason),
+        Ok(()) => {}
+        Err(e) => {
+            tracing::error!(error = %e, "a state change the transition table refuses (a bug in Warren); the record stays as it was");
+        }
     }
 }
 

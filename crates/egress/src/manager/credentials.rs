@@ -45,10 +45,12 @@ impl crate::mitm::Lookup for Lookup {
         let egress = self.0.upgrade()?;
         let st = egress.lock();
         let net = st.by_id.get(st.by_addr.get(&src)?)?;
+        let allowed = egress.allows(net, dst);
+        crate::metrics::connection_decided(allowed);
         Some(crate::mitm::Decision {
             vault: net.vault.clone(),
             ca: net.ca.clone(),
-            allowed: egress.allows(net, dst),
+            allowed,
         })
     }
 }

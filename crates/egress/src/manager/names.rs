@@ -54,6 +54,7 @@ async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<
     let Some(action) = egress.decide(src, &q.name) else {
         return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
     };
+    crate::metrics::name_decided(action == Action::Allow);
     if action == Action::Deny {
         tracing::debug!(%src, name = %q.name, "egress: denied name");
         return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));

@@ -249,6 +249,7 @@ pub(super) async fn forward(
     }
     let mut body = body.boxed();
     if let Some(injection) = injections {
+        crate::metrics::vault_injection(&injection.binding);
         for (k, v) in injection.headers {
             let name = hyper::header::HeaderName::from_bytes(k.as_bytes())?;
             parts

@@ -1,4 +1,4 @@
-//! The config sections whose code lives elsewhere (`quotas`, `audit`, `tls`, `signed`): their
+//! The config sections whose code lives elsewhere (`quotas`, `audit`, `tls`, `signed`, `metrics`): their
 //! shapes and defaults are here, so that `config` depends on no other module of the server.
 
 use std::collections::HashMap;
@@ -112,6 +112,28 @@ impl Default for EndpointsSection {
             host_urls: false,
             max_signed_seconds: default_max_signed_seconds(),
             signing_keys_file: None,
+        }
+    }
+}
+
+/// `[metrics]`: Prometheus metrics at `/metrics`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Record and serve metrics (default on): `/metrics` on the API's listener answers an admin
+    /// key (the server's own or a tenant admin's); off, it answers 404 and nothing is recorded.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// A listener of its own that serves `/metrics` alone, without a key, for a Prometheus that
+    /// scrapes over a private network or this host's loopback (`127.0.0.1:9464`); default: none.
+    pub listen: Option<String>,
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: None,
         }
     }
 }

@@ -54,7 +54,8 @@ fn is_endpoint_path(path: &str) -> bool {
 
 fn is_admin_path(path: &str) -> bool {
     let p = path.strip_prefix("/v1").unwrap_or(path);
-    p == "/admin" || p.starts_with("/admin/")
+    // `/metrics` counts every tenant's sandboxes.
+    p == "/admin" || p.starts_with("/admin/") || p == "/metrics"
 }
 
 fn forbidden(message: impl Into<String>) -> Response {
@@ -239,6 +240,8 @@ mod tests {
         assert_eq!(sandbox_in_path("/v1/pools/abc"), None);
         assert!(is_admin_path("/v1/admin/keys") && is_admin_path("/admin/keys/x"));
         assert!(!is_admin_path("/v1/administrators"));
+        assert!(is_admin_path("/v1/metrics") && is_admin_path("/metrics"));
+        assert!(!is_admin_path("/v1/metrics/events"));
         assert!(is_endpoint_path("/v1/sandboxes/abc/endpoints/8080"));
         assert!(!is_endpoint_path("/v1/sandboxes/abc"));
     }

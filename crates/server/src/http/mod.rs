@@ -10,6 +10,7 @@ pub mod diagnostics;
 pub mod docs;
 pub mod error;
 pub mod front;
+pub mod metrics;
 pub mod openapi;
 pub mod policy;
 pub mod proxy;

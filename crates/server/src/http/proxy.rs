@@ -90,7 +90,8 @@ pub(crate) async fn forward(
     // Credentials first: whether a sandbox exists is for those who may open it (or hold a key that
     // sees it).
     match opened(rec.as_ref(), port, &req) {
-        Opened::ByToken | Opened::ByKey => {}
+        Opened::ByToken => crate::metrics::proxy_request("token"),
+        Opened::ByKey => crate::metrics::proxy_request("key"),
         Opened::KeyNotHere => return SandboxError::not_found(&id).into_response(),
         Opened::No => {
             let missing = req.headers().get(ACCESS_TOKEN_HEADER).is_none()
@@ -128,7 +129,10 @@ pub(crate) async fn relay(
     req: Request,
 ) -> Response {
     match app.sandboxes.get(id) {
-        Some(rec) => relay_to(app, rec, port, rest, req).await,
+        Some(rec) => {
+            crate::metrics::proxy_request("signed-url");
+            relay_to(app, rec, port, rest, req).await
+        }
         None => SandboxError::not_found(id).into_response(),
     }
 }
@@ -326,6 +330,7 @@ async fn relay_opened(
     let body = BusyBody {
         inner: Body::new(body),
         busy,
+        sent: crate::metrics::proxy_response_bytes(),
     };
     Response::from_parts(parts, Body::new(body))
 }
@@ -485,12 +490,14 @@ impl Forwarded {
     }
 }
 
-/// A body that keeps its sandbox busy until it has been sent whole (or dropped).
+/// A body that keeps its sandbox busy until it has been sent whole (or dropped), and counts the
+/// bytes it sends.
 struct BusyBody {
     inner: axum::body::Body,
     /// Held, never read: dropped with the body.
     #[allow(dead_code)]
     busy: crate::idle::Busy,
+    sent: metrics::Counter,
 }
 
 impl http_body::Body for BusyBody {
@@ -501,7 +508,13 @@ impl http_body::Body for BusyBody {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.sent.increment(data.len() as u64);
+            }
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

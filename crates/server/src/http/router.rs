@@ -13,7 +13,7 @@ use warren_api::REQUEST_ID_HEADER;
 use crate::config;
 use crate::error;
 use crate::http::state::AppState;
-use crate::http::{admin, audit, auth, diagnostics, docs, openapi, proxy, routes, signed};
+use crate::http::{admin, audit, auth, diagnostics, docs, metrics, openapi, proxy, routes, signed};
 
 /// Lifecycle request bodies are small JSON documents; anything larger is refused with a 413.
 const MAX_JSON_BODY: usize = 1 << 20;
@@ -70,6 +70,7 @@ pub fn router(state: AppState) -> Router {
             "/sandboxes/{id}/credential-vault/{kind}/{name}",
             get(routes::credential_vault),
         )
+        .route("/metrics", get(metrics::scrape))
         .route("/metrics/events", post(routes::metrics_event))
         .route("/usage", get(admin::usage))
         .route("/admin/keys", post(admin::create_key).get(admin::list_keys))

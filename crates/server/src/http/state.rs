@@ -28,4 +28,6 @@ pub struct AppState {
     /// HTTPS, when `[tls]` asks for it.
     pub tls: Option<Arc<tls::Tls>>,
     pub local_addr: SocketAddr,
+    /// The Prometheus recorder's handle; `None`: `[metrics] enabled = false`.
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }

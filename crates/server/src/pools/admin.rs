@@ -161,6 +161,23 @@ impl Pools {
         pools.iter().map(|p| self.wire(p)).collect()
     }
 
+    /// Each pool's key (`tenant/name`, or the name for the default tenant) and its live warm
+    /// sandboxes, for `/metrics`.
+    pub fn warm_counts(&self) -> Vec<(String, u32)> {
+        let pools: Vec<Arc<Pool>> = self
+            .inner
+            .pools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        pools
+            .iter()
+            .map(|p| (p.key.clone(), self.live_warm_and_creating(p).0))
+            .collect()
+    }
+
     fn wire(&self, pool: &Pool) -> WirePool {
         let (available, creating) = self.live_warm_and_creating(pool);
         let allocated = self.allocated(&pool.key);

@@ -162,6 +162,7 @@ impl Pools {
                 .map_err(|e| SandboxError::internal("handing out a warm sandbox", &e))?;
                 pool.refill.notify_one();
                 if let Some(rec) = handed {
+                    crate::metrics::pool_claim(name, true);
                     return Ok(Some(rec));
                 }
                 continue; // it died while warm: the next one
@@ -178,6 +179,7 @@ impl Pools {
             }
             pool.refill.notify_one();
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                crate::metrics::pool_claim(name, false);
                 return Err(SandboxError::new(
                     ErrorKind::Busy,
                     ErrorCode::PoolExhausted,

@@ -62,10 +62,9 @@ impl Sandboxes {
             username: a.username.clone(),
             password: a.password.clone(),
         });
-        puller
-            .pull(name, credentials, None)
-            .await
-            .map_err(|e| pull_error(&e))?;
+        let pulled = puller.pull(name, credentials, None).await;
+        crate::metrics::image_pull(pulled.is_ok());
+        pulled.map_err(|e| pull_error(&e))?;
         resolve().await?.map_err(|e| image_error(name, e))
     }
 
@@ -88,6 +87,20 @@ impl Sandboxes {
         plan: CreatePlan,
         background: Background,
     ) -> Result<SandboxRecord, SandboxError> {
+        let started = std::time::Instant::now();
+        let created = self.create_timed(plan, background).await;
+        crate::metrics::create_phase("total", started.elapsed());
+        crate::metrics::create_answered(created.as_ref().map(drop).map_err(|e| e.code.as_str()));
+        created
+    }
+
+    /// [`Sandboxes::create_in_background`], each phase timed.
+    async fn create_timed(
+        &self,
+        plan: CreatePlan,
+        background: Background,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let started = std::time::Instant::now();
         self.check_room("a sandbox")?;
         if plan.hooks.idle.is_some() && !self.inner.runtime.capabilities().pause {
             return Err(SandboxError::new(
@@ -118,6 +131,7 @@ impl Sandboxes {
             leased: false,
             entered: false,
         };
+        let image_started = std::time::Instant::now();
         let image = match self.inner.runtime.capabilities().image_source {
             ImageSource::Store => {
                 let image = self
@@ -131,6 +145,8 @@ impl Sandboxes {
                 auth: plan.image_auth.clone(),
             },
         };
+        let image_took = image_started.elapsed();
+        crate::metrics::create_phase("image", image_took);
         let entrypoint = plan
             .entrypoint
             .clone()
@@ -228,6 +244,7 @@ impl Sandboxes {
             partial.entered = true;
         }
         self.persist(&record);
+        crate::metrics::create_phase("admission", started.elapsed().saturating_sub(image_took));
 
         let mut env = self.inner.default_env.clone();
         env.extend(plan.env);
@@ -246,10 +263,13 @@ impl Sandboxes {
             hardening: self.inner.floor.clone(),
         };
         // The semaphore is never closed; were it, creating without a slot is still correct.
+        let queued = std::time::Instant::now();
         let _slot = match &self.inner.create_slots {
             Some(s) => s.acquire().await.ok(),
             None => None,
         };
+        crate::metrics::create_phase("queue", queued.elapsed());
+        let starting = std::time::Instant::now();
         // A panic while the runtime makes this sandbox (a bug in Warren or a runtime) is this
         // sandbox's failure alone: it is marked Failed with what could be made of it released,
         // instead of a task that ends silently and a record left Pending for ever.
@@ -260,7 +280,9 @@ impl Sandboxes {
             &policy,
             plan.credential_proxy,
         ));
-        let created = match futures::FutureExt::catch_unwind(provisioned).await {
+        let created = futures::FutureExt::catch_unwind(provisioned).await;
+        crate::metrics::create_phase("start", starting.elapsed());
+        let created = match created {
             Ok(created) => created,
             Err(_) => {
                 // The sandbox stays, Failed, for its caller to see; what was made is released.
