@@ -126,6 +126,18 @@ def test_endpoint_query_parameters_as_the_reference_answers_them(server, make_sa
     assert bare.headers["location"] == f"/{signed.endpoint.split('/', 1)[1]}/?x=1", bare.headers
     followed = httpx.get(f"http://{signed.endpoint}", timeout=30, follow_redirects=True)
     assert followed.status_code == 200 and followed.text == r.text
+    # Under /v1 the same: the redirect keeps the prefix it came with.
+    host, path = signed.endpoint.split("/", 1)
+    v1 = httpx.get(f"http://{host}/v1/{path}?x=1", timeout=30)
+    assert v1.status_code == 308 and v1.headers["location"] == f"/v1/{path}/?x=1", v1.headers
+    # The rest of the path reaches the app as it was sent, still percent-encoded, bytes that are
+    # no UTF-8 included: the app answers it (http.server's own 404), not Warren.
+    raw = httpx.get(f"http://{signed.endpoint}/no%FFsuch%2Ffile", timeout=30)
+    assert raw.status_code == 404 and "Error response" in raw.text, (raw.status_code, raw.text)
+    # No token at all is a token that opens nothing.
+    for empty in (f"http://{host}/signed/", f"http://{host}/v1/signed/"):
+        body = W.assert_error_body(httpx.get(empty, timeout=30), codes=[401])
+        assert "ACCESS_TOKEN" in body["code"] and "route token" in body["message"], (empty, body)
     # The same path with one character of the signature changed opens nothing.
     forged = signed.endpoint[:-1] + ("a" if signed.endpoint[-1] != "a" else "b")
     W.assert_error_body(httpx.get(f"http://{forged}/", timeout=30), codes=[401])

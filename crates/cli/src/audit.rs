@@ -1,4 +1,4 @@
-//! `warren audit`: the audit log of a server's data dir (see `warren_server::audit`), oldest first,
+//! `warren audit`: the audit log of a server's data dir (see `warren_server::audit_log`), oldest first,
 //! filtered by tenant, sandbox and time.
 
 use std::io::BufRead;

@@ -188,6 +188,7 @@ fn registries_from(config: Option<PathBuf>) -> anyhow::Result<RegistriesConfig> 
         .with_context(|| format!("reading config {}", path.display()))?;
     let file: warren_server::config::FileConfig =
         toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
+    crate::runtimes::check_sections(&file.docker, &file.kubernetes, Some(&path))?;
     Ok(file.registries)
 }
 

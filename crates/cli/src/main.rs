@@ -255,6 +255,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 tls_self_signed,
             };
             let cfg = warren_server::ServerConfig::load(&overrides, &ProcessEnv)?;
+            runtimes::check_sections(&cfg.docker, &cfg.kubernetes, cfg.config_file.as_deref())?;
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(serve(cfg))?;
             Ok(ExitCode::SUCCESS)

@@ -90,6 +90,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     tls_self_signed: false,
                 };
                 let mut cfg = warren_server::ServerConfig::load(&overrides, &env)?;
+                crate::runtimes::check_sections(
+                    &cfg.docker,
+                    &cfg.kubernetes,
+                    cfg.config_file.as_deref(),
+                )?;
                 cfg.api_key = Some(random_key());
                 let key = cfg.api_key.clone();
                 let server = warren_server::Server::bind(cfg, crate::runtimes::make_runtime)

@@ -15,8 +15,6 @@ use warren_server::ServerConfig;
 /// daemon's client).
 pub fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
     let exe = std::env::current_exe().context("locating the warren binary")?;
-    // Both backend sections are read whichever runtime is chosen: a mistake in either is named
-    // at start, not when that runtime is first chosen.
     let docker_section: DockerSection = section("docker", &config.docker)?;
     let kubernetes_section: KubernetesSection = section("kubernetes", &config.kubernetes)?;
     let start_timeout = |default: u64| match config.runtime.start_timeout_seconds {
@@ -94,6 +92,23 @@ pub fn make_runtime(config: &ServerConfig) -> anyhow::Result<Arc<dyn Runtime>> {
         execd_tcp,
     };
     Ok(Arc::new(NativeRuntime::new(native)?))
+}
+
+/// Reads both backend sections of a config file as their crates define them, whichever runtime
+/// is chosen: a misspelt key in either is named as the file is loaded, before anything starts.
+pub fn check_sections(
+    docker: &toml::Table,
+    kubernetes: &toml::Table,
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let checked = section::<DockerSection>("docker", docker)
+        .and_then(|_| section::<KubernetesSection>("kubernetes", kubernetes));
+    match file {
+        Some(f) => checked
+            .with_context(|| format!("config {}", f.display()))
+            .map(drop),
+        None => checked.map(drop),
+    }
 }
 
 /// A backend's `[name]` section, read by the type its crate defines.

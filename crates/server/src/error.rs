@@ -29,7 +29,8 @@ pub enum ErrorKind {
     Unprocessable,
     /// A limit is reached for now: a quota, an empty pool, too many at once; retry later (429).
     Busy,
-    /// The sandbox could not be started: the caller's image failed (500, not hidden).
+    /// A failure (500): the caller's sandbox could not start (its image failed), with its text
+    /// shown; or, with `hidden`, a failure of the server's own, whose text stays in the log.
     Failed,
     /// Not something this runtime or build does (501).
     Unsupported,

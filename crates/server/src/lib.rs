@@ -7,7 +7,7 @@ mod disk_space;
 pub mod error;
 mod execd_conns;
 mod hooks;
-pub mod http;
+mod http;
 mod idle;
 pub mod keys;
 mod metrics;
@@ -314,7 +314,8 @@ async fn reload_on_sighup(state: AppState, hup: std::io::Result<tokio::signal::u
             }
         }
         match state.signing.reload() {
-            Ok(()) => tracing::info!("SIGHUP: reloaded the endpoint signing keys"),
+            Ok(true) => tracing::info!("SIGHUP: reloaded the endpoint signing keys"),
+            Ok(false) => {}
             Err(e) => {
                 tracing::error!(error = %format!("{e:#}"), "SIGHUP: endpoint signing keys not reloaded; the previous ones stay")
             }

@@ -346,8 +346,8 @@ mod tests {
             .err()
             .expect("third refused");
         assert_eq!(
-            (e.status().as_u16(), e.code.as_str()),
-            (403, "QUOTA_EXCEEDED")
+            (e.kind, e.code.as_str()),
+            (crate::error::ErrorKind::Forbidden, "QUOTA_EXCEEDED")
         );
         assert!(
             e.to_string().contains("quota sandboxes"),
@@ -399,7 +399,7 @@ mod tests {
             .admit("acme", &limits(1, 1), &[], true, true)
             .err()
             .expect("refused");
-        assert_eq!(e.status().as_u16(), 429);
+        assert_eq!(e.kind, crate::error::ErrorKind::Busy);
         assert!(
             matches!(e.retry_after, Some(59 | 60)),
             "{:?}",

@@ -66,10 +66,15 @@ impl SigningKeys {
     }
 
     /// Reads the file again; on an error the keys in use stay.
-    pub fn reload(&self) -> anyhow::Result<()> {
+    /// `false`: there is no file to read (the replicas' shared key, held by the runtime, changes
+    /// with a restart).
+    pub fn reload(&self) -> anyhow::Result<bool> {
+        if matches!(self.source, KeySource::Shared(_)) {
+            return Ok(false);
+        }
         let keys = self.source.read()?;
         *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys;
-        Ok(())
+        Ok(true)
     }
 
     /// The route token for `port` of sandbox `id` until `expires` (Unix seconds).

@@ -75,10 +75,11 @@ async fn a_create_that_fails_leaves_nothing_running() {
     let (_dir, rt, sb) = setup();
     rt.fail(Step::Create);
     let err = sb.create(plan()).await.expect_err("create fails");
-    assert!(err.status().is_server_error(), "{err:?}");
+    assert_eq!(err.kind, crate::error::ErrorKind::Failed, "{err:?}");
     rt.heal(Step::Create);
     rt.fail(Step::Start);
     let err = sb.create(plan()).await.expect_err("start fails");
+    // A refusal or a failure, whichever the runtime's makes it: what matters is that nothing runs.
     assert!(
         err.status().is_client_error() || err.status().is_server_error(),
         "{err:?}"

@@ -287,8 +287,8 @@ mod tests {
             plan.snapshot_id = Some(missing.into());
             let none = stored.resolve(&mut plan).expect_err("missing");
             assert_eq!(
-                (theirs.status(), theirs.to_string().replace(A, missing)),
-                (none.status(), none.to_string())
+                (theirs.kind, theirs.to_string().replace(A, missing)),
+                (none.kind, none.to_string())
             );
         }
         // By the store's image id: no snapshot's image, not even its owner's, as a missing id.

@@ -637,7 +637,7 @@ mod tests {
         );
         for bad in ["banana", "1Mi", ""] {
             let err = with(bad).expect_err("must be refused");
-            assert_eq!(err.status(), 400);
+            assert_eq!(err.kind, crate::error::ErrorKind::Invalid);
             assert!(
                 err.to_string().contains("ephemeral-storage"),
                 "{}",
@@ -658,8 +658,8 @@ mod tests {
                 &StoragePolicy::default()
             )
             .expect_err("must be refused")
-            .status(),
-            400
+            .kind,
+            crate::error::ErrorKind::Invalid
         );
         let mut r = req();
         r.timeout = Some(5);
@@ -729,7 +729,7 @@ mod tests {
         let mut r = req();
         r.env = Some(many(40_000, "x"));
         let e = refused(r);
-        assert_eq!(e.status(), 400);
+        assert_eq!(e.kind, crate::error::ErrorKind::Invalid);
         assert!(e.to_string().contains("at most 1024"), "{}", e.to_string());
         let mut r = req();
         r.env = Some(many(1, &"x".repeat(200 << 10)));

@@ -364,29 +364,29 @@ mod tests {
             one("/srv/sharedx", None)
                 .map(drop)
                 .expect_err("refused")
-                .status(),
-            403
+                .kind,
+            crate::error::ErrorKind::Forbidden
         );
         assert_eq!(
             one("/srv/shared/../etc", None)
                 .map(drop)
                 .expect_err("refused")
-                .status(),
-            400
+                .kind,
+            crate::error::ErrorKind::Invalid
         );
         assert_eq!(
             one("/srv/shared", Some("../x"))
                 .map(drop)
                 .expect_err("refused")
-                .status(),
-            400
+                .kind,
+            crate::error::ErrorKind::Invalid
         );
         let none = StoragePolicy {
             host_volumes: HostVolumes::None,
             ..policy
         };
         let e = validate(&[host("v", "/srv/shared", "/data")], &none).expect_err("refused");
-        assert_eq!(e.status(), 501);
+        assert_eq!(e.kind, crate::error::ErrorKind::Unsupported);
         assert_eq!(plain_absolute(Path::new("/a//b/")), Some("/a/b".into()));
         assert_eq!(plain_absolute(Path::new("/a/../b")), None);
         assert_eq!(plain_absolute(Path::new("a/b")), None);

@@ -27,6 +27,40 @@ fn insecure_mode_is_refused_off_loopback() {
     assert!(err.contains("loopback"), "unclear error: {err}");
 }
 
+/// A misspelt key in a backend's section (`[docker]`, `[kubernetes]`, read by their own crates)
+/// stops `warren serve` as the file is read, naming the key and the file, whichever runtime is
+/// chosen, and before anything is made: no key generated, nothing bound.
+#[test]
+fn a_misspelt_backend_key_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let config = dir.path().join("warren.toml");
+    for (section, key) in [("docker", "hots"), ("kubernetes", "namespce")] {
+        std::fs::write(&config, format!("[{section}]\n{key} = \"x\"\n")).expect("write");
+        let out = Command::new(warren_bin())
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port())])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(&data)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "[{section}] {key} was taken");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(key)
+                && err.contains(&format!("[{section}]"))
+                && err.contains("warren.toml"),
+            "unclear error: {err}"
+        );
+        assert!(
+            !data.join("api-key").exists(),
+            "a key was generated before the config was checked"
+        );
+    }
+}
+
 #[tokio::test]
 async fn generated_key_is_stored_private_and_enforced() {
     let dir = tempfile::tempdir().expect("tempdir");

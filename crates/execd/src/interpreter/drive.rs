@@ -41,7 +41,7 @@ const LATE_OUTPUT_QUIET: Duration = Duration::from_millis(50);
 /// Once interrupted (`DELETE /code`, or the client gone) the interrupt is sent again until the
 /// execution ends, and an idle kernel ends it even without its `execute_reply` (after
 /// [`REPLY_AFTER_IDLE`]): the stream always ends with a terminal event, and the context is free.
-pub(crate) async fn drive(ctx: &Context, kernel: &Kernel, code: &str, out: EventStream) {
+pub(super) async fn drive(ctx: &Context, kernel: &Kernel, code: &str, out: EventStream) {
     let started = Instant::now();
     let send = |ev: StreamEvent| {
         let tx = out.tx.clone();

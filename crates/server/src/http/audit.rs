@@ -12,7 +12,7 @@ use crate::audit_log::AuditEntry;
 use crate::http::AppState;
 use crate::keys::Caller;
 
-pub use crate::audit_log::{files, AuditLog, ClientAddr};
+pub use crate::audit_log::ClientAddr;
 
 /// The route a path is, ids shown as `{id}`, the sandbox it names, and the other object it names.
 fn action_of(method: &Method, path: &str) -> (String, Option<String>, Option<String>) {
@@ -75,7 +75,7 @@ pub struct Routed {
 /// The middleware, outside `auth` (so refused calls are kept too): the caller is read from the
 /// response, where `auth` leaves it.
 pub async fn middleware(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    // Host routing is decided inside (`signed::routes`): every request may turn out to be proxied.
+    // Host routing is decided inside (`signed::ByHost`): every request may turn out to be proxied.
     let api_call = audited(req.method(), req.uri().path());
     let (mut action, mut sandbox, mut object) = action_of(req.method(), req.uri().path());
     let request_id = req

@@ -39,7 +39,7 @@ impl SandboxError {
 }
 
 /// Marks a response that answers an internal error: the request-id middleware (`request_id` in
-/// the crate root) writes its message, naming the request so its log lines can be found. It holds
+/// `http::router`) writes its message, naming the request so its log lines can be found. It holds
 /// the error's code.
 #[derive(Debug, Clone)]
 pub struct InternalError(pub String);

@@ -1,6 +1,7 @@
 //! The one router: every route of the API (under `/v1` and unprefixed), the path proxy, signed
-//! and host endpoints, and the layers every request passes (request id, panics, audit, CORS,
-//! the key check).
+//! and host endpoints, and their layers: every request gets an id, a panic's answer and an audit
+//! line; the API's routes and the path proxy also pass CORS and the key check, which signed paths
+//! and sandboxes' own hosts (their token is the credential) do not.
 
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::HeaderValue;

@@ -17,7 +17,7 @@
 //! Host routing also takes `{port}-{id}.{domain}` with the credentials the path proxy takes (the
 //! port's token header, or a key).
 
-use axum::extract::{Path, Request, State};
+use axum::extract::{OriginalUri, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use axum::{Extension, Router};
@@ -196,8 +196,10 @@ fn host_router(app: AppState) -> Router {
 /// Signed paths on Warren's own host, under `/v1` and unprefixed, outside the key check: the
 /// token is the credential.
 pub fn path_router() -> Router<AppState> {
+    // `/signed/` too: an empty token is answered as a token that opens nothing.
     let signed = Router::new()
-        .route("/signed/{token}", any(on_path_bare))
+        .route("/signed/", any(on_path))
+        .route("/signed/{token}", any(on_path))
         .route("/signed/{token}/", any(on_path))
         .route("/signed/{token}/{*rest}", any(on_path));
     Router::new().nest("/v1", signed.clone()).merge(signed)
@@ -247,34 +249,25 @@ async fn on_host(
     }
 }
 
-/// `/signed/{token}` with nothing after the token, not even `/`.
-async fn on_path_bare(
-    State(app): State<AppState>,
-    Path(token): Path<String>,
-    req: Request,
-) -> Response {
-    open_signed(&app, &token, "", Opened::Bare, req).await
-}
-
-/// `/signed/{token}/{rest}`: the rest as it came (still percent-encoded), as on a host of its own.
-async fn on_path(
-    State(app): State<AppState>,
-    Path(params): Path<Vec<(String, String)>>,
-    req: Request,
-) -> Response {
-    let token = params
-        .iter()
-        .find(|(k, _)| k == "token")
-        .map(|(_, v)| v.clone())
-        .unwrap_or_default();
-    let path = req.uri().path();
-    let after = path.strip_prefix("/v1").unwrap_or(path);
-    let rest = after
-        .strip_prefix("/signed/")
-        .and_then(|t| t.split_once('/'))
-        .map(|(_, rest)| rest.to_string())
-        .unwrap_or_default();
-    open_signed(&app, &token, &rest, Opened::OnPath, req).await
+/// `/signed/{token}/{rest}` on Warren's own host, under `/v1` or not: the token and the rest are
+/// read from the path as it came (the rest still percent-encoded, as on a host of its own), and
+/// `/signed/{token}` without a slash after the token is sent to the one with it.
+async fn on_path(State(app): State<AppState>, req: Request) -> Response {
+    // The whole path: `nest` took `/v1` off the request's URI.
+    let path = req
+        .extensions()
+        .get::<OriginalUri>()
+        .map(|u| u.0.path().to_owned())
+        .unwrap_or_else(|| req.uri().path().to_owned());
+    let after = path.strip_prefix("/v1").unwrap_or(&path);
+    let tail = after.strip_prefix("/signed/").unwrap_or_default();
+    let (token, rest) = tail.split_once('/').unwrap_or((tail, ""));
+    let how = if tail.contains('/') {
+        Opened::OnPath
+    } else {
+        Opened::Bare
+    };
+    open_signed(&app, token, rest, how, req).await
 }
 
 /// Where a signed token came.
@@ -326,9 +319,13 @@ async fn open_signed(
             // resolves `app.js` to `/signed/app.js`, beside the token. Sent to the same URL with
             // the slash (308 keeps the method and body), its relative links load as they would
             // at the app's `/`.
-            let location = match req.uri().query() {
-                Some(q) => format!("{}/?{q}", req.uri().path()),
-                None => format!("{}/", req.uri().path()),
+            let uri = req
+                .extensions()
+                .get::<OriginalUri>()
+                .map_or_else(|| req.uri().clone(), |u| u.0.clone());
+            let location = match uri.query() {
+                Some(q) => format!("{}/?{q}", uri.path()),
+                None => format!("{}/", uri.path()),
             };
             (
                 StatusCode::PERMANENT_REDIRECT,

@@ -23,7 +23,7 @@ pub struct AppState {
     pub templates: templates::Templates,
     /// What every create's references to stored objects go through (`stored`).
     pub stored: stored::Stored,
-    /// The keys that sign endpoint URLs (`signed`).
+    /// The keys that sign endpoint URLs (`signing`).
     pub signing: Arc<signing::SigningKeys>,
     /// HTTPS, when `[tls]` asks for it.
     pub tls: Option<Arc<tls::Tls>>,
