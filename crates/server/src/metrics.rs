@@ -9,7 +9,8 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 
 /// Sandboxes the server knows, by `state` and `runtime` (set when scraped).
 pub const SANDBOXES: &str = "warren_sandboxes";
-/// Creates answered, by `result` (`ok`, `failed`) and, for a failure, its wire `code`.
+/// Sandboxes made, by a create or a pool's refill (a create a pool serves makes none), by `result`
+/// (`ok`, `failed`) and, for a failure, its wire `code`.
 pub const CREATES: &str = "warren_sandbox_creates_total";
 /// Seconds of a create, by `phase`: `admission` (checks, limits, the record), `image` (resolved
 /// from the store, pulled when missing), `queue` (waiting for a create slot), `start` (the
@@ -50,7 +51,7 @@ pub fn describe() {
     );
     describe_counter!(
         CREATES,
-        "Creates answered, by result (ok, failed) and, for a failure, its wire code."
+        "Sandboxes made (by creates and pools' refills), by result (ok, failed) and wire code."
     );
     describe_histogram!(
         CREATE_SECONDS,
