@@ -29,6 +29,26 @@ fn setup() -> (tempfile::TempDir, Arc<FakeRuntime>, Sandboxes) {
     (dir, runtime, sandboxes)
 }
 
+/// `/metrics`' sandboxes-by-state gauge: each record counted once, under its state.
+#[tokio::test]
+async fn records_are_counted_by_state() {
+    let (_dir, _rt, sb) = setup();
+    let state_of = |counts: [usize; 8], state: SandboxState| {
+        let i = SandboxState::ALL
+            .iter()
+            .position(|s| *s == state)
+            .expect("a state");
+        counts[i]
+    };
+    let a = sb.create(plan()).await.expect("create");
+    sb.create(plan()).await.expect("create");
+    sb.pause(&a.id).await.expect("pause");
+    let counts = sb.count_by_state();
+    assert_eq!(state_of(counts, SandboxState::Running), 1, "{counts:?}");
+    assert_eq!(state_of(counts, SandboxState::Paused), 1, "{counts:?}");
+    assert_eq!(counts.iter().sum::<usize>(), 2, "{counts:?}");
+}
+
 #[tokio::test]
 async fn create_pause_resume_delete() {
     let (_dir, rt, sb) = setup();

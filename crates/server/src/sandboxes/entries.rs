@@ -185,6 +185,18 @@ impl Sandboxes {
             .count()
     }
 
+    /// How many records are in each state, in one pass (the order of [`SandboxState::ALL`]).
+    pub fn count_by_state(&self) -> [usize; SandboxState::ALL.len()] {
+        let mut counts = [0; SandboxState::ALL.len()];
+        for e in self.entries() {
+            let state = lock(&e.record).state;
+            if let Some(i) = SandboxState::ALL.iter().position(|s| *s == state) {
+                counts[i] += 1;
+            }
+        }
+        counts
+    }
+
     /// The entries, taken out of the map's lock before any record is locked.
     pub(super) fn entries(&self) -> Vec<Arc<Entry>> {
         self.inner
