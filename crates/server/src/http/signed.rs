@@ -253,32 +253,36 @@ async fn on_host(
 /// read from the path as it came (the rest still percent-encoded, as on a host of its own), and
 /// `/signed/{token}` without a slash after the token is sent to the one with it.
 async fn on_path(State(app): State<AppState>, req: Request) -> Response {
-    // The whole path: `nest` took `/v1` off the request's URI.
-    let path = req
+    // The whole URI: `nest` took `/v1` off the request's.
+    let uri = req
         .extensions()
         .get::<OriginalUri>()
-        .map(|u| u.0.path().to_owned())
-        .unwrap_or_else(|| req.uri().path().to_owned());
-    let after = path.strip_prefix("/v1").unwrap_or(&path);
+        .map_or_else(|| req.uri().clone(), |u| u.0.clone());
+    let path = uri.path();
+    let after = path.strip_prefix("/v1").unwrap_or(path);
     let tail = after.strip_prefix("/signed/").unwrap_or_default();
     let (token, rest) = tail.split_once('/').unwrap_or((tail, ""));
     let how = if tail.contains('/') {
         Opened::OnPath
     } else {
-        Opened::Bare
+        // The same URL with the slash, its query kept.
+        Opened::Bare(match uri.query() {
+            Some(q) => format!("{path}/?{q}"),
+            None => format!("{path}/"),
+        })
     };
     open_signed(&app, token, rest, how, req).await
 }
 
 /// Where a signed token came.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 enum Opened {
     /// As a host of its own, `{token}.{domain}`.
     OnHost,
     /// On Warren's own host, `/signed/{token}/…`.
     OnPath,
-    /// `/signed/{token}` without the slash after it.
-    Bare,
+    /// `/signed/{token}` without the slash after it, and where it is sent: the same with one.
+    Bare(String),
 }
 
 async fn open_signed(
@@ -314,25 +318,14 @@ async fn open_signed(
         opened_by: "signed-url",
     };
     let resp = match how {
-        Opened::Bare => {
-            // The URL as handed out names the app's root without its slash: a page there
-            // resolves `app.js` to `/signed/app.js`, beside the token. Sent to the same URL with
-            // the slash (308 keeps the method and body), its relative links load as they would
-            // at the app's `/`.
-            let uri = req
-                .extensions()
-                .get::<OriginalUri>()
-                .map_or_else(|| req.uri().clone(), |u| u.0.clone());
-            let location = match uri.query() {
-                Some(q) => format!("{}/?{q}", uri.path()),
-                None => format!("{}/", uri.path()),
-            };
-            (
-                StatusCode::PERMANENT_REDIRECT,
-                [(http::header::LOCATION, location)],
-            )
-                .into_response()
-        }
+        // The URL as handed out names the app's root without its slash: a page there resolves
+        // `app.js` to `/signed/app.js`, beside the token. Sent to the same URL with the slash
+        // (308 keeps the method and body), its relative links load as they would at the app's `/`.
+        Opened::Bare(location) => (
+            StatusCode::PERMANENT_REDIRECT,
+            [(http::header::LOCATION, location)],
+        )
+            .into_response(),
         Opened::OnPath if req.headers().contains_key("service-worker") => SandboxError::new(
             ErrorKind::Forbidden,
             ErrorCode::InvalidAccessToken,

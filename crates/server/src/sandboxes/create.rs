@@ -88,19 +88,19 @@ impl Sandboxes {
         background: Background,
     ) -> Result<SandboxRecord, SandboxError> {
         let started = std::time::Instant::now();
-        let created = self.create_timed(plan, background).await;
+        let created = self.create_timed(plan, background, started).await;
         crate::metrics::create_phase("total", started.elapsed());
         crate::metrics::create_answered(created.as_ref().map(drop).map_err(|e| e.code.as_str()));
         created
     }
 
-    /// [`Sandboxes::create_in_background`], each phase timed.
+    /// [`Sandboxes::create_in_background`] from `started`, each phase timed.
     async fn create_timed(
         &self,
         plan: CreatePlan,
         background: Background,
+        started: std::time::Instant,
     ) -> Result<SandboxRecord, SandboxError> {
-        let started = std::time::Instant::now();
         self.check_room("a sandbox")?;
         if plan.hooks.idle.is_some() && !self.inner.runtime.capabilities().pause {
             return Err(SandboxError::new(
