@@ -906,6 +906,15 @@ def join_chunks(messages) -> str:
     return "".join(m.text if m.text == "\n" else m.text + "\n" for m in messages)
 
 
+def timeline(srv, sandbox_id: str, *, api_key: str | bool = True, **params) -> list[dict]:
+    """A sandbox's flight recorder, as its JSON lines parsed (`GET /v1/sandboxes/{id}/timeline`)."""
+    with srv.client(api_key=api_key) as c:
+        r = c.get(f"/v1/sandboxes/{sandbox_id}/timeline", params=params)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/x-ndjson", r.headers
+        return [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+
 def sh(sbx, command: str, **opts):
     """Run a shell command through the SDK; return (exit_code, stdout, stderr)."""
     from opensandbox.models.execd import RunCommandOpts

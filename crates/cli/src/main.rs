@@ -16,6 +16,7 @@ mod runtimes;
 mod sandbox;
 mod settings;
 mod shell;
+mod timeline;
 mod usage;
 mod vault;
 

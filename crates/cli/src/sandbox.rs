@@ -63,6 +63,17 @@ pub enum SandboxCommand {
     },
     /// Whether execd inside the sandbox answers (exit 0 when it does).
     Health { id: String },
+    /// What happened to and in the sandbox: its flight recorder's events (state changes,
+    /// commands with their exit codes, file changes, egress decisions, endpoints, snapshots).
+    Timeline {
+        id: String,
+        /// Keep printing new events as they are recorded, until the sandbox ends.
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only events numbered after this one.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+    },
     /// CPU and memory of the sandbox.
     Metrics {
         id: String,
@@ -355,6 +366,20 @@ pub async fn run(
                 }
                 Table::pairs(rows)
             })?;
+        }
+        SandboxCommand::Timeline { id, follow, after } => {
+            let mut events = client
+                .timeline(&id, follow, after)
+                .await
+                .explain(&format!("sandbox {id}'s timeline"))?;
+            while let Some(event) = events.next().await.explain("reading the timeline")? {
+                match format {
+                    // One JSON object per line, as the server sends them.
+                    Format::Json => println!("{event}"),
+                    Format::Yaml => print!("---\n{}", serde_yaml::to_string(&event)?),
+                    Format::Table => println!("{}", crate::timeline::line(&event)),
+                }
+            }
         }
         SandboxCommand::Health { id } => {
             let sb = client

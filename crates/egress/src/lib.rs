@@ -8,9 +8,11 @@ pub mod manager;
 pub mod metrics;
 pub mod mitm;
 pub mod nft;
+pub mod observe;
 pub mod policy;
 pub mod sidecar;
 pub mod vault;
 
 pub use manager::{Egress, EgressConfig, EgressError, Link};
+pub use observe::Observer;
 pub use policy::{Action, NetworkPolicy, NetworkRule, PolicyError, Target};

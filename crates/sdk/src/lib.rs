@@ -61,6 +61,7 @@ mod files;
 mod pty;
 mod sandbox;
 mod stream;
+mod timeline;
 mod vault;
 
 pub use client::{Client, Config, ListQuery};
@@ -73,6 +74,7 @@ pub use files::{ByteStream, Ownership};
 pub use pty::{Pty, PtyEvent, PtyOptions, PtyReader, PtyStatus, PtyWriter};
 pub use sandbox::Sandbox;
 pub use stream::{EventStream, Output};
+pub use timeline::Timeline;
 pub use vault::{BindingMeta, CredentialMeta, VaultState};
 
 pub use warren_api::execd::{

@@ -15,7 +15,8 @@ pub use warren_local::{API_KEY_FILE, DEFAULT_LISTEN};
 
 mod sections;
 pub use sections::{
-    AuditSection, EndpointsSection, MetricsSection, QuotaSection, QuotaSpec, TlsSection,
+    AuditSection, EndpointsSection, MetricsSection, QuotaSection, QuotaSpec, TimelineSection,
+    TlsSection,
 };
 
 /// The TOML file. Unknown keys are errors: a typo must not silently fall back to a default.
@@ -72,6 +73,9 @@ pub struct FileConfig {
     /// `[metrics]`: Prometheus metrics (see `metrics`).
     #[serde(default)]
     pub metrics: MetricsSection,
+    /// `[timeline]`: each sandbox's flight recorder (see `timeline`).
+    #[serde(default)]
+    pub timeline: TimelineSection,
 }
 
 /// `[http]`: the API's front door (see `front`).
@@ -542,6 +546,7 @@ pub struct ServerConfig {
     pub tls: TlsSection,
     pub endpoints: EndpointsSection,
     pub metrics: MetricsSection,
+    pub timeline: TimelineSection,
     pub config_file: Option<PathBuf>,
 }
 
@@ -659,6 +664,7 @@ impl ServerConfig {
             quotas: file.quotas.clone(),
             audit: file.audit.clone(),
             metrics: file.metrics.clone(),
+            timeline: file.timeline.clone(),
             tls: {
                 let mut tls = file.tls.clone();
                 tls.self_signed |= flags.tls_self_signed;

@@ -25,6 +25,7 @@ mod stored;
 mod supervise;
 mod templates;
 mod time;
+pub mod timeline;
 mod tokens;
 mod validate;
 pub mod volumes;
@@ -158,6 +159,7 @@ impl Server {
                     sandboxes: config.limits.max_sandboxes,
                     creates_in_flight: config.limits.max_creates_in_flight,
                 },
+                timeline: config.timeline.settings()?,
             },
         );
         sandboxes.recover().await.context("recovering sandboxes")?;

@@ -20,6 +20,8 @@ pub struct Network {
     /// Why networking cannot work on this server, if it cannot.
     broken: Option<String>,
     egress: tokio::sync::OnceCell<Result<Arc<Egress>, String>>,
+    /// Handed to the egress controller when it starts (sandboxes' timelines).
+    observer: std::sync::OnceLock<Arc<dyn warren_egress::Observer>>,
 }
 
 /// `GET /policy` and the lifecycle `networkpolicy` routes answer this.
@@ -115,6 +117,7 @@ impl Network {
             cfg,
             broken,
             egress: tokio::sync::OnceCell::new(),
+            observer: std::sync::OnceLock::new(),
         })
     }
 
@@ -128,16 +131,27 @@ impl Network {
             return Err(unavailable(why));
         }
         let cfg = self.cfg.clone();
+        let observer = self.observer.get().cloned();
         let r = self
             .egress
             .get_or_init(|| async move {
-                match cfg {
-                    Some(cfg) => Egress::start(cfg).await.map_err(|e| e.to_string()),
-                    None => Err("networking is not configured".to_string()),
+                let egress = match cfg {
+                    Some(cfg) => Egress::start(cfg).await.map_err(|e| e.to_string())?,
+                    None => return Err("networking is not configured".to_string()),
+                };
+                if let Some(o) = observer {
+                    egress.observe(o);
                 }
+                Ok(egress)
             })
             .await;
         r.clone().map_err(|e| unavailable(&e))
+    }
+
+    /// Tells the egress controller's decisions to `observer` once it starts (the first one set
+    /// stays).
+    pub fn observe(&self, observer: Arc<dyn warren_egress::Observer>) {
+        let _ = self.observer.set(observer);
     }
 
     /// The controller if it was started (for teardown paths, which must not start it).

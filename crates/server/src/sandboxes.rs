@@ -78,6 +78,10 @@ struct Inner {
     caps: Caps,
     /// Creates admitted and not yet done (see `Caps::creates_in_flight`).
     in_flight: std::sync::atomic::AtomicUsize,
+    /// How each sandbox's flight recorder is set.
+    timeline: Arc<crate::timeline::Settings>,
+    /// Timelines whose records were forgotten before their retention ended.
+    kept_timelines: crate::timeline::Kept,
 }
 
 /// What one server takes on at once, whoever asks: beyond it a create is answered 429 with
@@ -133,6 +137,7 @@ pub struct Options {
     /// The floor under user code in every sandbox; `None`: hardening off.
     pub floor: Option<warren_api::hardening::FloorPolicy>,
     pub caps: Caps,
+    pub timeline: crate::timeline::Settings,
 }
 
 impl Sandboxes {
@@ -151,6 +156,7 @@ impl Sandboxes {
             default_env,
             floor,
             caps,
+            timeline,
         } = options;
         let images = Arc::new(images);
         let puller = registries.map(|config| {
@@ -164,7 +170,7 @@ impl Sandboxes {
             .capabilities()
             .create_parallelism
             .map(|n| tokio::sync::Semaphore::new(n.max(1)));
-        Self {
+        let this = Self {
             inner: Arc::new(Inner {
                 data_dir: data_dir.to_path_buf(),
                 create_slots,
@@ -187,7 +193,13 @@ impl Sandboxes {
                 floor,
                 caps,
                 in_flight: Default::default(),
+                timeline: Arc::new(timeline),
+                kept_timelines: Default::default(),
             }),
-        }
+        };
+        this.inner
+            .network
+            .observe(Arc::new(egress::Recorder(Arc::downgrade(&this.inner))));
+        this
     }
 }

@@ -22,6 +22,19 @@ impl crate::mitm::Lookup for Lookup {
         self.0.upgrade()?.vault_for(src, dst)
     }
 
+    fn injected(&self, src: Ipv4Addr, binding: &str, host: &str) {
+        let Some(egress) = self.0.upgrade() else {
+            return;
+        };
+        let Some(o) = egress.observer().cloned() else {
+            return;
+        };
+        let id = egress.lock().by_addr.get(&src).cloned();
+        if let Some(id) = id {
+            o.injection(&id, binding, host);
+        }
+    }
+
     fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool {
         self.0.upgrade().is_some_and(|e| e.answered(src, dst, name))
     }
@@ -44,9 +57,13 @@ impl crate::mitm::Lookup for Lookup {
     fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::mitm::Decision> {
         let egress = self.0.upgrade()?;
         let st = egress.lock();
-        let net = st.by_id.get(st.by_addr.get(&src)?)?;
+        let id = st.by_addr.get(&src)?;
+        let net = st.by_id.get(id)?;
         let allowed = egress.allows(net, dst);
         crate::metrics::connection_decided(allowed);
+        if let Some(o) = egress.observer() {
+            o.connection(id, dst, allowed);
+        }
         Some(crate::mitm::Decision {
             vault: net.vault.clone(),
             ca: net.ca.clone(),

@@ -93,6 +93,8 @@ pub struct Egress {
     changes: Mutex<()>,
     /// Bounds DNS queries in flight (each holds a task and a socket).
     dns_slots: Arc<tokio::sync::Semaphore>,
+    /// Told of each decision, for sandboxes' timelines (see [`Egress::observe`]).
+    observer: std::sync::OnceLock<Arc<dyn crate::Observer>>,
 }
 
 /// What a sandbox's link is, for records and for the sandbox.
@@ -174,6 +176,7 @@ impl Egress {
             state: Mutex::new(State::default()),
             changes: Mutex::new(()),
             dns_slots: Arc::new(tokio::sync::Semaphore::new(256)),
+            observer: std::sync::OnceLock::new(),
         });
         tokio::spawn(dns_loop(this.clone(), Arc::new(socket)));
         let mitm = Arc::new(crate::mitm::Mitm::new(
@@ -183,6 +186,15 @@ impl Egress {
         tokio::spawn(mitm.serve(vault_listener));
         tracing::info!(port, table = %this.fw.table, "egress: DNS filter and firewall ready");
         Ok(this)
+    }
+
+    /// Tells `observer` of every decision from now on (the first one set stays).
+    pub fn observe(&self, observer: Arc<dyn crate::Observer>) {
+        let _ = self.observer.set(observer);
+    }
+
+    pub(crate) fn observer(&self) -> Option<&Arc<dyn crate::Observer>> {
+        self.observer.get()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -427,7 +439,7 @@ impl Egress {
         dst: SocketAddrV4,
         name: &str,
     ) -> bool {
-        if self.decide(src, name) != Some(Action::Allow) {
+        if self.decide(src, name).map(|(_, a)| a) != Some(Action::Allow) {
             return false;
         }
         let query = dns::build_query(rand_id(), name, dns::TYPE_A);

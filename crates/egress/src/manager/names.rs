@@ -51,10 +51,13 @@ async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<
     let IpAddr::V4(src) = from.ip() else {
         return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
     };
-    let Some(action) = egress.decide(src, &q.name) else {
+    let Some((sandbox, action)) = egress.decide(src, &q.name) else {
         return Some(dns::reply_empty(query, &q, dns::RCODE_REFUSED));
     };
     crate::metrics::name_decided(action == Action::Allow);
+    if let Some(o) = egress.observer() {
+        o.name(&sandbox, &q.name, action == Action::Allow);
+    }
     if action == Action::Deny {
         tracing::debug!(%src, name = %q.name, "egress: denied name");
         return Some(dns::reply_empty(query, &q, dns::RCODE_NXDOMAIN));
@@ -80,11 +83,12 @@ async fn answer(egress: &Arc<Egress>, from: SocketAddr, query: &[u8]) -> Option<
 }
 
 impl Egress {
-    /// The DNS decision for a query from `src`; `None` when `src` is no sandbox of ours.
-    pub(super) fn decide(&self, src: Ipv4Addr, name: &str) -> Option<Action> {
+    /// The sandbox a query from `src` is of, and the DNS decision for it; `None` when `src` is no
+    /// sandbox of ours.
+    pub(super) fn decide(&self, src: Ipv4Addr, name: &str) -> Option<(String, Action)> {
         let st = self.lock();
         let id = st.by_addr.get(&src)?;
-        Some(st.by_id.get(id)?.policy.decide_name(name))
+        Some((id.clone(), st.by_id.get(id)?.policy.decide_name(name)))
     }
 
     /// Lets `src` reach the addresses of an allowed answer for as long as the answer lives. Checks

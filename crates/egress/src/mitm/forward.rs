@@ -174,6 +174,7 @@ pub(super) async fn forward(
     upstream: Upstream,
     target: Target,
     dst: SocketAddrV4,
+    injected: super::Injected,
 ) -> Result<hyper::Response<ResponseBody>, BoxError> {
     // Answered by the proxy itself, whatever the destination.
     match &target {
@@ -250,6 +251,7 @@ pub(super) async fn forward(
     let mut body = body.boxed();
     if let Some(injection) = injections {
         crate::metrics::vault_injection(&injection.binding);
+        injected.report(&injection.binding, &host);
         for (k, v) in injection.headers {
             let name = hyper::header::HeaderName::from_bytes(k.as_bytes())?;
             parts

@@ -47,6 +47,8 @@ pub struct Decision {
 pub trait Lookup: Send + Sync + 'static {
     fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<Decision>;
     fn vault(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<Vault>;
+    /// A binding's credential went into a request of `src`'s to `host`.
+    fn injected(&self, src: Ipv4Addr, binding: &str, host: &str);
     /// Whether an allowed DNS answer to `src` for `name` held `dst`'s address (and `src` may reach
     /// `dst`).
     fn answered(&self, src: Ipv4Addr, dst: SocketAddrV4, name: &str) -> bool;
@@ -59,6 +61,15 @@ pub trait Lookup: Send + Sync + 'static {
         dst: SocketAddrV4,
         name: &str,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>>;
+}
+
+/// Where a request's injection is reported: the lookup, and the sandbox's address.
+pub(super) struct Injected(Arc<dyn Lookup>, Ipv4Addr);
+
+impl Injected {
+    pub(super) fn report(&self, binding: &str, host: &str) {
+        self.0.injected(self.1, binding, host);
+    }
 }
 
 /// How long a sandbox may take to send its ClientHello, and the proxy to reach a server.
@@ -323,7 +334,15 @@ async fn intercept(
         // The vault as it is now: a revoked credential or a narrowed policy applies to kept
         // connections from their next request.
         let vault = lookup.vault(src, dst).map(Arc::new);
-        forward(req, vault, upstream, Target::Tls(tls_cfg, host), dst)
+        let report = Injected(lookup.clone(), src);
+        forward(
+            req,
+            vault,
+            upstream,
+            Target::Tls(tls_cfg, host),
+            dst,
+            report,
+        )
     });
     hyper::server::conn::http1::Builder::new()
         .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
@@ -391,7 +410,16 @@ async fn serve_plain(
             };
             // An error is answered, never a connection closed with no answer.
             Ok::<_, std::convert::Infallible>(
-                match forward(req, vault, upstream, target, dst).await {
+                match forward(
+                    req,
+                    vault,
+                    upstream,
+                    target,
+                    dst,
+                    Injected(lookup.clone(), src),
+                )
+                .await
+                {
                     Ok(resp) => resp,
                     Err(e) => refused(
                         hyper::StatusCode::BAD_GATEWAY,

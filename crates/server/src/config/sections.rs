@@ -129,6 +129,63 @@ pub struct MetricsSection {
     pub listen: Option<String>,
 }
 
+/// `[timeline]`: each sandbox's flight recorder (`GET /v1/sandboxes/{id}/timeline`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimelineSection {
+    /// Record (default on); off, nothing is recorded and timelines answer 404.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// JSON bytes kept per sandbox (default 1 MiB); past them the oldest events go.
+    #[serde(default = "timeline_max_bytes")]
+    pub max_bytes: usize,
+    /// `"text"` (default) keeps each command's and code cell's text (its first 4 KiB); `"hash"`
+    /// keeps only its SHA-256, for commands that may carry secrets.
+    #[serde(default = "timeline_commands")]
+    pub commands: String,
+}
+
+fn timeline_max_bytes() -> usize {
+    1 << 20
+}
+
+fn timeline_commands() -> String {
+    "text".into()
+}
+
+impl Default for TimelineSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_bytes: timeline_max_bytes(),
+            commands: timeline_commands(),
+        }
+    }
+}
+
+impl TimelineSection {
+    /// The recorder's settings; a bad `commands` is an error naming the section.
+    pub fn settings(&self) -> anyhow::Result<crate::timeline::Settings> {
+        let commands = match self.commands.as_str() {
+            "text" => crate::timeline::CommandText::Full,
+            "hash" => crate::timeline::CommandText::Hash,
+            other => {
+                anyhow::bail!("[timeline] commands = {other:?}: expected \"text\" or \"hash\"")
+            }
+        };
+        anyhow::ensure!(
+            self.max_bytes >= 4096,
+            "[timeline] max_bytes = {}: at least 4096",
+            self.max_bytes
+        );
+        Ok(crate::timeline::Settings {
+            enabled: self.enabled,
+            max_bytes: self.max_bytes,
+            commands,
+        })
+    }
+}
+
 impl Default for MetricsSection {
     fn default() -> Self {
         Self {

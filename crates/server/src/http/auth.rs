@@ -187,10 +187,15 @@ pub async fn require_api_key(
 /// `%36f…` names the sandbox `6f…`.
 pub fn guard(app: &AppState, caller: &Caller, raw: &str) -> Option<Response> {
     let id = percent_encoding::percent_decode_str(raw).decode_utf8_lossy();
-    let seen = app
-        .sandboxes
-        .get(&id)
-        .is_some_and(|rec| caller.sees(&rec.tenant));
+    // A deleted sandbox's timeline outlives its record (see `timeline::Kept`): its tenant still
+    // sees that, and the routes answer 404 for everything else of it, as for any missing sandbox.
+    let seen = match app.sandboxes.get(&id) {
+        Some(rec) => caller.sees(&rec.tenant),
+        None => app
+            .sandboxes
+            .timeline_of(&id)
+            .is_some_and(|(tenant, _)| caller.sees(&tenant)),
+    };
     (!seen).then(|| SandboxError::not_found(&id).into_response())
 }
 

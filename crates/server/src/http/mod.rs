@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod policy;
 pub mod proxy;
+pub mod recorder;
 pub mod router;
 pub mod routes;
 pub mod signed;

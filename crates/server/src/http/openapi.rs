@@ -41,6 +41,7 @@ use crate::http::routes;
         routes::get_pool,
         routes::update_pool,
         routes::delete_pool,
+        crate::http::routes::timeline,
         crate::http::diagnostics::logs,
         crate::http::diagnostics::events,
         crate::http::diagnostics::context,

@@ -159,7 +159,7 @@ async fn relay_opened(
     rec: warren_store::SandboxRecord,
     port: u16,
     rest: &str,
-    mut req: Request,
+    req: Request,
 ) -> Response {
     let id = rec.id.clone();
     let mut rec = rec;
@@ -213,6 +213,12 @@ async fn relay_opened(
         format!("/proxy/{port}/{rest}{query}")
     };
 
+    // Calls to execd that the sandbox's timeline keeps (runs, file changes) are watched as they pass.
+    let (mut req, recording) = if port == EXECD_PORT {
+        crate::http::recorder::start(app.sandboxes.timeline(&id), rest, req)
+    } else {
+        (req, None)
+    };
     let devtools = port == warren_api::desktop::CDP_PORT;
     let forwarded = devtools.then(|| Forwarded::of(app, &req, rest));
     let client_upgrade = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
@@ -306,10 +312,19 @@ async fn relay_opened(
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let upstream_upgrade = hyper::upgrade::on(&mut resp);
         if let Some(client_upgrade) = client_upgrade {
-            // An upgraded connection (a terminal, a websocket) is activity while it is open.
+            // An upgraded connection (a terminal, a websocket) is activity while it is open, and
+            // a session on the sandbox's timeline.
             let busy = app.sandboxes.busy(&id);
+            let session = app.sandboxes.timeline(&id).map(|t| {
+                let of = t.record(
+                    "session.open",
+                    serde_json::json!({"port": port, "path": format!("/{rest}")}),
+                );
+                (t, of, std::time::Instant::now())
+            });
             tokio::spawn(async move {
                 let _busy = busy;
+                let _closed = SessionClosed(session);
                 match (client_upgrade.await, upstream_upgrade.await) {
                     (Ok(client), Ok(upstream)) => {
                         let mut client = TokioIo::new(client);
@@ -332,7 +347,11 @@ async fn relay_opened(
         busy,
         sent: crate::metrics::proxy_response_bytes(),
     };
-    Response::from_parts(parts, Body::new(body))
+    let resp = Response::from_parts(parts, Body::new(body));
+    match recording {
+        Some(recording) => recording.answered(resp),
+        None => resp,
+    }
 }
 
 /// The answer for a request to a sandbox its idle policy parked that was not woken in time (or
@@ -486,6 +505,26 @@ impl Forwarded {
         );
         if let Some(prefix) = self.prefix {
             headers.insert(warren_api::desktop::FORWARDED_PREFIX, prefix);
+        }
+    }
+}
+
+/// Records an upgraded session's end on the timeline when the splice ends (or is dropped).
+struct SessionClosed(
+    Option<(
+        std::sync::Arc<crate::timeline::Timeline>,
+        u64,
+        std::time::Instant,
+    )>,
+);
+
+impl Drop for SessionClosed {
+    fn drop(&mut self) {
+        if let Some((timeline, of, opened)) = self.0.take() {
+            timeline.record(
+                "session.close",
+                serde_json::json!({"of": of, "durationMs": opened.elapsed().as_millis() as u64}),
+            );
         }
     }
 }

@@ -39,6 +39,7 @@ pub fn router(state: AppState) -> Router {
                 .patch(routes::network_policy)
                 .delete(routes::network_policy),
         )
+        .route("/sandboxes/{id}/timeline", get(routes::timeline))
         .route("/sandboxes/{id}/diagnostics/logs", get(diagnostics::logs))
         .route(
             "/sandboxes/{id}/diagnostics/events",

@@ -221,7 +221,7 @@ impl Sandboxes {
                 .flatten(),
             tenant: plan.tenant.clone(),
         };
-        let entry = Arc::new(Entry::new(&record, false));
+        let entry = Arc::new(Entry::new(&record, false, self.inner.timeline.clone()));
         let _op = entry.op.lock().await;
         {
             // Counted and inserted under one lock: concurrent creates cannot all slip under the cap.

@@ -6,7 +6,7 @@ use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
 use warren_core::{RuntimeError, RuntimeExt};
 
-use super::Sandboxes;
+use super::{Inner, Sandboxes};
 use crate::error::{ErrorKind, SandboxError};
 use crate::network::{needs_link, runtime_policy, Network};
 
@@ -227,5 +227,45 @@ impl Sandboxes {
             r.network_link = link;
         });
         Ok(policy)
+    }
+}
+
+/// Writes the egress controller's decisions on each sandbox's timeline. It holds the registry
+/// weakly: the registry owns the network, which owns this.
+pub(super) struct Recorder(pub(super) std::sync::Weak<Inner>);
+
+impl Recorder {
+    fn record(&self, sandbox: &str, kind: &str, detail: serde_json::Value) {
+        let Some(inner) = self.0.upgrade() else {
+            return;
+        };
+        if let Some(t) = (Sandboxes { inner }).timeline(sandbox) {
+            t.record(kind, detail);
+        }
+    }
+}
+
+fn action(allowed: bool) -> &'static str {
+    if allowed {
+        "allow"
+    } else {
+        "deny"
+    }
+}
+
+impl warren_egress::Observer for Recorder {
+    fn name(&self, sandbox: &str, name: &str, allowed: bool) {
+        let detail = serde_json::json!({"name": name, "action": action(allowed)});
+        self.record(sandbox, "egress.name", detail);
+    }
+
+    fn connection(&self, sandbox: &str, dst: std::net::SocketAddrV4, allowed: bool) {
+        let detail = serde_json::json!({"address": dst.to_string(), "action": action(allowed)});
+        self.record(sandbox, "egress.connection", detail);
+    }
+
+    fn injection(&self, sandbox: &str, binding: &str, host: &str) {
+        let detail = serde_json::json!({"binding": binding, "host": host});
+        self.record(sandbox, "vault.injection", detail);
     }
 }

@@ -13,6 +13,7 @@ use warren_store::SandboxRecord;
 use super::{lock, moved, Sandboxes};
 use crate::error::SandboxError;
 use crate::execd_conns::{ExecdConns, ExecdEndpoint};
+use crate::timeline::Timeline;
 
 pub(super) struct Entry {
     /// The current record; held only for short, non-async sections.
@@ -22,6 +23,8 @@ pub(super) struct Entry {
     /// Its state changes since this server started (diagnostics), the newest [`MAX_EVENTS`]. In
     /// memory only: the journal keeps the record, not its history.
     pub(super) events: StdMutex<Events>,
+    /// Its flight recorder (see `timeline`): kept as long as the entry is.
+    pub(super) timeline: Arc<Timeline>,
 }
 
 /// State changes kept per sandbox.
@@ -61,18 +64,56 @@ impl Events {
 }
 
 impl Entry {
-    pub(super) fn new(rec: &SandboxRecord, recovered: bool) -> Self {
+    pub(super) fn new(
+        rec: &SandboxRecord,
+        recovered: bool,
+        timeline: Arc<crate::timeline::Settings>,
+    ) -> Self {
         let mut events = Events {
             recovered,
             ..Events::default()
         };
         events.push(rec);
+        let timeline = Arc::new(Timeline::new(timeline));
+        if recovered {
+            // What happened before this server started is not known here.
+            timeline.record(
+                "recovered",
+                serde_json::json!({"state": rec.state.as_str()}),
+            );
+        } else {
+            timeline.record(
+                "created",
+                serde_json::json!({
+                    "image": rec.image,
+                    "snapshotId": rec.snapshot_id,
+                    "pool": rec.warm_pool.as_ref().or(rec.pool_ref.as_ref()),
+                }),
+            );
+            record_state(&timeline, rec);
+        }
+        if rec.state.is_terminal() {
+            timeline.end();
+        }
         Entry {
             record: StdMutex::new(rec.clone()),
             op: Arc::new(tokio::sync::Mutex::new(())),
             events: StdMutex::new(events),
+            timeline,
         }
     }
+}
+
+/// A state change, on the sandbox's timeline.
+fn record_state(timeline: &Timeline, rec: &SandboxRecord) {
+    timeline.record(
+        "state",
+        serde_json::json!({
+            "state": rec.state.as_str(),
+            "reason": rec.reason,
+            "message": rec.message,
+        }),
+    );
 }
 
 impl Sandboxes {
@@ -122,6 +163,20 @@ impl Sandboxes {
     /// The state changes of sandbox `id` this server has seen.
     pub fn events(&self, id: &str) -> Option<Events> {
         self.entry(id).map(|e| lock(&e.events).clone())
+    }
+
+    /// Sandbox `id`'s flight recorder, and its tenant, until the retention period after its end:
+    /// with its record, or after a user's delete forgot the record.
+    pub fn timeline_of(&self, id: &str) -> Option<(String, Arc<Timeline>)> {
+        match self.entry(id) {
+            Some(e) => Some((lock(&e.record).tenant.clone(), e.timeline.clone())),
+            None => self.inner.kept_timelines.get(id),
+        }
+    }
+
+    /// Sandbox `id`'s flight recorder, while its record is kept (for recording into).
+    pub fn timeline(&self, id: &str) -> Option<Arc<Timeline>> {
+        self.entry(id).map(|e| e.timeline.clone())
     }
 
     /// Where and how the server reaches sandbox `id`'s execd (`None`: no such sandbox).
@@ -224,6 +279,10 @@ impl Sandboxes {
             f(&mut rec);
             if (rec.state, rec.last_transition_at) != was {
                 lock(&entry.events).push(&rec);
+                record_state(&entry.timeline, &rec);
+                if rec.state.is_terminal() {
+                    entry.timeline.end();
+                }
             }
             (rec.clone(), !was_terminal && rec.state.is_terminal())
         };
@@ -288,6 +347,17 @@ impl Sandboxes {
 
     /// Drops an ended sandbox's record: list and get no longer know it.
     pub(super) fn forget(&self, id: &str) {
+        if let Some(e) = self.entry(id) {
+            // Kept until the retention period after its end, when the record would have gone.
+            let (tenant, ended) = {
+                let r = lock(&e.record);
+                (r.tenant.clone(), r.last_transition_at)
+            };
+            let until = ended + self.inner.retention;
+            self.inner
+                .kept_timelines
+                .keep(id, &tenant, e.timeline.clone(), until);
+        }
         self.inner.hook_runs.forget(id);
         self.inner.activity.forget(id);
         self.inner

@@ -280,7 +280,11 @@ impl Follower {
             rec.state = SandboxState::Pending;
         }
         let warm_and_running = running && rec.warm_pool.is_some();
-        let entry = Arc::new(Entry::new(&rec, true));
+        let entry = Arc::new(Entry::new(
+            &rec,
+            true,
+            self.sandboxes.inner.timeline.clone(),
+        ));
         self.sandboxes
             .inner
             .entries

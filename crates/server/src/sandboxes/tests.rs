@@ -102,6 +102,7 @@ pub(crate) fn sandboxes(dir: &Path, runtime: Arc<dyn Runtime>) -> Sandboxes {
                 sandboxes: 10,
                 creates_in_flight: 10,
             },
+            timeline: Default::default(),
         },
     )
 }

@@ -131,7 +131,7 @@ impl Sandboxes {
                 }
             }
             let watch = rec.state == SandboxState::Running || rec.state == SandboxState::Paused;
-            let entry = Arc::new(Entry::new(&rec, true));
+            let entry = Arc::new(Entry::new(&rec, true, self.inner.timeline.clone()));
             self.inner
                 .entries
                 .write()

@@ -21,11 +21,13 @@ mod pools;
 mod sandboxes;
 mod snapshots;
 mod templates;
+mod timeline;
 
 pub use pools::*;
 pub use sandboxes::*;
 pub use snapshots::*;
 pub use templates::*;
+pub use timeline::*;
 
 const MAX_PAGE_SIZE: u32 = 1000;
 

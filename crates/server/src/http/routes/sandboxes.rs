@@ -333,6 +333,14 @@ pub async fn endpoint(
                 .map(str::to_string)
         })
         .unwrap_or_else(|| app.local_addr.to_string());
+    // On the timeline: who holds a way into which port (never the token or the URL itself).
+    if let Some(t) = app.sandboxes.timeline(&id) {
+        let mut detail = serde_json::json!({"port": port, "signed": expires.is_some()});
+        if let Some((expires, _)) = expires {
+            detail["expires"] = expires.into();
+        }
+        t.record("endpoint", detail);
+    }
     if let Some((expires, now)) = expires {
         // A signed URL carries its own credential: no header to send (see `signed`).
         let endpoint = crate::http::signed::signed_endpoint(&app, &host, &id, port, expires, now)?;

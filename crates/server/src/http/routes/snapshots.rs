@@ -34,7 +34,14 @@ pub async fn create_snapshot(
         })?
     };
     let snapshots = app.snapshots.clone();
+    let timeline = app.sandboxes.timeline(&id);
     let rec = to_completion(async move { snapshots.create(&id, req.name).await }).await?;
+    if let Some(t) = timeline {
+        t.record(
+            "snapshot",
+            serde_json::json!({"snapshotId": rec.id, "name": rec.name}),
+        );
+    }
     Ok((StatusCode::ACCEPTED, Json(rec.to_wire())).into_response())
 }
 
