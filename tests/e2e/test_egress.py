@@ -113,6 +113,11 @@ def test_allow_and_deny_by_name_and_wildcard(net_server, fakenet):
         # A raw address that no allowed answer gave: refused, not just unanswered.
         code, out, err = W.sh(sbx, CONNECT + f"{fakenet['other']} 80")
         assert code != 0 and "connected" not in out
+        # The sandbox's timeline has the DNS filter's decisions, by name.
+        names = {(e["name"], e["action"]) for e in W.timeline(net_server, sbx.id)
+                 if e["kind"] == "egress.name"}
+        assert {("allowed.test", "allow"), ("api.wild.test", "allow"), ("denied.test", "deny"),
+                ("other.test", "deny")} <= names, names
     finally:
         sbx.kill()
 
@@ -583,6 +588,14 @@ def test_credential_vault_injects_on_the_wire_only(net_server, fakenet):
         # No vault: tunnelled, so the real certificate arrives (trusted here through the fake CA).
         W.sh(sbx, PINNED + "https://allowed.test/v1/after-delete")
         assert "/v1/after-delete authorization=None" in fakenet["request_log"].read_text()
+        # The timeline names the binding and the host each time a credential went in; never
+        # the secret.
+        events = W.timeline(net_server, sbx.id)
+        injections = [e for e in events if e["kind"] == "vault.injection"]
+        assert injections and all(e == {**e, "binding": "allowed", "host": "allowed.test"}
+                                  for e in injections), injections
+        # (The test's own grep for it above is a command whose text names it.)
+        assert SECRET not in json.dumps([e for e in events if "grep -rl" not in e.get("text", "")])
     finally:
         sbx.kill()
     server_log = net_server.log_path.read_text()

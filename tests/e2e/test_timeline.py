@@ -203,6 +203,67 @@ def test_hostile_text_stays_data_and_long_commands_are_cut_with_their_hash(srv):
     assert "\x1b" not in human and "\x07" not in human and "\\u{1b}" in human, human
 
 
+def _ws_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    """A client's (masked) WebSocket frame."""
+    import os
+    mask = os.urandom(4)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    n = len(payload)
+    head += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_what_a_terminal_is_typed_is_on_the_timeline(srv):
+    """A PTY session through the proxy (execd's `/pty/{id}/ws`, as a console's xterm.js speaks it):
+    each typed line is recorded when Enter ends it, across fragmented frames; output is not."""
+    import base64
+    import os
+    import socket
+    sbx = _sandbox(srv)
+    try:
+        ep = sbx.get_endpoint(44772)
+        hostport, _, path = ep.endpoint.partition("/")
+        with httpx.Client(headers=ep.headers, timeout=30) as c:
+            r = c.post(f"http://{ep.endpoint}/pty", json={})
+            assert r.status_code in (200, 201), r.text
+            session = r.json()["session_id"]
+        host, port = hostport.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=20)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in ep.headers.items())
+        sock.sendall((f"GET /{path}/pty/{session}/ws HTTP/1.1\r\nHost: {hostport}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                      f"Sec-WebSocket-Version: 13\r\n{extra}\r\n").encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+        assert b" 101 " in got.split(b"\r\n", 1)[0], got[:200]
+        # "echo typed-$((6*7))" in two fragments of one message, then Enter in a frame of its own.
+        sock.sendall(_ws_frame(2, b"\x00echo typed-", fin=False) + _ws_frame(0, b"$((6*7))", fin=True)
+                     + _ws_frame(1, b'{"type":"resize","cols":100,"rows":30}') + _ws_frame(2, b"\x00\r"))
+        deadline = time.time() + 20
+        while b"typed-42" not in got and time.time() < deadline:
+            got += sock.recv(65536)
+        assert b"typed-42" in got, got[-500:]
+        sock.sendall(_ws_frame(2, b"\x00exit\r") + _ws_frame(8, b""))
+        sock.close()
+        W.wait_until(lambda: any(e["kind"] == "session.close" for e in W.timeline(srv, sbx.id)), 20,
+                     message="the session's end on the timeline")
+        events = W.timeline(srv, sbx.id)
+    finally:
+        sbx.kill()
+    opened = next(e for e in events if e["kind"] == "session.open")
+    assert opened["path"] == f"/pty/{session}/ws" and opened["port"] == 44772, opened
+    typed = [e["text"] for e in events if e["kind"] == "terminal.input"]
+    assert typed == ["echo typed-$((6*7))", "exit"], typed
+    assert all(e["of"] == opened["seq"] for e in events if e["kind"] == "terminal.input")
+    # What the terminal printed is not recorded.
+    assert "typed-42" not in json.dumps(events)
+    closed = next(e for e in events if e["kind"] == "session.close")
+    assert closed["of"] == opened["seq"] and closed["durationMs"] >= 0
+
+
 @pytest.fixture(scope="module")
 def small(work_root):
     s = _server(work_root, "timeline-small", '[timeline]\nmax_bytes = 8192\ncommands = "hash"\n')

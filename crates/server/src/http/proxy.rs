@@ -15,6 +15,7 @@ use warren_api::{ErrorCode, ACCESS_TOKEN_HEADER, API_KEY_HEADER, EXECD_PORT};
 use crate::error::{ErrorKind, SandboxError};
 use crate::execd_conns;
 use crate::http::auth::Caller;
+use crate::http::recorder::terminal;
 use crate::http::AppState;
 use crate::keys::Role;
 
@@ -322,6 +323,12 @@ async fn relay_opened(
                 );
                 (t, of, std::time::Instant::now())
             });
+            let terminal = session
+                .as_ref()
+                .filter(|(t, _, _)| {
+                    t.enabled() && port == EXECD_PORT && terminal::is_terminal(rest)
+                })
+                .map(|(t, of, _)| (t.clone(), *of));
             tokio::spawn(async move {
                 let _busy = busy;
                 let _closed = SessionClosed(session);
@@ -329,7 +336,16 @@ async fn relay_opened(
                     (Ok(client), Ok(upstream)) => {
                         let mut client = TokioIo::new(client);
                         let mut upstream = TokioIo::new(upstream);
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        match terminal {
+                            // A terminal's typed lines go on the timeline as they pass.
+                            Some((timeline, of)) => {
+                                terminal::splice(client, upstream, timeline, of).await
+                            }
+                            None => {
+                                let _ =
+                                    tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                            }
+                        }
                     }
                     (a, b) => {
                         tracing::debug!(client = a.is_ok(), upstream = b.is_ok(), "upgrade failed")

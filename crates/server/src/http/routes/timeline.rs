@@ -39,7 +39,11 @@ pub async fn timeline(
     Query(q): Query<TimelineQuery>,
 ) -> Result<Response, SandboxError> {
     // A warm pool sandbox is nobody's yet: as missing as for `GET /sandboxes/{id}`.
-    if app.sandboxes.get(&id).is_some_and(|r| r.warm_pool.is_some()) {
+    if app
+        .sandboxes
+        .get(&id)
+        .is_some_and(|r| r.warm_pool.is_some())
+    {
         return Err(SandboxError::not_found(&id));
     }
     // Its record, or a user's delete forgot it: kept until the retention period ends.

@@ -6,8 +6,8 @@
 //! to do is recorded here, not what execd says it did.
 //!
 //! Bodies are looked at as they stream past, never held back: a run's JSON body (its first
-//! [`MAX_BODY`] bytes) is copied as execd reads it, an upload's multipart body is scanned for its
-//! `metadata` parts beside the relay, and a run's answer is read line by line for its end.
+//! [`MAX_BODY`] bytes) is copied as execd reads it, an upload's multipart body is searched for its
+//! `metadata` parts (`upload`), and a run's answer is read line by line for its end.
 
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
@@ -20,13 +20,29 @@ use serde_json::{json, Value};
 
 use crate::timeline::Timeline;
 
+pub(crate) mod terminal;
+mod upload;
+
+/// The boundary of a `multipart/form-data` content type (`boundary=…`, quoted or not).
+fn multipart_boundary(content_type: &str) -> Option<String> {
+    let (mime, params) = content_type.split_once(';')?;
+    if !mime.trim().eq_ignore_ascii_case("multipart/form-data") {
+        return None;
+    }
+    params.split(';').find_map(|p| {
+        let (k, v) = p.split_once('=')?;
+        k.trim()
+            .eq_ignore_ascii_case("boundary")
+            .then(|| v.trim().trim_matches('"').to_string())
+            .filter(|b| !b.is_empty() && b.len() <= 70)
+    })
+}
+
 /// The most of a request body copied for the record (runs' and file calls' JSON bodies are small;
 /// a longer one is recorded as cut).
 const MAX_BODY: usize = 1 << 20;
-/// The longest answer line read for a run's end (`error` events carry a traceback).
+/// The longest event line read for a run's end (`error` events carry a traceback).
 const MAX_LINE: usize = 64 << 10;
-/// Upload bytes queued for the metadata scan at most; past them it stops and says so.
-const MAX_SCAN_QUEUE: usize = 16 << 20;
 /// Paths one file event lists at most.
 const MAX_PATHS: usize = 100;
 
@@ -83,8 +99,8 @@ pub(crate) struct Recording {
     user: Option<(String, String)>,
     query: String,
     body: Arc<StdMutex<Captured>>,
-    /// Upload paths, from the scan beside the relay.
-    upload: Option<tokio::sync::oneshot::Receiver<Scanned>>,
+    /// Upload paths, from the scan of the body as it passed.
+    upload: Option<Arc<StdMutex<upload::Scanned>>>,
     started: Instant,
 }
 
@@ -92,13 +108,6 @@ pub(crate) struct Recording {
 struct Captured {
     bytes: Vec<u8>,
     cut: bool,
-}
-
-#[derive(Default)]
-struct Scanned {
-    paths: Vec<String>,
-    /// The scan did not see the whole body (too much queued, or a body it could not parse).
-    incomplete: bool,
 }
 
 /// Starts recording `req` (to execd's `path`) when it is a call the timeline keeps; returns the
@@ -129,20 +138,15 @@ pub(crate) fn start(
                 .headers
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|ct| multer::parse_boundary(ct).ok());
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            upload = Some(rx);
+                .and_then(|ct| multipart_boundary(ct));
+            let found = Arc::new(StdMutex::new(upload::Scanned::default()));
+            upload = Some(found.clone());
             match boundary {
                 Some(boundary) => {
-                    let (feed, scan) = UploadScan::new(boundary, tx);
-                    tokio::spawn(scan);
-                    Body::new(Tap::new(inner, feed))
+                    Body::new(Tap::new(inner, upload::UploadScan::new(&boundary, found)))
                 }
                 None => {
-                    let _ = tx.send(Scanned {
-                        paths: Vec::new(),
-                        incomplete: true,
-                    });
+                    found.lock().unwrap_or_else(|p| p.into_inner()).incomplete = true;
                     inner
                 }
             }
@@ -205,25 +209,17 @@ impl Recording {
                 self.run(detail, status, ok, resp, false)
             }
             Call::Upload => {
-                let (timeline, user, upload) =
-                    (self.timeline.clone(), self.user.clone(), self.upload);
-                // The scan may still be reading the last bytes: the event is written when it is done.
-                tokio::spawn(async move {
-                    let scanned = match upload {
-                        Some(rx) => rx.await.unwrap_or(Scanned {
-                            paths: Vec::new(),
-                            incomplete: true,
-                        }),
-                        None => Scanned::default(),
-                    };
-                    let mut detail = json!({"op": "upload", "status": status});
-                    put_paths(&mut detail, scanned.paths);
-                    if scanned.incomplete {
-                        detail["incomplete"] = true.into();
-                    }
-                    put_user(&mut detail, user);
-                    timeline.record("file.write", detail);
-                });
+                let scanned = self
+                    .upload
+                    .map(|f| f.lock().unwrap_or_else(|p| p.into_inner()).clone())
+                    .unwrap_or_default();
+                let mut detail = json!({"op": "upload", "status": status});
+                put_paths(&mut detail, scanned.paths);
+                if scanned.incomplete {
+                    detail["incomplete"] = true.into();
+                }
+                put_user(&mut detail, self.user);
+                self.timeline.record("file.write", detail);
                 resp
             }
             Call::Delete { directory } => {
@@ -306,17 +302,7 @@ impl Recording {
             );
             return resp;
         }
-        let end = RunEnd {
-            timeline: self.timeline,
-            of,
-            started: self.started,
-            background,
-            line: Vec::new(),
-            long_line: false,
-            id: None,
-            exit: None,
-            recorded: false,
-        };
+        let end = RunEnd::new(self.timeline, of, self.started, background);
         let (parts, body) = resp.into_parts();
         Response::from_parts(parts, Body::new(Tap::new(body, end)))
     }
@@ -436,117 +422,19 @@ impl Watch for Copy {
     fn ended(&mut self, _whole: bool) {}
 }
 
-/// Feeds an upload's bytes to the scan beside the relay (cheap: `Bytes` are shared, not copied),
-/// until [`MAX_SCAN_QUEUE`] bytes wait unread.
-struct UploadScan {
-    tx: Option<futures::channel::mpsc::UnboundedSender<Result<Bytes, std::io::Error>>>,
-    queued: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl UploadScan {
-    /// The feeding end, and the scan to spawn: it reads each `metadata` part's `path` and sends
-    /// what it found on `done` when the body ends.
-    fn new(
-        boundary: String,
-        done: tokio::sync::oneshot::Sender<Scanned>,
-    ) -> (Self, impl std::future::Future<Output = ()> + Send) {
-        use futures::StreamExt;
-        use std::sync::atomic::Ordering;
-        let (tx, rx) = futures::channel::mpsc::unbounded();
-        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let taken = queued.clone();
-        let stream = rx.map(move |item: Result<Bytes, std::io::Error>| {
-            if let Ok(b) = &item {
-                taken.fetch_sub(b.len(), Ordering::Relaxed);
-            }
-            item
-        });
-        let scan = async move {
-            let mut found = Scanned::default();
-            let mut parts = multer::Multipart::new(stream, boundary);
-            loop {
-                match parts.next_field().await {
-                    Ok(Some(field)) if field.name() == Some("metadata") => {
-                        let Ok(text) = field.text().await else {
-                            found.incomplete = true;
-                            break;
-                        };
-                        let path = serde_json::from_str::<Value>(&text)
-                            .ok()
-                            .and_then(|v| v.get("path").and_then(Value::as_str).map(str::to_owned));
-                        match path {
-                            Some(p) => found.paths.push(p),
-                            None => found.incomplete = true,
-                        }
-                    }
-                    // A file's bytes are read past, not kept.
-                    Ok(Some(mut field)) => loop {
-                        match field.chunk().await {
-                            Ok(Some(_)) => {}
-                            Ok(None) => break,
-                            Err(_) => {
-                                found.incomplete = true;
-                                break;
-                            }
-                        }
-                    },
-                    Ok(None) => break,
-                    Err(_) => {
-                        found.incomplete = true;
-                        break;
-                    }
-                }
-                if found.incomplete {
-                    break;
-                }
-            }
-            let _ = done.send(found);
-        };
-        (
-            Self {
-                tx: Some(tx),
-                queued,
-            },
-            scan,
-        )
-    }
-}
-
-impl Watch for UploadScan {
-    fn data(&mut self, data: &Bytes) {
-        use std::sync::atomic::Ordering;
-        let Some(tx) = &self.tx else { return };
-        if self.queued.load(Ordering::Relaxed) + data.len() > MAX_SCAN_QUEUE {
-            // The scan fell behind: it stops at a cut body and says it saw only part.
-            self.tx = None;
-            return;
-        }
-        self.queued.fetch_add(data.len(), Ordering::Relaxed);
-        if tx.unbounded_send(Ok(data.clone())).is_err() {
-            self.tx = None;
-        }
-    }
-
-    fn ended(&mut self, whole: bool) {
-        if !whole {
-            if let Some(tx) = &self.tx {
-                let _ = tx.unbounded_send(Err(std::io::Error::other("upload cut short")));
-            }
-        }
-        self.tx = None;
-    }
-}
-
 /// Reads a run's answer (execd's events: one JSON object per line) for its id, its end and its
-/// exit code, and records `command.exit` when the answer ends.
+/// exit code, and records `command.exit` when the answer ends. Most lines are output: each is
+/// told by its first bytes and skipped unread and uncopied, so a run printing megabytes costs the
+/// recorder a scan for newlines.
 struct RunEnd {
     timeline: Arc<Timeline>,
     /// The number of the run's `command` event.
     of: u64,
     started: Instant,
     background: bool,
+    /// The current line: its first [`HEAD`] bytes, or all of it once it is one to read.
     line: Vec<u8>,
-    long_line: bool,
+    state: LineState,
     /// execd's id for the run (its `init` event's text).
     id: Option<String>,
     /// `Some(Some(code))` once the run ended with a code; `Some(None)` ended without one.
@@ -554,22 +442,80 @@ struct RunEnd {
     recorded: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum LineState {
+    /// Its first bytes are being gathered.
+    Head,
+    /// An event to read (`init`, `error`): kept whole, up to [`MAX_LINE`].
+    Keep,
+    /// Output, or a line too long: passed by.
+    Skip,
+}
+
+/// Bytes enough to tell an event's type (`{"type":"execution_complete"` is 28).
+const HEAD: usize = 32;
+const INIT: &[u8] = br#"{"type":"init""#;
+const ERROR: &[u8] = br#"{"type":"error""#;
+const COMPLETE: &[u8] = br#"{"type":"execution_complete""#;
+
 impl RunEnd {
+    fn new(timeline: Arc<Timeline>, of: u64, started: Instant, background: bool) -> Self {
+        Self {
+            timeline,
+            of,
+            started,
+            background,
+            line: Vec::with_capacity(HEAD),
+            state: LineState::Head,
+            id: None,
+            exit: None,
+            recorded: false,
+        }
+    }
+
+    /// Part of the current line.
+    fn take(&mut self, part: &[u8]) {
+        match self.state {
+            LineState::Skip => {}
+            LineState::Keep if self.line.len() + part.len() > MAX_LINE => {
+                self.state = LineState::Skip;
+                self.line = Vec::with_capacity(HEAD);
+            }
+            LineState::Keep => self.line.extend_from_slice(part),
+            LineState::Head => {
+                let room = HEAD - self.line.len();
+                self.line.extend_from_slice(&part[..part.len().min(room)]);
+                if self.line.len() == HEAD {
+                    self.state = if self.line.starts_with(INIT) || self.line.starts_with(ERROR) {
+                        LineState::Keep
+                    } else {
+                        if self.line.starts_with(COMPLETE) {
+                            self.exit = Some(Some(0));
+                        }
+                        LineState::Skip
+                    };
+                    if self.state == LineState::Keep {
+                        self.take(&part[room..]);
+                    }
+                }
+            }
+        }
+    }
+
     fn line_done(&mut self) {
-        let line = std::mem::take(&mut self.line);
-        if std::mem::take(&mut self.long_line) || line.is_empty() {
+        let state = std::mem::replace(&mut self.state, LineState::Head);
+        if state == LineState::Skip || self.line.is_empty() {
+            self.line.clear();
             return;
         }
-        // Only these events are parsed; output lines (most of the stream) are skipped unread.
-        let head = &line[..line.len().min(40)];
-        let is = |t: &str| head.starts_with(format!("{{\"type\":\"{t}\"").as_bytes());
-        if is("init") {
+        let line = std::mem::take(&mut self.line);
+        if line.starts_with(INIT) {
             self.id = serde_json::from_slice::<Value>(&line)
                 .ok()
                 .and_then(|v| v.get("text").and_then(Value::as_str).map(str::to_owned));
-        } else if is("execution_complete") {
+        } else if line.starts_with(COMPLETE) {
             self.exit = Some(Some(0));
-        } else if is("error") {
+        } else if line.starts_with(ERROR) {
             let evalue = serde_json::from_slice::<warren_api::execd::StreamEvent>(&line)
                 .ok()
                 .and_then(|e| e.error)
@@ -582,19 +528,12 @@ impl RunEnd {
 impl Watch for RunEnd {
     fn data(&mut self, data: &Bytes) {
         let mut rest = &data[..];
-        while let Some(i) = rest.iter().position(|b| *b == b'\n') {
-            if !self.long_line {
-                self.line.extend_from_slice(&rest[..i]);
-            }
+        while let Some(i) = memchr::memchr(b'\n', rest) {
+            self.take(&rest[..i]);
             self.line_done();
             rest = &rest[i + 1..];
         }
-        if self.line.len() + rest.len() > MAX_LINE {
-            self.long_line = true;
-            self.line.clear();
-        } else if !self.long_line {
-            self.line.extend_from_slice(rest);
-        }
+        self.take(rest);
     }
 
     fn ended(&mut self, whole: bool) {
@@ -655,17 +594,7 @@ mod tests {
     }
 
     fn run_end(t: &Arc<Timeline>) -> RunEnd {
-        RunEnd {
-            timeline: t.clone(),
-            of: 1,
-            started: Instant::now(),
-            background: false,
-            line: Vec::new(),
-            long_line: false,
-            id: None,
-            exit: None,
-            recorded: false,
-        }
+        RunEnd::new(t.clone(), 1, Instant::now(), false)
     }
 
     fn last(t: &Timeline) -> Value {
@@ -705,34 +634,27 @@ mod tests {
             "x".repeat(3 * MAX_LINE)
         );
         w.data(&Bytes::from(long));
-        assert!(w.line.is_empty(), "nothing of a long line is kept");
+        assert!(
+            w.line.len() <= HEAD,
+            "nothing past an output line's head is kept"
+        );
         w.ended(false);
         let e = last(&t);
         assert_eq!(e["outcome"], "disconnected");
         assert!(e.get("exitCode").is_none());
     }
 
-    #[tokio::test]
-    async fn an_upload_scan_finds_every_metadata_path() {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let (mut feed, scan) = UploadScan::new("XyZ".into(), tx);
-        let task = tokio::spawn(scan);
-        let mut body = String::new();
-        for (i, path) in ["/tmp/a.txt", "/etc/évil"].iter().enumerate() {
-            body += &format!(
-                "--XyZ\r\nContent-Disposition: form-data; name=\"metadata\"\r\n\r\n{{\"path\":\"{path}\"}}\r\n\
-                 --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f{i}\"\r\n\r\n{}\r\n",
-                "data ".repeat(1000)
-            );
-        }
-        body += "--XyZ--\r\n";
-        for chunk in body.as_bytes().chunks(1000) {
-            feed.data(&Bytes::copy_from_slice(chunk));
-        }
-        feed.ended(true);
-        task.await.expect("scan");
-        let found = rx.await.expect("scanned");
-        assert_eq!(found.paths, ["/tmp/a.txt", "/etc/évil"]);
-        assert!(!found.incomplete);
+    #[test]
+    fn multipart_boundaries_are_read_as_clients_write_them() {
+        assert_eq!(
+            multipart_boundary("multipart/form-data; boundary=abc123").as_deref(),
+            Some("abc123")
+        );
+        assert_eq!(
+            multipart_boundary("Multipart/Form-Data;charset=utf-8; Boundary=\"a b\"").as_deref(),
+            Some("a b")
+        );
+        assert_eq!(multipart_boundary("application/json; boundary=x"), None);
+        assert_eq!(multipart_boundary("multipart/form-data"), None);
     }
 }
