@@ -283,7 +283,10 @@ mod tests {
         let kept: usize = page.lines.iter().map(|l| l.len()).sum();
         assert!(kept <= 400, "{kept} bytes kept");
         assert_eq!(page.missed as usize + page.lines.len(), 100);
-        assert_eq!(parse(page.lines.last().unwrap())["text"], "run 99");
+        assert_eq!(
+            parse(page.lines.last().expect("an event"))["text"],
+            "run 99"
+        );
         // A reader that had read up to 98 missed nothing.
         let late = t.read(98);
         assert_eq!((late.missed, late.lines.len()), (0, 2));
@@ -301,7 +304,7 @@ mod tests {
         let t = timeline(1 << 20, CommandText::Full);
         let text = "é".repeat(MAX_TEXT);
         let f = t.text_fields(&text);
-        let kept = f["text"].as_str().unwrap();
+        let kept = f["text"].as_str().expect("text");
         assert!(kept.len() <= MAX_TEXT && text.starts_with(kept));
         assert_eq!(f["truncated"], true);
         assert_eq!(f["sha256"], hex::encode(Sha256::digest(text.as_bytes())));

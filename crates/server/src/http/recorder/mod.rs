@@ -138,7 +138,7 @@ pub(crate) fn start(
                 .headers
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|ct| multipart_boundary(ct));
+                .and_then(multipart_boundary);
             let found = Arc::new(StdMutex::new(upload::Scanned::default()));
             upload = Some(found.clone());
             match boundary {

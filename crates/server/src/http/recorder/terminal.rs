@@ -271,9 +271,9 @@ mod tests {
             .lines
             .iter()
             .map(|l| {
-                let v: Value = serde_json::from_str(l).unwrap();
+                let v: Value = serde_json::from_str(l).expect("a JSON line");
                 assert_eq!(v["of"], 7);
-                v["text"].as_str().unwrap().to_string()
+                v["text"].as_str().expect("text").to_string()
             })
             .collect()
     }

@@ -202,7 +202,7 @@ mod tests {
             s.data(&Bytes::copy_from_slice(c));
         }
         s.ended(true);
-        let out = found.lock().unwrap().clone();
+        let out = found.lock().expect("lock").clone();
         out
     }
 
