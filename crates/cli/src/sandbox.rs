@@ -63,8 +63,11 @@ pub enum SandboxCommand {
     },
     /// Whether execd inside the sandbox answers (exit 0 when it does).
     Health { id: String },
-    /// What happened to and in the sandbox: its flight recorder's events (state changes,
-    /// commands with their exit codes, file changes, egress decisions, endpoints, snapshots).
+    /// What happened in the sandbox: its flight recorder (commands, files, network, states).
+    ///
+    /// State changes, each command with its exit code, file changes through the API, egress and
+    /// vault decisions, endpoints and snapshots, one line each; `-o json` prints the server's
+    /// JSON lines.
     Timeline {
         id: String,
         /// Keep printing new events as they are recorded, until the sandbox ends.
