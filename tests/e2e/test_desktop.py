@@ -115,7 +115,7 @@ def test_the_desktop_is_up_when_the_sandbox_is_running(desk):
     assert ":0" in r.text
 
 
-def test_an_agent_launches_types_into_and_finds_a_window(desk):
+def test_an_agent_launches_types_into_and_finds_a_window(desk, server):
     title = "warren-e2e-xterm"
     r = call(desk, "POST", "/launch", json={"command": f"xterm -T {title} -geometry 80x20+50+50"})
     assert r.status_code == 200 and r.json()["pid"] > 0, r.text
@@ -156,6 +156,13 @@ def test_an_agent_launches_types_into_and_finds_a_window(desk):
     w, h, px = png_pixels(call(desk, "GET", "/screenshot", params={
         "x": win["x"], "y": win["y"], "width": win["width"], "height": win["height"]}).content)
     assert len({px[i:i + 3] for i in range(0, len(px), 3)}) > 1, "the window's region is one colour"
+    # The sandbox's timeline has what the agent did, in order: the launch, the typing, the keys.
+    events = W.timeline(server, sid)
+    launched = [e for e in events if e["kind"] == "desktop.launch"]
+    assert any(e["command"] == f"xterm -T {title} -geometry 80x20+50+50" for e in launched), launched
+    inputs = [(e.get("action"), e.get("text") or e.get("keys")) for e in events if e["kind"] == "desktop.input"]
+    assert inputs[:2] == [("type", "echo 'Typed: héllo €!' > /tmp/typed"), ("key", ["Return"])], inputs
+    assert ("key", ["ctrl+u"]) in inputs
 
 
 def test_the_mouse_moves_clicks_drags_and_scrolls(desk):

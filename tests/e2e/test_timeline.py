@@ -253,6 +253,8 @@ def test_what_a_terminal_is_typed_is_on_the_timeline(srv):
         events = W.timeline(srv, sbx.id)
     finally:
         sbx.kill()
+    made = next(e for e in events if e["kind"] == "terminal.create")
+    assert made["status"] in (200, 201) and "text" not in made, made
     opened = next(e for e in events if e["kind"] == "session.open")
     assert opened["path"] == f"/pty/{session}/ws" and opened["port"] == 44772, opened
     typed = [e["text"] for e in events if e["kind"] == "terminal.input"]

@@ -1,7 +1,8 @@
 //! What the endpoint proxy writes on a sandbox's timeline (see `timeline`) for the calls it
 //! relays to execd: each command, session or isolated run and code cell (its text, then its exit
-//! code and duration, read from the event stream as it passes), and each file change (upload,
-//! delete, move, replace, permissions, directories). The proxy sees every call an SDK, the CLI or
+//! code and duration, read from the event stream as it passes), each file change (upload,
+//! delete, move, replace, permissions, directories), terminals made (and, in `terminal`, what is
+//! typed into them), and a GUI agent's desktop actions (launches, clicks, keys, typed text). The proxy sees every call an SDK, the CLI or
 //! a signed URL makes, and nothing inside the sandbox can reach the recorder: what execd is asked
 //! to do is recorded here, not what execd says it did.
 //!
@@ -63,6 +64,10 @@ enum Call {
     Change { op: &'static str },
     /// `POST /desktop/launch`.
     Launch,
+    /// `POST /desktop/mouse` or `/desktop/keyboard`: a GUI agent's action (`op` says which).
+    Desktop { op: &'static str },
+    /// `POST /pty`: a terminal made (its `command` runs when its WebSocket opens).
+    Pty,
 }
 
 fn classify(method: &http::Method, path: &str) -> Option<Call> {
@@ -84,6 +89,9 @@ fn classify(method: &http::Method, path: &str) -> Option<Call> {
         (&Method::POST, ["files", "permissions"]) => Some(Call::Change { op: "permissions" }),
         (&Method::POST, ["directories"]) => Some(Call::Change { op: "mkdir" }),
         (&Method::POST, ["desktop", "launch"]) => Some(Call::Launch),
+        (&Method::POST, ["desktop", "mouse"]) => Some(Call::Desktop { op: "mouse" }),
+        (&Method::POST, ["desktop", "keyboard"]) => Some(Call::Desktop { op: "keyboard" }),
+        (&Method::POST, ["pty"]) => Some(Call::Pty),
         // As another user: the same calls under `/v1/filesystem/{uid}/{gid}/`.
         (_, ["v1", "filesystem", _, _, ..]) => classify(method, &segs[4..].join("/")),
         _ => None,
@@ -276,6 +284,36 @@ impl Recording {
                     }
                 }
                 self.timeline.record("desktop.launch", detail);
+                resp
+            }
+            Call::Desktop { op } => {
+                // The action as sent (`click` at x, y; `key` chords), its typed text as a
+                // command's text is kept (or only its hash).
+                let mut detail = serde_json::Map::new();
+                if let Some(action) = body.as_object() {
+                    for (k, v) in action.iter().filter(|(k, _)| *k != "text").take(8) {
+                        detail.insert(k.clone(), v.clone());
+                    }
+                    if let Some(text) = action.get("text").and_then(Value::as_str) {
+                        detail.extend(self.timeline.text_fields(text));
+                    }
+                }
+                detail.insert("op".into(), op.into());
+                detail.insert("status".into(), status.into());
+                self.timeline.record("desktop.input", Value::Object(detail));
+                resp
+            }
+            Call::Pty => {
+                let mut detail = match body.get("command").and_then(Value::as_str) {
+                    Some(command) => self.timeline.text_fields(command),
+                    None => serde_json::Map::new(),
+                };
+                if let Some(cwd) = body.get("cwd").and_then(Value::as_str) {
+                    detail.insert("cwd".into(), cwd.into());
+                }
+                detail.insert("status".into(), status.into());
+                self.timeline
+                    .record("terminal.create", Value::Object(detail));
                 resp
             }
         }
@@ -590,6 +628,11 @@ mod tests {
         assert_eq!(
             classify(&Method::POST, "v1/isolated/session/s1/run"),
             Some(Call::Run { via: "isolated" })
+        );
+        assert_eq!(classify(&Method::POST, "pty"), Some(Call::Pty));
+        assert_eq!(
+            classify(&Method::POST, "desktop/keyboard"),
+            Some(Call::Desktop { op: "keyboard" })
         );
     }
 
