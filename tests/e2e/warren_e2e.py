@@ -349,6 +349,8 @@ class WarrenServer:
         self.extra_config = ""
         # sections of its own a test adds at the end ([http], [limits]…)
         self.more_config = ""
+        # set in the server's environment (and the CLI's), over the test's own
+        self.extra_env: dict[str, str] = {}
         # Extra lines for the `[runtime]` section (which the harness writes itself).
         self.runtime_config = ""
         # native runtime: pull missing images ([images] pull = "missing"); only for tests that bring
@@ -391,6 +393,7 @@ class WarrenServer:
         # never let a developer's SDK/env settings leak into the server
         for k in ("OPEN_SANDBOX_API_KEY", "OPENSANDBOX_SERVER_API_KEY"):
             env.pop(k, None)
+        env.update(self.extra_env)
         return env
 
     def check_binary(self) -> None:

@@ -16,6 +16,7 @@ mod runtimes;
 mod sandbox;
 mod settings;
 mod shell;
+mod telemetry;
 mod timeline;
 mod usage;
 mod vault;
@@ -222,14 +223,9 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    let filter = ProcessEnv
-        .get(warren_env::EnvVars::WARREN_LOG)
-        .unwrap_or_else(|| "warren=info,warren_server=info,warn".into());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter)
-        .init();
     let cli = Cli::parse();
+    // Traces are the server's: a client verb exports none.
+    let _telemetry = telemetry::init(matches!(cli.command, Verb::Serve { .. }));
     match real_main(cli) {
         Ok(code) => code,
         Err(e) => {

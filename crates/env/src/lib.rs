@@ -29,6 +29,20 @@ impl EnvVars {
     pub const WARREN_EXECD_PATH: &'static str = "WARREN_EXECD_PATH";
     /// The log filter, as `RUST_LOG` (default `info`).
     pub const WARREN_LOG: &'static str = "WARREN_LOG";
+    /// `json`: log lines as JSON objects (one per line, with the span's fields such as the
+    /// request id); default: text.
+    pub const WARREN_LOG_FORMAT: &'static str = "WARREN_LOG_FORMAT";
+    /// Where `warren serve` sends its traces over OTLP/HTTP (`http://collector:4318`; `/v1/traces`
+    /// is added); unset (and no `..._TRACES_ENDPOINT`): no traces, at no cost. The OpenTelemetry
+    /// SDK reads these itself, with its other `OTEL_*` settings (`OTEL_BSP_SCHEDULE_DELAY`, …).
+    pub const OTEL_EXPORTER_OTLP_ENDPOINT: &'static str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+    /// The traces' own URL, used as it is.
+    pub const OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: &'static str =
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
+    /// `http/protobuf` (default) or `http/json`; gRPC is not built in.
+    pub const OTEL_EXPORTER_OTLP_PROTOCOL: &'static str = "OTEL_EXPORTER_OTLP_PROTOCOL";
+    /// The traces' `service.name` (default `warren`).
+    pub const OTEL_SERVICE_NAME: &'static str = "OTEL_SERVICE_NAME";
     /// `0`: the zygote keeps its text file-backed instead of moving it onto huge pages.
     pub const WARREN_HUGE_TEXT: &'static str = "WARREN_HUGE_TEXT";
 

@@ -150,7 +150,12 @@ async fn relay_to(
     rest: &str,
     req: Request,
 ) -> Response {
-    let mut resp = relay_opened(app, rec, port, rest, req).await;
+    use tracing::Instrument;
+    // Traced to the answer's head (a streamed body goes on after it).
+    let span = tracing::info_span!("proxy", sandbox_id = %rec.id, port, path = %format!("/{rest}"));
+    let mut resp = relay_opened(app, rec, port, rest, req)
+        .instrument(span)
+        .await;
     resp.extensions_mut().insert(PortOpened);
     resp
 }

@@ -211,10 +211,19 @@ async fn request_id(mut req: Request, next: Next) -> Response {
                 .unwrap_or(HeaderValue::from_static("-"))
         });
     let shown = String::from_utf8_lossy(id.as_bytes()).into_owned();
-    let span = tracing::error_span!("request", id = %shown);
+    // Every log line and trace span of the request is inside this one: its `id` is the answer's
+    // `X-Request-Id` (error level, so that it is there whatever the log filter).
+    let span = tracing::error_span!(
+        "request",
+        id = %shown,
+        method = %req.method(),
+        path = %req.uri().path(),
+        status = tracing::field::Empty
+    );
     // Inner layers (the audit log) read it from the request.
     req.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
-    let mut resp = next.run(req).instrument(span).await;
+    let mut resp = next.run(req).instrument(span.clone()).await;
+    span.record("status", resp.status().as_u16());
     if let Some(crate::http::error::InternalError(code)) = resp.extensions().get().cloned() {
         let (parts, _) = resp.into_parts();
         let body = warren_api::ErrorBody {

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::Utc;
+use tracing::Instrument;
 use warren_api::lifecycle::SandboxState;
 use warren_api::ErrorCode;
 use warren_core::{Background, ImageSource, RuntimeExt, SandboxImage, SandboxSpec};
@@ -88,7 +89,21 @@ impl Sandboxes {
         background: Background,
     ) -> Result<SandboxRecord, SandboxError> {
         let started = std::time::Instant::now();
-        let created = self.create_timed(plan, background, started).await;
+        // Traced (see the CLI's `telemetry`): the create and its phases, under the request's span.
+        let span = tracing::info_span!(
+            "sandbox.create",
+            image = %plan.image,
+            sandbox_id = tracing::field::Empty,
+            code = tracing::field::Empty
+        );
+        let created = self
+            .create_timed(plan, background, started)
+            .instrument(span.clone())
+            .await;
+        match &created {
+            Ok(r) => span.record("sandbox_id", r.id.as_str()),
+            Err(e) => span.record("code", e.code.as_str()),
+        };
         crate::metrics::create_phase("total", started.elapsed());
         crate::metrics::create_answered(created.as_ref().map(drop).map_err(|e| e.code.as_str()));
         created
@@ -136,6 +151,7 @@ impl Sandboxes {
             ImageSource::Store => {
                 let image = self
                     .store_image(&plan.image, plan.image_auth.as_ref(), &id)
+                    .instrument(tracing::info_span!("create.image"))
                     .await?;
                 partial.leased = true;
                 SandboxImage::Resolved(image)
@@ -265,7 +281,11 @@ impl Sandboxes {
         // The semaphore is never closed; were it, creating without a slot is still correct.
         let queued = std::time::Instant::now();
         let _slot = match &self.inner.create_slots {
-            Some(s) => s.acquire().await.ok(),
+            Some(s) => s
+                .acquire()
+                .instrument(tracing::info_span!("create.queue"))
+                .await
+                .ok(),
             None => None,
         };
         crate::metrics::create_phase("queue", queued.elapsed());
@@ -280,7 +300,9 @@ impl Sandboxes {
             &policy,
             plan.credential_proxy,
         ));
-        let created = futures::FutureExt::catch_unwind(provisioned).await;
+        let created = futures::FutureExt::catch_unwind(provisioned)
+            .instrument(tracing::info_span!("create.start", sandbox_id = %id))
+            .await;
         crate::metrics::create_phase("start", starting.elapsed());
         let created = match created {
             Ok(created) => created,

@@ -45,7 +45,9 @@ const STATES_NEVER_SHOWN: [&str; 2] = ["Allocated", "Unknown"];
 async fn to_completion<T: Send + 'static>(
     op: impl std::future::Future<Output = Result<T, SandboxError>> + Send + 'static,
 ) -> Result<T, SandboxError> {
-    tokio::spawn(op)
+    use tracing::Instrument;
+    // In the request's span still: its logs and trace spans stay the request's.
+    tokio::spawn(op.instrument(tracing::Span::current()))
         .await
         .map_err(|e| SandboxError::internal("the operation's task", &e))?
 }
