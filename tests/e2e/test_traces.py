@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 import warren_e2e as W
@@ -89,6 +91,11 @@ def test_a_create_and_a_proxied_command_arrive_as_linked_spans(traced):
         with srv.client() as c:
             r = c.get(f"/v1/sandboxes/{sbx.id}")
             request_id = r.headers["x-request-id"]
+        # A signed URL: its token opens the port, so no log line or span may carry it.
+        signed = sbx.get_signed_endpoint(8080, int(time.time()) + 600)
+        token = signed.endpoint.split("/signed/", 1)[1].split("/", 1)[0]
+        assert len(token) > 20, signed.endpoint
+        httpx.get(f"http://{signed.endpoint}/some/page", timeout=30)
     finally:
         sbx.kill()
 
@@ -114,6 +121,12 @@ def test_a_create_and_a_proxied_command_arrive_as_linked_spans(traced):
     # The answer's X-Request-Id names its span.
     W.wait_until(lambda: any(attrs(s).get("id") == request_id for s in rx.named("request")), 30,
                  message="the GET's request span")
+
+    W.wait_until(lambda: any(attrs(s).get("path") == "/signed/-/some/page" for s in rx.named("request")),
+                 30, message="the signed request's span, its token left out")
+    with rx.lock:
+        assert token not in json.dumps(rx.spans), "a signed URL's token was exported in a span"
+    assert token not in srv.log_path.read_text(), "a signed URL's token was logged"
 
     # JSON logs: one object per line; a line logged inside a request lists its span, with its id.
     lines = [json.loads(l) for l in srv.log_path.read_text().splitlines() if l.startswith("{")]

@@ -217,7 +217,7 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         "request",
         id = %shown,
         method = %req.method(),
-        path = %req.uri().path(),
+        path = %shown_path(req.uri().path()),
         status = tracing::field::Empty
     );
     // Inner layers (the audit log) read it from the request.
@@ -238,8 +238,31 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     resp
 }
 
+/// A request's path as logs and traces show it: a signed URL's token (`/signed/{token}/…`), which
+/// opens a sandbox's port, is left out.
+fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
+    let rest = path.strip_prefix("/v1").unwrap_or(path);
+    match rest.strip_prefix("/signed/") {
+        Some(after) => {
+            let tail = after.find('/').map_or("", |i| &after[i..]);
+            let prefix = &path[..path.len() - rest.len()];
+            format!("{prefix}/signed/-{tail}").into()
+        }
+        None => path.into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn signed_tokens_stay_out_of_logs_and_traces() {
+        use super::shown_path;
+        assert_eq!(shown_path("/signed/tok123/app/x"), "/signed/-/app/x");
+        assert_eq!(shown_path("/v1/signed/tok123"), "/v1/signed/-");
+        assert_eq!(shown_path("/signed/"), "/signed/-");
+        assert_eq!(shown_path("/v1/sandboxes/abc"), "/v1/sandboxes/abc");
+    }
+
     use super::*;
     use tower::ServiceExt;
 
