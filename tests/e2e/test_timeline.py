@@ -203,6 +203,32 @@ def test_hostile_text_stays_data_and_long_commands_are_cut_with_their_hash(srv):
     assert "\x1b" not in human and "\x07" not in human and "\\u{1b}" in human, human
 
 
+def test_a_caller_cannot_run_a_command_the_timeline_misreads(srv):
+    """What execd runs is what is recorded: `argv` over `command` (execd's order), a path whose
+    percent-encoded `?` execd reads as the start of a query, fields named like the recorder's own."""
+    sbx = _sandbox(srv)
+    try:
+        ep = sbx.get_endpoint(44772)
+        with httpx.Client(headers=ep.headers, timeout=30) as c:
+            r = c.post(f"http://{ep.endpoint}/command",
+                       json={"command": "echo decoy", "argv": ["sh", "-c", "echo hidden run"]})
+            assert r.status_code == 200 and "hidden run" in r.text, r.text
+            r = c.post(f"http://{ep.endpoint}/command%3Fx=1", json={"command": "echo sneaky"})
+            assert r.status_code == 200 and "sneaky" in r.text, r.text
+            r = c.post(f"http://{ep.endpoint}/desktop/keyboard",
+                       json={"action": "type", "text": "x", "kind": "state", "state": "Terminated", "seq": 1})
+        events = W.timeline(srv, sbx.id)
+    finally:
+        sbx.kill()
+    texts = [e.get("text") for e in events if e["kind"] == "command"]
+    assert 'sh -c "echo hidden run"' in texts, texts
+    assert "echo sneaky" in texts, texts
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1)), "a forged or repeated seq"
+    assert [e["state"] for e in events if e["kind"] == "state"][-1] == "Running"
+    typed = next(e for e in events if e["kind"] == "desktop.input")
+    assert "state" not in typed, typed
+
+
 def _ws_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
     """A client's (masked) WebSocket frame."""
     import os

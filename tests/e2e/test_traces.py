@@ -122,7 +122,7 @@ def test_a_create_and_a_proxied_command_arrive_as_linked_spans(traced):
     W.wait_until(lambda: any(attrs(s).get("id") == request_id for s in rx.named("request")), 30,
                  message="the GET's request span")
 
-    W.wait_until(lambda: any(attrs(s).get("path") == "/signed/-/some/page" for s in rx.named("request")),
+    W.wait_until(lambda: any(attrs(s).get("path") == "/signed/-" for s in rx.named("request")),
                  30, message="the signed request's span, its token left out")
     with rx.lock:
         assert token not in json.dumps(rx.spans), "a signed URL's token was exported in a span"

@@ -59,14 +59,27 @@ pub struct Timeline {
 
 #[derive(Default)]
 struct Ring {
-    /// Events, oldest first, each with its number and its JSON line.
+    /// Events, oldest first, each with its number and its JSON line: what callers and the server
+    /// did (runs, files, states, endpoints, …).
     events: VecDeque<(u64, Arc<str>)>,
+    /// Network events (egress decisions, vault injections), apart: code in the sandbox makes them
+    /// at will, so they have their own share of the bound and cannot push the others out.
+    network: VecDeque<(u64, Arc<str>)>,
     bytes: usize,
+    network_bytes: usize,
     /// The number the next event gets (the first is 1).
     next: u64,
     /// The sandbox ended: followers stop once they have read everything.
     ended: bool,
 }
+
+/// Kinds a sandbox's own code causes as often as it likes (see [`Ring::network`]).
+fn is_network(kind: &str) -> bool {
+    kind.starts_with("egress.") || kind == "vault.injection"
+}
+
+/// The share of `max_bytes` network events keep when other events need the room.
+const NETWORK_SHARE: usize = 4;
 
 /// What a reader gets: the events after the number it asked from.
 pub struct Page {
@@ -102,28 +115,48 @@ impl Timeline {
         if !self.settings.enabled {
             return 0;
         }
-        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = ring.next;
-        ring.next += 1;
-        let mut event = Map::with_capacity(8);
-        event.insert("seq".into(), seq.into());
+        // The event's own fields first: a caller's field named `seq`, `at` or `kind` (copied from
+        // a request body) cannot stand for the recorder's.
+        let mut event = match detail {
+            Value::Object(fields) => fields,
+            _ => Map::new(),
+        };
+        event.insert("kind".into(), kind.into());
         event.insert(
             "at".into(),
             chrono::Utc::now()
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
                 .into(),
         );
-        event.insert("kind".into(), kind.into());
-        if let Value::Object(fields) = detail {
-            event.extend(fields);
-        }
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let seq = ring.next;
+        ring.next += 1;
+        event.insert("seq".into(), seq.into());
         let line: Arc<str> = Value::Object(event).to_string().into();
-        ring.bytes += line.len();
-        ring.events.push_back((seq, line));
-        // The newest stays even when it alone is over the bound.
-        while ring.bytes > self.settings.max_bytes && ring.events.len() > 1 {
-            if let Some((_, old)) = ring.events.pop_front() {
-                ring.bytes -= old.len();
+        let max = self.settings.max_bytes;
+        if is_network(kind) {
+            ring.network_bytes += line.len();
+            ring.network.push_back((seq, line));
+        } else {
+            ring.bytes += line.len();
+            ring.events.push_back((seq, line));
+        }
+        // Past the bound the oldest go: network events first while they hold more than their
+        // share, then the oldest of either. The newest stays even when it alone is over.
+        while ring.bytes + ring.network_bytes > max && ring.events.len() + ring.network.len() > 1 {
+            let network_first = match (ring.network.front(), ring.events.front()) {
+                (None, _) => false,
+                (Some(_), None) => true,
+                (Some(n), Some(e)) => ring.network_bytes > max / NETWORK_SHARE || n.0 < e.0,
+            };
+            let ring = &mut *ring;
+            let (list, bytes) = if network_first {
+                (&mut ring.network, &mut ring.network_bytes)
+            } else {
+                (&mut ring.events, &mut ring.bytes)
+            };
+            if let Some((_, old)) = list.pop_front() {
+                *bytes -= old.len();
             }
         }
         drop(ring);
@@ -160,24 +193,53 @@ impl Timeline {
     /// The sandbox ended: followers stop after the events already there (a late event, such as
     /// the exit of a run cut short by the end, is still kept).
     pub fn end(&self) {
-        self.ring.lock().unwrap_or_else(|p| p.into_inner()).ended = true;
-        self.tick.send_modify(|_| {});
+        self.set_ended(true);
     }
 
-    /// The events numbered after `after`.
+    /// The sandbox is going on after all (a delete that failed is tried again): followers wait.
+    pub fn reopen(&self) {
+        self.set_ended(false);
+    }
+
+    fn set_ended(&self, ended: bool) {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.ended != ended {
+            ring.ended = ended;
+            drop(ring);
+            self.tick.send_modify(|_| {});
+        }
+    }
+
+    /// The events numbered after `after`, in order.
     pub fn read(&self, after: u64) -> Page {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        let first = ring.events.front().map_or(ring.next, |(s, _)| *s);
-        let lines = ring
-            .events
-            .iter()
-            .filter(|(s, _)| *s > after)
-            .map(|(_, l)| l.clone())
-            .collect();
+        let newer = |list: &VecDeque<(u64, Arc<str>)>| {
+            // Numbers rise along each list: the first newer one is found by halving.
+            let from = list.partition_point(|(s, _)| *s <= after);
+            list.range(from..).cloned().collect::<Vec<_>>()
+        };
+        let (a, b) = (newer(&ring.events), newer(&ring.network));
+        let mut lines = Vec::with_capacity(a.len() + b.len());
+        let (mut a, mut b) = (a.into_iter().peekable(), b.into_iter().peekable());
+        loop {
+            let take_a = match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) => x.0 < y.0,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => break,
+            };
+            let next = if take_a { a.next() } else { b.next() };
+            if let Some((_, line)) = next {
+                lines.push(line);
+            }
+        }
+        let last = ring.next - 1;
         Page {
+            missed: last
+                .saturating_sub(after)
+                .saturating_sub(lines.len() as u64),
             lines,
-            missed: first.saturating_sub(after + 1),
-            last: ring.next - 1,
+            last,
             ended: ring.ended,
         }
     }
@@ -218,6 +280,13 @@ impl Kept {
                 },
             );
         }
+    }
+
+    /// Drops the timelines whose retention ended.
+    pub fn prune(&self) {
+        let now = Utc::now();
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, k| k.until > now);
     }
 
     /// Sandbox `id`'s tenant and timeline, if kept.
@@ -290,6 +359,50 @@ mod tests {
         // A reader that had read up to 98 missed nothing.
         let late = t.read(98);
         assert_eq!((late.missed, late.lines.len()), (0, 2));
+    }
+
+    #[test]
+    fn a_callers_fields_cannot_stand_for_the_recorders() {
+        let t = timeline(1 << 20, CommandText::Full);
+        t.record("state", json!({"state": "Running"}));
+        t.record(
+            "desktop.input",
+            json!({"kind": "state", "seq": 1, "at": "then"}),
+        );
+        let e = parse(&t.read(1).lines[0]);
+        assert_eq!(
+            (e["kind"].as_str(), e["seq"].as_u64()),
+            (Some("desktop.input"), Some(2))
+        );
+        assert_ne!(e["at"], "then");
+    }
+
+    #[test]
+    fn a_network_flood_cannot_push_out_what_callers_did() {
+        let t = timeline(4096, CommandText::Full);
+        t.record("command", json!({"text": "rm -rf /data"}));
+        for i in 0..10_000 {
+            t.record(
+                "egress.name",
+                json!({"name": format!("n{i}.example"), "action": "deny"}),
+            );
+        }
+        let page = t.read(0);
+        let first = parse(&page.lines[0]);
+        assert_eq!(first["text"], "rm -rf /data", "the command stays");
+        assert_eq!(page.missed as usize + page.lines.len(), 10_001);
+        // In order of their numbers, with no repeats.
+        let seqs: Vec<u64> = page
+            .lines
+            .iter()
+            .map(|l| parse(l)["seq"].as_u64().unwrap_or(0))
+            .collect();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+        assert_eq!(
+            t.read(u64::MAX).missed,
+            0,
+            "an `after` past the end reads nothing, and no panic"
+        );
     }
 
     #[test]

@@ -56,19 +56,24 @@ impl crate::mitm::Lookup for Lookup {
 
     fn decide(&self, src: Ipv4Addr, dst: SocketAddrV4) -> Option<crate::mitm::Decision> {
         let egress = self.0.upgrade()?;
-        let st = egress.lock();
-        let id = st.by_addr.get(&src)?;
-        let net = st.by_id.get(id)?;
-        let allowed = egress.allows(net, dst);
-        crate::metrics::connection_decided(allowed);
+        let (id, decision) = {
+            let st = egress.lock();
+            let id = st.by_addr.get(&src)?;
+            let net = st.by_id.get(id)?;
+            let allowed = egress.allows(net, dst);
+            let decision = crate::mitm::Decision {
+                vault: net.vault.clone(),
+                ca: net.ca.clone(),
+                allowed,
+            };
+            (id.clone(), decision)
+        };
+        crate::metrics::connection_decided(decision.allowed);
+        // Told outside the lock: the observer does its own work (a timeline's write).
         if let Some(o) = egress.observer() {
-            o.connection(id, dst, allowed);
+            o.connection(&id, dst, decision.allowed);
         }
-        Some(crate::mitm::Decision {
-            vault: net.vault.clone(),
-            ca: net.ca.clone(),
-            allowed,
-        })
+        Some(decision)
     }
 }
 

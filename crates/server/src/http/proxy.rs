@@ -152,7 +152,9 @@ async fn relay_to(
 ) -> Response {
     use tracing::Instrument;
     // Traced to the answer's head (a streamed body goes on after it).
-    let span = tracing::info_span!("proxy", sandbox_id = %rec.id, port, path = %format!("/{rest}"));
+    // An app's own path (any port but execd's) may carry what its app keeps secret: not traced.
+    let path = (port == EXECD_PORT).then(|| format!("/{rest}"));
+    let span = tracing::info_span!("proxy", sandbox_id = %rec.id, port, path = path.as_deref());
     let mut resp = relay_opened(app, rec, port, rest, req)
         .instrument(span)
         .await;
@@ -219,9 +221,12 @@ async fn relay_opened(
         format!("/proxy/{port}/{rest}{query}")
     };
 
+    let Ok(upstream_uri) = path.parse::<http::Uri>() else {
+        return SandboxError::invalid("invalid proxied path").into_response();
+    };
     // Calls to execd that the sandbox's timeline keeps (runs, file changes) are watched as they pass.
     let (mut req, recording) = if port == EXECD_PORT {
-        crate::http::recorder::start(app.sandboxes.timeline(&id), rest, req)
+        crate::http::recorder::start(app.sandboxes.timeline(&id), &upstream_uri, req)
     } else {
         (req, None)
     };
@@ -246,10 +251,8 @@ async fn relay_opened(
         }
         f.insert(&mut parts.headers);
     }
-    parts.uri = match path.parse() {
-        Ok(u) => u,
-        Err(_) => return SandboxError::invalid("invalid proxied path").into_response(),
-    };
+    let upstream_path = upstream_uri.path().to_string();
+    parts.uri = upstream_uri;
     parts.version = http::Version::HTTP_11;
     let mut upstream_req = Request::from_parts(parts, body);
 
@@ -324,14 +327,14 @@ async fn relay_opened(
             let session = app.sandboxes.timeline(&id).map(|t| {
                 let of = t.record(
                     "session.open",
-                    serde_json::json!({"port": port, "path": format!("/{rest}")}),
+                    serde_json::json!({"port": port, "path": upstream_path}),
                 );
                 (t, of, std::time::Instant::now())
             });
             let terminal = session
                 .as_ref()
                 .filter(|(t, _, _)| {
-                    t.enabled() && port == EXECD_PORT && terminal::is_terminal(rest)
+                    t.enabled() && port == EXECD_PORT && terminal::is_terminal(&upstream_path)
                 })
                 .map(|(t, of, _)| (t.clone(), *of));
             tokio::spawn(async move {

@@ -217,12 +217,24 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         "request",
         id = %shown,
         method = %req.method(),
-        path = %shown_path(req.uri().path()),
+        path = tracing::field::Empty,
         status = tracing::field::Empty
     );
+    let path = req.uri().path().to_string();
     // Inner layers (the audit log) read it from the request.
     req.headers_mut().insert(REQUEST_ID_HEADER, id.clone());
     let mut resp = next.run(req).instrument(span.clone()).await;
+    // Known once answered: a request that host routing took to a sandbox had the app's own path.
+    let routed = resp
+        .extensions()
+        .get::<crate::http::audit::Routed>()
+        .is_some();
+    let shown = match shown_path(&path) {
+        // An endpoint host's path is all the app's (a signed path was cut already).
+        std::borrow::Cow::Borrowed(_) if routed => "(a sandbox's app)".into(),
+        shown => shown,
+    };
+    span.record("path", shown.as_ref());
     span.record("status", resp.status().as_u16());
     if let Some(crate::http::error::InternalError(code)) = resp.extensions().get().cloned() {
         let (parts, _) = resp.into_parts();
@@ -238,18 +250,22 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     resp
 }
 
-/// A request's path as logs and traces show it: a signed URL's token (`/signed/{token}/…`), which
-/// opens a sandbox's port, is left out.
+/// A request's path as traces show it: a signed URL's token (`/signed/{token}/…`), which opens a
+/// sandbox's port, and what follows it or a path proxy's port (the app's own path, which may
+/// carry what the app keeps secret) are left out; execd's routes stay (`/proxy/44772/command`).
 fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
     let rest = path.strip_prefix("/v1").unwrap_or(path);
-    match rest.strip_prefix("/signed/") {
-        Some(after) => {
-            let tail = after.find('/').map_or("", |i| &after[i..]);
-            let prefix = &path[..path.len() - rest.len()];
-            format!("{prefix}/signed/-{tail}").into()
-        }
-        None => path.into(),
+    let prefix = &path[..path.len() - rest.len()];
+    if rest.starts_with("/signed/") || rest == "/signed" {
+        return format!("{prefix}/signed/-").into();
     }
+    let segs: Vec<&str> = rest.split('/').collect();
+    if let ["", "sandboxes", _, "proxy", port, ..] = segs.as_slice() {
+        if *port != warren_api::EXECD_PORT.to_string() && segs.len() > 5 {
+            return format!("{prefix}{}/…", segs[..5].join("/")).into();
+        }
+    }
+    path.into()
 }
 
 #[cfg(test)]
@@ -257,10 +273,18 @@ mod tests {
     #[test]
     fn signed_tokens_stay_out_of_logs_and_traces() {
         use super::shown_path;
-        assert_eq!(shown_path("/signed/tok123/app/x"), "/signed/-/app/x");
+        assert_eq!(shown_path("/signed/tok123/app/x"), "/signed/-");
         assert_eq!(shown_path("/v1/signed/tok123"), "/v1/signed/-");
         assert_eq!(shown_path("/signed/"), "/signed/-");
         assert_eq!(shown_path("/v1/sandboxes/abc"), "/v1/sandboxes/abc");
+        assert_eq!(
+            shown_path("/v1/sandboxes/abc/proxy/8080/reset?token=s3cret/x"),
+            "/v1/sandboxes/abc/proxy/8080/…"
+        );
+        assert_eq!(
+            shown_path("/sandboxes/abc/proxy/44772/command"),
+            "/sandboxes/abc/proxy/44772/command"
+        );
     }
 
     use super::*;

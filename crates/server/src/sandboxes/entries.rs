@@ -282,6 +282,9 @@ impl Sandboxes {
                 record_state(&entry.timeline, &rec);
                 if rec.state.is_terminal() {
                     entry.timeline.end();
+                } else {
+                    // A delete that failed is tried again: the timeline goes on.
+                    entry.timeline.reopen();
                 }
             }
             (rec.clone(), !was_terminal && rec.state.is_terminal())
@@ -346,6 +349,11 @@ impl Sandboxes {
     }
 
     /// Drops an ended sandbox's record: list and get no longer know it.
+    /// Drops the deleted sandboxes' timelines whose retention ended (the expiry loop).
+    pub(super) fn prune_timelines(&self) {
+        self.inner.kept_timelines.prune();
+    }
+
     pub(super) fn forget(&self, id: &str) {
         if let Some(e) = self.entry(id) {
             // Kept until the retention period after its end, when the record would have gone.
@@ -354,6 +362,8 @@ impl Sandboxes {
                 (r.tenant.clone(), r.last_transition_at)
             };
             let until = ended + self.inner.retention;
+            // Forgotten (a record that never started is too): no more events come.
+            e.timeline.end();
             self.inner
                 .kept_timelines
                 .keep(id, &tenant, e.timeline.clone(), until);

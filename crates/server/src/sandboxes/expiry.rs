@@ -41,6 +41,7 @@ impl Sandboxes {
             };
             let forgotten =
                 |r: &SandboxRecord| r.state.is_terminal() && now - r.last_transition_at > retention;
+            this.prune_timelines();
             for rec in this.select(|r| expired(r) || forgotten(r)) {
                 if expired(&rec) {
                     let this = this.clone();

@@ -110,6 +110,8 @@ pub(crate) struct Recording {
     /// Upload paths, from the scan of the body as it passed.
     upload: Option<Arc<StdMutex<upload::Scanned>>>,
     started: Instant,
+    /// Its event is written (see the `Drop`).
+    written: bool,
 }
 
 #[derive(Default)]
@@ -118,13 +120,15 @@ struct Captured {
     cut: bool,
 }
 
-/// Starts recording `req` (to execd's `path`) when it is a call the timeline keeps; returns the
-/// request to relay, its body now watched.
+/// Starts recording `req` when it is a call the timeline keeps; returns the request to relay, its
+/// body now watched. `upstream` is the URI execd will be sent (its path and query are what execd
+/// routes by, which a percent-encoded `?` in the caller's path can make differ from the caller's).
 pub(crate) fn start(
     timeline: Option<Arc<Timeline>>,
-    path: &str,
+    upstream: &http::Uri,
     req: Request,
 ) -> (Request, Option<Recording>) {
+    let path = upstream.path();
     let Some(timeline) = timeline.filter(|t| t.enabled()) else {
         return (req, None);
     };
@@ -136,7 +140,7 @@ pub(crate) fn start(
         ["v1", "filesystem", uid, gid, ..] => Some((uid.to_string(), gid.to_string())),
         _ => None,
     };
-    let query = req.uri().query().unwrap_or_default().to_string();
+    let query = upstream.query().unwrap_or_default().to_string();
     let body = Arc::new(StdMutex::new(Captured::default()));
     let (parts, inner) = req.into_parts();
     let mut upload = None;
@@ -170,6 +174,7 @@ pub(crate) fn start(
         body,
         upload,
         started: Instant::now(),
+        written: false,
     };
     (Request::from_parts(parts, watched), Some(recording))
 }
@@ -178,71 +183,89 @@ impl Recording {
     /// Records the call now that execd answered `resp` (the request body has been read whole by
     /// then: execd answers a run or a file call after taking its body); a run's answer is watched
     /// for its end.
-    pub(crate) fn answered(self, resp: Response) -> Response {
+    pub(crate) fn answered(mut self, resp: Response) -> Response {
         let status = resp.status().as_u16();
-        let ok = resp.status().is_success();
-        let body: Value = {
-            let c = self.body.lock().unwrap_or_else(|p| p.into_inner());
-            serde_json::from_slice(&c.bytes).unwrap_or(Value::Null)
+        let written = self.write(Some(status));
+        let Some((of, background)) = written else {
+            return resp;
         };
-        let cut = self.body.lock().map(|c| c.cut).unwrap_or(false);
-        match self.call.clone() {
+        if !resp.status().is_success() {
+            self.timeline.record(
+                "command.exit",
+                json!({"of": of, "outcome": "refused", "status": status}),
+            );
+            return resp;
+        }
+        let end = RunEnd::new(self.timeline.clone(), of, self.started, background);
+        let (parts, body) = resp.into_parts();
+        Response::from_parts(parts, Body::new(Tap::new(body, end)))
+    }
+
+    /// Writes the call's event, with execd's `status` (`None`: no answer came, the caller went
+    /// first); for a run, returns its event's number and whether it runs in the background.
+    fn write(&mut self, status: Option<u16>) -> Option<(u64, bool)> {
+        self.written = true;
+        let (body, cut) = {
+            let c = self.body.lock().unwrap_or_else(|p| p.into_inner());
+            (
+                serde_json::from_slice::<Value>(&c.bytes).unwrap_or(Value::Null),
+                c.cut,
+            )
+        };
+        let mut detail = serde_json::Map::new();
+        let mut run = None;
+        let kind = match self.call {
             Call::Run { via } => {
-                let text = run_text(&body);
-                let mut detail = self.timeline.text_fields(&text);
+                detail = self.timeline.text_fields(&run_text(&body));
                 detail.insert("via".into(), via.into());
-                if let Some(cwd) = body.get("cwd").and_then(Value::as_str) {
-                    detail.insert("cwd".into(), cwd.into());
+                for k in ["cwd", "uid", "gid"] {
+                    if let Some(v) = body.get(k).filter(|v| v.is_string() || v.is_number()) {
+                        detail.insert(k.into(), v.clone());
+                    }
                 }
                 let background = body.get("background").and_then(Value::as_bool) == Some(true);
                 if background {
                     detail.insert("background".into(), true.into());
                 }
-                self.run(detail, status, ok, resp, background)
+                run = Some(background);
+                "command"
             }
             Call::Code => {
                 let text = body.get("code").and_then(Value::as_str).unwrap_or_default();
-                let mut detail = self.timeline.text_fields(text);
+                detail = self.timeline.text_fields(text);
                 detail.insert("via".into(), "code".into());
                 let context = body.get("context");
-                if let Some(l) = context
-                    .and_then(|c| c.get("language"))
-                    .and_then(Value::as_str)
-                {
-                    detail.insert("language".into(), l.into());
+                for (k, field) in [("language", "language"), ("context", "id")] {
+                    if let Some(v) = context.and_then(|c| c.get(field)).and_then(Value::as_str) {
+                        detail.insert(k.into(), capped(v).into());
+                    }
                 }
-                if let Some(c) = context.and_then(|c| c.get("id")).and_then(Value::as_str) {
-                    detail.insert("context".into(), c.into());
-                }
-                self.run(detail, status, ok, resp, false)
+                run = Some(false);
+                "command"
             }
             Call::Upload => {
                 let scanned = self
                     .upload
+                    .as_ref()
                     .map(|f| f.lock().unwrap_or_else(|p| p.into_inner()).clone())
                     .unwrap_or_default();
-                let mut detail = json!({"op": "upload", "status": status});
+                detail.insert("op".into(), "upload".into());
                 put_paths(&mut detail, scanned.paths);
                 if scanned.incomplete {
-                    detail["incomplete"] = true.into();
+                    detail.insert("incomplete".into(), true.into());
                 }
-                put_user(&mut detail, self.user);
-                self.timeline.record("file.write", detail);
-                resp
+                "file.write"
             }
             Call::Delete { directory } => {
                 let paths = form_urlencoded::parse(self.query.as_bytes())
                     .filter(|(k, _)| k == "path")
                     .map(|(_, v)| v.into_owned())
                     .collect();
-                let mut detail = json!({"status": status});
                 if directory {
-                    detail["directory"] = true.into();
+                    detail.insert("directory".into(), true.into());
                 }
                 put_paths(&mut detail, paths);
-                put_user(&mut detail, self.user);
-                self.timeline.record("file.delete", detail);
-                resp
+                "file.delete"
             }
             Call::Move => {
                 let moves: Vec<Value> = body
@@ -254,127 +277,148 @@ impl Recording {
                             .collect()
                     })
                     .unwrap_or_default();
-                let mut detail = json!({"status": status, "moves": moves});
-                if cut || body.as_array().is_some_and(|a| a.len() > MAX_PATHS) {
-                    detail["incomplete"] = true.into();
+                detail.insert("moves".into(), moves.into());
+                if body.as_array().is_some_and(|a| a.len() > MAX_PATHS) {
+                    detail.insert("incomplete".into(), true.into());
                 }
-                put_user(&mut detail, self.user);
-                self.timeline.record("file.move", detail);
-                resp
+                "file.move"
             }
             Call::Change { op } => {
                 let paths = body
                     .as_object()
                     .map(|o| o.keys().cloned().collect())
                     .unwrap_or_default();
-                let mut detail = json!({"op": op, "status": status});
+                detail.insert("op".into(), op.into());
                 put_paths(&mut detail, paths);
-                if cut {
-                    detail["incomplete"] = true.into();
-                }
-                put_user(&mut detail, self.user);
-                self.timeline.record("file.write", detail);
-                resp
+                "file.write"
             }
             Call::Launch => {
-                let mut detail = json!({"status": status});
                 for k in ["app", "command", "url"] {
-                    if let Some(v) = body.get(k) {
-                        detail[k] = v.clone();
+                    if let Some(v) = body.get(k).and_then(Value::as_str) {
+                        // A launched command is a command: its text as the settings keep one.
+                        let mut f = self.timeline.text_fields(v);
+                        if let Some(text) = f.remove("text") {
+                            detail.insert(k.into(), text);
+                        }
+                        if let Some(hash) = f.remove("sha256") {
+                            detail.insert(format!("{k}Sha256"), hash);
+                        }
                     }
                 }
-                self.timeline.record("desktop.launch", detail);
-                resp
+                "desktop.launch"
             }
             Call::Desktop { op } => {
-                // The action as sent (`click` at x, y; `key` chords), its typed text as a
-                // command's text is kept (or only its hash).
-                let mut detail = serde_json::Map::new();
-                if let Some(action) = body.as_object() {
-                    for (k, v) in action.iter().filter(|(k, _)| *k != "text").take(8) {
-                        detail.insert(k.clone(), v.clone());
+                // The action's own fields (`click` at x, y; `key` chords), and its typed text as
+                // a command's text is kept (or only its hash).
+                for k in DESKTOP_FIELDS {
+                    if let Some(v) = body.get(*k) {
+                        detail.insert((*k).into(), capped_value(v));
                     }
-                    if let Some(text) = action.get("text").and_then(Value::as_str) {
-                        detail.extend(self.timeline.text_fields(text));
-                    }
+                }
+                if let Some(text) = body.get("text").and_then(Value::as_str) {
+                    detail.extend(self.timeline.text_fields(text));
                 }
                 detail.insert("op".into(), op.into());
-                detail.insert("status".into(), status.into());
-                self.timeline.record("desktop.input", Value::Object(detail));
-                resp
+                "desktop.input"
             }
             Call::Pty => {
-                let mut detail = match body.get("command").and_then(Value::as_str) {
-                    Some(command) => self.timeline.text_fields(command),
-                    None => serde_json::Map::new(),
-                };
-                if let Some(cwd) = body.get("cwd").and_then(Value::as_str) {
-                    detail.insert("cwd".into(), cwd.into());
+                if let Some(command) = body.get("command").and_then(Value::as_str) {
+                    detail = self.timeline.text_fields(command);
                 }
-                detail.insert("status".into(), status.into());
-                self.timeline
-                    .record("terminal.create", Value::Object(detail));
-                resp
+                if let Some(cwd) = body.get("cwd").and_then(Value::as_str) {
+                    detail.insert("cwd".into(), capped(cwd).into());
+                }
+                "terminal.create"
             }
+        };
+        if cut {
+            // A body past what is copied: what it asked for is not all known.
+            detail.insert("incomplete".into(), true.into());
         }
-    }
-
-    /// A run: its start now, and its end when its answer ends (or at once when execd refused it).
-    fn run(
-        self,
-        mut detail: serde_json::Map<String, Value>,
-        status: u16,
-        ok: bool,
-        resp: Response,
-        background: bool,
-    ) -> Response {
         if let Some((uid, gid)) = &self.user {
             detail.insert("uid".into(), uid.as_str().into());
             detail.insert("gid".into(), gid.as_str().into());
         }
-        let of = self.timeline.record("command", Value::Object(detail));
-        if !ok {
+        detail.insert("status".into(), status.map_or(Value::Null, Value::from));
+        let seq = self.timeline.record(kind, Value::Object(detail));
+        run.map(|background| (seq, background))
+    }
+}
+
+impl Drop for Recording {
+    /// The caller went away before execd answered (the handler was dropped): the call is written
+    /// anyway, for execd may have acted on it.
+    fn drop(&mut self) {
+        if self.written {
+            return;
+        }
+        if let Some((of, _)) = self.write(None) {
             self.timeline.record(
                 "command.exit",
-                json!({"of": of, "outcome": "refused", "status": status}),
+                json!({"of": of, "outcome": "no-answer",
+                       "durationMs": self.started.elapsed().as_millis() as u64}),
             );
-            return resp;
         }
-        let end = RunEnd::new(self.timeline, of, self.started, background);
-        let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, Body::new(Tap::new(body, end)))
     }
 }
 
-/// The text a run's body asks for: `command`, or `argv` joined (a shell would read it so).
+/// The fields of a desktop action that are kept (`text` is kept as a command's text is).
+const DESKTOP_FIELDS: &[&str] = &[
+    "action", "x", "y", "button", "count", "dx", "dy", "from", "to", "keys",
+];
+
+/// A string as an event keeps it: its first [`MAX_TEXT`] bytes.
+fn capped(s: &str) -> &str {
+    let mut cut = s.len().min(crate::timeline::MAX_TEXT);
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &s[..cut]
+}
+
+/// A copied JSON value, no bigger than an event keeps.
+fn capped_value(v: &Value) -> Value {
+    if v.to_string().len() <= crate::timeline::MAX_TEXT {
+        v.clone()
+    } else {
+        json!({"truncated": true})
+    }
+}
+
+/// The text a run's body asks for, as execd reads it: `argv` when it is given (its words
+/// JSON-quoted, so that a word with a space is one), else `command`; an isolated run's `code`.
 fn run_text(body: &Value) -> String {
-    if let Some(c) = body.get("command").and_then(Value::as_str) {
-        return c.to_string();
-    }
-    body.get("argv")
+    if let Some(argv) = body
+        .get("argv")
         .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .map(|v| v.as_str().unwrap_or_default())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
+        .filter(|a| !a.is_empty())
+    {
+        return argv
+            .iter()
+            .map(|v| match v.as_str() {
+                Some(w)
+                    if !w.is_empty() && !w.contains(char::is_whitespace) && !w.contains('"') =>
+                {
+                    w.to_string()
+                }
+                _ => v.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+    }
+    body.get("command")
+        .or_else(|| body.get("code"))
+        .and_then(Value::as_str)
         .unwrap_or_default()
+        .to_string()
 }
 
-fn put_paths(detail: &mut Value, mut paths: Vec<String>) {
+fn put_paths(detail: &mut serde_json::Map<String, Value>, mut paths: Vec<String>) {
     if paths.len() > MAX_PATHS {
-        detail["morePaths"] = (paths.len() - MAX_PATHS).into();
+        detail.insert("morePaths".into(), (paths.len() - MAX_PATHS).into());
         paths.truncate(MAX_PATHS);
     }
-    detail["paths"] = paths.into();
-}
-
-fn put_user(detail: &mut Value, user: Option<(String, String)>) {
-    if let Some((uid, gid)) = user {
-        detail["uid"] = uid.into();
-        detail["gid"] = gid.into();
-    }
+    detail.insert("paths".into(), paths.into());
 }
 
 /// Sees a body's bytes as they pass, and its end (`whole`: it ended; not whole: it was dropped
@@ -516,6 +560,11 @@ impl RunEnd {
         match self.state {
             LineState::Skip => {}
             LineState::Keep if self.line.len() + part.len() > MAX_LINE => {
+                // Too long to read whole (an error's long traceback): the run failed, its code
+                // unread.
+                if self.line.starts_with(ERROR) {
+                    self.exit = Some(None);
+                }
                 self.state = LineState::Skip;
                 self.line = Vec::with_capacity(HEAD);
             }

@@ -18,8 +18,9 @@ pub(crate) fn is_terminal(path: &str) -> bool {
     matches!(segs.as_slice(), ["pty", _, "ws"])
 }
 
-/// Splices `client` and `upstream` until either side ends, recording the client's typed lines
-/// on `timeline` (session `of`).
+/// Splices `client` and `upstream` as `copy_bidirectional` does (each direction to its end, the
+/// other side's writer shut when one side ends), recording the client's typed lines on
+/// `timeline` (session `of`).
 pub(crate) async fn splice<C, U>(client: C, upstream: U, timeline: Arc<Timeline>, of: u64)
 where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -27,29 +28,29 @@ where
 {
     let (mut cr, mut cw) = tokio::io::split(client);
     let (mut ur, mut uw) = tokio::io::split(upstream);
-    let down = tokio::io::copy(&mut ur, &mut cw);
+    let down = async {
+        let _ = tokio::io::copy(&mut ur, &mut cw).await;
+        let _ = cw.shutdown().await;
+    };
     let up = async {
         let mut frames = Frames::default();
+        // Flushed when dropped too: a line typed before the connection went is kept.
         let mut lines = Lines::new(timeline, of);
         let mut buf = vec![0u8; 16 << 10];
         loop {
-            let n = cr.read(&mut buf).await?;
-            if n == 0 {
-                let _ = uw.shutdown().await;
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            // Relayed first: the record never holds the terminal back.
+            if uw.write_all(&buf[..n]).await.is_err() || uw.flush().await.is_err() {
                 break;
             }
-            // Relayed first: the record never holds the terminal back.
-            uw.write_all(&buf[..n]).await?;
             frames.feed(&buf[..n], &mut |stdin| lines.typed(stdin));
         }
-        lines.flush();
-        Ok::<_, std::io::Error>(())
+        let _ = uw.shutdown().await;
     };
-    // Either side's end ends the session (a WebSocket's close frame has passed by then).
-    tokio::select! {
-        _ = down => {}
-        _ = up => {}
-    }
+    tokio::join!(down, up);
 }
 
 /// A client's WebSocket frames, read from the byte stream as it comes: the standard input bytes
@@ -224,6 +225,10 @@ impl Lines {
 
     /// Records the line typed so far, if any.
     fn flush(&mut self) {
+        self.flush_line();
+    }
+
+    fn flush_line(&mut self) {
         if self.line.is_empty() {
             return;
         }
@@ -232,6 +237,12 @@ impl Lines {
         detail.insert("of".into(), self.of.into());
         self.timeline
             .record("terminal.input", Value::Object(detail));
+    }
+}
+
+impl Drop for Lines {
+    fn drop(&mut self) {
+        self.flush_line();
     }
 }
 

@@ -153,12 +153,23 @@ impl UploadScan {
     }
 }
 
-/// Whether a part's headers name it `metadata` (`Content-Disposition: form-data; name="metadata"`,
-/// not a `filename="metadata"`).
+/// Whether a part's headers name it `metadata`, read as multer (execd's parser) reads them: the
+/// `Content-Disposition` header's `name` parameter, quoted or not, spaces around `=` allowed; a
+/// `filename="metadata"` is a file, and other headers say nothing.
 fn is_metadata(headers: &[u8]) -> bool {
-    memchr::memmem::find_iter(headers, b"name=\"metadata\"")
-        .chain(memchr::memmem::find_iter(headers, b"name=metadata"))
-        .any(|i| i > 0 && matches!(headers[i - 1], b' ' | b';' | b'\t'))
+    let text = String::from_utf8_lossy(headers);
+    text.split("\r\n").any(|line| {
+        let Some((name, value)) = line.split_once(':') else {
+            return false;
+        };
+        name.trim().eq_ignore_ascii_case("content-disposition")
+            && value.split(';').skip(1).any(|param| {
+                param.split_once('=').is_some_and(|(k, v)| {
+                    k.trim().eq_ignore_ascii_case("name")
+                        && v.trim().trim_matches('"') == "metadata"
+                })
+            })
+    })
 }
 
 impl Watch for UploadScan {
@@ -240,10 +251,20 @@ mod tests {
     #[test]
     fn a_filename_called_metadata_is_a_file() {
         assert!(is_metadata(
-            b"Content-Disposition: form-data; name=\"metadata\""
+            b"\r\nContent-Disposition: form-data; name=\"metadata\""
+        ));
+        assert!(is_metadata(
+            b"\r\ncontent-disposition: form-data; name = \"metadata\""
+        ));
+        assert!(is_metadata(
+            b"\r\nContent-Disposition: form-data; name=metadata"
         ));
         assert!(!is_metadata(
-            b"Content-Disposition: form-data; name=\"file\"; filename=\"metadata\""
+            b"\r\nContent-Disposition: form-data; name=\"file\"; filename=\"metadata\""
+        ));
+        // Another header naming it says nothing.
+        assert!(!is_metadata(
+            b"\r\nContent-Disposition: form-data; name=\"file\"\r\nX-Note: x; name=\"metadata\""
         ));
     }
 }
