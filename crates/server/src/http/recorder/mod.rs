@@ -16,13 +16,17 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
-use bytes::Bytes;
 use serde_json::{json, Value};
 
 use crate::timeline::Timeline;
 
+mod run_end;
+mod tap;
 pub(crate) mod terminal;
 mod upload;
+
+use run_end::RunEnd;
+use tap::{Copy, Tap, Watch};
 
 /// The boundary of a `multipart/form-data` content type (`boundary=…`, quoted or not).
 fn multipart_boundary(content_type: &str) -> Option<String> {
@@ -42,8 +46,6 @@ fn multipart_boundary(content_type: &str) -> Option<String> {
 /// The most of a request body copied for the record (runs' and file calls' JSON bodies are small;
 /// a longer one is recorded as cut).
 const MAX_BODY: usize = 1 << 20;
-/// The longest event line read for a run's end (`error` events carry a traceback).
-const MAX_LINE: usize = 64 << 10;
 /// Paths one file event lists at most.
 const MAX_PATHS: usize = 100;
 
@@ -421,240 +423,9 @@ fn put_paths(detail: &mut serde_json::Map<String, Value>, mut paths: Vec<String>
     detail.insert("paths".into(), paths.into());
 }
 
-/// Sees a body's bytes as they pass, and its end (`whole`: it ended; not whole: it was dropped
-/// first, the client or execd gone).
-trait Watch: Send + Unpin + 'static {
-    fn data(&mut self, data: &Bytes);
-    fn ended(&mut self, whole: bool);
-}
-
-/// A body relayed unchanged, shown to a [`Watch`] as it goes.
-struct Tap<W: Watch> {
-    inner: Body,
-    watch: W,
-    ended: bool,
-}
-
-impl<W: Watch> Tap<W> {
-    fn new(inner: Body, watch: W) -> Self {
-        Self {
-            inner,
-            watch,
-            ended: false,
-        }
-    }
-}
-
-impl<W: Watch> http_body::Body for Tap<W> {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        let this = &mut *self;
-        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            std::task::Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.watch.data(data);
-                }
-            }
-            std::task::Poll::Ready(None) if !this.ended => {
-                this.ended = true;
-                this.watch.ended(true);
-            }
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl<W: Watch> Drop for Tap<W> {
-    fn drop(&mut self) {
-        if !self.ended {
-            self.ended = true;
-            self.watch.ended(false);
-        }
-    }
-}
-
-/// Copies a request body's first [`MAX_BODY`] bytes.
-struct Copy(Arc<StdMutex<Captured>>);
-
-impl Watch for Copy {
-    fn data(&mut self, data: &Bytes) {
-        let mut c = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let room = MAX_BODY.saturating_sub(c.bytes.len());
-        if data.len() > room {
-            c.cut = true;
-        }
-        c.bytes.extend_from_slice(&data[..data.len().min(room)]);
-    }
-
-    fn ended(&mut self, _whole: bool) {}
-}
-
-/// Reads a run's answer (execd's events: one JSON object per line) for its id, its end and its
-/// exit code, and records `command.exit` when the answer ends. Most lines are output: each is
-/// told by its first bytes and skipped unread and uncopied, so a run printing megabytes costs the
-/// recorder a scan for newlines.
-struct RunEnd {
-    timeline: Arc<Timeline>,
-    /// The number of the run's `command` event.
-    of: u64,
-    started: Instant,
-    background: bool,
-    /// The current line: its first [`HEAD`] bytes, or all of it once it is one to read.
-    line: Vec<u8>,
-    state: LineState,
-    /// execd's id for the run (its `init` event's text).
-    id: Option<String>,
-    /// `Some(Some(code))` once the run ended with a code; `Some(None)` ended without one.
-    exit: Option<Option<i64>>,
-    recorded: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum LineState {
-    /// Its first bytes are being gathered.
-    Head,
-    /// An event to read (`init`, `error`): kept whole, up to [`MAX_LINE`].
-    Keep,
-    /// Output, or a line too long: passed by.
-    Skip,
-}
-
-/// Bytes enough to tell an event's type (`{"type":"execution_complete"` is 28).
-const HEAD: usize = 32;
-const INIT: &[u8] = br#"{"type":"init""#;
-const ERROR: &[u8] = br#"{"type":"error""#;
-const COMPLETE: &[u8] = br#"{"type":"execution_complete""#;
-
-impl RunEnd {
-    fn new(timeline: Arc<Timeline>, of: u64, started: Instant, background: bool) -> Self {
-        Self {
-            timeline,
-            of,
-            started,
-            background,
-            line: Vec::with_capacity(HEAD),
-            state: LineState::Head,
-            id: None,
-            exit: None,
-            recorded: false,
-        }
-    }
-
-    /// Part of the current line.
-    fn take(&mut self, part: &[u8]) {
-        match self.state {
-            LineState::Skip => {}
-            LineState::Keep if self.line.len() + part.len() > MAX_LINE => {
-                // Too long to read whole (an error's long traceback): the run failed, its code
-                // unread.
-                if self.line.starts_with(ERROR) {
-                    self.exit = Some(None);
-                }
-                self.state = LineState::Skip;
-                self.line = Vec::with_capacity(HEAD);
-            }
-            LineState::Keep => self.line.extend_from_slice(part),
-            LineState::Head => {
-                let room = HEAD - self.line.len();
-                self.line.extend_from_slice(&part[..part.len().min(room)]);
-                if self.line.len() == HEAD {
-                    self.state = if self.line.starts_with(INIT) || self.line.starts_with(ERROR) {
-                        LineState::Keep
-                    } else {
-                        if self.line.starts_with(COMPLETE) {
-                            self.exit = Some(Some(0));
-                        }
-                        LineState::Skip
-                    };
-                    if self.state == LineState::Keep {
-                        self.take(&part[room..]);
-                    }
-                }
-            }
-        }
-    }
-
-    fn line_done(&mut self) {
-        let state = std::mem::replace(&mut self.state, LineState::Head);
-        if state == LineState::Skip || self.line.is_empty() {
-            self.line.clear();
-            return;
-        }
-        let line = std::mem::take(&mut self.line);
-        if line.starts_with(INIT) {
-            self.id = serde_json::from_slice::<Value>(&line)
-                .ok()
-                .and_then(|v| v.get("text").and_then(Value::as_str).map(str::to_owned));
-        } else if line.starts_with(COMPLETE) {
-            self.exit = Some(Some(0));
-        } else if line.starts_with(ERROR) {
-            let evalue = serde_json::from_slice::<warren_api::execd::StreamEvent>(&line)
-                .ok()
-                .and_then(|e| e.error)
-                .map(|e| e.evalue);
-            self.exit = Some(evalue.and_then(|v| v.trim().parse().ok()));
-        }
-    }
-}
-
-impl Watch for RunEnd {
-    fn data(&mut self, data: &Bytes) {
-        let mut rest = &data[..];
-        while let Some(i) = memchr::memchr(b'\n', rest) {
-            self.take(&rest[..i]);
-            self.line_done();
-            rest = &rest[i + 1..];
-        }
-        self.take(rest);
-    }
-
-    fn ended(&mut self, whole: bool) {
-        if std::mem::replace(&mut self.recorded, true) {
-            return;
-        }
-        self.line_done();
-        let outcome = match (self.exit, whole) {
-            (Some(_), _) if self.background => "detached",
-            (Some(Some(0)), _) => "completed",
-            (Some(_), _) => "failed",
-            // The caller went away before the end: execd stops what it started.
-            (None, false) => "disconnected",
-            (None, true) => "unfinished",
-        };
-        let mut detail = json!({
-            "of": self.of,
-            "outcome": outcome,
-            "durationMs": self.started.elapsed().as_millis() as u64,
-        });
-        if let Some(Some(code)) = self.exit {
-            detail["exitCode"] = code.into();
-        }
-        if let Some(id) = self.id.take() {
-            detail["id"] = id.into();
-        }
-        self.timeline.record("command.exit", detail);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::timeline::Settings;
     use http::Method;
 
     #[test]
@@ -683,57 +454,6 @@ mod tests {
             classify(&Method::POST, "desktop/keyboard"),
             Some(Call::Desktop { op: "keyboard" })
         );
-    }
-
-    fn run_end(t: &Arc<Timeline>) -> RunEnd {
-        RunEnd::new(t.clone(), 1, Instant::now(), false)
-    }
-
-    fn last(t: &Timeline) -> Value {
-        let page = t.read(0);
-        serde_json::from_str(page.lines.last().expect("an event")).expect("json")
-    }
-
-    #[test]
-    fn a_failed_run_is_read_across_chunks_and_output_that_looks_like_events_is_not() {
-        let t = Arc::new(Timeline::new(Arc::new(Settings::default())));
-        let mut w = run_end(&t);
-        let stream = concat!(
-            "{\"type\":\"init\",\"text\":\"cmd-7\",\"timestamp\":1}\n\n",
-            "{\"type\":\"stdout\",\"text\":\"{\\\"type\\\":\\\"execution_complete\\\"}\",\"timestamp\":2}\n\n",
-            "{\"type\":\"error\",\"error\":{\"ename\":\"CommandExecError\",\"evalue\":\"3\",\"traceback\":[]},\"timestamp\":3}\n\n"
-        );
-        for chunk in stream.as_bytes().chunks(7) {
-            w.data(&Bytes::copy_from_slice(chunk));
-        }
-        w.ended(true);
-        let e = last(&t);
-        assert_eq!(e["kind"], "command.exit");
-        assert_eq!(e["exitCode"], 3);
-        assert_eq!(e["outcome"], "failed");
-        assert_eq!(e["id"], "cmd-7");
-        // Recorded once, however the body ends after.
-        w.ended(false);
-        assert_eq!(t.read(0).lines.len(), 1);
-    }
-
-    #[test]
-    fn a_run_cut_short_is_disconnected_and_long_output_lines_are_skipped() {
-        let t = Arc::new(Timeline::new(Arc::new(Settings::default())));
-        let mut w = run_end(&t);
-        let long = format!(
-            "{{\"type\":\"stdout\",\"text\":\"{}\"}}\n\n",
-            "x".repeat(3 * MAX_LINE)
-        );
-        w.data(&Bytes::from(long));
-        assert!(
-            w.line.len() <= HEAD,
-            "nothing past an output line's head is kept"
-        );
-        w.ended(false);
-        let e = last(&t);
-        assert_eq!(e["outcome"], "disconnected");
-        assert!(e.get("exitCode").is_none());
     }
 
     #[test]
