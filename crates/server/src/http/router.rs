@@ -229,12 +229,12 @@ async fn request_id(mut req: Request, next: Next) -> Response {
         .extensions()
         .get::<crate::http::audit::Routed>()
         .is_some();
-    let shown = match shown_path(&path) {
+    let traced_path = match shown_path(&path) {
         // An endpoint host's path is all the app's (a signed path was cut already).
         std::borrow::Cow::Borrowed(_) if routed => "(a sandbox's app)".into(),
-        shown => shown,
+        cut => cut,
     };
-    span.record("path", shown.as_ref());
+    span.record("path", traced_path.as_ref());
     span.record("status", resp.status().as_u16());
     if let Some(crate::http::error::InternalError(code)) = resp.extensions().get().cloned() {
         let (parts, _) = resp.into_parts();
