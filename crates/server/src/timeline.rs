@@ -175,11 +175,7 @@ impl Timeline {
                 m.insert("sha256".into(), hash().into());
             }
             CommandText::Full if text.len() > MAX_TEXT => {
-                let mut cut = MAX_TEXT;
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                m.insert("text".into(), text[..cut].into());
+                m.insert("text".into(), capped(text).into());
                 m.insert("truncated".into(), true.into());
                 m.insert("sha256".into(), hash().into());
             }
@@ -296,6 +292,15 @@ impl Kept {
             .filter(|k| k.until > Utc::now())
             .map(|k| (k.tenant.clone(), k.timeline.clone()))
     }
+}
+
+/// A text as an event keeps it: its first [`MAX_TEXT`] bytes, cut on a character's boundary.
+pub fn capped(text: &str) -> &str {
+    let mut cut = text.len().min(MAX_TEXT);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &text[..cut]
 }
 
 /// The line a reader is given in place of events pushed out before it read them.

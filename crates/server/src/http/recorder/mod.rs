@@ -18,7 +18,7 @@ use axum::extract::Request;
 use axum::response::Response;
 use serde_json::{json, Value};
 
-use crate::timeline::Timeline;
+use crate::timeline::{capped, Timeline};
 
 mod run_end;
 mod tap;
@@ -368,15 +368,6 @@ impl Drop for Recording {
 const DESKTOP_FIELDS: &[&str] = &[
     "action", "x", "y", "button", "count", "dx", "dy", "from", "to", "keys",
 ];
-
-/// A string as an event keeps it: its first [`MAX_TEXT`] bytes.
-fn capped(s: &str) -> &str {
-    let mut cut = s.len().min(crate::timeline::MAX_TEXT);
-    while !s.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    &s[..cut]
-}
 
 /// A copied JSON value, no bigger than an event keeps.
 fn capped_value(v: &Value) -> Value {

@@ -225,10 +225,6 @@ impl Lines {
 
     /// Records the line typed so far, if any.
     fn flush(&mut self) {
-        self.flush_line();
-    }
-
-    fn flush_line(&mut self) {
         if self.line.is_empty() {
             return;
         }
@@ -242,7 +238,7 @@ impl Lines {
 
 impl Drop for Lines {
     fn drop(&mut self) {
-        self.flush_line();
+        self.flush();
     }
 }
 
